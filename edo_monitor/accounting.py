@@ -1,0 +1,220 @@
+"""Attribution of memory to categories and embedding tables by walking the model's tensors.
+
+Categories (DESIGN.md §2): ``params_bytes`` (parameters and buffers), ``grads_bytes`` (``.grad`` of
+each parameter), ``optimizer_state_bytes`` (every tensor in ``optimizer.state[p]``, scalar ``step``
+tensors included). Every storage is counted once, so tied weights are not counted twice.
+
+Tiers: a tensor is on the *device tier* when it lives in GPU memory (``tensor.is_cuda``) in CUDA
+mode; in CPU-budget mode every tensor is on the device tier unless an action marked it as moved to
+the host (``tensor._edo_host = True``, set by the offload actions on a parameter; its gradient and
+optimizer state follow it). Only device-tier bytes count against the budget.
+
+A module is reported as an embedding table when it is an ``nn.Embedding`` or ``nn.EmbeddingBag``
+or any module with an ``edo_placement`` attribute (the EDO modules of :mod:`edo_monitor.nn`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+__all__ = [
+    "Accounting",
+    "TableStats",
+    "account",
+    "is_table_module",
+    "optimizer_state_bytes",
+    "tensor_bytes",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of ``tensor``'s elements: ``numel() * element_size()`` (not its whole storage)."""
+    return tensor.numel() * tensor.element_size()
+
+
+def is_table_module(module: nn.Module) -> bool:
+    """True for ``nn.Embedding``, ``nn.EmbeddingBag`` and edo-monitor's EDO embedding modules."""
+    return isinstance(module, (nn.Embedding, nn.EmbeddingBag)) or hasattr(module, "edo_placement")
+
+
+def _on_device_tier(tensor: torch.Tensor, owner: torch.Tensor, cuda_mode: bool) -> bool:
+    if cuda_mode:
+        return tensor.is_cuda
+    return not getattr(owner, "_edo_host", False)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> int:
+    """Bytes of every tensor in ``optimizer.state[param]`` (0 before the first step)."""
+    state = optimizer.state.get(param)
+    if not state:
+        return 0
+    return sum(tensor_bytes(v) for v in list(state.values()) if isinstance(v, torch.Tensor))
+
+
+@dataclass(frozen=True)
+class TableStats:
+    """One embedding table at one moment.
+
+    Attributes:
+        module: qualified module name in the model (``"encoder.tok_emb"``).
+        kind: module class name (``"Embedding"``, ``"EmbeddingBag"``, ``"OffloadedEmbedding"`` ...).
+        num_embeddings: rows. embedding_dim: columns.
+        dtype: element type of the weight (``"torch.float32"``). device: the weight's device.
+        placement: ``"device"``, ``"host"`` or ``"cached"`` (device row cache over a host table).
+        params_bytes, grads_bytes, optimizer_state_bytes: bytes of the module's own parameters and
+            buffers, their gradients and their optimizer state.
+    """
+
+    module: str
+    kind: str
+    num_embeddings: int
+    embedding_dim: int
+    dtype: str
+    device: str
+    placement: str
+    params_bytes: int
+    grads_bytes: int
+    optimizer_state_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        """params + grads + optimizer state."""
+        return self.params_bytes + self.grads_bytes + self.optimizer_state_bytes
+
+
+@dataclass(frozen=True)
+class Accounting:
+    """Bytes by category for a model and its optimizers (device tier only, see module doc).
+
+    ``host_bytes`` is what actions moved to the host tier (all categories together).
+    """
+
+    params_bytes: int = 0
+    grads_bytes: int = 0
+    optimizer_state_bytes: int = 0
+    host_bytes: int = 0
+    tables: tuple[TableStats, ...] = field(default_factory=tuple)
+
+    @property
+    def total_bytes(self) -> int:
+        """Device-tier params + grads + optimizer state."""
+        return self.params_bytes + self.grads_bytes + self.optimizer_state_bytes
+
+
+def account(
+    model: nn.Module | None,
+    optimizers: Sequence[torch.optim.Optimizer] = (),
+    *,
+    cuda_mode: bool = False,
+) -> Accounting:
+    """Walk ``model`` and ``optimizers`` and return the bytes per category.
+
+    Runs on the sampler thread while training goes on: it only reads sizes, never data, and copies
+    the optimizer's state dicts before iterating them.
+
+    Args:
+        model: the watched model; ``None`` gives an empty :class:`Accounting`.
+        optimizers: optimizers whose state is counted (each tensor once).
+        cuda_mode: tier rule, see the module docstring.
+    """
+    if model is None:
+        return Accounting()
+    seen: set[int] = set()
+    cats = {"params": 0, "grads": 0, "optim": 0}
+    host = 0
+
+    def add(cat: str, tensor: torch.Tensor, owner: torch.Tensor) -> int:
+        nonlocal host
+        key = id(tensor)
+        if key in seen:
+            return 0
+        seen.add(key)
+        n = tensor_bytes(tensor)
+        if _on_device_tier(tensor, owner, cuda_mode):
+            cats[cat] += n
+        else:
+            host += n
+        return n
+
+    def add_param(p: torch.Tensor) -> tuple[int, int, int]:
+        pb = add("params", p, p)
+        gb = add("grads", p.grad, p) if p.grad is not None else 0
+        ob = 0
+        for opt in optimizers:
+            state = opt.state.get(p)
+            if state:
+                for v in list(state.values()):
+                    if isinstance(v, torch.Tensor):
+                        ob += add("optim", v, p)
+        return pb, gb, ob
+
+    tables: list[TableStats] = []
+    for name, module in model.named_modules():
+        if not is_table_module(module):
+            continue
+        pb = gb = ob = 0
+        for t in module.parameters(recurse=True):
+            p_, g_, o_ = add_param(t)
+            pb, gb, ob = pb + p_, gb + g_, ob + o_
+        for b in module.buffers(recurse=True):
+            pb += add("params", b, b)
+        weight = _table_weight(module)
+        placement = getattr(module, "edo_placement", None)
+        if placement is None:
+            on_device = weight is not None and (weight.is_cuda or not cuda_mode)
+            placement = "device" if on_device else "host"
+        tables.append(
+            TableStats(
+                module=name or "<model>",
+                kind=type(module).__name__,
+                num_embeddings=int(getattr(module, "num_embeddings", 0)),
+                embedding_dim=int(getattr(module, "embedding_dim", 0)),
+                dtype=str(weight.dtype) if weight is not None else "",
+                device=str(weight.device) if weight is not None else "",
+                placement=str(placement),
+                params_bytes=pb,
+                grads_bytes=gb,
+                optimizer_state_bytes=ob,
+            )
+        )
+    for p in model.parameters():
+        add_param(p)
+    for b in model.buffers():
+        add("params", b, b)
+    return Accounting(
+        params_bytes=cats["params"],
+        grads_bytes=cats["grads"],
+        optimizer_state_bytes=cats["optim"],
+        host_bytes=host,
+        tables=tuple(tables),
+    )
+
+
+def _table_weight(module: nn.Module) -> torch.Tensor | None:
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor):
+        return weight
+    for t in module.parameters():
+        return t
+    for t in module.buffers():
+        return t
+    return None
+
+
+def find_optimizers_for(
+    model: nn.Module, candidates: Iterable[torch.optim.Optimizer]
+) -> list[torch.optim.Optimizer]:
+    """The optimizers among ``candidates`` that step at least one of ``model``'s parameters."""
+    ids = {id(p) for p in model.parameters()}
+    found = []
+    for opt in candidates:
+        if any(id(p) in ids for g in opt.param_groups for p in g["params"]):
+            found.append(opt)
+    return found

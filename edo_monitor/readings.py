@@ -1,0 +1,66 @@
+"""The sample record: one :class:`Reading` per sampler tick.
+
+Field names are DESIGN.md §2's vocabulary; they are also the ``samples`` table's columns. ``None``
+means "not available from this source now" (no NVML, CUDA not initialised yet, CPU-budget mode),
+never zero.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["SAMPLE_FIELDS", "Reading"]
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One sample of memory from every vantage point.
+
+    Sources: ``device_*`` and ``process_device_bytes`` from NVML (``nvmlDeviceGetMemoryInfo`` v2 or
+    v1, see ``nvml_memory_info_version``; ``nvmlDeviceGetComputeRunningProcesses``), else
+    ``torch.cuda.mem_get_info``; allocator fields from ``torch.cuda.memory_stats()`` (``.all.current``
+    / ``.all.peak`` keys); ``fragmentation``, ``largest_inactive_block_bytes`` and
+    ``segment_count`` from ``torch.cuda.memory_snapshot()`` (taken less often); category bytes from
+    :func:`edo_monitor.accounting.account` and the saved-tensor hooks; host fields from psutil.
+    ``in_use_bytes`` is what counts against ``budget_bytes``; ``free_fraction`` is
+    ``(budget_bytes - in_use_bytes) / budget_bytes``. ``time_s`` is seconds since the Unix epoch, UTC.
+    """
+
+    time_s: float
+    step: int
+    device_kind: str
+    device_total_bytes: int | None = None
+    device_used_bytes: int | None = None
+    device_free_bytes: int | None = None
+    process_device_bytes: int | None = None
+    nvml_memory_info_version: int | None = None
+    allocated_bytes: int | None = None
+    reserved_bytes: int | None = None
+    active_bytes: int | None = None
+    inactive_split_bytes: int | None = None
+    reserved_unallocated_bytes: int | None = None
+    peak_allocated_bytes: int | None = None
+    num_alloc_retries: int | None = None
+    num_ooms: int | None = None
+    fragmentation: float | None = None
+    largest_inactive_block_bytes: int | None = None
+    segment_count: int | None = None
+    params_bytes: int | None = None
+    grads_bytes: int | None = None
+    optimizer_state_bytes: int | None = None
+    activations_bytes: int | None = None
+    host_tier_bytes: int | None = None
+    budget_bytes: int | None = None
+    in_use_bytes: int | None = None
+    free_fraction: float | None = None
+    process_rss_bytes: int | None = None
+    host_available_bytes: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict (the ``samples`` row without ``run_id``)."""
+        return {f: getattr(self, f) for f in SAMPLE_FIELDS}
+
+
+SAMPLE_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Reading))

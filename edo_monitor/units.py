@@ -1,0 +1,52 @@
+"""Byte sizes: parsing user input (``"512MiB"``, ``"2GB"``, ``1 << 30``) and formatting for humans.
+
+Parsing is done by ``humanfriendly`` (a kept library); this module only adds validation and the
+error message edo-monitor promises (the bad value and what is allowed).
+"""
+
+from __future__ import annotations
+
+import humanfriendly
+
+from edo_monitor.errors import ConfigError
+
+__all__ = ["format_bytes", "parse_bytes"]
+
+_ALLOWED = "a non-negative int of bytes or a string such as '512MiB', '2GB', '1.5 GiB', '4096'"
+
+
+def parse_bytes(value: int | str, *, name: str = "budget") -> int:
+    """Return ``value`` as a number of bytes.
+
+    Args:
+        value: an ``int`` (bytes) or a string with a unit. IEC units (KiB, MiB, GiB, TiB) are powers
+            of 1024, SI units (KB, MB, GB, TB) powers of 1000, as ``humanfriendly.parse_size``
+            reads them.
+        name: the argument's name, used in the error message.
+
+    Returns:
+        The size in bytes (an ``int``, rounded down).
+
+    Raises:
+        ConfigError: (a ``ValueError``) when the value is negative, a bool, a float, or a string
+            that is not a size, e.g. ``"12 apples"``.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConfigError(f"{name}={value!r} is not a size; expected {_ALLOWED}")
+    if isinstance(value, int):
+        result = value
+    else:
+        try:
+            result = int(humanfriendly.parse_size(value.strip()))
+        except (humanfriendly.InvalidSize, ValueError):
+            raise ConfigError(f"{name}={value!r} is not a size; expected {_ALLOWED}") from None
+    if result < 0:
+        raise ConfigError(f"{name}={value!r} is negative; expected {_ALLOWED}")
+    return result
+
+
+def format_bytes(value: int | float | None) -> str:
+    """Format a byte count with binary units (``"87.89 MiB"``); ``None`` becomes ``"N/A"``."""
+    if value is None:
+        return "N/A"
+    return humanfriendly.format_size(value, binary=True)
