@@ -1,0 +1,1 @@
+"""edo-monitor subpackage."""
