@@ -1,0 +1,59 @@
+"""A run's status as readers report it, ``crashed`` included.
+
+The agent writes ``running`` at start and ``finished`` / ``failed`` / ``interrupted`` at the end.
+A process that dies writes nothing more, so a reader calls a ``running`` run ``crashed`` when its
+process is gone (same host, PID no longer alive) or its heartbeat is older than
+:func:`stale_after_s`.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import psutil
+
+__all__ = ["effective_status", "stale_after_s"]
+
+_HOSTNAME = socket.gethostname()
+
+
+def stale_after_s(interval_s: float) -> float:
+    """Seconds without a heartbeat after which a ``running`` run counts as crashed:
+    ``max(30, 10 × interval_s)`` (the writer beats at least every second)."""
+    return max(30.0, 10.0 * interval_s)
+
+
+def effective_status(
+    status: str,
+    *,
+    host: str,
+    pid: int,
+    heartbeat_at_s: float | None,
+    interval_s: float,
+    now_s: float | None = None,
+) -> str:
+    """``status`` as stored, except ``running`` → ``crashed`` when the run's process is gone.
+
+    Args:
+        status: the stored status. host, pid: where the agent ran (``runs.host``, ``runs.pid``).
+        heartbeat_at_s: the writer's last heartbeat (Unix seconds, UTC).
+        interval_s: the run's sampling interval, for the staleness bound.
+        now_s: the present (Unix seconds); ``time.time()`` by default.
+    """
+    if status != "running":
+        return status
+    if host == _HOSTNAME and not _pid_alive(pid):
+        return "crashed"
+    now = time.time() if now_s is None else now_s
+    if heartbeat_at_s is not None and now - heartbeat_at_s > stale_after_s(interval_s):
+        return "crashed"
+    return status
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        proc = psutil.Process(pid)
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+        return not isinstance(pid, int) or pid <= 0 or psutil.pid_exists(pid)
