@@ -55,5 +55,7 @@ def _pid_alive(pid: int) -> bool:
     try:
         proc = psutil.Process(pid)
         return proc.status() != psutil.STATUS_ZOMBIE
-    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
-        return not isinstance(pid, int) or pid <= 0 or psutil.pid_exists(pid)
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return True
