@@ -1,5 +1,35 @@
-"""edo-monitor: a live GPU memory monitor and auto-tuner for PyTorch training."""
+"""edo-monitor: a live GPU memory monitor and auto-tuner for PyTorch training.
+
+``with edo_monitor.watch(model):`` samples memory from NVML, PyTorch's caching allocator and the
+host, attributes it to modules and categories, records it in a history database, and (with a
+:class:`Policy`) applies memory-saving actions to embedding tables at safe points.
+"""
 
 from __future__ import annotations
 
+from edo_monitor.agent.monitor import Monitor, RunSummary, watch
+from edo_monitor.errors import (
+    AlreadyWatchedError,
+    BudgetOutOfMemoryError,
+    ConfigError,
+    EdoMonitorError,
+    RunNotFoundError,
+    StoreError,
+)
+from edo_monitor.readings import Reading
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "AlreadyWatchedError",
+    "BudgetOutOfMemoryError",
+    "ConfigError",
+    "EdoMonitorError",
+    "Monitor",
+    "Reading",
+    "RunNotFoundError",
+    "RunSummary",
+    "StoreError",
+    "__version__",
+    "watch",
+]

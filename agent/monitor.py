@@ -1,0 +1,715 @@
+"""The in-process agent: :func:`watch` and the :class:`Monitor` it yields.
+
+Threads (DESIGN.md §3):
+
+* the **training thread** (the user's) runs the optimizer step post-hook, which counts steps and is
+  the only place the model or optimizer may change (the *safe point*);
+* the **sampler thread** reads the probes every ``interval_s``, builds a :class:`Reading`, hands
+  it to the writer and to the policy;
+* the **writer thread** (:class:`edo_monitor.store.writer.Writer`) drains a bounded queue into the
+  history database. Nothing in the training thread waits on the database.
+
+A failure inside the agent never fails the training: it is logged once, recorded as an
+``agent_error`` event, and the agent goes on (``strict=True`` re-raises it, for tests).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid as uuidlib
+import weakref
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import torch
+from edo_monitor.agent.activations import ActivationTracker
+from sqlalchemy import insert, update
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from edo_monitor.accounting import Accounting, account
+from edo_monitor.errors import AlreadyWatchedError, ConfigError
+from edo_monitor.probes.host import HostProbe
+from edo_monitor.readings import Reading
+from edo_monitor.store.engine import open_engine, resolve_db_url
+from edo_monitor.store.schema import Run
+from edo_monitor.store.writer import Writer
+from edo_monitor.units import parse_bytes
+
+__all__ = ["DEFAULT_INTERVAL_S", "Monitor", "RunSummary", "watch"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_INTERVAL_S = 0.5
+
+_watched_lock = threading.Lock()
+_watched: dict[int, weakref.ref[nn.Module]] = {}
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """What :meth:`Monitor.summary` reports.
+
+    Attributes:
+        run_id, run_uuid, run_name, status, device_kind, db_url: identify the run.
+        steps: optimizer steps (or ``Monitor.step()`` calls) seen.
+        samples: readings taken. samples_dropped: items the full history queue dropped.
+        budget_bytes: the capacity the policy measures against (``None`` without a budget on a
+            CPU).
+        peak_in_use_bytes, peak_allocated_bytes, peak_reserved_bytes, peak_activations_bytes:
+            peaks over the run's readings (``None`` where the source was unavailable).
+        min_free_fraction: lowest ``free_fraction`` seen.
+        events: count of events by kind. actions: the ``action`` events' data, in order.
+    """
+
+    run_id: int
+    run_uuid: str
+    run_name: str
+    status: str
+    device_kind: str
+    db_url: str
+    steps: int
+    samples: int
+    samples_dropped: int
+    budget_bytes: int | None
+    peak_in_use_bytes: int | None
+    peak_allocated_bytes: int | None
+    peak_reserved_bytes: int | None
+    peak_activations_bytes: int | None
+    min_free_fraction: float | None
+    events: dict[str, int] = field(default_factory=dict)
+    actions: tuple[dict[str, Any], ...] = ()
+
+
+def _max(a: int | None, b: int | None) -> int | None:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return max(a, b)
+
+
+class Monitor:
+    """A watched training run. Create it with :func:`watch`; use it as a context manager.
+
+    Attributes (read-only while the block runs):
+        run_id: ``runs.id`` of this run in the history database.
+        run_uuid: the run's UUID.
+        latest: the last :class:`Reading` (``None`` before the first sample).
+        steps: step count so far.
+        device_kind: ``"cuda"`` or ``"cpu-budget"``.
+        optimizers: optimizers found (or given) that step the model's parameters.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+        *,
+        db: str | os.PathLike[str] | None = None,
+        interval_s: float = DEFAULT_INTERVAL_S,
+        budget: int | str | None = None,
+        run_name: str | None = None,
+        tags: Iterable[str] | None = None,
+        strict: bool = False,
+        policy: Any = None,
+        enforce: bool = False,
+        track_activations: bool = True,
+        snapshot_interval_s: float = 5.0,
+        queue_size: int = 10_000,
+        config: Mapping[str, Any] | None = None,
+    ) -> None:
+        if model is not None and not isinstance(model, nn.Module):
+            raise ConfigError(f"model={type(model).__name__} is not a torch.nn.Module (or None)")
+        if isinstance(interval_s, bool) or not isinstance(interval_s, (int, float)):
+            raise ConfigError(f"interval_s={interval_s!r} must be a number of seconds > 0")
+        if not interval_s > 0 or interval_s != interval_s or interval_s == float("inf"):
+            raise ConfigError(f"interval_s={interval_s!r} must be a finite number of seconds > 0")
+        if not snapshot_interval_s >= 0:
+            raise ConfigError(f"snapshot_interval_s={snapshot_interval_s!r} must be >= 0")
+        if isinstance(queue_size, bool) or not isinstance(queue_size, int) or queue_size < 1:
+            raise ConfigError(f"queue_size={queue_size!r} must be an int >= 1")
+        optimizers: list[torch.optim.Optimizer] = []
+        if optimizer is not None:
+            optimizers = (
+                [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+            )
+            for opt in optimizers:
+                if not isinstance(opt, torch.optim.Optimizer):
+                    raise ConfigError(
+                        f"optimizer={type(opt).__name__} is not a torch.optim.Optimizer (or None)"
+                    )
+        if enforce and budget is None:
+            raise ConfigError("enforce=True needs a budget= to enforce")
+        self.model = model
+        self.optimizers = optimizers
+        self._explicit_optimizers = bool(optimizers)
+        self.interval_s = float(interval_s)
+        self.budget_bytes_requested = None if budget is None else parse_bytes(budget, name="budget")
+        if self.budget_bytes_requested == 0:
+            raise ConfigError("budget=0 leaves no memory; expected a positive size")
+        self.db_url = resolve_db_url(db)
+        self.run_name = run_name or (type(model).__name__ if model is not None else "process")
+        self.tags = [str(t) for t in (tags or [])]
+        self.strict = strict
+        self.policy = policy
+        self.enforce = enforce
+        self.track_activations = track_activations and model is not None
+        self.snapshot_interval_s = snapshot_interval_s
+        self.queue_size = queue_size
+        self.user_config = dict(config or {})
+
+        self.run_id: int = -1
+        self.run_uuid: str = str(uuidlib.uuid4())
+        self.latest: Reading | None = None
+        self.steps = 0
+        self.status = "created"
+        self.device_kind = "cpu-budget"
+        self.device_index: int | None = None
+        self.budget_bytes: int | None = self.budget_bytes_requested
+        self.accounting = Accounting()
+
+        self._pid = os.getpid()
+        self._primary: torch.optim.Optimizer | None = optimizers[0] if optimizers else None
+        self._classified: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._hook_handle: Any = None
+        self._tracker: ActivationTracker | None = None
+        self._writer: Writer | None = None
+        self._engine: Any = None
+        self._sampler: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._probes: dict[str, Any] = {}
+        self._agent_errors: set[str] = set()
+        self._pending_error: BaseException | None = None
+        self._events: Counter[str] = Counter()
+        self._actions: list[dict[str, Any]] = []
+        self._table_signatures: dict[str, tuple[Any, ...]] = {}
+        self._table_grads_peak: dict[str, int] = {}
+        self._samples = 0
+        self._peaks: dict[str, int | None] = {
+            "in_use_bytes": None,
+            "allocated_bytes": None,
+            "reserved_bytes": None,
+            "activations_bytes": None,
+        }
+        self._min_free_fraction: float | None = None
+        self._fraction_set = False
+        self._entered = False
+        self._sample_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ context manager
+    def __enter__(self) -> Monitor:
+        if self._entered:
+            raise RuntimeError("a Monitor can be entered once; call watch() again for a new run")
+        self._entered = True
+        self._register_model()
+        try:
+            self._start()
+        except BaseException:
+            self._teardown()
+            self._unregister_model()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            self._finish(exc)
+        finally:
+            self._unregister_model()
+        if exc is None and self.strict and self._pending_error is not None:
+            raise self._pending_error
+
+    # ------------------------------------------------------------------ lifecycle
+    def _register_model(self) -> None:
+        if self.model is None:
+            return
+        with _watched_lock:
+            ref = _watched.get(id(self.model))
+            if ref is not None and ref() is self.model:
+                raise AlreadyWatchedError(
+                    f"model {type(self.model).__name__} (id {id(self.model):#x}) is already "
+                    "watched by an open watch() block; watch each model once"
+                )
+            _watched[id(self.model)] = weakref.ref(self.model)
+
+    def _unregister_model(self) -> None:
+        if self.model is None:
+            return
+        with _watched_lock:
+            ref = _watched.get(id(self.model))
+            if ref is not None and ref() is self.model:
+                del _watched[id(self.model)]
+
+    def _detect_device(self) -> None:
+        cuda_index = None
+        if self.model is not None:
+            for p in self.model.parameters():
+                if p.is_cuda:
+                    cuda_index = p.device.index if p.device.index is not None else 0
+                    break
+        elif torch.cuda.is_available() and torch.cuda.is_initialized():
+            cuda_index = torch.cuda.current_device()
+        if cuda_index is not None:
+            self.device_kind = "cuda"
+            self.device_index = cuda_index
+
+    def _start(self) -> None:
+        self._detect_device()
+        device_name = device_uuid = None
+        device_total = None
+        self._probes["host"] = HostProbe(on_event=self._emit_probe_event)
+        if self.device_kind == "cuda":
+            from edo_monitor.probes.cuda import AllocatorProbe
+            from edo_monitor.probes.nvml import NvmlProbe
+
+            props = torch.cuda.get_device_properties(self.device_index)
+            torch_uuid = str(getattr(props, "uuid", "") or "") or None
+            nvml = NvmlProbe(
+                self.device_index or 0, torch_uuid=torch_uuid, on_event=self._emit_probe_event
+            )
+            nvml.start()
+            self._probes["nvml"] = nvml
+            self._probes["cuda"] = AllocatorProbe(
+                self.device_index or 0,
+                snapshot_interval_s=self.snapshot_interval_s,
+                on_event=self._emit_probe_event,
+            )
+            device_name = nvml.device_name or props.name
+            device_uuid = nvml.device_uuid or (f"GPU-{torch_uuid}" if torch_uuid else None)
+            device_total = int(props.total_memory)
+            self.budget_bytes = device_total
+            if self.budget_bytes_requested is not None:
+                self.budget_bytes = min(device_total, self.budget_bytes_requested)
+                torch.cuda.set_per_process_memory_fraction(
+                    self.budget_bytes / device_total, self.device_index
+                )
+                self._fraction_set = True
+        self.accounting = self._account()
+        self._engine = open_engine(self.db_url)
+        now = time.time()
+        config = {
+            "interval_s": self.interval_s,
+            "snapshot_interval_s": self.snapshot_interval_s,
+            "track_activations": self.track_activations,
+            "enforce": self.enforce,
+            "policy": repr(self.policy) if self.policy is not None else None,
+            "model": type(self.model).__name__ if self.model is not None else None,
+            **self.user_config,
+        }
+        with self._engine.begin() as conn:
+            result = conn.execute(
+                insert(Run).values(
+                    uuid=self.run_uuid,
+                    name=self.run_name,
+                    host=socket.gethostname(),
+                    pid=self._pid,
+                    started_at_s=now,
+                    heartbeat_at_s=now,
+                    status="running",
+                    device_kind=self.device_kind,
+                    device_name=device_name,
+                    device_uuid=device_uuid,
+                    device_total_bytes=device_total,
+                    budget_bytes=self.budget_bytes,
+                    interval_s=self.interval_s,
+                    torch_version=torch.__version__,
+                    config=config,
+                    tags=self.tags,
+                    steps=0,
+                    samples_dropped=0,
+                )
+            )
+            self.run_id = int(result.inserted_primary_key[0])
+        self.status = "running"
+        self._writer = Writer(self._engine, self.run_id, queue_size=self.queue_size)
+        self._writer.start()
+        self._hook_handle = register_optimizer_step_post_hook(self._on_optimizer_step)
+        if self.track_activations:
+            params = self.model.parameters() if self.model is not None else ()
+            self._tracker = ActivationTracker(params).__enter__()
+        self._sampler = threading.Thread(target=self._sample_loop, name="edo-sampler", daemon=True)
+        self._sampler.start()
+        logger.info(
+            "edo-monitor: watching run %d (%s, %s) -> %s",
+            self.run_id,
+            self.run_name,
+            self.device_kind,
+            self.db_url,
+        )
+
+    def _finish(self, exc: BaseException | None) -> None:
+        self._stop.set()
+        if self._sampler is not None:
+            self._sampler.join()
+        if self._tracker is not None:
+            self._tracker.__exit__(None, None, None)
+        if self.status == "running":
+            try:
+                self._sample_once()  # the last reading, after the last step
+            except Exception:
+                logger.debug("final sample failed", exc_info=True)
+        if isinstance(exc, KeyboardInterrupt):
+            status, error = "interrupted", "KeyboardInterrupt"
+        elif exc is not None:
+            status, error = "failed", f"{type(exc).__name__}: {exc}"[:2000]
+            self._record_oom(exc)
+        else:
+            status, error = "finished", None
+        self._teardown()
+        if self._engine is not None and self.run_id >= 0:
+            try:
+                with self._engine.begin() as conn:
+                    conn.execute(
+                        update(Run)
+                        .where(Run.id == self.run_id)
+                        .values(
+                            status=status,
+                            error=error,
+                            ended_at_s=time.time(),
+                            heartbeat_at_s=time.time(),
+                            steps=self.steps,
+                            samples_dropped=self._writer.dropped if self._writer else 0,
+                        )
+                    )
+            except Exception:
+                logger.exception("edo-monitor: could not record the end of run %d", self.run_id)
+            self._engine.dispose()
+        self.status = status
+
+    def _teardown(self) -> None:
+        """Stop threads and remove hooks; safe to call on a half-started monitor."""
+        self._stop.set()
+        if self._sampler is not None and self._sampler.is_alive():
+            self._sampler.join()
+        if self._hook_handle is not None:
+            self._hook_handle.remove()
+            self._hook_handle = None
+        if self._fraction_set:
+            try:
+                torch.cuda.set_per_process_memory_fraction(1.0, self.device_index)
+            except Exception:
+                logger.debug("could not reset the memory fraction", exc_info=True)
+            self._fraction_set = False
+        if self._writer is not None:
+            self._writer.run_values["steps"] = self.steps
+            self._writer.close()
+        nvml = self._probes.get("nvml")
+        if nvml is not None:
+            nvml.close()
+
+    # ------------------------------------------------------------------ events & errors
+    def _emit(self, kind: str, message: str, data: Mapping[str, Any] | None = None) -> None:
+        """Record an event (any thread; never blocks)."""
+        self._events[kind] += 1
+        if kind == "action":
+            self._actions.append(dict(data or {}))
+        if self._writer is not None:
+            self._writer.put_event(kind, message, step=self.steps, data=data)
+
+    def _emit_probe_event(self, kind: str, message: str, data: Mapping[str, Any]) -> None:
+        self._emit(kind, message, data)
+
+    def _agent_error(self, where: str, exc: BaseException) -> None:
+        key = f"{where}:{type(exc).__name__}"
+        if key not in self._agent_errors:
+            self._agent_errors.add(key)
+            logger.exception("edo-monitor: %s failed (training goes on)", where)
+            self._emit("agent_error", f"{where}: {type(exc).__name__}: {exc}", {"where": where})
+        if self.strict and self._pending_error is None:
+            self._pending_error = exc
+
+    # ------------------------------------------------------------------ training thread
+    def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if os.getpid() != self._pid or self._stop.is_set():
+            return
+        try:
+            if optimizer is not self._primary and not self._classify(optimizer):
+                return
+            if optimizer is self._primary:
+                self._safe_point(count=True)
+        except Exception as exc:
+            self._agent_error("step hook", exc)
+
+    def _classify(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer`` steps the watched model (remembered per optimizer)."""
+        known = self._classified.get(optimizer)
+        if known is not None:
+            return known
+        if self._explicit_optimizers:
+            steps_model = optimizer in self.optimizers
+        elif self.model is None:
+            steps_model = self._primary is None
+        else:
+            ids = {id(p) for p in self.model.parameters()}
+            steps_model = any(id(p) in ids for g in optimizer.param_groups for p in g["params"])
+        self._classified[optimizer] = steps_model
+        if steps_model:
+            if optimizer not in self.optimizers:
+                self.optimizers.append(optimizer)
+            if self._primary is None:
+                self._primary = optimizer
+        return steps_model
+
+    def step(self) -> None:
+        """Mark a step boundary in a loop without an optimizer (a safe point).
+
+        When an optimizer of the model has been found, its steps are counted and this call is only
+        a safe point (no double counting).
+        """
+        if os.getpid() != self._pid or self._stop.is_set():
+            return
+        try:
+            self._safe_point(count=self._primary is None)
+        except Exception as exc:
+            self._agent_error("step", exc)
+
+    def _safe_point(self, *, count: bool) -> None:
+        if count:
+            self.steps += 1
+            if self._writer is not None:
+                self._writer.run_values["steps"] = self.steps
+            if self._tracker is not None:
+                self._tracker.end_step()
+        if self.strict and self._pending_error is not None:
+            err, self._pending_error = self._pending_error, None
+            raise err
+
+    # ------------------------------------------------------------------ sampler thread
+    def _sample_loop(self) -> None:
+        next_t = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                self._sample_once()
+            except Exception as exc:
+                self._agent_error("sampler", exc)
+            next_t += self.interval_s
+            delay = next_t - time.monotonic()
+            if delay < 0:  # we fell behind: skip the missed ticks rather than burst
+                next_t = time.monotonic()
+                delay = 0.0
+            if self._stop.wait(delay):
+                break
+
+    def _account(self) -> Accounting:
+        return account(self.model, self.optimizers, cuda_mode=self.device_kind == "cuda")
+
+    def _sample_once(self) -> Reading:
+        with self._sample_lock:
+            return self._sample_locked()
+
+    def _sample_locked(self) -> Reading:
+        now = time.time()
+        values: dict[str, Any] = {}
+        values.update(self._probes["host"].read())
+        acc = self._account()
+        self.accounting = acc
+        activations = self._tracker.activations_bytes if self._tracker is not None else None
+        values.update(
+            params_bytes=acc.params_bytes,
+            grads_bytes=acc.grads_bytes,
+            optimizer_state_bytes=acc.optimizer_state_bytes,
+            host_tier_bytes=acc.host_bytes,
+            activations_bytes=activations,
+        )
+        budget = self.budget_bytes
+        if self.device_kind == "cuda":
+            nvml = self._probes["nvml"]
+            values.update(nvml.read())
+            values.update(self._probes["cuda"].read(with_device_info=not nvml.available))
+            if self.budget_bytes_requested is not None:
+                in_use = values.get("reserved_bytes")
+            else:
+                in_use = values.get("device_used_bytes")
+        else:
+            in_use = acc.total_bytes + (activations or 0)
+        free_fraction = None
+        if budget and in_use is not None:
+            free_fraction = (budget - in_use) / budget
+        reading = Reading(
+            time_s=now,
+            step=self.steps,
+            device_kind=self.device_kind,
+            budget_bytes=budget,
+            in_use_bytes=in_use,
+            free_fraction=free_fraction,
+            **values,
+        )
+        self.latest = reading
+        self._samples += 1
+        self._update_peaks(reading)
+        if self._writer is not None:
+            self._writer.put_sample(reading)
+            self._write_changed_tables(acc, now)
+        return reading
+
+    def _update_peaks(self, r: Reading) -> None:
+        for key in self._peaks:
+            self._peaks[key] = _max(self._peaks[key], getattr(r, key))
+        f = r.free_fraction
+        if f is not None and (self._min_free_fraction is None or f < self._min_free_fraction):
+            self._min_free_fraction = f
+
+    def _write_changed_tables(self, acc: Accounting, now: float) -> None:
+        assert self._writer is not None
+        for t in acc.tables:
+            # gradients come and go with zero_grad(set_to_none=True): keep each table's peak
+            grads = max(t.grads_bytes, self._table_grads_peak.get(t.module, 0))
+            self._table_grads_peak[t.module] = grads
+            sig = (t.kind, t.dtype, t.device, t.placement, t.params_bytes, grads,
+                   t.optimizer_state_bytes)  # fmt: skip
+            if self._table_signatures.get(t.module) == sig:
+                continue
+            self._table_signatures[t.module] = sig
+            self._writer.put_module_stat(
+                {
+                    "time_s": now,
+                    "step": self.steps,
+                    "module": t.module,
+                    "kind": t.kind,
+                    "num_embeddings": t.num_embeddings,
+                    "embedding_dim": t.embedding_dim,
+                    "dtype": t.dtype,
+                    "device": t.device,
+                    "placement": t.placement,
+                    "params_bytes": t.params_bytes,
+                    "grads_bytes": grads,
+                    "optimizer_state_bytes": t.optimizer_state_bytes,
+                    "activations_bytes": 0,
+                }
+            )
+
+    # ------------------------------------------------------------------ OOM
+    def _record_oom(self, exc: BaseException) -> None:
+        """Record an ``oom`` event for an out-of-memory error (the error is re-raised as is)."""
+        try:
+            from edo_monitor.oom import parse_oom_message
+
+            info = parse_oom_message(str(exc))
+            if info is None and not isinstance(exc, torch.OutOfMemoryError):
+                return
+            tables = sorted(self.accounting.tables, key=lambda t: t.total_bytes, reverse=True)
+            data = {
+                "exception": type(exc).__name__,
+                "parsed": _oom_dict(info),
+                "raw": str(exc)[:4000],
+                "last_reading": self.latest.as_dict() if self.latest is not None else None,
+                "top_consumers": [
+                    {"module": t.module, "total_bytes": t.total_bytes, "placement": t.placement}
+                    for t in tables[:5]
+                ],
+            }
+            self._emit("oom", f"out of memory: {str(exc).splitlines()[0][:300]}", data)
+        except Exception as err:
+            self._agent_error("oom capture", err)
+
+    # ------------------------------------------------------------------ user API
+    def summary(self) -> RunSummary:
+        """Steps, peaks, minimum free fraction, events and actions so far (:class:`RunSummary`)."""
+        return RunSummary(
+            run_id=self.run_id,
+            run_uuid=self.run_uuid,
+            run_name=self.run_name,
+            status=self.status,
+            device_kind=self.device_kind,
+            db_url=self.db_url.render_as_string(hide_password=True),
+            steps=self.steps,
+            samples=self._samples,
+            samples_dropped=self._writer.dropped if self._writer is not None else 0,
+            budget_bytes=self.budget_bytes,
+            peak_in_use_bytes=self._peaks["in_use_bytes"],
+            peak_allocated_bytes=self._peaks["allocated_bytes"],
+            peak_reserved_bytes=self._peaks["reserved_bytes"],
+            peak_activations_bytes=self._peaks["activations_bytes"],
+            min_free_fraction=self._min_free_fraction,
+            events=dict(self._events),
+            actions=tuple(self._actions),
+        )
+
+
+def _oom_dict(info: Any) -> dict[str, Any] | None:
+    if info is None:
+        return None
+    import dataclasses
+
+    d = dataclasses.asdict(info)
+    d.pop("raw", None)
+    return d
+
+
+def watch(
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+    *,
+    db: str | os.PathLike[str] | None = None,
+    interval_s: float = DEFAULT_INTERVAL_S,
+    budget: int | str | None = None,
+    run_name: str | None = None,
+    tags: Iterable[str] | None = None,
+    strict: bool = False,
+    policy: Any = None,
+    enforce: bool = False,
+    track_activations: bool = True,
+    snapshot_interval_s: float = 5.0,
+    queue_size: int = 10_000,
+    config: Mapping[str, Any] | None = None,
+) -> Monitor:
+    """Watch a training run; use as ``with edo_monitor.watch(model) as monitor:``.
+
+    Args:
+        model: the model to watch; ``None`` monitors the process only.
+        optimizer: optimizer(s) stepping the model; by default found through PyTorch's global
+            optimizer step hooks (the first one that steps a parameter of ``model``).
+        db: history database: file path or SQLAlchemy URL; default ``$EDO_DB`` or
+            ``./edo-history.db``.
+        interval_s: seconds between samples (> 0).
+        budget: memory budget in bytes or as a string (``"512MiB"``, ``"2GB"``). On CUDA it is
+            enforced with ``torch.cuda.set_per_process_memory_fraction``; on a CPU it is the
+            capacity the accounted bytes are measured against (CPU-budget mode).
+        run_name: a name for the run (default: the model's class name). tags: labels for queries.
+        strict: re-raise failures inside the agent (for tests) instead of logging them.
+        policy: an :class:`edo_monitor.Policy` (the auto-tuner); ``None`` records only.
+        enforce: CPU-budget mode: raise an out-of-memory error when the accounted bytes exceed the
+            budget (needs ``budget``).
+        track_activations: measure bytes saved for backward with saved-tensor hooks.
+        snapshot_interval_s: seconds between allocator snapshots for fragmentation (0 = never).
+        queue_size: capacity of the history queue (items beyond it are dropped and counted).
+        config: extra key/values recorded with the run.
+
+    Returns:
+        A :class:`Monitor` (entering it starts the run).
+
+    Raises:
+        ConfigError: (a ``ValueError``) for a bad argument, naming the value.
+        AlreadyWatchedError: on entering, when ``model`` is already watched.
+        StoreError: on entering, when the database cannot be opened.
+    """
+    return Monitor(
+        model,
+        optimizer,
+        db=db,
+        interval_s=interval_s,
+        budget=budget,
+        run_name=run_name,
+        tags=tags,
+        strict=strict,
+        policy=policy,
+        enforce=enforce,
+        track_activations=track_activations,
+        snapshot_interval_s=snapshot_interval_s,
+        queue_size=queue_size,
+        config=config,
+    )

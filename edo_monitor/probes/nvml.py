@@ -1,0 +1,304 @@
+"""NVML probe: whole-device memory and this process's share, through ``pynvml`` (nvidia-ml-py).
+
+Calls: ``nvmlInit``; ``nvmlDeviceGetHandleByIndex`` / ``nvmlDeviceGetHandleByUUID`` and
+``nvmlDeviceGetUUID`` to find the device; ``nvmlDeviceGetName``; ``nvmlDeviceGetMemoryInfo`` with
+``version=nvmlMemory_v2`` (total, reserved, free, used; ``used`` excludes the driver's reserved
+memory, as ``nvidia-smi`` shows it), falling back to v1 (``used = total - free``) when the driver
+or binding lacks v2; ``nvmlDeviceGetComputeRunningProcesses`` for ``process_device_bytes``.
+
+Device mapping: the torch device index counts the devices CUDA makes visible, in
+``CUDA_VISIBLE_DEVICES`` order (entries are NVML indices, full UUIDs or unique UUID prefixes,
+``GPU-…`` or ``MIG-…``). Once CUDA is initialised, the device's UUID from
+``torch.cuda.get_device_properties(i).uuid`` is used instead; both are mapped to an NVML handle
+by UUID. Before that, integer entries are read as NVML (PCI bus) indices, which matches CUDA's
+order when ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or the GPUs are all the same model.
+
+Failures: a missing library or driver, a driver/library mismatch, an unknown device make the whole
+source unavailable. ``NotSupported`` (MIG devices, some process queries) makes that one field
+``None``. ``GPU is lost`` mid-run marks the device unavailable for the rest of the run. Errors the
+binding raises that are not ``NVMLError`` (``NVMLLibraryMismatchError`` for a missing versioned
+function, ``AttributeError`` …) are handled like the rest. Every change is reported once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from edo_monitor.probes import EventCallback, ignore_event
+
+__all__ = ["NvmlProbe", "parse_visible_devices", "resolve_nvml_uuid"]
+
+logger = logging.getLogger(__name__)
+
+_NVML_FIELDS = (
+    "device_total_bytes",
+    "device_used_bytes",
+    "device_free_bytes",
+    "process_device_bytes",
+    "nvml_memory_info_version",
+)
+
+
+def parse_visible_devices(value: str | None) -> list[str] | None:
+    """Split ``CUDA_VISIBLE_DEVICES`` into entries; ``None`` when unset (all devices visible).
+
+    CUDA stops at the first invalid entry; so does this (an empty entry ends the list).
+    """
+    if value is None:
+        return None
+    entries = []
+    for part in value.split(","):
+        part = part.strip()
+        if not part:
+            break
+        entries.append(part)
+    return entries
+
+
+def _uuid_of(nvml: Any, handle: Any) -> str:
+    uuid = nvml.nvmlDeviceGetUUID(handle)
+    return uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+
+
+def resolve_nvml_uuid(
+    nvml: Any, torch_index: int, visible_devices: str | None, torch_uuid: str | None = None
+) -> str:
+    """Return the NVML UUID of torch device ``torch_index``.
+
+    Args:
+        nvml: the ``pynvml`` module (or a fake with the same functions and errors).
+        torch_index: the device index as torch numbers it (0 = first visible device).
+        visible_devices: the ``CUDA_VISIBLE_DEVICES`` value, or ``None`` when unset.
+        torch_uuid: the UUID torch reports for the device (without prefix), when CUDA is
+            initialised; it wins over the environment.
+
+    Raises:
+        LookupError: no NVML device matches, or a UUID prefix matches several.
+    """
+    count = nvml.nvmlDeviceGetCount()
+    all_uuids = [_uuid_of(nvml, nvml.nvmlDeviceGetHandleByIndex(i)) for i in range(count)]
+    if torch_uuid:
+        for candidate in (torch_uuid, f"GPU-{torch_uuid}", f"MIG-{torch_uuid}"):
+            try:
+                return _uuid_of(nvml, nvml.nvmlDeviceGetHandleByUUID(candidate))
+            except Exception:
+                continue
+        raise LookupError(f"no NVML device has torch's UUID {torch_uuid!r}")
+    entries = parse_visible_devices(visible_devices)
+    if entries is None:
+        if not 0 <= torch_index < count:
+            raise LookupError(f"torch device {torch_index} but NVML sees {count} device(s)")
+        return all_uuids[torch_index]
+    if not 0 <= torch_index < len(entries):
+        raise LookupError(
+            f"torch device {torch_index} but CUDA_VISIBLE_DEVICES={visible_devices!r} "
+            f"makes {len(entries)} visible"
+        )
+    entry = entries[torch_index]
+    if entry.isdigit():
+        index = int(entry)
+        if index >= count:
+            raise LookupError(f"CUDA_VISIBLE_DEVICES entry {entry!r}: NVML sees {count} device(s)")
+        return all_uuids[index]
+    if entry.startswith("MIG-"):
+        return _uuid_of(nvml, nvml.nvmlDeviceGetHandleByUUID(entry))
+    prefix = entry if entry.startswith("GPU-") else f"GPU-{entry}"
+    matches = [u for u in all_uuids if u.startswith(prefix)]
+    if len(matches) != 1:
+        what = "no" if not matches else f"{len(matches)}"
+        raise LookupError(f"CUDA_VISIBLE_DEVICES entry {entry!r} matches {what} NVML device(s)")
+    return matches[0]
+
+
+@dataclass
+class _State:
+    available: bool = False
+    reason: str | None = None
+    memory_info_version: int = 2
+    process_supported: bool = True
+
+
+class NvmlProbe:
+    """Reads device memory through NVML for one torch device.
+
+    Args:
+        torch_index: torch's device index.
+        nvml: the ``pynvml`` module; by default imported here. Tests pass a fake that raises
+            pynvml's own exception classes.
+        visible_devices: ``CUDA_VISIBLE_DEVICES`` (``None`` = unset); default (``...``) reads
+            the environment.
+        torch_uuid: the device UUID from torch, when CUDA is initialised.
+        pid: this process's PID as NVML would list it (default ``os.getpid()``; differs inside
+            containers that do not share the host PID namespace, in which case
+            ``process_device_bytes`` is ``None``).
+        on_event: callback for ``probe_unavailable`` events.
+    """
+
+    def __init__(
+        self,
+        torch_index: int = 0,
+        *,
+        nvml: ModuleType | Any | None = None,
+        visible_devices: Any = ...,
+        torch_uuid: str | None = None,
+        pid: int | None = None,
+        on_event: EventCallback = ignore_event,
+    ) -> None:
+        self.torch_index = torch_index
+        self._nvml = nvml
+        self._visible = (
+            os.environ.get("CUDA_VISIBLE_DEVICES") if visible_devices is ... else visible_devices
+        )
+        self._torch_uuid = torch_uuid
+        self._pid = os.getpid() if pid is None else pid
+        self._on_event = on_event
+        self._handle: Any = None
+        self._state = _State()
+        self._reported: set[str] = set()
+        self.device_name: str | None = None
+        self.device_uuid: str | None = None
+        self.device_total_bytes: int | None = None
+
+    @property
+    def available(self) -> bool:
+        """Whether NVML answers for this device."""
+        return self._state.available
+
+    @property
+    def reason(self) -> str | None:
+        """Why the source is unavailable (``None`` when available)."""
+        return self._state.reason
+
+    def _report(self, key: str, message: str, **data: Any) -> None:
+        if key in self._reported:
+            return
+        self._reported.add(key)
+        logger.warning("NVML: %s", message)
+        self._on_event("probe_unavailable", f"NVML: {message}", {"source": "nvml", **data})
+
+    def _unavailable(self, message: str) -> None:
+        self._state.available = False
+        self._state.reason = message
+        self._report("source", message)
+
+    def start(self) -> bool:
+        """Initialise NVML and find the device. Returns whether the source is available."""
+        nvml = self._nvml
+        if nvml is None:
+            try:
+                import pynvml as nvml
+            except ImportError as exc:
+                self._unavailable(f"nvidia-ml-py is not importable ({exc})")
+                return False
+            self._nvml = nvml
+        try:
+            nvml.nvmlInit()
+        except Exception as exc:
+            self._unavailable(f"nvmlInit failed: {exc} ({type(exc).__name__})")
+            return False
+        try:
+            uuid = resolve_nvml_uuid(nvml, self.torch_index, self._visible, self._torch_uuid)
+            self._handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
+            self.device_uuid = uuid
+            name = nvml.nvmlDeviceGetName(self._handle)
+            self.device_name = name.decode() if isinstance(name, bytes) else str(name)
+        except Exception as exc:
+            self._unavailable(f"cannot find torch device {self.torch_index}: {exc}")
+            return False
+        self._state.available = True
+        return True
+
+    def close(self) -> None:
+        """Shut NVML down (when it was started)."""
+        if self._nvml is not None and self._handle is not None:
+            try:
+                self._nvml.nvmlShutdown()
+            except Exception:
+                logger.debug("nvmlShutdown failed", exc_info=True)
+        self._handle = None
+        self._state.available = False
+
+    def _is_lost(self, exc: BaseException) -> bool:
+        lost = getattr(self._nvml, "NVMLError_GpuIsLost", None)
+        return lost is not None and isinstance(exc, lost)
+
+    def _not_supported(self, exc: BaseException) -> bool:
+        ns = getattr(self._nvml, "NVMLError_NotSupported", None)
+        return ns is not None and isinstance(exc, ns)
+
+    def read(self) -> dict[str, Any]:
+        """One reading: the keys of ``_NVML_FIELDS``, ``None`` where unavailable. Never raises."""
+        out: dict[str, Any] = dict.fromkeys(_NVML_FIELDS)
+        if not self._state.available:
+            return out
+        nvml, handle = self._nvml, self._handle
+        try:
+            info = None
+            if self._state.memory_info_version == 2:
+                try:
+                    info = nvml.nvmlDeviceGetMemoryInfo(handle, version=nvml.nvmlMemory_v2)
+                except Exception as exc:
+                    if self._is_lost(exc):
+                        raise
+                    self._state.memory_info_version = 1
+                    self._report(
+                        "v2",
+                        f"memory info v2 unavailable ({type(exc).__name__}: {exc}); using v1",
+                        field="memory_info_v2",
+                    )
+            if info is None:
+                info = nvml.nvmlDeviceGetMemoryInfo(handle)
+            total, free = int(info.total), int(info.free)
+            used = int(info.used) if self._state.memory_info_version == 2 else total - free
+            out.update(
+                device_total_bytes=total,
+                device_used_bytes=used,
+                device_free_bytes=free,
+                nvml_memory_info_version=self._state.memory_info_version,
+            )
+            self.device_total_bytes = total
+        except Exception as exc:
+            if self._is_lost(exc):
+                self._unavailable(f"device lost: {exc}")
+            elif self._not_supported(exc):
+                self._report("meminfo-ns", f"memory info not supported: {exc}", field="memory")
+            else:
+                self._unavailable(f"memory info failed: {type(exc).__name__}: {exc}")
+            return out
+        if self._state.process_supported:
+            out["process_device_bytes"] = self._process_bytes()
+        return out
+
+    def _process_bytes(self) -> int | None:
+        try:
+            procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)
+        except Exception as exc:
+            if self._is_lost(exc):
+                self._unavailable(f"device lost: {exc}")
+                return None
+            self._state.process_supported = False
+            self._report(
+                "procs", f"process list unavailable ({type(exc).__name__}: {exc})", field="process"
+            )
+            return None
+        for proc in procs:
+            if int(proc.pid) == self._pid:
+                used = getattr(proc, "usedGpuMemory", None)
+                if used is None:
+                    self._report(
+                        "proc-mem",
+                        "per-process memory not available from the driver",
+                        field="process",
+                    )
+                    return None
+                return int(used)
+        self._report(
+            "proc-pid",
+            f"pid {self._pid} not in the device's process list (container PID namespace?)",
+            field="process",
+        )
+        return None
