@@ -1,0 +1,306 @@
+"""``checkpoint_activations``: non-reentrant activation checkpointing of the largest blocks.
+
+The chosen blocks' ``forward`` is wrapped (an instance attribute, so :func:`undo_checkpointing`
+removes it) in ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False,
+preserve_rng_state=True)`` while gradients are enabled: the tensors a block saves for backward are
+dropped after its forward and recomputed during backward, with the RNG state of the forward
+(dropout masks are the same), so losses and gradients are unchanged.
+
+Estimating the saving needs to know which tensors each block saves for backward. An
+:class:`ActivationRecorder` run around one forward (the agent does it on the training thread)
+gives an :class:`ActivationProfile`: for every module, the bytes of saved tensors that only that
+module's forward saves (*exclusive* bytes), minus the block's own inputs (checkpointing keeps
+those alive). Parameters and buffers are not activations and are not counted. Blocks are the
+children of ``nn.Sequential``/``nn.ModuleList`` and of the root, without embedding tables inside;
+a block enclosing two or more other blocks is skipped in favour of the finer ones (checkpointing
+one outer block would recompute everything at once and not lower the backward peak).
+
+Measured bytes are saved-activation bytes: before = the profile's total, after = a new recorded
+forward (``ActivationRecorder`` also counts the inputs that checkpointed blocks hold). Until the
+agent records again, the result's ``bytes_after`` is the estimate
+(``details["after_is_estimate"]``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from edo_monitor.accounting import is_table_module
+from edo_monitor.actions.base import (
+    Action,
+    ActionContext,
+    ActionResult,
+    Plan,
+    Refusal,
+    find_wrapped_parallel,
+)
+from edo_monitor.units import format_bytes
+
+__all__ = [
+    "ActivationProfile",
+    "ActivationRecorder",
+    "CheckpointActivations",
+    "checkpointed_modules",
+    "undo_checkpointing",
+]
+
+logger = logging.getLogger(__name__)
+
+_ACTIVE = threading.local()
+_MARK = "_edo_checkpoint"
+
+
+@dataclass(frozen=True)
+class ActivationProfile:
+    """Saved-for-backward bytes of one recorded forward.
+
+    Attributes:
+        total_bytes: every saved activation storage, counted once (parameters excluded).
+        exclusive_bytes: per qualified module name, the bytes saved only inside that module's
+            forward, minus storages that are the module's inputs (what checkpointing it frees).
+        called: names of the modules that ran.
+    """
+
+    total_bytes: int
+    exclusive_bytes: dict[str, int] = field(default_factory=dict)
+    called: frozenset[str] = frozenset()
+
+
+class ActivationRecorder:
+    """Context manager recording the tensors saved for backward during a forward of ``model``.
+
+    Use on the training thread around a forward (not the backward)::
+
+        with ActivationRecorder(model) as rec:
+            loss = model(batch)
+        profile = rec.profile()
+
+    Installs forward hooks on ``model``'s modules and a ``saved_tensors_hooks`` pair; removes them
+    on exit. Storages are keyed by ``data_ptr`` (saved tensors stay alive during the forward, so
+    keys are unique).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._names = {id(m): n for n, m in model.named_modules()}
+        self._stack: list[str] = []
+        self._bytes: dict[int, int] = {}
+        self._owners: dict[int, frozenset[str]] = {}
+        self._inputs: dict[str, set[int]] = {}
+        self._called: set[str] = set()
+        self._static: set[int] = set()
+        self._handles: list[Any] = []
+        self._hooks: Any = None
+
+    @staticmethod
+    def _key(t: torch.Tensor) -> tuple[int, int]:
+        s = t.untyped_storage()
+        return s.data_ptr(), s.nbytes()
+
+    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        name = self._names[id(module)]
+        self._stack.append(name)
+        self._called.add(name)
+        keys = self._inputs.setdefault(name, set())
+        for t in _tensors(args, kwargs):
+            keys.add(self._key(t)[0])
+
+    def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        name = self._names[id(module)]
+        if self._stack and self._stack[-1] == name:
+            self._stack.pop()
+
+    def _record(self, t: torch.Tensor, stack: Iterable[str]) -> None:
+        ptr, nbytes = self._key(t)
+        if ptr in self._static or nbytes == 0:
+            return
+        owners = frozenset(stack)
+        self._bytes[ptr] = max(nbytes, self._bytes.get(ptr, 0))
+        prev = self._owners.get(ptr)
+        self._owners[ptr] = owners if prev is None else prev & owners
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self._record(t, self._stack)
+        return t
+
+    def note_held(self, args: tuple, kwargs: dict, block: str) -> None:
+        """Count the inputs a checkpointed ``block`` keeps alive, attributed outside the block."""
+        stack = list(self._stack)
+        if stack and stack[-1] == block:
+            stack.pop()
+        for t in _tensors(args, kwargs):
+            self._record(t, stack)
+
+    def __enter__(self) -> ActivationRecorder:
+        for t in list(self.model.parameters()) + list(self.model.buffers()):
+            self._static.add(self._key(t)[0])
+        for m in self.model.modules():
+            self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
+            self._handles.append(m.register_forward_hook(self._post, with_kwargs=True))
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        stack = getattr(_ACTIVE, "recorders", [])
+        stack.append(self)
+        _ACTIVE.recorders = stack
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        _ACTIVE.recorders.remove(self)
+        self._stack.clear()
+
+    def profile(self) -> ActivationProfile:
+        """The :class:`ActivationProfile` of what was recorded."""
+        total = sum(self._bytes.values())
+        exclusive: dict[str, int] = {}
+        for ptr, owners in self._owners.items():
+            for name in owners:
+                if ptr in self._inputs.get(name, ()):
+                    continue
+                exclusive[name] = exclusive.get(name, 0) + self._bytes[ptr]
+        return ActivationProfile(total, exclusive, frozenset(self._called))
+
+
+def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    return [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+
+
+def _current_recorder() -> ActivationRecorder | None:
+    stack = getattr(_ACTIVE, "recorders", None)
+    return stack[-1] if stack else None
+
+
+def checkpointed_modules(model: nn.Module) -> list[str]:
+    """Names of the modules whose forward this action wrapped."""
+    return [n for n, m in model.named_modules() if _MARK in m.__dict__]
+
+
+def _wrap(module: nn.Module, name: str) -> None:
+    had_own = "forward" in module.__dict__
+    orig = module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return orig(*args, **kwargs)
+        rec = _current_recorder()
+        if rec is not None:
+            rec.note_held(args, kwargs, name)
+        return checkpoint(orig, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+    module.__dict__[_MARK] = (had_own, orig)
+    module.forward = forward
+
+
+def undo_checkpointing(model: nn.Module, names: Iterable[str] | None = None) -> list[str]:
+    """Remove the checkpoint wrapper from ``names`` (default: all); returns the names undone."""
+    wanted = None if names is None else set(names)
+    done = []
+    for n, m in model.named_modules():
+        if _MARK not in m.__dict__ or (wanted is not None and n not in wanted):
+            continue
+        had_own, orig = m.__dict__.pop(_MARK)
+        if had_own:
+            m.forward = orig
+        else:
+            del m.__dict__["forward"]
+        done.append(n)
+    return done
+
+
+def _contains_table(module: nn.Module) -> bool:
+    return any(is_table_module(m) for m in module.modules())
+
+
+def _block_candidates(model: nn.Module) -> list[str]:
+    names = []
+    for parent_name, parent in model.named_modules():
+        if parent is not model and not isinstance(parent, (nn.Sequential, nn.ModuleList)):
+            continue
+        for child_name, child in parent.named_children():
+            full = f"{parent_name}.{child_name}" if parent_name else child_name
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict)) or _contains_table(child):
+                continue
+            names.append(full)
+    return names
+
+
+class CheckpointActivations(Action):
+    """Wrap the largest blocks in non-reentrant checkpointing. Lossless; undo with :meth:`undo`."""
+
+    name = "checkpoint_activations"
+    lossy = False
+
+    def plan(self, ctx: ActionContext) -> Plan | Refusal:
+        """Choose up to ``ctx.max_checkpoint_blocks`` blocks by exclusive saved bytes."""
+        wrapper = find_wrapped_parallel(ctx.model)
+        if wrapper:
+            return self.refuse("", f"model is wrapped in {wrapper}; wrap blocks before {wrapper}")
+        profile = ctx.activation_profile
+        if not isinstance(profile, ActivationProfile):
+            return self.refuse("", "no activation profile yet (needs one recorded forward)")
+        done = checkpointed_modules(ctx.model)
+        cands = [c for c in _block_candidates(ctx.model) if c in profile.called]
+
+        def overlaps(a: str, b: str) -> bool:
+            return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+        cands = [c for c in cands if not any(overlaps(c, d) for d in done)]
+        cands = [c for c in cands if sum(1 for o in cands if o.startswith(c + ".")) < 2]
+        cands = [c for c in cands if profile.exclusive_bytes.get(c, 0) > 0]
+        cands.sort(key=lambda c: profile.exclusive_bytes[c], reverse=True)
+        chosen: list[str] = []
+        for c in cands:
+            if len(chosen) >= ctx.max_checkpoint_blocks:
+                break
+            if not any(overlaps(c, o) for o in chosen):
+                chosen.append(c)
+        if not chosen:
+            return self.refuse("", "no block with saved activations left to checkpoint")
+        est = sum(profile.exclusive_bytes[c] for c in chosen)
+        return Plan(
+            self.name,
+            ",".join(chosen),
+            est,
+            f"checkpoint {len(chosen)} block(s) saving {format_bytes(est)} of activations",
+            {"blocks": chosen, "activations_bytes_before": profile.total_bytes},
+        )
+
+    def _measure(self, ctx: ActionContext) -> int:
+        profile = ctx.activation_profile
+        return profile.total_bytes if isinstance(profile, ActivationProfile) else 0
+
+    def _apply(
+        self, ctx: ActionContext, plan: Plan
+    ) -> tuple[dict[str, Any], dict[str, float] | None]:
+        for name in plan.details["blocks"]:
+            _wrap(ctx.model.get_submodule(name), name)
+            ctx.stage(f"wrapped:{name}")
+        after = plan.details["activations_bytes_before"] - plan.estimated_saving_bytes
+        ctx.activation_profile = None  # stale now; the agent records a new one
+        return {"after_is_estimate": True, "activations_bytes_after": after}, None
+
+    def apply(self, ctx: ActionContext, plan: Plan | None = None) -> ActionResult:
+        """As :meth:`Action.apply`; ``bytes_after`` is the estimate until re-measured."""
+        profile = ctx.activation_profile
+        result = super().apply(ctx, plan)
+        if result.status == "applied":
+            return replace(result, bytes_after=result.details["activations_bytes_after"])
+        if result.status == "failed":
+            ctx.activation_profile = profile
+        return result
+
+    @staticmethod
+    def undo(ctx: ActionContext, names: Iterable[str] | None = None) -> list[str]:
+        """Unwrap checkpointed blocks (all by default); returns their names."""
+        return undo_checkpointing(ctx.model, names)

@@ -1,0 +1,52 @@
+"""CPU-budget enforcement: fail like a real out-of-memory error when the budget is exceeded.
+
+With ``watch(..., budget=..., enforce=True)`` and no CUDA, the agent calls :func:`enforce_budget`
+with the accounted device-tier bytes; going over the budget raises
+:class:`edo_monitor.errors.BudgetOutOfMemoryError` (a ``torch.OutOfMemoryError``) whose message is
+:func:`edo_monitor.oom.format_cpu_budget_oom_message`'s, in PyTorch's wording.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from edo_monitor.errors import BudgetOutOfMemoryError, ConfigError
+from edo_monitor.oom import format_cpu_budget_oom_message
+
+__all__ = ["enforce_budget"]
+
+logger = logging.getLogger(__name__)
+
+
+def enforce_budget(
+    budget_bytes: int,
+    in_use_bytes: int,
+    *,
+    accounted_bytes: int | None = None,
+    requested_bytes: int | None = None,
+) -> None:
+    """Raise when ``in_use_bytes`` exceeds ``budget_bytes``; return ``None`` otherwise.
+
+    Args:
+        budget_bytes: the budget (> 0).
+        in_use_bytes: device-tier bytes in use now (what counts against the budget).
+        accounted_bytes: bytes accounted to the watched model (default ``in_use_bytes``).
+        requested_bytes: the growth that crossed the budget, e.g. the increase since the last
+            check; default the excess ``in_use_bytes - budget_bytes``. "Free" in the message is
+            the budget minus what was in use before that growth.
+
+    Raises:
+        BudgetOutOfMemoryError: ``in_use_bytes > budget_bytes``.
+        ConfigError: ``budget_bytes <= 0``.
+    """
+    if budget_bytes <= 0:
+        raise ConfigError(f"budget_bytes={budget_bytes!r} must be a positive number of bytes")
+    if in_use_bytes <= budget_bytes:
+        return
+    excess = in_use_bytes - budget_bytes
+    requested = excess if requested_bytes is None else max(int(requested_bytes), excess)
+    free = budget_bytes - (in_use_bytes - requested)
+    accounted = in_use_bytes if accounted_bytes is None else accounted_bytes
+    message = format_cpu_budget_oom_message(requested, budget_bytes, free, accounted)
+    logger.error("%s", message)
+    raise BudgetOutOfMemoryError(message)

@@ -1,0 +1,37 @@
+"""The registry of actions by name, and the ladder the policy climbs by default."""
+
+from __future__ import annotations
+
+from edo_monitor.actions.base import Action
+from edo_monitor.actions.checkpoint_activations import CheckpointActivations
+from edo_monitor.actions.compress_embedding import CompressEmbedding
+from edo_monitor.actions.offload_embedding import OffloadEmbedding
+from edo_monitor.actions.release_cache import ReleaseCache
+
+__all__ = ["ACTIONS", "DEFAULT_LOSSLESS_LADDER", "DEFAULT_LOSSY_LADDER", "LOSSY_ACTIONS"]
+
+ACTIONS: dict[str, Action] = {
+    a.name: a
+    for a in (
+        ReleaseCache(),
+        OffloadEmbedding(),
+        CheckpointActivations(),
+        CompressEmbedding("auto"),
+        CompressEmbedding("bf16"),
+        CompressEmbedding("fp16"),
+        CompressEmbedding("int8"),
+        CompressEmbedding("lowrank"),
+    )
+}
+"""Every action by name (``release_cache``, ``offload_embedding``, ``checkpoint_activations``,
+``compress_embedding`` (bf16 trainable / int8 frozen), ``compress_embedding_bf16``,
+``compress_embedding_fp16``, ``compress_embedding_int8``, ``compress_embedding_lowrank``)."""
+
+LOSSY_ACTIONS: frozenset[str] = frozenset(n for n, a in ACTIONS.items() if a.lossy)
+
+DEFAULT_LOSSLESS_LADDER: tuple[str, ...] = (
+    "release_cache",
+    "offload_embedding",
+    "checkpoint_activations",
+)
+DEFAULT_LOSSY_LADDER: tuple[str, ...] = ("compress_embedding",)

@@ -1,0 +1,162 @@
+"""Helpers of the table actions: finding tables, sharing checks, module swaps, optimizer edits."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from edo_monitor.accounting import optimizer_state_bytes, tensor_bytes
+
+__all__ = [
+    "TableCandidate",
+    "convert_optimizer_state",
+    "device_tables",
+    "replace_module",
+    "replace_param_in_optimizers",
+    "sharing_users",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TableCandidate:
+    """A plain ``nn.Embedding`` / ``nn.EmbeddingBag`` on the device tier.
+
+    ``params_bytes``, ``grads_bytes``, ``optimizer_state_bytes`` are its weight's bytes now.
+    """
+
+    name: str
+    module: nn.Module
+    weight: nn.Parameter
+    params_bytes: int
+    grads_bytes: int
+    optimizer_state_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        """params + grads + optimizer state."""
+        return self.params_bytes + self.grads_bytes + self.optimizer_state_bytes
+
+
+def device_tables(
+    model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], cuda_mode: bool
+) -> list[TableCandidate]:
+    """Plain embedding tables whose weight is on the device tier, largest ``total_bytes`` first."""
+    out = []
+    for name, module in model.named_modules():
+        if type(module) not in (nn.Embedding, nn.EmbeddingBag):
+            continue
+        w = module.weight
+        on_device = w.is_cuda if cuda_mode else not getattr(w, "_edo_host", False)
+        if not on_device:
+            continue
+        ob = sum(optimizer_state_bytes(opt, w) for opt in optimizers)
+        gb = tensor_bytes(w.grad) if w.grad is not None else 0
+        out.append(TableCandidate(name, module, w, tensor_bytes(w), gb, ob))
+    out.sort(key=lambda c: c.total_bytes, reverse=True)
+    return out
+
+
+def sharing_users(model: nn.Module, module: nn.Module, param: nn.Parameter) -> list[str]:
+    """Names of other modules that hold ``param`` as one of their own parameters (tied weights)."""
+    users = []
+    for name, m in model.named_modules(remove_duplicate=False):
+        if m is module:
+            continue
+        if any(p is param for p in m._parameters.values()):
+            users.append(f"{name} ({type(m).__name__})")
+    return users
+
+
+def replace_module(model: nn.Module, old: nn.Module, new: nn.Module) -> list[str]:
+    """Put ``new`` wherever ``old`` is a child in ``model``'s tree; returns the places.
+
+    Raises:
+        ValueError: when ``old`` is ``model`` itself or is not found.
+    """
+    if old is model:
+        raise ValueError("cannot replace the root model")
+    places = []
+    for parent_name, parent in model.named_modules(remove_duplicate=False):
+        for child_name, child in list(parent._modules.items()):
+            if child is old:
+                parent._modules[child_name] = new
+                places.append(f"{parent_name}.{child_name}" if parent_name else child_name)
+    if not places:
+        raise ValueError("module not found in the model")
+    return places
+
+
+def convert_optimizer_state(
+    optimizers: Sequence[torch.optim.Optimizer],
+    param: nn.Parameter,
+    *,
+    device: torch.device | None = None,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Rebind every per-element state tensor of ``param`` to ``device``/``dtype`` (new tensors).
+
+    A state tensor is per-element when it has ``param``'s shape; scalars such as Adam's ``step``
+    stay as they are (on the CPU, fp32), as ``torch.optim`` expects.
+    """
+    for opt in optimizers:
+        state = opt.state.get(param)
+        if not state:
+            continue
+        for key, value in list(state.items()):
+            if not isinstance(value, torch.Tensor) or value.shape != param.shape:
+                continue
+            new = value
+            if dtype is not None and value.is_floating_point():
+                new = new.to(dtype)
+            if device is not None:
+                new = new.to(device)
+            if new is value:
+                continue
+            state[key] = new
+
+
+def replace_param_in_optimizers(
+    optimizers: Sequence[torch.optim.Optimizer],
+    old: nn.Parameter,
+    new: Sequence[nn.Parameter],
+) -> int:
+    """Replace ``old`` by ``new`` (possibly none) in every param group holding it; drop its state.
+
+    The new parameters take ``old``'s place and hyper-parameters (same group); their state starts
+    empty, as for a freshly added parameter. Returns how many groups changed. Lists are rebuilt,
+    not edited in place, so a :class:`~edo_monitor.actions.base.Transaction` can restore them.
+    """
+    changed = 0
+    for opt in optimizers:
+        for group in opt.param_groups:
+            params = group["params"]
+            if not any(p is old for p in params):
+                continue
+            rebuilt: list[nn.Parameter] = []
+            for p in params:
+                if p is old:
+                    rebuilt.extend(new)
+                else:
+                    rebuilt.append(p)
+            group["params"] = rebuilt
+            changed += 1
+        if old in opt.state:
+            del opt.state[old]
+    return changed
+
+
+def optimizer_group_flags(optimizers: Sequence[torch.optim.Optimizer], param: nn.Parameter) -> str:
+    """``"fused"``/``"capturable"`` when a group holding ``param`` uses them, else ``""``."""
+    for opt in optimizers:
+        for group in opt.param_groups:
+            if any(p is param for p in group["params"]):
+                for flag in ("fused", "capturable"):
+                    if group.get(flag):
+                        return flag
+    return ""

@@ -1,0 +1,510 @@
+"""EDO embedding modules: what the actions swap in for ``nn.Embedding`` / ``nn.EmbeddingBag``.
+
+Every module here has ``edo_placement`` (``"device"`` or ``"host"``), ``num_embeddings`` and
+``embedding_dim``, so :func:`edo_monitor.accounting.account` reports it as a table. Each one keeps
+the semantics of the module it replaces:
+
+* Embedding semantics (``bag_mode=None``): ``forward(input)`` with ``input`` an integer tensor of
+  any shape ``(*)`` returns ``(*, embedding_dim)``; the ``padding_idx`` row is returned as stored
+  and gets no gradient.
+* EmbeddingBag semantics (``bag_mode`` in ``"sum" | "mean" | "max"``):
+  ``forward(input, offsets=None, per_sample_weights=None)`` with ``input`` either ``(B, L)``
+  (``offsets`` must be ``None``) or 1-D ``(M,)`` with ``offsets`` ``(B,)`` (or ``(B + 1,)`` with
+  ``include_last_offset``) returns ``(B, embedding_dim)``; entries equal to ``padding_idx`` are
+  left out of their bag (and of the mean's count); ``per_sample_weights`` (same shape as
+  ``input``) only with ``"sum"``.
+
+Modules:
+
+* :class:`OffloadedEmbedding` — the weight (the *same* ``Parameter`` object, so an optimizer keeps
+  stepping it) lives in host memory (pinned when CUDA is available); lookups run on the host and the
+  result moves to ``output_device``. All options (``max_norm``, ``scale_grad_by_freq``, ``sparse``)
+  are preserved, since the lookup is the same ``torch.nn.functional`` call.
+* :class:`LowPrecisionEmbedding` — the same ``Parameter`` stored as fp16/bf16; the output is cast
+  back to ``output_dtype`` so the rest of the model is unchanged.
+* :class:`Int8RowwiseEmbedding` — a frozen table as int8 rows with one fp32 scale per row
+  (``row = int8_row * scale``, ``scale = max|row| / 127``).
+* :class:`LowRankEmbedding` — ``weight ≈ left @ right`` with ``left`` ``(N, k)`` and ``right``
+  ``(k, D)`` from a truncated SVD; trainable or frozen.
+
+Int8 and low-rank keep the ``padding_idx`` row bit-exact in a ``padding_row`` buffer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+__all__ = [
+    "BAG_MODES",
+    "EmbeddingOptions",
+    "Int8RowwiseEmbedding",
+    "LowPrecisionEmbedding",
+    "LowRankEmbedding",
+    "OffloadedEmbedding",
+    "dequantize_int8_rowwise",
+    "quantize_int8_rowwise",
+    "row_error",
+]
+
+logger = logging.getLogger(__name__)
+
+BAG_MODES: tuple[str, ...] = ("sum", "mean", "max")
+
+
+@dataclass(frozen=True)
+class EmbeddingOptions:
+    """The options of an ``nn.Embedding`` / ``nn.EmbeddingBag`` that the EDO modules carry over.
+
+    ``bag_mode`` is ``None`` for Embedding semantics, else the EmbeddingBag ``mode``.
+    ``padding_idx`` is normalised to a non-negative row index (or ``None``).
+    """
+
+    num_embeddings: int
+    embedding_dim: int
+    padding_idx: int | None = None
+    max_norm: float | None = None
+    norm_type: float = 2.0
+    scale_grad_by_freq: bool = False
+    sparse: bool = False
+    bag_mode: str | None = None
+    include_last_offset: bool = False
+
+    @classmethod
+    def from_module(cls, module: nn.Module) -> EmbeddingOptions:
+        """Read the options of an ``nn.Embedding``, ``nn.EmbeddingBag`` or EDO module.
+
+        Raises:
+            TypeError: when ``module`` is none of those.
+        """
+        if isinstance(module, _EdoEmbedding):
+            return module.options
+        if isinstance(module, nn.EmbeddingBag):
+            bag_mode: str | None = str(module.mode)
+            include_last = bool(module.include_last_offset)
+        elif isinstance(module, nn.Embedding):
+            bag_mode, include_last = None, False
+        else:
+            raise TypeError(f"{type(module).__name__} is not an embedding table")
+        pad = module.padding_idx
+        if pad is not None and pad < 0:
+            pad += module.num_embeddings
+        return cls(
+            num_embeddings=int(module.num_embeddings),
+            embedding_dim=int(module.embedding_dim),
+            padding_idx=pad,
+            max_norm=module.max_norm,
+            norm_type=float(module.norm_type),
+            scale_grad_by_freq=bool(module.scale_grad_by_freq),
+            sparse=bool(module.sparse),
+            bag_mode=bag_mode,
+            include_last_offset=include_last,
+        )
+
+
+class _EdoEmbedding(nn.Module):
+    """Common base: options, ``edo_placement`` and the lookup entry point."""
+
+    edo_placement: str = "device"
+
+    def __init__(self, options: EmbeddingOptions) -> None:
+        super().__init__()
+        if options.bag_mode is not None and options.bag_mode not in BAG_MODES:
+            raise ValueError(f"bag_mode={options.bag_mode!r}; expected one of {BAG_MODES} or None")
+        self.options = options
+        self.num_embeddings = options.num_embeddings
+        self.embedding_dim = options.embedding_dim
+        self.padding_idx = options.padding_idx
+
+    def extra_repr(self) -> str:
+        o = self.options
+        s = f"{o.num_embeddings}, {o.embedding_dim}, placement={self.edo_placement}"
+        if o.bag_mode is not None:
+            s += f", mode={o.bag_mode}"
+        if o.padding_idx is not None:
+            s += f", padding_idx={o.padding_idx}"
+        return s
+
+
+def _functional_lookup(
+    weight: torch.Tensor,
+    options: EmbeddingOptions,
+    input: torch.Tensor,
+    offsets: torch.Tensor | None,
+    per_sample_weights: torch.Tensor | None,
+) -> torch.Tensor:
+    """``F.embedding`` / ``F.embedding_bag`` on ``weight`` with ``options``."""
+    if options.bag_mode is None:
+        return F.embedding(
+            input,
+            weight,
+            options.padding_idx,
+            options.max_norm,
+            options.norm_type,
+            options.scale_grad_by_freq,
+            options.sparse,
+        )
+    return F.embedding_bag(
+        input,
+        weight,
+        offsets,
+        options.max_norm,
+        options.norm_type,
+        options.scale_grad_by_freq,
+        options.bag_mode,
+        options.sparse,
+        per_sample_weights,
+        options.include_last_offset,
+        options.padding_idx,
+    )
+
+
+def _lookup_from_rows(
+    rows_fn: Callable[[torch.Tensor], torch.Tensor],
+    options: EmbeddingOptions,
+    padding_row: torch.Tensor | None,
+    input: torch.Tensor,
+    offsets: torch.Tensor | None,
+    per_sample_weights: torch.Tensor | None,
+) -> torch.Tensor:
+    """Embedding / EmbeddingBag semantics for tables that can only reconstruct rows.
+
+    ``rows_fn(indices)`` maps 1-D indices ``(M,)`` to rows ``(M, D)``. Bags are formed with
+    ``F.embedding_bag`` over the gathered rows (plus one zero row standing for padding entries), so
+    sum/mean/max, ``per_sample_weights``, ``include_last_offset`` and the exclusion of
+    ``padding_idx`` entries behave exactly as in ``nn.EmbeddingBag``.
+    """
+    pad = options.padding_idx
+    if options.bag_mode is None:
+        flat = input.reshape(-1)
+        rows = rows_fn(flat)
+        if pad is not None and padding_row is not None:
+            mask = (flat == pad).unsqueeze(-1)
+            rows = torch.where(mask, padding_row.to(rows.dtype), rows)
+        return rows.reshape(*input.shape, options.embedding_dim)
+    include_last = options.include_last_offset
+    if input.dim() == 2:
+        if offsets is not None:
+            raise ValueError("offsets has to be None if input is 2D")
+        b, seq = input.shape
+        flat = input.reshape(-1)
+        offsets = torch.arange(0, b * seq, seq, device=input.device, dtype=torch.long)
+        if per_sample_weights is not None:
+            per_sample_weights = per_sample_weights.reshape(-1)
+        include_last = False
+    elif input.dim() == 1:
+        if offsets is None:
+            raise ValueError("offsets has to be a 1D Tensor but got None")
+        flat = input
+    else:
+        raise ValueError(
+            f"input has to be 1D or 2D Tensor, but got Tensor of dimension {input.dim()}"
+        )
+    m = flat.numel()
+    is_pad = flat == pad if pad is not None else torch.zeros_like(flat, dtype=torch.bool)
+    safe = torch.where(is_pad, torch.zeros_like(flat), flat)
+    rows = rows_fn(safe)
+    table = torch.cat([rows, rows.new_zeros(1, options.embedding_dim)], dim=0)
+    idx = torch.arange(m, device=flat.device, dtype=torch.long)
+    idx = torch.where(is_pad, torch.full_like(idx, m), idx)
+    return F.embedding_bag(
+        idx,
+        table,
+        offsets,
+        mode=options.bag_mode,
+        per_sample_weights=per_sample_weights,
+        include_last_offset=include_last,
+        padding_idx=m,
+    )
+
+
+def _pin_if_possible(t: torch.Tensor) -> torch.Tensor:
+    if torch.cuda.is_available():
+        try:
+            return t.pin_memory()
+        except RuntimeError as exc:  # pinned memory can run out; pageable still works
+            logger.warning(
+                "could not pin %d bytes of host memory (%s); using pageable", t.nbytes, exc
+            )
+    return t
+
+
+class OffloadedEmbedding(_EdoEmbedding):
+    """A table whose weight lives in host memory; lookups run on the host.
+
+    Args:
+        weight: the table's ``Parameter`` ``(num_embeddings, embedding_dim)``. It is kept as the
+            same object (an optimizer holding it keeps working); the caller moves its data to the
+            host (see :meth:`offload_parameter`).
+        options: the options of the replaced module (all preserved).
+        output_device: where results go (the replaced table's device).
+
+    ``forward`` moves ``input``/``offsets``/``per_sample_weights`` to the host, looks up, and moves
+    the result ``(*, D)`` or ``(B, D)`` to ``output_device``; gradients flow back to the host
+    weight.
+    """
+
+    edo_placement = "host"
+
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        options: EmbeddingOptions,
+        output_device: torch.device | str,
+    ) -> None:
+        super().__init__(options)
+        self.weight = weight
+        self.output_device = torch.device(output_device)
+
+    @staticmethod
+    def offload_parameter(param: nn.Parameter) -> None:
+        """Move ``param``'s data (and grad) to host memory in place, keeping the object.
+
+        Pinned when CUDA is available. Marks ``param._edo_host = True`` (the accounting tier rule).
+        """
+        if not param.data.is_cpu:  # CPU-budget mode: the data already is in host memory
+            param.data = _pin_if_possible(param.data.detach().to("cpu"))
+            if param.grad is not None:
+                param.grad = param.grad.to("cpu")
+        param._edo_host = True  # type: ignore[attr-defined]
+
+    def forward(
+        self,
+        input: torch.Tensor,
+        offsets: torch.Tensor | None = None,
+        per_sample_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Look up on the host; result on ``output_device``. Shapes as in the module docstring."""
+        host = self.weight.device
+        input = input.to(host)
+        if offsets is not None:
+            offsets = offsets.to(host)
+        if per_sample_weights is not None:
+            per_sample_weights = per_sample_weights.to(host)
+        out = _functional_lookup(self.weight, self.options, input, offsets, per_sample_weights)
+        return out.to(self.output_device, non_blocking=True)
+
+
+class LowPrecisionEmbedding(_EdoEmbedding):
+    """A table stored as fp16 or bf16, returning ``output_dtype``.
+
+    Args:
+        weight: the same ``Parameter`` object as the replaced table, its data already converted to
+            fp16/bf16 ``(num_embeddings, embedding_dim)``.
+        options: the replaced module's options.
+        output_dtype: dtype of the results (the replaced table's dtype, e.g. ``torch.float32``).
+    """
+
+    def __init__(
+        self, weight: nn.Parameter, options: EmbeddingOptions, output_dtype: torch.dtype
+    ) -> None:
+        super().__init__(options)
+        self.weight = weight
+        self.output_dtype = output_dtype
+
+    def forward(
+        self,
+        input: torch.Tensor,
+        offsets: torch.Tensor | None = None,
+        per_sample_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Look up in low precision, cast the result to ``output_dtype``."""
+        if per_sample_weights is not None:
+            per_sample_weights = per_sample_weights.to(self.weight.dtype)
+        out = _functional_lookup(self.weight, self.options, input, offsets, per_sample_weights)
+        return out.to(self.output_dtype)
+
+
+def quantize_int8_rowwise(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric row-wise int8 quantisation.
+
+    Args:
+        weight: ``(N, D)`` floating tensor.
+
+    Returns:
+        ``(q, scale)``: ``q`` ``(N, D)`` int8 in [-127, 127] and ``scale`` ``(N,)`` float32 with
+        ``row ≈ q * scale``; an all-zero row gets scale 0 and is reconstructed exactly.
+    """
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1) / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.clamp(torch.round(w / safe.unsqueeze(1)), -127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8_rowwise(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`quantize_int8_rowwise`: ``(N, D)`` int8, ``(N,)`` → ``(N, D)`` float32."""
+    return q.float() * scale.unsqueeze(-1)
+
+
+class Int8RowwiseEmbedding(_EdoEmbedding):
+    """A frozen table as int8 rows with per-row fp32 scales (buffers ``weight`` and ``row_scale``).
+
+    Args:
+        weight: the float table ``(N, D)`` to quantise (not kept).
+        options: the replaced module's options; ``max_norm`` cannot be honoured (it rewrites rows)
+            and raises ``ValueError``.
+        output_dtype: dtype of the results.
+
+    Buffers: ``weight`` ``(N, D)`` int8, ``row_scale`` ``(N,)`` float32, and ``padding_row``
+    ``(D,)`` (the exact padding row) when ``padding_idx`` is set. No gradient flows (frozen).
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        options: EmbeddingOptions,
+        output_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__(options)
+        if options.max_norm is not None:
+            raise ValueError("Int8RowwiseEmbedding cannot honour max_norm (it renormalises rows)")
+        q, scale = quantize_int8_rowwise(weight)
+        self.register_buffer("weight", q)
+        self.register_buffer("row_scale", scale)
+        if options.padding_idx is not None:
+            self.register_buffer("padding_row", weight.detach()[options.padding_idx].clone())
+        else:
+            self.padding_row = None
+        self.output_dtype = output_dtype
+
+    def dequantized(self) -> torch.Tensor:
+        """The reconstructed table ``(N, D)`` in ``output_dtype`` (padding row exact)."""
+        w = dequantize_int8_rowwise(self.weight, self.row_scale)
+        if self.padding_row is not None:
+            w[self.options.padding_idx] = self.padding_row.float()
+        return w.to(self.output_dtype)
+
+    def _rows(self, idx: torch.Tensor) -> torch.Tensor:
+        q = F.embedding(idx, self.weight)
+        s = F.embedding(idx, self.row_scale.unsqueeze(1))
+        return (q.float() * s).to(self.output_dtype)
+
+    def forward(
+        self,
+        input: torch.Tensor,
+        offsets: torch.Tensor | None = None,
+        per_sample_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Dequantise the looked-up rows. Shapes as in the module docstring."""
+        return _lookup_from_rows(
+            self._rows, self.options, self.padding_row, input, offsets, per_sample_weights
+        )
+
+
+class LowRankEmbedding(_EdoEmbedding):
+    """``weight ≈ left @ right`` with ``left`` ``(N, k)`` and ``right`` ``(k, D)``.
+
+    Build with :meth:`from_weight`. ``left``/``right`` are parameters with ``requires_grad`` as
+    given (trainable tables stay trainable: gradients reach both factors). The padding row is kept
+    exact in the ``padding_row`` buffer and gets no gradient.
+    """
+
+    def __init__(
+        self,
+        left: nn.Parameter,
+        right: nn.Parameter,
+        options: EmbeddingOptions,
+        padding_row: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__(options)
+        self.left = left
+        self.right = right
+        self.rank = int(left.shape[1])
+        if padding_row is not None:
+            self.register_buffer("padding_row", padding_row)
+        else:
+            self.padding_row = None
+
+    @classmethod
+    def from_weight(
+        cls,
+        weight: torch.Tensor,
+        rank: int,
+        options: EmbeddingOptions,
+        *,
+        requires_grad: bool,
+    ) -> LowRankEmbedding:
+        """Truncated SVD of ``weight`` ``(N, D)`` to ``rank`` (computed in float32).
+
+        ``left = U_k * S_k`` ``(N, k)`` and ``right = V_kᵀ`` ``(k, D)``, both in ``weight.dtype``
+        on ``weight.device``.
+
+        Raises:
+            ValueError: when ``rank`` is not in ``[1, min(N, D)]``.
+        """
+        n, d = weight.shape
+        if not 1 <= rank <= min(n, d):
+            raise ValueError(f"rank={rank} is not in [1, {min(n, d)}]")
+        w = weight.detach().float()
+        u, s, vh = torch.linalg.svd(w, full_matrices=False)
+        left = (u[:, :rank] * s[:rank]).to(weight.dtype).contiguous()
+        right = vh[:rank].to(weight.dtype).contiguous()
+        pad_row = None
+        if options.padding_idx is not None:
+            pad_row = weight.detach()[options.padding_idx].clone()
+        return cls(
+            nn.Parameter(left, requires_grad=requires_grad),
+            nn.Parameter(right, requires_grad=requires_grad),
+            options,
+            pad_row,
+        )
+
+    def reconstructed(self) -> torch.Tensor:
+        """``left @ right`` ``(N, D)`` with the exact padding row (no gradient)."""
+        with torch.no_grad():
+            w = self.left @ self.right
+            if self.padding_row is not None:
+                w[self.options.padding_idx] = self.padding_row
+        return w
+
+    def _rows(self, idx: torch.Tensor) -> torch.Tensor:
+        return F.embedding(idx, self.left, self.options.padding_idx) @ self.right
+
+    def forward(
+        self,
+        input: torch.Tensor,
+        offsets: torch.Tensor | None = None,
+        per_sample_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Reconstruct the looked-up rows. Shapes as in the module docstring."""
+        return _lookup_from_rows(
+            self._rows, self.options, self.padding_row, input, offsets, per_sample_weights
+        )
+
+
+def row_error(
+    reference: torch.Tensor, approx: torch.Tensor, skip_rows: tuple[int, ...] = ()
+) -> dict[str, float]:
+    """Error of ``approx`` against ``reference`` (both ``(N, D)``).
+
+    Returns:
+        ``{"max_abs_error": ..., "mean_row_cosine": ..., "min_row_cosine": ...}`` computed in
+        float64; a row whose two versions are both zero has cosine 1, one zero and one not has 0.
+        Rows in ``skip_rows`` are left out of the cosines.
+    """
+    ref = reference.detach().double()
+    app = approx.detach().to(ref.device).double()
+    max_abs = float((ref - app).abs().max()) if ref.numel() else 0.0
+    dot = (ref * app).sum(dim=1)
+    nr, na = ref.norm(dim=1), app.norm(dim=1)
+    both_zero = (nr == 0) & (na == 0)
+    denom = nr * na
+    cos = torch.where(denom > 0, dot / torch.where(denom > 0, denom, torch.ones_like(denom)), 0.0)
+    cos = torch.where(both_zero, torch.ones_like(cos), cos)
+    if skip_rows:
+        keep = torch.ones(ref.shape[0], dtype=torch.bool)
+        keep[list(skip_rows)] = False
+        cos = cos[keep]
+    if cos.numel() == 0:
+        return {"max_abs_error": max_abs, "mean_row_cosine": 1.0, "min_row_cosine": 1.0}
+    return {
+        "max_abs_error": max_abs,
+        "mean_row_cosine": float(cos.mean()),
+        "min_row_cosine": float(cos.min()),
+    }

@@ -1,0 +1,380 @@
+"""The policy: from readings to threshold crossings and at most one pending decision.
+
+:class:`Policy` is pure: it looks at a :class:`~edo_monitor.readings.Reading` and at plans for the
+actions on its ladder (given by the caller, see :func:`make_planner`), and returns events. It never
+touches hardware, the model, or threads; the agent applies a :class:`Decision` at the next step
+boundary and reports back with :meth:`Policy.resolve`.
+
+Hysteresis: pressure starts when ``free_fraction`` drops below ``min_free_fraction`` (a
+``"below_floor"`` crossing) and ends when it is back at or above ``rearm_free_fraction`` (an
+``"above_rearm"`` crossing). While under pressure, and not within ``cooldown_steps`` of the last
+applied decision, the policy decides the first applicable action of its ladder (lossless first,
+lossy only with ``allow_lossy``), skipping actions that refuse, ``(action, target)`` pairs that
+failed before, ``release_cache`` in CPU-budget mode or when the reading's reserved-but-unallocated
+bytes are below ``release_cache_min_bytes``. Only one decision is pending at a time.
+
+Modes: ``"auto"`` decides and expects the agent to apply; ``"advise"`` emits decisions marked
+advisory (each ``(action, target)`` once per pressure episode) that are recorded, not applied;
+``"observe"`` emits crossings only.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from edo_monitor.actions.base import ActionContext, ActionResult, Plan, Refusal
+from edo_monitor.actions.registry import (
+    ACTIONS,
+    DEFAULT_LOSSLESS_LADDER,
+    DEFAULT_LOSSY_LADDER,
+    LOSSY_ACTIONS,
+)
+from edo_monitor.errors import ConfigError
+from edo_monitor.readings import Reading
+from edo_monitor.units import format_bytes, parse_bytes
+
+__all__ = [
+    "MODES",
+    "Decision",
+    "NoActionAvailable",
+    "Policy",
+    "PolicyEvent",
+    "ThresholdCrossing",
+    "make_planner",
+]
+
+logger = logging.getLogger(__name__)
+
+MODES: tuple[str, ...] = ("auto", "advise", "observe")
+
+Planner = Callable[[str], Plan | Refusal] | Mapping[str, Plan | Refusal]
+
+
+@dataclass(frozen=True)
+class ThresholdCrossing:
+    """``free_fraction`` crossed a threshold.
+
+    ``kind`` is ``"below_floor"`` (dropped below ``min_free_fraction``; pressure starts) or
+    ``"above_rearm"`` (back at or above ``rearm_free_fraction``; pressure ends).
+    """
+
+    kind: Literal["below_floor", "above_rearm"]
+    step: int
+    time_s: float
+    free_fraction: float
+    threshold_fraction: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The action the policy chose. ``mode`` ``"advise"`` means record only, do not apply.
+
+    ``plan`` is what :meth:`edo_monitor.actions.Action.apply` takes.
+    """
+
+    action: str
+    target: str
+    estimated_saving_bytes: int
+    reason: str
+    step: int
+    time_s: float
+    free_fraction: float
+    mode: Literal["auto", "advise"]
+    plan: Plan = field(compare=False, repr=False)
+
+    @property
+    def advisory(self) -> bool:
+        """True in ``advise`` mode."""
+        return self.mode == "advise"
+
+
+@dataclass(frozen=True)
+class NoActionAvailable:
+    """Under pressure but nothing on the ladder applies; once per pressure episode."""
+
+    step: int
+    time_s: float
+    free_fraction: float
+    refusals: tuple[Refusal, ...]
+
+
+PolicyEvent = ThresholdCrossing | Decision | NoActionAvailable
+
+
+def _fraction(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+        raise ConfigError(f"{name}={value!r} is not allowed; expected a number in (0, 1)")
+    return float(value)
+
+
+class Policy:
+    """When to act and what to do (see the module docstring).
+
+    Args:
+        min_free_fraction: the floor; pressure starts below it. In (0, 1).
+        rearm_free_fraction: pressure ends at or above it. In (0, 1), above ``min_free_fraction``.
+        cooldown_steps: optimizer steps between two applied decisions (int >= 0).
+        mode: ``"auto"``, ``"advise"`` or ``"observe"``.
+        allow_lossy: allow lossy actions (``compress_embedding*``).
+        ladder: action names in the order to try; default lossless
+            (``release_cache``, ``offload_embedding``, ``checkpoint_activations``) then, with
+            ``allow_lossy``, ``compress_embedding``.
+        on_pressure: called by the agent with each :class:`ThresholdCrossing` (see
+            :meth:`call_on_pressure`).
+        on_action: called by the agent with each :class:`~edo_monitor.actions.ActionResult`.
+        release_cache_min_bytes: slack below which ``release_cache`` is skipped (int or size
+            string such as ``"64MiB"``).
+
+    Raises:
+        ConfigError: (a ``ValueError``) for any value out of its allowed set; the message names
+            the value and what is allowed.
+    """
+
+    def __init__(
+        self,
+        min_free_fraction: float = 0.20,
+        rearm_free_fraction: float = 0.25,
+        cooldown_steps: int = 5,
+        mode: str = "auto",
+        allow_lossy: bool = False,
+        ladder: Sequence[str] | None = None,
+        on_pressure: Callable[[ThresholdCrossing], Any] | None = None,
+        on_action: Callable[[ActionResult], Any] | None = None,
+        release_cache_min_bytes: int | str = 64 * 1024 * 1024,
+    ) -> None:
+        self.min_free_fraction = _fraction("min_free_fraction", min_free_fraction)
+        self.rearm_free_fraction = _fraction("rearm_free_fraction", rearm_free_fraction)
+        if self.rearm_free_fraction <= self.min_free_fraction:
+            raise ConfigError(
+                f"rearm_free_fraction={rearm_free_fraction!r} is not allowed; expected a value "
+                f"above min_free_fraction={min_free_fraction!r}"
+            )
+        if (
+            isinstance(cooldown_steps, bool)
+            or not isinstance(cooldown_steps, int)
+            or cooldown_steps < 0
+        ):
+            raise ConfigError(
+                f"cooldown_steps={cooldown_steps!r} is not allowed; expected an int >= 0"
+            )
+        self.cooldown_steps = cooldown_steps
+        if mode not in MODES:
+            raise ConfigError(f"mode={mode!r} is not allowed; expected one of {', '.join(MODES)}")
+        self.mode = mode
+        if not isinstance(allow_lossy, bool):
+            raise ConfigError(f"allow_lossy={allow_lossy!r} is not allowed; expected True or False")
+        self.allow_lossy = allow_lossy
+        self.ladder = self._check_ladder(ladder)
+        for name, hook in (("on_pressure", on_pressure), ("on_action", on_action)):
+            if hook is not None and not callable(hook):
+                raise ConfigError(f"{name}={hook!r} is not allowed; expected a callable or None")
+        self.on_pressure = on_pressure
+        self.on_action = on_action
+        self.release_cache_min_bytes = parse_bytes(
+            release_cache_min_bytes, name="release_cache_min_bytes"
+        )
+        self._lock = threading.Lock()
+        self.under_pressure = False
+        self.pending: Decision | None = None
+        self.last_decision_step: int | None = None
+        self._failed: set[tuple[str, str]] = set()
+        self._advised: set[tuple[str, str]] = set()
+        self._reported_none = False
+
+    def _check_ladder(self, ladder: Sequence[str] | None) -> tuple[str, ...]:
+        if ladder is None:
+            return DEFAULT_LOSSLESS_LADDER + (DEFAULT_LOSSY_LADDER if self.allow_lossy else ())
+        if isinstance(ladder, str) or not isinstance(ladder, Sequence):
+            raise ConfigError(f"ladder={ladder!r} is not allowed; expected a list of action names")
+        known = ", ".join(ACTIONS)
+        seen: set[str] = set()
+        for name in ladder:
+            if name not in ACTIONS:
+                raise ConfigError(f"ladder action {name!r} is not known; expected one of {known}")
+            if name in seen:
+                raise ConfigError(f"ladder action {name!r} appears twice")
+            if name in LOSSY_ACTIONS and not self.allow_lossy:
+                raise ConfigError(
+                    f"ladder action {name!r} is lossy; pass allow_lossy=True to use it"
+                )
+            seen.add(name)
+        return tuple(ladder)
+
+    def __repr__(self) -> str:
+        return (
+            f"Policy(min_free_fraction={self.min_free_fraction}, "
+            f"rearm_free_fraction={self.rearm_free_fraction}, "
+            f"cooldown_steps={self.cooldown_steps}, "
+            f"mode={self.mode!r}, allow_lossy={self.allow_lossy}, ladder={list(self.ladder)})"
+        )
+
+    def evaluate(self, reading: Reading, planner: Planner | None = None) -> list[PolicyEvent]:
+        """Events for one reading: crossings first, then at most one decision (or a no-action).
+
+        Args:
+            reading: needs ``free_fraction`` (``None`` gives no events) and ``step``; uses
+                ``device_kind`` and ``reserved_unallocated_bytes`` to skip ``release_cache``.
+            planner: ``name -> Plan | Refusal`` (a callable, e.g. :func:`make_planner`, or a
+                mapping; a name missing from a mapping counts as refused). Called only under
+                pressure, in ladder order, until one plans. ``None`` = no decisions.
+
+        Returns:
+            A list of :class:`ThresholdCrossing`, :class:`Decision` and
+            :class:`NoActionAvailable` events, in order.
+        """
+        free = reading.free_fraction
+        if free is None:
+            return []
+        events: list[PolicyEvent] = []
+        with self._lock:
+            if not self.under_pressure and free < self.min_free_fraction:
+                self.under_pressure = True
+                self._advised.clear()
+                self._reported_none = False
+                events.append(
+                    ThresholdCrossing(
+                        "below_floor", reading.step, reading.time_s, free, self.min_free_fraction
+                    )
+                )
+            elif self.under_pressure and free >= self.rearm_free_fraction:
+                self.under_pressure = False
+                events.append(
+                    ThresholdCrossing(
+                        "above_rearm", reading.step, reading.time_s, free, self.rearm_free_fraction
+                    )
+                )
+            if not self.under_pressure or self.mode == "observe" or planner is None:
+                return events
+            if self.pending is not None:
+                return events
+            if (
+                self.mode == "auto"
+                and self.last_decision_step is not None
+                and reading.step - self.last_decision_step < self.cooldown_steps
+            ):
+                return events
+            decision, refusals = self._choose(reading, planner)
+            if decision is not None:
+                events.append(decision)
+                if self.mode == "auto":
+                    self.pending = decision
+                    self.last_decision_step = reading.step
+                else:
+                    self._advised.add((decision.action, decision.target))
+            elif not self._reported_none:
+                self._reported_none = True
+                events.append(
+                    NoActionAvailable(reading.step, reading.time_s, free, tuple(refusals))
+                )
+        return events
+
+    def _choose(self, reading: Reading, planner: Planner) -> tuple[Decision | None, list[Refusal]]:
+        refusals: list[Refusal] = []
+        for name in self.ladder:
+            if name == "release_cache":
+                skip = self._release_cache_skip(reading)
+                if skip:
+                    refusals.append(Refusal(name, "allocator", skip))
+                    continue
+            if isinstance(planner, Mapping):
+                plan = planner.get(name, Refusal(name, "", "not planned"))
+            else:
+                plan = planner(name)
+            if isinstance(plan, Refusal):
+                refusals.append(plan)
+                continue
+            key = (plan.action, plan.target)
+            if key in self._failed:
+                refusals.append(Refusal(name, plan.target, "failed before on this target"))
+                continue
+            if self.mode == "advise" and key in self._advised:
+                refusals.append(Refusal(name, plan.target, "already advised in this episode"))
+                continue
+            mode: Literal["auto", "advise"] = "advise" if self.mode == "advise" else "auto"
+            return (
+                Decision(
+                    action=plan.action,
+                    target=plan.target,
+                    estimated_saving_bytes=plan.estimated_saving_bytes,
+                    reason=(
+                        f"free {reading.free_fraction:.1%} below floor "
+                        f"{self.min_free_fraction:.0%}: {plan.reason}"
+                    ),
+                    step=reading.step,
+                    time_s=reading.time_s,
+                    free_fraction=float(reading.free_fraction or 0.0),
+                    mode=mode,
+                    plan=plan,
+                ),
+                refusals,
+            )
+        return None, refusals
+
+    def _release_cache_skip(self, reading: Reading) -> str | None:
+        if reading.device_kind != "cuda":
+            return "not applicable in CPU-budget mode (no allocator cache)"
+        slack = reading.reserved_unallocated_bytes
+        if slack is not None and slack < self.release_cache_min_bytes:
+            return (
+                f"reserved-but-unallocated {format_bytes(slack)} is below "
+                f"{format_bytes(self.release_cache_min_bytes)}"
+            )
+        return None
+
+    def resolve(self, decision: Decision, status: str) -> None:
+        """Report what became of a pending decision (training thread, after ``apply``).
+
+        Args:
+            decision: the :class:`Decision` returned by :meth:`evaluate`.
+            status: the :class:`~edo_monitor.actions.ActionResult` ``status``: ``"applied"``
+                (the cooldown starts at the decision's step), ``"refused"`` (no cooldown charged;
+                the next reading may try the next rung) or ``"failed"`` (also never tried on the
+                same target again).
+        """
+        with self._lock:
+            if self.pending is decision or self.pending == decision:
+                self.pending = None
+            if status != "applied":
+                self.last_decision_step = None
+            if status == "failed":
+                self._failed.add((decision.action, decision.target))
+
+    def call_on_pressure(self, crossing: ThresholdCrossing) -> BaseException | None:
+        """Call the user's ``on_pressure`` hook; an exception is logged and returned, not raised."""
+        return _call_hook("on_pressure", self.on_pressure, crossing)
+
+    def call_on_action(self, result: ActionResult) -> BaseException | None:
+        """Call the user's ``on_action`` hook; an exception is logged and returned, not raised."""
+        return _call_hook("on_action", self.on_action, result)
+
+
+def _call_hook(name: str, hook: Callable[[Any], Any] | None, arg: Any) -> BaseException | None:
+    if hook is None:
+        return None
+    try:
+        hook(arg)
+    except Exception as exc:
+        logger.exception("user hook %s raised; training goes on", name)
+        return exc
+    return None
+
+
+def make_planner(ctx: ActionContext) -> Callable[[str], Plan | Refusal]:
+    """A planner for :meth:`Policy.evaluate` that asks ``ACTIONS[name].plan(ctx)``.
+
+    An exception while planning becomes a :class:`~edo_monitor.actions.Refusal` whose reason names
+    it (the agent must never fail training because of a plan).
+    """
+
+    def planner(name: str) -> Plan | Refusal:
+        try:
+            return ACTIONS[name].plan(ctx)
+        except Exception as exc:
+            logger.exception("planning %s failed", name)
+            return Refusal(name, "", f"planning failed: {type(exc).__name__}: {exc}")
+
+    return planner
