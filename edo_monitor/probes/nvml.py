@@ -106,8 +106,11 @@ def resolve_nvml_uuid(
         return all_uuids[index]
     if entry.startswith("MIG-"):
         return _uuid_of(nvml, nvml.nvmlDeviceGetHandleByUUID(entry))
-    prefix = entry if entry.startswith("GPU-") else f"GPU-{entry}"
-    matches = [u for u in all_uuids if u.startswith(prefix)]
+    if not entry.startswith("GPU-"):
+        raise LookupError(
+            f"CUDA_VISIBLE_DEVICES entry {entry!r} is not an index, GPU- or MIG- UUID"
+        )
+    matches = [u for u in all_uuids if u.startswith(entry)]
     if len(matches) != 1:
         what = "no" if not matches else f"{len(matches)}"
         raise LookupError(f"CUDA_VISIBLE_DEVICES entry {entry!r} matches {what} NVML device(s)")

@@ -1,0 +1,1 @@
+"""Stand-ins for the hardware boundary only (NVML, CUDA allocator readings)."""

@@ -1,0 +1,137 @@
+"""A fake NVML with pynvml's own functions, structs and exception classes.
+
+Only the hardware is faked: every error raised here is the class the real ``pynvml`` raises for
+that condition (``NVMLError_NotSupported``, ``NVMLError_GpuIsLost``, ``NVMLLibraryMismatchError``
+…), so the probe's error handling meets the real thing's semantics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pynvml
+
+
+@dataclass
+class FakeGpu:
+    uuid: str
+    name: str = "NVIDIA H200"
+    total: int = 150_000_000_000
+    used: int = 10_000_000_000
+    reserved: int = 500_000_000
+    processes: list[tuple[int, int | None]] = field(default_factory=list)
+    mig: bool = False
+    memory_not_supported: bool = False
+    lost_after_reads: int | None = None
+    reads: int = 0
+
+
+class FakeNvml:
+    """Implements the pynvml calls the probe uses, over a list of :class:`FakeGpu`.
+
+    Args:
+        gpus: devices in NVML (PCI bus) order.
+        library_missing: ``nvmlInit`` raises ``NVMLError_LibraryNotFound``.
+        driver_mismatch: ``nvmlInit`` raises ``NVMLError_LibRmVersionMismatch``.
+        has_v2: the driver exports ``nvmlDeviceGetMemoryInfo_v2`` (else pynvml raises
+            ``NVMLError_FunctionNotFound``).
+        v2_binding_error: the binding itself fails on the versioned call with an error that is
+            not an ``NVMLError`` (``NVMLLibraryMismatchError``), as pynvml's version-mismatch
+            wrapper does.
+    """
+
+    NVMLError = pynvml.NVMLError
+    NVMLError_NotSupported = pynvml.NVMLError_NotSupported
+    NVMLError_GpuIsLost = pynvml.NVMLError_GpuIsLost
+    nvmlMemory_v2 = pynvml.nvmlMemory_v2
+
+    def __init__(
+        self,
+        gpus: list[FakeGpu],
+        *,
+        library_missing: bool = False,
+        driver_mismatch: bool = False,
+        has_v2: bool = True,
+        v2_binding_error: bool = False,
+    ) -> None:
+        self.gpus = gpus
+        self.library_missing = library_missing
+        self.driver_mismatch = driver_mismatch
+        self.has_v2 = has_v2
+        self.v2_binding_error = v2_binding_error
+        self.initialised = False
+        self.shutdowns = 0
+
+    def _err(self, code: int) -> pynvml.NVMLError:
+        return pynvml.NVMLError(code)  # pynvml maps the code to its subclass in __new__
+
+    def nvmlInit(self) -> None:
+        if self.library_missing:
+            raise self._err(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+        if self.driver_mismatch:
+            raise self._err(pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH)
+        self.initialised = True
+
+    def nvmlShutdown(self) -> None:
+        self.shutdowns += 1
+
+    def _check(self) -> None:
+        if not self.initialised:
+            raise self._err(pynvml.NVML_ERROR_UNINITIALIZED)
+
+    def nvmlDeviceGetCount(self) -> int:
+        self._check()
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> FakeGpu:
+        self._check()
+        if not 0 <= index < len(self.gpus):
+            raise self._err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return self.gpus[index]
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> FakeGpu:
+        self._check()
+        for gpu in self.gpus:
+            if gpu.uuid == uuid:
+                return gpu
+        raise self._err(pynvml.NVML_ERROR_NOT_FOUND)
+
+    def nvmlDeviceGetUUID(self, handle: FakeGpu) -> str:
+        return handle.uuid
+
+    def nvmlDeviceGetName(self, handle: FakeGpu) -> str:
+        return handle.name
+
+    def _maybe_lost(self, gpu: FakeGpu) -> None:
+        if gpu.lost_after_reads is not None and gpu.reads >= gpu.lost_after_reads:
+            raise self._err(pynvml.NVML_ERROR_GPU_IS_LOST)
+
+    def nvmlDeviceGetMemoryInfo(self, handle: FakeGpu, version: int | None = None) -> Any:
+        self._check()
+        self._maybe_lost(handle)
+        if handle.memory_not_supported:
+            raise self._err(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if version:
+            if self.v2_binding_error:
+                raise pynvml.NVMLLibraryMismatchError("versioned function missing")
+            if not self.has_v2:
+                raise self._err(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+        handle.reads += 1
+        free = handle.total - handle.used - (handle.reserved if version else 0)
+        if version:
+            return SimpleNamespace(
+                version=version, total=handle.total, reserved=handle.reserved, free=free,
+                used=handle.used,
+            )  # fmt: skip
+        return SimpleNamespace(
+            total=handle.total, free=handle.total - handle.used, used=handle.used
+        )
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: FakeGpu) -> list[Any]:
+        self._check()
+        self._maybe_lost(handle)
+        if handle.mig:
+            raise self._err(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return [SimpleNamespace(pid=pid, usedGpuMemory=mem) for pid, mem in handle.processes]
