@@ -1,0 +1,79 @@
+"""The text of ``edo-monitor estimate`` (the typer command in :mod:`edo_monitor.cli` calls this)."""
+
+from __future__ import annotations
+
+import json
+
+from edo_monitor.estimate import Estimate, estimate
+from edo_monitor.units import format_bytes
+
+__all__ = ["estimate_command", "format_estimate"]
+
+_ROWS = (
+    ("params", "params_bytes"),
+    ("grads", "grads_bytes"),
+    ("optimizer state", "optimizer_state_bytes"),
+    ("total", "total_bytes"),
+    ("step counters", "step_state_bytes"),
+    ("total with step", "total_with_step_bytes"),
+)
+
+
+def format_estimate(result: Estimate) -> str:
+    """A small table: one line per category with the exact bytes and binary units."""
+    compression = result.compression or "none"
+    master = ", fp32 master weights" if result.master_weights else ""
+    lines = [
+        f"Embedding table {result.num_embeddings:,} x {result.embedding_dim:,} {result.dtype}, "
+        f"optimizer {result.optimizer}, compression {compression}{master}",
+    ]
+    values = result.as_dict()
+    width = max(len(label) for label, _ in _ROWS)
+    numbers = {key: f"{values[key]:,}" for _, key in _ROWS}
+    num_width = max(len(n) for n in numbers.values())
+    for label, key in _ROWS:
+        lines.append(
+            f"  {label:<{width}}  {numbers[key]:>{num_width}} bytes  {format_bytes(values[key])}"
+        )
+    lines.append(
+        "  (total = device memory; the optimizer's step counters are CPU scalars with PyTorch's "
+        "default options)"
+    )
+    return "\n".join(lines)
+
+
+def estimate_command(
+    num_embeddings: int,
+    embedding_dim: int,
+    dtype: str,
+    optimizer: str,
+    compression: str | None,
+    master_weights: bool,
+    as_json: bool,
+) -> str:
+    """Run :func:`edo_monitor.estimate.estimate` and return what the command prints.
+
+    Args:
+        num_embeddings, embedding_dim, dtype, optimizer, compression, master_weights: passed to
+            :func:`~edo_monitor.estimate.estimate` (``compression`` as text: ``"int8"``,
+            ``"lowrank:64"``, ``"hash:100000"`` …).
+        as_json: return ``Estimate.as_dict()`` as indented JSON instead of the table.
+
+    Returns:
+        The text to print, without a trailing newline.
+
+    Raises:
+        ConfigError: (a ``ValueError``) for a bad argument; its message names the value and what
+            is allowed, fit to show the user as is.
+    """
+    result = estimate(
+        num_embeddings,
+        embedding_dim,
+        dtype=dtype,
+        optimizer=optimizer,
+        compression=compression,
+        master_weights=master_weights,
+    )
+    if as_json:
+        return json.dumps(result.as_dict(), indent=2)
+    return format_estimate(result)

@@ -1,0 +1,312 @@
+"""Bytes an embedding table will need for training, before it is built.
+
+:func:`estimate` counts, for one ``num_embeddings × embedding_dim`` table, the parameters, their
+gradients and the optimizer's state, exactly as PyTorch's optimizers store them (dense gradients,
+as ``nn.Embedding(sparse=False)`` produces). Per element of each trainable parameter tensor:
+
+=============  ==========================================  ==========================
+optimizer      state tensors the size of the parameter     scalar ``step`` tensor
+=============  ==========================================  ==========================
+sgd            none (``momentum=0`` keeps no state)        no
+sgd-momentum   ``momentum_buffer``                         no
+adam, adamw    ``exp_avg``, ``exp_avg_sq``                 yes
+adagrad        ``sum``                                     yes
+rmsprop        ``square_avg`` (default: no momentum,       yes
+               not centered)
+=============  ==========================================  ==========================
+
+**The scalar step counter.** Adam, AdamW, Adagrad and RMSprop also keep ``state["step"]``, a
+0-d float32 tensor (4 bytes) per parameter tensor. With the default options (not ``capturable``,
+not ``fused``) PyTorch keeps it *on the CPU* even when the parameter is on a GPU, so it is not
+device memory. The estimate therefore reports it apart, as ``step_state_bytes``:
+
+* ``total_bytes`` = ``params_bytes + grads_bytes + optimizer_state_bytes``: the device memory of
+  the table (step counters excluded). This is the headline figure, e.g. 500,000 × 12,288 float32
+  with Adam: 98,304,000,000 bytes.
+* ``total_with_step_bytes`` = ``total_bytes + step_state_bytes``: every byte the optimizer and
+  model hold, wherever it lives. It equals, to the byte, :func:`edo_monitor.accounting.account`'s
+  ``total_bytes`` in CPU-budget mode after one optimizer step (where every tensor counts, and
+  accounting's ``optimizer_state_bytes`` = our ``optimizer_state_bytes + step_state_bytes``). On
+  CUDA, accounting's device-tier ``total_bytes`` equals our ``total_bytes`` (the step tensors land
+  in its ``host_bytes``).
+
+**Compression** (the EDO strategies, see DESIGN.md §1):
+
+* ``None``: the table in ``dtype``, trainable.
+* ``"fp16"`` / ``"bf16"``: the table stored in that 16-bit type, trainable; gradients and optimizer
+  state in the same type, unless ``master_weights=True``: then the optimizer also keeps an fp32
+  master copy of the weights and its state in fp32 (both counted in ``optimizer_state_bytes``;
+  gradients stay 16-bit). ``dtype`` is then the type the table was trained in before.
+* ``"int8"``: row-wise symmetric int8 quantization: one int8 per element plus one float32 scale per
+  row (``num_embeddings × 4`` bytes); no zero point/offset is stored. The quantized table is frozen:
+  no gradients and no optimizer state.
+* ``"lowrank:K"`` or ``("lowrank", K)``: two trainable factors ``num_embeddings × K`` and
+  ``K × embedding_dim`` in ``dtype`` (two parameter tensors, so two step counters).
+* ``"hash:B"`` or ``("hash", B)``: ``B × embedding_dim`` shared rows in ``dtype``, trainable
+  (ids are hashed into ``B`` buckets; the hash itself stores nothing).
+
+Everything here is arithmetic; nothing touches a device.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from edo_monitor.errors import ConfigError
+
+__all__ = ["OPTIMIZERS", "Estimate", "estimate"]
+
+logger = logging.getLogger(__name__)
+
+# name -> (state tensors per parameter element, keeps a scalar step tensor)
+_OPTIMIZER_STATE: dict[str, tuple[int, bool]] = {
+    "sgd": (0, False),
+    "sgd-momentum": (1, False),
+    "adam": (2, True),
+    "adamw": (2, True),
+    "adagrad": (1, True),
+    "rmsprop": (1, True),
+}
+OPTIMIZERS: tuple[str, ...] = tuple(_OPTIMIZER_STATE)
+_OPTIMIZER_ALIASES = {
+    "sgd_momentum": "sgd-momentum",
+    "sgdmomentum": "sgd-momentum",
+    "sgd-m": "sgd-momentum",
+    "momentum": "sgd-momentum",
+    "rms-prop": "rmsprop",
+    "rms_prop": "rmsprop",
+    "adam-w": "adamw",
+    "adam_w": "adamw",
+}
+_STEP_TENSOR_BYTES = 4  # torch.tensor(0.0): float32 under the default dtype
+
+_DTYPES: dict[str, tuple[str, int]] = {
+    "float32": ("float32", 4),
+    "fp32": ("float32", 4),
+    "float": ("float32", 4),
+    "float16": ("float16", 2),
+    "fp16": ("float16", 2),
+    "half": ("float16", 2),
+    "bfloat16": ("bfloat16", 2),
+    "bf16": ("bfloat16", 2),
+    "float64": ("float64", 8),
+    "fp64": ("float64", 8),
+    "double": ("float64", 8),
+}
+_DTYPES_ALLOWED = "float32, float16, bfloat16, float64 (or fp32, fp16, bf16, fp64, a torch.dtype)"
+_COMPRESSION_ALLOWED = (
+    "None, 'fp16', 'bf16', 'int8', 'lowrank:K' / ('lowrank', K), 'hash:B' / ('hash', B)"
+)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bytes of one embedding table in training (see the module docstring for every rule).
+
+    Attributes:
+        num_embeddings, embedding_dim: the table's rows and columns.
+        dtype: element type of the uncompressed table (``"float32"`` …).
+        optimizer: canonical optimizer name (one of :data:`OPTIMIZERS`).
+        compression: canonical compression (``None``, ``"fp16"``, ``"bf16"``, ``"int8"``,
+            ``"lowrank:K"``, ``"hash:B"``).
+        master_weights: whether an fp32 master copy is kept for a 16-bit table.
+        params_bytes: parameters and buffers (int8 scales included).
+        grads_bytes: gradients (0 for a frozen table).
+        optimizer_state_bytes: optimizer state the size of the parameters (moments, master copy);
+            the scalar step counters are in ``step_state_bytes``.
+        step_state_bytes: 4 bytes per parameter tensor for optimizers with a ``step`` tensor
+            (a CPU tensor with PyTorch's default options).
+    """
+
+    num_embeddings: int
+    embedding_dim: int
+    dtype: str
+    optimizer: str
+    compression: str | None
+    master_weights: bool
+    params_bytes: int
+    grads_bytes: int
+    optimizer_state_bytes: int
+    step_state_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        """Device bytes: params + grads + optimizer state (step counters excluded)."""
+        return self.params_bytes + self.grads_bytes + self.optimizer_state_bytes
+
+    @property
+    def total_with_step_bytes(self) -> int:
+        """Every byte, step counters included: what CPU-budget accounting measures."""
+        return self.total_bytes + self.step_state_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        """The inputs and every byte count (totals included) as a plain, JSON-ready dict."""
+        result = asdict(self)
+        result["total_bytes"] = self.total_bytes
+        result["total_with_step_bytes"] = self.total_with_step_bytes
+        return result
+
+
+def _positive_int(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name}={value!r} is not allowed; expected a positive int")
+    return value
+
+
+def _dtype(value: object) -> tuple[str, int]:
+    if isinstance(value, torch.dtype):
+        key = str(value).removeprefix("torch.")
+    elif isinstance(value, str):
+        key = value.strip().lower().removeprefix("torch.")
+    else:
+        key = ""
+    if key not in _DTYPES:
+        raise ConfigError(f"dtype={value!r} is not allowed; expected one of {_DTYPES_ALLOWED}")
+    return _DTYPES[key]
+
+
+def _optimizer(value: object) -> str:
+    key = value.strip().lower() if isinstance(value, str) else ""
+    key = _OPTIMIZER_ALIASES.get(key, key)
+    if key not in _OPTIMIZER_STATE:
+        raise ConfigError(
+            f"optimizer={value!r} is not allowed; expected one of {', '.join(OPTIMIZERS)}"
+        )
+    return key
+
+
+def _compression(value: object) -> tuple[str | None, int]:
+    """Canonical (kind, argument): (None, 0), ("fp16", 0), ("lowrank", K), ("hash", B) …"""
+    if value is None:
+        return None, 0
+    bad = ConfigError(f"compression={value!r} is not allowed; expected {_COMPRESSION_ALLOWED}")
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("", "none"):
+            return None, 0
+        if text in ("fp16", "float16", "half"):
+            return "fp16", 0
+        if text in ("bf16", "bfloat16"):
+            return "bf16", 0
+        if text in ("int8", "int8-rowwise", "int8_rowwise"):
+            return "int8", 0
+        kind, sep, arg = text.partition(":")
+        if not sep:
+            raise bad
+        try:
+            number = int(arg.strip())
+        except ValueError:
+            raise bad from None
+    elif isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str):
+        kind = value[0].strip().lower()
+        number = value[1]
+        if isinstance(number, bool) or not isinstance(number, int):
+            raise bad
+    else:
+        raise bad
+    if kind not in ("lowrank", "hash"):
+        raise bad
+    return kind, number
+
+
+def estimate(
+    num_embeddings: int,
+    embedding_dim: int,
+    *,
+    dtype: str | torch.dtype = "float32",
+    optimizer: str = "adam",
+    compression: str | tuple[str, int] | None = None,
+    master_weights: bool = False,
+) -> Estimate:
+    """Estimate the training memory of one embedding table (rules: module docstring).
+
+    Args:
+        num_embeddings: rows (a positive int).
+        embedding_dim: columns (a positive int).
+        dtype: element type of the table and, for low-rank and hashing, of its factors:
+            float32 (default), float16, bfloat16, float64; aliases fp32/fp16/bf16/fp64, half,
+            double, or a ``torch.dtype``.
+        optimizer: ``"sgd"``, ``"sgd-momentum"`` (also ``"sgd_momentum"``, ``"momentum"``),
+            ``"adam"``, ``"adamw"``, ``"adagrad"``, ``"rmsprop"``.
+        compression: ``None``, ``"fp16"``, ``"bf16"``, ``"int8"``, ``"lowrank:K"`` or
+            ``("lowrank", K)`` with ``1 <= K <= min(num_embeddings, embedding_dim)``,
+            ``"hash:B"`` or ``("hash", B)`` with ``1 <= B <= num_embeddings``.
+        master_weights: keep an fp32 master copy (and fp32 optimizer state) for a 16-bit
+            trainable table; only allowed when the trainable storage is 16-bit.
+
+    Returns:
+        An :class:`Estimate`; all byte counts are ints.
+
+    Raises:
+        ConfigError: (a ``ValueError``) naming the bad value and what is allowed.
+    """
+    rows = _positive_int(num_embeddings, "num_embeddings")
+    cols = _positive_int(embedding_dim, "embedding_dim")
+    dtype_name, dtype_bytes = _dtype(dtype)
+    opt = _optimizer(optimizer)
+    if not isinstance(master_weights, bool):
+        raise ConfigError(f"master_weights={master_weights!r} is not allowed; expected a bool")
+    kind, arg = _compression(compression)
+
+    # (elements of each trainable tensor, bytes per element of the trainable storage)
+    trainable: list[int] = []
+    storage_bytes = dtype_bytes
+    params = 0
+    if kind is None:
+        trainable = [rows * cols]
+    elif kind in ("fp16", "bf16"):
+        storage_bytes = 2
+        trainable = [rows * cols]
+    elif kind == "int8":
+        params = rows * cols + rows * 4  # int8 weights + one float32 scale per row
+    elif kind == "lowrank":
+        if not 1 <= arg <= min(rows, cols):
+            raise ConfigError(
+                f"compression='lowrank:{arg}' is not allowed; the rank K must be between 1 and "
+                f"min(num_embeddings, embedding_dim) = {min(rows, cols)}"
+            )
+        trainable = [rows * arg, arg * cols]
+    else:  # hash
+        if not 1 <= arg <= rows:
+            raise ConfigError(
+                f"compression='hash:{arg}' is not allowed; the number of buckets B must be "
+                f"between 1 and num_embeddings = {rows}"
+            )
+        trainable = [arg * cols]
+
+    if master_weights and (not trainable or storage_bytes != 2):
+        raise ConfigError(
+            f"master_weights=True is not allowed with dtype={dtype_name!r} and "
+            f"compression={compression!r}; it needs a trainable 16-bit table "
+            "(dtype float16/bfloat16, or compression 'fp16'/'bf16')"
+        )
+
+    numel = sum(trainable)
+    states_per_element, has_step = _OPTIMIZER_STATE[opt]
+    params += numel * storage_bytes
+    grads = numel * storage_bytes
+    if master_weights:
+        optimizer_state = numel * 4 + numel * 4 * states_per_element
+    else:
+        optimizer_state = numel * storage_bytes * states_per_element
+    step_state = _STEP_TENSOR_BYTES * len(trainable) if has_step else 0
+
+    canonical = kind if kind in (None, "fp16", "bf16", "int8") else f"{kind}:{arg}"
+    result = Estimate(
+        num_embeddings=rows,
+        embedding_dim=cols,
+        dtype=dtype_name,
+        optimizer=opt,
+        compression=canonical,
+        master_weights=master_weights,
+        params_bytes=params,
+        grads_bytes=grads,
+        optimizer_state_bytes=optimizer_state,
+        step_state_bytes=step_state,
+    )
+    logger.debug("estimate: %s", result)
+    return result

@@ -1,0 +1,543 @@
+"""parse_oom_message: one test per wording PyTorch has used, real messages from public issues.
+
+Expected byte counts are written as ``round(printed value × unit)`` by hand from the message text.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from edo_monitor.oom import OomInfo, format_cpu_budget_oom_message, parse_oom_message
+
+KiB = 1024
+MiB = 1024**2
+GiB = 1024**3
+TiB = 1024**4
+
+
+def parse(message: str, **kwargs: int) -> OomInfo:
+    info = parse_oom_message(message, **kwargs)
+    assert info is not None, message
+    assert info.raw == message
+    return info
+
+
+# --- CUDA, PyTorch 1.4 – 2.0: "(GPU n; Y total capacity; Z already allocated; W free; V reserved)"
+
+
+def test_old_reserved_wording_real_message() -> None:
+    # https://github.com/pytorch/pytorch/issues/59778
+    message = (
+        "CUDA out of memory. Tried to allocate 2.26 GiB (GPU 0; 6.00 GiB total capacity; "
+        "781.59 MiB already allocated; 3.03 GiB free; 1.24 GiB reserved in total by PyTorch)"
+    )
+    info = parse(message)
+    assert info.backend == "cuda"
+    assert info.requested_bytes == round(2.26 * GiB)
+    assert info.device_index == 0
+    assert info.total_bytes == 6 * GiB
+    assert info.allocated_bytes == round(781.59 * MiB)
+    assert info.free_bytes == round(3.03 * GiB)
+    assert info.reserved_bytes == round(1.24 * GiB)
+    assert info.reserved_unallocated_bytes == round(1.24 * GiB) - round(781.59 * MiB)
+    assert info.process_bytes is None
+
+
+def test_old_reserved_wording_with_advice_tail_real_message() -> None:
+    # https://github.com/Strawberry-Eat-Mango/PCT_Pytorch/issues/27
+    message = (
+        "RuntimeError: CUDA out of memory. Tried to allocate 16.00 MiB (GPU 0; 3.94 GiB total "
+        "capacity; 2.98 GiB already allocated; 14.25 MiB free; 3.00 GiB reserved in total by "
+        "PyTorch) If reserved memory is >> allocated memory try setting max_split_size_mb to avoid "
+        "fragmentation.  See documentation for Memory Management and PYTORCH_CUDA_ALLOC_CONF"
+    )
+    info = parse(message)
+    assert info.requested_bytes == 16 * MiB
+    assert info.total_bytes == round(3.94 * GiB)
+    assert info.allocated_bytes == round(2.98 * GiB)
+    assert info.free_bytes == round(14.25 * MiB)
+    assert info.reserved_bytes == 3 * GiB
+    assert info.reserved_unallocated_bytes == 3 * GiB - round(2.98 * GiB)
+
+
+def test_old_wording_with_allowed_fraction_cap() -> None:
+    message = (
+        "CUDA out of memory. Tried to allocate 512.00 MiB (GPU 1; 8.00 GiB total capacity; "
+        "1.50 GiB already allocated; 5.00 GiB free; 2.00 GiB allowed; 1.75 GiB reserved in total "
+        "by PyTorch)"
+    )
+    info = parse(message)
+    assert info.device_index == 1
+    assert info.requested_bytes == 512 * MiB
+    assert info.total_bytes == 8 * GiB
+    assert info.allocated_bytes == 1536 * MiB
+    assert info.free_bytes == 5 * GiB
+    assert info.reserved_bytes == 1792 * MiB
+    assert info.reserved_unallocated_bytes == 256 * MiB
+
+
+# --- CUDA, PyTorch <= 1.3: "... W free; U cached)" with U = cached but unused
+
+
+def test_older_cached_wording_real_message() -> None:
+    # https://github.com/shllln/GenerativeGraph/issues/5
+    message = (
+        "RuntimeError: CUDA out of memory. Tried to allocate 1024.00 KiB (GPU 0; 11.17 GiB total "
+        "capacity; 10.90 GiB already allocated; 576.00 KiB free; 30.96 MiB cached)"
+    )
+    info = parse(message)
+    assert info.requested_bytes == 1 * MiB
+    assert info.total_bytes == round(11.17 * GiB)
+    assert info.allocated_bytes == round(10.90 * GiB)
+    assert info.free_bytes == 576 * KiB
+    assert info.reserved_unallocated_bytes == round(30.96 * MiB)
+    assert info.reserved_bytes == round(10.90 * GiB) + round(30.96 * MiB)
+
+
+def test_older_cached_wording_with_old_si_looking_units() -> None:
+    # Very old builds printed KB/MB/GB, which meant powers of 1024.
+    message = (
+        "CUDA out of memory. Tried to allocate 12.50 MB (GPU 2; 4.00 GB total capacity; "
+        "3.50 GB already allocated; 10.00 MB free; 256.00 KB cached)"
+    )
+    info = parse(message)
+    assert info.device_index == 2
+    assert info.requested_bytes == round(12.5 * MiB)
+    assert info.total_bytes == 4 * GiB
+    assert info.allocated_bytes == 3584 * MiB
+    assert info.free_bytes == 10 * MiB
+    assert info.reserved_unallocated_bytes == 256 * KiB
+    assert info.reserved_bytes == 3584 * MiB + 256 * KiB
+
+
+# --- CUDA, PyTorch >= 2.1: sentences, NVML process lines
+
+
+def test_new_wording_this_process_real_message_with_capacty_typo() -> None:
+    # https://github.com/Synthintel0/MyGirlGPT/issues/11 (PyTorch 2.1 spelled "capacty")
+    message = (
+        "torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 32.00 MiB. GPU 0 has a "
+        "total capacty of 4.00 GiB of which 41.56 MiB is free. Including non-PyTorch memory, this "
+        "process has 3.44 GiB memory in use. Of the allocated memory 2.58 GiB is allocated by "
+        "PyTorch, and 1.90 MiB is reserved by PyTorch but unallocated. If reserved but unallocated "
+        "memory is large try setting max_split_size_mb to avoid fragmentation.  See documentation "
+        "for Memory Management and PYTORCH_CUDA_ALLOC_CONF."
+    )
+    info = parse(message)
+    assert info.backend == "cuda"
+    assert info.requested_bytes == 32 * MiB
+    assert info.device_index == 0
+    assert info.total_bytes == 4 * GiB
+    assert info.free_bytes == round(41.56 * MiB)
+    assert info.process_bytes == round(3.44 * GiB)
+    assert info.allocated_bytes == round(2.58 * GiB)
+    assert info.reserved_unallocated_bytes == round(1.90 * MiB)
+    assert info.reserved_bytes == round(2.58 * GiB) + round(1.90 * MiB)
+
+
+def test_new_wording_several_processes_real_message() -> None:
+    # https://github.com/awslabs/keys_values/issues/92
+    message = (
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 572.00 MiB. GPU 0 has a "
+        "total capacity of 39.49 GiB of which 321.31 MiB is free. Process 3721648 has 414.00 MiB "
+        "memory in use. Including non-PyTorch memory, this process has 37.46 GiB memory in use. "
+        "Process 1374765 has 414.00 MiB memory in use. Process 1374763 has 414.00 MiB memory in "
+        "use. Process 1374764 has 414.00 MiB memory in use. Of the allocated memory 36.04 GiB is "
+        "allocated by PyTorch, and 321.37 MiB is reserved by PyTorch but unallocated. If reserved "
+        "but unallocated memory is large try setting PYTORCH_ALLOC_CONF=expandable_segments:True "
+        "to avoid fragmentation.  See documentation for Memory Management  "
+        "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+    )
+    # "this process" wins even when a pid sentence matches the given pid.
+    info = parse(message, pid=3721648)
+    assert info.requested_bytes == 572 * MiB
+    assert info.total_bytes == round(39.49 * GiB)
+    assert info.free_bytes == round(321.31 * MiB)
+    assert info.process_bytes == round(37.46 * GiB)
+    assert info.allocated_bytes == round(36.04 * GiB)
+    assert info.reserved_unallocated_bytes == round(321.37 * MiB)
+    assert info.reserved_bytes == round(36.04 * GiB) + round(321.37 * MiB)
+
+
+def test_new_wording_process_pid_matches_given_pid_real_message() -> None:
+    # https://github.com/FoundationVision/GenerateU/issues/10 (a container: NVML gives host pids)
+    message = (
+        "torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 496.00 MiB. GPU 0 has "
+        "a total capacty of 14.75 GiB of which 235.06 MiB is free. Process 20398 has 14.52 GiB "
+        "memory in use. Of the allocated memory 14.06 GiB is allocated by PyTorch, and 330.42 MiB "
+        "is reserved by PyTorch but unallocated. If reserved but unallocated memory is large try "
+        "setting max_split_size_mb to avoid fragmentation.  See documentation for Memory "
+        "Management and PYTORCH_CUDA_ALLOC_CONF"
+    )
+    mine = parse(message, pid=20398)
+    assert mine.process_bytes == round(14.52 * GiB)
+    assert mine.total_bytes == round(14.75 * GiB)
+    assert mine.free_bytes == round(235.06 * MiB)
+    assert mine.allocated_bytes == round(14.06 * GiB)
+    assert mine.reserved_unallocated_bytes == round(330.42 * MiB)
+    other = parse(message, pid=1)
+    assert other.process_bytes is None
+    assert other.allocated_bytes == round(14.06 * GiB)
+
+
+def test_new_wording_line_wrapped_real_message() -> None:
+    # https://github.com/pytorch/pytorch/pull/99699 (the PR that introduced the wording)
+    message = """torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 138.00 MiB.
+GPU 0 has a total capacty of 15.90 GiB of which 8.44 MiB is free.
+Process 1246069 has 577.00 MiB memory in use. Including non-PyTorch memory,
+this process has 15.32 GiB memory in use. Of the allocated memory
+14.12 GiB is allocated by PyTorch, and 410.41 MiB is reserved
+by PyTorch but unallocated. If reserved but unallocated memory is large
+try setting max_split_size_mb to avoid fragmentation."""
+    info = parse(message, pid=1246069)
+    assert info.requested_bytes == 138 * MiB
+    assert info.total_bytes == round(15.90 * GiB)
+    assert info.free_bytes == round(8.44 * MiB)
+    assert info.process_bytes == round(15.32 * GiB)  # "this process" wins
+    assert info.allocated_bytes == round(14.12 * GiB)
+    assert info.reserved_unallocated_bytes == round(410.41 * MiB)
+
+
+def test_new_wording_private_pools_and_allowed() -> None:
+    # Shape of c10/cuda/CUDACachingAllocator.cpp since pytorch/pytorch#124673: A includes P.
+    message = (
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 768.00 MiB. GPU 3 has a "
+        "total capacity of 79.19 GiB of which 140.00 MiB is free. Including non-PyTorch memory, "
+        "this process has 79.04 GiB memory in use. 75.00 GiB allowed; Of the allocated memory "
+        "72.50 GiB is allocated by PyTorch, with 436.00 MiB allocated in private pools (e.g., CUDA "
+        "Graphs), and 1.25 GiB is reserved by PyTorch but unallocated. If reserved but "
+        "unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+        "to avoid fragmentation.  See documentation for Memory Management  "
+        "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+    )
+    info = parse(message)
+    assert info.device_index == 3
+    assert info.requested_bytes == 768 * MiB
+    assert info.total_bytes == round(79.19 * GiB)
+    assert info.free_bytes == 140 * MiB
+    assert info.process_bytes == round(79.04 * GiB)
+    assert info.allocated_bytes == 72 * GiB + 512 * MiB
+    assert info.reserved_unallocated_bytes == GiB + 256 * MiB
+    assert info.reserved_bytes == 73 * GiB + 768 * MiB
+
+
+def test_new_wording_private_pools_without_unallocated_tail() -> None:
+    # As quoted in public logs, cut after the private-pool clause.
+    message = (
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 21.10 GiB. GPU 0 has a "
+        "total capacity of 22.30 GiB of which 50.00 MiB is free. Process 189021 has 22.28 GiB "
+        "memory in use. Of the allocated memory 20.94 GiB is allocated by PyTorch, with 22.00 MiB "
+        "allocated in private pools (e.g., CUDA Graphs)."
+    )
+    info = parse(message, pid=189021)
+    assert info.requested_bytes == round(21.10 * GiB)
+    assert info.process_bytes == round(22.28 * GiB)
+    assert info.allocated_bytes == round(20.94 * GiB)
+    assert info.reserved_unallocated_bytes is None
+    assert info.reserved_bytes is None
+
+
+def test_unknown_placeholder_is_none_not_an_overflow() -> None:
+    message = (
+        "CUDA out of memory. Tried to allocate 2.00 MiB. GPU 0 has a total capacity of "
+        "17179869184.00 GiB of which 17179869184.00 GiB is free. Of the allocated memory 1.00 GiB "
+        "is allocated by PyTorch, and 17179869184.00 GiB is reserved by PyTorch but unallocated."
+    )
+    info = parse(message)
+    assert info.requested_bytes == 2 * MiB
+    assert info.total_bytes is None
+    assert info.free_bytes is None
+    assert info.allocated_bytes == GiB
+    assert info.reserved_unallocated_bytes is None
+    assert info.reserved_bytes is None
+
+
+def test_tib_and_plain_byte_units() -> None:
+    message = (
+        "CUDA out of memory. Tried to allocate 1.50 TiB. GPU 0 has a total capacity of 79.10 GiB "
+        "of which 0 bytes is free. Of the allocated memory 512 bytes is allocated by PyTorch, and "
+        "1.00 KiB is reserved by PyTorch but unallocated."
+    )
+    info = parse(message)
+    assert info.requested_bytes == TiB + TiB // 2
+    assert info.free_bytes == 0
+    assert info.allocated_bytes == 512
+    assert info.reserved_unallocated_bytes == 1024
+    assert info.reserved_bytes == 1536
+
+
+def test_bare_out_of_memory_wording_of_recent_builds() -> None:
+    message = (
+        "Out of memory. Tried to allocate 64.00 MiB. GPU 0 has a total capacity of 23.52 GiB of "
+        "which 9.75 MiB is free. Of the allocated memory 22.59 GiB is allocated by PyTorch, and "
+        "352.99 MiB is reserved by PyTorch but unallocated."
+    )
+    info = parse(message)
+    assert info.backend == "cuda"
+    assert info.requested_bytes == 64 * MiB
+    assert info.free_bytes == round(9.75 * MiB)
+
+
+def test_message_inside_a_traceback() -> None:
+    message = (
+        'Traceback (most recent call last):\n  File "train.py", line 3, in <module>\n'
+        "    loss.backward()\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate "
+        "20.00 MiB. GPU 0 has a total capacity of 8.00 GiB of which 0 bytes is free. Of the "
+        "allocated memory 7.51 GiB is allocated by PyTorch, and 15.90 MiB is reserved by PyTorch "
+        "but unallocated.\n"
+    )
+    info = parse(message)
+    assert info.requested_bytes == 20 * MiB
+    assert info.total_bytes == 8 * GiB
+    assert info.free_bytes == 0
+    assert info.allocated_bytes == round(7.51 * GiB)
+    assert info.reserved_unallocated_bytes == round(15.90 * MiB)
+
+
+def test_cuda_driver_error_without_numbers() -> None:
+    info = parse("RuntimeError: CUDA error: out of memory")
+    assert info.backend == "cuda"
+    assert (info.requested_bytes, info.total_bytes, info.allocated_bytes) == (None, None, None)
+
+
+# --- ROCm
+
+
+def test_hip_new_wording_real_message() -> None:
+    # https://github.com/Comfy-Org/ComfyUI/issues/9529
+    message = (
+        "HIP out of memory. Tried to allocate 432.00 MiB. GPU 0 has a total capacity of 15.92 GiB "
+        "of which 7.12 GiB is free. Of the allocated memory 8.08 GiB is allocated by PyTorch, and "
+        "321.96 MiB is reserved by PyTorch but unallocated. If reserved but unallocated memory is "
+        "large try setting PYTORCH_HIP_ALLOC_CONF=expandable_segments:True to avoid "
+        "fragmentation.  See documentation for Memory Management  "
+        "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+    )
+    info = parse(message)
+    assert info.backend == "hip"
+    assert info.requested_bytes == 432 * MiB
+    assert info.device_index == 0
+    assert info.total_bytes == round(15.92 * GiB)
+    assert info.free_bytes == round(7.12 * GiB)
+    assert info.allocated_bytes == round(8.08 * GiB)
+    assert info.reserved_unallocated_bytes == round(321.96 * MiB)
+    assert info.process_bytes is None
+
+
+def test_hip_zero_bytes_real_message() -> None:
+    # https://github.com/ROCm/TheRock/issues/1054
+    message = (
+        "torch.OutOfMemoryError: HIP out of memory. Tried to allocate 16.00 GiB. GPU 0 has a total "
+        "capacity of 15.24 GiB of which 15.09 GiB is free. Of the allocated memory 0 bytes is "
+        "allocated by PyTorch, and 0 bytes is reserved by PyTorch but unallocated. If reserved but "
+        "unallocated memory is large try setting PYTORCH_HIP_ALLOC_CONF=expandable_segments:True "
+        "to avoid fragmentation."
+    )
+    info = parse(message)
+    assert info.backend == "hip"
+    assert info.requested_bytes == 16 * GiB
+    assert info.total_bytes == round(15.24 * GiB)
+    assert info.free_bytes == round(15.09 * GiB)
+    assert info.allocated_bytes == 0
+    assert info.reserved_unallocated_bytes == 0
+    assert info.reserved_bytes == 0
+
+
+def test_hip_old_wording() -> None:
+    message = (
+        "RuntimeError: HIP out of memory. Tried to allocate 20.00 MiB (GPU 0; 15.98 GiB total "
+        "capacity; 15.45 GiB already allocated; 0 bytes free; 15.75 GiB reserved in total by "
+        "PyTorch)"
+    )
+    info = parse(message)
+    assert info.backend == "hip"
+    assert info.requested_bytes == 20 * MiB
+    assert info.total_bytes == round(15.98 * GiB)
+    assert info.allocated_bytes == round(15.45 * GiB)
+    assert info.free_bytes == 0
+    assert info.reserved_bytes == 15 * GiB + 768 * MiB
+    assert info.reserved_unallocated_bytes == 15 * GiB + 768 * MiB - round(15.45 * GiB)
+
+
+def test_bare_wording_on_rocm_is_hip() -> None:
+    message = (
+        "Out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 15.98 GiB of "
+        "which 512.00 MiB is free. Of the allocated memory 14.20 GiB is allocated by PyTorch, and "
+        "96.00 MiB is reserved by PyTorch but unallocated. If reserved but unallocated memory is "
+        "large try setting PYTORCH_HIP_ALLOC_CONF=expandable_segments:True to avoid fragmentation."
+    )
+    info = parse(message)
+    assert info.backend == "hip"
+    assert info.requested_bytes == 2 * GiB
+    assert info.reserved_unallocated_bytes == 96 * MiB
+
+
+# --- XPU
+
+
+def test_xpu_wording() -> None:
+    message = (
+        "XPU out of memory. Tried to allocate 1.00 GiB. GPU 0 has a total capacity of 15.11 GiB "
+        "of which 512.00 MiB is free. Of the allocated memory 13.00 GiB is allocated by PyTorch, "
+        "and 1.50 GiB is reserved by PyTorch but unallocated. Please use `empty_cache` to release "
+        "all unoccupied cached memory."
+    )
+    info = parse(message)
+    assert info.backend == "xpu"
+    assert info.requested_bytes == GiB
+    assert info.free_bytes == 512 * MiB
+    assert info.reserved_bytes == 14 * GiB + 512 * MiB
+
+
+# --- Apple MPS (aten/src/ATen/mps/MPSAllocator.mm)
+
+
+def test_mps_wording_real_message() -> None:
+    # https://github.com/Comfy-Org/ComfyUI/issues/7440
+    message = (
+        "MPS backend out of memory (MPS allocated: 9.57 GiB, other allocations: 17.35 GiB, max "
+        "allowed: 27.20 GiB). Tried to allocate 292.50 MiB on private pool. Use "
+        "PYTORCH_MPS_HIGH_WATERMARK_RATIO=0.0 to disable upper limit for memory allocations (may "
+        "cause system failure)."
+    )
+    info = parse(message)
+    assert info.backend == "mps"
+    assert info.requested_bytes == round(292.5 * MiB)
+    assert info.reserved_bytes == round(9.57 * GiB)  # the MPS heaps
+    assert info.process_bytes == round(9.57 * GiB) + round(17.35 * GiB)
+    assert info.total_bytes == round(27.20 * GiB)  # the watermark limit
+    assert info.device_index is None
+    assert info.free_bytes is None
+    assert info.allocated_bytes is None
+
+
+def test_mps_wording_with_gb_units_real_message() -> None:
+    # https://github.com/Comfy-Org/ComfyUI/issues/7372 (older builds printed GB/MB for 1024-based)
+    message = (
+        "MPS backend out of memory (MPS allocated: 17.68 GB, other allocations: 3.95 MB, max "
+        "allowed: 18.13 GB). Tried to allocate 1024.00 MB on private pool. Use "
+        "PYTORCH_MPS_HIGH_WATERMARK_RATIO=0.0 to disable upper limit for memory allocations (may "
+        "cause system failure)."
+    )
+    info = parse(message)
+    assert info.requested_bytes == GiB
+    assert info.reserved_bytes == round(17.68 * GiB)
+    assert info.process_bytes == round(17.68 * GiB) + round(3.95 * MiB)
+    assert info.total_bytes == round(18.13 * GiB)
+
+
+def test_mps_wording_shared_pool_in_bytes_real_message() -> None:
+    # https://github.com/pinokiocomputer/pinokio/issues/941
+    message = (
+        "MPS backend out of memory (MPS allocated: 16.00 GB, other allocations: 3.31 GB, max "
+        "allowed: 18.13 GB). Tried to allocate 256 bytes on shared pool. Use "
+        "PYTORCH_MPS_HIGH_WATERMARK_RATIO=0.0 to disable upper limit for memory allocations (may "
+        "cause system failure)."
+    )
+    info = parse(message)
+    assert info.requested_bytes == 256
+    assert info.reserved_bytes == 16 * GiB
+
+
+def test_mps_wording_without_watermark_limit() -> None:
+    message = (
+        "MPS backend out of memory (MPS allocated: 30.00 GiB, other allocations: 2.00 GiB). "
+        "Tried to allocate 4.00 GiB on private pool."
+    )
+    info = parse(message)
+    assert info.requested_bytes == 4 * GiB
+    assert info.reserved_bytes == 30 * GiB
+    assert info.process_bytes == 32 * GiB
+    assert info.total_bytes is None
+
+
+# --- edo-monitor's CPU-budget mode
+
+
+def test_cpu_budget_wording() -> None:
+    message = (
+        "CPU-budget out of memory. Tried to allocate 96.00 MiB. Budget of 512.00 MiB of which "
+        "40.50 MiB is free. 471.50 MiB is accounted to the watched model."
+    )
+    info = parse(message)
+    assert info.backend == "cpu-budget"
+    assert info.requested_bytes == 96 * MiB
+    assert info.total_bytes == 512 * MiB
+    assert info.free_bytes == 40 * MiB + 512 * KiB
+    assert info.allocated_bytes == 471 * MiB + 512 * KiB
+    assert info.device_index is None
+    assert info.reserved_bytes is None
+
+
+def test_cpu_budget_message_round_trips() -> None:
+    message = format_cpu_budget_oom_message(
+        requested_bytes=100_000_000,
+        budget_bytes=512 * MiB,
+        free_bytes=12_345,
+        accounted_bytes=500 * MiB,
+    )
+    assert message == (
+        "CPU-budget out of memory. Tried to allocate 95.37 MiB. Budget of 512.00 MiB of which "
+        "12.06 KiB is free. 500.00 MiB is accounted to the watched model."
+    )
+    info = parse(message)
+    assert info.backend == "cpu-budget"
+    assert abs(info.requested_bytes - 100_000_000) <= 0.005 * MiB
+    assert info.total_bytes == 512 * MiB
+    assert abs(info.free_bytes - 12_345) <= 0.005 * KiB
+    assert info.allocated_bytes == 500 * MiB
+
+
+def test_cpu_budget_message_small_and_negative_sizes() -> None:
+    message = format_cpu_budget_oom_message(1024, 2 * TiB, -5, 0)
+    assert message == (
+        "CPU-budget out of memory. Tried to allocate 1024 bytes. Budget of 2.00 TiB of which "
+        "0 bytes is free. 0 bytes is accounted to the watched model."
+    )
+    info = parse(message)
+    assert (info.requested_bytes, info.total_bytes, info.free_bytes, info.allocated_bytes) == (
+        1024,
+        2 * TiB,
+        0,
+        0,
+    )
+
+
+# --- not an out-of-memory message, and robustness
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "expected scalar type BFloat16 but found Float",
+        "CUDA error: an illegal memory access was encountered",
+        "the model ran out of patience",
+        "Tried to allocate 2.00 GiB",
+    ],
+)
+def test_non_oom_text_is_none(text: str) -> None:
+    assert parse_oom_message(text) is None
+
+
+def test_never_raises_on_odd_input() -> None:
+    odd = [
+        "CUDA out of memory. Tried to allocate 9" * 50,
+        "CUDA out of memory. Tried to allocate 1e400 GiB (GPU 99999999999999999999; ;;; ))",
+        "CUDA out of memory. (GPU x; total capacity)",
+        "MPS backend out of memory (MPS allocated: , other allocations: )",
+        "CUDA out of memory. Tried to allocate " + "9" * 400 + ".00 GiB.",
+        "\x00CUDA out of memory\uffff",
+    ]
+    rng = random.Random(1234)
+    alphabet = "CUDA HIP MPS out of memory. Tried to allocate 0123456789.,;() GiB MiB bytes GPU"
+    odd += ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 200))) for _ in range(300)]
+    for text in odd:
+        info = parse_oom_message(text)
+        assert info is None or info.raw == text
+    huge = parse_oom_message("CUDA out of memory. Tried to allocate " + "9" * 400 + ".00 GiB.")
+    assert huge is not None
+    assert huge.requested_bytes is None
+    assert parse_oom_message(None) is None  # type: ignore[arg-type]
