@@ -194,6 +194,8 @@ class Monitor:
         self._actions: list[dict[str, Any]] = []
         self._table_signatures: dict[str, tuple[Any, ...]] = {}
         self._table_grads_peak: dict[str, int] = {}
+        self._want_step_accounting = False
+        self._step_accounting: Accounting | None = None
         self._samples = 0
         self._peaks: dict[str, int | None] = {
             "in_use_bytes": None,
@@ -478,6 +480,11 @@ class Monitor:
             self._agent_error("step", exc)
 
     def _safe_point(self, *, count: bool) -> None:
+        if self._want_step_accounting:
+            # measured here, between optimizer step and zero_grad, gradients and optimizer state
+            # are all alive: the step's peak of static memory (the sampler may land anywhere)
+            self._want_step_accounting = False
+            self._step_accounting = self._account()
         if count:
             self.steps += 1
             if self._writer is not None:
@@ -515,7 +522,11 @@ class Monitor:
         now = time.time()
         values: dict[str, Any] = {}
         values.update(self._probes["host"].read())
-        acc = self._account()
+        acc = self._step_accounting
+        self._step_accounting = None
+        if acc is None:
+            acc = self._account()
+        self._want_step_accounting = True
         self.accounting = acc
         activations = self._tracker.activations_bytes if self._tracker is not None else None
         values.update(

@@ -1,0 +1,351 @@
+"""watch() lifecycle on real CPU training loops and real SQLite files."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import edo_monitor
+from edo_monitor.errors import AlreadyWatchedError, ConfigError, StoreError
+from edo_monitor.store.status import effective_status
+
+
+def agent_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("edo-")]
+
+
+def make_model(rows: int = 5_000, dim: int = 16) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(rows, dim), nn.Linear(dim, 4))
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, sleep_s: float = 0.0) -> None:
+    for _ in range(steps):
+        x = torch.randint(0, 5_000, (32,))
+        loss = model(x).logsumexp(-1).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if sleep_s:
+            time.sleep(sleep_s)
+
+
+def run_row(db: Path) -> dict:
+    con = sqlite3.connect(db)
+    con.row_factory = sqlite3.Row
+    row = dict(con.execute("SELECT * FROM runs ORDER BY id DESC LIMIT 1").fetchone())
+    con.close()
+    return row
+
+
+def count(db: Path, sql: str) -> int:
+    con = sqlite3.connect(db)
+    try:
+        return con.execute(sql).fetchone()[0]
+    finally:
+        con.close()
+
+
+def test_finished_run_records_steps_samples_and_tables(db_path: Path) -> None:
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters())
+    interval = 0.05
+    t0 = time.monotonic()
+    with edo_monitor.watch(model, db=db_path, interval_s=interval, budget="64MiB") as mon:
+        train(model, opt, 40, sleep_s=0.01)
+    elapsed = time.monotonic() - t0
+    assert agent_threads() == []
+    run = run_row(db_path)
+    assert run["status"] == "finished"
+    assert run["steps"] == 40 == mon.steps
+    assert run["device_kind"] == "cpu-budget"
+    assert run["budget_bytes"] == 64 * 1024 * 1024
+    samples = count(db_path, "SELECT count(*) FROM samples")
+    expected = elapsed / interval
+    assert abs(samples - expected) <= 0.2 * expected + 2, (samples, expected)
+    # the embedding table: rows x dim x element size, Adam's two states + its step scalar
+    con = sqlite3.connect(db_path)
+    module, rows, dim, params, grads, optim = con.execute(
+        "SELECT module, num_embeddings, embedding_dim, params_bytes, grads_bytes,"
+        " optimizer_state_bytes FROM module_stats ORDER BY id DESC LIMIT 1"
+    ).fetchone()
+    assert (module, rows, dim) == ("0", 5_000, 16)
+    assert params == 5_000 * 16 * 4
+    assert grads == 5_000 * 16 * 4
+    assert optim == 2 * 5_000 * 16 * 4 + 4
+    summary = mon.summary()
+    assert summary.status == "finished" and summary.steps == 40
+    assert summary.peak_in_use_bytes is not None
+    assert summary.peak_in_use_bytes >= 4 * 5_000 * 16 * 4
+    assert 0 < summary.min_free_fraction < 1
+
+
+def test_exception_marks_failed_and_propagates(db_path: Path) -> None:
+    model = make_model()
+    with pytest.raises(ZeroDivisionError), edo_monitor.watch(model, db=db_path, interval_s=0.05):
+        _ = 1 / 0
+    assert agent_threads() == []
+    run = run_row(db_path)
+    assert run["status"] == "failed"
+    assert run["error"].startswith("ZeroDivisionError")
+
+
+def test_keyboard_interrupt_marks_interrupted(db_path: Path) -> None:
+    with pytest.raises(KeyboardInterrupt), edo_monitor.watch(make_model(), db=db_path):
+        raise KeyboardInterrupt
+    assert agent_threads() == []
+    assert run_row(db_path)["status"] == "interrupted"
+
+
+def test_killed_process_reads_as_crashed(db_path: Path, tmp_path: Path) -> None:
+    script = tmp_path / "child.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import time, torch, edo_monitor
+            m = torch.nn.Linear(4, 4)
+            with edo_monitor.watch(m, db={str(db_path)!r}, interval_s=0.05):
+                print("started", flush=True)
+                time.sleep(60)
+            """
+        )
+    )
+    child = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "started"
+        time.sleep(0.3)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+    run = run_row(db_path)
+    assert run["status"] == "running"  # nothing could write the end
+    status = effective_status(
+        run["status"],
+        host=run["host"],
+        pid=run["pid"],
+        heartbeat_at_s=run["heartbeat_at_s"],
+        interval_s=run["interval_s"],
+    )
+    assert status == "crashed"
+    # and a live run on another host with a stale heartbeat reads as crashed too
+    assert (
+        effective_status(
+            "running", host="elsewhere", pid=1, heartbeat_at_s=time.time() - 3600, interval_s=0.5
+        )
+        == "crashed"
+    )
+    assert (
+        effective_status(
+            "running", host="elsewhere", pid=1, heartbeat_at_s=time.time(), interval_s=1
+        )
+        == "running"
+    )
+
+
+def test_watching_a_watched_model_is_an_error(db_path: Path) -> None:
+    model = make_model()
+    with (
+        edo_monitor.watch(model, db=db_path),
+        pytest.raises(AlreadyWatchedError, match="already watched"),
+        edo_monitor.watch(model, db=db_path),
+    ):
+        pass
+    with edo_monitor.watch(model, db=db_path):  # free again after the block
+        pass
+    assert agent_threads() == []
+
+
+def test_optimizer_found_automatically_and_other_optimizers_ignored(db_path: Path) -> None:
+    model = make_model()
+    other = nn.Linear(3, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    with edo_monitor.watch(model, db=db_path) as mon:
+        for _ in range(5):
+            train(model, opt, 1)
+            other(torch.ones(3)).sum().backward()
+            other_opt.step()
+    assert mon.steps == 5
+    assert mon.optimizers == [opt]
+
+
+def test_step_without_optimizer_and_process_only(db_path: Path) -> None:
+    with edo_monitor.watch(db=db_path, interval_s=0.05) as mon:
+        for _ in range(7):
+            mon.step()
+    assert mon.steps == 7
+    run = run_row(db_path)
+    assert run["steps"] == 7 and run["name"] == "process"
+    assert count(db_path, "SELECT count(*) FROM samples WHERE process_rss_bytes > 0") >= 1
+
+
+def test_step_is_not_double_counted_with_an_optimizer(db_path: Path) -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with edo_monitor.watch(model, opt, db=db_path) as mon:
+        for _ in range(3):
+            train(model, opt, 1)
+            mon.step()
+    assert mon.steps == 3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"interval_s": 0}, "interval_s=0"),
+        ({"interval_s": -1.5}, "interval_s=-1.5"),
+        ({"budget": "12 apples"}, "budget='12 apples'"),
+        ({"db": "nosuchscheme://host/db"}, "nosuchscheme://host/db"),
+        ({"queue_size": 0}, "queue_size=0"),
+    ],
+)
+def test_bad_arguments_are_clear_value_errors(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("?", r"\?")):
+        edo_monitor.watch(make_model(), **kwargs)
+
+
+def test_directory_as_db_path(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="is a directory"):
+        edo_monitor.watch(make_model(), db=tmp_path)
+
+
+def test_not_a_database_file(tmp_path: Path) -> None:
+    bad = tmp_path / "notes.db"
+    bad.write_text("these are my notes, not a database\n" * 200)
+    with pytest.raises(StoreError, match="not a database"), edo_monitor.watch(db=bad):
+        pass
+    assert bad.read_text().startswith("these are my notes")  # never touched
+    assert agent_threads() == []
+
+
+def test_env_var_selects_database(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    target = tmp_path / "from-env.db"
+    monkeypatch.setenv("EDO_DB", str(target))
+    with edo_monitor.watch():
+        pass
+    assert run_row(target)["status"] == "finished"
+
+
+class _Words(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([i % 50, (i * 7) % 50])
+
+
+def test_forking_dataloader_with_two_workers(db_path: Path) -> None:
+    model = nn.Sequential(nn.EmbeddingBag(50, 8), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(
+        _Words(), batch_size=8, num_workers=2, multiprocessing_context="fork"
+    )
+    with edo_monitor.watch(model, db=db_path, interval_s=0.01) as mon:
+        for _epoch in range(2):
+            for batch in loader:
+                model(batch).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    assert mon.steps == 16
+    assert run_row(db_path)["status"] == "finished"
+    assert agent_threads() == []
+
+
+def test_reader_while_writing_never_sees_locked(db_path: Path) -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    errors: list[BaseException] = []
+    seen: list[int] = []
+    stop = threading.Event()
+
+    def reader() -> None:
+        while not stop.is_set():
+            try:
+                con = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, timeout=30)
+                seen.append(con.execute("SELECT count(*) FROM samples").fetchone()[0])
+                con.close()
+            except sqlite3.OperationalError as exc:
+                if "no such table" not in str(exc) and "unable to open" not in str(exc):
+                    errors.append(exc)
+            time.sleep(0.002)
+
+    with edo_monitor.watch(model, db=db_path, interval_s=0.005) as mon:
+        thread = threading.Thread(target=reader)
+        thread.start()
+        train(model, opt, 60, sleep_s=0.005)
+    stop.set()
+    thread.join()
+    assert errors == []
+    assert max(seen) > 0
+    assert count(db_path, "SELECT count(*) FROM samples") == mon.summary().samples
+
+
+def test_full_queue_counts_and_records_drops(db_path: Path) -> None:
+    from edo_monitor.readings import Reading
+    from edo_monitor.store.engine import open_engine
+    from edo_monitor.store.writer import Writer
+
+    with edo_monitor.watch(db=db_path):
+        pass  # creates the run row 1
+    engine = open_engine(db_path)
+    writer = Writer(engine, 1, queue_size=5)
+    reading = Reading(time_s=time.time(), step=0, device_kind="cpu-budget")
+    accepted = [writer.put_sample(reading) for _ in range(12)]
+    assert accepted == [True] * 5 + [False] * 7
+    assert writer.dropped == 7
+    writer.start()
+    writer.close()
+    engine.dispose()
+    con = sqlite3.connect(db_path)
+    (data,) = con.execute("SELECT data FROM events WHERE kind='samples_dropped'").fetchone()
+    assert '"count": 7' in data
+    assert con.execute("SELECT samples_dropped FROM runs WHERE id=1").fetchone()[0] == 7
+    assert con.execute("SELECT count(*) FROM samples WHERE run_id=1").fetchone()[0] >= 5
+
+
+def test_agent_failure_never_fails_training(db_path: Path) -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    class Broken:
+        def read(self) -> dict:
+            raise RuntimeError("sensor on fire")
+
+    with edo_monitor.watch(model, db=db_path, interval_s=0.01) as mon:
+        mon._probes["host"] = Broken()
+        train(model, opt, 10, sleep_s=0.005)
+    assert run_row(db_path)["status"] == "finished"
+    assert mon.summary().events.get("agent_error") == 1
+    assert count(db_path, "SELECT count(*) FROM events WHERE kind='agent_error'") == 1
+
+
+def test_strict_reraises_agent_failures(db_path: Path) -> None:
+    class Broken:
+        def read(self) -> dict:
+            raise RuntimeError("sensor on fire")
+
+    with (
+        pytest.raises(RuntimeError, match="sensor on fire"),
+        edo_monitor.watch(db=db_path, interval_s=0.01, strict=True) as mon,
+    ):
+        mon._probes["host"] = Broken()
+        time.sleep(0.1)
+    assert agent_threads() == []
+
+
+def test_pid_is_recorded(db_path: Path) -> None:
+    with edo_monitor.watch(db=db_path):
+        pass
+    assert run_row(db_path)["pid"] == os.getpid()
