@@ -1,0 +1,744 @@
+"""Tests of ``edo-tui`` (the Textual dashboard) on history databases seeded in ``tmp_path``.
+
+The app runs headless with ``App.run_test``; a :class:`~textual.pilot.Pilot` presses keys and
+clicks. Databases are written through the ORM, as the agent's writer does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import os
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import pytest
+from edo_monitor.tui.app import EdoTui, parse_args
+from edo_monitor.tui.data import DataSource, Series
+from edo_monitor.tui.screens import HelpScreen, RunScreen, RunsScreen
+from edo_monitor.tui.widgets import Gauge, MemoryChart
+from sqlalchemy import update
+from sqlalchemy.orm import Session
+from textual.pilot import Pilot
+from textual.widgets import DataTable, Input, Static
+
+from edo_monitor.store.engine import open_engine
+from edo_monitor.store.schema import Event, Meta, ModuleStat, Run, Sample
+
+GIB = 1 << 30
+REFRESH_S = 0.2
+SIZE = (140, 45)
+
+
+# -- seeding ---------------------------------------------------------------------------------
+
+
+def make_run(
+    session: Session,
+    name: str,
+    *,
+    status: str = "finished",
+    started: float | None = None,
+    duration: float = 60.0,
+    pid: int | None = None,
+    device_kind: str = "cuda",
+    device_name: str | None = "NVIDIA H100 80GB HBM3",
+    budget: int = 8 * GIB,
+    tags: list[str] | None = None,
+) -> Run:
+    """Add a run row (flushed, so it has an id)."""
+    started = time.time() - 3600 if started is None else started
+    run = Run(
+        uuid=str(uuid.uuid4()),
+        name=name,
+        host=os.uname().nodename if pid is None else __import__("socket").gethostname(),
+        pid=os.getpid() if pid is None else pid,
+        started_at_s=started,
+        ended_at_s=None if status == "running" else started + duration,
+        heartbeat_at_s=time.time() if status == "running" else started + duration,
+        status=status,
+        error=None,
+        device_kind=device_kind,
+        device_name=device_name,
+        device_uuid=None,
+        device_total_bytes=80 * GIB,
+        budget_bytes=budget,
+        interval_s=0.5,
+        torch_version="2.4.0",
+        config={"floor": 0.2},
+        tags=tags or [],
+        steps=0,
+        samples_dropped=0,
+    )
+    session.add(run)
+    session.flush()
+    return run
+
+
+def sample(run: Run, t: float, step: int, in_use: int, **extra: Any) -> Sample:
+    """A sample row with consistent derived fields."""
+    budget = run.budget_bytes or 8 * GIB
+    fields: dict[str, Any] = {
+        "run_id": run.id,
+        "time_s": t,
+        "step": step,
+        "device_kind": run.device_kind,
+        "allocated_bytes": int(in_use * 0.9),
+        "reserved_bytes": int(in_use * 1.1),
+        "budget_bytes": budget,
+        "in_use_bytes": in_use,
+        "free_fraction": (budget - in_use) / budget,
+        "fragmentation": 0.125,
+    }
+    fields.update(extra)
+    return Sample(**fields)
+
+
+def add_samples(session: Session, run: Run, n: int, *, start: float | None = None) -> None:
+    """``n`` samples, one per second, rising from 1 GiB to about 7 GiB."""
+    t0 = run.started_at_s if start is None else start
+    for i in range(n):
+        session.add(sample(run, t0 + i, i, GIB + (6 * GIB * i) // max(1, n)))
+
+
+def add_event(session: Session, run: Run, t: float, kind: str, message: str, **data: Any) -> None:
+    """An event row."""
+    session.add(Event(run_id=run.id, time_s=t, step=1, kind=kind, message=message, data=data))
+
+
+def add_table(session: Session, run: Run, module: str, rows: int, dim: int, **kw: Any) -> None:
+    """An embedding table's module_stats row."""
+    fields: dict[str, Any] = {
+        "run_id": run.id,
+        "time_s": run.started_at_s,
+        "step": 0,
+        "module": module,
+        "kind": "Embedding",
+        "num_embeddings": rows,
+        "embedding_dim": dim,
+        "dtype": "torch.float32",
+        "device": "cuda:0",
+        "placement": "device",
+        "params_bytes": rows * dim * 4,
+        "grads_bytes": rows * dim * 4,
+        "optimizer_state_bytes": 2 * rows * dim * 4,
+        "activations_bytes": 0,
+    }
+    fields.update(kw)
+    session.add(ModuleStat(**fields))
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Path:
+    """A database with two runs: ``old-finished`` (finished) and ``live-run`` (running)."""
+    path = tmp_path / "history.db"
+    engine = open_engine(path)
+    with Session(engine) as session, session.begin():
+        old = make_run(session, "old-finished", started=time.time() - 7200, tags=["baseline"])
+        add_samples(session, old, 50)
+        add_event(
+            session,
+            old,
+            old.started_at_s + 20,
+            "threshold_crossed",
+            "free below floor",
+            direction="down",
+            free_fraction=0.15,
+            floor=0.2,
+        )
+        add_event(
+            session,
+            old,
+            old.started_at_s + 21,
+            "action",
+            "offloaded table",
+            action="offload",
+            target="emb.big",
+            bytes_saved=2 * GIB,
+            bytes_before=7 * GIB,
+            bytes_after=5 * GIB,
+            duration_s=0.05,
+        )
+        add_event(session, old, old.started_at_s + 30, "oom", "CUDA out of memory")
+        add_table(session, old, "emb.big", 1_000_000, 128, placement="host", device="cpu")
+        live = make_run(
+            session,
+            "live-run",
+            status="running",
+            started=time.time() - 30,
+            device_kind="cpu-budget",
+            device_name=None,
+            budget=512 << 20,
+        )
+        for i in range(20):
+            session.add(sample(live, live.started_at_s + i, i, (100 + i) << 20))
+        add_table(session, live, "encoder.tok_emb", 30522, 384)
+        add_table(session, live, "encoder.ln", 0, 0, kind="LayerNorm", num_embeddings=None)
+    engine.dispose()
+    return path
+
+
+def run_app(app: EdoTui, body: Callable[[Pilot[None]], Coroutine[Any, Any, None]]) -> None:
+    """Run ``body(pilot)`` against the app headless."""
+
+    async def go() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await body(pilot)
+
+    asyncio.run(go())
+
+
+async def wait_for(pilot: Pilot[None], cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Let the app run until ``cond()`` holds (fails after ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await pilot.pause(0.02)
+
+
+def text_of(widget: Static) -> str:
+    """The plain text a Static shows."""
+    content = widget.render()
+    return str(getattr(content, "plain", content))
+
+
+def run_view(app: EdoTui) -> RunScreen:
+    """The run view (loaded)."""
+    return app.run_screen
+
+
+def loaded(app: EdoTui) -> bool:
+    """True once the run view has shown a run or a message."""
+    screen = app.run_screen
+    return screen.loaded or screen.error is not None
+
+
+def table_column(table: DataTable[Any], index: int) -> list[str]:
+    """One column of a DataTable as plain strings."""
+    return [
+        str(getattr(c, "plain", c))
+        for c in (table.get_row_at(r)[index] for r in range(table.row_count))
+    ]
+
+
+# -- live view -------------------------------------------------------------------------------
+
+
+def test_opens_latest_running_run_with_everything(db: Path) -> None:
+    app = EdoTui(db, refresh_s=REFRESH_S)
+
+    async def body(pilot: Pilot[None]) -> None:
+        await wait_for(pilot, lambda: loaded(app))
+        screen = run_view(app)
+        header = text_of(screen.query_one("#run-header", Static))
+        assert "live-run" in header
+        assert "running" in header
+        assert "cpu-budget" in header
+        assert "step: 19" in header
+        assert "elapsed: 0:00:" in header
+        used = screen.query_one("#gauge-used", Gauge)
+        assert used.text == "119 MiB / 512 MiB"
+        assert used.mark == pytest.approx(0.8)
+        free = screen.query_one("#gauge-free", Gauge)
+        assert "floor 20.0 %" in free.text
+        assert screen.query_one("#gauge-frag", Gauge).text == "12.5 %"
+        chart = screen.query_one(MemoryChart)
+        assert chart.points == 20
+        modules = screen.query_one("#modules", DataTable)
+        assert modules.row_count == 1  # the LayerNorm row is not an embedding table
+        assert table_column(modules, 1) == ["30522×384"]
+
+    run_app(app, body)
+
+
+def test_finished_run_shows_events_actions_and_tables(db: Path) -> None:
+    app = EdoTui(db, run="1", refresh_s=REFRESH_S)
+
+    async def body(pilot: Pilot[None]) -> None:
+        await wait_for(pilot, lambda: loaded(app))
+        screen = run_view(app)
+        header = text_of(screen.query_one("#run-header", Static))
+        assert "old-finished" in header and "finished" in header
+        assert "elapsed: 0:01:00" in header
+        events = screen.query_one("#events", DataTable)
+        assert table_column(events, 2) == ["threshold_crossed", "action", "oom"]
+        assert table_column(events, 4) == ["", "2 GiB", ""]
+        assert "offload → emb.big" in table_column(events, 3)[1]
+        assert screen.query_one(MemoryChart).action_count == 1
+        modules = screen.query_one("#modules", DataTable)
+        assert table_column(modules, 3) == ["host"]
+        # a finished run is not polled again
+        before = screen.refreshes
+        await pilot.pause(3 * REFRESH_S)
+        assert screen.refreshes == before
+
+    run_app(app, body)
+
+
+def test_missing_fields_show_na(tmp_path: Path) -> None:
+    path = tmp_path / "na.db"
+    engine = open_engine(path)
+    with Session(engine) as session, session.begin():
+        run = make_run(session, "sparse")
+        session.add(
+            sample(
+                run,
+                run.started_at_s,
+                0,
+                GIB,
+                allocated_bytes=None,
+                reserved_bytes=None,
+                fragmentation=None,
+            )
+        )
+    engine.dispose()
+    app = EdoTui(path, refresh_s=REFRESH_S)
+
+    async def body(pilot: Pilot[None]) -> None:
+        await wait_for(pilot, lambda: loaded(app))
+        screen = run_view(app)
+        assert screen.query_one("#gauge-frag", Gauge).text == "N/A"
+        assert screen.query_one("#gauge-frag", Gauge).fraction is None
+        assert screen.query_one("#gauge-alloc", Gauge).text == "N/A / N/A"
+        assert "sparse" in text_of(screen.query_one("#run-header", Static))
+
+    run_app(app, body)
+
+
+def test_crashed_run_is_shown_as_crashed(tmp_path: Path) -> None:
+    path = tmp_path / "crash.db"
+    engine = open_engine(path)
+    with Session(engine) as session, session.begin():
+        run = make_run(session, "dead", status="running", pid=2**22 + 12345)
+        run.host = __import__("socket").gethostname()
+        run.heartbeat_at_s = time.time() - 3600
+    engine.dispose()
+    app = EdoTui(path, refresh_s=REFRESH_S)
+
+    async def body(pilot: Pilot[None]) -> None:
+        await wait_for(pilot, lambda: loaded(app))
+        assert "crashed" in text_of(run_view(app).query_one("#run-header", Static))
+
+    run_app(app, body)
+
+
+def test_run_finishing_while_open_updates_status(db: Path) -> None:
+    app = EdoTui(db, refresh_s=REFRESH_S)
+
+    async def body(pilot: Pilot[None]) -> None:
+        await wait_for(pilot, lambda: loaded(app))
+        header = run_view(app).query_one("#run-header", Static)
+        assert " running " in text_of(header)
+        engine = open_engine(db)
+        with Session(engine) as session, session.begin():
+            session.execute(
+                update(Run)
+                .where(Run.name == "live-run")
+                .values(status="finished", ended_at_s=time.time(), steps=25)
+            )
+        engine.dispose()
+        await wait_for(pilot, lambda: " finished " in text_of(header), 2 * REFRESH_S + 1.0)
+        assert "step: 25" in text_of(header)
+
+    run_app(app, body)
+
+
+def test_rows_from_another_thread_appear_within_two_refreshes(db: Path) -> None:
+    app = EdoTui(db, refresh_s=REFRESH_S)
+
+    def writer(done: threading.Event) -> None:
+        engine = open_engine(db)
+        with Session(engine) as session, session.begin():
+            run = session.query(Run).filter_by(name="live-run").one()
+            t = run.started_at_s + 100
+            session.add(sample(run, t, 99, 400 << 20))
+            add_event(
+                session,
+                run,
+                t,
+                "action",
+                "released cache",
+                action="release_cache",
+                target="allocator",
+                bytes_saved=64 << 20,
+                bytes_after=400 << 20,
+            )
+            add_table(session, run, "encoder.pos_emb", 512, 384)
+        engine.dispose()
+        done.set()
+
+    async def body(pilot: Pilot[None]) -> None:
+        await wait_for(pilot, lambda: loaded(app))
+        screen = run_view(app)
+        events = screen.query_one("#events", DataTable)
+        assert events.row_count == 0
+        done = threading.Event()
+        thread = threading.Thread(target=writer, args=(done,))
+        thread.start()
+        while not done.is_set():
+            await pilot.pause(0.01)
+        written = time.monotonic()
+        await wait_for(pilot, lambda: events.row_count == 1, 5.0)
+        assert time.monotonic() - written <= 2 * REFRESH_S + 0.15
+        await wait_for(
+            pilot, lambda: screen.query_one("#gauge-used", Gauge).text.startswith("400 MiB")
+        )
+        assert "step: 99" in text_of(screen.query_one("#run-header", Static))
+        assert screen.query_one(MemoryChart).points == 21
+        assert screen.query_one(MemoryChart).action_count == 1
+        assert screen.query_one("#modules", DataTable).row_count == 2
+        thread.join()
+
+    run_app(app, body)
+
+
+# -- navigation ------------------------------------------------------------------------------
+
+
+def test_keys_navigate(db: Path) -> None:
+    app = EdoTui(db, run="1", refresh_s=REFRESH_S)
+
+    async def body(pilot: Pilot[None]) -> None:
+        await wait_for(pilot, lambda: loaded(app))
+        assert isinstance(app.screen, RunScreen)
+        await pilot.press("r")
+        assert isinstance(app.screen, RunsScreen)
+        runs = app.runs_screen
+        await wait_for(pilot, lambda: runs.loads > 0)
+        assert app.screen.query_one("#runs", DataTable).row_count == 2
+        await pilot.press("question_mark")
+        await pilot.pause()
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("x")  # any key closes help
+        assert isinstance(app.screen, RunsScreen)
+        await pilot.press("l")  # live: the running run, not run 1
+        assert isinstance(app.screen, RunScreen)
+        await wait_for(pilot, lambda: app.run_screen.loaded)
+        assert app.run_screen.run_info is not None
+        assert app.run_screen.run_info.name == "live-run"
+        await pilot.press("slash")
+        assert isinstance(app.screen, RunsScreen)
+        assert app.screen.query_one("#filter", Input).has_focus
+        await pilot.press("escape")
+        assert not app.screen.query_one("#filter", Input).display
+        await pilot.press("q")
+        await pilot.pause()
+        assert not app.is_running
+
+    run_app(app, body)
+
+
+def test_enter_and_click_open_a_run(db: Path) -> None:
+    app = EdoTui(db, refresh_s=REFRESH_S)
+
+    async def body(pilot: Pilot[None]) -> None:
+        await wait_for(pilot, lambda: loaded(app))
+        await pilot.press("r")
+        await wait_for(pilot, lambda: app.runs_screen.loads > 0)
+        table = app.screen.query_one("#runs", DataTable)
+        # newest first: live-run (2), then old-finished (1)
+        assert table_column(table, 1) == ["live-run", "old-finished"]
+        await pilot.press("down", "enter")
+        assert isinstance(app.screen, RunScreen)
+        await wait_for(pilot, lambda: app.run_screen.loaded)
+        assert app.run_screen.run_info is not None
+        assert app.run_screen.run_info.name == "old-finished"
+        # mouse: back to runs with a click on a row
+        await pilot.press("r")
+        await pilot.pause()
+        table = app.screen.query_one("#runs", DataTable)
+        await pilot.click(table, offset=(3, 1))  # first data row (live-run)
+        await pilot.pause()
+        if not isinstance(app.screen, RunScreen):  # first click highlights, second opens
+            await pilot.click(table, offset=(3, 1))
+        await wait_for(pilot, lambda: isinstance(app.screen, RunScreen))
+        await wait_for(pilot, lambda: app.run_screen.loaded)
+        assert app.run_screen.run_info is not None
+        assert app.run_screen.run_info.name == "live-run"
+
+    run_app(app, body)
+
+
+def test_runs_table_summary_sort_and_filter(db: Path) -> None:
+    app = EdoTui(db, refresh_s=REFRESH_S)
+
+    async def body(pilot: Pilot[None]) -> None:
+        await wait_for(pilot, lambda: loaded(app))
+        await pilot.press("r")
+        runs = app.runs_screen
+        await wait_for(pilot, lambda: runs.loads > 0)
+        table = runs.query_one("#runs", DataTable)
+        row = [str(getattr(c, "plain", c)) for c in table.get_row(str(1))]
+        assert row[1:3] == ["old-finished", "finished"]
+        assert row[4] == "0:01:00"
+        assert row[8:] == ["1", "1"]  # OOMs, actions
+        assert row[7].endswith("%")
+        # sort by name with a header click, then reverse with another
+        await pilot.click("#runs", offset=(12, 0))
+        await pilot.pause()
+        assert runs.sort_key == "name"
+        assert table_column(table, 1) == ["live-run", "old-finished"]
+        runs.sort_by("name")
+        assert table_column(table, 1) == ["old-finished", "live-run"]
+        await pilot.press("s")
+        assert runs.sort_key == "status"
+        # filter
+        await pilot.press("slash")
+        await pilot.press(*"baseline")
+        await pilot.pause()
+        assert table_column(table, 1) == ["old-finished"]
+        assert "1 of 2" in text_of(runs.query_one("#runs-header", Static))
+        await pilot.press("enter")  # to the table
+        assert table.has_focus
+        await pilot.press("slash", "ctrl+a")
+        app.runs_screen.query_one("#filter", Input).value = "cpu-budget running"
+        await pilot.pause()
+        assert table_column(table, 1) == ["live-run"]
+        await pilot.press("escape")
+        assert table.row_count == 2
+
+    run_app(app, body)
+
+
+# -- export ----------------------------------------------------------------------------------
+
+
+def test_export_writes_the_open_runs_samples(db: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    app = EdoTui(db, run="1", refresh_s=REFRESH_S, export_dir=out)
+
+    async def body(pilot: Pilot[None]) -> None:
+        await wait_for(pilot, lambda: loaded(app))
+        await pilot.press("e")
+        await wait_for(pilot, lambda: app.last_export is not None)
+        await pilot.pause()
+        messages = [n.message for n in app._notifications]
+        assert any(str(app.last_export) in m for m in messages)
+
+    run_app(app, body)
+    path = out / "edo-run-1-old-finished.csv"
+    assert app.last_export == path
+    with path.open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == 50
+    assert rows[0]["step"] == "0" and rows[-1]["step"] == "49"
+    assert int(rows[0]["in_use_bytes"]) == GIB
+    assert "run_id" not in rows[0]
+    assert rows[0]["device_kind"] == "cuda"
+    conn = sqlite3.connect(db)
+    expected = conn.execute(
+        "SELECT id FROM samples WHERE run_id = 1 ORDER BY time_s, id"
+    ).fetchall()
+    conn.close()
+    assert [int(r["id"]) for r in rows] == [e[0] for e in expected]
+
+
+def test_export_defaults_to_current_folder(
+    db: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    app = EdoTui(db, refresh_s=REFRESH_S)
+
+    async def body(pilot: Pilot[None]) -> None:
+        await wait_for(pilot, lambda: loaded(app))
+        await pilot.press("e")
+        await wait_for(pilot, lambda: app.last_export is not None)
+
+    run_app(app, body)
+    assert app.last_export == tmp_path / "edo-run-2-live-run.csv"
+    assert len(app.last_export.read_text().splitlines()) == 21
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+
+def _message_shown(app: EdoTui, db: str | Path | None, *, runs_view: bool = True) -> str:
+    holder: dict[str, str] = {}
+
+    async def body(pilot: Pilot[None]) -> None:
+        await wait_for(pilot, lambda: loaded(app))
+        box = app.run_screen.query_one("#run-message", Static)
+        assert box.display
+        holder["text"] = text_of(box)
+        holder["runs"] = ""
+        if not runs_view:
+            return
+        await pilot.press("r")
+        await wait_for(pilot, lambda: app.runs_screen.query_one("#runs-message", Static).display)
+        holder["runs"] = text_of(app.runs_screen.query_one("#runs-message", Static))
+
+    run_app(app, body)
+    return holder["text"] + "\n" + holder["runs"]
+
+
+def test_error_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "nope.db"
+    text = _message_shown(EdoTui(path, refresh_s=REFRESH_S), path)
+    assert "no history database at" in text and "nope.db" in text
+    assert not path.exists()  # read-only: never created
+
+
+def test_error_not_a_database(tmp_path: Path) -> None:
+    path = tmp_path / "junk.db"
+    path.write_bytes(b"this is not sqlite at all" * 100)
+    text = _message_shown(EdoTui(path, refresh_s=REFRESH_S), path)
+    assert "cannot open history database" in text or "not a database" in text
+
+
+def test_error_other_sqlite_database(tmp_path: Path) -> None:
+    path = tmp_path / "other.db"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE things (x)")
+    conn.close()
+    text = _message_shown(EdoTui(path, refresh_s=REFRESH_S), path)
+    assert "not an edo-monitor history database" in text
+
+
+def test_error_newer_schema(db: Path) -> None:
+    engine = open_engine(db)
+    with Session(engine) as session, session.begin():
+        session.merge(Meta(key="schema_version", value="999"))
+    engine.dispose()
+    text = _message_shown(EdoTui(db, refresh_s=REFRESH_S), db)
+    assert "schema version 999" in text and "upgrade edo-monitor" in text
+
+
+def test_error_unusable_url() -> None:
+    url = "postgresql://nobody@127.0.0.1:1/edo"
+    text = _message_shown(EdoTui(url, refresh_s=REFRESH_S), url)
+    assert "postgresql://nobody@127.0.0.1:1/edo" in text
+
+
+def test_error_unreachable_sqlite_url(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/no/such/folder/h.db"
+    text = _message_shown(EdoTui(url, refresh_s=REFRESH_S), url)
+    assert "does not exist" in text
+
+
+def test_empty_database_waits_then_opens_the_first_run(tmp_path: Path) -> None:
+    path = tmp_path / "empty.db"
+    open_engine(path).dispose()  # the agent creates the schema, no run yet
+    app = EdoTui(path, refresh_s=REFRESH_S)
+
+    async def body(pilot: Pilot[None]) -> None:
+        await wait_for(pilot, lambda: loaded(app))
+        box = app.run_screen.query_one("#run-message", Static)
+        assert "No runs recorded yet" in text_of(box)
+        engine = open_engine(path)
+        with Session(engine) as session, session.begin():
+            make_run(session, "first", status="running", started=time.time())
+        engine.dispose()
+        await wait_for(pilot, lambda: app.run_screen.loaded, 2.0)
+        assert not box.display
+        assert "first" in text_of(app.run_screen.query_one("#run-header", Static))
+
+    run_app(app, body)
+
+
+def test_unknown_run_reference(db: Path) -> None:
+    text = _message_shown(EdoTui(db, run="zzzz", refresh_s=REFRESH_S), db, runs_view=False)
+    assert "no run matches 'zzzz'" in text
+
+
+def test_app_opens_read_only(db: Path) -> None:
+    os.chmod(db, 0o444)
+    try:
+        app = EdoTui(db, refresh_s=REFRESH_S)
+
+        async def body(pilot: Pilot[None]) -> None:
+            await wait_for(pilot, lambda: loaded(app))
+            assert app.run_screen.error is None
+            assert app.run_screen.loaded
+
+        run_app(app, body)
+    finally:
+        os.chmod(db, 0o644)
+
+
+# -- layout ----------------------------------------------------------------------------------
+
+
+def test_layout_snapshot(db: Path, tmp_path: Path) -> None:
+    app = EdoTui(db, run="1", refresh_s=REFRESH_S)
+
+    async def body(pilot: Pilot[None]) -> None:
+        await wait_for(pilot, lambda: loaded(app))
+        await pilot.pause()
+        screen = app.screen
+        regions = {
+            name: screen.query_one(name).region
+            for name in ("#run-header", "#gauges", "#chart", "#events", "#modules")
+        }
+        assert all(r.width > 0 and r.height > 0 for r in regions.values())
+        assert regions["#run-header"].y < regions["#gauges"].y < regions["#chart"].y
+        assert regions["#chart"].y < regions["#events"].y
+        assert regions["#events"].x < regions["#modules"].x
+        assert regions["#chart"].height >= 10
+        svg = Path(app.save_screenshot(path=str(tmp_path), filename="live.svg"))
+        text = svg.read_text()
+        for needle in ("old-finished", "device", "used", "events", "embedding", "emb.big"):
+            assert needle in text
+        await pilot.press("r")
+        await wait_for(pilot, lambda: app.runs_screen.loads > 0)
+        await pilot.pause()
+        svg = Path(app.save_screenshot(path=str(tmp_path), filename="runs.svg"))
+        assert "live-run" in svg.read_text() and "min" in svg.read_text()
+
+    run_app(app, body)
+
+
+# -- data layer ------------------------------------------------------------------------------
+
+
+def test_series_is_downsampled_in_sql_and_stays_bounded(tmp_path: Path) -> None:
+    path = tmp_path / "long.db"
+    engine = open_engine(path)
+    with Session(engine) as session, session.begin():
+        run = make_run(session, "long", status="running")
+        run_id = run.id
+        add_samples(session, run, 5000)
+    engine.dispose()
+    source = DataSource(path)
+    series = source.series(run_id, 100)
+    assert 95 <= len(series) <= 100
+    assert max(v for v in series.in_use if v is not None) == GIB + (6 * GIB * 4999) // 5000
+    t = series.time_s[-1]
+    series.extend((10_000 + i, t + i, GIB, GIB, GIB) for i in range(1, 20_000))
+    assert len(series) <= 200
+    assert series.last_id == 10_000 + 19_999
+    source.close()
+
+
+def test_series_coarsen_keeps_maxima() -> None:
+    s = Series(0.0, 1.0, 4)
+    s.extend((i + 1, float(i), i, None, 2 * i) for i in range(100))
+    assert len(s) <= 8
+    assert max(v for v in s.in_use if v is not None) == 99
+    assert all(v is None for v in s.allocated)
+    assert max(v for v in s.reserved if v is not None) == 198
+
+
+def test_resolve_by_uuid_prefix_and_latest(db: Path) -> None:
+    source = DataSource(db)
+    first = source.resolve("1")
+    assert first is not None and first.name == "old-finished"
+    by_uuid = source.resolve(first.uuid[:8])
+    assert by_uuid is not None and by_uuid.id == 1
+    latest = source.resolve("latest")
+    assert latest is not None and latest.name == "live-run"
+    source.close()
+
+
+def test_parse_args() -> None:
+    args = parse_args(["runs.db", "--run", "latest", "--refresh-s", "0.5"])
+    assert (args.db, args.run, args.refresh_s) == ("runs.db", "latest", 0.5)
+    assert parse_args([]).db is None
+    with pytest.raises(SystemExit):
+        parse_args(["--refresh-s", "0"])

@@ -1,0 +1,187 @@
+"""``edo-tui``: the terminal dashboard over the history database (live and past runs).
+
+Usage::
+
+    edo-tui [DB] [--run RUN] [--refresh-s S]
+
+``DB`` is a file path or SQLAlchemy URL (default: ``EDO_DB``, else ``./edo-history.db``, as the
+agent); ``RUN`` an id, a uuid prefix or ``latest`` (default: the latest running run, else the
+latest run). The database is opened read-only; the dashboard never talks to a running agent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from textual import work
+from textual.app import App
+from textual.binding import Binding
+
+from .data import DataSource
+from .screens import READ_ERRORS, HelpScreen, RunScreen, RunsScreen
+
+__all__ = ["EdoTui", "main", "parse_args"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_REFRESH_S = 1.0
+
+
+class EdoTui(App[None]):
+    """The dashboard app.
+
+    Args:
+        db: database path or URL (``None``: the agent's default).
+        run: run to open first (id, uuid prefix, ``latest``; ``None``: running else latest).
+        refresh_s: seconds between reads of what is new while a run is active.
+        export_dir: folder the ``e`` key writes CSV files to (default: the current folder).
+    """
+
+    TITLE = "edo-tui"
+    CSS_PATH = "styles.tcss"
+    BINDINGS = [  # noqa: RUF012
+        Binding("l", "live", "live"),
+        Binding("r", "runs", "runs"),
+        Binding("slash", "filter", "filter"),
+        Binding("e", "export", "export CSV"),
+        Binding("question_mark", "help", "help"),
+        Binding("q", "quit", "quit"),
+    ]
+
+    def __init__(
+        self,
+        db: str | os.PathLike[str] | None = None,
+        *,
+        run: str | None = None,
+        refresh_s: float = DEFAULT_REFRESH_S,
+        export_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
+        """Create the app; nothing is read until it runs."""
+        super().__init__()
+        self.source = DataSource(db)
+        self.initial_run = run
+        self.refresh_s = refresh_s
+        self.export_dir = Path(export_dir) if export_dir is not None else None
+        self.last_export: Path | None = None
+
+    def on_mount(self) -> None:
+        """Install both views and show the run view."""
+        self.install_screen(RunScreen(self.initial_run), "live")
+        self.install_screen(RunsScreen(), "runs")
+        self.push_screen("live")
+
+    def on_unmount(self) -> None:
+        """Release the database."""
+        self.source.close()
+
+    @property
+    def run_screen(self) -> RunScreen:
+        """The live / run view."""
+        return self.get_screen("live")  # type: ignore[return-value]
+
+    @property
+    def runs_screen(self) -> RunsScreen:
+        """The runs view."""
+        return self.get_screen("runs")  # type: ignore[return-value]
+
+    def _close_modal(self) -> None:
+        while isinstance(self.screen, HelpScreen):
+            self.pop_screen()
+
+    def _show(self, name: str) -> None:
+        self._close_modal()
+        if self.screen is not self.get_screen(name):
+            self.switch_screen(name)
+
+    def open_run(self, run_ref: str | int | None) -> None:
+        """Show the run ``run_ref`` in the run view (``None``: running else latest)."""
+        self.run_screen.open_run(run_ref)
+        self._show("live")
+
+    def action_live(self) -> None:
+        """``l``: the latest running run, else the latest run."""
+        self.open_run(None)
+
+    def action_runs(self) -> None:
+        """``r``: the runs table."""
+        self._show("runs")
+
+    def action_filter(self) -> None:
+        """``/``: filter the runs table."""
+        self._show("runs")
+        self.runs_screen.show_filter()
+
+    def action_help(self) -> None:
+        """``?``: the help screen."""
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen())
+
+    def action_export(self) -> None:
+        """``e``: write the open run's samples to a CSV file (name shown in a notification)."""
+        run = self.run_screen.run_info
+        if run is None:
+            self.notify("no run is open to export", severity="warning")
+            return
+        self.notify(f"exporting run #{run.id} ({run.name})…", timeout=2)
+        self._export(run.id)
+
+    @work(thread=True, group="export", exclusive=False)
+    def _export(self, run_id: int) -> None:
+        directory = self.export_dir or Path.cwd()
+        try:
+            path = self.source.export_csv(run_id, directory)
+        except READ_ERRORS as exc:
+            self.call_from_thread(self.notify, f"export failed: {exc}", severity="error")
+            return
+        self.last_export = path
+        self.call_from_thread(self.notify, f"exported run #{run_id} to {path}", timeout=8)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be more than 0 seconds")
+    return value
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse ``edo-tui``'s command line."""
+    parser = argparse.ArgumentParser(
+        prog="edo-tui",
+        description="Terminal dashboard of edo-monitor's history database: runs live and past.",
+    )
+    parser.add_argument(
+        "db",
+        nargs="?",
+        default=None,
+        help="database file or SQLAlchemy URL (default: $EDO_DB, else ./edo-history.db)",
+    )
+    parser.add_argument(
+        "--run",
+        default=None,
+        help="run id, uuid prefix or 'latest' (default: running, else latest)",
+    )
+    parser.add_argument(
+        "--refresh-s",
+        type=_positive_float,
+        default=DEFAULT_REFRESH_S,
+        help=f"seconds between refreshes of a live run (default {DEFAULT_REFRESH_S})",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of ``edo-tui``."""
+    args = parse_args(argv)
+    EdoTui(args.db, run=args.run, refresh_s=args.refresh_s).run()
+
+
+if __name__ == "__main__":
+    main()

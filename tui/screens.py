@@ -1,0 +1,655 @@
+"""The dashboard's screens: the live / run view, the runs table, and help.
+
+Every database read runs in a thread worker (``@work(thread=True)``) and hands its result back to
+the UI thread with ``call_from_thread``; the UI thread only draws.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from rich.text import Text
+from sqlalchemy.exc import SQLAlchemyError
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen, Screen
+from textual.widgets import DataTable, Footer, Input, Static
+
+from edo_monitor.errors import EdoMonitorError
+from edo_monitor.units import format_bytes
+
+from .data import EventRow, ModuleRow, Poll, RunInfo, RunSummary, SampleRow, Series
+from .widgets import (
+    STATUS_STYLES,
+    Gauge,
+    MemoryChart,
+    format_duration,
+    format_fraction,
+    format_time,
+)
+
+if TYPE_CHECKING:
+    from .app import EdoTui
+
+__all__ = ["HelpScreen", "RunScreen", "RunsScreen"]
+
+logger = logging.getLogger(__name__)
+
+#: Errors a read may raise that are shown on screen instead of a traceback.
+READ_ERRORS = (EdoMonitorError, SQLAlchemyError, OSError, ImportError)
+
+#: Event kinds shown in the events table (decisions are shown through their actions).
+_EVENT_STYLES = {
+    "threshold_crossed": "yellow",
+    "action": "green",
+    "action_refused": "magenta",
+    "action_failed": "red",
+    "oom": "bold red",
+    "probe_unavailable": "grey62",
+    "samples_dropped": "yellow",
+    "agent_error": "red",
+    "decision": "cyan",
+}
+
+HELP_TEXT = """\
+[b]edo-tui[/b] — GPU memory of PyTorch runs, live and from history
+
+  [b]l[/b]        live view: the latest running run (else the latest run)
+  [b]r[/b]        runs: every run in the database (Enter or click opens one)
+  [b]/[/b]        filter the runs table (Esc clears, Enter goes to the table)
+  [b]s[/b]        runs table: sort by the next column (or click a column header)
+  [b]e[/b]        export the open run's samples to CSV in the current folder
+  [b]?[/b]        this help
+  [b]q[/b]        quit
+
+The chart shows in-use, allocated and reserved bytes over elapsed seconds; the
+yellow line is the floor (the in-use level at which free memory falls below the
+policy's floor) and red marks are actions. Values not available from a source are
+shown as N/A, never as zero.
+
+Press any key to close."""
+
+
+def _message_for(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    if isinstance(exc, ImportError):
+        text = f"cannot open the history database: its driver is not installed ({exc})"
+    elif isinstance(exc, SQLAlchemyError):
+        text = f"cannot read the history database: {getattr(exc, 'orig', None) or exc}"
+    return text
+
+
+def _format_saved(event: EventRow) -> str:
+    saved = event.data.get("bytes_saved") if event.kind == "action" else None
+    return format_bytes(saved) if isinstance(saved, (int, float)) else ""
+
+
+def _event_detail(event: EventRow) -> str:
+    data = event.data
+    if event.kind == "action" and data.get("action"):
+        target = data.get("target")
+        text = f"{data['action']}" + (f" → {target}" if target else "")
+        if isinstance(data.get("duration_s"), (int, float)):
+            text += f" ({data['duration_s'] * 1000:.0f} ms)"
+        return f"{text}: {event.message}" if event.message else text
+    return event.message
+
+
+class RunScreen(Screen[None]):
+    """The live / run view: header, gauges, chart, events and embedding tables of one run.
+
+    While the run is active it polls every ``refresh_s`` for what is new (in a worker thread);
+    once the run is finished, failed or interrupted it stops polling.
+    """
+
+    def __init__(self, run_ref: str | None = None) -> None:
+        """Show the run ``run_ref`` (id, uuid prefix, ``latest``; ``None``: running else latest)."""
+        super().__init__(id="run-screen")
+        self.run_ref = run_ref
+        self.run_info: RunInfo | None = None
+        self.series: Series | None = None
+        self.latest: SampleRow | None = None
+        self.last_event_id = 0
+        self.last_module_id = 0
+        self.actions: list[EventRow] = []
+        self.modules: dict[str, ModuleRow] = {}
+        self.error: str | None = None
+        self.loaded = False
+        self.busy = False
+        self.generation = 0
+        self.refreshes = 0
+
+    @property
+    def tui(self) -> EdoTui:
+        """The app, typed."""
+        return self.app  # type: ignore[return-value]
+
+    def compose(self) -> ComposeResult:
+        """Lay out the view."""
+        yield Static("edo-tui", id="run-header")
+        yield Static("", id="run-message")
+        with Horizontal(id="gauges"):
+            yield Gauge("used / budget", id="gauge-used")
+            yield Gauge("allocated / reserved", id="gauge-alloc")
+            yield Gauge("free", id="gauge-free")
+            yield Gauge("fragmentation", id="gauge-frag")
+        yield MemoryChart(id="chart")
+        with Horizontal(id="tables"):
+            with Vertical(id="events-box"):
+                yield Static("events", classes="box-title")
+                yield DataTable(id="events", cursor_type="row", zebra_stripes=True)
+            with Vertical(id="modules-box"):
+                yield Static("embedding tables", classes="box-title")
+                yield DataTable(id="modules", cursor_type="row", zebra_stripes=True)
+        yield Footer()
+
+    def on_mount(self) -> None:
+        """Set up the tables and start polling."""
+        events = self.query_one("#events", DataTable)
+        events.add_columns("time", "step", "kind", "detail", "saved")
+        modules = self.query_one("#modules", DataTable)
+        modules.add_columns(
+            "table", "shape", "dtype", "placement", "params", "grads", "optim", "activ", "total"
+        )
+        self.query_one("#run-message", Static).display = False
+        self.set_interval(self.tui.refresh_s, self.tick, name="run-refresh")
+        self.tick()
+
+    def on_screen_resume(self) -> None:
+        """Refresh at once when the view comes back."""
+        self.tick()
+
+    # -- loading ----------------------------------------------------------------------------
+
+    def open_run(self, run_ref: str | int | None) -> None:
+        """Switch to another run (``None``: the latest running run, else the latest)."""
+        self.run_ref = None if run_ref is None else str(run_ref)
+        self.generation += 1
+        self.loaded = False
+        self.busy = False
+        self.run_info = None
+        self.tick()
+
+    def tick(self) -> None:
+        """Start a read unless one is in flight, or the open run can no longer change."""
+        if self.busy or not self.is_mounted:
+            return
+        if self.loaded and self.run_info is not None and self.run_info.terminal:
+            self._update_header()  # nothing to read: a finished run never changes
+            return
+        self.busy = True
+        if self.loaded and self.run_info is not None:
+            self._poll(self.generation, self.run_info.id)
+        else:
+            self._load(self.generation, self.run_ref, max(40, self.app.size.width - 10))
+
+    @work(thread=True, group="run-read")
+    def _load(self, generation: int, run_ref: str | None, max_points: int) -> None:
+        source = self.tui.source
+        try:
+            run = source.resolve(run_ref)
+            if run is None:
+                self.app.call_from_thread(
+                    self._show_error,
+                    generation,
+                    f"No runs recorded yet in {source.label}. Waiting for a run to start…",
+                )
+                return
+            series = source.series(run.id, max_points)
+            latest = source.latest_sample(run.id)
+            events = source.events(run.id, limit=1000)
+            modules = source.modules(run.id)
+        except READ_ERRORS as exc:
+            logger.debug("load failed", exc_info=True)
+            self.app.call_from_thread(self._show_error, generation, _message_for(exc))
+            return
+        self.app.call_from_thread(
+            self._apply_load, generation, run, series, latest, events, modules
+        )
+
+    @work(thread=True, group="run-read")
+    def _poll(self, generation: int, run_id: int) -> None:
+        source = self.tui.source
+        series = self.series
+        try:
+            poll = source.poll(
+                run_id,
+                series.last_id if series is not None else 0,
+                self.last_event_id,
+                self.last_module_id,
+            )
+        except READ_ERRORS as exc:
+            logger.debug("poll failed", exc_info=True)
+            self.app.call_from_thread(self._show_error, generation, _message_for(exc))
+            return
+        self.app.call_from_thread(self._apply_poll, generation, poll)
+
+    # -- applying (UI thread) ---------------------------------------------------------------
+
+    def _show_error(self, generation: int, message: str) -> None:
+        if generation != self.generation or not self.is_mounted:
+            return
+        self.busy = False
+        self.error = message
+        box = self.query_one("#run-message", Static)
+        box.update(Text(message, style="bold"))
+        box.display = True
+        if self.run_info is None:
+            self.query_one("#run-header", Static).update(Text("edo-tui", style="bold"))
+
+    def _clear_error(self) -> None:
+        if self.error is not None:
+            self.error = None
+            self.query_one("#run-message", Static).display = False
+
+    def _apply_load(
+        self,
+        generation: int,
+        run: RunInfo,
+        series: Series,
+        latest: SampleRow | None,
+        events: list[EventRow],
+        modules: list[ModuleRow],
+    ) -> None:
+        if generation != self.generation or not self.is_mounted:
+            return
+        self.busy = False
+        self._clear_error()
+        self.run_info = run
+        self.series = series
+        self.latest = latest
+        self.actions = []
+        self.modules = {}
+        self.last_event_id = 0
+        self.last_module_id = 0
+        self.query_one("#events", DataTable).clear()
+        self.query_one("#modules", DataTable).clear()
+        self._add_events(events)
+        self._add_modules(modules)
+        self.loaded = True
+        self.refreshes += 1
+        self._redraw()
+
+    def _apply_poll(self, generation: int, poll: Poll) -> None:
+        if generation != self.generation or not self.is_mounted:
+            return
+        self.busy = False
+        self._clear_error()
+        self.run_info = poll.run
+        changed = False
+        if poll.new_samples and self.series is not None:
+            self.series.extend(poll.new_samples)
+            changed = True
+        if poll.latest is not None:
+            self.latest = poll.latest
+        if poll.new_events:
+            self._add_events(poll.new_events)
+            changed = True
+        if poll.new_modules:
+            self._add_modules(poll.new_modules)
+        self.refreshes += 1
+        if changed:
+            self._redraw()
+        else:
+            self._update_header()
+
+    def _add_events(self, events: list[EventRow]) -> None:
+        table = self.query_one("#events", DataTable)
+        start = self.run_info.started_at_s if self.run_info is not None else 0.0
+        for event in events:
+            self.last_event_id = max(self.last_event_id, event.id)
+            if event.kind == "action":
+                self.actions.append(event)
+            style = _EVENT_STYLES.get(event.kind, "")
+            table.add_row(
+                format_duration(event.time_s - start),
+                str(event.step),
+                Text(event.kind, style=style),
+                _event_detail(event),
+                _format_saved(event),
+                key=str(event.id),
+            )
+        if events:
+            table.move_cursor(row=table.row_count - 1)
+
+    def _add_modules(self, modules: list[ModuleRow]) -> None:
+        for row in modules:
+            self.last_module_id = max(self.last_module_id, row.id)
+            self.modules[row.module] = row
+        table = self.query_one("#modules", DataTable)
+        table.clear()
+        for row in sorted(self.modules.values(), key=lambda r: -r.total_bytes):
+            if row.num_embeddings is None and "embedding" not in row.kind.lower():
+                continue
+            shape = (
+                f"{row.num_embeddings}×{row.embedding_dim}"
+                if row.num_embeddings is not None
+                else "N/A"
+            )
+            table.add_row(
+                row.module,
+                shape,
+                row.dtype or "N/A",
+                row.placement or "N/A",
+                format_bytes(row.params_bytes),
+                format_bytes(row.grads_bytes),
+                format_bytes(row.optimizer_state_bytes),
+                format_bytes(row.activations_bytes),
+                format_bytes(row.total_bytes),
+                key=row.module,
+            )
+
+    def _redraw(self) -> None:
+        self._update_header()
+        self._update_gauges()
+        run = self.run_info
+        if run is None:
+            return
+        budget = self.latest.budget_bytes if self.latest else run.budget_bytes
+        floor_bytes = None if budget is None else int(budget * (1.0 - run.floor))
+        self.query_one(MemoryChart).show(
+            self.series, start_s=run.started_at_s, floor_bytes=floor_bytes, actions=self.actions
+        )
+
+    def _update_header(self) -> None:
+        run = self.run_info
+        if run is None:
+            return
+        header = Text()
+        header.append(f" {run.name} ", style="bold reverse")
+        header.append(f"  #{run.id} {run.uuid[:8]}  ", style="grey62")
+        header.append(f" {run.status} ", style=STATUS_STYLES.get(run.status, "bold"))
+        device = run.device_name or "unknown device"
+        header.append(f"   device: {device} ({run.device_kind})")
+        step = max(run.steps, self.latest.step if self.latest else 0)
+        header.append(f"   step: {step}")
+        header.append(f"   elapsed: {format_duration(run.elapsed_s())}")
+        header.append(f"   started: {format_time(run.started_at_s)}", style="grey62")
+        if run.error:
+            header.append(f"\n error: {run.error}", style="red")
+        self.query_one("#run-header", Static).update(header)
+
+    def _update_gauges(self) -> None:
+        run = self.run_info
+        s = self.latest
+        floor = run.floor if run is not None else 0.2
+        used = self.query_one("#gauge-used", Gauge)
+        alloc = self.query_one("#gauge-alloc", Gauge)
+        free = self.query_one("#gauge-free", Gauge)
+        frag = self.query_one("#gauge-frag", Gauge)
+        if s is None:
+            for gauge in (used, alloc, free, frag):
+                gauge.set(None, "N/A (no samples yet)")
+            return
+        low = s.free_fraction is not None and s.free_fraction < floor
+        if s.in_use_bytes is not None and s.budget_bytes:
+            used.set(
+                s.in_use_bytes / s.budget_bytes,
+                f"{format_bytes(s.in_use_bytes)} / {format_bytes(s.budget_bytes)}",
+                mark=1.0 - floor,
+                warn=low,
+            )
+        else:
+            used.set(None, f"{format_bytes(s.in_use_bytes)} / {format_bytes(s.budget_bytes)}")
+        if s.allocated_bytes is not None and s.reserved_bytes:
+            alloc.set(
+                s.allocated_bytes / s.reserved_bytes,
+                f"{format_bytes(s.allocated_bytes)} / {format_bytes(s.reserved_bytes)}",
+            )
+        else:
+            alloc.set(None, f"{format_bytes(s.allocated_bytes)} / {format_bytes(s.reserved_bytes)}")
+        free.set(
+            s.free_fraction,
+            f"{format_fraction(s.free_fraction)} (floor {format_fraction(floor)})",
+            mark=floor,
+            warn=low,
+        )
+        frag.set(s.fragmentation, format_fraction(s.fragmentation))
+
+
+#: Columns of the runs table: (key, label).
+RUN_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("id", "id"),
+    ("name", "name"),
+    ("status", "status"),
+    ("started", "started"),
+    ("duration", "duration"),
+    ("device", "device"),
+    ("peak", "peak"),
+    ("min_free", "min free"),
+    ("ooms", "OOMs"),
+    ("actions", "actions"),
+)
+
+
+def _sort_value(summary: RunSummary, key: str) -> Any:
+    run = summary.run
+    values: dict[str, Any] = {
+        "id": run.id,
+        "name": run.name.lower(),
+        "status": run.status,
+        "started": run.started_at_s,
+        "duration": run.elapsed_s(),
+        "device": f"{run.device_kind} {run.device_name or ''}",
+        "peak": summary.peak_bytes if summary.peak_bytes is not None else -1,
+        "min_free": summary.min_free_fraction if summary.min_free_fraction is not None else 2.0,
+        "ooms": summary.ooms,
+        "actions": summary.actions,
+    }
+    return values[key]
+
+
+def _matches(summary: RunSummary, needle: str) -> bool:
+    run = summary.run
+    haystack = " ".join(
+        [
+            str(run.id),
+            run.uuid,
+            run.name,
+            run.status,
+            run.host,
+            run.device_kind,
+            run.device_name or "",
+            *map(str, run.tags),
+        ]
+    ).lower()
+    return all(word in haystack for word in needle.lower().split())
+
+
+class RunsScreen(Screen[None]):
+    """Every run in the database: sortable (click a header, or ``s``), filterable (``/``)."""
+
+    BINDINGS = [  # noqa: RUF012
+        Binding("s", "sort_next", "sort"),
+        Binding("escape", "clear_filter", "clear filter", show=False),
+    ]
+
+    def __init__(self) -> None:
+        """Create the (empty) runs view."""
+        super().__init__(id="runs-screen")
+        self.summaries: list[RunSummary] = []
+        self.sort_key = "started"
+        self.sort_reverse = True
+        self.filter_text = ""
+        self.busy = False
+        self.loads = 0
+
+    @property
+    def tui(self) -> EdoTui:
+        """The app, typed."""
+        return self.app  # type: ignore[return-value]
+
+    def compose(self) -> ComposeResult:
+        """Lay out the view."""
+        yield Static("runs", id="runs-header")
+        yield Static("", id="runs-message")
+        filter_box = Input(
+            placeholder="filter runs (name, status, device, host, tag)…", id="filter"
+        )
+        filter_box.display = False
+        yield filter_box
+        yield DataTable(id="runs", cursor_type="row", zebra_stripes=True)
+        yield Footer()
+
+    def on_mount(self) -> None:
+        """Set up the table and start loading."""
+        table = self.query_one("#runs", DataTable)
+        for key, label in RUN_COLUMNS:
+            table.add_column(label, key=key)
+        self.query_one("#runs-message", Static).display = False
+        self.set_interval(max(2.0, 5 * self.tui.refresh_s), self.reload, name="runs-refresh")
+        self.reload()
+
+    def on_screen_resume(self) -> None:
+        """Reload when the view comes back."""
+        self.reload()
+        if not self.query_one("#filter", Input).display:
+            self.query_one("#runs", DataTable).focus()
+
+    def reload(self) -> None:
+        """Read the runs again (in a worker), unless a read is in flight or the view is hidden."""
+        if self.busy or not self.is_current:
+            return
+        self.busy = True
+        self._read()
+
+    @work(thread=True, group="runs-read")
+    def _read(self) -> None:
+        try:
+            summaries = self.tui.source.summaries()
+        except READ_ERRORS as exc:
+            self.app.call_from_thread(self._show_error, _message_for(exc))
+            return
+        self.app.call_from_thread(self._apply, summaries)
+
+    def _show_error(self, message: str) -> None:
+        self.busy = False
+        if not self.is_mounted:
+            return
+        box = self.query_one("#runs-message", Static)
+        box.update(Text(message, style="bold"))
+        box.display = True
+
+    def _apply(self, summaries: list[RunSummary]) -> None:
+        self.busy = False
+        if not self.is_mounted:
+            return
+        self.loads += 1
+        self.summaries = summaries
+        box = self.query_one("#runs-message", Static)
+        if not summaries:
+            box.update(Text(f"No runs recorded yet in {self.tui.source.label}.", style="bold"))
+            box.display = True
+        else:
+            box.display = False
+        self.rebuild()
+
+    def visible(self) -> list[RunSummary]:
+        """The runs shown: filtered, then sorted."""
+        rows = [s for s in self.summaries if _matches(s, self.filter_text)]
+        rows.sort(key=lambda s: _sort_value(s, self.sort_key), reverse=self.sort_reverse)
+        return rows
+
+    def rebuild(self) -> None:
+        """Refill the table from :meth:`visible`, keeping the cursor on the same run."""
+        table = self.query_one("#runs", DataTable)
+        keep = None
+        if table.row_count:
+            try:
+                keep = table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value
+            except Exception:
+                keep = None
+        table.clear()
+        arrow = " ▼" if self.sort_reverse else " ▲"
+        for key, label in RUN_COLUMNS:
+            table.columns[key].label = Text(label + (arrow if key == self.sort_key else ""))
+        for summary in self.visible():
+            run = summary.run
+            table.add_row(
+                str(run.id),
+                run.name,
+                Text(run.status, style=STATUS_STYLES.get(run.status, "")),
+                format_time(run.started_at_s),
+                format_duration(run.elapsed_s()),
+                f"{run.device_name or '?'} ({run.device_kind})",
+                format_bytes(summary.peak_bytes),
+                format_fraction(summary.min_free_fraction),
+                str(summary.ooms),
+                str(summary.actions),
+                key=str(run.id),
+            )
+        if keep is not None and keep in table.rows:
+            table.move_cursor(row=table.get_row_index(keep))
+        header = f"runs in {self.tui.source.label}: {len(table.rows)} of {len(self.summaries)}"
+        if self.filter_text:
+            header += f"   filter: {self.filter_text!r}"
+        self.query_one("#runs-header", Static).update(Text(header, style="bold"))
+
+    def show_filter(self) -> None:
+        """Show and focus the filter box."""
+        box = self.query_one("#filter", Input)
+        box.display = True
+        box.focus()
+
+    @on(Input.Changed, "#filter")
+    def _filter_changed(self, event: Input.Changed) -> None:
+        self.filter_text = event.value.strip()
+        self.rebuild()
+
+    @on(Input.Submitted, "#filter")
+    def _filter_submitted(self) -> None:
+        self.query_one("#runs", DataTable).focus()
+
+    def action_clear_filter(self) -> None:
+        """Clear and hide the filter."""
+        box = self.query_one("#filter", Input)
+        box.value = ""
+        box.display = False
+        self.filter_text = ""
+        self.rebuild()
+        self.query_one("#runs", DataTable).focus()
+
+    def sort_by(self, key: str) -> None:
+        """Sort by column ``key``; the same key again reverses the order."""
+        if key == self.sort_key:
+            self.sort_reverse = not self.sort_reverse
+        else:
+            self.sort_key = key
+            self.sort_reverse = key in ("started", "peak", "ooms", "actions", "duration", "id")
+        self.rebuild()
+
+    def action_sort_next(self) -> None:
+        """Sort by the next column."""
+        keys = [k for k, _ in RUN_COLUMNS]
+        self.sort_by(keys[(keys.index(self.sort_key) + 1) % len(keys)])
+
+    @on(DataTable.HeaderSelected, "#runs")
+    def _header_clicked(self, event: DataTable.HeaderSelected) -> None:
+        self.sort_by(str(event.column_key.value))
+
+    @on(DataTable.RowSelected, "#runs")
+    def _row_selected(self, event: DataTable.RowSelected) -> None:
+        if event.row_key.value is not None:
+            self.tui.open_run(event.row_key.value)
+
+
+class HelpScreen(ModalScreen[None]):
+    """The keys, and what the chart shows. Any key closes it."""
+
+    def compose(self) -> ComposeResult:
+        """The help text in a box."""
+        with VerticalScroll(id="help-box"):
+            yield Static(HELP_TEXT, id="help-text")
+
+    def on_key(self, event: Any) -> None:
+        """Close on any key."""
+        event.stop()
+        event.prevent_default()
+        self.dismiss()
+
+    def on_click(self) -> None:
+        """Close on a click."""
+        self.dismiss()
