@@ -9,12 +9,35 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Float, ForeignKey, Index, Integer, String, Text
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Column,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    PrimaryKeyConstraint,
+    String,
+    Table,
+    Text,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-__all__ = ["SCHEMA_VERSION", "Base", "Event", "Meta", "ModuleStat", "Run", "Sample"]
+__all__ = [
+    "ROLLUP_FIELDS",
+    "ROLLUP_LEVEL_WIDTHS_S",
+    "SCHEMA_VERSION",
+    "Base",
+    "Event",
+    "Meta",
+    "ModuleStat",
+    "Run",
+    "Sample",
+    "sample_rollups",
+]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 #: Run statuses written by the agent. ``crashed`` is never written: readers derive it from a
 #: ``running`` run whose process is gone or whose heartbeat is stale.
@@ -141,3 +164,72 @@ class ModuleStat(Base):
     grads_bytes: Mapped[int] = mapped_column(default=0)
     optimizer_state_bytes: Mapped[int] = mapped_column(default=0)
     activations_bytes: Mapped[int] = mapped_column(default=0)
+
+
+#: Sample columns summarised in ``sample_rollups`` (every numeric ``samples`` column but time).
+ROLLUP_FIELDS: tuple[str, ...] = (
+    "step",
+    "device_total_bytes",
+    "device_used_bytes",
+    "device_free_bytes",
+    "process_device_bytes",
+    "allocated_bytes",
+    "reserved_bytes",
+    "active_bytes",
+    "inactive_split_bytes",
+    "reserved_unallocated_bytes",
+    "peak_allocated_bytes",
+    "num_alloc_retries",
+    "num_ooms",
+    "fragmentation",
+    "largest_inactive_block_bytes",
+    "segment_count",
+    "params_bytes",
+    "grads_bytes",
+    "optimizer_state_bytes",
+    "activations_bytes",
+    "host_tier_bytes",
+    "budget_bytes",
+    "in_use_bytes",
+    "free_fraction",
+    "process_rss_bytes",
+    "host_available_bytes",
+)
+
+#: Width (seconds) of a rollup block at each level: level ``L`` block ``k`` holds the samples with
+#: ``CAST(time_s / ROLLUP_LEVEL_WIDTHS_S[L] AS INTEGER) = k`` (epoch-aligned, so the blocks of a
+#: level tile time and a coarser block is exactly 16 finer ones).
+ROLLUP_LEVEL_WIDTHS_S: tuple[int, ...] = (1, 16, 256, 4096)
+
+
+def _rollup_columns() -> list[Column[Any]]:
+    cols: list[Column[Any]] = []
+    for name in ROLLUP_FIELDS:
+        kind = Float if name in _FLOAT_FIELDS else BigInteger().with_variant(Integer(), "sqlite")
+        cols += [
+            Column(f"{name}_min", kind),
+            Column(f"{name}_max", kind),
+            Column(f"{name}_sum", Float),
+            Column(f"{name}_n", Integer, nullable=False, server_default="0"),
+        ]
+    return cols
+
+
+#: Schema version 2: per-run, per-level, per-time-block min / max / sum / count of every numeric
+#: sample column, for downsampling in SQL without scanning every sample (see
+#: :meth:`edo_monitor.store.history.History.samples`). It summarises the samples with
+#: ``id <= meta['rollup_through_id']``; later samples are read raw. Maintained by writer engines
+#: (:func:`edo_monitor.store.engine.roll_up`).
+sample_rollups = Table(
+    "sample_rollups",
+    Base.metadata,
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("level", Integer, nullable=False),
+    Column("block", Integer, nullable=False),
+    Column("n", Integer, nullable=False),
+    Column("time_min_s", Float, nullable=False),
+    Column("time_max_s", Float, nullable=False),
+    *_rollup_columns(),
+    PrimaryKeyConstraint("run_id", "level", "block", name="pk_sample_rollups"),
+    sqlite_with_rowid=False,
+)

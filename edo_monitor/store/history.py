@@ -1,0 +1,994 @@
+"""Reading past (and live) runs: the ``History`` API behind the CLI and the TUI.
+
+Everything returned is a plain frozen dataclass or a list of them; times are Unix seconds (UTC),
+byte counts ints, fractions floats in [0, 1]. ``None`` means "not recorded".
+
+Downsampling happens in SQL. ``samples(run, max_points=N)`` splits the time range into at most
+``N`` buckets and returns, per bucket and column, min / max / mean and the sample count, so a peak
+is never averaged away. On SQLite databases with schema version ≥ 2 the buckets are assembled from
+``sample_rollups`` (pre-aggregated, epoch-aligned time blocks of 1, 16, 256 and 4096 s): the
+bucket width is a whole number of blocks of the coarsest level that fits, so whole blocks add up
+to exactly the answer a ``GROUP BY`` over every sample would give, while reading a few thousand
+rows instead of millions. Samples newer than the rollups (``id > meta.rollup_through_id``) and the
+partial blocks at the edges of a ``start``/``end`` window are read raw and merged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import re
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Connection, Engine, inspect, select, text
+from sqlalchemy.engine import URL
+
+from edo_monitor.errors import ConfigError, RunNotFoundError
+from edo_monitor.readings import SAMPLE_FIELDS
+from edo_monitor.store.engine import open_engine, schema_version
+from edo_monitor.store.schema import (
+    ROLLUP_FIELDS,
+    ROLLUP_LEVEL_WIDTHS_S,
+    SCHEMA_VERSION,
+    Event,
+    Run,
+)
+from edo_monitor.store.status import effective_status
+
+__all__ = [
+    "NUMERIC_SAMPLE_COLUMNS",
+    "EventInfo",
+    "History",
+    "MetricComparison",
+    "ModuleInfo",
+    "Peak",
+    "RunComparison",
+    "RunInfo",
+    "SampleRow",
+    "SampleSeries",
+    "to_pandas",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Sample columns that ``samples(columns=…)`` accepts (every numeric column but ``time_s``).
+NUMERIC_SAMPLE_COLUMNS: tuple[str, ...] = tuple(
+    f for f in SAMPLE_FIELDS if f not in ("time_s", "device_kind")
+)
+_ROLLUP_SET = frozenset(ROLLUP_FIELDS)
+#: Above this many samples newer than the rollups, read the whole window raw instead.
+_MAX_TAIL_ROWS = 200_000
+_PEAK_COLUMNS = (
+    "in_use_bytes",
+    "allocated_bytes",
+    "reserved_bytes",
+    "process_device_bytes",
+    "device_used_bytes",
+    "process_rss_bytes",
+)
+_RUN_COLUMNS = [c.name for c in Run.__table__.columns]
+RunRef = int | str
+
+
+def _pandas() -> Any:
+    try:
+        import pandas
+    except ImportError:
+        raise ImportError(
+            "to_pandas() needs pandas, which is not installed; install it with "
+            "`pip install 'edo-monitor[pandas]'`"
+        ) from None
+    return pandas
+
+
+def to_pandas(items: Iterable[Any]) -> Any:
+    """A ``pandas.DataFrame`` with one row per dataclass in ``items``.
+
+    Raises:
+        ImportError: pandas is not installed (it is the optional extra ``edo-monitor[pandas]``).
+    """
+    pd = _pandas()
+    return pd.DataFrame([dataclasses.asdict(i) for i in items])
+
+
+# -- result types ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """One run as a reader sees it: the stored row plus summaries of its samples and events.
+
+    ``status`` is the effective status (``crashed`` for a ``running`` run whose process is gone
+    or whose heartbeat is stale); ``stored_status`` is what the agent last wrote.
+    """
+
+    id: int
+    uuid: str
+    name: str
+    host: str
+    pid: int
+    status: str
+    stored_status: str
+    started_at_s: float
+    ended_at_s: float | None
+    heartbeat_at_s: float | None
+    duration_s: float
+    error: str | None
+    device_kind: str
+    device_name: str | None
+    device_uuid: str | None
+    device_total_bytes: int | None
+    budget_bytes: int | None
+    interval_s: float
+    torch_version: str
+    config: dict[str, Any]
+    tags: list[str]
+    steps: int
+    samples_dropped: int
+    sample_count: int = 0
+    first_sample_s: float | None = None
+    last_sample_s: float | None = None
+    peak_in_use_bytes: int | None = None
+    peak_allocated_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+    peak_process_device_bytes: int | None = None
+    peak_device_used_bytes: int | None = None
+    peak_process_rss_bytes: int | None = None
+    min_free_fraction: float | None = None
+    event_count: int = 0
+    action_count: int = 0
+    oom_count: int = 0
+
+    @property
+    def steps_per_s(self) -> float | None:
+        """Optimizer steps per second of run time (``None`` for a zero-length run)."""
+        return self.steps / self.duration_s if self.duration_s > 0 else None
+
+
+@dataclass(frozen=True)
+class EventInfo:
+    """One row of ``events``."""
+
+    id: int
+    run_id: int
+    time_s: float
+    step: int
+    kind: str
+    message: str
+    data: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ModuleInfo:
+    """The latest ``module_stats`` row of one module (bytes by category)."""
+
+    id: int
+    run_id: int
+    time_s: float
+    step: int
+    module: str
+    kind: str
+    num_embeddings: int | None
+    embedding_dim: int | None
+    dtype: str | None
+    device: str | None
+    placement: str | None
+    params_bytes: int
+    grads_bytes: int
+    optimizer_state_bytes: int
+    activations_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        """Sum of the four categories (bytes)."""
+        return (
+            self.params_bytes
+            + self.grads_bytes
+            + self.optimizer_state_bytes
+            + self.activations_bytes
+        )
+
+
+@dataclass(frozen=True)
+class Peak:
+    """The largest value of one sample column in a run, and when it happened."""
+
+    run_id: int
+    column: str
+    value: float | None
+    time_s: float | None
+    step: int | None
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    """One raw sample (incremental reads): its id, time, step and the requested columns."""
+
+    id: int
+    time_s: float
+    step: int
+    values: Mapping[str, Any]
+
+    def __getitem__(self, column: str) -> Any:
+        return self.values[column]
+
+
+@dataclass(frozen=True)
+class SampleSeries:
+    """Samples of one run, column-wise, possibly downsampled into time buckets.
+
+    Position ``i`` of every list is one bucket (or one sample when ``downsampled`` is False, in
+    which case min = max = mean = the value and ``count`` is 1). ``time_s`` is the first sample
+    time in the bucket, ``time_end_s`` the last. ``bucket_s`` is the bucket width (seconds; None
+    when not downsampled).
+    """
+
+    run_id: int
+    columns: tuple[str, ...]
+    downsampled: bool
+    bucket_s: float | None
+    time_s: list[float] = field(default_factory=list)
+    time_end_s: list[float] = field(default_factory=list)
+    count: list[int] = field(default_factory=list)
+    min: dict[str, list[Any]] = field(default_factory=dict)
+    max: dict[str, list[Any]] = field(default_factory=dict)
+    mean: dict[str, list[float | None]] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.time_s)
+
+    def rows(self) -> Iterator[dict[str, Any]]:
+        """One flat dict per bucket: ``time_s``, ``time_end_s``, ``count``, and
+        ``<column>`` (the mean; the value itself when not downsampled), ``<column>_min``,
+        ``<column>_max``."""
+        for i in range(len(self.time_s)):
+            row: dict[str, Any] = {
+                "time_s": self.time_s[i],
+                "time_end_s": self.time_end_s[i],
+                "count": self.count[i],
+            }
+            for c in self.columns:
+                row[c] = self.min[c][i] if not self.downsampled else self.mean[c][i]
+                row[f"{c}_min"] = self.min[c][i]
+                row[f"{c}_max"] = self.max[c][i]
+            yield row
+
+    def to_pandas(self) -> Any:
+        """The rows as a ``pandas.DataFrame``.
+
+        Raises:
+            ImportError: pandas is not installed.
+        """
+        return _pandas().DataFrame(list(self.rows()))
+
+
+@dataclass(frozen=True)
+class MetricComparison:
+    """One line of a comparison: a metric of run A and run B (``delta`` = B − A)."""
+
+    name: str
+    unit: str
+    a: float | None
+    b: float | None
+
+    @property
+    def delta(self) -> float | None:
+        """``b - a``, or None when either is missing."""
+        return None if self.a is None or self.b is None else self.b - self.a
+
+
+@dataclass(frozen=True)
+class RunComparison:
+    """Two runs side by side: summary metrics and each run's actions."""
+
+    a: RunInfo
+    b: RunInfo
+    metrics: list[MetricComparison]
+    actions_a: list[EventInfo]
+    actions_b: list[EventInfo]
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+def _to_epoch(value: float | datetime | None, name: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, datetime):
+        return value.timestamp()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name}={value!r} is not a time; expected Unix seconds or a datetime")
+    return float(value)
+
+
+def _merge(acc: dict[int, list[Any]], b: int, part: Sequence[Any], ncols: int) -> None:
+    """Merge one partial aggregate ``(n, tmin, tmax, [min, max, sum, cnt] * ncols)``."""
+    cur = acc.get(b)
+    if cur is None:
+        acc[b] = list(part)
+        return
+    cur[0] += part[0]
+    cur[1] = min(cur[1], part[1])
+    cur[2] = max(cur[2], part[2])
+    for j in range(ncols):
+        k = 3 + 4 * j
+        lo, hi = part[k], part[k + 1]
+        if lo is not None:
+            cur[k] = lo if cur[k] is None else min(cur[k], lo)
+        if hi is not None:
+            cur[k + 1] = hi if cur[k + 1] is None else max(cur[k + 1], hi)
+        cur[k + 2] = (cur[k + 2] or 0.0) + (part[k + 2] or 0.0)
+        cur[k + 3] += part[k + 3]
+
+
+class History:
+    """Read access to the history database.
+
+    Args:
+        db: path, SQLAlchemy URL or ``None`` (``EDO_DB``, else ``./edo-history.db``); or an
+            existing :class:`sqlalchemy.Engine`.
+        readonly: open read-only (the default; a missing file is an error). ``False`` opens as a
+            writer, which creates or upgrades the database (used by ``prune``).
+
+    Raises:
+        ConfigError: bad ``db``.
+        StoreError: missing file (read-only), not an edo-monitor database, newer schema.
+    """
+
+    def __init__(
+        self, db: str | os.PathLike[str] | URL | Engine | None = None, *, readonly: bool = True
+    ) -> None:
+        if isinstance(db, Engine):
+            self.engine = db
+            self._owns_engine = False
+        else:
+            self.engine = open_engine(db, readonly=readonly)
+            self._owns_engine = True
+        self.readonly = readonly
+        with self._read() as conn:
+            self.schema_version: int | None = schema_version(conn)
+            tables = set(inspect(conn).get_table_names())
+        self._empty = "runs" not in tables
+        self._has_rollups = "sample_rollups" in tables and self.engine.dialect.name == "sqlite"
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    @contextmanager
+    def _read(self) -> Iterator[Connection]:
+        """A connection reading one consistent snapshot (one transaction on SQLite)."""
+        with self.engine.connect() as conn:
+            if self.engine.dialect.name == "sqlite":
+                conn.exec_driver_sql("SELECT 1")  # autobegin (writer engines: BEGIN IMMEDIATE)
+                if not conn.connection.dbapi_connection.in_transaction:  # type: ignore[union-attr]
+                    conn.exec_driver_sql("BEGIN")
+            yield conn
+
+    def close(self) -> None:
+        """Release the database connections (when this object opened them)."""
+        if self._owns_engine:
+            self.engine.dispose()
+
+    def __enter__(self) -> History:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def outdated(self) -> str | None:
+        """A sentence saying the database's schema is older than this edo-monitor's, else None."""
+        if self.schema_version is not None and self.schema_version < SCHEMA_VERSION:
+            return (
+                f"history database has schema version {self.schema_version}, older than "
+                f"{SCHEMA_VERSION}; it is read as it is and upgraded when next written to"
+            )
+        return None
+
+    # -- runs --------------------------------------------------------------------------------
+    def runs(
+        self,
+        *,
+        status: str | Sequence[str] | None = None,
+        since: float | datetime | None = None,
+        name: str | None = None,
+        tag: str | None = None,
+        limit: int | None = None,
+    ) -> list[RunInfo]:
+        """Runs, newest first.
+
+        Args:
+            status: keep runs with this effective status (or any of these): ``running``,
+                ``finished``, ``failed``, ``interrupted``, ``crashed``.
+            since: keep runs started at or after this time (Unix seconds or datetime).
+            name: keep runs whose name matches (``*`` and ``?`` wildcards; else a substring).
+            tag: keep runs carrying this tag.
+            limit: at most this many runs (after filtering).
+
+        Raises:
+            ConfigError: an unknown status or a bad ``since``.
+        """
+        wanted = {status} if isinstance(status, str) else set(status or ())
+        allowed = {"running", "finished", "failed", "interrupted", "crashed"}
+        if wanted - allowed:
+            raise ConfigError(
+                f"status={status!r} is not a run status; expected one of {sorted(allowed)}"
+            )
+        since_s = _to_epoch(since, "since")
+        if self._empty:
+            return []
+        stmt = select(*Run.__table__.columns).order_by(Run.started_at_s.desc(), Run.id.desc())
+        if since_s is not None:
+            stmt = stmt.where(Run.started_at_s >= since_s)
+        if name:
+            wild = any(ch in name for ch in "*?")
+            pattern = name.replace("*", "%").replace("?", "_") if wild else f"%{name}%"
+            stmt = stmt.where(Run.name.like(pattern))
+        with self._read() as conn:
+            rows = [dict(r._mapping) for r in conn.execute(stmt)]
+        if tag is not None:
+            rows = [r for r in rows if tag in (r["tags"] or [])]
+        infos = [self._base_info(r) for r in rows]
+        if wanted:
+            infos = [i for i in infos if i.status in wanted]
+        if limit is not None:
+            infos = infos[:limit]
+        return self._with_stats(infos)
+
+    def run(self, ref: RunRef) -> RunInfo:
+        """One run by id (int or digits), uuid prefix, or ``"latest"`` (most recently started).
+
+        Raises:
+            RunNotFoundError: no run matches, or a uuid prefix matches several.
+        """
+        row = self._find(ref)
+        return self._with_stats([self._base_info(row)])[0]
+
+    def _find(self, ref: RunRef) -> dict[str, Any]:
+        if self._empty:
+            raise RunNotFoundError(f"no run {ref!r}: the history database has no runs")
+        cols = Run.__table__.columns
+        with self._read() as conn:
+            if isinstance(ref, bool):
+                raise RunNotFoundError(f"{ref!r} is not a run reference")
+            if isinstance(ref, int) or (isinstance(ref, str) and ref.strip().isdigit()):
+                row = conn.execute(select(*cols).where(Run.id == int(ref))).first()
+                if row is not None:
+                    return dict(row._mapping)
+                if isinstance(ref, int):
+                    raise RunNotFoundError(f"no run with id {ref}")
+            ref_s = str(ref).strip()
+            if ref_s.lower() == "latest":
+                row = conn.execute(
+                    select(*cols).order_by(Run.started_at_s.desc(), Run.id.desc()).limit(1)
+                ).first()
+                if row is None:
+                    raise RunNotFoundError("no run 'latest': the history database has no runs")
+                return dict(row._mapping)
+            if not re.fullmatch(r"[0-9a-fA-F-]{1,36}", ref_s):
+                raise RunNotFoundError(
+                    f"no run {ref_s!r}: expected a run id, a uuid prefix or 'latest'"
+                )
+            found = conn.execute(
+                select(*cols).where(Run.uuid.like(ref_s.lower() + "%")).limit(6)
+            ).all()
+        if not found:
+            raise RunNotFoundError(f"no run with id or uuid prefix {ref_s!r}")
+        if len(found) > 1:
+            shown = ", ".join(f"{r.id} ({r.uuid[:12]})" for r in found[:5])
+            raise RunNotFoundError(
+                f"uuid prefix {ref_s!r} matches several runs: {shown}; give more characters"
+            )
+        return dict(found[0]._mapping)
+
+    def _base_info(self, r: Mapping[str, Any]) -> RunInfo:
+        status = effective_status(
+            r["status"],
+            host=r["host"],
+            pid=r["pid"],
+            heartbeat_at_s=r["heartbeat_at_s"],
+            interval_s=r["interval_s"],
+        )
+        end = r["ended_at_s"]
+        if end is None:
+            end = r["heartbeat_at_s"] if status != "running" else time.time()
+        duration = max(0.0, (end or r["started_at_s"]) - r["started_at_s"])
+        return RunInfo(
+            id=r["id"],
+            uuid=r["uuid"],
+            name=r["name"],
+            host=r["host"],
+            pid=r["pid"],
+            status=status,
+            stored_status=r["status"],
+            started_at_s=r["started_at_s"],
+            ended_at_s=r["ended_at_s"],
+            heartbeat_at_s=r["heartbeat_at_s"],
+            duration_s=duration,
+            error=r["error"],
+            device_kind=r["device_kind"],
+            device_name=r["device_name"],
+            device_uuid=r["device_uuid"],
+            device_total_bytes=r["device_total_bytes"],
+            budget_bytes=r["budget_bytes"],
+            interval_s=r["interval_s"],
+            torch_version=r["torch_version"],
+            config=dict(r["config"] or {}),
+            tags=list(r["tags"] or []),
+            steps=r["steps"],
+            samples_dropped=r["samples_dropped"],
+        )
+
+    def _with_stats(self, infos: list[RunInfo]) -> list[RunInfo]:
+        if not infos:
+            return infos
+        ids = [i.id for i in infos]
+        stats = self._sample_stats(ids)
+        placeholders = ", ".join(str(int(i)) for i in ids)
+        with self._read() as conn:
+            ev = conn.execute(
+                text(
+                    "SELECT run_id, count(*), sum(kind = 'action'), sum(kind = 'oom') "
+                    f"FROM events WHERE run_id IN ({placeholders}) GROUP BY run_id"
+                )
+            ).all()
+        events = {r[0]: (int(r[1]), int(r[2] or 0), int(r[3] or 0)) for r in ev}
+        out = []
+        for info in infos:
+            s = stats.get(info.id, {})
+            n_ev, n_act, n_oom = events.get(info.id, (0, 0, 0))
+            out.append(
+                dataclasses.replace(
+                    info,
+                    sample_count=int(s.get("n") or 0),
+                    first_sample_s=s.get("tmin"),
+                    last_sample_s=s.get("tmax"),
+                    **{f"peak_{c}": _int_or_none(s.get(f"{c}_max")) for c in _PEAK_COLUMNS},
+                    min_free_fraction=s.get("free_fraction_min"),
+                    event_count=n_ev,
+                    action_count=n_act,
+                    oom_count=n_oom,
+                )
+            )
+        return out
+
+    def _sample_stats(self, ids: Sequence[int]) -> dict[int, dict[str, Any]]:
+        cols = [*_PEAK_COLUMNS, "free_fraction"]
+        placeholders = ", ".join(str(int(i)) for i in ids)
+        agg = ", ".join(f"min({c}), max({c}), total({c}), count({c})" for c in cols)
+        parts: dict[int, dict[int, list[Any]]] = {}
+        with self._read() as conn:
+            mark = self._mark(conn) if self._has_rollups else None
+            if mark is not None:
+                top = len(ROLLUP_LEVEL_WIDTHS_S) - 1
+                r_agg = ", ".join(
+                    f"min({c}_min), max({c}_max), total({c}_sum), sum({c}_n)" for c in cols
+                )
+                q1 = (
+                    f"SELECT run_id, sum(n), min(time_min_s), max(time_max_s), {r_agg} "
+                    f"FROM sample_rollups WHERE level = {top} AND run_id IN ({placeholders}) "
+                    "GROUP BY run_id"
+                )
+                q2 = (
+                    f"SELECT run_id, count(*), min(time_s), max(time_s), {agg} FROM samples "
+                    f"WHERE id > :mark AND +run_id IN ({placeholders}) GROUP BY run_id"
+                )
+                results = [
+                    *conn.execute(text(q1)).all(),
+                    *conn.execute(text(q2), {"mark": mark}).all(),
+                ]
+            else:
+                q = (
+                    f"SELECT run_id, count(*), min(time_s), max(time_s), {agg} FROM samples "
+                    f"WHERE run_id IN ({placeholders}) GROUP BY run_id"
+                )
+                results = list(conn.execute(text(q)).all())
+        for row in results:
+            _merge(parts.setdefault(row[0], {}), 0, [*row[1:]], len(cols))
+        out: dict[int, dict[str, Any]] = {}
+        for run_id, acc in parts.items():
+            v = acc[0]
+            d: dict[str, Any] = {"n": v[0], "tmin": v[1], "tmax": v[2]}
+            for j, c in enumerate(cols):
+                d[f"{c}_min"] = v[3 + 4 * j]
+                d[f"{c}_max"] = v[4 + 4 * j]
+            out[run_id] = d
+        return out
+
+    def _mark(self, conn: Any) -> int | None:
+        row = conn.execute(text("SELECT value FROM meta WHERE key = 'rollup_through_id'")).first()
+        mark = int(row[0]) if row else 0
+        top = conn.execute(text("SELECT max(id) FROM samples")).scalar() or 0
+        if top - mark > _MAX_TAIL_ROWS:
+            return None  # rollups far behind (e.g. rows written by another tool): read raw
+        return mark
+
+    # -- samples -----------------------------------------------------------------------------
+    def samples(
+        self,
+        run: RunRef,
+        *,
+        start: float | datetime | None = None,
+        end: float | datetime | None = None,
+        columns: Sequence[str] | None = None,
+        max_points: int | None = 1000,
+    ) -> SampleSeries:
+        """A run's samples in ``[start, end]``, downsampled in SQL to at most ``max_points``.
+
+        Args:
+            run: run reference (see :meth:`run`).
+            start, end: window (Unix seconds or datetime; both inclusive); default the whole run.
+            columns: sample columns (default: every numeric one, see
+                :data:`NUMERIC_SAMPLE_COLUMNS`).
+            max_points: most buckets to return; ``None`` returns every sample.
+
+        Raises:
+            RunNotFoundError: no such run. ConfigError: unknown column, ``max_points < 1``.
+        """
+        cols = self._columns(columns)
+        if max_points is not None and max_points < 1:
+            raise ConfigError(f"max_points={max_points!r} must be ≥ 1 (or None for every sample)")
+        run_id = self._find(run)["id"]
+        lo = _to_epoch(start, "start")
+        hi = _to_epoch(end, "end")
+        with self._read() as conn:
+            first = conn.execute(
+                text("SELECT min(time_s) FROM samples WHERE run_id = :r"), {"r": run_id}
+            ).scalar()
+            last = conn.execute(
+                text("SELECT max(time_s) FROM samples WHERE run_id = :r"), {"r": run_id}
+            ).scalar()
+            if first is None:
+                return _raw_series(run_id, cols, [])
+            lo = first if lo is None else max(lo, first)
+            hi = last if hi is None else min(hi, last)
+            if hi < lo:
+                return _raw_series(run_id, cols, [])
+            raw_sql = (
+                f"SELECT id, time_s, {', '.join(cols)} FROM samples WHERE run_id = :r "
+                "AND time_s >= :lo AND time_s <= :hi ORDER BY time_s, id"
+            )
+            params = {"r": run_id, "lo": lo, "hi": hi}
+            if max_points is None:
+                return _raw_series(run_id, cols, conn.execute(text(raw_sql), params).all())
+            few = conn.execute(text(raw_sql + f" LIMIT {max_points + 1}"), params).all()
+            if len(few) <= max_points:
+                return _raw_series(run_id, cols, few)
+            want = (hi - lo) / max_points
+            level = max((i for i, w in enumerate(ROLLUP_LEVEL_WIDTHS_S) if w <= want), default=None)
+            mark = self._mark(conn) if self._has_rollups and level is not None else None
+            if level is None or mark is None or any(c not in _ROLLUP_SET for c in cols):
+                return self._bucketed_raw(conn, run_id, cols, lo, hi, max_points)
+            return self._bucketed_rollups(conn, run_id, cols, lo, hi, max_points, level, mark)
+
+    def _columns(self, columns: Sequence[str] | None) -> tuple[str, ...]:
+        if columns is None:
+            return NUMERIC_SAMPLE_COLUMNS
+        if isinstance(columns, str):
+            columns = [columns]
+        bad = [c for c in columns if c not in NUMERIC_SAMPLE_COLUMNS]
+        if bad:
+            raise ConfigError(
+                f"columns={bad!r}: not sample columns; expected any of "
+                f"{', '.join(NUMERIC_SAMPLE_COLUMNS)}"
+            )
+        return tuple(dict.fromkeys(columns))
+
+    def _bucketed_raw(
+        self, conn: Any, run_id: int, cols: Sequence[str], lo: float, hi: float, max_points: int
+    ) -> SampleSeries:
+        width = (hi - lo) / max_points
+        # buckets counted from `lo`; the last sample (time == hi) joins the last bucket
+        bucket = f"min(CAST((time_s - :lo) / :w AS INTEGER), {max_points - 1})"
+        agg = ", ".join(f"min({c}), max({c}), total({c}), count({c})" for c in cols)
+        q = (
+            f"SELECT {bucket} AS b, count(*), min(time_s), max(time_s), {agg} FROM samples "
+            "WHERE run_id = :r AND time_s >= :lo AND time_s <= :hi GROUP BY b ORDER BY b"
+        )
+        rows = conn.execute(text(q), {"r": run_id, "lo": lo, "hi": hi, "w": width}).all()
+        acc = {r[0]: list(r[1:]) for r in rows}
+        return _bucket_series(run_id, cols, acc, width)
+
+    def _bucketed_rollups(
+        self,
+        conn: Any,
+        run_id: int,
+        cols: Sequence[str],
+        lo: float,
+        hi: float,
+        max_points: int,
+        level: int,
+        mark: int,
+    ) -> SampleSeries:
+        width = ROLLUP_LEVEL_WIDTHS_S[level]
+        b_lo, b_hi = int(lo // width), int(hi // width)
+        # whole buckets of m blocks each, at most max_points of them
+        m = max(1, math.ceil((hi - lo) / max_points / width))
+        while b_hi // m - b_lo // m + 1 > max_points:
+            m += 1
+        ncols = len(cols)
+        acc: dict[int, list[Any]] = {}
+        r_agg = ", ".join(f"min({c}_min), max({c}_max), total({c}_sum), sum({c}_n)" for c in cols)
+        q_roll = (
+            f"SELECT block / :m AS b, sum(n), min(time_min_s), max(time_max_s), {r_agg} "
+            "FROM sample_rollups WHERE run_id = :r AND level = :lvl "
+            "AND block >= :b_lo AND block <= :b_hi AND time_min_s >= :lo AND time_max_s <= :hi "
+            "GROUP BY b"
+        )
+        params = {"r": run_id, "lvl": level, "b_lo": b_lo, "b_hi": b_hi, "lo": lo, "hi": hi}
+        for row in conn.execute(text(q_roll), {**params, "m": m}):
+            _merge(acc, row[0], row[1:], ncols)
+        # edge blocks that are only partly inside [lo, hi]: their samples in the window, raw
+        edges = conn.execute(
+            text(
+                "SELECT block FROM sample_rollups WHERE run_id = :r AND level = :lvl "
+                "AND block IN (:b_lo, :b_hi) AND (time_min_s < :lo OR time_max_s > :hi)"
+            ),
+            params,
+        ).scalars()
+        agg = ", ".join(f"min({c}), max({c}), total({c}), count({c})" for c in cols)
+        bucket = f"CAST(time_s / {width} AS INTEGER) / :m"
+        q_edge = (
+            f"SELECT {bucket} AS b, count(*), min(time_s), max(time_s), {agg} FROM samples "
+            "WHERE run_id = :r AND time_s >= :t0 AND time_s <= :t1 AND id <= :mark "
+            f"AND CAST(time_s / {width} AS INTEGER) = :blk GROUP BY b"
+        )
+        for blk in set(edges):
+            t0 = max(lo, blk * width)
+            t1 = min(hi, (blk + 1) * width)
+            for row in conn.execute(
+                text(q_edge),
+                {"r": run_id, "t0": t0, "t1": t1, "mark": mark, "m": m, "blk": blk},
+            ):
+                _merge(acc, row[0], row[1:], ncols)
+        # samples newer than the rollups
+        q_tail = (
+            f"SELECT {bucket} AS b, count(*), min(time_s), max(time_s), {agg} FROM samples "
+            "WHERE id > :mark AND +run_id = :r AND time_s >= :lo AND time_s <= :hi GROUP BY b"
+        )
+        for row in conn.execute(
+            text(q_tail), {"r": run_id, "lo": lo, "hi": hi, "mark": mark, "m": m}
+        ):
+            _merge(acc, row[0], row[1:], ncols)
+        return _bucket_series(run_id, cols, acc, float(width * m))
+
+    def peak(self, run: RunRef, column: str = "in_use_bytes") -> Peak:
+        """The largest value of ``column`` in a run, with the time and step of its first sample.
+
+        Raises:
+            RunNotFoundError: no such run. ConfigError: unknown column.
+        """
+        (col,) = self._columns([column])
+        run_id = self._find(run)["id"]
+        with self._read() as conn:
+            value = self._sample_max(conn, run_id, col)
+            if value is None:
+                return Peak(run_id, col, None, None, None)
+            lo, hi = None, None
+            mark = self._mark(conn) if self._has_rollups and col in _ROLLUP_SET else None
+            if mark is not None:
+                # narrow down through the rollup levels to a one-second window
+                for level in range(len(ROLLUP_LEVEL_WIDTHS_S) - 1, -1, -1):
+                    w = ROLLUP_LEVEL_WIDTHS_S[level]
+                    extra = "" if lo is None else "AND block >= :b0 AND block <= :b1"
+                    blk = conn.execute(
+                        text(
+                            "SELECT block FROM sample_rollups WHERE run_id = :r AND level = :l "
+                            f"AND {col}_max = :v {extra} ORDER BY block LIMIT 1"
+                        ),
+                        {
+                            "r": run_id,
+                            "l": level,
+                            "v": value,
+                            "b0": None if lo is None else int(lo // w),
+                            "b1": None if hi is None else int(hi // w),
+                        },
+                    ).scalar()
+                    if blk is None:
+                        lo = hi = None
+                        break
+                    lo, hi = blk * w, (blk + 1) * w
+            where = "run_id = :r AND " + (
+                "time_s >= :lo AND time_s <= :hi AND " if lo is not None else ""
+            )
+            row = conn.execute(
+                text(
+                    f"SELECT time_s, step FROM samples WHERE {where}{col} = :v "
+                    "ORDER BY time_s LIMIT 1"
+                ),
+                {"r": run_id, "lo": lo, "hi": hi, "v": value},
+            ).first()
+            if row is None and lo is not None:  # the peak is in the raw tail
+                row = conn.execute(
+                    text(
+                        f"SELECT time_s, step FROM samples WHERE run_id = :r AND {col} = :v "
+                        "ORDER BY time_s LIMIT 1"
+                    ),
+                    {"r": run_id, "v": value},
+                ).first()
+        return Peak(run_id, col, value, row[0] if row else None, row[1] if row else None)
+
+    def _sample_max(self, conn: Any, run_id: int, col: str) -> Any:
+        mark = self._mark(conn) if self._has_rollups and col in _ROLLUP_SET else None
+        if mark is None:
+            return conn.execute(
+                text(f"SELECT max({col}) FROM samples WHERE run_id = :r"), {"r": run_id}
+            ).scalar()
+        top = len(ROLLUP_LEVEL_WIDTHS_S) - 1
+        a = conn.execute(
+            text(f"SELECT max({col}_max) FROM sample_rollups WHERE run_id = :r AND level = {top}"),
+            {"r": run_id},
+        ).scalar()
+        b = conn.execute(
+            text(f"SELECT max({col}) FROM samples WHERE id > :m AND +run_id = :r"),
+            {"r": run_id, "m": mark},
+        ).scalar()
+        vals = [v for v in (a, b) if v is not None]
+        return max(vals) if vals else None
+
+    # -- incremental reads (live viewers) ------------------------------------------------------
+    def samples_since(
+        self,
+        run: RunRef,
+        after_id: int = 0,
+        *,
+        columns: Sequence[str] | None = None,
+        limit: int | None = 10_000,
+    ) -> list[SampleRow]:
+        """Raw samples of a run with ``id > after_id``, oldest first (feed the last id back in).
+
+        Raises:
+            RunNotFoundError: no such run. ConfigError: unknown column.
+        """
+        cols = self._columns(columns)
+        run_id = run if isinstance(run, int) and not isinstance(run, bool) else None
+        if run_id is None:
+            run_id = self._find(run)["id"]
+        sel = ", ".join(c for c in cols if c != "step")
+        q = (
+            f"SELECT id, time_s, step{', ' + sel if sel else ''} FROM samples "
+            "WHERE id > :a AND +run_id = :r ORDER BY id"
+        )
+        if limit is not None:
+            q += f" LIMIT {int(limit)}"
+        names = [c for c in cols if c != "step"]
+        with self._read() as conn:
+            rows = conn.execute(text(q), {"a": after_id, "r": run_id}).all()
+        out = []
+        for r in rows:
+            values = dict(zip(names, r[3:], strict=True))
+            if "step" in cols:
+                values["step"] = r[2]
+            out.append(SampleRow(r[0], r[1], r[2], values))
+        return out
+
+    def events_since(self, run: RunRef, after_id: int = 0) -> list[EventInfo]:
+        """Events of a run with ``id > after_id``, oldest first.
+
+        Raises:
+            RunNotFoundError: no such run.
+        """
+        return self._events(run, None, after_id)
+
+    # -- events, modules ---------------------------------------------------------------------
+    def events(self, run: RunRef, *, kind: str | Sequence[str] | None = None) -> list[EventInfo]:
+        """A run's events in time order, optionally only of ``kind`` (one or several).
+
+        Raises:
+            RunNotFoundError: no such run.
+        """
+        return self._events(run, kind, None)
+
+    def _events(
+        self, run: RunRef, kind: str | Sequence[str] | None, after_id: int | None
+    ) -> list[EventInfo]:
+        run_id = run if isinstance(run, int) and not isinstance(run, bool) else None
+        if run_id is None or after_id is None:
+            run_id = self._find(run)["id"]
+        stmt = select(*Event.__table__.columns).where(Event.run_id == run_id)
+        if kind is not None:
+            kinds = [kind] if isinstance(kind, str) else list(kind)
+            stmt = stmt.where(Event.kind.in_(kinds))
+        if after_id is not None:
+            stmt = stmt.where(Event.id > after_id).order_by(Event.id)
+        else:
+            stmt = stmt.order_by(Event.time_s, Event.id)
+        with self._read() as conn:
+            return [
+                EventInfo(r.id, r.run_id, r.time_s, r.step, r.kind, r.message, dict(r.data or {}))
+                for r in conn.execute(stmt)
+            ]
+
+    def modules(self, run: RunRef) -> list[ModuleInfo]:
+        """The latest ``module_stats`` row of each module of a run, largest total first.
+
+        Raises:
+            RunNotFoundError: no such run.
+        """
+        run_id = self._find(run)["id"]
+        q = text(
+            "SELECT m.* FROM module_stats m JOIN (SELECT module, max(id) AS id FROM module_stats "
+            "WHERE run_id = :r GROUP BY module) last ON m.id = last.id"
+        )
+        fields = [f.name for f in dataclasses.fields(ModuleInfo)]
+        with self._read() as conn:
+            rows = conn.execute(q, {"r": run_id}).mappings().all()
+        mods = [ModuleInfo(**{k: r[k] for k in fields}) for r in rows]
+        return sorted(mods, key=lambda m: (-m.total_bytes, m.module))
+
+    # -- comparison --------------------------------------------------------------------------
+    def compare(self, a: RunRef, b: RunRef) -> RunComparison:
+        """Two runs side by side: peaks, minimum free fraction, steps/s, counts, actions.
+
+        Raises:
+            RunNotFoundError: either run does not exist.
+        """
+        ra, rb = self.run(a), self.run(b)
+
+        def metric(name: str, unit: str) -> MetricComparison:
+            va, vb = getattr(ra, name), getattr(rb, name)
+            return MetricComparison(name, unit, va, vb)
+
+        metrics = [
+            metric("duration_s", "s"),
+            metric("steps", "steps"),
+            metric("steps_per_s", "steps/s"),
+            metric("sample_count", "samples"),
+            *(metric(f"peak_{c}", "bytes") for c in _PEAK_COLUMNS),
+            metric("min_free_fraction", "fraction"),
+            metric("budget_bytes", "bytes"),
+            metric("action_count", "events"),
+            metric("oom_count", "events"),
+            metric("event_count", "events"),
+            metric("samples_dropped", "samples"),
+        ]
+        return RunComparison(
+            a=ra,
+            b=rb,
+            metrics=metrics,
+            actions_a=self.events(ra.id, kind="action"),
+            actions_b=self.events(rb.id, kind="action"),
+        )
+
+
+def _int_or_none(v: Any) -> int | None:
+    return None if v is None else int(v)
+
+
+def _raw_series(run_id: int, cols: Sequence[str], rows: Sequence[Any]) -> SampleSeries:
+    s = SampleSeries(run_id, tuple(cols), False, None)
+    for r in rows:
+        s.time_s.append(r[1])
+        s.time_end_s.append(r[1])
+        s.count.append(1)
+    for j, c in enumerate(cols):
+        vals = [r[2 + j] for r in rows]
+        s.min[c] = vals
+        s.max[c] = vals
+        s.mean[c] = [None if v is None else float(v) for v in vals]
+    return s
+
+
+def _bucket_series(
+    run_id: int, cols: Sequence[str], acc: Mapping[int, Sequence[Any]], width: float
+) -> SampleSeries:
+    s = SampleSeries(run_id, tuple(cols), True, width)
+    keys = sorted(acc)
+    for k in keys:
+        v = acc[k]
+        s.count.append(int(v[0]))
+        s.time_s.append(v[1])
+        s.time_end_s.append(v[2])
+    for j, c in enumerate(cols):
+        base = 3 + 4 * j
+        s.min[c] = [acc[k][base] for k in keys]
+        s.max[c] = [acc[k][base + 1] for k in keys]
+        s.mean[c] = [
+            (acc[k][base + 2] / acc[k][base + 3]) if acc[k][base + 3] else None for k in keys
+        ]
+    return s

@@ -1,0 +1,1 @@
+"""Alembic migrations of the history database (schema version ``N`` is revision ``"000N"``)."""
