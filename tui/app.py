@@ -21,7 +21,7 @@ from textual import work
 from textual.app import App
 from textual.binding import Binding
 
-from .data import DataSource
+from .data import DataSource, RunInfo
 from .screens import READ_ERRORS, HelpScreen, RunScreen, RunsScreen
 
 __all__ = ["EdoTui", "main", "parse_args"]
@@ -127,13 +127,14 @@ class EdoTui(App[None]):
             self.notify("no run is open to export", severity="warning")
             return
         self.notify(f"exporting run #{run.id} ({run.name})…", timeout=2)
-        self._export(run.id)
+        self._export(run)
 
     @work(thread=True, group="export", exclusive=False)
-    def _export(self, run_id: int) -> None:
+    def _export(self, run: RunInfo) -> None:
+        run_id = run.id
         directory = self.export_dir or Path.cwd()
         try:
-            path = self.source.export_csv(run_id, directory)
+            path = self.source.export_csv(run, directory)
         except READ_ERRORS as exc:
             self.call_from_thread(self.notify, f"export failed: {exc}", severity="error")
             return

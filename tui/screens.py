@@ -21,7 +21,17 @@ from textual.widgets import DataTable, Footer, Input, Static
 from edo_monitor.errors import EdoMonitorError
 from edo_monitor.units import format_bytes
 
-from .data import EventRow, ModuleRow, Poll, RunInfo, RunSummary, SampleRow, Series
+from .data import (
+    TERMINAL_STATUSES,
+    EventInfo,
+    Latest,
+    ModuleInfo,
+    Poll,
+    RunInfo,
+    Series,
+    elapsed_s,
+    run_floor,
+)
 from .widgets import (
     STATUS_STYLES,
     Gauge,
@@ -82,12 +92,12 @@ def _message_for(exc: BaseException) -> str:
     return text
 
 
-def _format_saved(event: EventRow) -> str:
+def _format_saved(event: EventInfo) -> str:
     saved = event.data.get("bytes_saved") if event.kind == "action" else None
     return format_bytes(saved) if isinstance(saved, (int, float)) else ""
 
 
-def _event_detail(event: EventRow) -> str:
+def _event_detail(event: EventInfo) -> str:
     data = event.data
     if event.kind == "action" and data.get("action"):
         target = data.get("target")
@@ -111,11 +121,10 @@ class RunScreen(Screen[None]):
         self.run_ref = run_ref
         self.run_info: RunInfo | None = None
         self.series: Series | None = None
-        self.latest: SampleRow | None = None
+        self.latest: Latest | None = None
         self.last_event_id = 0
-        self.last_module_id = 0
-        self.actions: list[EventRow] = []
-        self.modules: dict[str, ModuleRow] = {}
+        self.actions: list[EventInfo] = []
+        self.module_ids: tuple[int, ...] = ()
         self.error: str | None = None
         self.loaded = False
         self.busy = False
@@ -177,7 +186,7 @@ class RunScreen(Screen[None]):
         """Start a read unless one is in flight, or the open run can no longer change."""
         if self.busy or not self.is_mounted:
             return
-        if self.loaded and self.run_info is not None and self.run_info.terminal:
+        if self.loaded and self.run_info is not None and self.run_info.status in TERMINAL_STATUSES:
             self._update_header()  # nothing to read: a finished run never changes
             return
         self.busy = True
@@ -198,9 +207,9 @@ class RunScreen(Screen[None]):
                     f"No runs recorded yet in {source.label}. Waiting for a run to start…",
                 )
                 return
-            series = source.series(run.id, max_points)
-            latest = source.latest_sample(run.id)
-            events = source.events(run.id, limit=1000)
+            series = source.series(run, max_points)
+            latest = source.latest(run)
+            events = source.events(run.id)[-1000:]
             modules = source.modules(run.id)
         except READ_ERRORS as exc:
             logger.debug("load failed", exc_info=True)
@@ -219,7 +228,6 @@ class RunScreen(Screen[None]):
                 run_id,
                 series.last_id if series is not None else 0,
                 self.last_event_id,
-                self.last_module_id,
             )
         except READ_ERRORS as exc:
             logger.debug("poll failed", exc_info=True)
@@ -250,9 +258,9 @@ class RunScreen(Screen[None]):
         generation: int,
         run: RunInfo,
         series: Series,
-        latest: SampleRow | None,
-        events: list[EventRow],
-        modules: list[ModuleRow],
+        latest: Latest | None,
+        events: list[EventInfo],
+        modules: list[ModuleInfo],
     ) -> None:
         if generation != self.generation or not self.is_mounted:
             return
@@ -262,9 +270,8 @@ class RunScreen(Screen[None]):
         self.series = series
         self.latest = latest
         self.actions = []
-        self.modules = {}
+        self.module_ids = ()
         self.last_event_id = 0
-        self.last_module_id = 0
         self.query_one("#events", DataTable).clear()
         self.query_one("#modules", DataTable).clear()
         self._add_events(events)
@@ -288,15 +295,14 @@ class RunScreen(Screen[None]):
         if poll.new_events:
             self._add_events(poll.new_events)
             changed = True
-        if poll.new_modules:
-            self._add_modules(poll.new_modules)
+        self._add_modules(poll.modules)
         self.refreshes += 1
         if changed:
             self._redraw()
         else:
             self._update_header()
 
-    def _add_events(self, events: list[EventRow]) -> None:
+    def _add_events(self, events: list[EventInfo]) -> None:
         table = self.query_one("#events", DataTable)
         start = self.run_info.started_at_s if self.run_info is not None else 0.0
         for event in events:
@@ -315,13 +321,14 @@ class RunScreen(Screen[None]):
         if events:
             table.move_cursor(row=table.row_count - 1)
 
-    def _add_modules(self, modules: list[ModuleRow]) -> None:
-        for row in modules:
-            self.last_module_id = max(self.last_module_id, row.id)
-            self.modules[row.module] = row
+    def _add_modules(self, modules: list[ModuleInfo]) -> None:
+        ids = tuple(sorted(m.id for m in modules))
+        if ids == self.module_ids:
+            return  # nothing changed
+        self.module_ids = ids
         table = self.query_one("#modules", DataTable)
         table.clear()
-        for row in sorted(self.modules.values(), key=lambda r: -r.total_bytes):
+        for row in sorted(modules, key=lambda r: (-r.total_bytes, r.module)):
             if row.num_embeddings is None and "embedding" not in row.kind.lower():
                 continue
             shape = (
@@ -349,7 +356,7 @@ class RunScreen(Screen[None]):
         if run is None:
             return
         budget = self.latest.budget_bytes if self.latest else run.budget_bytes
-        floor_bytes = None if budget is None else int(budget * (1.0 - run.floor))
+        floor_bytes = None if budget is None else int(budget * (1.0 - run_floor(run)))
         self.query_one(MemoryChart).show(
             self.series, start_s=run.started_at_s, floor_bytes=floor_bytes, actions=self.actions
         )
@@ -366,7 +373,7 @@ class RunScreen(Screen[None]):
         header.append(f"   device: {device} ({run.device_kind})")
         step = max(run.steps, self.latest.step if self.latest else 0)
         header.append(f"   step: {step}")
-        header.append(f"   elapsed: {format_duration(run.elapsed_s())}")
+        header.append(f"   elapsed: {format_duration(elapsed_s(run))}")
         header.append(f"   started: {format_time(run.started_at_s)}", style="grey62")
         if run.error:
             header.append(f"\n error: {run.error}", style="red")
@@ -375,7 +382,7 @@ class RunScreen(Screen[None]):
     def _update_gauges(self) -> None:
         run = self.run_info
         s = self.latest
-        floor = run.floor if run is not None else 0.2
+        floor = run_floor(run) if run is not None else 0.2
         used = self.query_one("#gauge-used", Gauge)
         alloc = self.query_one("#gauge-alloc", Gauge)
         free = self.query_one("#gauge-free", Gauge)
@@ -425,25 +432,23 @@ RUN_COLUMNS: tuple[tuple[str, str], ...] = (
 )
 
 
-def _sort_value(summary: RunSummary, key: str) -> Any:
-    run = summary.run
+def _sort_value(run: RunInfo, key: str) -> Any:
     values: dict[str, Any] = {
         "id": run.id,
         "name": run.name.lower(),
         "status": run.status,
         "started": run.started_at_s,
-        "duration": run.elapsed_s(),
+        "duration": elapsed_s(run),
         "device": f"{run.device_kind} {run.device_name or ''}",
-        "peak": summary.peak_bytes if summary.peak_bytes is not None else -1,
-        "min_free": summary.min_free_fraction if summary.min_free_fraction is not None else 2.0,
-        "ooms": summary.ooms,
-        "actions": summary.actions,
+        "peak": run.peak_in_use_bytes if run.peak_in_use_bytes is not None else -1,
+        "min_free": run.min_free_fraction if run.min_free_fraction is not None else 2.0,
+        "ooms": run.oom_count,
+        "actions": run.action_count,
     }
     return values[key]
 
 
-def _matches(summary: RunSummary, needle: str) -> bool:
-    run = summary.run
+def _matches(run: RunInfo, needle: str) -> bool:
     haystack = " ".join(
         [
             str(run.id),
@@ -470,7 +475,7 @@ class RunsScreen(Screen[None]):
     def __init__(self) -> None:
         """Create the (empty) runs view."""
         super().__init__(id="runs-screen")
-        self.summaries: list[RunSummary] = []
+        self.run_list: list[RunInfo] = []
         self.sort_key = "started"
         self.sort_reverse = True
         self.filter_text = ""
@@ -519,11 +524,11 @@ class RunsScreen(Screen[None]):
     @work(thread=True, group="runs-read")
     def _read(self) -> None:
         try:
-            summaries = self.tui.source.summaries()
+            run_list = self.tui.source.runs()
         except READ_ERRORS as exc:
             self.app.call_from_thread(self._show_error, _message_for(exc))
             return
-        self.app.call_from_thread(self._apply, summaries)
+        self.app.call_from_thread(self._apply, run_list)
 
     def _show_error(self, message: str) -> None:
         self.busy = False
@@ -533,23 +538,23 @@ class RunsScreen(Screen[None]):
         box.update(Text(message, style="bold"))
         box.display = True
 
-    def _apply(self, summaries: list[RunSummary]) -> None:
+    def _apply(self, run_list: list[RunInfo]) -> None:
         self.busy = False
         if not self.is_mounted:
             return
         self.loads += 1
-        self.summaries = summaries
+        self.run_list = run_list
         box = self.query_one("#runs-message", Static)
-        if not summaries:
+        if not run_list:
             box.update(Text(f"No runs recorded yet in {self.tui.source.label}.", style="bold"))
             box.display = True
         else:
             box.display = False
         self.rebuild()
 
-    def visible(self) -> list[RunSummary]:
+    def visible(self) -> list[RunInfo]:
         """The runs shown: filtered, then sorted."""
-        rows = [s for s in self.summaries if _matches(s, self.filter_text)]
+        rows = [s for s in self.run_list if _matches(s, self.filter_text)]
         rows.sort(key=lambda s: _sort_value(s, self.sort_key), reverse=self.sort_reverse)
         return rows
 
@@ -566,24 +571,23 @@ class RunsScreen(Screen[None]):
         arrow = " ▼" if self.sort_reverse else " ▲"
         for key, label in RUN_COLUMNS:
             table.columns[key].label = Text(label + (arrow if key == self.sort_key else ""))
-        for summary in self.visible():
-            run = summary.run
+        for run in self.visible():
             table.add_row(
                 str(run.id),
                 run.name,
                 Text(run.status, style=STATUS_STYLES.get(run.status, "")),
                 format_time(run.started_at_s),
-                format_duration(run.elapsed_s()),
+                format_duration(elapsed_s(run)),
                 f"{run.device_name or '?'} ({run.device_kind})",
-                format_bytes(summary.peak_bytes),
-                format_fraction(summary.min_free_fraction),
-                str(summary.ooms),
-                str(summary.actions),
+                format_bytes(run.peak_in_use_bytes),
+                format_fraction(run.min_free_fraction),
+                str(run.oom_count),
+                str(run.action_count),
                 key=str(run.id),
             )
         if keep is not None and keep in table.rows:
             table.move_cursor(row=table.get_row_index(keep))
-        header = f"runs in {self.tui.source.label}: {len(table.rows)} of {len(self.summaries)}"
+        header = f"runs in {self.tui.source.label}: {len(table.rows)} of {len(self.run_list)}"
         if self.filter_text:
             header += f"   filter: {self.filter_text!r}"
         self.query_one("#runs-header", Static).update(Text(header, style="bold"))

@@ -10,7 +10,7 @@ from rich.text import Text
 from textual.widget import Widget
 from textual_plotext import PlotextPlot
 
-from .data import EventRow, Series
+from .data import EventInfo, Series
 
 __all__ = [
     "STATUS_STYLES",
@@ -132,7 +132,7 @@ class MemoryChart(PlotextPlot):
         *,
         start_s: float,
         floor_bytes: int | None,
-        actions: Sequence[EventRow] = (),
+        actions: Sequence[EventInfo] = (),
     ) -> None:
         """Redraw with ``series``; ``floor_bytes`` is the in-use level at the floor."""
         plt = self.plt
