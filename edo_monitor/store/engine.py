@@ -43,6 +43,7 @@ __all__ = [
     "ROLLUP_MIN_ROWS",
     "alembic_config",
     "open_engine",
+    "rebuild_rollups",
     "resolve_db_url",
     "roll_up",
     "schema_version",
@@ -277,7 +278,7 @@ def _upgrade(engine: Engine, shown: str) -> None:
 # -- rollups -----------------------------------------------------------------------------------
 
 
-def _rollup_sql(fields: Sequence[str], level: int, width_s: int) -> str:
+def _rollup_sql(fields: Sequence[str], level: int, width_s: int, *, one_run: bool = False) -> str:
     cols = ["run_id", "level", "block", "n", "time_min_s", "time_max_s"]
     sel = [
         "run_id",
@@ -303,7 +304,9 @@ def _rollup_sql(fields: Sequence[str], level: int, width_s: int) -> str:
         ]
     return (
         f"INSERT INTO sample_rollups ({', '.join(cols)}) SELECT {', '.join(sel)} FROM samples "
-        "WHERE id > :lo AND id <= :hi GROUP BY run_id, blk "
+        "WHERE id > :lo AND id <= :hi "
+        + ("AND run_id = :run " if one_run else "")
+        + "GROUP BY run_id, blk "
         f"ON CONFLICT (run_id, level, block) DO UPDATE SET {', '.join(upd)}"
     )
 
@@ -355,6 +358,22 @@ def roll_up(
         _exec(conn, sql, {"lo": lo, "hi": hi})
     _set_mark(conn, hi)
     return hi - lo
+
+
+def rebuild_rollups(conn: Connection, run_ids: Sequence[int]) -> None:
+    """Recompute the rollups of ``run_ids`` from their samples (after samples were deleted).
+
+    Runs in the caller's write transaction; a database without ``sample_rollups`` is left alone.
+    """
+    if "sample_rollups" not in inspect(conn).get_table_names():
+        return
+    row = _exec(conn, "SELECT value FROM meta WHERE key = 'rollup_through_id'").fetchone()
+    mark = int(row[0]) if row else 0
+    for run_id in run_ids:
+        _exec(conn, "DELETE FROM sample_rollups WHERE run_id = :r", {"r": run_id})
+        for level, width in enumerate(ROLLUP_LEVEL_WIDTHS_S):
+            sql = _rollup_sql(ROLLUP_FIELDS, level, width, one_run=True)
+            _exec(conn, sql, {"lo": 0, "hi": mark, "run": run_id})
 
 
 def _set_mark(conn: Any, value: int) -> None:

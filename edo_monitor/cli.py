@@ -1,0 +1,846 @@
+"""``edo-monitor``: questions about recorded runs, from a terminal or a script.
+
+Every command takes ``--db PATH|URL`` (default: ``$EDO_DB``, else ``./edo-history.db``). Listing
+commands take ``--json`` for scripts. A run is named by its id, a uuid prefix, or ``latest``.
+
+Exit codes:
+    0  success
+    1  not found or refused: no such run or database, a write refused by ``sql``, a database
+       that cannot be used (not a database, newer schema), ``doctor`` found a problem
+    2  usage: unknown option, bad value (a size, a duration, a column name)
+    3  unexpected internal error (reported in one line; set ``EDO_DEBUG=1`` for the traceback)
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import io
+import json
+import logging
+import os
+import re
+import sqlite3
+import sys
+import time
+from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from edo_monitor.errors import ConfigError, EdoMonitorError, RunNotFoundError, StoreError
+
+__all__ = ["app", "main"]
+
+logger = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+
+app = typer.Typer(
+    name="edo-monitor",
+    help="Questions about recorded edo-monitor runs (history database).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+DbOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--db",
+        envvar="EDO_DB",
+        help="History database: a file path or an SQLAlchemy URL [default: ./edo-history.db]",
+        show_default=False,
+    ),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON (for scripts).")]
+RunArg = Annotated[str, typer.Argument(help="Run id, uuid prefix, or 'latest'.")]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class RefusedError(EdoMonitorError):
+    """A request the CLI refuses (exit code 1)."""
+
+
+def _fail(message: str, code: int) -> typer.Exit:
+    err.print(f"edo-monitor: error: {message}", markup=False)
+    return typer.Exit(code)
+
+
+def _handle_errors(func: F) -> F:
+    """Turn the errors a user can cause into one line on stderr and the documented exit code."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except typer.Exit:
+            raise
+        except ConfigError as exc:
+            raise _fail(str(exc), EXIT_USAGE) from None
+        except (RunNotFoundError, StoreError, RefusedError) as exc:
+            raise _fail(str(exc), EXIT_REFUSED) from None
+        except EdoMonitorError as exc:
+            raise _fail(str(exc), EXIT_REFUSED) from None
+        except (OSError, sqlite3.Error) as exc:
+            raise _fail(f"{type(exc).__name__}: {exc}", EXIT_REFUSED) from None
+        except Exception as exc:
+            if os.environ.get("EDO_DEBUG"):
+                raise
+            raise _fail(
+                f"internal error ({type(exc).__name__}: {exc}); rerun with EDO_DEBUG=1 for details",
+                EXIT_INTERNAL,
+            ) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+# -- formatting helpers ------------------------------------------------------------------------
+
+
+def _bytes(value: Any) -> str:
+    from edo_monitor.units import format_bytes
+
+    return format_bytes(value)
+
+
+def _when(ts: float | None) -> str:
+    if ts is None:
+        return "-"
+    return datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _dur(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    import humanfriendly
+
+    return humanfriendly.format_timespan(seconds, max_units=2)
+
+
+def _pct(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{100 * fraction:.1f}%"
+
+
+def _parse_duration(value: str, name: str) -> float:
+    """Seconds from ``"30d"``, ``"12h"``, ``"90m"``, ``"45s"``, ``"2w"`` or a plain number."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", value or "")
+    if not m:
+        raise ConfigError(
+            f"{name}={value!r} is not a duration; expected a number with a unit such as "
+            "'45s', '90m', '12h', '30d' or '2w'"
+        )
+    scale = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}[m.group(2)]
+    return float(m.group(1)) * scale
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, bytes):
+        return obj.hex()
+    return str(obj)
+
+
+def _print_json(obj: Any) -> None:
+    out.file.write(json.dumps(obj, indent=2, default=_json_default) + "\n")
+
+
+def _info_dict(info: Any) -> dict[str, Any]:
+    import dataclasses
+
+    d = dataclasses.asdict(info)
+    if hasattr(info, "steps_per_s"):
+        d["steps_per_s"] = info.steps_per_s
+    return d
+
+
+def _history(db: str | None, *, readonly: bool = True) -> Any:
+    from edo_monitor.store.history import History
+
+    h = History(db, readonly=readonly)
+    if h.outdated:
+        err.print(f"edo-monitor: note: {h.outdated}", markup=False)
+    return h
+
+
+# -- commands ----------------------------------------------------------------------------------
+
+
+@app.command("runs")
+@_handle_errors
+def runs_cmd(
+    db: DbOpt = None,
+    status: Annotated[
+        str | None,
+        typer.Option(
+            help="Only runs with this status (running/finished/failed/interrupted/crashed)."
+        ),
+    ] = None,
+    since: Annotated[
+        str | None, typer.Option(help="Only runs started within this long ago, e.g. 7d, 12h.")
+    ] = None,
+    name: Annotated[str | None, typer.Option(help="Only runs whose name matches (* ?).")] = None,
+    tag: Annotated[str | None, typer.Option(help="Only runs with this tag.")] = None,
+    limit: Annotated[int | None, typer.Option(help="At most this many runs.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """List runs, newest first."""
+    since_s = None if since is None else time.time() - _parse_duration(since, "--since")
+    with _history(db) as h:
+        runs = h.runs(status=status, since=since_s, name=name, tag=tag, limit=limit)
+    if as_json:
+        _print_json([_info_dict(r) for r in runs])
+        return
+    if not runs:
+        out.print("no runs recorded", markup=False)
+        return
+    table = Table(title=None, show_lines=False)
+    for col, just in (
+        ("id", "right"),
+        ("uuid", "left"),
+        ("name", "left"),
+        ("status", "left"),
+        ("started", "left"),
+        ("duration", "right"),
+        ("steps", "right"),
+        ("device", "left"),
+        ("peak in use", "right"),
+        ("min free", "right"),
+        ("actions", "right"),
+        ("OOMs", "right"),
+    ):
+        table.add_column(col, justify=just)  # type: ignore[arg-type]
+    for r in runs:
+        table.add_row(
+            str(r.id),
+            r.uuid[:8],
+            r.name,
+            r.status,
+            _when(r.started_at_s),
+            _dur(r.duration_s),
+            str(r.steps),
+            r.device_kind,
+            _bytes(r.peak_in_use_bytes),
+            _pct(r.min_free_fraction),
+            str(r.action_count),
+            str(r.oom_count),
+        )
+    out.print(table)
+
+
+def _module_table(mods: list[Any]) -> Table:
+    table = Table(title="modules (bytes by category, largest first)")
+    for col in ("module", "kind", "shape", "dtype", "device", "placement"):
+        table.add_column(col)
+    for col in ("params", "grads", "optimizer state", "activations", "total"):
+        table.add_column(col, justify="right")
+    for m in mods:
+        shape = (
+            f"{m.num_embeddings}x{m.embedding_dim}"
+            if m.num_embeddings is not None and m.embedding_dim is not None
+            else "-"
+        )
+        table.add_row(
+            m.module,
+            m.kind,
+            shape,
+            m.dtype or "-",
+            m.device or "-",
+            m.placement or "-",
+            _bytes(m.params_bytes),
+            _bytes(m.grads_bytes),
+            _bytes(m.optimizer_state_bytes),
+            _bytes(m.activations_bytes),
+            _bytes(m.total_bytes),
+        )
+    return table
+
+
+def _events_table(events: list[Any], start_s: float) -> Table:
+    table = Table(title="events")
+    table.add_column("id", justify="right")
+    table.add_column("t+", justify="right")
+    table.add_column("step", justify="right")
+    table.add_column("kind")
+    table.add_column("message")
+    for e in events:
+        table.add_row(str(e.id), f"{e.time_s - start_s:.1f}s", str(e.step), e.kind, e.message)
+    return table
+
+
+@app.command("show")
+@_handle_errors
+def show_cmd(
+    run: RunArg,
+    db: DbOpt = None,
+    modules: Annotated[
+        bool, typer.Option("--modules", help="Only the module x category bytes table.")
+    ] = False,
+    max_events: Annotated[int, typer.Option(help="Show at most this many events.")] = 50,
+    as_json: JsonOpt = False,
+) -> None:
+    """Summary of one run: status, peaks, events, modules."""
+    with _history(db) as h:
+        info = h.run(run)
+        mods = h.modules(info.id)
+        events = [] if modules else h.events(info.id)
+        peak = None if modules else h.peak(info.id)
+    if as_json:
+        import dataclasses
+
+        _print_json(
+            {
+                "run": _info_dict(info),
+                "peak": None if peak is None else dataclasses.asdict(peak),
+                "events": [dataclasses.asdict(e) for e in events],
+                "modules": [{**dataclasses.asdict(m), "total_bytes": m.total_bytes} for m in mods],
+            }
+        )
+        return
+    if modules:
+        if not mods:
+            out.print(f"run {info.id} recorded no module statistics", markup=False)
+            return
+        out.print(_module_table(mods))
+        return
+    summary = Table(title=f"run {info.id}  {info.name}", show_header=False)
+    summary.add_column("field")
+    summary.add_column("value")
+    rows = [
+        ("uuid", info.uuid),
+        (
+            "status",
+            info.status
+            + (f" (stored: {info.stored_status})" if info.status != info.stored_status else ""),
+        ),
+        ("error", info.error or "-"),
+        ("host / pid", f"{info.host} / {info.pid}"),
+        ("started", _when(info.started_at_s)),
+        ("ended", _when(info.ended_at_s)),
+        ("duration", _dur(info.duration_s)),
+        ("steps", f"{info.steps}  ({info.steps_per_s or 0:.2f} steps/s)"),
+        ("device", f"{info.device_kind}  {info.device_name or ''}".rstrip()),
+        ("device total", _bytes(info.device_total_bytes)),
+        ("budget", _bytes(info.budget_bytes)),
+        ("interval", f"{info.interval_s:g} s"),
+        ("samples", f"{info.sample_count}  (dropped: {info.samples_dropped})"),
+        ("tags", ", ".join(info.tags) or "-"),
+        ("torch", info.torch_version),
+    ]
+    for label, value in rows:
+        summary.add_row(label, value)
+    out.print(summary)
+    peaks = Table(title="peaks")
+    peaks.add_column("quantity")
+    peaks.add_column("peak", justify="right")
+    for label, value in (
+        ("in use", _bytes(info.peak_in_use_bytes)),
+        ("allocated", _bytes(info.peak_allocated_bytes)),
+        ("reserved", _bytes(info.peak_reserved_bytes)),
+        ("process on device", _bytes(info.peak_process_device_bytes)),
+        ("device used", _bytes(info.peak_device_used_bytes)),
+        ("process RSS", _bytes(info.peak_process_rss_bytes)),
+        ("min free fraction", _pct(info.min_free_fraction)),
+    ):
+        peaks.add_row(label, value)
+    if peak is not None and peak.time_s is not None:
+        peaks.add_row(
+            "in use peak at", f"t+{peak.time_s - info.started_at_s:.1f}s, step {peak.step}"
+        )
+    out.print(peaks)
+    if events:
+        shown = events[:max_events]
+        out.print(_events_table(shown, info.started_at_s))
+        if len(events) > len(shown):
+            out.print(f"… {len(events) - len(shown)} more (edo-monitor events {info.id})")
+    else:
+        out.print("no events", markup=False)
+    if mods:
+        out.print(_module_table(mods))
+
+
+@app.command("events")
+@_handle_errors
+def events_cmd(
+    run: RunArg,
+    db: DbOpt = None,
+    kind: Annotated[
+        list[str] | None, typer.Option(help="Only events of this kind (repeatable).")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Events of one run (thresholds, decisions, actions, OOMs …) in time order."""
+    import dataclasses
+
+    with _history(db) as h:
+        info = h.run(run)
+        events = h.events(info.id, kind=kind or None)
+    if as_json:
+        _print_json([dataclasses.asdict(e) for e in events])
+        return
+    if not events:
+        out.print(f"run {info.id}: no events", markup=False)
+        return
+    out.print(_events_table(events, info.started_at_s))
+
+
+@app.command("compare")
+@_handle_errors
+def compare_cmd(
+    run_a: Annotated[str, typer.Argument(help="First run (id, uuid prefix, latest).")],
+    run_b: Annotated[str, typer.Argument(help="Second run.")],
+    db: DbOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Two runs side by side: peaks, minimum free fraction, steps/s, actions."""
+    import dataclasses
+
+    with _history(db) as h:
+        c = h.compare(run_a, run_b)
+    if as_json:
+        _print_json(
+            {
+                "a": _info_dict(c.a),
+                "b": _info_dict(c.b),
+                "metrics": [{**dataclasses.asdict(m), "delta": m.delta} for m in c.metrics],
+                "actions_a": [dataclasses.asdict(e) for e in c.actions_a],
+                "actions_b": [dataclasses.asdict(e) for e in c.actions_b],
+            }
+        )
+        return
+    table = Table(title=f"run {c.a.id} ({c.a.name}) vs run {c.b.id} ({c.b.name})")
+    table.add_column("metric")
+    table.add_column(f"A: {c.a.id}", justify="right")
+    table.add_column(f"B: {c.b.id}", justify="right")
+    table.add_column("B - A", justify="right")
+
+    def fmt(unit: str, v: Any) -> str:
+        if v is None:
+            return "-"
+        if unit == "bytes":
+            return ("-" if v < 0 else "") + _bytes(abs(v))
+        if unit == "fraction":
+            return _pct(v)
+        if unit == "s":
+            return _dur(abs(v)) if v >= 0 else "-" + _dur(-v)
+        if isinstance(v, float):
+            return f"{v:.3g}"
+        return str(v)
+
+    for m in c.metrics:
+        delta = m.delta
+        d = "-" if delta is None else fmt(m.unit, delta)
+        if m.unit == "fraction" and delta is not None:
+            d = f"{100 * delta:+.1f} pp"
+        table.add_row(m.name, fmt(m.unit, m.a), fmt(m.unit, m.b), d)
+    out.print(table)
+    acts = Table(title="actions")
+    acts.add_column("run")
+    acts.add_column("t+", justify="right")
+    acts.add_column("action")
+    acts.add_column("target")
+    acts.add_column("saved", justify="right")
+    for label, info, events in (("A", c.a, c.actions_a), ("B", c.b, c.actions_b)):
+        for e in events:
+            acts.add_row(
+                f"{label}: {info.id}",
+                f"{e.time_s - info.started_at_s:.1f}s",
+                str(e.data.get("action", e.message)),
+                str(e.data.get("target", "-")),
+                _bytes(e.data.get("bytes_saved")),
+            )
+    if c.actions_a or c.actions_b:
+        out.print(acts)
+    else:
+        out.print("no actions in either run", markup=False)
+
+
+@app.command("export")
+@_handle_errors
+def export_cmd(
+    run: RunArg,
+    db: DbOpt = None,
+    fmt: Annotated[str, typer.Option("--format", help="csv, json or jsonl.")] = "csv",
+    out_file: Annotated[
+        Path | None, typer.Option("--out", help="Write here instead of standard output.")
+    ] = None,
+) -> None:
+    """Export one run: csv = its samples; json = run, samples, events, modules in one object;
+    jsonl = one object per line, each with a "type" (run, sample, event, module)."""
+    import dataclasses
+
+    from edo_monitor.store.history import NUMERIC_SAMPLE_COLUMNS
+
+    if fmt not in ("csv", "json", "jsonl"):
+        raise ConfigError(f"--format {fmt!r} is not supported; expected csv, json or jsonl")
+    columns = ["id", "time_s", *NUMERIC_SAMPLE_COLUMNS]
+    with _history(db) as h:
+        info = h.run(run)
+
+        def samples() -> Iterator[dict[str, Any]]:
+            after = 0
+            while True:
+                page = h.samples_since(info.id, after, limit=10_000)
+                if not page:
+                    return
+                for s in page:
+                    yield {"id": s.id, "time_s": s.time_s, **s.values}
+                after = page[-1].id
+
+        stream = (
+            out_file.open("w", newline="", encoding="utf-8") if out_file is not None else sys.stdout
+        )
+        try:
+            if fmt == "csv":
+                writer = csv.DictWriter(stream, fieldnames=columns, extrasaction="ignore")
+                writer.writeheader()
+                for row in samples():
+                    writer.writerow(row)
+            elif fmt == "jsonl":
+                stream.write(json.dumps({"type": "run", **_info_dict(info)}) + "\n")
+                for row in samples():
+                    stream.write(json.dumps({"type": "sample", **row}) + "\n")
+                for e in h.events(info.id):
+                    stream.write(json.dumps({"type": "event", **dataclasses.asdict(e)}) + "\n")
+                for m in h.modules(info.id):
+                    stream.write(json.dumps({"type": "module", **dataclasses.asdict(m)}) + "\n")
+            else:
+                doc = {
+                    "run": _info_dict(info),
+                    "samples": list(samples()),
+                    "events": [dataclasses.asdict(e) for e in h.events(info.id)],
+                    "modules": [dataclasses.asdict(m) for m in h.modules(info.id)],
+                }
+                json.dump(doc, stream, indent=2, default=_json_default)
+                stream.write("\n")
+        finally:
+            if out_file is not None:
+                stream.close()
+    if out_file is not None:
+        err.print(f"wrote run {info.id} as {fmt} to {out_file}", markup=False)
+
+
+# -- sql ---------------------------------------------------------------------------------------
+
+_READ_PRAGMAS = {
+    "table_info",
+    "table_xinfo",
+    "index_list",
+    "index_info",
+    "index_xinfo",
+    "foreign_key_list",
+    "integrity_check",
+    "quick_check",
+    "table_list",
+    "function_list",
+    "pragma_list",
+    "collation_list",
+    "database_list",
+    "compile_options",
+}
+_WRITE_ACTIONS = {
+    getattr(sqlite3, name): name.removeprefix("SQLITE_")
+    for name in dir(sqlite3)
+    if name.startswith(("SQLITE_CREATE_", "SQLITE_DROP_", "SQLITE_ALTER"))
+    or name
+    in (
+        "SQLITE_INSERT",
+        "SQLITE_UPDATE",
+        "SQLITE_DELETE",
+        "SQLITE_ATTACH",
+        "SQLITE_DETACH",
+        "SQLITE_REINDEX",
+        "SQLITE_ANALYZE",
+    )
+}
+
+
+def _run_sqlite_readonly(path: str, query: str) -> tuple[list[str], list[tuple[Any, ...]]]:
+    if not Path(path).exists():
+        raise StoreError(f"no history database at {path!r} (nothing has been recorded yet)")
+    denied: list[str] = []
+
+    def authorizer(action: int, arg1: str | None, arg2: str | None, *_: Any) -> int:
+        if action in _WRITE_ACTIONS:
+            denied.append(f"{_WRITE_ACTIONS[action]} {arg1 or ''}".strip())
+            return sqlite3.SQLITE_DENY
+        if action == sqlite3.SQLITE_PRAGMA:
+            name = (arg1 or "").lower()
+            if arg2 is not None and name not in _READ_PRAGMAS:
+                denied.append(f"PRAGMA {name} = {arg2}")
+                return sqlite3.SQLITE_DENY
+        return sqlite3.SQLITE_OK
+
+    if re.match(r"\s*vacuum\b", query, re.IGNORECASE):
+        raise RefusedError("refused: the sql command is read-only (VACUUM writes)")
+    conn = sqlite3.connect(f"file:{Path(path).resolve()}?mode=ro", uri=True, timeout=30)
+    try:
+        conn.execute("PRAGMA query_only = ON")
+        conn.set_authorizer(authorizer)
+        try:
+            cur = conn.execute(query)
+            rows = cur.fetchall()
+        except sqlite3.Warning as exc:  # e.g. several statements
+            raise ConfigError(f"sql: {exc}") from None
+        except sqlite3.DatabaseError as exc:
+            if denied or "not authorized" in str(exc) or "readonly" in str(exc):
+                what = denied[0] if denied else "a write"
+                raise RefusedError(
+                    f"refused: the sql command is read-only ({what} would change the database)"
+                ) from None
+            raise ConfigError(f"sql: {exc}") from None
+        names = [d[0] for d in cur.description or []]
+        return names, rows
+    finally:
+        conn.close()
+
+
+@app.command("sql")
+@_handle_errors
+def sql_cmd(
+    query: Annotated[str, typer.Argument(help='One read-only statement, e.g. "SELECT …".')],
+    db: DbOpt = None,
+    as_json: JsonOpt = False,
+    as_csv: Annotated[bool, typer.Option("--csv", help="Print CSV.")] = False,
+) -> None:
+    """Run one read-only SQL statement; anything that would write is refused."""
+    from sqlalchemy import text
+
+    from edo_monitor.store.engine import open_engine, resolve_db_url
+
+    url = resolve_db_url(db)
+    if url.get_backend_name() == "sqlite" and url.database and url.database != ":memory:":
+        names, rows = _run_sqlite_readonly(url.database, query)
+    else:
+        engine = open_engine(url, readonly=True)
+        try:
+            with engine.connect() as conn:
+                conn.exec_driver_sql("SET TRANSACTION READ ONLY")
+                result = conn.execute(text(query))
+                names = list(result.keys()) if result.returns_rows else []
+                rows = [tuple(r) for r in result] if result.returns_rows else []
+                conn.rollback()
+        finally:
+            engine.dispose()
+    if as_json:
+        _print_json([dict(zip(names, r, strict=True)) for r in rows])
+        return
+    if as_csv:
+        buf = io.StringIO()
+        w = csv.writer(buf)
+        w.writerow(names)
+        w.writerows(rows)
+        out.file.write(buf.getvalue())
+        return
+    table = Table()
+    for n in names:
+        table.add_column(n)
+    for r in rows:
+        table.add_row(*("NULL" if v is None else str(v) for v in r))
+    out.print(table)
+    out.print(f"{len(rows)} row(s)", markup=False)
+
+
+# -- prune -------------------------------------------------------------------------------------
+
+
+@app.command("prune")
+@_handle_errors
+def prune_cmd(
+    db: DbOpt = None,
+    older_than: Annotated[
+        str | None, typer.Option(help="Delete runs that started longer ago than this (30d).")
+    ] = None,
+    keep_last: Annotated[
+        int | None, typer.Option(help="Keep only the N most recently started runs.")
+    ] = None,
+    downsample_older_than: Annotated[
+        str | None,
+        typer.Option(
+            help="Thin samples older than this (7d) to the peak rows of each --bucket interval."
+        ),
+    ] = None,
+    bucket: Annotated[str, typer.Option(help="Downsampling interval (e.g. 60s, 5m).")] = "60s",
+    dry_run: Annotated[bool, typer.Option(help="Say what would go, change nothing.")] = False,
+    vacuum: Annotated[bool, typer.Option(help="Give freed space back to the disk.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Delete old runs or thin old samples. Running runs are never touched. Downsampling keeps,
+    per run and bucket, the first and last sample and every sample that holds a bucket's
+    peak (in use, allocated, reserved, process, device used, RSS) or its lowest free fraction."""
+    from edo_monitor.store.history import History, prune
+
+    if older_than is None and keep_last is None and downsample_older_than is None:
+        raise ConfigError(
+            "prune needs --older-than DURATION, --keep-last N or --downsample-older-than DURATION"
+        )
+    if keep_last is not None and keep_last < 0:
+        raise ConfigError(f"--keep-last {keep_last} must be ≥ 0")
+    now = time.time()
+    report = prune(
+        History(db, readonly=dry_run),
+        older_than_s=None if older_than is None else _parse_duration(older_than, "--older-than"),
+        keep_last=keep_last,
+        downsample_older_than_s=None
+        if downsample_older_than is None
+        else _parse_duration(downsample_older_than, "--downsample-older-than"),
+        bucket_s=_parse_duration(bucket, "--bucket"),
+        dry_run=dry_run,
+        vacuum=vacuum,
+        now_s=now,
+    )
+    if as_json:
+        _print_json(report)
+        return
+    verb = "would delete" if dry_run else "deleted"
+    out.print(
+        f"{verb} {report['runs_deleted']} run(s), {report['samples_deleted']} sample(s); "
+        f"{'would thin' if dry_run else 'thinned'} {report['runs_downsampled']} run(s)",
+        markup=False,
+    )
+
+
+# -- doctor ------------------------------------------------------------------------------------
+
+
+@app.command("doctor")
+@_handle_errors
+def doctor_cmd(
+    db: DbOpt = None,
+    full: Annotated[
+        bool, typer.Option(help="Full integrity_check instead of the faster quick_check.")
+    ] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Check the database: integrity, schema version, size, row counts, rollup lag."""
+    from sqlalchemy import inspect, text
+
+    from edo_monitor.store.engine import resolve_db_url
+    from edo_monitor.store.schema import SCHEMA_VERSION
+
+    url = resolve_db_url(db)
+    h = _history(db)
+    report: dict[str, Any] = {"database": url.database or str(url)}
+    problems: list[str] = []
+    try:
+        with h.engine.connect() as conn:
+            tables = set(inspect(conn).get_table_names())
+            report["schema_version"] = h.schema_version
+            report["expected_schema_version"] = SCHEMA_VERSION
+            if "alembic_version" in tables:
+                report["alembic_revision"] = conn.execute(
+                    text("SELECT version_num FROM alembic_version")
+                ).scalar()
+            if h.engine.dialect.name == "sqlite":
+                check = "integrity_check" if full else "quick_check"
+                res = [r[0] for r in conn.exec_driver_sql(f"PRAGMA {check}")]
+                report[check] = res
+                if res != ["ok"]:
+                    problems.append(f"{check}: {'; '.join(res[:5])}")
+                report["journal_mode"] = conn.exec_driver_sql("PRAGMA journal_mode").scalar()
+            counts = {}
+            for t in ("runs", "samples", "events", "module_stats", "sample_rollups"):
+                if t in tables:
+                    counts[t] = conn.execute(text(f"SELECT count(*) FROM {t}")).scalar()
+            report["rows"] = counts
+            if "sample_rollups" in tables:
+                mark = conn.execute(
+                    text("SELECT value FROM meta WHERE key = 'rollup_through_id'")
+                ).scalar()
+                top = conn.execute(text("SELECT max(id) FROM samples")).scalar() or 0
+                report["samples_not_rolled_up"] = max(0, top - int(mark or 0))
+    finally:
+        h.close()
+    if url.get_backend_name() == "sqlite" and url.database:
+        p = Path(url.database)
+        size = sum(q.stat().st_size for q in (p, Path(f"{p}-wal"), Path(f"{p}-shm")) if q.exists())
+        report["size_bytes"] = size
+        n = report["rows"].get("samples", 0)
+        report["bytes_per_sample"] = round(size / n, 1) if n else None
+    version = report.get("schema_version")
+    if version is not None and version < SCHEMA_VERSION:
+        problems.append(
+            f"schema version {version} is older than {SCHEMA_VERSION} (upgraded on next write)"
+        )
+    report["problems"] = problems
+    report["ok"] = not [p for p in problems if "older" not in p]
+    if as_json:
+        _print_json(report)
+    else:
+        table = Table(title="edo-monitor doctor", show_header=False)
+        table.add_column("check")
+        table.add_column("result")
+        table.add_row("database", str(report["database"]))
+        table.add_row(
+            "schema version",
+            f"{version} (this edo-monitor: {SCHEMA_VERSION})"
+            + (f", alembic {report['alembic_revision']}" if "alembic_revision" in report else ""),
+        )
+        for key in ("quick_check", "integrity_check"):
+            if key in report:
+                table.add_row(key, "; ".join(report[key][:5]))
+        if "journal_mode" in report:
+            table.add_row("journal mode", str(report["journal_mode"]))
+        if "size_bytes" in report:
+            table.add_row("size", f"{_bytes(report['size_bytes'])} ({report['size_bytes']} B)")
+            if report.get("bytes_per_sample"):
+                table.add_row("bytes per sample", f"{report['bytes_per_sample']}")
+        for t, n in report["rows"].items():
+            table.add_row(f"rows: {t}", str(n))
+        if "samples_not_rolled_up" in report:
+            table.add_row("samples not rolled up yet", str(report["samples_not_rolled_up"]))
+        out.print(table)
+        for p in problems:
+            err.print(f"edo-monitor: {'note' if 'older' in p else 'problem'}: {p}", markup=False)
+    if not report["ok"]:
+        raise typer.Exit(EXIT_REFUSED)
+
+
+# -- estimate ----------------------------------------------------------------------------------
+
+
+@app.command("estimate")
+@_handle_errors
+def estimate_cmd(
+    num_embeddings: Annotated[int, typer.Option(help="Rows of the embedding table.")],
+    embedding_dim: Annotated[int, typer.Option(help="Columns of the embedding table.")],
+    dtype: Annotated[str, typer.Option(help="Parameter dtype (float32, float16, bfloat16 …).")] = (
+        "float32"
+    ),
+    optimizer: Annotated[str, typer.Option(help="sgd, momentum, adam, adamw, adagrad …")] = "adam",
+    compression: Annotated[
+        str | None, typer.Option(help="int8, fp16, bf16, lowrank:R, hash:BUCKETS …")
+    ] = None,
+    master_weights: Annotated[
+        bool, typer.Option(help="Keep fp32 master weights for a low-precision table.")
+    ] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Estimate the training memory of one embedding table (no database needed)."""
+    from edo_monitor.cli_estimate import estimate_command
+
+    try:
+        text_ = estimate_command(
+            num_embeddings, embedding_dim, dtype, optimizer, compression, master_weights, as_json
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    out.file.write(text_ + "\n")
+
+
+def main() -> None:
+    """Console-script entry point (``edo-monitor``)."""
+    logging.basicConfig(level=logging.WARNING, format="edo-monitor: %(message)s")
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

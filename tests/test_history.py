@@ -1,0 +1,400 @@
+"""History API on a database seeded through the ORM, with runs of every status."""
+
+from __future__ import annotations
+
+import random
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import insert
+from sqlalchemy.orm import Session
+
+from edo_monitor.errors import ConfigError, RunNotFoundError, StoreError
+from edo_monitor.readings import SAMPLE_FIELDS
+from edo_monitor.store.engine import open_engine
+from edo_monitor.store.history import History, prune
+from edo_monitor.store.schema import ROLLUP_LEVEL_WIDTHS_S, Event, ModuleStat, Run, Sample
+
+T0 = 1_700_000_000.25  # run start (Unix seconds)
+N_SAMPLES = 6000
+INTERVAL = 0.5
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def _sample(run_id: int, i: int, rng: random.Random) -> dict[str, Any]:
+    row: dict[str, Any] = dict.fromkeys(SAMPLE_FIELDS)
+    in_use = rng.randint(100, 900) * 1_000_000
+    row.update(
+        run_id=run_id,
+        time_s=T0 + i * INTERVAL + rng.random() * 0.01,
+        step=i // 2,
+        device_kind="cpu-budget",
+        budget_bytes=1_000_000_000,
+        in_use_bytes=in_use if i % 97 else None,  # some gaps: None is not zero
+        free_fraction=(1_000_000_000 - in_use) / 1_000_000_000,
+        params_bytes=400_000_000,
+        process_rss_bytes=rng.randint(1, 5) * 10**9,
+    )
+    return row
+
+
+def seed(path: Path) -> dict[str, Any]:
+    """Five runs (finished, failed, interrupted, running, crashed) and samples, events, modules
+    for the finished one. Returns facts the tests check against."""
+    engine = open_engine(path)
+    host = socket.gethostname()
+    now = time.time()
+    uuids = [str(uuid.uuid4()) for _ in range(5)]
+    specs = [
+        dict(name="embed-big", status="finished", ended_at_s=T0 + N_SAMPLES * INTERVAL, tags=["a"]),
+        dict(name="embed-small", status="failed", ended_at_s=T0 + 200, error="RuntimeError: x"),
+        dict(name="rec", status="interrupted", ended_at_s=T0 + 300, tags=["b"]),
+        dict(name="live", status="running", pid_alive=True),
+        dict(name="dead", status="running", pid_alive=False),
+    ]
+    with Session(engine) as s, s.begin():
+        for k, spec in enumerate(specs):
+            alive = spec.pop("pid_alive", None)
+            s.add(
+                Run(
+                    uuid=uuids[k],
+                    host=host,
+                    pid=(__import__("os").getpid() if alive else _dead_pid()),
+                    started_at_s=T0 + 10 * k if alive is None else now - 60,
+                    heartbeat_at_s=now if alive else (now - 3600 if alive is False else None),
+                    device_kind="cpu-budget",
+                    interval_s=INTERVAL,
+                    torch_version="2.x",
+                    config={},
+                    steps=N_SAMPLES // 2 if k == 0 else 10,
+                    samples_dropped=0,
+                    budget_bytes=1_000_000_000,
+                    tags=spec.pop("tags", []),
+                    **spec,
+                )
+            )
+    rng = random.Random(7)
+    rows = [_sample(1, i, rng) for i in range(N_SAMPLES)]
+    # two batches of the second run interleaved, so ids of runs interleave
+    other = [_sample(2, i, rng) for i in range(300)]
+    for k in range(0, N_SAMPLES, 500):
+        with engine.begin() as conn:
+            conn.execute(insert(Sample), rows[k : k + 500])
+            if k < 1000:
+                conn.execute(insert(Sample), other[k // 500 * 150 : k // 500 * 150 + 150])
+    with Session(engine) as s, s.begin():
+        s.add_all(
+            [
+                Event(
+                    run_id=1,
+                    time_s=T0 + 100,
+                    step=50,
+                    kind="threshold_crossed",
+                    message="free below floor",
+                    data={"direction": "below", "free_fraction": 0.1, "floor": 0.2},
+                ),
+                Event(
+                    run_id=1, time_s=T0 + 101, step=50, kind="decision", message="offload", data={}
+                ),
+                Event(
+                    run_id=1,
+                    time_s=T0 + 102,
+                    step=51,
+                    kind="action",
+                    message="offloaded",
+                    data={"action": "offload", "target": "emb", "bytes_saved": 123456},
+                ),
+                Event(run_id=1, time_s=T0 + 200, step=100, kind="oom", message="OOM", data={}),
+                Event(
+                    run_id=2,
+                    time_s=T0 + 5,
+                    step=1,
+                    kind="action",
+                    message="released",
+                    data={"action": "release_cache", "target": "allocator", "bytes_saved": 7},
+                ),
+            ]
+        )
+        for t, params in ((T0 + 1, 400), (T0 + 500, 200)):
+            s.add(
+                ModuleStat(
+                    run_id=1,
+                    time_s=t,
+                    step=0,
+                    module="emb",
+                    kind="Embedding",
+                    num_embeddings=50_000,
+                    embedding_dim=8,
+                    dtype="float32",
+                    device="cpu",
+                    placement="device",
+                    params_bytes=params,
+                    grads_bytes=params,
+                    optimizer_state_bytes=2 * params,
+                    activations_bytes=0,
+                )
+            )
+        s.add(
+            ModuleStat(
+                run_id=1,
+                time_s=T0 + 1,
+                step=0,
+                module="head",
+                kind="Linear",
+                params_bytes=10,
+                grads_bytes=10,
+                optimizer_state_bytes=20,
+                activations_bytes=5,
+            )
+        )
+    engine.dispose()
+    in_use = [r["in_use_bytes"] for r in rows if r["in_use_bytes"] is not None]
+    return {
+        "rows": rows,
+        "uuids": uuids,
+        "peak": max(in_use),
+        "min_free": min(r["free_fraction"] for r in rows),
+    }
+
+
+@pytest.fixture()
+def seeded(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
+    path = tmp_path / "h.db"
+    return path, seed(path)
+
+
+def _reference(rows: list[dict[str, Any]], col: str, width: float, m: int) -> dict[int, tuple]:
+    """Per bucket (count, min, max, mean) computed in Python from every row."""
+    out: dict[int, list] = {}
+    for r in rows:
+        b = int(r["time_s"] / width) // m
+        out.setdefault(b, []).append(r[col])
+    res = {}
+    for b, vals in out.items():
+        v = [x for x in vals if x is not None]
+        res[b] = (
+            len(vals),
+            min(v) if v else None,
+            max(v) if v else None,
+            sum(v) / len(v) if v else None,
+        )
+    return res
+
+
+def test_runs_every_status_and_filters(seeded: tuple[Path, dict[str, Any]]) -> None:
+    path, _ = seeded
+    with History(path) as h:
+        runs = h.runs()
+        assert {r.status for r in runs} == {
+            "finished",
+            "failed",
+            "interrupted",
+            "running",
+            "crashed",
+        }
+        dead = next(r for r in runs if r.name == "dead")
+        assert dead.stored_status == "running" and dead.status == "crashed"
+        assert [r.name for r in h.runs(status="crashed")] == ["dead"]
+        assert {r.name for r in h.runs(tag="a")} == {"embed-big"}
+        assert {r.name for r in h.runs(name="embed")} == {"embed-big", "embed-small"}
+        assert {r.name for r in h.runs(name="e*-s*")} == {"embed-small"}
+        assert {r.name for r in h.runs(since=time.time() - 3600)} == {"live", "dead"}
+        with pytest.raises(ConfigError, match="not a run status"):
+            h.runs(status="exploded")
+
+
+def test_run_summary_numbers(seeded: tuple[Path, dict[str, Any]]) -> None:
+    path, facts = seeded
+    with History(path) as h:
+        r = h.run(1)
+        assert r.sample_count == N_SAMPLES
+        assert r.peak_in_use_bytes == facts["peak"]
+        assert r.min_free_fraction == pytest.approx(facts["min_free"])
+        assert (r.action_count, r.oom_count, r.event_count) == (1, 1, 4)
+        assert r.duration_s == pytest.approx(N_SAMPLES * INTERVAL)
+        assert r.steps_per_s == pytest.approx(r.steps / r.duration_s)
+        assert h.run(2).sample_count == 300
+
+
+def test_run_references(seeded: tuple[Path, dict[str, Any]]) -> None:
+    path, facts = seeded
+    with History(path) as h:
+        assert h.run("1").id == 1
+        assert h.run(facts["uuids"][2][:8]).id == 3
+        assert h.run("latest").name in {"live", "dead"}
+        with pytest.raises(RunNotFoundError, match="no run with id 99"):
+            h.run(99)
+        with pytest.raises(RunNotFoundError, match="uuid prefix"):
+            h.run("zzz-not-hex")
+        # a one-character prefix shared by several uuids is ambiguous (or matches one/none)
+        first = {u[0] for u in facts["uuids"]}
+        shared = next((c for c in first if sum(u[0] == c for u in facts["uuids"]) > 1), None)
+        if shared is not None and not shared.isdigit():
+            with pytest.raises(RunNotFoundError, match="several runs"):
+                h.run(shared)
+
+
+@pytest.mark.parametrize("max_points", [1000, 100, 37, 5])
+def test_downsampling_matches_every_sample(
+    seeded: tuple[Path, dict[str, Any]], max_points: int
+) -> None:
+    path, facts = seeded
+    rows = facts["rows"]
+    with History(path) as h:
+        s = h.samples(1, columns=["in_use_bytes", "free_fraction"], max_points=max_points)
+    assert s.downsampled and 1 <= len(s) <= max_points
+    assert sum(s.count) == N_SAMPLES
+    span = rows[-1]["time_s"] - rows[0]["time_s"]
+    width = max(w for w in ROLLUP_LEVEL_WIDTHS_S if w <= span / max_points)
+    m = round(s.bucket_s / width)
+    ref = _reference(rows, "in_use_bytes", width, m)
+    assert len(ref) == len(s)
+    for i, b in enumerate(sorted(ref)):
+        n, lo, hi, mean = ref[b]
+        assert s.count[i] == n
+        assert s.min["in_use_bytes"][i] == lo and s.max["in_use_bytes"][i] == hi
+        assert s.mean["in_use_bytes"][i] == pytest.approx(mean)
+    assert max(x for x in s.max["in_use_bytes"] if x is not None) == facts["peak"]
+    assert min(s.min["free_fraction"]) == pytest.approx(facts["min_free"])
+
+
+def test_window_and_raw_and_columns(seeded: tuple[Path, dict[str, Any]]) -> None:
+    path, facts = seeded
+    rows = facts["rows"]
+    lo, hi = T0 + 333.3, T0 + 2111.1
+    inside = [r for r in rows if lo <= r["time_s"] <= hi]
+    with History(path) as h:
+        s = h.samples(1, start=lo, end=hi, columns=["in_use_bytes"], max_points=50)
+        assert sum(s.count) == len(inside)
+        assert max(x for x in s.max["in_use_bytes"] if x) == max(
+            r["in_use_bytes"] for r in inside if r["in_use_bytes"] is not None
+        )
+        raw = h.samples(1, start=lo, end=lo + 10, max_points=1000)
+        assert not raw.downsampled and len(raw) == 20
+        assert raw.min["params_bytes"] == [400_000_000] * 20
+        everything = h.samples(1, max_points=None, columns=["step"])
+        assert len(everything) == N_SAMPLES
+        assert h.samples(3).time_s == []  # a run without samples
+        with pytest.raises(ConfigError, match="not sample columns"):
+            h.samples(1, columns=["bogus"])
+        with pytest.raises(ConfigError, match="max_points"):
+            h.samples(1, max_points=0)
+        # a column outside the rollups takes the raw GROUP BY path and agrees on the count
+        s2 = h.samples(1, columns=["nvml_memory_info_version"], max_points=40)
+        assert sum(s2.count) == N_SAMPLES and len(s2) <= 40
+
+
+def test_peak_events_modules_compare(seeded: tuple[Path, dict[str, Any]]) -> None:
+    path, facts = seeded
+    with History(path) as h:
+        p = h.peak(1)
+        assert p.value == facts["peak"]
+        first = next(r for r in facts["rows"] if r["in_use_bytes"] == facts["peak"])
+        assert p.time_s == pytest.approx(first["time_s"]) and p.step == first["step"]
+        assert h.peak(1, "free_fraction").value == pytest.approx(
+            max(r["free_fraction"] for r in facts["rows"])
+        )
+        assert [e.kind for e in h.events(1)] == ["threshold_crossed", "decision", "action", "oom"]
+        assert [e.kind for e in h.events(1, kind="action")] == ["action"]
+        assert h.events(1, kind="action")[0].data["bytes_saved"] == 123456
+        mods = h.modules(1)
+        assert [m.module for m in mods] == ["emb", "head"]
+        assert mods[0].params_bytes == 200 and mods[0].total_bytes == 800  # latest row
+        c = h.compare(1, 2)
+        names = {m.name: m for m in c.metrics}
+        assert names["peak_in_use_bytes"].a == facts["peak"]
+        assert names["sample_count"].delta == 300 - N_SAMPLES
+        assert [e.data["action"] for e in c.actions_b] == ["release_cache"]
+
+
+def test_incremental_reads(seeded: tuple[Path, dict[str, Any]]) -> None:
+    path, _ = seeded
+    with History(path) as h:
+        first = h.samples_since(1, 0, columns=["in_use_bytes"], limit=100)
+        assert len(first) == 100 and all(r.id > 0 for r in first)
+        nxt = h.samples_since(1, first[-1].id, limit=None)
+        assert len(first) + len(nxt) == N_SAMPLES
+        assert h.samples_since(1, nxt[-1].id) == []
+        evs = h.events_since(1, 0)
+        assert len(evs) == 4 and h.events_since(1, evs[1].id) == evs[2:]
+
+
+def test_live_tail_is_seen_and_rolled_up_later(tmp_path: Path) -> None:
+    path = tmp_path / "t.db"
+    seed(path)
+    engine = open_engine(path)
+    rng = random.Random(1)
+    extra = [_sample(1, N_SAMPLES + i, rng) for i in range(10)]
+    extra[3]["in_use_bytes"] = 10**12
+    with engine.begin() as conn:
+        conn.execute(insert(Sample), extra)  # fewer than ROLLUP_MIN_ROWS: stays raw
+    engine.dispose()
+    with History(path) as h:
+        assert h.run(1).sample_count == N_SAMPLES + 10
+        assert h.run(1).peak_in_use_bytes == 10**12
+        s = h.samples(1, columns=["in_use_bytes"], max_points=20)
+        assert sum(s.count) == N_SAMPLES + 10 and max(s.max["in_use_bytes"]) == 10**12
+        assert h.peak(1).value == 10**12
+
+
+def test_prune(seeded: tuple[Path, dict[str, Any]]) -> None:
+    path, facts = seeded
+    with History(path) as h:
+        before = h.run(1)
+    now = T0 + 20_000
+    with History(path, readonly=False) as h:
+        dry = prune(h, keep_last=3, dry_run=True, now_s=now)
+        assert dry["runs_deleted"] == 2
+        rep = prune(h, downsample_older_than_s=0, bucket_s=60, now_s=now)
+        assert rep["runs_downsampled"] >= 1 and rep["samples_deleted"] > N_SAMPLES // 2
+    with History(path) as h:
+        after = h.run(1)
+        assert after.sample_count < before.sample_count
+        assert after.peak_in_use_bytes == before.peak_in_use_bytes == facts["peak"]
+        assert after.min_free_fraction == pytest.approx(before.min_free_fraction)
+        s = h.samples(1, columns=["in_use_bytes"], max_points=10)
+        assert sum(s.count) == after.sample_count and max(s.max["in_use_bytes"]) == facts["peak"]
+    with History(path, readonly=False) as h:
+        rep = prune(h, older_than_s=0, now_s=time.time() + 10)  # all but the live run
+        assert rep["runs_deleted"] == 4
+    with History(path) as h:
+        assert [r.name for r in h.runs()] == ["live"]
+        with pytest.raises(RunNotFoundError):
+            h.run(1)
+    with History(path) as h, pytest.raises(StoreError, match="writable"):
+        prune(h, keep_last=0)
+
+
+def test_missing_and_empty(tmp_path: Path) -> None:
+    with pytest.raises(StoreError, match="no history database"):
+        History(tmp_path / "none.db")
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    with History(empty) as h:
+        assert h.runs() == []
+        with pytest.raises(RunNotFoundError, match="no runs"):
+            h.run("latest")
+
+
+def test_to_pandas_needs_pandas(seeded: tuple[Path, dict[str, Any]]) -> None:
+    path, _ = seeded
+    with History(path) as h:
+        s = h.samples(1, columns=["in_use_bytes"], max_points=10)
+    try:
+        import pandas  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="edo-monitor\\[pandas\\]"):
+            s.to_pandas()
+    else:
+        assert len(s.to_pandas()) == len(s)
