@@ -6,8 +6,10 @@ the UI thread with ``call_from_thread``; the UI thread only draws.
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from rich.text import Text
 from sqlalchemy.exc import SQLAlchemyError
@@ -15,6 +17,7 @@ from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.css.query import NoMatches
 from textual.screen import ModalScreen, Screen
 from textual.widgets import DataTable, Footer, Input, Static
 
@@ -81,6 +84,24 @@ policy's floor) and red marks are actions. Values not available from a source ar
 shown as N/A, never as zero.
 
 Press any key to close."""
+
+
+_F = TypeVar("_F", bound=Callable[..., None])
+
+
+def _while_shown(method: _F) -> _F:
+    """Skip a UI update that arrives from a worker after the screen (or app) has closed."""
+
+    @functools.wraps(method)
+    def wrapper(self: Screen[None], *args: Any) -> None:
+        if not self.is_mounted or not self.app.is_running:
+            return
+        try:
+            method(self, *args)
+        except NoMatches:  # the screen is being torn down
+            logger.debug("%s skipped: screen closing", method.__name__)
+
+    return wrapper  # type: ignore[return-value]
 
 
 def _message_for(exc: BaseException) -> str:
@@ -237,6 +258,7 @@ class RunScreen(Screen[None]):
 
     # -- applying (UI thread) ---------------------------------------------------------------
 
+    @_while_shown
     def _show_error(self, generation: int, message: str) -> None:
         if generation != self.generation or not self.is_mounted:
             return
@@ -253,6 +275,7 @@ class RunScreen(Screen[None]):
             self.error = None
             self.query_one("#run-message", Static).display = False
 
+    @_while_shown
     def _apply_load(
         self,
         generation: int,
@@ -280,6 +303,7 @@ class RunScreen(Screen[None]):
         self.refreshes += 1
         self._redraw()
 
+    @_while_shown
     def _apply_poll(self, generation: int, poll: Poll) -> None:
         if generation != self.generation or not self.is_mounted:
             return
@@ -530,6 +554,7 @@ class RunsScreen(Screen[None]):
             return
         self.app.call_from_thread(self._apply, run_list)
 
+    @_while_shown
     def _show_error(self, message: str) -> None:
         self.busy = False
         if not self.is_mounted:
@@ -538,6 +563,7 @@ class RunsScreen(Screen[None]):
         box.update(Text(message, style="bold"))
         box.display = True
 
+    @_while_shown
     def _apply(self, run_list: list[RunInfo]) -> None:
         self.busy = False
         if not self.is_mounted:
