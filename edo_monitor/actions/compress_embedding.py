@@ -7,7 +7,9 @@ Variants (each registered as its own action name):
   ``exp_avg_sq`` ...) converted to the same dtype (``torch.optim`` needs state and parameter dtypes
   to match); the module becomes :class:`edo_monitor.nn.LowPrecisionEmbedding`, whose output is
   cast back to the old dtype. Trainable or frozen tables. bf16 keeps fp32's exponent range (Adam's
-  ``eps`` and small squared gradients do not underflow), so it is the default for trainable tables.
+  ``eps`` and small squared gradients do not underflow), so it is the default for trainable tables;
+  fp16 is refused for a trainable table whose optimizer ``eps`` (Adam's 1e-8) underflows in fp16
+  (the state would divide by zero: NaN within a few steps).
 * ``compress_embedding_int8``: frozen tables (``requires_grad=False``) only, as
   :class:`edo_monitor.nn.Int8RowwiseEmbedding` (int8 rows plus one fp32 scale per row, ≈ 4×
   smaller); the old parameter leaves the optimizer.
@@ -60,6 +62,16 @@ VARIANTS: tuple[str, ...] = ("auto", "bf16", "fp16", "int8", "lowrank")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def _group_values(ctx: ActionContext, param: nn.Parameter, key: str) -> list[Any]:
+    """The ``key`` hyper-parameter of every optimizer group holding ``param``."""
+    return [
+        g[key]
+        for opt in ctx.optimizers
+        for g in opt.param_groups
+        if key in g and any(p is param for p in g["params"])
+    ]
+
+
 class CompressEmbedding(Action):
     """Compress the largest eligible table with ``variant`` (see the module docstring). Lossy."""
 
@@ -89,6 +101,13 @@ class CompressEmbedding(Action):
         if not w.is_floating_point() or w.element_size() <= 2:
             return f"weight is {w.dtype}, already 16 bits or less"
         if variant in _DTYPES:
+            tiny = torch.finfo(_DTYPES[variant]).tiny
+            for eps in _group_values(ctx, w, "eps"):
+                if w.requires_grad and isinstance(eps, float) and eps < tiny:
+                    return (
+                        f"optimizer eps={eps:g} underflows in {variant} (its state would divide "
+                        "by zero); use bf16"
+                    )
             if opts.padding_idx is not None:
                 row = w.detach()[opts.padding_idx]
                 if not torch.equal(row.to(_DTYPES[variant]).to(w.dtype), row):
