@@ -42,14 +42,33 @@ EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 
 app = typer.Typer(
     name="edo-monitor",
-    help="Questions about recorded edo-monitor runs (history database).",
+    help=(
+        "Questions about recorded edo-monitor runs (history database). RUN is a run id, a uuid "
+        "prefix or 'latest'. Exit codes: 0 ok; 1 not found, refused or unusable database; "
+        "2 usage or bad value; 3 internal error."
+    ),
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
-out = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+class _Consoles:
+    """Rich consoles made on first use (so they see the current stdout/stderr, e.g. in tests);
+    wide when the output is not a terminal, so piped tables are not squeezed."""
+
+    @property
+    def out(self) -> Console:
+        width = None if sys.stdout.isatty() else 200
+        return Console(highlight=False, soft_wrap=False, width=width)
+
+    @property
+    def err(self) -> Console:
+        return Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+_c = _Consoles()
 
 DbOpt = Annotated[
     str | None,
@@ -71,7 +90,7 @@ class RefusedError(EdoMonitorError):
 
 
 def _fail(message: str, code: int) -> typer.Exit:
-    err.print(f"edo-monitor: error: {message}", markup=False)
+    _c.err.print(f"edo-monitor: error: {message}", markup=False)
     return typer.Exit(code)
 
 
@@ -84,6 +103,9 @@ def _handle_errors(func: F) -> F:
             return func(*args, **kwargs)
         except typer.Exit:
             raise
+        except BrokenPipeError:  # the reader went away (`edo-monitor export 1 | head`)
+            sys.stderr.close()
+            raise typer.Exit(EXIT_OK) from None
         except ConfigError as exc:
             raise _fail(str(exc), EXIT_USAGE) from None
         except (RunNotFoundError, StoreError, RefusedError) as exc:
@@ -103,6 +125,14 @@ def _handle_errors(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+@app.callback()
+def _global(db: DbOpt = None) -> None:
+    """Questions about recorded edo-monitor runs (history database). Exit codes: 0 ok,
+    1 not found / refused / unusable database, 2 usage or bad value, 3 internal error."""
+    if db is not None:  # `edo-monitor --db X cmd`: the command's own --db/EDO_DB default
+        os.environ["EDO_DB"] = db
+
+
 # -- formatting helpers ------------------------------------------------------------------------
 
 
@@ -115,15 +145,22 @@ def _bytes(value: Any) -> str:
 def _when(ts: float | None) -> str:
     if ts is None:
         return "-"
-    return datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def _dur(seconds: float | None) -> str:
     if seconds is None:
         return "-"
-    import humanfriendly
-
-    return humanfriendly.format_timespan(seconds, max_units=2)
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, sec = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    days, hours = divmod(hours, 24)
+    if days:
+        return f"{days}d{hours:02d}h"
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{sec:02d}s"
 
 
 def _pct(fraction: float | None) -> str:
@@ -149,7 +186,7 @@ def _json_default(obj: Any) -> Any:
 
 
 def _print_json(obj: Any) -> None:
-    out.file.write(json.dumps(obj, indent=2, default=_json_default) + "\n")
+    sys.stdout.write(json.dumps(obj, indent=2, default=_json_default) + "\n")
 
 
 def _info_dict(info: Any) -> dict[str, Any]:
@@ -166,7 +203,7 @@ def _history(db: str | None, *, readonly: bool = True) -> Any:
 
     h = History(db, readonly=readonly)
     if h.outdated:
-        err.print(f"edo-monitor: note: {h.outdated}", markup=False)
+        _c.err.print(f"edo-monitor: note: {h.outdated}", markup=False)
     return h
 
 
@@ -199,7 +236,7 @@ def runs_cmd(
         _print_json([_info_dict(r) for r in runs])
         return
     if not runs:
-        out.print("no runs recorded", markup=False)
+        _c.out.print("no runs recorded", markup=False)
         return
     table = Table(title=None, show_lines=False)
     for col, just in (
@@ -207,7 +244,7 @@ def runs_cmd(
         ("uuid", "left"),
         ("name", "left"),
         ("status", "left"),
-        ("started", "left"),
+        ("started (UTC)", "left"),
         ("duration", "right"),
         ("steps", "right"),
         ("device", "left"),
@@ -232,7 +269,7 @@ def runs_cmd(
             str(r.action_count),
             str(r.oom_count),
         )
-    out.print(table)
+    _c.out.print(table)
 
 
 def _module_table(mods: list[Any]) -> Table:
@@ -306,9 +343,9 @@ def show_cmd(
         return
     if modules:
         if not mods:
-            out.print(f"run {info.id} recorded no module statistics", markup=False)
+            _c.out.print(f"run {info.id} recorded no module statistics", markup=False)
             return
-        out.print(_module_table(mods))
+        _c.out.print(_module_table(mods))
         return
     summary = Table(title=f"run {info.id}  {info.name}", show_header=False)
     summary.add_column("field")
@@ -336,7 +373,7 @@ def show_cmd(
     ]
     for label, value in rows:
         summary.add_row(label, value)
-    out.print(summary)
+    _c.out.print(summary)
     peaks = Table(title="peaks")
     peaks.add_column("quantity")
     peaks.add_column("peak", justify="right")
@@ -354,16 +391,16 @@ def show_cmd(
         peaks.add_row(
             "in use peak at", f"t+{peak.time_s - info.started_at_s:.1f}s, step {peak.step}"
         )
-    out.print(peaks)
+    _c.out.print(peaks)
     if events:
         shown = events[:max_events]
-        out.print(_events_table(shown, info.started_at_s))
+        _c.out.print(_events_table(shown, info.started_at_s))
         if len(events) > len(shown):
-            out.print(f"… {len(events) - len(shown)} more (edo-monitor events {info.id})")
+            _c.out.print(f"… {len(events) - len(shown)} more (edo-monitor events {info.id})")
     else:
-        out.print("no events", markup=False)
+        _c.out.print("no events", markup=False)
     if mods:
-        out.print(_module_table(mods))
+        _c.out.print(_module_table(mods))
 
 
 @app.command("events")
@@ -386,9 +423,9 @@ def events_cmd(
         _print_json([dataclasses.asdict(e) for e in events])
         return
     if not events:
-        out.print(f"run {info.id}: no events", markup=False)
+        _c.out.print(f"run {info.id}: no events", markup=False)
         return
-    out.print(_events_table(events, info.started_at_s))
+    _c.out.print(_events_table(events, info.started_at_s))
 
 
 @app.command("compare")
@@ -440,7 +477,7 @@ def compare_cmd(
         if m.unit == "fraction" and delta is not None:
             d = f"{100 * delta:+.1f} pp"
         table.add_row(m.name, fmt(m.unit, m.a), fmt(m.unit, m.b), d)
-    out.print(table)
+    _c.out.print(table)
     acts = Table(title="actions")
     acts.add_column("run")
     acts.add_column("t+", justify="right")
@@ -457,9 +494,9 @@ def compare_cmd(
                 _bytes(e.data.get("bytes_saved")),
             )
     if c.actions_a or c.actions_b:
-        out.print(acts)
+        _c.out.print(acts)
     else:
-        out.print("no actions in either run", markup=False)
+        _c.out.print("no actions in either run", markup=False)
 
 
 @app.command("export")
@@ -524,7 +561,7 @@ def export_cmd(
             if out_file is not None:
                 stream.close()
     if out_file is not None:
-        err.print(f"wrote run {info.id} as {fmt} to {out_file}", markup=False)
+        _c.err.print(f"wrote run {info.id} as {fmt} to {out_file}", markup=False)
 
 
 # -- sql ---------------------------------------------------------------------------------------
@@ -637,15 +674,15 @@ def sql_cmd(
         w = csv.writer(buf)
         w.writerow(names)
         w.writerows(rows)
-        out.file.write(buf.getvalue())
+        sys.stdout.write(buf.getvalue())
         return
     table = Table()
     for n in names:
         table.add_column(n)
     for r in rows:
         table.add_row(*("NULL" if v is None else str(v) for v in r))
-    out.print(table)
-    out.print(f"{len(rows)} row(s)", markup=False)
+    _c.out.print(table)
+    _c.out.print(f"{len(rows)} row(s)", markup=False)
 
 
 # -- prune -------------------------------------------------------------------------------------
@@ -700,7 +737,7 @@ def prune_cmd(
         _print_json(report)
         return
     verb = "would delete" if dry_run else "deleted"
-    out.print(
+    _c.out.print(
         f"{verb} {report['runs_deleted']} run(s), {report['samples_deleted']} sample(s); "
         f"{'would thin' if dry_run else 'thinned'} {report['runs_downsampled']} run(s)",
         markup=False,
@@ -796,9 +833,9 @@ def doctor_cmd(
             table.add_row(f"rows: {t}", str(n))
         if "samples_not_rolled_up" in report:
             table.add_row("samples not rolled up yet", str(report["samples_not_rolled_up"]))
-        out.print(table)
+        _c.out.print(table)
         for p in problems:
-            err.print(f"edo-monitor: {'note' if 'older' in p else 'problem'}: {p}", markup=False)
+            _c.err.print(f"edo-monitor: {'note' if 'older' in p else 'problem'}: {p}", markup=False)
     if not report["ok"]:
         raise typer.Exit(EXIT_REFUSED)
 
@@ -832,7 +869,7 @@ def estimate_cmd(
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    out.file.write(text_ + "\n")
+    sys.stdout.write(text_ + "\n")
 
 
 def main() -> None:
