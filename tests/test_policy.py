@@ -1,0 +1,268 @@
+"""Policy: validation, hysteresis, ladder, cooldown, modes on hand-made readings; one real loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+from edo_monitor.accounting import account
+from edo_monitor.actions import ACTIONS, ActionContext, Plan, Refusal
+from edo_monitor.errors import ConfigError
+from edo_monitor.policy import (
+    Decision,
+    NoActionAvailable,
+    Policy,
+    ThresholdCrossing,
+    make_planner,
+)
+from edo_monitor.readings import Reading
+
+MiB = 1 << 20
+
+
+def reading(step: int, free: float | None, kind: str = "cpu-budget", slack: int | None = None):
+    return Reading(
+        time_s=1000.0 + step,
+        step=step,
+        device_kind=kind,
+        free_fraction=free,
+        reserved_unallocated_bytes=slack,
+    )
+
+
+PLANS = {
+    "release_cache": Plan("release_cache", "allocator", 300 * MiB, "slack"),
+    "offload_embedding": Plan("offload_embedding", "emb", 100 * MiB, "largest table"),
+    "checkpoint_activations": Plan("checkpoint_activations", "blocks.0", 10 * MiB, "blocks"),
+    "compress_embedding": Plan("compress_embedding", "emb2", 50 * MiB, "bf16"),
+}
+
+
+def kinds(events):
+    out = []
+    for e in events:
+        if isinstance(e, ThresholdCrossing):
+            out.append(e.kind)
+        elif isinstance(e, Decision):
+            out.append(f"{e.mode}:{e.action}")
+        else:
+            out.append("none")
+    return out
+
+
+# ---------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"min_free_fraction": 0.0}, r"min_free_fraction=0\.0 .*\(0, 1\)"),
+        ({"min_free_fraction": 1.0}, r"min_free_fraction=1\.0"),
+        ({"min_free_fraction": True}, r"min_free_fraction=True"),
+        ({"rearm_free_fraction": 1.5}, r"rearm_free_fraction=1\.5"),
+        ({"min_free_fraction": 0.3, "rearm_free_fraction": 0.25}, r"above min_free_fraction=0\.3"),
+        ({"rearm_free_fraction": 0.2}, r"rearm_free_fraction=0\.2"),
+        ({"cooldown_steps": -1}, r"cooldown_steps=-1 .*int >= 0"),
+        ({"cooldown_steps": 1.5}, r"cooldown_steps=1\.5"),
+        ({"mode": "yolo"}, r"mode='yolo' .*auto, advise, observe"),
+        ({"ladder": ["offload_embedding", "teleport"]}, r"'teleport' is not known.*release_cache"),
+        ({"ladder": "offload_embedding"}, r"ladder='offload_embedding'"),
+        ({"ladder": ["release_cache", "release_cache"]}, r"twice"),
+        ({"ladder": ["compress_embedding"]}, r"lossy; pass allow_lossy=True"),
+        ({"allow_lossy": "yes"}, r"allow_lossy='yes'"),
+        ({"on_pressure": 3}, r"on_pressure=3"),
+        ({"release_cache_min_bytes": "lots"}, r"release_cache_min_bytes='lots'"),
+    ],
+)
+def test_invalid_arguments_raise_config_error_naming_the_value(kwargs: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match) as info:
+        Policy(**kwargs)
+    assert isinstance(info.value, ValueError)
+
+
+def test_default_ladders() -> None:
+    assert Policy().ladder == ("release_cache", "offload_embedding", "checkpoint_activations")
+    assert Policy(allow_lossy=True).ladder[-1] == "compress_embedding"
+    assert Policy(release_cache_min_bytes="1MiB").release_cache_min_bytes == MiB
+    assert all(name in ACTIONS for name in Policy(allow_lossy=True).ladder)
+
+
+# ---------------------------------------------------------------- hysteresis
+
+
+def test_crossings_use_hysteresis() -> None:
+    p = Policy(mode="observe")
+    seq = [0.5, 0.19, 0.1, 0.22, 0.24, 0.19, 0.25, 0.3, 0.18, None, 0.5]
+    got = [kinds(p.evaluate(reading(i, f), PLANS)) for i, f in enumerate(seq)]
+    assert got == [
+        [],
+        ["below_floor"],
+        [],
+        [],  # between floor and rearm: still under pressure
+        [],
+        [],
+        ["above_rearm"],  # rearm is inclusive
+        [],
+        ["below_floor"],
+        [],  # no free_fraction: nothing
+        ["above_rearm"],
+    ]
+    crossing = p.evaluate(reading(20, 0.05), PLANS)[0]
+    assert crossing.threshold_fraction == 0.20 and crossing.free_fraction == 0.05
+    assert crossing.step == 20 and crossing.time_s == 1020.0
+
+
+# ---------------------------------------------------------------- decisions
+
+
+def test_decides_at_the_crossing_reading_skipping_release_cache_in_cpu_budget_mode() -> None:
+    p = Policy()
+    events = p.evaluate(reading(7, 0.1), PLANS)
+    assert kinds(events) == ["below_floor", "auto:offload_embedding"]
+    d = events[1]
+    assert (d.target, d.estimated_saving_bytes, d.step) == ("emb", 100 * MiB, 7)
+    assert d.plan is PLANS["offload_embedding"] and "largest table" in d.reason
+    assert p.pending is d
+    # while pending: no second decision
+    assert kinds(p.evaluate(reading(7, 0.1), PLANS)) == []
+    assert kinds(p.evaluate(reading(8, 0.1), PLANS)) == []
+
+
+def test_release_cache_on_cuda_only_when_slack_is_large() -> None:
+    p = Policy(release_cache_min_bytes=64 * MiB)
+    events = p.evaluate(reading(1, 0.1, "cuda", slack=500 * MiB), PLANS)
+    assert kinds(events)[-1] == "auto:release_cache"
+    p = Policy(release_cache_min_bytes=64 * MiB)
+    events = p.evaluate(reading(1, 0.1, "cuda", slack=10 * MiB), PLANS)
+    assert kinds(events)[-1] == "auto:offload_embedding"
+
+
+def test_cooldown_then_next_rung_and_refusals_are_skipped() -> None:
+    p = Policy(cooldown_steps=3)
+    plans = dict(PLANS)
+    d = p.evaluate(reading(10, 0.1), plans)[-1]
+    p.resolve(d, "applied")
+    # the table is gone now: offload refuses, checkpointing is next — after the cooldown
+    plans["offload_embedding"] = Refusal("offload_embedding", "", "no embedding table left")
+    assert kinds(p.evaluate(reading(11, 0.15), plans)) == []
+    assert kinds(p.evaluate(reading(12, 0.15), plans)) == []
+    assert kinds(p.evaluate(reading(13, 0.15), plans)) == ["auto:checkpoint_activations"]
+
+
+def test_failed_action_is_not_retried_on_the_same_target_and_refused_costs_no_cooldown() -> None:
+    p = Policy(cooldown_steps=100)
+    d = p.evaluate(reading(1, 0.1), PLANS)[-1]
+    p.resolve(d, "failed")
+    d2 = p.evaluate(reading(2, 0.1), PLANS)[-1]
+    assert d2.action == "checkpoint_activations"
+    p.resolve(d2, "refused")
+    d3 = p.evaluate(reading(3, 0.1), PLANS)[-1]
+    assert d3.action == "checkpoint_activations"  # refused at apply time: may be tried again
+
+
+def test_lossy_only_with_allow_lossy_and_after_lossless() -> None:
+    refused = {
+        "offload_embedding": Refusal("offload_embedding", "", "none left"),
+        "checkpoint_activations": Refusal("checkpoint_activations", "", "no profile"),
+        "compress_embedding": PLANS["compress_embedding"],
+    }
+    p = Policy()
+    events = p.evaluate(reading(1, 0.1), refused)
+    assert kinds(events) == ["below_floor", "none"]
+    none = events[1]
+    assert isinstance(none, NoActionAvailable)
+    assert [r.action for r in none.refusals] == [
+        "release_cache",
+        "offload_embedding",
+        "checkpoint_activations",
+    ]
+    assert "CPU-budget" in none.refusals[0].reason
+    assert kinds(p.evaluate(reading(2, 0.1), refused)) == []  # reported once per episode
+    p = Policy(allow_lossy=True)
+    assert kinds(p.evaluate(reading(1, 0.1), refused))[-1] == "auto:compress_embedding"
+
+
+def test_advise_records_each_suggestion_once_per_episode_and_observe_only_crossings() -> None:
+    p = Policy(mode="advise", cooldown_steps=0)
+    e1 = p.evaluate(reading(1, 0.1), PLANS)
+    assert kinds(e1) == ["below_floor", "advise:offload_embedding"]
+    assert e1[1].advisory and p.pending is None
+    assert kinds(p.evaluate(reading(2, 0.1), PLANS)) == ["advise:checkpoint_activations"]
+    assert kinds(p.evaluate(reading(3, 0.1), PLANS)) == ["none"]
+    assert kinds(p.evaluate(reading(4, 0.1), PLANS)) == []
+    assert kinds(p.evaluate(reading(5, 0.3), PLANS)) == ["above_rearm"]
+    assert kinds(p.evaluate(reading(6, 0.1), PLANS)) == ["below_floor", "advise:offload_embedding"]
+    p = Policy(mode="observe")
+    assert kinds(p.evaluate(reading(1, 0.1), PLANS)) == ["below_floor"]
+
+
+def test_user_hooks_are_called_and_their_errors_contained() -> None:
+    seen = []
+
+    def bad(event):
+        seen.append(event)
+        raise RuntimeError("user bug")
+
+    p = Policy(on_pressure=bad, on_action=seen.append)
+    crossing = p.evaluate(reading(1, 0.1), PLANS)[0]
+    exc = p.call_on_pressure(crossing)
+    assert isinstance(exc, RuntimeError) and seen == [crossing]
+    assert p.call_on_action("result") is None and seen[-1] == "result"
+
+
+# ---------------------------------------------------------------- a real loop in CPU-budget mode
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(4000, 32)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(x).mean(dim=1))
+
+
+def test_loop_reacts_within_one_step_and_free_memory_returns_above_the_floor() -> None:
+    """Free memory falls as Adam's state appears; the agent-like loop acts at the next boundary."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    # params alone fit with room; params + grads + Adam state (4x) do not
+    budget = int(account(model).total_bytes * 3.5)
+    policy = Policy()
+    ctx = ActionContext(model=model, optimizers=[opt], cuda_mode=False)
+    planner = make_planner(ctx)
+    g = torch.Generator().manual_seed(1)
+    pending: Decision | None = None
+    log: list[tuple[int, str]] = []
+    frees = []
+    for step in range(12):
+        if pending is not None:  # safe point: step boundary, training thread
+            result = ACTIONS[pending.action].apply(ctx, pending.plan)
+            policy.resolve(pending, result.status)
+            log.append((step, f"{result.action}:{result.status}"))
+            assert result.saved_bytes == pending.estimated_saving_bytes
+            pending = None
+        x = torch.randint(0, 4000, (8, 5), generator=g)
+        loss = F.cross_entropy(model(x), x[:, 0] % 4)
+        loss.backward()
+        opt.step()
+        in_use = account(model, [opt]).total_bytes
+        free = (budget - in_use) / budget
+        frees.append(free)
+        for e in policy.evaluate(
+            Reading(time_s=0.0, step=step + 1, device_kind="cpu-budget", free_fraction=free),
+            planner,
+        ):
+            if isinstance(e, ThresholdCrossing):
+                log.append((step + 1, e.kind))
+            elif isinstance(e, Decision):
+                pending = e
+    assert log[0] == (1, "below_floor")
+    assert log[1] == (1, "offload_embedding:applied")  # applied at the very next boundary
+    assert log[2] == (2, "above_rearm")
+    assert min(frees[1:]) > 0.25
+    assert isinstance(model.emb, nn.Module) and model.emb.edo_placement == "host"
