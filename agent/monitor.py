@@ -29,19 +29,24 @@ from types import TracebackType
 from typing import Any
 
 import torch
-from edo_monitor.agent.activations import ActivationTracker
 from sqlalchemy import insert, update
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from edo_monitor.accounting import Accounting, account
-from edo_monitor.errors import AlreadyWatchedError, ConfigError
+from edo_monitor.actions.base import ActionContext
+from edo_monitor.actions.checkpoint_activations import ActivationProfile, ActivationRecorder
+from edo_monitor.actions.enforce import enforce_budget
+from edo_monitor.actions.registry import ACTIONS
+from edo_monitor.agent.activations import ActivationTracker
+from edo_monitor.errors import AlreadyWatchedError, BudgetOutOfMemoryError, ConfigError
+from edo_monitor.policy import Decision, Policy, ThresholdCrossing, make_planner
 from edo_monitor.probes.host import HostProbe
 from edo_monitor.readings import Reading
 from edo_monitor.store.engine import open_engine, resolve_db_url
 from edo_monitor.store.schema import Run
 from edo_monitor.store.writer import Writer
-from edo_monitor.units import parse_bytes
+from edo_monitor.units import format_bytes, parse_bytes
 
 __all__ = ["DEFAULT_INTERVAL_S", "Monitor", "RunSummary", "watch"]
 
@@ -125,6 +130,7 @@ class Monitor:
         snapshot_interval_s: float = 5.0,
         queue_size: int = 10_000,
         config: Mapping[str, Any] | None = None,
+        profile_interval_s: float = 30.0,
     ) -> None:
         if model is not None and not isinstance(model, nn.Module):
             raise ConfigError(f"model={type(model).__name__} is not a torch.nn.Module (or None)")
@@ -146,6 +152,10 @@ class Monitor:
                     raise ConfigError(
                         f"optimizer={type(opt).__name__} is not a torch.optim.Optimizer (or None)"
                     )
+        if policy is not None and not isinstance(policy, Policy):
+            raise ConfigError(f"policy={policy!r} is not an edo_monitor.Policy (or None)")
+        if not profile_interval_s > 0:
+            raise ConfigError(f"profile_interval_s={profile_interval_s!r} must be > 0")
         if enforce and budget is None:
             raise ConfigError("enforce=True needs a budget= to enforce")
         self.model = model
@@ -164,6 +174,7 @@ class Monitor:
         self.track_activations = track_activations and model is not None
         self.snapshot_interval_s = snapshot_interval_s
         self.queue_size = queue_size
+        self.profile_interval_s = float(profile_interval_s)
         self.user_config = dict(config or {})
 
         self.run_id: int = -1
@@ -196,6 +207,12 @@ class Monitor:
         self._table_grads_peak: dict[str, int] = {}
         self._want_step_accounting = False
         self._step_accounting: Accounting | None = None
+        self._recorder: ActivationRecorder | None = None
+        self._profiled_at_s = -float("inf")
+        self._activation_rows: dict[str, int] = {}
+        self._pressure_queue: list[ThresholdCrossing] = []
+        #: the last per-module activation profile (``ActivationProfile``), ``None`` before one
+        self.activation_profile: ActivationProfile | None = None
         self._samples = 0
         self._peaks: dict[str, int | None] = {
             "in_use_bytes": None,
@@ -357,6 +374,9 @@ class Monitor:
         self._stop.set()
         if self._sampler is not None:
             self._sampler.join()
+        if self._recorder is not None:
+            self._recorder.__exit__(None, None, None)
+            self._recorder = None
         if self._tracker is not None:
             self._tracker.__exit__(None, None, None)
         if self.status == "running":
@@ -443,6 +463,8 @@ class Monitor:
                 return
             if optimizer is self._primary:
                 self._safe_point(count=True)
+        except BudgetOutOfMemoryError:
+            raise  # enforce=True: the budget's out-of-memory error is the user's to see
         except Exception as exc:
             self._agent_error("step hook", exc)
 
@@ -476,24 +498,196 @@ class Monitor:
             return
         try:
             self._safe_point(count=self._primary is None)
+        except BudgetOutOfMemoryError:
+            raise  # enforce=True: the budget's out-of-memory error is the user's to see
         except Exception as exc:
             self._agent_error("step", exc)
 
     def _safe_point(self, *, count: bool) -> None:
-        if self._want_step_accounting:
-            # measured here, between optimizer step and zero_grad, gradients and optimizer state
-            # are all alive: the step's peak of static memory (the sampler may land anywhere)
+        """The step boundary, on the training thread: the only place the model may change.
+
+        Order: measure the step (accounting while gradients live; the activation profile), enforce
+        the CPU budget against this step's peak, apply the pending decision, then close the step.
+        """
+        if self._want_step_accounting or self.enforce:
+            # between optimizer step and zero_grad, gradients and optimizer state are all alive:
+            # the step's peak of static memory (the sampler may land anywhere)
             self._want_step_accounting = False
             self._step_accounting = self._account()
+        self._collect_activation_profile()
+        if self.enforce and self.budget_bytes and self._step_accounting is not None:
+            activations = self._tracker.activations_bytes if self._tracker is not None else 0
+            in_use = self._step_accounting.total_bytes + activations
+            enforce_budget(
+                self.budget_bytes,
+                in_use,
+                accounted_bytes=in_use,
+                requested_bytes=activations or None,
+            )
+        self._deliver_pressure_hooks()
+        self._apply_pending_decision()
         if count:
             self.steps += 1
             if self._writer is not None:
                 self._writer.run_values["steps"] = self.steps
             if self._tracker is not None:
                 self._tracker.end_step()
+        self._arm_activation_profile()
         if self.strict and self._pending_error is not None:
             err, self._pending_error = self._pending_error, None
             raise err
+
+    # ------------------------------------------------------------------ activation profile
+    def _arm_activation_profile(self) -> None:
+        """Every ``profile_interval_s``, record the next step's forward per module."""
+        if (
+            not self.track_activations
+            or self.model is None
+            or self._recorder is not None
+            or time.monotonic() - self._profiled_at_s < self.profile_interval_s
+        ):
+            return
+        self._recorder = ActivationRecorder(self.model).__enter__()
+
+    def _collect_activation_profile(self) -> None:
+        if self._recorder is None:
+            return
+        recorder, self._recorder = self._recorder, None
+        recorder.__exit__(None, None, None)
+        profile = recorder.profile()
+        self._profiled_at_s = time.monotonic()
+        self.activation_profile = profile
+        if self._tracker is not None:  # the recorder's hooks were innermost during this step
+            self._tracker.current_step_bytes = max(
+                self._tracker.current_step_bytes, profile.total_bytes
+            )
+        if self._writer is None:
+            return
+        now = time.time()
+        for module, nbytes in sorted(profile.exclusive_bytes.items()):
+            if nbytes <= 0 or self._activation_rows.get(module) == nbytes:
+                continue
+            self._activation_rows[module] = nbytes
+            self._writer.put_module_stat(
+                {
+                    "time_s": now,
+                    "step": self.steps,
+                    "module": module,
+                    "kind": "activations",
+                    "activations_bytes": nbytes,
+                }
+            )
+
+    # ------------------------------------------------------------------ policy
+    def _action_context(self, reading: Reading | None = None) -> ActionContext:
+        assert self.model is not None
+        return ActionContext(
+            self.model,
+            self.optimizers,
+            cuda_mode=self.device_kind == "cuda",
+            reserved_unallocated_bytes=reading.reserved_unallocated_bytes if reading else None,
+            release_cache_min_bytes=self.policy.release_cache_min_bytes,
+            activation_profile=self.activation_profile,
+        )
+
+    def _evaluate_policy(self, reading: Reading) -> None:
+        """Sampler thread: crossings and at most one decision per reading (applied later)."""
+        planner = make_planner(self._action_context(reading)) if self.model is not None else None
+        for event in self.policy.evaluate(reading, planner):
+            if isinstance(event, ThresholdCrossing):
+                below = event.kind == "below_floor"
+                self._emit(
+                    "threshold_crossed",
+                    f"free {event.free_fraction:.1%} "
+                    + ("below the floor" if below else "back above the re-arm level")
+                    + f" {event.threshold_fraction:.0%}",
+                    {
+                        "direction": "below" if below else "above",
+                        "free_fraction": event.free_fraction,
+                        "floor": self.policy.min_free_fraction,
+                        "threshold": event.threshold_fraction,
+                        "in_use_bytes": reading.in_use_bytes,
+                        "budget_bytes": reading.budget_bytes,
+                    },
+                )
+                self._pressure_queue.append(event)
+            elif isinstance(event, Decision):
+                self._emit(
+                    "decision",
+                    f"{'advise' if event.advisory else 'decide'}: {event.action} on "
+                    f"{event.target or '-'} (est. {format_bytes(event.estimated_saving_bytes)})",
+                    {
+                        "action": event.action,
+                        "target": event.target,
+                        "estimated_saving_bytes": event.estimated_saving_bytes,
+                        "reason": event.reason,
+                        "mode": event.mode,
+                        "free_fraction": event.free_fraction,
+                    },
+                )
+            else:
+                self._emit(
+                    "no_action",
+                    "under pressure, but no action on the ladder applies",
+                    {
+                        "free_fraction": event.free_fraction,
+                        "refusals": [
+                            {"action": r.action, "target": r.target, "reason": r.reason}
+                            for r in event.refusals
+                        ],
+                    },
+                )
+
+    def _deliver_pressure_hooks(self) -> None:
+        while self._pressure_queue:
+            crossing = self._pressure_queue.pop(0)
+            err = self.policy.call_on_pressure(crossing)
+            if err is not None:
+                self._agent_error("on_pressure hook", err)
+
+    def _apply_pending_decision(self) -> None:
+        if self.policy is None or self.model is None:
+            return
+        decision = self.policy.pending
+        if decision is None or decision.advisory:
+            return
+        result = ACTIONS[decision.action].apply(self._action_context(self.latest), decision.plan)
+        self.policy.resolve(decision, result.status)
+        kind = {"applied": "action", "refused": "action_refused"}.get(
+            result.status, "action_failed"
+        )
+        data = {
+            "action": result.action,
+            "target": result.target,
+            "status": result.status,
+            "estimated_saving_bytes": result.estimated_saving_bytes,
+            "bytes_before": result.bytes_before,
+            "bytes_after": result.bytes_after,
+            "saved_bytes": result.saved_bytes if result.status == "applied" else 0,
+            "duration_s": result.duration_s,
+            "lossy": result.lossy,
+            "error": result.error,
+            "reason": result.reason,
+            "details": result.details,
+            "decided_at_step": decision.step,
+        }
+        if result.status == "applied":
+            message = (
+                f"{result.action} on {result.target}: saved {format_bytes(result.saved_bytes)} "
+                f"in {result.duration_s:.3f} s"
+            )
+            if self._tracker is not None:
+                self._tracker.set_params(self.model.parameters())
+            self._step_accounting = None
+            self._want_step_accounting = True
+        else:
+            message = f"{result.action} on {result.target or '-'} {result.status}: {result.reason}"
+        self._emit(kind, message, data)
+        err = self.policy.call_on_action(result)
+        if err is not None:
+            self._agent_error("on_action hook", err)
+        if result.status == "failed" and self.strict and result.exception is not None:
+            raise result.exception
 
     # ------------------------------------------------------------------ sampler thread
     def _sample_loop(self) -> None:
@@ -565,6 +759,8 @@ class Monitor:
         if self._writer is not None:
             self._writer.put_sample(reading)
             self._write_changed_tables(acc, now)
+        if self.policy is not None:
+            self._evaluate_policy(reading)
         return reading
 
     def _update_peaks(self, r: Reading) -> None:
@@ -677,6 +873,7 @@ def watch(
     snapshot_interval_s: float = 5.0,
     queue_size: int = 10_000,
     config: Mapping[str, Any] | None = None,
+    profile_interval_s: float = 30.0,
 ) -> Monitor:
     """Watch a training run; use as ``with edo_monitor.watch(model) as monitor:``.
 
@@ -692,13 +889,16 @@ def watch(
             capacity the accounted bytes are measured against (CPU-budget mode).
         run_name: a name for the run (default: the model's class name). tags: labels for queries.
         strict: re-raise failures inside the agent (for tests) instead of logging them.
-        policy: an :class:`edo_monitor.Policy` (the auto-tuner); ``None`` records only.
+        policy: an :class:`edo_monitor.Policy` (the auto-tuner): evaluated on each reading, its
+            decisions applied at the next step boundary; ``None`` records only.
         enforce: CPU-budget mode: raise an out-of-memory error when the accounted bytes exceed the
             budget (needs ``budget``).
         track_activations: measure bytes saved for backward with saved-tensor hooks.
         snapshot_interval_s: seconds between allocator snapshots for fragmentation (0 = never).
         queue_size: capacity of the history queue (items beyond it are dropped and counted).
         config: extra key/values recorded with the run.
+        profile_interval_s: seconds between per-module activation profiles (one step's forward
+            is recorded with module hooks; needs ``track_activations``).
 
     Returns:
         A :class:`Monitor` (entering it starts the run).
@@ -723,4 +923,5 @@ def watch(
         snapshot_interval_s=snapshot_interval_s,
         queue_size=queue_size,
         config=config,
+        profile_interval_s=profile_interval_s,
     )

@@ -16,6 +16,9 @@ from edo_monitor.errors import (
     RunNotFoundError,
     StoreError,
 )
+from edo_monitor.estimate import Estimate, estimate
+from edo_monitor.oom import OomInfo, parse_oom_message
+from edo_monitor.policy import Policy
 from edo_monitor.readings import Reading
 
 __version__ = "0.1.0"
@@ -25,11 +28,16 @@ __all__ = [
     "BudgetOutOfMemoryError",
     "ConfigError",
     "EdoMonitorError",
+    "Estimate",
     "Monitor",
+    "OomInfo",
+    "Policy",
     "Reading",
     "RunNotFoundError",
     "RunSummary",
     "StoreError",
     "__version__",
+    "estimate",
+    "parse_oom_message",
     "watch",
 ]

@@ -349,3 +349,29 @@ def test_pid_is_recorded(db_path: Path) -> None:
     with edo_monitor.watch(db=db_path):
         pass
     assert run_row(db_path)["pid"] == os.getpid()
+
+
+def test_rows_with_different_columns_in_one_batch_are_all_written(db_path: Path) -> None:
+    """Regression: one executemany over rows with different keys failed, and the writer then
+    retried the same batch forever, losing every later row."""
+    from edo_monitor.store.engine import open_engine
+    from edo_monitor.store.writer import Writer
+
+    with edo_monitor.watch(db=db_path):
+        pass
+    engine = open_engine(db_path)
+    writer = Writer(engine, 1)
+    table = {"time_s": 1.0, "step": 0, "module": "emb", "kind": "Embedding", "num_embeddings": 9}
+    activations = {"time_s": 1.0, "step": 0, "module": "mlp", "kind": "activations"}
+    writer.put_module_stat(table)
+    writer.put_module_stat({**activations, "activations_bytes": 123})
+    writer.put_event("decision", "x", step=0)
+    writer.start()
+    writer.close()
+    engine.dispose()
+    con = sqlite3.connect(db_path)
+    rows = con.execute(
+        "SELECT module, num_embeddings, activations_bytes FROM module_stats ORDER BY module"
+    ).fetchall()
+    assert rows == [("emb", 9, 0), ("mlp", None, 123)]
+    assert writer.dropped == 0

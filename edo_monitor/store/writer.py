@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from sqlalchemy import Engine, insert, update
+from sqlalchemy.exc import OperationalError
 
 from edo_monitor.readings import Reading
 from edo_monitor.store.schema import Event, ModuleStat, Run, Sample
@@ -175,19 +176,14 @@ class Writer:
                     "time_s": now,
                     "step": -1,
                     "kind": "samples_dropped",
-                    "message": f"{new_drops} queued item(s) dropped: the history queue was full",
+                    "message": f"{new_drops} item(s) dropped (queue full or rows unwritable)",
                     "data": {"count": new_drops, "total": dropped},
                 }
             )
         try:
             with self.engine.begin() as conn:
-                for table, model in (
-                    ("samples", Sample),
-                    ("events", Event),
-                    ("module_stats", ModuleStat),
-                ):
-                    rows = pending[table]
-                    if rows:
+                for table, model in _TABLES:
+                    for rows in _same_keys(pending[table]):
                         for r in rows:
                             r["run_id"] = self.run_id
                         conn.execute(insert(model), rows)
@@ -195,14 +191,20 @@ class Writer:
                 if new_drops:
                     values["samples_dropped"] = dropped
                 conn.execute(update(Run).where(Run.id == self.run_id).values(**values))
-        except Exception:  # the database must never take the training down
+        except Exception as exc:  # the database must never take the training down
             if new_drops:
                 pending["events"].pop()
+            retry = isinstance(exc, OperationalError)  # locked, I/O, server gone: try again
             if not self._error_logged:
                 logger.exception(
-                    "history writer could not write to %s; will retry", self.engine.url
+                    "history writer cannot write to %s; %s",
+                    self.engine.url,
+                    "retrying" if retry else "dropping the batch",
                 )
                 self._error_logged = True
+            if not retry:  # bad rows never get better: drop them (counted) instead of looping
+                self._dropped += sum(len(rows) for rows in pending.values())
+                return True
             # keep the batch for the next try, but bounded: beyond 100k rows, drop the oldest
             for rows in pending.values():
                 if len(rows) > 100_000:
@@ -215,3 +217,11 @@ class Writer:
         self._dropped_recorded = dropped
         self.flushes += 1
         return True
+
+
+def _same_keys(rows: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Split rows into runs with the same keys (one executemany needs one parameter shape)."""
+    groups: dict[frozenset[str], list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(frozenset(row), []).append(row)
+    return list(groups.values())

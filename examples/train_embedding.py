@@ -1,0 +1,186 @@
+"""Train a word-level language model whose embedding table dominates memory, under edo-monitor.
+
+The model is fastText-style: the previous four words, as hashed unigram and bigram features, are
+looked up in one ``nn.EmbeddingBag`` of 100,003 rows x 64 (mean), and a linear layer predicts the
+next word among the 2,048 most frequent ones. With Adam the table's parameters, gradients and
+two optimizer states take about 102 MB; the batch size ramps up (512 -> 8,192), so the activations
+saved for backward (mostly the log-softmax output, batch x 2,048 floats) grow over the run.
+
+Run with its defaults, this is the **pressure demo**: with a 158 MiB budget, free memory crosses
+the 20 % floor when the batch reaches 4,096, the auto-tuner offloads the table to the host tier at
+the next step boundary, free memory goes back above the floor and the run finishes.
+With ``--no-tune`` (policy "observe") the same budget is exceeded at batch 8,192 and the run
+stops with an out-of-memory error, as it would on a GPU.
+
+Text: any file with ``--text PATH`` (e.g. ../shared/data/tinyshakespeare/input.txt); by default the
+Python standard library's own source files, which every Python installation carries.
+
+    python examples/train_embedding.py                # the pressure demo, exit 0
+    python examples/train_embedding.py --no-tune      # same budget, no tuner: out of memory, exit 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+import sysconfig
+import time
+import zlib
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import edo_monitor
+from edo_monitor.units import format_bytes
+
+BUCKETS = 100_003  # hashed unigram + bigram features: the embedding table's rows
+CLASSES = 2_048  # next-word classes: the most frequent words, the last one is "other"
+CONTEXT = 4  # previous words used as features
+TOKEN_RE = re.compile(r"[A-Za-z_]+|[0-9]+|[^\sA-Za-z0-9_]")
+
+
+def default_text(max_chars: int = 3_000_000) -> str:
+    """The standard library's top-level ``.py`` files, in name order, up to ``max_chars``."""
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    parts, size = [], 0
+    for path in sorted(lib.glob("*.py")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        parts.append(text)
+        size += len(text)
+        if size >= max_chars:
+            break
+    if not parts:
+        raise SystemExit(f"no .py files under {lib}; pass --text PATH")
+    return "".join(parts)[:max_chars]
+
+
+def build_dataset(text: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features ``[N, 2*CONTEXT-1]`` (int64 bucket ids) and next-word targets ``[N]``."""
+    words = TOKEN_RE.findall(text)
+    if len(words) <= CONTEXT:
+        raise SystemExit(f"the text has {len(words)} tokens; need more than {CONTEXT}")
+    vocab = {w: i for i, w in enumerate(sorted(set(words)))}
+    ids = torch.tensor([vocab[w] for w in words])
+    word_hash = torch.tensor([zlib.crc32(w.encode()) % BUCKETS for w in sorted(vocab)])
+    top = [w for w, _ in Counter(words).most_common(CLASSES - 1)]
+    class_of = torch.full((len(vocab),), CLASSES - 1)
+    class_of[torch.tensor([vocab[w] for w in top])] = torch.arange(len(top))
+    h = word_hash[ids]  # [T]
+    n = len(words) - CONTEXT
+    unigrams = torch.stack([h[i : i + n] for i in range(CONTEXT)], dim=1)  # [N, C]
+    bigrams = (unigrams[:, :-1] * 1_000_003 + unigrams[:, 1:]) % BUCKETS  # [N, C-1]
+    features = torch.cat([unigrams, bigrams], dim=1)
+    targets = class_of[ids[CONTEXT:]]
+    return features, targets
+
+
+class HashedWordModel(nn.Module):
+    """EmbeddingBag over hashed n-gram features -> linear next-word classifier."""
+
+    def __init__(self, buckets: int = BUCKETS, dim: int = 64, classes: int = CLASSES) -> None:
+        super().__init__()
+        self.features = nn.EmbeddingBag(buckets, dim, mode="mean")
+        self.classifier = nn.Linear(dim, classes)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(features))
+
+
+def batch_size_at(step: int, steps: int) -> int:
+    """Batch-size ramp: 512, 1,024, 2,048, 4,096, 8,192 over five equal phases."""
+    phase = min(4, step * 5 // max(1, steps))
+    return 512 << phase
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--text", type=Path, help="text file to train on (default: Python stdlib)")
+    parser.add_argument("--db", default=None, help="history database (default: ./edo-history.db)")
+    parser.add_argument("--budget", default="158MiB", help="memory budget (default: 158MiB)")
+    parser.add_argument("--steps", type=int, default=100, help="optimizer steps (default: 100)")
+    parser.add_argument("--no-tune", action="store_true", help="observe only (policy 'observe')")
+    parser.add_argument("--interval", type=float, default=0.25, help="seconds between samples")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+    torch.manual_seed(0)
+    text = args.text.read_text(encoding="utf-8", errors="replace") if args.text else default_text()
+    features, targets = build_dataset(text)
+    device = torch.device(args.device)
+    model = HashedWordModel().to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    policy = edo_monitor.Policy(mode="observe" if args.no_tune else "auto")
+    source = str(args.text) if args.text else "the Python standard library"
+    print(f"training on {len(targets):,} positions of {source}; table {BUCKETS:,} x 64")
+
+    losses: list[float] = []
+    t0 = time.monotonic()
+    try:
+        with edo_monitor.watch(
+            model,
+            opt,
+            db=args.db,
+            budget=args.budget,
+            policy=policy,
+            enforce=device.type == "cpu",
+            interval_s=args.interval,
+            run_name="train_embedding" + ("-no-tune" if args.no_tune else ""),
+        ) as monitor:
+            gen = torch.Generator().manual_seed(1)
+            for step in range(args.steps):
+                idx = torch.randint(
+                    0, len(targets), (batch_size_at(step, args.steps),), generator=gen
+                )
+                x, y = features[idx].to(device), targets[idx].to(device)
+                loss = nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                losses.append(loss.item())
+                if step % 10 == 0 or step == args.steps - 1:
+                    latest = monitor.latest
+                    free = (
+                        f"{latest.free_fraction:.1%}"
+                        if latest and latest.free_fraction is not None
+                        else "N/A"
+                    )
+                    print(
+                        f"step {step:4d}  batch {len(idx):5d}  loss {loss.item():.3f}  free {free}"
+                    )
+    except torch.OutOfMemoryError as exc:
+        print(f"\nout of memory at step {len(losses)}: {exc}", file=sys.stderr)
+        print_summary(monitor.summary(), losses, time.monotonic() - t0)
+        return 1
+    print_summary(monitor.summary(), losses, time.monotonic() - t0)
+    return 0
+
+
+def print_summary(summary: edo_monitor.RunSummary, losses: list[float], elapsed_s: float) -> None:
+    """Print what the run did: steps, peaks, minimum free fraction, events and actions."""
+    first = sum(losses[:10]) / max(1, len(losses[:10]))
+    last = sum(losses[-10:]) / max(1, len(losses[-10:]))
+    mff = summary.min_free_fraction
+    print("\n== edo-monitor summary ==")
+    print(f"run              {summary.run_id} ({summary.run_name}), status {summary.status}")
+    print(f"device           {summary.device_kind}, budget {format_bytes(summary.budget_bytes)}")
+    print(f"steps            {summary.steps} in {elapsed_s:.1f} s")
+    print(f"loss             {first:.3f} (first 10 steps) -> {last:.3f} (last 10)")
+    print(f"peak in use      {format_bytes(summary.peak_in_use_bytes)}")
+    print(f"peak activations {format_bytes(summary.peak_activations_bytes)}")
+    print(f"min free         {'N/A' if mff is None else f'{mff:.1%}'}")
+    print(f"events           {summary.events or 'none'}")
+    for action in summary.actions:
+        print(
+            f"action           {action.get('action')} on {action.get('target')}: saved "
+            f"{format_bytes(action.get('saved_bytes'))} in {action.get('duration_s', 0):.3f} s"
+        )
+    print(f"database         {summary.db_url}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
