@@ -18,10 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from edo_monitor.tui.app import EdoTui, parse_args
-from edo_monitor.tui.data import DataSource, Series
-from edo_monitor.tui.screens import HelpScreen, RunScreen, RunsScreen
-from edo_monitor.tui.widgets import Gauge, MemoryChart
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 from textual.pilot import Pilot
@@ -29,6 +25,10 @@ from textual.widgets import DataTable, Input, Static
 
 from edo_monitor.store.engine import open_engine
 from edo_monitor.store.schema import Event, Meta, ModuleStat, Run, Sample
+from edo_monitor.tui.app import EdoTui, parse_args
+from edo_monitor.tui.data import DataSource, Series
+from edo_monitor.tui.screens import HelpScreen, RunScreen, RunsScreen
+from edo_monitor.tui.widgets import Gauge, MemoryChart
 
 GIB = 1 << 30
 REFRESH_S = 0.2

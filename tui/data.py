@@ -185,13 +185,14 @@ def _max(a: int | None, b: int | None) -> int | None:
 
 @dataclass
 class Poll:
-    """What one refresh read: the run, its newest sample, new samples and events, its modules."""
+    """What one refresh read: the run, its newest sample, new samples and events, and its
+    modules (``None`` when nothing new was written, so they were not read again)."""
 
     run: RunInfo
     latest: Latest | None
     new_samples: list[tuple[Any, ...]]
     new_events: list[EventInfo]
-    modules: list[ModuleInfo]
+    modules: list[ModuleInfo] | None
 
 
 class DataSource:
@@ -335,13 +336,10 @@ class DataSource:
             for r in rows
         ]
         latest = Latest.from_values(rows[-1].time_s, rows[-1]) if rows else None
-        return Poll(
-            run=run,
-            latest=latest,
-            new_samples=new_samples,
-            new_events=history.events_since(run_id, after_event_id),
-            modules=history.modules(run_id),
-        )
+        new_events = history.events_since(run_id, after_event_id)
+        # module rows are written with samples (or events): nothing new, nothing to re-read
+        modules = history.modules(run_id) if rows or new_events else None
+        return Poll(run, latest, new_samples, new_events, modules)
 
     def export_csv(self, run: RunInfo, directory: str | os.PathLike[str] = ".") -> Path:
         """Write the run's samples (every column, in id order) to ``edo-run-<id>-<name>.csv``.

@@ -319,7 +319,8 @@ class RunScreen(Screen[None]):
         if poll.new_events:
             self._add_events(poll.new_events)
             changed = True
-        self._add_modules(poll.modules)
+        if poll.modules is not None:
+            self._add_modules(poll.modules)
         self.refreshes += 1
         if changed:
             self._redraw()

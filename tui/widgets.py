@@ -125,6 +125,9 @@ class MemoryChart(PlotextPlot):
         super().__init__(id=id)
         self.points = 0
         self.action_count = 0
+        #: plotext marker of the lines: "sd" (one character per cell) draws in half the time
+        #: of plotext's default "hd" (2x2 per cell), which keeps a refresh under 50 ms.
+        self.marker = "sd"
 
     def show(
         self,
@@ -157,7 +160,13 @@ class MemoryChart(PlotextPlot):
         ):
             pts = [(x, v / size) for x, v in zip(xs, data, strict=True) if v is not None]
             if pts:
-                plt.plot([p[0] for p in pts], [p[1] for p in pts], label=label, color=color)
+                plt.plot(
+                    [p[0] for p in pts],
+                    [p[1] for p in pts],
+                    label=label,
+                    color=color,
+                    marker=self.marker,
+                )
         if floor_bytes is not None:
             plt.hline(floor_bytes / size, "yellow")
         for event in actions:

@@ -1,0 +1,308 @@
+"""Benchmark of ``edo-tui``: refreshing the live view of a long run, and CPU use while idle.
+
+Seeds a history database with one running run of ``--samples`` samples (default 1,000,000, one
+per 0.1 s, written through a writer engine so the rollups are built as the agent's writer builds
+them) and one finished run, then drives the app headless (``App.run_test``):
+
+- **open**: first load of the live view (run, SQL-downsampled series, events, tables);
+- **refresh**: 10 new samples and an event are written, then one refresh is timed from the timer
+  tick to the end of the next screen repaint (the read in the worker thread, the widget updates,
+  the compositor's render of what changed, chart included); also the read alone
+  (``DataSource.poll``), the repaint alone, and the chart's render alone;
+- **idle CPU**: process CPU time over ``--idle-s`` seconds with a finished run open.
+
+Prints a table. Usage: ``python benchmarks/tui.py [--samples N] [--repeats R] [--idle-s S]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import insert
+from sqlalchemy.orm import Session
+
+from edo_monitor.store.engine import open_engine
+from edo_monitor.store.schema import Event, ModuleStat, Run, Sample
+from edo_monitor.tui.app import EdoTui
+from edo_monitor.tui.data import DataSource
+from edo_monitor.tui.widgets import MemoryChart
+
+GIB = 1 << 30
+BUDGET = 8 * GIB
+SIZE = (160, 50)
+
+
+def seed(path: Path, n: int) -> tuple[int, int, float]:
+    """Write a running run of ``n`` samples and a finished run; returns their ids and the last
+    sample time."""
+    engine = open_engine(path)
+    now = time.time()
+    dt = 0.1
+    t0 = now - n * dt
+    with Session(engine) as session, session.begin():
+        runs = []
+        for name, status, start in (("bench-live", "running", t0), ("bench-done", "finished", t0)):
+            run = Run(
+                uuid=str(uuid.uuid4()),
+                name=name,
+                host=platform.node(),
+                pid=os.getpid(),
+                started_at_s=start,
+                ended_at_s=None if status == "running" else start + 600,
+                heartbeat_at_s=now,
+                status=status,
+                device_kind="cuda",
+                device_name="bench device",
+                device_total_bytes=BUDGET,
+                budget_bytes=BUDGET,
+                interval_s=dt,
+                torch_version="bench",
+                config={"floor": 0.2},
+                tags=[],
+                steps=0,
+                samples_dropped=0,
+            )
+            session.add(run)
+            session.flush()
+            runs.append(run.id)
+            for m in range(4):
+                session.add(
+                    ModuleStat(
+                        run_id=run.id,
+                        time_s=start,
+                        step=0,
+                        module=f"emb.table{m}",
+                        kind="Embedding",
+                        num_embeddings=100_000,
+                        embedding_dim=128,
+                        dtype="torch.float32",
+                        device="cuda:0",
+                        placement="device",
+                        params_bytes=51_200_000,
+                        grads_bytes=51_200_000,
+                        optimizer_state_bytes=102_400_000,
+                        activations_bytes=0,
+                    )
+                )
+    live, done = runs
+    table = Sample.__table__
+    batch = 20_000
+
+    def rows(run_id: int, lo: int, hi: int, start: float) -> list[dict[str, Any]]:
+        out = []
+        for i in range(lo, hi):
+            in_use = GIB + (i * 7919) % (5 * GIB)
+            out.append(
+                {
+                    "run_id": run_id,
+                    "time_s": start + i * dt,
+                    "step": i,
+                    "device_kind": "cuda",
+                    "allocated_bytes": int(in_use * 0.9),
+                    "reserved_bytes": int(in_use * 1.1),
+                    "in_use_bytes": in_use,
+                    "budget_bytes": BUDGET,
+                    "free_fraction": (BUDGET - in_use) / BUDGET,
+                    "fragmentation": 0.1,
+                }
+            )
+        return out
+
+    with engine.begin() as conn:
+        conn.execute(insert(table), rows(done, 0, 6000, t0))
+    for lo in range(0, n, batch):
+        with engine.begin() as conn:
+            conn.execute(insert(table), rows(live, lo, min(n, lo + batch), t0))
+    engine.dispose()
+    return live, done, t0 + (n - 1) * dt
+
+
+def append(path: Path, run_id: int, t: float, k: int, event: bool) -> float:
+    """Write 10 new samples (and one event) to the live run (another connection, as the agent)."""
+    with _writer(path).begin() as conn:
+        conn.execute(
+            insert(Sample.__table__),
+            [
+                {
+                    "run_id": run_id,
+                    "time_s": t + 0.1 * (j + 1),
+                    "step": 10**7 + k * 10 + j,
+                    "device_kind": "cuda",
+                    "in_use_bytes": 6 * GIB,
+                    "allocated_bytes": 5 * GIB,
+                    "reserved_bytes": 7 * GIB,
+                    "budget_bytes": BUDGET,
+                    "free_fraction": 0.25,
+                }
+                for j in range(10)
+            ],
+        )
+        if not event:
+            return t + 1.0
+        conn.execute(
+            insert(Event.__table__),
+            [
+                {
+                    "run_id": run_id,
+                    "time_s": t + 1.0,
+                    "step": 10**7 + k * 10,
+                    "kind": "action",
+                    "message": "bench",
+                    "data": {"action": "release_cache", "bytes_saved": 1 << 20},
+                }
+            ],
+        )
+    return t + 1.0
+
+
+_WRITERS: dict[Path, Any] = {}
+
+
+def _writer(path: Path) -> Any:
+    if path not in _WRITERS:
+        _WRITERS[path] = open_engine(path)
+    return _WRITERS[path]
+
+
+async def bench_live(path: Path, live: int, t_last: float, repeats: int) -> dict[str, Any]:
+    """Open the live view, then time ``repeats`` refreshes after new rows."""
+    app = EdoTui(path, run=str(live), refresh_s=3600.0)  # refreshes are driven by hand
+    out: dict[str, Any] = {}
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.run_screen
+        start = time.perf_counter()
+        while not screen.loaded:
+            await asyncio.sleep(0.001)
+        await pilot.pause()
+        out["open_s"] = time.perf_counter() - start
+        out["points"] = screen.query_one(MemoryChart).points
+        chart = screen.query_one(MemoryChart)
+        paints: list[tuple[float, float]] = []
+        compositor_refresh = screen._compositor_refresh
+
+        def timed_paint() -> None:
+            t0 = time.perf_counter()
+            compositor_refresh()
+            paints.append((t0, time.perf_counter()))
+
+        screen._compositor_refresh = timed_paint  # type: ignore[method-assign]
+        refresh, refresh_event, read, render, paint = [], [], [], [], []
+        t = t_last
+        source = DataSource(path)
+        for k in range(repeats):
+            with_event = k % 2 == 1
+            t = append(path, live, t, k, with_event)
+            await pilot.pause()
+            before = screen.refreshes
+            tick = time.perf_counter()
+            screen.tick()
+            while screen.refreshes == before:
+                await asyncio.sleep(0.0002)
+            applied = time.perf_counter()
+            while not paints or paints[-1][0] < applied:
+                await asyncio.sleep(0.0002)
+            (refresh_event if with_event else refresh).append(paints[-1][1] - tick)
+            paint.append(paints[-1][1] - paints[-1][0])
+            series = screen.series
+            assert series is not None
+            t1 = time.perf_counter()
+            source.poll(live, series.last_id, screen.last_event_id)
+            read.append(time.perf_counter() - t1)
+            t2 = time.perf_counter()
+            chart.render()
+            render.append(time.perf_counter() - t2)
+        source.close()
+        out["refresh_s"] = refresh
+        out["refresh_event_s"] = refresh_event
+        out["read_s"] = read
+        out["render_s"] = render
+        out["paint_s"] = paint
+        out["events"] = screen.query_one("#events").row_count  # type: ignore[attr-defined]
+    return out
+
+
+async def bench_idle(path: Path, run_id: int, idle_s: float, refresh_s: float) -> float:
+    """CPU use (fraction of one core) with run ``run_id`` open for ``idle_s`` seconds."""
+    app = EdoTui(path, run=str(run_id), refresh_s=refresh_s)
+    async with app.run_test(size=SIZE) as pilot:
+        while not app.run_screen.loaded:
+            await asyncio.sleep(0.01)
+        await pilot.pause(0.5)
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        await asyncio.sleep(idle_s)
+        cpu1, wall1 = time.process_time(), time.perf_counter()
+    return (cpu1 - cpu0) / (wall1 - wall0)
+
+
+def _p90(values: list[float]) -> str:
+    return f"{1000 * sorted(values)[int(0.9 * len(values))]:.1f}"
+
+
+def _ms(values: list[float]) -> str:
+    return f"{1000 * statistics.median(values):.1f}"
+
+
+def main() -> None:
+    """Run the benchmark and print the table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=1_000_000)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--idle-s", type=float, default=10.0)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "bench.db"
+        t = time.perf_counter()
+        live, done, t_last = seed(path, args.samples)
+        seed_s = time.perf_counter() - t
+        result = asyncio.run(bench_live(path, live, t_last, args.repeats))
+        idle_done = asyncio.run(bench_idle(path, done, args.idle_s, 1.0))
+        idle_live = asyncio.run(bench_idle(path, live, args.idle_s, 1.0))
+        for engine in _WRITERS.values():
+            engine.dispose()
+    cpus = os.cpu_count()
+    print(f"edo-tui benchmark: {args.samples:,} samples, {cpus} CPUs, {platform.python_version()}")
+    print(
+        f"(seeding {seed_s:.1f} s; terminal {SIZE[0]}x{SIZE[1]}; chart {result['points']} points)"
+    )
+    print()
+    rows = [
+        ("open live view (first load)", f"{1000 * result['open_s']:.1f} ms"),
+        (
+            f"refresh after 10 new samples (median of {len(result['refresh_s'])})",
+            f"{_ms(result['refresh_s'])} ms",
+        ),
+        (
+            f"refresh after 10 new samples + 1 event (median of {len(result['refresh_event_s'])})",
+            f"{_ms(result['refresh_event_s'])} ms",
+        ),
+        ("  of which: read new rows (DataSource.poll, median)", f"{_ms(result['read_s'])} ms"),
+        ("  of which: repaint of the screen (median)", f"{_ms(result['paint_s'])} ms"),
+        ("  chart render alone (median)", f"{_ms(result['render_s'])} ms"),
+        (
+            "refresh p90",
+            f"{1000 * sorted(result['refresh_s'])[int(0.9 * len(result['refresh_s']))]:.1f} ms",
+        ),
+        ("idle CPU, finished run open (refresh 1 s)", f"{100 * idle_done:.1f} % of one core"),
+        (
+            "idle CPU, live run open, no new rows (refresh 1 s)",
+            f"{100 * idle_live:.1f} % of one core",
+        ),
+    ]
+    width = max(len(r[0]) for r in rows)
+    print(f"| {'measure'.ljust(width)} | result |")
+    print(f"|{'-' * (width + 2)}|--------|")
+    for name, value in rows:
+        print(f"| {name.ljust(width)} | {value} |")
+
+
+if __name__ == "__main__":
+    main()
