@@ -1,0 +1,126 @@
+"""Schema evolution: version 1 → current on a real file, readers leave old files alone, newer and
+foreign files are refused, and the migrations build exactly what ``schema.py`` declares."""
+
+from __future__ import annotations
+
+import hashlib
+import sqlite3
+from pathlib import Path
+
+import pytest
+from alembic import command
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+
+from edo_monitor.errors import StoreError
+from edo_monitor.store.engine import alembic_config, open_engine
+from edo_monitor.store.history import History
+from edo_monitor.store.schema import ROLLUP_LEVEL_WIDTHS_S, SCHEMA_VERSION, Base
+
+N = 3000
+
+
+def _v1(path: Path, *, with_alembic_table: bool) -> None:
+    """A version-1 database with one finished run of N samples, written by plain SQL."""
+    command.upgrade(alembic_config(f"sqlite:///{path}"), "0001")
+    conn = sqlite3.connect(path)
+    if not with_alembic_table:  # as edo-monitor wrote it before migrations existed
+        conn.execute("DROP TABLE alembic_version")
+    conn.execute(
+        "INSERT INTO runs (id, uuid, name, host, pid, started_at_s, ended_at_s, status, "
+        "device_kind, interval_s, torch_version, config, tags, steps, samples_dropped) VALUES "
+        "(1, 'abc', 'old', 'h', 1, 1.7e9, 1.7e9 + 3000, 'finished', 'cpu-budget', 1.0, '2', "
+        "'{}', '[]', 5, 0)"
+    )
+    conn.executemany(
+        "INSERT INTO samples (run_id, time_s, step, device_kind, in_use_bytes, free_fraction) "
+        "VALUES (1, ?, ?, 'cpu-budget', ?, ?)",
+        [(1.7e9 + i, i, (i * 7919) % 1000 * 1000, (i % 100) / 100) for i in range(N)],
+    )
+    conn.commit()
+    conn.close()
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("with_alembic_table", [False, True])
+def test_reader_leaves_v1_alone_writer_upgrades(
+    tmp_path: Path, with_alembic_table: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "v1.db"
+    _v1(path, with_alembic_table=with_alembic_table)
+    before = _digest(path)
+    with History(path) as h:
+        assert h.schema_version == 1 and "older" in (h.outdated or "")
+        assert h.run(1).sample_count == N and h.run(1).peak_in_use_bytes == 999_000
+        s = h.samples(1, columns=["in_use_bytes"], max_points=100)
+        assert sum(s.count) == N and max(s.max["in_use_bytes"]) == 999_000
+    assert "older" in caplog.text
+    assert _digest(path) == before  # untouched
+
+    open_engine(path).dispose()  # a writer upgrades
+    conn = sqlite3.connect(path)
+    assert conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() == (
+        str(SCHEMA_VERSION),
+    )
+    assert conn.execute("SELECT version_num FROM alembic_version").fetchone() == ("0002",)
+    per_level = conn.execute(
+        "SELECT level, sum(n), max(in_use_bytes_max) FROM sample_rollups GROUP BY level"
+    ).fetchall()
+    assert per_level == [(lvl, N, 999_000) for lvl in range(len(ROLLUP_LEVEL_WIDTHS_S))]
+    assert conn.execute("SELECT count(*) FROM samples").fetchone() == (N,)
+    conn.close()
+    with History(path) as h:
+        assert h.outdated is None and h.run(1).sample_count == N
+
+
+def test_migrations_build_what_schema_py_declares(tmp_path: Path) -> None:
+    path = tmp_path / "new.db"
+    engine = open_engine(path)
+    with engine.connect() as conn:
+        diffs = compare_metadata(MigrationContext.configure(conn), Base.metadata)
+    engine.dispose()
+    assert diffs == []
+
+
+def test_downgrade_and_upgrade_again(tmp_path: Path) -> None:
+    path = tmp_path / "d.db"
+    open_engine(path).dispose()
+    cfg = alembic_config(f"sqlite:///{path}")
+    command.downgrade(cfg, "0001")
+    with History(path) as h:
+        assert h.schema_version == 1
+    command.upgrade(cfg, "head")
+    with History(path) as h:
+        assert h.schema_version == SCHEMA_VERSION
+
+
+def test_newer_database_refused_naming_both_versions(tmp_path: Path) -> None:
+    path = tmp_path / "future.db"
+    open_engine(path).dispose()
+    conn = sqlite3.connect(path)
+    conn.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
+    conn.commit()
+    conn.close()
+    for readonly in (True, False):
+        with pytest.raises(StoreError, match=rf"schema version 99.*{SCHEMA_VERSION}"):
+            open_engine(path, readonly=readonly)
+
+
+def test_not_a_database_refused(tmp_path: Path) -> None:
+    junk = tmp_path / "junk.db"
+    junk.write_bytes(b"definitely not sqlite " * 200)
+    for readonly in (True, False):
+        with pytest.raises(StoreError, match="not an SQLite database"):
+            open_engine(junk, readonly=readonly)
+    assert junk.read_bytes() == b"definitely not sqlite " * 200
+    other = tmp_path / "other.db"
+    conn = sqlite3.connect(other)
+    conn.execute("CREATE TABLE recipes (name TEXT)")
+    conn.commit()
+    conn.close()
+    for readonly in (True, False):
+        with pytest.raises(StoreError, match="not an edo-monitor history database"):
+            open_engine(other, readonly=readonly)
