@@ -42,6 +42,7 @@ __all__ = [
     "DEFAULT_DB",
     "ROLLUP_MIN_ROWS",
     "alembic_config",
+    "insert_samples",
     "open_engine",
     "rebuild_rollups",
     "resolve_db_url",
@@ -275,18 +276,67 @@ def _upgrade(engine: Engine, shown: str) -> None:
         command.upgrade(cfg, "head")
 
 
+_SAMPLE_INSERT: dict[str, str] = {}
+
+
+def insert_samples(conn: Connection, rows: Sequence[Mapping[str, Any]]) -> None:
+    """Insert ``samples`` rows (dicts with ``run_id`` and the Reading fields; missing keys are
+    NULL) with one DBAPI ``executemany`` of positional tuples.
+
+    Same result as ``conn.execute(insert(Sample), rows)`` but without SQLAlchemy's per-row
+    parameter processing, which costs about twice the SQLite insert itself for the 30-column
+    sample rows (see ``benchmarks/history.py``). Rollup maintenance still runs.
+    """
+    from edo_monitor.readings import SAMPLE_FIELDS
+
+    if not rows:
+        return
+    cols = ("run_id", *SAMPLE_FIELDS)
+    style = conn.dialect.paramstyle
+    sql = _SAMPLE_INSERT.get(style)
+    if sql is None:
+        mark = "?" if style == "qmark" else "%s"
+        sql = _SAMPLE_INSERT[style] = (
+            f"INSERT INTO samples ({', '.join(cols)}) VALUES ({', '.join([mark] * len(cols))})"
+        )
+    conn.exec_driver_sql(sql, [tuple(r.get(c) for c in cols) for r in rows])
+
+
 # -- rollups -----------------------------------------------------------------------------------
 
 
-def _rollup_sql(fields: Sequence[str], level: int, width_s: int, *, one_run: bool = False) -> str:
+def _agg_sql(fields: Sequence[str], *, one_run: bool = False) -> str:
+    """Level-0 (1 s) aggregates of the samples with ``:lo < id <= :hi`` into the delta table."""
+    sel = [
+        "run_id",
+        "0",
+        "CAST(time_s AS INTEGER) AS blk",
+        "count(*)",
+        "min(time_s)",
+        "max(time_s)",
+    ]
+    cols = ["run_id", "level", "block", "n", "time_min_s", "time_max_s"]
+    for f in fields:
+        cols += [f"{f}_min", f"{f}_max", f"{f}_sum", f"{f}_n"]
+        sel += [f"min({f})", f"max({f})", f"total({f})", f"count({f})"]
+    return (
+        f"INSERT INTO temp.edo_rollup_delta ({', '.join(cols)}) SELECT {', '.join(sel)} "
+        "FROM samples WHERE id > :lo AND id <= :hi "
+        + ("AND run_id = :run " if one_run else "")
+        + "GROUP BY run_id, blk"
+    )
+
+
+def _merge_sql(fields: Sequence[str], level: int, ratio: int) -> str:
+    """Fold the delta table (1 s blocks) into ``level`` (blocks ``ratio`` times wider)."""
     cols = ["run_id", "level", "block", "n", "time_min_s", "time_max_s"]
     sel = [
         "run_id",
         str(level),
-        f"CAST(time_s / {width_s} AS INTEGER) AS blk",
-        "count(*)",
-        "min(time_s)",
-        "max(time_s)",
+        f"block / {ratio} AS blk",
+        "sum(n)",
+        "min(time_min_s)",
+        "max(time_max_s)",
     ]
     upd = [
         "n = n + excluded.n",
@@ -295,7 +345,7 @@ def _rollup_sql(fields: Sequence[str], level: int, width_s: int, *, one_run: boo
     ]
     for f in fields:
         cols += [f"{f}_min", f"{f}_max", f"{f}_sum", f"{f}_n"]
-        sel += [f"min({f})", f"max({f})", f"total({f})", f"count({f})"]
+        sel += [f"min({f}_min)", f"max({f}_max)", f"total({f}_sum)", f"sum({f}_n)"]
         upd += [
             f"{f}_min = coalesce(min({f}_min, excluded.{f}_min), {f}_min, excluded.{f}_min)",
             f"{f}_max = coalesce(max({f}_max, excluded.{f}_max), {f}_max, excluded.{f}_max)",
@@ -303,15 +353,40 @@ def _rollup_sql(fields: Sequence[str], level: int, width_s: int, *, one_run: boo
             f"{f}_n = {f}_n + excluded.{f}_n",
         ]
     return (
-        f"INSERT INTO sample_rollups ({', '.join(cols)}) SELECT {', '.join(sel)} FROM samples "
-        "WHERE id > :lo AND id <= :hi "
-        + ("AND run_id = :run " if one_run else "")
-        + "GROUP BY run_id, blk "
+        f"INSERT INTO sample_rollups ({', '.join(cols)}) SELECT {', '.join(sel)} "
+        "FROM temp.edo_rollup_delta WHERE true GROUP BY run_id, blk "
         f"ON CONFLICT (run_id, level, block) DO UPDATE SET {', '.join(upd)}"
     )
 
 
-_SQL_CACHE: dict[tuple[tuple[str, ...], int], str] = {}
+def _fold(
+    conn: Any,
+    params: Mapping[str, Any],
+    fields: Sequence[str],
+    widths_s: Sequence[int],
+    *,
+    one_run: bool = False,
+) -> None:
+    if widths_s[0] != 1 or any(w % widths_s[0] for w in widths_s):
+        raise ValueError(f"rollup widths {widths_s!r} must start at 1 s and be whole seconds")
+    key = (tuple(fields), tuple(widths_s), one_run)
+    sqls = _SQL_CACHE.get(key)
+    if sqls is None:
+        sqls = _SQL_CACHE[key] = [
+            _agg_sql(fields, one_run=one_run),
+            *(_merge_sql(fields, lvl, w) for lvl, w in enumerate(widths_s)),
+        ]
+    _exec(
+        conn,
+        "CREATE TEMP TABLE IF NOT EXISTS edo_rollup_delta AS "
+        "SELECT * FROM main.sample_rollups WHERE 0",
+    )
+    _exec(conn, "DELETE FROM temp.edo_rollup_delta")
+    for sql in sqls:
+        _exec(conn, sql, params)
+
+
+_SQL_CACHE: dict[tuple[tuple[str, ...], tuple[int, ...], bool], list[str]] = {}
 
 
 def _exec(conn: Any, sql: str, params: Mapping[str, Any] | None = None) -> Any:
@@ -350,12 +425,7 @@ def roll_up(
         if hi < lo:  # rows were deleted (prune): the mark must not hide reused ids
             _set_mark(conn, hi)
         return 0
-    key = tuple(fields)
-    for level, width in enumerate(widths_s):
-        sql = _SQL_CACHE.get((key, level))
-        if sql is None:
-            sql = _SQL_CACHE[(key, level)] = _rollup_sql(fields, level, width)
-        _exec(conn, sql, {"lo": lo, "hi": hi})
+    _fold(conn, {"lo": lo, "hi": hi}, fields, widths_s)
     _set_mark(conn, hi)
     return hi - lo
 
@@ -371,9 +441,13 @@ def rebuild_rollups(conn: Connection, run_ids: Sequence[int]) -> None:
     mark = int(row[0]) if row else 0
     for run_id in run_ids:
         _exec(conn, "DELETE FROM sample_rollups WHERE run_id = :r", {"r": run_id})
-        for level, width in enumerate(ROLLUP_LEVEL_WIDTHS_S):
-            sql = _rollup_sql(ROLLUP_FIELDS, level, width, one_run=True)
-            _exec(conn, sql, {"lo": 0, "hi": mark, "run": run_id})
+        _fold(
+            conn,
+            {"lo": 0, "hi": mark, "run": run_id},
+            ROLLUP_FIELDS,
+            ROLLUP_LEVEL_WIDTHS_S,
+            one_run=True,
+        )
 
 
 def _set_mark(conn: Any, value: int) -> None:

@@ -624,8 +624,8 @@ class History:
         Args:
             run: run reference (see :meth:`run`).
             start, end: window (Unix seconds or datetime; both inclusive); default the whole run.
-            columns: sample columns (default: every numeric one, see
-                :data:`NUMERIC_SAMPLE_COLUMNS`).
+            columns: sample columns (default: every numeric quantity, ``ROLLUP_FIELDS``; any of
+                :data:`NUMERIC_SAMPLE_COLUMNS` may be asked for).
             max_points: most buckets to return; ``None`` returns every sample.
 
         Raises:
@@ -669,7 +669,7 @@ class History:
 
     def _columns(self, columns: Sequence[str] | None) -> tuple[str, ...]:
         if columns is None:
-            return NUMERIC_SAMPLE_COLUMNS
+            return ROLLUP_FIELDS
         if isinstance(columns, str):
             columns = [columns]
         bad = [c for c in columns if c not in NUMERIC_SAMPLE_COLUMNS]
