@@ -532,6 +532,7 @@ def test_export_writes_the_open_runs_samples(db: Path, tmp_path: Path) -> None:
     assert int(rows[0]["in_use_bytes"]) == GIB
     assert "run_id" not in rows[0]
     assert rows[0]["device_kind"] == "cuda"
+    assert {"nvml_memory_info_version", "host_available_bytes", "free_fraction"} <= set(rows[0])
     conn = sqlite3.connect(db)
     expected = conn.execute("SELECT id FROM samples WHERE run_id = 1 ORDER BY id").fetchall()
     conn.close()

@@ -350,17 +350,22 @@ class DataSource:
         history = self.open()
         safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", run.name).strip("_") or "run"
         path = Path(directory) / f"edo-run-{run.id}-{safe}.csv"
-        columns = [c for c in NUMERIC_SAMPLE_COLUMNS if c != "step"]
         after = 0
+        columns: list[str] | None = None
         with path.open("w", newline="") as fh:
             writer = csv.writer(fh)
-            writer.writerow(["id", "time_s", "step", "device_kind", *columns])
             while True:
-                page = history.samples_since(run.id, after, limit=_EXPORT_PAGE)
+                page = history.samples_since(
+                    run.id, after, columns=NUMERIC_SAMPLE_COLUMNS, limit=_EXPORT_PAGE
+                )
+                if columns is None:  # the columns History returns, in its order
+                    first = page[0].values if page else dict.fromkeys(NUMERIC_SAMPLE_COLUMNS)
+                    columns = [c for c in first if c != "step"]
+                    writer.writerow(["id", "time_s", "step", "device_kind", *columns])
                 if not page:
                     break
                 writer.writerows(
-                    [r.id, r.time_s, r.step, run.device_kind, *(r.values[c] for c in columns)]
+                    [r.id, r.time_s, r.step, run.device_kind, *(r.values.get(c) for c in columns)]
                     for r in page
                 )
                 after = page[-1].id

@@ -162,10 +162,10 @@ class RunScreen(Screen[None]):
         yield Static("edo-tui", id="run-header")
         yield Static("", id="run-message")
         with Horizontal(id="gauges"):
-            yield Gauge("used / budget", id="gauge-used")
-            yield Gauge("allocated / reserved", id="gauge-alloc")
+            yield Gauge("used/budget", id="gauge-used")
+            yield Gauge("alloc/rsvd", id="gauge-alloc")
             yield Gauge("free", id="gauge-free")
-            yield Gauge("fragmentation", id="gauge-frag")
+            yield Gauge("frag", id="gauge-frag")
         yield MemoryChart(id="chart")
         with Horizontal(id="tables"):
             with Vertical(id="events-box"):
@@ -399,7 +399,6 @@ class RunScreen(Screen[None]):
         step = max(run.steps, self.latest.step if self.latest else 0)
         header.append(f"   step: {step}")
         header.append(f"   elapsed: {format_duration(elapsed_s(run))}")
-        header.append(f"   started: {format_time(run.started_at_s)}", style="grey62")
         if run.error:
             header.append(f"\n error: {run.error}", style="red")
         self.query_one("#run-header", Static).update(header)

@@ -93,9 +93,12 @@ class Gauge(Widget):
     def render(self) -> Text:
         """Two lines: the label and text, then the bar."""
         width = max(4, self.size.width - 2)
-        out = Text()
-        out.append(f"{self.label}: ", style="bold")
-        out.append(self.text, style="bold red" if self.warn else "")
+        head = Text(no_wrap=True, overflow="ellipsis")
+        head.append(f"{self.label}: ", style="bold")
+        head.append(self.text, style="bold red" if self.warn else "")
+        head.truncate(width + 2, overflow="ellipsis")
+        out = Text(no_wrap=True)
+        out.append_text(head)
         out.append("\n")
         filled = 0 if self.fraction is None else round(self.fraction * width)
         mark_at = None if self.mark is None else min(width - 1, int(self.mark * width))
