@@ -203,13 +203,11 @@ class Monitor:
         self._pending_error: BaseException | None = None
         self._events: Counter[str] = Counter()
         self._actions: list[dict[str, Any]] = []
-        self._table_signatures: dict[str, tuple[Any, ...]] = {}
-        self._table_grads_peak: dict[str, int] = {}
+        self._module_rows: dict[str, dict[str, Any]] = {}
         self._want_step_accounting = False
         self._step_accounting: Accounting | None = None
         self._recorder: ActivationRecorder | None = None
         self._profiled_at_s = -float("inf")
-        self._activation_rows: dict[str, int] = {}
         self._pressure_queue: list[ThresholdCrossing] = []
         #: the last per-module activation profile (``ActivationProfile``), ``None`` before one
         self.activation_profile: ActivationProfile | None = None
@@ -326,6 +324,7 @@ class Monitor:
             "track_activations": self.track_activations,
             "enforce": self.enforce,
             "policy": repr(self.policy) if self.policy is not None else None,
+            "floor": self.policy.min_free_fraction if self.policy is not None else None,
             "model": type(self.model).__name__ if self.model is not None else None,
             **self.user_config,
         }
@@ -561,22 +560,10 @@ class Monitor:
             self._tracker.current_step_bytes = max(
                 self._tracker.current_step_bytes, profile.total_bytes
             )
-        if self._writer is None:
-            return
         now = time.time()
         for module, nbytes in sorted(profile.exclusive_bytes.items()):
-            if nbytes <= 0 or self._activation_rows.get(module) == nbytes:
-                continue
-            self._activation_rows[module] = nbytes
-            self._writer.put_module_stat(
-                {
-                    "time_s": now,
-                    "step": self.steps,
-                    "module": module,
-                    "kind": "activations",
-                    "activations_bytes": nbytes,
-                }
-            )
+            if nbytes > 0 or module in self._module_rows:
+                self._update_module_row(module or "<model>", now, activations_bytes=nbytes)
 
     # ------------------------------------------------------------------ policy
     def _action_context(self, reading: Reading | None = None) -> ActionContext:
@@ -771,33 +758,95 @@ class Monitor:
             self._min_free_fraction = f
 
     def _write_changed_tables(self, acc: Accounting, now: float) -> None:
-        assert self._writer is not None
-        for t in acc.tables:
+        for t in acc.tables + acc.modules:
             # gradients come and go with zero_grad(set_to_none=True): keep each table's peak
-            grads = max(t.grads_bytes, self._table_grads_peak.get(t.module, 0))
-            self._table_grads_peak[t.module] = grads
-            sig = (t.kind, t.dtype, t.device, t.placement, t.params_bytes, grads,
-                   t.optimizer_state_bytes)  # fmt: skip
-            if self._table_signatures.get(t.module) == sig:
-                continue
-            self._table_signatures[t.module] = sig
-            self._writer.put_module_stat(
-                {
-                    "time_s": now,
-                    "step": self.steps,
-                    "module": t.module,
-                    "kind": t.kind,
-                    "num_embeddings": t.num_embeddings,
-                    "embedding_dim": t.embedding_dim,
-                    "dtype": t.dtype,
-                    "device": t.device,
-                    "placement": t.placement,
-                    "params_bytes": t.params_bytes,
-                    "grads_bytes": grads,
-                    "optimizer_state_bytes": t.optimizer_state_bytes,
-                    "activations_bytes": 0,
-                }
+            old = self._module_rows.get(t.module, {})
+            self._update_module_row(
+                t.module,
+                now,
+                kind=t.kind,
+                num_embeddings=t.num_embeddings or None,
+                embedding_dim=t.embedding_dim or None,
+                dtype=t.dtype,
+                device=t.device,
+                placement=t.placement,
+                params_bytes=t.params_bytes,
+                grads_bytes=max(t.grads_bytes, old.get("grads_bytes", 0)),
+                optimizer_state_bytes=t.optimizer_state_bytes,
             )
+
+    def _update_module_row(self, module: str, now: float, **fields: Any) -> None:
+        """Merge ``fields`` into the module's latest row; queue a new row when it changed.
+
+        One row per module holds every category (a table's bytes and the activations its
+        forward saved), so the latest row of a module is its whole state.
+        """
+        old = self._module_rows.get(module)
+        if old is None:
+            old = {
+                "module": module,
+                "kind": self._module_kind(module),
+                "num_embeddings": None,
+                "embedding_dim": None,
+                "dtype": None,
+                "device": None,
+                "placement": None,
+                "params_bytes": 0,
+                "grads_bytes": 0,
+                "optimizer_state_bytes": 0,
+                "activations_bytes": 0,
+            }
+        row = {**old, **fields}
+        if row == self._module_rows.get(module):
+            return
+        self._module_rows[module] = row
+        if self._writer is not None:
+            self._writer.put_module_stat({**row, "time_s": now, "step": self.steps})
+
+    def _module_kind(self, module: str) -> str:
+        if self.model is None:
+            return "module"
+        if module == "<model>":
+            return type(self.model).__name__
+        try:
+            return type(self.model.get_submodule(module)).__name__
+        except AttributeError:
+            return "module"
+
+    def breakdown(self) -> list[dict[str, Any]]:
+        """Module × category attribution, largest first: one dict per module with ``module``,
+        ``kind``, ``params_bytes``, ``grads_bytes`` (peak seen), ``optimizer_state_bytes``,
+        ``activations_bytes`` (from the last per-module profile) and ``total_bytes``.
+
+        On CUDA a last row ``module="other"`` holds ``allocated_bytes`` (``memory_stats``) minus
+        every known category of the latest reading: the CUDA context's neighbours, temporaries,
+        tensors the agent cannot see.
+        """
+        rows = []
+        for row in list(self._module_rows.values()):
+            total = (
+                row["params_bytes"]
+                + row["grads_bytes"]
+                + row["optimizer_state_bytes"]
+                + row["activations_bytes"]
+            )
+            rows.append({**row, "total_bytes": total})
+        rows.sort(key=lambda r: r["total_bytes"], reverse=True)
+        latest = self.latest
+        if latest is not None and latest.allocated_bytes is not None:
+            known = sum(
+                getattr(latest, k) or 0
+                for k in (
+                    "params_bytes",
+                    "grads_bytes",
+                    "optimizer_state_bytes",
+                    "activations_bytes",
+                )
+            )
+            rows.append(
+                {"module": "other", "kind": "other", "total_bytes": latest.allocated_bytes - known}
+            )
+        return rows
 
     # ------------------------------------------------------------------ OOM
     def _record_oom(self, exc: BaseException) -> None:

@@ -101,6 +101,9 @@ class Accounting:
     optimizer_state_bytes: int = 0
     host_bytes: int = 0
     tables: tuple[TableStats, ...] = field(default_factory=tuple)
+    #: the other modules that hold parameters directly (``nn.Linear`` …): module, kind and bytes
+    #: by category; ``num_embeddings``/``embedding_dim`` are 0 and ``dtype`` that of the first one.
+    modules: tuple[TableStats, ...] = field(default_factory=tuple)
 
     @property
     def total_bytes(self) -> int:
@@ -184,6 +187,30 @@ def account(
                 optimizer_state_bytes=ob,
             )
         )
+    table_names = [t.module for t in tables]
+    others: list[TableStats] = []
+    for name, module in model.named_modules():
+        own = [p for p in module._parameters.values() if p is not None]
+        if not own or any(name == t or name.startswith(t + ".") for t in table_names):
+            continue
+        pb = gb = ob = 0
+        for p in own:
+            p_, g_, o_ = add_param(p)
+            pb, gb, ob = pb + p_, gb + g_, ob + o_
+        others.append(
+            TableStats(
+                module=name or "<model>",
+                kind=type(module).__name__,
+                num_embeddings=0,
+                embedding_dim=0,
+                dtype=str(own[0].dtype),
+                device=str(own[0].device),
+                placement="device" if _on_device_tier(own[0], own[0], cuda_mode) else "host",
+                params_bytes=pb,
+                grads_bytes=gb,
+                optimizer_state_bytes=ob,
+            )
+        )
     for p in model.parameters():
         add_param(p)
     for b in model.buffers():
@@ -194,6 +221,7 @@ def account(
         optimizer_state_bytes=cats["optim"],
         host_bytes=host,
         tables=tuple(tables),
+        modules=tuple(others),
     )
 
 
