@@ -703,8 +703,9 @@ class Monitor:
         now = time.time()
         values: dict[str, Any] = {}
         values.update(self._probes["host"].read())
+        # the last step boundary's accounting (gradients alive) is the step's peak; between
+        # boundaries gradients may be gone, so a reading taken there would flap around the floor
         acc = self._step_accounting
-        self._step_accounting = None
         if acc is None:
             acc = self._account()
         self._want_step_accounting = True

@@ -1,0 +1,73 @@
+"""The pressure demo (examples/train_embedding.py), short: the tuner saves the run; without it
+the same budget ends in an out-of-memory error."""
+
+from __future__ import annotations
+
+import json
+import re
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_embedding.py"
+pytestmark = pytest.mark.slow
+
+
+def run_example(db: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    if not EXAMPLE.is_file():
+        pytest.skip(f"{EXAMPLE} not found (tests run from a checkout)")
+    return subprocess.run(
+        [sys.executable, str(EXAMPLE), "--db", str(db), "--steps", "40", *extra],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_tuned_run_survives_and_untuned_run_runs_out_of_memory(tmp_path: Path) -> None:
+    db = tmp_path / "demo.db"
+    tuned = run_example(db)
+    assert tuned.returncode == 0, tuned.stderr
+    first, last = map(float, re.search(r"loss\s+([\d.]+) .* -> ([\d.]+)", tuned.stdout).groups())
+    assert last < first
+    assert "action           offload_embedding on features: saved 97.66 MiB" in tuned.stdout
+
+    con = sqlite3.connect(db)
+    (run_id,) = con.execute("SELECT id FROM runs WHERE status='finished'").fetchone()
+    events = con.execute(
+        "SELECT kind, step, data FROM events WHERE run_id=? ORDER BY id", (run_id,)
+    ).fetchall()
+    kinds = [k for k, _, _ in events]
+    assert kinds[:3] == ["threshold_crossed", "decision", "action"]
+    crossed_below = json.loads(events[0][2])
+    assert crossed_below["direction"] == "below" and crossed_below["free_fraction"] < 0.20
+    action = json.loads(events[2][2])
+    # params, grads and Adam's two states (4 x rows x dim x 4 bytes) and its 4-byte step scalar
+    assert action["saved_bytes"] == 100_003 * 64 * 4 * 4 + 4
+    # applied at most one step after the reading that crossed the floor
+    assert events[2][1] - action["decided_at_step"] <= 1
+    assert "threshold_crossed" in kinds[3:]  # back above the re-arm level
+    after = con.execute(
+        "SELECT min(free_fraction) FROM samples WHERE run_id=? AND step > ?",
+        (run_id, events[2][1] + 1),
+    ).fetchone()[0]
+    assert after > 0.20
+
+    untuned = run_example(db, "--no-tune")
+    assert untuned.returncode == 1
+    assert "CPU-budget out of memory. Tried to allocate" in untuned.stderr
+    status, error = con.execute(
+        "SELECT status, error FROM runs WHERE name='train_embedding-no-tune'"
+    ).fetchone()
+    assert status == "failed" and error.startswith("BudgetOutOfMemoryError")
+    oom = con.execute(
+        "SELECT data FROM events WHERE kind='oom' AND run_id="
+        "(SELECT id FROM runs WHERE name='train_embedding-no-tune')"
+    ).fetchone()
+    parsed = json.loads(oom[0])["parsed"]
+    assert parsed["backend"] == "cpu-budget"
+    assert parsed["total_bytes"] == 158 * 1024 * 1024
+    assert json.loads(oom[0])["top_consumers"][0]["module"] == "features"
