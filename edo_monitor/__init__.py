@@ -20,6 +20,7 @@ from edo_monitor.estimate import Estimate, estimate
 from edo_monitor.oom import OomInfo, parse_oom_message
 from edo_monitor.policy import Policy
 from edo_monitor.readings import Reading
+from edo_monitor.store.history import History
 
 __version__ = "0.1.0"
 
@@ -29,6 +30,7 @@ __all__ = [
     "ConfigError",
     "EdoMonitorError",
     "Estimate",
+    "History",
     "Monitor",
     "OomInfo",
     "Policy",
