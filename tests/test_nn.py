@@ -211,3 +211,26 @@ def test_row_error_values() -> None:
     assert err["min_row_cosine"] == pytest.approx(0.0)
     assert err["mean_row_cosine"] == pytest.approx((0 + 1 + cos3) / 3)
     assert row_error(ref, app, skip_rows=(0,))["min_row_cosine"] == pytest.approx(cos3)
+
+
+def test_row_error_in_chunks_matches_the_whole_table_computation() -> None:
+    """Regression: row_error made float64 copies of the whole table (about 8x its size)."""
+    from edo_monitor.nn import row_error
+
+    torch.manual_seed(3)
+    ref = torch.randn(1_000, 16)
+    ref[7] = 0.0
+    app = ref.to(torch.bfloat16).float()
+    app[9] = 0.0  # one zero row against a non-zero one: cosine 0
+    whole = row_error(ref, app, skip_rows=(5,), chunk_rows=10_000)
+    chunked = row_error(ref, app, skip_rows=(5,), chunk_rows=33)
+    assert chunked["max_abs_error"] == whole["max_abs_error"]
+    assert chunked["min_row_cosine"] == whole["min_row_cosine"] == 0.0
+    assert chunked["mean_row_cosine"] == pytest.approx(whole["mean_row_cosine"], abs=1e-12)
+    r, a = ref.double(), app.double()
+    cos = (r * a).sum(1) / (r.norm(dim=1) * a.norm(dim=1))
+    cos[7], cos[9] = 1.0, 0.0
+    keep = torch.ones(1_000, dtype=torch.bool)
+    keep[5] = False
+    assert whole["mean_row_cosine"] == pytest.approx(float(cos[keep].mean()), abs=1e-12)
+    assert whole["max_abs_error"] == pytest.approx(float((r - a).abs().max()))
