@@ -18,14 +18,14 @@ __all__ = ["SAMPLE_FIELDS", "Reading"]
 class Reading:
     """One sample of memory from every vantage point.
 
-    Sources: ``device_*`` and ``process_device_bytes`` from NVML (``nvmlDeviceGetMemoryInfo`` v2 or
-    v1, see ``nvml_memory_info_version``; ``nvmlDeviceGetComputeRunningProcesses``), else
-    ``torch.cuda.mem_get_info``; allocator fields from ``torch.cuda.memory_stats()`` (``.all.current``
-    / ``.all.peak`` keys); ``fragmentation``, ``largest_inactive_block_bytes`` and
-    ``segment_count`` from ``torch.cuda.memory_snapshot()`` (taken less often); category bytes from
-    :func:`edo_monitor.accounting.account` and the saved-tensor hooks; host fields from psutil.
-    ``in_use_bytes`` is what counts against ``budget_bytes``; ``free_fraction`` is
-    ``(budget_bytes - in_use_bytes) / budget_bytes``. ``time_s`` is seconds since the Unix epoch, UTC.
+    Sources: ``device_*`` and ``process_device_bytes`` from NVML (``nvmlDeviceGetMemoryInfo`` v2
+    or v1, see ``nvml_memory_info_version``; ``nvmlDeviceGetComputeRunningProcesses``), else
+    ``torch.cuda.mem_get_info``; allocator fields from ``torch.cuda.memory_stats()``
+    (``.all.current`` / ``.all.peak`` keys); ``fragmentation``, ``largest_inactive_block_bytes``
+    and ``segment_count`` from ``torch.cuda.memory_snapshot()`` (taken less often); category
+    bytes from :func:`edo_monitor.accounting.account` and the saved-tensor hooks; host fields
+    from psutil. ``in_use_bytes`` is what counts against ``budget_bytes``; ``free_fraction`` is
+    ``(budget_bytes - in_use_bytes) / budget_bytes``. ``time_s``: Unix epoch seconds, UTC.
     """
 
     time_s: float

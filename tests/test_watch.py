@@ -78,7 +78,8 @@ def test_finished_run_records_steps_samples_and_tables(db_path: Path) -> None:
     con = sqlite3.connect(db_path)
     module, rows, dim, params, grads, optim = con.execute(
         "SELECT module, num_embeddings, embedding_dim, params_bytes, grads_bytes,"
-        " optimizer_state_bytes FROM module_stats ORDER BY id DESC LIMIT 1"
+        " optimizer_state_bytes FROM module_stats WHERE kind = 'Embedding'"
+        " ORDER BY id DESC LIMIT 1"
     ).fetchone()
     assert (module, rows, dim) == ("0", 5_000, 16)
     assert params == 5_000 * 16 * 4
