@@ -577,7 +577,7 @@ class History:
                 )
                 q2 = (
                     f"SELECT run_id, count(*), min(time_s), max(time_s), {agg} FROM samples "
-                    f"WHERE id > :mark AND +run_id IN ({placeholders}) GROUP BY run_id"
+                    f"NOT INDEXED WHERE id > :mark AND +run_id IN ({placeholders}) GROUP BY run_id"
                 )
                 results = [
                     *conn.execute(text(q1)).all(),
@@ -750,7 +750,8 @@ class History:
         # samples newer than the rollups
         q_tail = (
             f"SELECT {bucket} AS b, count(*), min(time_s), max(time_s), {agg} FROM samples "
-            "WHERE id > :mark AND +run_id = :r AND time_s >= :lo AND time_s <= :hi GROUP BY b"
+            "NOT INDEXED WHERE id > :mark AND +run_id = :r AND time_s >= :lo AND time_s <= :hi "
+            "GROUP BY b"
         )
         for row in conn.execute(
             text(q_tail), {"r": run_id, "lo": lo, "hi": hi, "mark": mark, "m": m}
@@ -826,7 +827,7 @@ class History:
             {"r": run_id},
         ).scalar()
         b = conn.execute(
-            text(f"SELECT max({col}) FROM samples WHERE id > :m AND +run_id = :r"),
+            text(f"SELECT max({col}) FROM samples NOT INDEXED WHERE id > :m AND +run_id = :r"),
             {"r": run_id, "m": mark},
         ).scalar()
         vals = [v for v in (a, b) if v is not None]
@@ -851,8 +852,10 @@ class History:
         if run_id is None:
             run_id = self._find(run)["id"]
         sel = ", ".join(c for c in cols if c != "step")
+        # walk the rowid from after_id (never an index scan of the whole table)
+        hint = " NOT INDEXED" if self.engine.dialect.name == "sqlite" else ""
         q = (
-            f"SELECT id, time_s, step{', ' + sel if sel else ''} FROM samples "
+            f"SELECT id, time_s, step{', ' + sel if sel else ''} FROM samples{hint} "
             "WHERE id > :a AND +run_id = :r ORDER BY id"
         )
         if limit is not None:
