@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import socket
 import threading
 import time
@@ -286,7 +287,8 @@ class Monitor:
 
     def _start(self) -> None:
         self._detect_device()
-        device_name = device_uuid = None
+        device_name = f"host CPU ({platform.machine() or 'unknown'})"  # cpu-budget: modelled
+        device_uuid = None
         device_total = None
         self._probes["host"] = HostProbe(on_event=self._emit_probe_event)
         if self.device_kind == "cuda":

@@ -143,7 +143,7 @@ class MemoryChart(PlotextPlot):
         """Redraw with ``series``; ``floor_bytes`` is the in-use level at the floor."""
         plt = self.plt
         plt.clear_figure()
-        plt.title("device memory")
+        plt.title("device memory (yellow line: the floor; x: actions)")
         plt.xlabel("elapsed (s)")
         self.points = 0 if series is None else len(series)
         self.action_count = len(actions)
