@@ -27,7 +27,11 @@ logger = logging.getLogger(__name__)
 class TableCandidate:
     """A plain ``nn.Embedding`` / ``nn.EmbeddingBag`` on the device tier.
 
-    ``params_bytes``, ``grads_bytes``, ``optimizer_state_bytes`` are its weight's bytes now.
+    ``params_bytes`` and ``optimizer_state_bytes`` are its weight's bytes now; ``grads_bytes`` is
+    the gradient it has at a step's peak: the gradient present now, else, for a dense trainable
+    weight, its own size (a gradient of that shape and dtype appears at every backward). Plans
+    made between ``zero_grad(set_to_none=True)`` and the next backward estimate the same saving
+    as plans made at the step boundary.
     """
 
     name: str
@@ -56,7 +60,12 @@ def device_tables(
         if not on_device:
             continue
         ob = sum(optimizer_state_bytes(opt, w) for opt in optimizers)
-        gb = tensor_bytes(w.grad) if w.grad is not None else 0
+        if w.grad is not None:
+            gb = tensor_bytes(w.grad)
+        elif w.requires_grad and not getattr(module, "sparse", False):
+            gb = tensor_bytes(w)
+        else:
+            gb = 0
         out.append(TableCandidate(name, module, w, tensor_bytes(w), gb, ob))
     out.sort(key=lambda c: c.total_bytes, reverse=True)
     return out
