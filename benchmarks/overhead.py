@@ -244,7 +244,10 @@ class AgentTimer:
 
     def __enter__(self) -> AgentTimer:
         for name, cls, attr in self.PARTS:
-            fn = cls.__dict__[attr]
+            fn = cls.__dict__.get(attr)
+            if fn is None:  # the agent changed: that part reads 0; say so
+                print(f"note: {cls.__name__}.{attr} not found; '{name.strip()}' is not timed")
+                continue
             self._saved.append((cls, attr, fn))
             if isinstance(fn, staticmethod):
                 setattr(cls, attr, staticmethod(self._wrap(name, fn.__func__)))
