@@ -12,8 +12,7 @@ the last finished step's and the current step's bytes.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -35,7 +34,12 @@ class ActivationTracker:
         self.last_step_bytes = 0
         self.peak_step_bytes = 0
         self._context: Any = None
-        self._lock = threading.Lock()
+        #: CPU-budget enforcement during forward: when ``static_bytes`` + this step's saved bytes
+        #: go over ``limit_bytes``, ``on_exceed(requested_bytes, in_use_bytes)`` is called (it
+        #: raises the out-of-memory error, so the failing forward never reaches the optimizer)
+        self.limit_bytes: int | None = None
+        self.static_bytes = 0
+        self.on_exceed: Callable[[int, int], None] | None = None
 
     @staticmethod
     def _ptrs(params: Iterable[torch.Tensor]) -> set[int]:
@@ -50,7 +54,14 @@ class ActivationTracker:
         ptr = storage.data_ptr()
         if ptr not in self._seen and ptr not in self._param_ptrs:
             self._seen.add(ptr)
-            self.current_step_bytes += storage.nbytes()
+            nbytes = storage.nbytes()
+            self.current_step_bytes += nbytes
+            limit = self.limit_bytes
+            if limit is not None and self.on_exceed is not None:
+                in_use = self.static_bytes + self.current_step_bytes
+                if in_use > limit:
+                    self.current_step_bytes -= nbytes  # the allocation fails: it never happened
+                    self.on_exceed(nbytes, in_use)
         return tensor
 
     @staticmethod

@@ -15,6 +15,7 @@ A failure inside the agent never fails the training: it is logged once, recorded
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import platform
@@ -168,15 +169,23 @@ class Monitor:
             raise ConfigError("budget=0 leaves no memory; expected a positive size")
         self.db_url = resolve_db_url(db)
         self.run_name = run_name or (type(model).__name__ if model is not None else "process")
-        self.tags = [str(t) for t in (tags or [])]
+        self.tags = [tags] if isinstance(tags, str) else [str(t) for t in (tags or [])]
         self.strict = strict
         self.policy = policy
         self.enforce = enforce
+        self._enforcing = False  # enforce in CPU-budget mode (decided on entering)
+        self._last_static_bytes = 0
         self.track_activations = track_activations and model is not None
         self.snapshot_interval_s = snapshot_interval_s
         self.queue_size = queue_size
         self.profile_interval_s = float(profile_interval_s)
         self.user_config = dict(config or {})
+        try:
+            json.dumps(self.user_config)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"config={config!r} cannot be stored: {exc}; expected JSON-serialisable values"
+            ) from None
 
         self.run_id: int = -1
         self.run_uuid: str = str(uuidlib.uuid4())
@@ -318,6 +327,8 @@ class Monitor:
                 )
                 self._fraction_set = True
         self.accounting = self._account()
+        self._enforcing = self.enforce and self.device_kind == "cpu-budget"
+        self._last_static_bytes = self.accounting.total_bytes
         self._engine = open_engine(self.db_url)
         now = time.time()
         config = {
@@ -361,6 +372,10 @@ class Monitor:
         if self.track_activations:
             params = self.model.parameters() if self.model is not None else ()
             self._tracker = ActivationTracker(params).__enter__()
+            if self._enforcing:
+                self._tracker.limit_bytes = self.budget_bytes
+                self._tracker.static_bytes = self.accounting.total_bytes
+                self._tracker.on_exceed = self._budget_exceeded
         self._sampler = threading.Thread(target=self._sample_loop, name="edo-sampler", daemon=True)
         self._sampler.start()
         logger.info(
@@ -389,7 +404,8 @@ class Monitor:
             status, error = "interrupted", "KeyboardInterrupt"
         elif exc is not None:
             status, error = "failed", f"{type(exc).__name__}: {exc}"[:2000]
-            self._record_oom(exc)
+            if not getattr(exc, "_edo_recorded", False):
+                self._record_oom(exc)
         else:
             status, error = "finished", None
         self._teardown()
@@ -510,21 +526,20 @@ class Monitor:
         Order: measure the step (accounting while gradients live; the activation profile), enforce
         the CPU budget against this step's peak, apply the pending decision, then close the step.
         """
-        if self._want_step_accounting or self.enforce:
+        if self._want_step_accounting or self._enforcing:
             # between optimizer step and zero_grad, gradients and optimizer state are all alive:
             # the step's peak of static memory (the sampler may land anywhere)
             self._want_step_accounting = False
             self._step_accounting = self._account()
         self._collect_activation_profile()
-        if self.enforce and self.budget_bytes and self._step_accounting is not None:
+        if self._enforcing and self._step_accounting is not None:
+            static = self._step_accounting.total_bytes
+            if self._tracker is not None:
+                self._tracker.static_bytes = static
             activations = self._tracker.activations_bytes if self._tracker is not None else 0
-            in_use = self._step_accounting.total_bytes + activations
-            enforce_budget(
-                self.budget_bytes,
-                in_use,
-                accounted_bytes=in_use,
-                requested_bytes=activations or None,
-            )
+            if static + activations > (self.budget_bytes or 0):
+                self._budget_exceeded(static - self._last_static_bytes, static + activations)
+            self._last_static_bytes = static
         self._deliver_pressure_hooks()
         self._apply_pending_decision()
         if count:
@@ -537,6 +552,21 @@ class Monitor:
         if self.strict and self._pending_error is not None:
             err, self._pending_error = self._pending_error, None
             raise err
+
+    def _budget_exceeded(self, requested_bytes: int, in_use_bytes: int) -> None:
+        """Raise the CPU-budget out-of-memory error, recorded as an ``oom`` event first (so it is
+        in the history even when the user catches it)."""
+        assert self.budget_bytes is not None
+        try:
+            enforce_budget(
+                self.budget_bytes,
+                in_use_bytes,
+                requested_bytes=max(1, requested_bytes),
+            )
+        except BudgetOutOfMemoryError as exc:
+            self._record_oom(exc)
+            exc._edo_recorded = True  # type: ignore[attr-defined]
+            raise
 
     # ------------------------------------------------------------------ activation profile
     def _arm_activation_profile(self) -> None:
@@ -667,6 +697,7 @@ class Monitor:
             )
             if self._tracker is not None:
                 self._tracker.set_params(self.model.parameters())
+                self._tracker.static_bytes = self._account().total_bytes
             self._step_accounting = None
             self._want_step_accounting = True
         else:
@@ -939,12 +970,17 @@ def watch(
         budget: memory budget in bytes or as a string (``"512MiB"``, ``"2GB"``). On CUDA it is
             enforced with ``torch.cuda.set_per_process_memory_fraction``; on a CPU it is the
             capacity the accounted bytes are measured against (CPU-budget mode).
-        run_name: a name for the run (default: the model's class name). tags: labels for queries.
+        run_name: a name for the run (default: the model's class name).
+        tags: labels for queries (a string is one tag).
         strict: re-raise failures inside the agent (for tests) instead of logging them.
         policy: an :class:`edo_monitor.Policy` (the auto-tuner): evaluated on each reading, its
             decisions applied at the next step boundary; ``None`` records only.
-        enforce: CPU-budget mode: raise an out-of-memory error when the accounted bytes exceed the
-            budget (needs ``budget``).
+        enforce: CPU-budget mode: raise :class:`edo_monitor.BudgetOutOfMemoryError` (a
+            ``torch.OutOfMemoryError``) when the accounted bytes exceed the budget (needs
+            ``budget``): during forward, from the saved-tensor hook, when the activations would
+            overflow it (before the optimizer step, as a GPU would); at the step boundary when
+            gradients or new optimizer state did (that optimizer step has run). Ignored on CUDA,
+            where the allocator enforces the budget. Each one is recorded as an ``oom`` event.
         track_activations: measure bytes saved for backward with saved-tensor hooks.
         snapshot_interval_s: seconds between allocator snapshots for fragmentation (0 = never).
         queue_size: capacity of the history queue (items beyond it are dropped and counted).

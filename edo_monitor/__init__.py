@@ -7,6 +7,7 @@ host, attributes it to modules and categories, records it in a history database,
 
 from __future__ import annotations
 
+import edo_monitor._checkout  # noqa: F401  (first: maps agent/ and tui/ in a checkout)
 from edo_monitor.agent.monitor import Monitor, RunSummary, watch
 from edo_monitor.errors import (
     AlreadyWatchedError,

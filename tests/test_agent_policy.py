@@ -110,3 +110,29 @@ def test_nothing_to_do_is_recorded_once(db_path: Path) -> None:
 def test_policy_must_be_a_policy() -> None:
     with pytest.raises(ValueError, match="policy="):
         edo_monitor.watch(nn.Linear(2, 2), policy="auto")
+
+
+def test_enforce_fails_in_forward_before_the_optimizer_step(db_path: Path) -> None:
+    """Regression: the budget error came from the optimizer's post-hook, after the weights had
+    already been updated, and a caught error left no ``oom`` event."""
+    model, opt = model_and_opt()
+    train(model, opt, 1)  # Adam's state exists: 4 x the table, ~10.24 MB
+    with edo_monitor.watch(model, opt, db=db_path, budget=BUDGET, enforce=True) as mon:
+        train(model, opt, 2)  # small batches fit
+        before = [p.detach().clone() for p in model.parameters()]
+        big = torch.randint(0, ROWS, (20_000,))  # saves a 20,000 x 32 float activation: 2.56 MB
+        with pytest.raises(edo_monitor.BudgetOutOfMemoryError) as caught:
+            model(big).pow(2).mean().backward()
+            opt.step()
+        opt.zero_grad()
+        after = [p.detach().clone() for p in model.parameters()]
+        train(model, opt, 1)  # training goes on after a caught error
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert "CPU-budget out of memory. Tried to allocate 2.44 MiB" in str(caught.value)
+    assert mon.summary().events.get("oom") == 1
+    assert mon.status == "finished"
+    with History(db_path) as history:
+        (oom,) = history.events("latest", kind="oom")
+    assert oom.data["parsed"]["requested_bytes"] == round(2.44 * 1024**2)
+    # the message prints two decimals of MiB, as PyTorch's does: 11.44 MiB
+    assert oom.data["parsed"]["total_bytes"] == round(11.44 * 1024**2)

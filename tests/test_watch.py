@@ -376,3 +376,38 @@ def test_rows_with_different_columns_in_one_batch_are_all_written(db_path: Path)
     ).fetchall()
     assert rows == [("emb", 9, 0), ("mlp", None, 123)]
     assert writer.dropped == 0
+
+
+def test_import_from_the_checkout_root_maps_agent_and_tui() -> None:
+    """Regression: from the repository root the checkout's edo_monitor/ shadows the installed
+    package, which had no edo_monitor.agent there (agent/ and tui/ are mapped at install)."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "agent" / "monitor.py").is_file():
+        pytest.skip("not running from a checkout")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import edo_monitor, edo_monitor.tui.app; from edo_monitor import History, watch; "
+            "print(edo_monitor.agent.__file__); print(edo_monitor.tui.__file__)",
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    agent_file, tui_file = done.stdout.split()
+    assert Path(agent_file) == root / "agent" / "__init__.py"
+    assert Path(tui_file) == root / "tui" / "__init__.py"
+
+
+def test_tags_and_config_are_checked(db_path: Path) -> None:
+    with edo_monitor.watch(db=db_path, tags="nightly") as mon:
+        pass
+    con = sqlite3.connect(db_path)
+    assert con.execute("SELECT tags FROM runs WHERE id=?", (mon.run_id,)).fetchone()[0] == (
+        '["nightly"]'
+    )
+    with pytest.raises(ConfigError, match="config="):
+        edo_monitor.watch(db=db_path, config={"x": object()})

@@ -48,5 +48,5 @@ def enforce_budget(
     free = budget_bytes - (in_use_bytes - requested)
     accounted = in_use_bytes if accounted_bytes is None else accounted_bytes
     message = format_cpu_budget_oom_message(requested, budget_bytes, free, accounted)
-    logger.error("%s", message)
+    logger.debug("%s", message)
     raise BudgetOutOfMemoryError(message)
