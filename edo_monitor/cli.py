@@ -225,7 +225,7 @@ def runs_cmd(
     ] = None,
     name: Annotated[str | None, typer.Option(help="Only runs whose name matches (* ?).")] = None,
     tag: Annotated[str | None, typer.Option(help="Only runs with this tag.")] = None,
-    limit: Annotated[int | None, typer.Option(help="At most this many runs.")] = None,
+    limit: Annotated[int | None, typer.Option(help="At most this many runs.", min=1)] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """List runs, newest first."""
@@ -320,7 +320,7 @@ def show_cmd(
     modules: Annotated[
         bool, typer.Option("--modules", help="Only the module x category bytes table.")
     ] = False,
-    max_events: Annotated[int, typer.Option(help="Show at most this many events.")] = 50,
+    max_events: Annotated[int, typer.Option(help="Show at most this many events.", min=0)] = 50,
     as_json: JsonOpt = False,
 ) -> None:
     """Summary of one run: status, peaks, events, modules."""
@@ -491,7 +491,7 @@ def compare_cmd(
                 f"{e.time_s - info.started_at_s:.1f}s",
                 str(e.data.get("action", e.message)),
                 str(e.data.get("target", "-")),
-                _bytes(e.data.get("bytes_saved")),
+                _bytes(e.data.get("saved_bytes")),
             )
     if c.actions_a or c.actions_b:
         _c.out.print(acts)
@@ -517,6 +517,14 @@ def export_cmd(
 
     if fmt not in ("csv", "json", "jsonl"):
         raise ConfigError(f"--format {fmt!r} is not supported; expected csv, json or jsonl")
+    if out_file is not None:
+        from edo_monitor.store.engine import resolve_db_url
+
+        database = resolve_db_url(db).database
+        if database and out_file.resolve() == Path(database).resolve():
+            raise ConfigError(
+                f"--out {str(out_file)!r} is the history database itself; choose another file"
+            )
     columns = ["id", "time_s", *NUMERIC_SAMPLE_COLUMNS]
     with _history(db) as h:
         info = h.run(run)

@@ -166,3 +166,31 @@ def test_console_script_subprocess(db: Path) -> None:
     res = subprocess.run([*cmd, "show", "nope", "--db", str(db)], capture_output=True, text=True)
     assert res.returncode == 1 and res.stderr.startswith("edo-monitor: error:")
     assert "Traceback" not in res.stderr
+
+
+def test_cli_on_runs_recorded_by_the_agent(tmp_path: Path) -> None:
+    """Regression: ``compare`` read ``bytes_saved`` where the agent writes ``saved_bytes``, and
+    ``export --out`` could overwrite the history database itself."""
+    import torch
+    from torch import nn
+
+    import edo_monitor
+
+    path = tmp_path / "agent.db"
+    for policy in (edo_monitor.Policy(), edo_monitor.Policy(mode="observe")):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(20_000, 32), nn.Linear(32, 4))
+        opt = torch.optim.Adam(model.parameters())
+        with edo_monitor.watch(model, db=path, budget=12_000_000, policy=policy, interval_s=0.01):
+            for _ in range(30):
+                model(torch.randint(0, 20_000, (64,))).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+    res = run("compare", "1", "2", db=path)
+    assert res.exit_code == 0, res.output
+    assert "offload_embedding" in res.output and "9.77 MiB" in res.output  # 4 x 2.56 MB
+    before = path.read_bytes()
+    refused = run("export", "1", "--out", str(path), db=path)
+    assert refused.exit_code == 2 and "history database itself" in refused.stderr
+    assert path.read_bytes() == before
+    assert run("runs", "--limit", "-1", db=path).exit_code == 2

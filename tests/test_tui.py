@@ -159,7 +159,7 @@ def db(tmp_path: Path) -> Path:
             "offloaded table",
             action="offload",
             target="emb.big",
-            bytes_saved=2 * GIB,
+            saved_bytes=2 * GIB,
             bytes_before=7 * GIB,
             bytes_after=5 * GIB,
             duration_s=0.05,
@@ -366,7 +366,7 @@ def test_rows_from_another_thread_appear_within_two_refreshes(db: Path) -> None:
                 "released cache",
                 action="release_cache",
                 target="allocator",
-                bytes_saved=64 << 20,
+                saved_bytes=64 << 20,
                 bytes_after=400 << 20,
             )
             add_table(session, run, "encoder.pos_emb", 512, 384)

@@ -114,7 +114,7 @@ def _message_for(exc: BaseException) -> str:
 
 
 def _format_saved(event: EventInfo) -> str:
-    saved = event.data.get("bytes_saved") if event.kind == "action" else None
+    saved = event.data.get("saved_bytes") if event.kind == "action" else None
     return format_bytes(saved) if isinstance(saved, (int, float)) else ""
 
 
