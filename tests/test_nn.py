@@ -234,3 +234,12 @@ def test_row_error_in_chunks_matches_the_whole_table_computation() -> None:
     keep[5] = False
     assert whole["mean_row_cosine"] == pytest.approx(float(cos[keep].mean()), abs=1e-12)
     assert whole["max_abs_error"] == pytest.approx(float((r - a).abs().max()))
+
+
+def test_offloaded_module_reads_like_the_table_it_replaced() -> None:
+    from edo_monitor.nn import EmbeddingOptions, OffloadedEmbedding
+
+    bag = nn.EmbeddingBag(10, 4, mode="max", max_norm=1.5, sparse=True, padding_idx=2)
+    off = OffloadedEmbedding(bag.weight, EmbeddingOptions.from_module(bag), "cpu")
+    assert (off.max_norm, off.sparse, off.mode, off.padding_idx) == (1.5, True, "max", 2)
+    assert off.norm_type == 2.0 and off.scale_grad_by_freq is False

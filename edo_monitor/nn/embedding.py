@@ -117,9 +117,17 @@ class _EdoEmbedding(nn.Module):
         if options.bag_mode is not None and options.bag_mode not in BAG_MODES:
             raise ValueError(f"bag_mode={options.bag_mode!r}; expected one of {BAG_MODES} or None")
         self.options = options
+        # the replaced module's attributes, readable as on nn.Embedding / nn.EmbeddingBag
         self.num_embeddings = options.num_embeddings
         self.embedding_dim = options.embedding_dim
         self.padding_idx = options.padding_idx
+        self.max_norm = options.max_norm
+        self.norm_type = options.norm_type
+        self.scale_grad_by_freq = options.scale_grad_by_freq
+        self.sparse = options.sparse
+        if options.bag_mode is not None:
+            self.mode = options.bag_mode
+            self.include_last_offset = options.include_last_offset
 
     def extra_repr(self) -> str:
         o = self.options
