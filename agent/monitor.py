@@ -511,8 +511,8 @@ class Monitor:
         When an optimizer of the model has been found, its steps are counted and this call is only
         a safe point (no double counting).
         """
-        if os.getpid() != self._pid or self._stop.is_set():
-            return
+        if os.getpid() != self._pid or self._stop.is_set() or self.status != "running":
+            return  # a forked child, a closed block, or a Monitor never entered
         try:
             self._safe_point(count=self._primary is None)
         except BudgetOutOfMemoryError:

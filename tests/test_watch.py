@@ -411,3 +411,9 @@ def test_tags_and_config_are_checked(db_path: Path) -> None:
     )
     with pytest.raises(ConfigError, match="config="):
         edo_monitor.watch(db=db_path, config={"x": object()})
+
+
+def test_step_on_a_monitor_never_entered_counts_nothing() -> None:
+    mon = edo_monitor.watch(make_model())
+    mon.step()
+    assert mon.steps == 0 and mon.status == "created"
