@@ -1,16 +1,22 @@
 """History database benchmarks: writer throughput, downsampling speed, bytes per sample.
 
     .venv/bin/python benchmarks/history.py [--samples 10000000] [--writer-rows 200000]
-        [--dir /tmp/edo-bench] [--keep]
+        [--short-samples 159000] [--repeats 3] [--dir /tmp/edo-bench] [--keep]
 
-1. Writer throughput: the agent's writer (``edo_monitor.store.writer.Writer``: bounded queue,
-   batches of 1000, Core ``insert(Sample)`` executemany per flush, on a writer engine that also
-   maintains ``sample_rollups``) against raw ``sqlite3.executemany`` of the same rows in the same
-   batches into the same schema and pragmas (WAL, synchronous=NORMAL). Also the Core insert path
-   with rollup maintenance switched off, to show what the rollups cost.
+1. Writer throughput: the agent's writer (``edo_monitor.store.writer.Writer``: its thread, its
+   queue, batches of 1000 through :func:`edo_monitor.store.engine.write_samples`, on a writer
+   engine that keeps ``sample_rollups`` current) against raw ``sqlite3.executemany`` of the same
+   rows in the same batches into the same schema, with the same durability settings (WAL,
+   synchronous=NORMAL, one transaction per batch). The Writer is timed from ``start()`` to the
+   end of ``close()``, its producer's ``put_sample`` calls included. Also: the Writer on an
+   engine that keeps no rollups (what the rollups cost), and the other insert paths (Core
+   ``insert(Sample)`` and ``insert_samples()``, whose rollups the engine folds with SQL).
+   The variants run interleaved, ``--repeats`` times; medians.
 2. ``History.samples(run, max_points=1000)`` on one run of ``--samples`` samples (0.1 s apart),
    and the best hand-written SQL for the same answer (one ``GROUP BY`` over the samples with the
-   same bucket expression, using the (run_id, time_s) index); the answers are compared.
+   same bucket expression, using the (run_id, time_s) index); the answers are compared. Also a
+   short run (``--short-samples``, 0.1 s apart, shorter than 1000 blocks of the smallest level),
+   whose buckets are narrower than the smallest rollup level and so are read raw.
 3. Database bytes per sample (samples + indexes + rollups, after a checkpoint).
 """
 
@@ -29,7 +35,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import insert
+from sqlalchemy import event, insert
 from sqlalchemy.orm import Session
 
 import edo_monitor.store.engine as engine_mod
@@ -106,91 +112,101 @@ def _reading(i: int, rng: random.Random, t0: float = 1.7e9, dt: float = 0.1) -> 
     )
 
 
-def bench_writer(dirpath: Path, n: int, repeats: int = 3) -> dict[str, float]:
-    rng = random.Random(0)
-    readings = [_reading(i, rng) for i in range(n)]
-    cols = ["run_id", *SAMPLE_FIELDS]
-    results: dict[str, list[float]] = {
-        "writer": [],
-        "core_no_rollups": [],
-        "fast": [],
-        "fast_no_rollups": [],
-        "raw": [],
-    }
-    for _ in range(repeats):
-        # -- the agent's writer thread
-        path = dirpath / "writer.db"
-        _fresh(path)
-        engine = open_engine(path)
-        run_id = _new_run(engine)
-        try:
-            from edo_monitor.store.writer import Writer
+def _writer_run(path: Path, readings: list[Reading], *, rollups: bool) -> float:
+    """Samples/s of the agent's Writer thread, from start() to the end of close()."""
+    from edo_monitor.store.writer import Writer
 
-            w = Writer(engine, run_id, queue_size=n + 10, batch_size=BATCH, flush_interval_s=5.0)
-            t = time.perf_counter()
-            w.start()
-            for r in readings:
-                w.put_sample(r)
-            w.close(timeout_s=600)
-            results["writer"].append(n / (time.perf_counter() - t))
-            assert w.dropped == 0 and w.written["samples"] == n
-        except ImportError:  # no writer module: its insert path, Core executemany per batch
-            dicts = [{**r.as_dict(), "run_id": run_id} for r in readings]
-            t = time.perf_counter()
-            for k in range(0, n, BATCH):
-                with engine.begin() as conn:
-                    conn.execute(insert(Sample), dicts[k : k + BATCH])
-            results["writer"].append(n / (time.perf_counter() - t))
-        engine.dispose()
-        # -- Core insert without rollup maintenance
-        path = dirpath / "core.db"
-        _fresh(path)
-        saved = engine_mod.ROLLUP_MIN_ROWS
-        engine_mod.ROLLUP_MIN_ROWS = 10**18
+    _fresh(path)
+    engine = open_engine(path)
+    run_id = _new_run(engine)
+    if not rollups:
+        event.remove(engine, "after_cursor_execute", engine_mod._after_execute)
+        assert not engine_mod.maintains_rollups(engine)
+    n = len(readings)
+    w = Writer(engine, run_id, queue_size=n + 10, batch_size=BATCH, flush_interval_s=5.0)
+    t = time.perf_counter()
+    w.start()
+    for r in readings:
+        w.put_sample(r)
+    w.close(timeout_s=600)
+    rate = n / (time.perf_counter() - t)
+    assert w.dropped == 0 and w.written["samples"] == n
+    if rollups:  # every sample is in the rollups
+        with engine.connect() as conn:
+            mark = conn.exec_driver_sql(
+                "SELECT value FROM meta WHERE key = 'rollup_through_id'"
+            ).scalar()
+            top = conn.exec_driver_sql("SELECT max(id) FROM samples").scalar()
+        assert int(mark) == top
+    engine.dispose()
+    return rate
+
+
+def _engine_run(path: Path, readings: list[Reading], *, core: bool, rollups: bool) -> float:
+    """Samples/s of batches written through a writer engine (Core insert or insert_samples);
+    the engine folds the rollups with SQL once ROLLUP_MIN_ROWS samples wait."""
+    _fresh(path)
+    saved = engine_mod.ROLLUP_MIN_ROWS
+    engine_mod.ROLLUP_MIN_ROWS = saved if rollups else 10**18
+    try:
         engine = open_engine(path)
         run_id = _new_run(engine)
         dicts = [{**r.as_dict(), "run_id": run_id} for r in readings]
         t = time.perf_counter()
-        for k in range(0, n, BATCH):
+        for k in range(0, len(dicts), BATCH):
             with engine.begin() as conn:
-                conn.execute(insert(Sample), dicts[k : k + BATCH])
-        results["core_no_rollups"].append(n / (time.perf_counter() - t))
-        engine.dispose()
-        engine_mod.ROLLUP_MIN_ROWS = saved
-        # -- insert_samples (positional executemany through the engine), with and without rollups
-        for key, min_rows in (("fast", saved), ("fast_no_rollups", 10**18)):
-            path = dirpath / f"{key}.db"
-            _fresh(path)
-            engine_mod.ROLLUP_MIN_ROWS = min_rows
-            engine = open_engine(path)
-            run_id = _new_run(engine)
-            dicts = [{**r.as_dict(), "run_id": run_id} for r in readings]
-            t = time.perf_counter()
-            for k in range(0, n, BATCH):
-                with engine.begin() as conn:
+                if core:
+                    conn.execute(insert(Sample), dicts[k : k + BATCH])
+                else:
                     insert_samples(conn, dicts[k : k + BATCH])
-            results[key].append(n / (time.perf_counter() - t))
-            engine.dispose()
-            engine_mod.ROLLUP_MIN_ROWS = saved
-        # -- raw sqlite3.executemany, same rows, same batches, same pragmas
-        path = dirpath / "raw.db"
-        _fresh(path)
-        engine = open_engine(path)
-        run_id = _new_run(engine)
+        rate = len(dicts) / (time.perf_counter() - t)
         engine.dispose()
-        tuples = [(run_id, *(getattr(r, f) for f in SAMPLE_FIELDS)) for r in readings]
-        conn = sqlite3.connect(path, isolation_level=None)
-        conn.execute("PRAGMA journal_mode = WAL")
-        conn.execute("PRAGMA synchronous = NORMAL")
-        q = f"INSERT INTO samples ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})"
-        t = time.perf_counter()
-        for k in range(0, n, BATCH):
-            conn.execute("BEGIN")
-            conn.executemany(q, tuples[k : k + BATCH])
-            conn.execute("COMMIT")
-        results["raw"].append(n / (time.perf_counter() - t))
-        conn.close()
-    return {k: statistics.median(v) for k, v in results.items()}
+    finally:
+        engine_mod.ROLLUP_MIN_ROWS = saved
+    return rate
+
+
+def _raw_run(path: Path, readings: list[Reading]) -> float:
+    """Samples/s of raw sqlite3.executemany: same rows, same batches, same pragmas."""
+    _fresh(path)
+    engine = open_engine(path)
+    run_id = _new_run(engine)
+    engine.dispose()
+    cols = ["run_id", *SAMPLE_FIELDS]
+    tuples = [(run_id, *(getattr(r, f) for f in SAMPLE_FIELDS)) for r in readings]
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute("PRAGMA synchronous = NORMAL")
+    q = f"INSERT INTO samples ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})"
+    t = time.perf_counter()
+    for k in range(0, len(tuples), BATCH):
+        conn.execute("BEGIN")
+        conn.executemany(q, tuples[k : k + BATCH])
+        conn.execute("COMMIT")
+    rate = len(tuples) / (time.perf_counter() - t)
+    conn.close()
+    return rate
+
+
+def bench_writer(dirpath: Path, n: int, repeats: int = 3) -> dict[str, list[float]]:
+    """Every insert path on the same ``n`` rows, interleaved ``repeats`` times."""
+    rng = random.Random(0)
+    readings = [_reading(i, rng) for i in range(n)]
+    runs: dict[str, Any] = {
+        "raw": lambda: _raw_run(dirpath / "raw.db", readings),
+        "writer": lambda: _writer_run(dirpath / "writer.db", readings, rollups=True),
+        "writer_no_rollups": lambda: _writer_run(dirpath / "writer0.db", readings, rollups=False),
+        "fast": lambda: _engine_run(dirpath / "fast.db", readings, core=False, rollups=True),
+        "fast_no_rollups": lambda: _engine_run(
+            dirpath / "fast0.db", readings, core=False, rollups=False
+        ),
+        "core": lambda: _engine_run(dirpath / "core.db", readings, core=True, rollups=True),
+    }
+    results: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(repeats):
+        for key, fn in runs.items():
+            results[key].append(fn())
+    return results
 
 
 def build_big(path: Path, n: int) -> int:
@@ -259,69 +275,120 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} cores, Python {py}, SQLite {lite}"
 
 
+def _med(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def _span(values: list[float]) -> str:
+    return f"{min(values):.2f}–{max(values):.2f}"
+
+
+def bench_reads(path: Path, n: int, repeats: int = 5) -> dict[str, Any]:
+    """``samples()`` (3 and all columns), ``run()`` with and without statistics, ``peak()``."""
+    out: dict[str, Any] = {}
+    with History(path) as h:
+        run_id = out["run_id"] = h.runs()[0].id
+        h.samples(run_id, columns=COLS, max_points=1000)  # warm the page cache
+        out["cols"], out["series"] = timed(
+            lambda: h.samples(run_id, columns=COLS, max_points=1000), repeats
+        )
+        out["all"], _ = timed(lambda: h.samples(run_id, max_points=1000), repeats)
+        out["run"], out["info"] = timed(lambda: h.run(run_id), repeats)
+        out["run_row"], _ = timed(lambda: h.run(run_id, stats=False), repeats)
+        out["peak"], _ = timed(lambda: h.peak(run_id), repeats)
+    assert out["info"].sample_count == n
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--samples", type=int, default=10_000_000)
     ap.add_argument("--writer-rows", type=int, default=200_000)
+    ap.add_argument("--short-samples", type=int, default=159_000)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", type=Path, default=Path("/tmp/edo-bench"))
     ap.add_argument("--keep", action="store_true", help="reuse the big database if present")
     args = ap.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
 
-    w = bench_writer(args.dir, args.writer_rows)
+    w = bench_writer(args.dir, args.writer_rows, args.repeats)
+    ratio = {k: [a / b for a, b in zip(v, w["raw"], strict=True)] for k, v in w.items()}
+    # rollup upkeep per sample: the Writer with and without rollups, against one raw insert
+    upkeep = [
+        (1 / a - 1 / b) * c
+        for a, b, c in zip(w["writer"], w["writer_no_rollups"], w["raw"], strict=True)
+    ]
     big = args.dir / f"big-{args.samples}.db"
     t = time.perf_counter()
     if not (args.keep and big.exists()):
         build_big(big, args.samples)
     build_s = time.perf_counter() - t
     size = big.stat().st_size
-
-    with History(big) as h:
-        run_id = h.runs()[0].id
-        h.samples(run_id, columns=COLS, max_points=1000)  # warm the page cache
-        t_cols, s = timed(lambda: h.samples(run_id, columns=COLS, max_points=1000), 5)
-        t_all, _ = timed(lambda: h.samples(run_id, max_points=1000), 5)
-        t_run, info = timed(lambda: h.run(run_id), 5)
-        t_peak, _ = timed(lambda: h.peak(run_id), 5)
+    r = bench_reads(big, args.samples)
+    s = r["series"]
     span = (args.samples - 1) * 0.1
     width = max(x for x in ROLLUP_LEVEL_WIDTHS_S if x <= span / 1000)
     m = round(s.bucket_s / width)
-    t_hand, ref = timed(lambda: handwritten(big, run_id, width, m, COLS), 1)
+    t_hand, ref = timed(lambda: handwritten(big, r["run_id"], width, m, COLS), 1)
     same = len(ref) == len(s) and all(
-        r[1] == s.count[i]
-        and r[4] == s.min[COLS[0]][i]
-        and r[5] == s.max[COLS[0]][i]
-        and abs(r[6] - s.mean[COLS[0]][i]) <= 1e-6 * abs(r[6])
-        for i, r in enumerate(ref)
+        r_[1] == s.count[i]
+        and r_[4] == s.min[COLS[0]][i]
+        and r_[5] == s.max[COLS[0]][i]
+        and abs(r_[6] - s.mean[COLS[0]][i]) <= 1e-6 * abs(r_[6])
+        for i, r_ in enumerate(ref)
     )
+    short = args.dir / f"short-{args.short_samples}.db"
+    if not (args.keep and short.exists()):
+        build_big(short, args.short_samples)
+    rs = bench_reads(short, args.short_samples)
+    short_span = (args.short_samples - 1) * 0.1
+    raw_path = short_span / 1000 < ROLLUP_LEVEL_WIDTHS_S[0]
 
     rows = [
-        ("writer (Writer thread, batches of 1000) samples/s", f"{w['writer']:,.0f}"),
-        ("Core insert(Sample), rollups off, samples/s", f"{w['core_no_rollups']:,.0f}"),
-        ("insert_samples() + rollups, samples/s", f"{w['fast']:,.0f}"),
-        ("insert_samples(), rollups off, samples/s", f"{w['fast_no_rollups']:,.0f}"),
-        ("raw sqlite3.executemany samples/s", f"{w['raw']:,.0f}"),
-        ("ratio to raw: Writer as is", f"{w['writer'] / w['raw']:.2f}"),
-        ("ratio to raw: Core insert, rollups off", f"{w['core_no_rollups'] / w['raw']:.2f}"),
-        ("ratio to raw: insert_samples() + rollups", f"{w['fast'] / w['raw']:.2f}"),
-        ("ratio to raw: insert_samples(), rollups off", f"{w['fast_no_rollups'] / w['raw']:.2f}"),
-        (f"samples(max_points=1000), 3 columns, {args.samples:,} samples", f"{t_cols:.3f} s"),
-        ("samples(max_points=1000), all 26 columns", f"{t_all:.3f} s"),
+        ("Writer thread (write_samples + Python rollups), samples/s", _med(w["writer"])),
+        ("Writer thread, engine keeping no rollups, samples/s", _med(w["writer_no_rollups"])),
+        ("insert_samples() + SQL rollup fold, samples/s", _med(w["fast"])),
+        ("insert_samples(), rollups off, samples/s", _med(w["fast_no_rollups"])),
+        ("Core insert(Sample) + SQL rollup fold, samples/s", _med(w["core"])),
+        ("raw sqlite3.executemany samples/s", _med(w["raw"])),
+    ]
+    ratios = [
+        ("ratio to raw: Writer (rollups on)", "writer"),
+        ("ratio to raw: Writer, no rollups", "writer_no_rollups"),
+        ("ratio to raw: insert_samples() + SQL rollups", "fast"),
+        ("ratio to raw: insert_samples(), rollups off", "fast_no_rollups"),
+        ("ratio to raw: Core insert + SQL rollups", "core"),
+    ]
+    table = [(a, f"{b:,.0f}") for a, b in rows]
+    table += [(a, f"{_med(ratio[k]):.2f} (runs {_span(ratio[k])})") for a, k in ratios]
+    table += [
+        ("rollup upkeep per sample / raw insert per sample", f"{_med(upkeep):.2f}"),
+        (f"samples(max_points=1000), 3 columns, {args.samples:,} samples", f"{r['cols']:.3f} s"),
+        ("samples(max_points=1000), all 26 columns", f"{r['all']:.3f} s"),
         ("hand-written GROUP BY, same answer, 3 columns", f"{t_hand:.2f} s"),
-        ("speed-up over hand-written SQL", f"{t_hand / t_cols:,.0f}x"),
+        ("speed-up over hand-written SQL", f"{t_hand / r['cols']:,.0f}x"),
         ("same answer as hand-written SQL", "yes" if same else "NO"),
-        ("run(): summary incl. peaks", f"{t_run * 1000:.1f} ms"),
-        ("peak() with its time", f"{t_peak * 1000:.1f} ms"),
+        ("run(): summary incl. peaks", f"{r['run'] * 1000:.1f} ms"),
+        ("run(stats=False): the row only", f"{r['run_row'] * 1000:.2f} ms"),
+        ("peak() with its time", f"{r['peak'] * 1000:.1f} ms"),
         ("database bytes per sample (incl. indexes, rollups)", f"{size / args.samples:.0f}"),
         ("points returned / bucket width", f"{len(s)} / {s.bucket_s:g} s"),
+        (
+            f"short run, {args.short_samples:,} samples ({short_span:,.0f} s, "
+            f"{'raw' if raw_path else 'rollups'}): samples(max_points=1000), 3 / 26 columns",
+            f"{rs['cols']:.3f} s / {rs['all']:.3f} s",
+        ),
+        (
+            "short run: run() / run(stats=False)",
+            f"{rs['run'] * 1000:.1f} / {rs['run_row'] * 1000:.2f} ms",
+        ),
         ("building the big database", f"{build_s:.0f} s"),
     ]
-    width_l = max(len(a) for a, _ in rows)
+    width_l = max(len(a) for a, _ in table)
     print(f"History database benchmark — {machine()}")
-    print(f"{datetime.date.today().isoformat()}")
-    for a, b in rows:
+    print(f"{datetime.date.today().isoformat()}; rollup levels {ROLLUP_LEVEL_WIDTHS_S} s")
+    for a, b in table:
         print(f"  {a:<{width_l}}  {b}")
-    assert info.sample_count == args.samples
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Benchmark of ``edo-tui``: refreshing the live view of a long run, and CPU use while idle.
 
 Seeds a history database with one running run of ``--samples`` samples (default 1,000,000, one
-per 0.1 s, written through a writer engine so the rollups are built as the agent's writer builds
-them) and one finished run, then drives the app headless (``App.run_test``):
+per 0.1 s, written with ``write_samples`` on a writer engine, as the agent's writer writes them,
+rollups included) and one finished run, then drives the app headless (``App.run_test``):
 
 - **open**: first load of the live view (run, SQL-downsampled series, events, tables);
 - **refresh**: 10 new samples and an event are written, then one refresh is timed from the timer
@@ -30,8 +30,9 @@ from typing import Any
 from sqlalchemy import insert
 from sqlalchemy.orm import Session
 
-from edo_monitor.store.engine import open_engine
-from edo_monitor.store.schema import Event, ModuleStat, Run, Sample
+from edo_monitor.readings import SAMPLE_FIELDS
+from edo_monitor.store.engine import open_engine, write_samples
+from edo_monitor.store.schema import Event, ModuleStat, Run
 from edo_monitor.tui.app import EdoTui
 from edo_monitor.tui.data import DataSource
 from edo_monitor.tui.widgets import MemoryChart
@@ -94,55 +95,55 @@ def seed(path: Path, n: int) -> tuple[int, int, float]:
                     )
                 )
     live, done = runs
-    table = Sample.__table__
-    batch = 20_000
+    batch = 1_000  # the agent writer's batch
 
-    def rows(run_id: int, lo: int, hi: int, start: float) -> list[dict[str, Any]]:
+    def rows(lo: int, hi: int, start: float) -> list[tuple[Any, ...]]:
         out = []
         for i in range(lo, hi):
             in_use = GIB + (i * 7919) % (5 * GIB)
             out.append(
-                {
-                    "run_id": run_id,
-                    "time_s": start + i * dt,
-                    "step": i,
-                    "device_kind": "cuda",
-                    "allocated_bytes": int(in_use * 0.9),
-                    "reserved_bytes": int(in_use * 1.1),
-                    "in_use_bytes": in_use,
-                    "budget_bytes": BUDGET,
-                    "free_fraction": (BUDGET - in_use) / BUDGET,
-                    "fragmentation": 0.1,
-                }
+                _values(
+                    time_s=start + i * dt,
+                    step=i,
+                    allocated_bytes=int(in_use * 0.9),
+                    reserved_bytes=int(in_use * 1.1),
+                    in_use_bytes=in_use,
+                    free_fraction=(BUDGET - in_use) / BUDGET,
+                    fragmentation=0.1,
+                )
             )
         return out
 
     with engine.begin() as conn:
-        conn.execute(insert(table), rows(done, 0, 6000, t0))
+        write_samples(conn, done, rows(0, 6000, t0))
     for lo in range(0, n, batch):
         with engine.begin() as conn:
-            conn.execute(insert(table), rows(live, lo, min(n, lo + batch), t0))
+            write_samples(conn, live, rows(lo, min(n, lo + batch), t0))
     engine.dispose()
     return live, done, t0 + (n - 1) * dt
+
+
+def _values(**values: Any) -> tuple[Any, ...]:
+    """A samples row as ``write_samples`` takes it (``SAMPLE_FIELDS`` order; others NULL)."""
+    values = {"device_kind": "cuda", "budget_bytes": BUDGET, **values}
+    return tuple(values.get(f) for f in SAMPLE_FIELDS)
 
 
 def append(path: Path, run_id: int, t: float, k: int, event: bool) -> float:
     """Write 10 new samples (and one event) to the live run (another connection, as the agent)."""
     with _writer(path).begin() as conn:
-        conn.execute(
-            insert(Sample.__table__),
+        write_samples(
+            conn,
+            run_id,
             [
-                {
-                    "run_id": run_id,
-                    "time_s": t + 0.1 * (j + 1),
-                    "step": 10**7 + k * 10 + j,
-                    "device_kind": "cuda",
-                    "in_use_bytes": 6 * GIB,
-                    "allocated_bytes": 5 * GIB,
-                    "reserved_bytes": 7 * GIB,
-                    "budget_bytes": BUDGET,
-                    "free_fraction": 0.25,
-                }
+                _values(
+                    time_s=t + 0.1 * (j + 1),
+                    step=10**7 + k * 10 + j,
+                    in_use_bytes=6 * GIB,
+                    allocated_bytes=5 * GIB,
+                    reserved_bytes=7 * GIB,
+                    free_fraction=0.25,
+                )
                 for j in range(10)
             ],
         )
@@ -196,6 +197,7 @@ async def bench_live(path: Path, live: int, t_last: float, repeats: int) -> dict
 
         screen._compositor_refresh = timed_paint  # type: ignore[method-assign]
         refresh, refresh_event, read, render, paint = [], [], [], [], []
+        run_stats, run_row = [], []
         t = t_last
         source = DataSource(path)
         for k in range(repeats):
@@ -217,6 +219,13 @@ async def bench_live(path: Path, live: int, t_last: float, repeats: int) -> dict
             t1 = time.perf_counter()
             source.poll(live, series.last_id, screen.last_event_id)
             read.append(time.perf_counter() - t1)
+            history = source.open()
+            t1 = time.perf_counter()
+            history.run(live)  # what poll read before: the row plus sample/event statistics
+            run_stats.append(time.perf_counter() - t1)
+            t1 = time.perf_counter()
+            history.run(live, stats=False)
+            run_row.append(time.perf_counter() - t1)
             t2 = time.perf_counter()
             chart.render()
             render.append(time.perf_counter() - t2)
@@ -224,6 +233,8 @@ async def bench_live(path: Path, live: int, t_last: float, repeats: int) -> dict
         out["refresh_s"] = refresh
         out["refresh_event_s"] = refresh_event
         out["read_s"] = read
+        out["run_stats_s"] = run_stats
+        out["run_row_s"] = run_row
         out["render_s"] = render
         out["paint_s"] = paint
         out["events"] = screen.query_one("#events").row_count  # type: ignore[attr-defined]
@@ -286,6 +297,8 @@ def main() -> None:
         ),
         ("  of which: read new rows (DataSource.poll, median)", f"{_ms(result['read_s'])} ms"),
         ("  of which: repaint of the screen (median)", f"{_ms(result['paint_s'])} ms"),
+        ("History.run(live run) with statistics (median)", f"{_ms(result['run_stats_s'])} ms"),
+        ("History.run(live run, stats=False), as poll reads it", f"{_ms(result['run_row_s'])} ms"),
         ("  chart render alone (median)", f"{_ms(result['render_s'])} ms"),
         (
             "refresh p90",

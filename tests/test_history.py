@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -13,12 +15,14 @@ from typing import Any
 
 import pytest
 from sqlalchemy import insert
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
+import edo_monitor.store.engine as engine_mod
 from edo_monitor.errors import ConfigError, RunNotFoundError, StoreError
 from edo_monitor.readings import SAMPLE_FIELDS
-from edo_monitor.store.engine import open_engine
-from edo_monitor.store.history import History, prune
+from edo_monitor.store.engine import open_engine, roll_up, write_samples
+from edo_monitor.store.history import _PEAK_COLUMNS, History, _tail_stats_sql, prune
 from edo_monitor.store.schema import ROLLUP_LEVEL_WIDTHS_S, Event, ModuleStat, Run, Sample
 
 T0 = 1_700_000_000.25  # run start (Unix seconds)
@@ -192,6 +196,15 @@ def _reference(rows: list[dict[str, Any]], col: str, width: float, m: int) -> di
     return res
 
 
+def _reference_from_start(
+    rows: list[dict[str, Any]], col: str, lo: float, span: float, n: int
+) -> dict[int, tuple]:
+    """Like :func:`_reference` for ``n`` buckets of ``span / n`` seconds counted from ``lo``."""
+    width = span / n
+    shifted = [{**r, "time_s": min(int((r["time_s"] - lo) / width), n - 1) + 0.5} for r in rows]
+    return _reference(shifted, col, 1.0, 1)
+
+
 def test_runs_every_status_and_filters(seeded: tuple[Path, dict[str, Any]]) -> None:
     path, _ = seeded
     with History(path) as h:
@@ -256,9 +269,15 @@ def test_downsampling_matches_every_sample(
     assert s.downsampled and 1 <= len(s) <= max_points
     assert sum(s.count) == N_SAMPLES
     span = rows[-1]["time_s"] - rows[0]["time_s"]
-    width = max(w for w in ROLLUP_LEVEL_WIDTHS_S if w <= span / max_points)
-    m = round(s.bucket_s / width)
-    ref = _reference(rows, "in_use_bytes", width, m)
+    levels = [w for w in ROLLUP_LEVEL_WIDTHS_S if w <= span / max_points]
+    if levels:  # from the rollups: whole blocks of the coarsest level that fits
+        width = max(levels)
+        m = round(s.bucket_s / width)
+        assert s.bucket_s == width * m
+        ref = _reference(rows, "in_use_bytes", width, m)
+    else:  # buckets narrower than the smallest level: from the samples, counted from the first
+        assert max_points == 1000 and s.bucket_s == span / max_points
+        ref = _reference_from_start(rows, "in_use_bytes", rows[0]["time_s"], span, max_points)
     assert len(ref) == len(s)
     for i, b in enumerate(sorted(ref)):
         n, lo, hi, mean = ref[b]
@@ -398,3 +417,178 @@ def test_to_pandas_needs_pandas(seeded: tuple[Path, dict[str, Any]]) -> None:
             s.to_pandas()
     else:
         assert len(s.to_pandas()) == len(s)
+
+
+# -- rollups kept by the agent's writer path (write_samples) -----------------------------------
+
+
+def _rollup_table(path: Path) -> tuple[list[str], list[tuple]]:
+    con = sqlite3.connect(path)
+    cur = con.execute("SELECT * FROM sample_rollups ORDER BY run_id, level, block")
+    names = [d[0] for d in cur.description]
+    rows = cur.fetchall()
+    con.close()
+    return names, rows
+
+
+def _assert_same_rollups(a: tuple[list[str], list[tuple]], b: tuple[list[str], list[tuple]]):
+    names, rows_a = a
+    assert names == b[0] and len(rows_a) == len(b[1])
+    for ra, rb in zip(rows_a, b[1], strict=True):
+        for name, x, y in zip(names, ra, rb, strict=True):
+            if name.endswith("_sum"):  # float sums: same values, maybe added in another order
+                assert x == pytest.approx(y, rel=1e-12), (name, ra[:3])
+            else:
+                assert x == y and type(x) is type(y), (name, ra[:3], x, y)
+
+
+def _values(run_id: int, i: int, t: float, rng: random.Random) -> tuple:
+    row = _sample(run_id, i, rng)
+    row["time_s"] = t
+    row["device_total_bytes"] = 8 * 10**9  # one value throughout
+    row["fragmentation"] = float("nan") if i % 13 == 0 else rng.random()  # NaN is stored NULL
+    row["allocated_bytes"] = rng.randint(0, 10**9)
+    row["num_ooms"] = 3.0 if i % 2 else 3  # a float in an integer column, as SQLite keeps it
+    return tuple(row[f] for f in SAMPLE_FIELDS)
+
+
+def test_writer_rollups_equal_the_sql_fold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rollups folded in from the writer's tuples are the ones SQLite's GROUP BY gives."""
+    folded: list[bool] = []  # per batch: summarised in Python (True) or left to SQL (False)
+    python_rollup = engine_mod._python_rollup
+
+    def spy(*args: Any) -> Any:
+        rows = python_rollup(*args)
+        folded.append(rows is not None)
+        return rows
+
+    monkeypatch.setattr(engine_mod, "_python_rollup", spy)
+    path = tmp_path / "w.db"
+    seed(path)  # run 1 and 2 samples, rolled up by SQL
+    engine = open_engine(path)
+    rng = random.Random(3)
+    t = T0 + N_SAMPLES * INTERVAL
+    i = 0
+    for size in (1, 7, 500, 1000, 3, 250, 2000):  # batch ends fall inside blocks
+        values = []
+        for _ in range(size):
+            t += rng.choice((0.05, 0.1) if size >= 500 else (0.05, 0.5, 3.0, 40.0))
+            values.append(_values(1, i, t, rng))
+            i += 1
+        if size == 250:  # the clock stepped back: SQL fold for this batch
+            values[100], values[101] = values[101], values[100]
+        with engine.begin() as conn:
+            write_samples(conn, 1, values)
+        if size == 3:  # another connection's samples, not rolled up yet (< ROLLUP_MIN_ROWS)
+            with engine.begin() as conn:
+                conn.execute(insert(Sample), [_sample(2, k, rng) for k in range(5)])
+    engine.dispose()
+    assert folded == [True, True, True, True, True, False, True]
+    con = sqlite3.connect(path)
+    top = con.execute("SELECT max(id) FROM samples").fetchone()[0]
+    mark = con.execute("SELECT value FROM meta WHERE key = 'rollup_through_id'").fetchone()[0]
+    assert int(mark) == top  # every sample is in the rollups
+    con.close()
+    incremental = _rollup_table(path)
+    # the reference: every sample folded again from scratch by SQL
+    engine = open_engine(path)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("DELETE FROM sample_rollups")
+        conn.exec_driver_sql("UPDATE meta SET value = '0' WHERE key = 'rollup_through_id'")
+        roll_up(conn)
+    engine.dispose()
+    _assert_same_rollups(incremental, _rollup_table(path))
+    with History(path) as h:
+        n1 = h.run(1).sample_count
+        assert n1 == N_SAMPLES + i
+        s = h.samples(1, columns=["allocated_bytes"], max_points=20)
+        assert sum(s.count) == n1
+
+
+def test_rollup_levels_are_powers_of_two_from_16_s(tmp_path: Path) -> None:
+    assert ROLLUP_LEVEL_WIDTHS_S == (16, 256, 4096)
+    path = tmp_path / "w.db"
+    open_engine(path).dispose()
+    con = sqlite3.connect(path)
+    with pytest.raises(ValueError, match="powers of two"):
+        roll_up(con, widths_s=(10, 100))
+    con.close()
+
+
+def test_write_samples_raises_sqlalchemy_operational_error(tmp_path: Path) -> None:
+    """DBAPI errors inside the writer path come out as SQLAlchemy's, so the Writer retries an
+    OperationalError (locked, I/O) instead of dropping the batch as bad data."""
+    path = tmp_path / "w.db"
+    seed(path)
+    engine = open_engine(path)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("DROP TABLE sample_rollups")
+    rng = random.Random(0)
+    with pytest.raises(OperationalError), engine.begin() as conn:
+        write_samples(conn, 1, [_values(1, 0, T0 + 10**5, rng)])
+    engine.dispose()
+
+
+# -- live viewers ------------------------------------------------------------------------------
+
+
+def test_run_without_stats_is_the_row(seeded: tuple[Path, dict[str, Any]]) -> None:
+    path, _ = seeded
+    with History(path) as h:
+        full = h.run(1)
+        row = h.run(1, stats=False)
+        assert full.sample_count == N_SAMPLES and full.event_count == 4
+        assert (row.id, row.status, row.steps, row.heartbeat_at_s) == (
+            full.id,
+            full.status,
+            full.steps,
+            full.heartbeat_at_s,
+        )
+        assert row.sample_count == 0 and row.peak_in_use_bytes is None and row.event_count == 0
+        assert row == dataclasses.replace(
+            full,
+            sample_count=0,
+            first_sample_s=None,
+            last_sample_s=None,
+            **{f"peak_{c}": None for c in _PEAK_COLUMNS},
+            min_free_fraction=None,
+            event_count=0,
+            action_count=0,
+            oom_count=0,
+            duration_s=row.duration_s,
+        )
+
+
+def test_tail_statistics_walk_the_rowid(seeded: tuple[Path, dict[str, Any]]) -> None:
+    """Regression: grouping the not-yet-rolled-up samples by the bare run_id made SQLite walk
+    the whole (run_id, time_s) index (0.1 s per million samples, on every live refresh)."""
+    path, _ = seeded
+    con = sqlite3.connect(path)
+    sql = _tail_stats_sql("max(in_use_bytes)", "1, 2")
+    plan = " | ".join(r[3] for r in con.execute(f"EXPLAIN QUERY PLAN {sql}", {"mark": 100}))
+    assert "SEARCH samples USING INTEGER PRIMARY KEY (rowid>?)" in plan
+    assert "ix_samples_run_time" not in plan
+    got = dict(
+        (r[0], r[1]) for r in con.execute(sql.replace("max(in_use_bytes)", "1"), {"mark": 0})
+    )
+    assert got == {1: N_SAMPLES, 2: 300}
+    con.close()
+
+
+def test_series_says_where_samples_since_continues(tmp_path: Path) -> None:
+    path = tmp_path / "t.db"
+    seed(path)
+    with History(path) as h:
+        s = h.samples(1, columns=["in_use_bytes"], max_points=50)
+        top = sqlite3.connect(path).execute("SELECT max(id) FROM samples").fetchone()[0]
+        assert s.last_id == top and h.samples_since(1, s.last_id) == []
+    engine = open_engine(path)
+    rng = random.Random(2)
+    with engine.begin() as conn:
+        conn.execute(insert(Sample), [_sample(1, N_SAMPLES + k, rng) for k in range(3)])
+    engine.dispose()
+    with History(path) as h:
+        new = h.samples_since(1, s.last_id)
+        assert [r.id for r in new] == [top + 1, top + 2, top + 3]
+        assert h.samples(1, columns=["in_use_bytes"], max_points=50).last_id == top + 3
+        assert h.samples(1, start=T0 + 10**6, columns=["step"]).last_id == top + 3  # empty window

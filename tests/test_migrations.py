@@ -4,6 +4,7 @@ foreign files are refused, and the migrations build exactly what ``schema.py`` d
 from __future__ import annotations
 
 import hashlib
+import importlib
 import sqlite3
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from alembic.migration import MigrationContext
 from edo_monitor.errors import StoreError
 from edo_monitor.store.engine import alembic_config, open_engine
 from edo_monitor.store.history import History
-from edo_monitor.store.schema import ROLLUP_LEVEL_WIDTHS_S, SCHEMA_VERSION, Base
+from edo_monitor.store.schema import ROLLUP_FIELDS, ROLLUP_LEVEL_WIDTHS_S, SCHEMA_VERSION, Base
 
 N = 3000
 
@@ -67,13 +68,26 @@ def test_reader_leaves_v1_alone_writer_upgrades(
     )
     assert conn.execute("SELECT version_num FROM alembic_version").fetchone() == ("0002",)
     per_level = conn.execute(
-        "SELECT level, sum(n), max(in_use_bytes_max) FROM sample_rollups GROUP BY level"
+        "SELECT level, sum(n), max(in_use_bytes_max), count(*) FROM sample_rollups GROUP BY level"
     ).fetchall()
-    assert per_level == [(lvl, N, 999_000) for lvl in range(len(ROLLUP_LEVEL_WIDTHS_S))]
+    times = [1.7e9 + i for i in range(N)]
+    assert per_level == [
+        (lvl, N, 999_000, len({int(t / w) for t in times}))
+        for lvl, w in enumerate(ROLLUP_LEVEL_WIDTHS_S)
+    ]
     assert conn.execute("SELECT count(*) FROM samples").fetchone() == (N,)
     conn.close()
     with History(path) as h:
         assert h.outdated is None and h.run(1).sample_count == N
+
+
+def test_rollup_revision_matches_schema_py() -> None:
+    """Revision 0002 keeps frozen copies of the rollup columns and level widths; at schema
+    version 2 they must be what ``schema.py`` (and so the writers and readers) use."""
+    assert SCHEMA_VERSION == 2
+    rev = importlib.import_module("edo_monitor.store.migrations.versions.0002_sample_rollups")
+    assert rev.FIELDS == ROLLUP_FIELDS
+    assert rev.WIDTHS_S == ROLLUP_LEVEL_WIDTHS_S == (16, 256, 4096)
 
 
 def test_migrations_build_what_schema_py_declares(tmp_path: Path) -> None:

@@ -1,20 +1,32 @@
 """Four writer processes and a reader on one SQLite file: no "database is locked", no lost rows.
 
 The file does not exist when the writers start, so they also race to create it (and the schema
-migration must run once).
+migration must run once). Then the agent's writer thread: producers on several threads, full
+batches, rows SQLite refuses, and retries.
 """
 
 from __future__ import annotations
 
+import sqlite3
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session
 
+import edo_monitor.store.writer as writer_mod
+from edo_monitor.readings import Reading
+from edo_monitor.store.engine import open_engine, roll_up, write_samples
 from edo_monitor.store.history import History
+from edo_monitor.store.schema import Run
+from edo_monitor.store.writer import Writer
 
 WRITERS = 4
 BATCHES = 60
@@ -25,8 +37,8 @@ CHILD = textwrap.dedent(
     import socket, sys, time, uuid
     from sqlalchemy import insert
     from sqlalchemy.orm import Session
-    from edo_monitor.readings import Reading
-    from edo_monitor.store.engine import open_engine
+    from edo_monitor.readings import SAMPLE_FIELDS, Reading
+    from edo_monitor.store.engine import open_engine, write_samples
     from edo_monitor.store.schema import Event, Run, Sample
 
     path, k, batches, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
@@ -47,7 +59,10 @@ CHILD = textwrap.dedent(
                         in_use_bytes=k * 10**6 + b * batch + i, free_fraction=0.5)
             rows.append({**r.as_dict(), "run_id": run_id})
         with engine.begin() as conn:
-            conn.execute(insert(Sample), rows)
+            if k % 2:  # the agent writer's path: tuples, rollups folded in from Python
+                write_samples(conn, run_id, [tuple(r[f] for f in SAMPLE_FIELDS) for r in rows])
+            else:  # Core insert: rollups folded by SQL once enough samples wait
+                conn.execute(insert(Sample), rows)
             conn.execute(insert(Event), [{"run_id": run_id, "time_s": t, "step": b,
                                           "kind": "decision", "message": "m", "data": {}}])
     with engine.begin() as conn:
@@ -105,3 +120,166 @@ def test_four_writers_and_a_reader(tmp_path: Path) -> None:
             assert r.peak_in_use_bytes == k * 10**6 + BATCHES * BATCH - 1
             s = h.samples(r.id, columns=["in_use_bytes"], max_points=None)
             assert s.min["in_use_bytes"] == list(range(k * 10**6, k * 10**6 + BATCHES * BATCH))
+    # the rollups that two kinds of writers kept in turns are the ones SQL computes afresh
+    engine = open_engine(path)
+    with engine.begin() as conn:
+        roll_up(conn)  # the Core writers' last samples may still wait
+        kept = conn.exec_driver_sql(ROLLUPS).fetchall()
+        conn.exec_driver_sql("DELETE FROM sample_rollups")
+        conn.exec_driver_sql("UPDATE meta SET value = '0' WHERE key = 'rollup_through_id'")
+        roll_up(conn)
+        fresh = conn.exec_driver_sql(ROLLUPS).fetchall()
+    engine.dispose()
+    assert len(kept) == len(fresh) and {r[:4] for r in kept} == {r[:4] for r in fresh}
+    for a, b in zip(kept, fresh, strict=True):
+        assert a == pytest.approx(b, rel=1e-12)
+
+
+ROLLUPS = (
+    "SELECT run_id, level, block, n, time_min_s, time_max_s, in_use_bytes_min, in_use_bytes_max, "
+    "in_use_bytes_sum, in_use_bytes_n, free_fraction_min, step_max, step_sum "
+    "FROM sample_rollups ORDER BY run_id, level, block"
+)
+
+
+# -- the agent's writer thread -------------------------------------------------------------------
+
+
+def _writer_db(tmp_path: Path) -> tuple[Any, int]:
+    engine = open_engine(tmp_path / "w.db")
+    with Session(engine) as s, s.begin():
+        run = Run(
+            uuid=str(uuid.uuid4()),
+            name="w",
+            host="h",
+            pid=0,
+            started_at_s=T0,
+            status="running",
+            device_kind="cpu-budget",
+            interval_s=0.1,
+            torch_version="x",
+            config={},
+            tags=[],
+            steps=0,
+            samples_dropped=0,
+        )
+        s.add(run)
+        s.flush()
+        return engine, run.id
+
+
+T0 = 1.7e9
+
+
+def _reading(i: int, **extra: Any) -> Reading:
+    values: dict[str, Any] = {
+        "time_s": T0 + i * 0.1,
+        "step": i,
+        "device_kind": "cpu-budget",
+        "in_use_bytes": (i * 7919) % 10**6,
+        "budget_bytes": 10**6,
+        "free_fraction": 1 - ((i * 7919) % 10**6) / 10**6,
+        **extra,
+    }
+    return Reading(**values)
+
+
+def test_writer_thread_writes_every_row_and_keeps_the_rollups(tmp_path: Path) -> None:
+    engine, run_id = _writer_db(tmp_path)
+    writer = Writer(engine, run_id, queue_size=100_000, batch_size=500, flush_interval_s=0.05)
+    writer.start()
+    n_threads, per_thread = 2, 3000
+
+    def produce(k: int) -> None:
+        for i in range(k * per_thread, (k + 1) * per_thread):
+            assert writer.put_sample(_reading(i))
+            if i % 1000 == 0:
+                writer.put_event("decision", f"d{i}", step=i)
+
+    threads = [threading.Thread(target=produce, args=(k,)) for k in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    writer.close()
+    n = n_threads * per_thread
+    assert writer.dropped == 0 and writer.written["samples"] == n and writer.written["events"] == 6
+    con = sqlite3.connect(tmp_path / "w.db")
+    got = con.execute("SELECT step, time_s, in_use_bytes, free_fraction FROM samples").fetchall()
+    want = [_reading(i) for i in range(n)]
+    assert sorted(got) == [(r.step, r.time_s, r.in_use_bytes, r.free_fraction) for r in want]
+    mark = con.execute("SELECT value FROM meta WHERE key = 'rollup_through_id'").fetchone()[0]
+    assert int(mark) == con.execute("SELECT max(id) FROM samples").fetchone()[0]
+    per_level = con.execute(
+        "SELECT level, sum(n), max(in_use_bytes_max) FROM sample_rollups GROUP BY level"
+    ).fetchall()
+    peak = max(r.in_use_bytes for r in want)
+    assert per_level == [(lvl, n, peak) for lvl in range(3)]
+    con.close()
+    engine.dispose()
+
+
+def test_writer_flushes_a_full_batch_without_waiting_for_the_interval(tmp_path: Path) -> None:
+    engine, run_id = _writer_db(tmp_path)
+    writer = Writer(engine, run_id, batch_size=10, flush_interval_s=60.0)
+    writer.start()
+    for i in range(25):
+        writer.put_sample(_reading(i))
+    deadline = time.monotonic() + 10
+    while writer.written["samples"] < 20 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert writer.written["samples"] == 20  # two full batches; 5 wait for the interval
+    writer.close()
+    assert writer.written["samples"] == 25 and writer.flushes == 3
+    engine.dispose()
+
+
+def test_writer_drops_an_unwritable_batch_and_goes_on(tmp_path: Path) -> None:
+    engine, run_id = _writer_db(tmp_path)
+    writer = Writer(engine, run_id, batch_size=1, flush_interval_s=0.01)
+    writer.put_sample(_reading(0))
+    writer.put_sample(_reading(1, allocated_bytes=object()))  # SQLite cannot store it
+    writer.put_sample(_reading(2))
+    writer.start()
+    writer.close()
+    assert writer.dropped == 1 and writer.written["samples"] == 2
+    con = sqlite3.connect(tmp_path / "w.db")
+    assert con.execute("SELECT step FROM samples ORDER BY id").fetchall() == [(0,), (2,)]
+    assert con.execute("SELECT samples_dropped FROM runs").fetchone() == (1,)
+    (data,) = con.execute("SELECT data FROM events WHERE kind = 'samples_dropped'").fetchone()
+    assert '"count": 1' in data
+    con.close()
+    engine.dispose()
+
+
+@pytest.mark.parametrize("when", ["running", "closing"])
+def test_writer_retries_after_an_operational_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str
+) -> None:
+    engine, run_id = _writer_db(tmp_path)
+    failures = [OperationalError("INSERT", None, sqlite3.OperationalError("database is locked"))]
+
+    def flaky(conn: Any, run: int, values: Any) -> None:
+        if failures:
+            raise failures.pop()
+        write_samples(conn, run, values)
+
+    monkeypatch.setattr(writer_mod, "write_samples", flaky)
+    writer = Writer(engine, run_id, batch_size=100, flush_interval_s=0.01)
+    for i in range(50):
+        writer.put_sample(_reading(i))
+    if when == "running":
+        writer.start()
+        deadline = time.monotonic() + 10
+        while writer.written["samples"] < 50 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert failures == [] and writer.written["samples"] == 50
+    else:
+        writer.flush_interval_s = 60.0  # the first flush is the one close() asks for
+        writer.start()
+    writer.close()
+    assert failures == [] and writer.dropped == 0 and writer.written["samples"] == 50
+    con = sqlite3.connect(tmp_path / "w.db")
+    assert con.execute("SELECT count(*), max(step) FROM samples").fetchone() == (50, 49)
+    con.close()
+    engine.dispose()

@@ -23,8 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import text
-
 from edo_monitor.errors import ConfigError, StoreError
 from edo_monitor.store.engine import resolve_db_url
 from edo_monitor.store.history import (
@@ -274,29 +272,14 @@ class DataSource:
 
     # -- one run ----------------------------------------------------------------------------
 
-    def last_sample_id(self, run_id: int) -> int:
-        """The largest sample id of the run (0 without samples).
-
-        ``History.samples`` does not say which sample ids a series covers; the live view needs
-        a mark to continue from with ``samples_since``. Read *before* the series: samples written
-        in between are then folded in twice, which maxima ignore.
-        """
-        history = self.open()
-        with history.engine.connect() as conn:
-            value = conn.execute(
-                text("SELECT max(id) FROM samples WHERE run_id = :r"), {"r": run_id}
-            ).scalar()
-        return int(value or 0)
-
     def series(self, run: RunInfo, max_points: int) -> Series:
         """The run's in-use / allocated / reserved bytes, downsampled in SQL to ``max_points``
         buckets of equal time (each bucket's maximum, so peaks are never hidden)."""
         history = self.open()
-        mark = self.last_sample_id(run.id)
         data = history.samples(run.id, columns=SERIES_COLUMNS, max_points=max_points)
         if not len(data):
             out = Series(run.started_at_s, max(run.interval_s, 1e-3), max_points)
-            out.last_id = mark
+            out.last_id = data.last_id  # where samples_since continues (same snapshot)
             return out
         t0, t1 = data.time_s[0], data.time_end_s[-1]
         width = data.bucket_s or max((t1 - t0) / max_points, run.interval_s / 4, 1e-3)
@@ -304,7 +287,7 @@ class DataSource:
         columns = [data.max[c] for c in SERIES_COLUMNS]
         for i, time_s in enumerate(data.time_s):
             out.add(time_s, columns[0][i], columns[1][i], columns[2][i])
-        out.last_id = mark
+        out.last_id = data.last_id
         return out
 
     def latest(self, run: RunInfo) -> Latest | None:
@@ -329,7 +312,7 @@ class DataSource:
     def poll(self, run_id: int, after_sample_id: int, after_event_id: int) -> Poll:
         """Everything new since the given ids, the run (for its status) and its modules."""
         history = self.open()
-        run = history.run(run_id)
+        run = history.run(run_id, stats=False)  # status, steps, heartbeat: the row is enough
         rows = history.samples_since(run_id, after_sample_id, columns=(*GAUGE_COLUMNS,), limit=None)
         new_samples = [
             (r.id, r.time_s, r["in_use_bytes"], r["allocated_bytes"], r["reserved_bytes"])

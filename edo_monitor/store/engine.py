@@ -15,9 +15,12 @@ revision ``"000N"``. A writer upgrades an older database when it opens it (holdi
 so concurrent writers upgrade it once); a reader leaves it untouched and logs that it is older; a
 database from a newer edo-monitor is refused, naming both versions.
 
-Writer engines on SQLite also keep ``sample_rollups`` current (:func:`roll_up`): after an
-``INSERT INTO samples`` batch, once at least :data:`ROLLUP_MIN_ROWS` samples are waiting, the new
-samples are folded into the rollups inside the same transaction.
+Writer engines on SQLite also keep ``sample_rollups`` current. The agent's writer inserts with
+:func:`write_samples`, which folds its new samples into the rollups in the same transaction,
+aggregating them in Python from the tuples it already holds. Any other ``INSERT INTO samples``
+on a writer engine (Core ``insert(Sample)``, :func:`insert_samples`) is followed, once at least
+:data:`ROLLUP_MIN_ROWS` samples are waiting, by an SQL fold of the waiting samples
+(:func:`roll_up`), also in the same transaction.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
+from bisect import bisect_left
 from collections.abc import Mapping, Sequence
+from itertools import chain, pairwise
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +38,10 @@ from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
 from sqlalchemy.exc import DatabaseError as SADatabaseError
+from sqlalchemy.exc import DBAPIError as SADBAPIError
 
 from edo_monitor.errors import ConfigError, StoreError
+from edo_monitor.readings import SAMPLE_FIELDS
 from edo_monitor.store.schema import ROLLUP_FIELDS, ROLLUP_LEVEL_WIDTHS_S, SCHEMA_VERSION
 
 __all__ = [
@@ -43,11 +50,13 @@ __all__ = [
     "ROLLUP_MIN_ROWS",
     "alembic_config",
     "insert_samples",
+    "maintains_rollups",
     "open_engine",
     "rebuild_rollups",
     "resolve_db_url",
     "roll_up",
     "schema_version",
+    "write_samples",
 ]
 
 logger = logging.getLogger(__name__)
@@ -276,7 +285,26 @@ def _upgrade(engine: Engine, shown: str) -> None:
         command.upgrade(cfg, "head")
 
 
-_SAMPLE_INSERT: dict[str, str] = {}
+#: ``samples`` columns in the order of :func:`write_samples` tuples (after ``run_id``).
+_SAMPLE_COLS = ("run_id", *SAMPLE_FIELDS)
+_TIME = SAMPLE_FIELDS.index("time_s")
+_SAMPLE_INSERT: dict[tuple[str, int | None], str] = {}
+
+
+def _sample_insert_sql(style: str, run_id: int | None) -> str:
+    """``INSERT INTO samples`` with one marker per column (``run_id`` inlined when given)."""
+    key = (style, run_id)
+    sql = _SAMPLE_INSERT.get(key)
+    if sql is None:
+        mark = "?" if style == "qmark" else "%s"
+        first = mark if run_id is None else str(int(run_id))
+        marks = ", ".join([first] + [mark] * len(SAMPLE_FIELDS))
+        sql = _SAMPLE_INSERT[key] = (
+            f"INSERT INTO samples ({', '.join(_SAMPLE_COLS)}) VALUES ({marks})"
+        )
+        if len(_SAMPLE_INSERT) > 256:  # one entry per run id: keep it bounded
+            _SAMPLE_INSERT.clear()
+    return sql
 
 
 def insert_samples(conn: Connection, rows: Sequence[Mapping[str, Any]]) -> None:
@@ -285,51 +313,136 @@ def insert_samples(conn: Connection, rows: Sequence[Mapping[str, Any]]) -> None:
 
     Same result as ``conn.execute(insert(Sample), rows)`` but without SQLAlchemy's per-row
     parameter processing, which costs about twice the SQLite insert itself for the 30-column
-    sample rows (see ``benchmarks/history.py``). Rollup maintenance still runs.
+    sample rows (see ``benchmarks/history.py``). Rollup maintenance still runs (writer engines
+    fold the waiting samples in once :data:`ROLLUP_MIN_ROWS` have accumulated).
     """
-    from edo_monitor.readings import SAMPLE_FIELDS
-
     if not rows:
         return
-    cols = ("run_id", *SAMPLE_FIELDS)
-    style = conn.dialect.paramstyle
-    sql = _SAMPLE_INSERT.get(style)
-    if sql is None:
-        mark = "?" if style == "qmark" else "%s"
-        sql = _SAMPLE_INSERT[style] = (
-            f"INSERT INTO samples ({', '.join(cols)}) VALUES ({', '.join([mark] * len(cols))})"
-        )
-    conn.exec_driver_sql(sql, [tuple(r.get(c) for c in cols) for r in rows])
+    sql = _sample_insert_sql(conn.dialect.paramstyle, None)
+    conn.exec_driver_sql(sql, [tuple(map(r.get, _SAMPLE_COLS)) for r in rows])
+
+
+def maintains_rollups(engine: Engine) -> bool:
+    """Whether ``engine`` is a SQLite writer engine that keeps ``sample_rollups`` current."""
+    return event.contains(engine, "after_cursor_execute", _after_execute)
+
+
+def write_samples(conn: Connection, run_id: int, values: Sequence[Sequence[Any]]) -> None:
+    """Insert one run's samples, given as tuples in ``SAMPLE_FIELDS`` order, and keep the
+    rollups current in the same transaction.
+
+    This is the agent writer's path. The rows are inserted with one positional DBAPI
+    ``executemany`` (``run_id`` written into the statement). On a writer engine that maintains
+    ``sample_rollups`` (:func:`maintains_rollups`) the new samples are folded in at once,
+    aggregated in Python from the tuples already in memory (per smallest-level block: ``min``,
+    ``max``, ``sum`` and ``len`` of each column, C loops) instead of re-reading them with SQL
+    aggregates (about 100 aggregate steps per sample, as expensive as the insert itself).
+    Samples that other connections left unsummarised are folded in first (SQL, :func:`roll_up`),
+    so ``meta['rollup_through_id']`` keeps meaning "every sample up to here is in the rollups".
+    What the Python path cannot summarise exactly as SQLite would (times out of order or
+    negative, values that are not plain numbers) is left to the SQL fold.
+
+    Must run inside a write transaction (writer engines' ``BEGIN IMMEDIATE``). DBAPI errors are
+    raised as SQLAlchemy's (``OperationalError`` for "locked" or I/O, so callers can retry).
+    """
+    if not values:
+        return
+    sql = _sample_insert_sql(conn.dialect.paramstyle, run_id)
+    if not maintains_rollups(conn.engine):
+        conn.exec_driver_sql(sql, values)
+        return
+    dbapi = conn.connection.dbapi_connection
+    assert dbapi is not None
+    cur = dbapi.cursor()
+    try:
+        mark, top = cur.execute(_MARK_AND_TOP).fetchone()
+        if top is not None and int(mark or 0) != top:
+            # samples of other writers are waiting (or ids went down): fold them first
+            roll_up(dbapi)
+            mark, top = cur.execute(_MARK_AND_TOP).fetchone()
+        top = top or 0
+        cur.executemany(sql, values)
+        rows = None
+        if cur.execute("SELECT max(id) FROM samples").fetchone()[0] == top + len(values):
+            try:  # our rows are exactly ids top+1 … top+len(values)
+                rows = _python_rollup(run_id, values, ROLLUP_FIELDS, ROLLUP_LEVEL_WIDTHS_S)
+            except (TypeError, ValueError, OverflowError):
+                rows = None
+        if rows is None:
+            roll_up(dbapi)
+        else:
+            cur.executemany(_upsert_sql(ROLLUP_FIELDS), rows)
+            _set_mark(cur, top + len(values))
+    except sqlite3.Error as exc:
+        raise SADBAPIError.instance(sql, None, exc, sqlite3.Error) from exc
+    finally:
+        cur.close()
+
+
+_MARK_AND_TOP = (
+    "SELECT (SELECT value FROM meta WHERE key = 'rollup_through_id'), (SELECT max(id) FROM samples)"
+)
 
 
 # -- rollups -----------------------------------------------------------------------------------
 
 
-def _agg_sql(fields: Sequence[str], *, one_run: bool = False) -> str:
-    """Level-0 (1 s) aggregates of the samples with ``:lo < id <= :hi`` into the delta table."""
+def _check_widths(widths_s: Sequence[int]) -> None:
+    """Level widths must be increasing powers of two (whole seconds): dividing a float time by
+    a power of two is exact, so Python's ``int(t / w)`` and SQLite's ``CAST(t / w AS INTEGER)``
+    put every sample in the same block, and a coarser block is exactly ``block // ratio``."""
+    ok = all(isinstance(w, int) and w >= 1 and w & (w - 1) == 0 for w in widths_s) and all(
+        a < b for a, b in pairwise(widths_s)
+    )
+    if not widths_s or not ok:
+        raise ValueError(f"rollup widths {widths_s!r} must be increasing powers of two (seconds)")
+
+
+def _rollup_cols(fields: Sequence[str]) -> list[str]:
+    cols = ["run_id", "level", "block", "n", "time_min_s", "time_max_s"]
+    for f in fields:
+        cols += [f"{f}_min", f"{f}_max", f"{f}_sum", f"{f}_n"]
+    return cols
+
+
+def _upsert_set(fields: Sequence[str]) -> str:
+    upd = [
+        "n = n + excluded.n",
+        "time_min_s = min(time_min_s, excluded.time_min_s)",
+        "time_max_s = max(time_max_s, excluded.time_max_s)",
+    ]
+    for f in fields:
+        upd += [
+            f"{f}_min = coalesce(min({f}_min, excluded.{f}_min), {f}_min, excluded.{f}_min)",
+            f"{f}_max = coalesce(max({f}_max, excluded.{f}_max), {f}_max, excluded.{f}_max)",
+            f"{f}_sum = {f}_sum + excluded.{f}_sum",
+            f"{f}_n = {f}_n + excluded.{f}_n",
+        ]
+    return f"ON CONFLICT (run_id, level, block) DO UPDATE SET {', '.join(upd)}"
+
+
+def _agg_sql(fields: Sequence[str], width: int, *, one_run: bool = False) -> str:
+    """Smallest-level aggregates of the samples with ``:lo < id <= :hi`` into the delta table."""
     sel = [
         "run_id",
         "0",
-        "CAST(time_s AS INTEGER) AS blk",
+        f"CAST(time_s / {width} AS INTEGER) AS blk",
         "count(*)",
         "min(time_s)",
         "max(time_s)",
     ]
-    cols = ["run_id", "level", "block", "n", "time_min_s", "time_max_s"]
     for f in fields:
-        cols += [f"{f}_min", f"{f}_max", f"{f}_sum", f"{f}_n"]
         sel += [f"min({f})", f"max({f})", f"total({f})", f"count({f})"]
     return (
-        f"INSERT INTO temp.edo_rollup_delta ({', '.join(cols)}) SELECT {', '.join(sel)} "
-        "FROM samples WHERE id > :lo AND id <= :hi "
+        f"INSERT INTO temp.edo_rollup_delta ({', '.join(_rollup_cols(fields))}) "
+        f"SELECT {', '.join(sel)} FROM samples WHERE id > :lo AND id <= :hi "
         + ("AND run_id = :run " if one_run else "")
         + "GROUP BY run_id, blk"
     )
 
 
 def _merge_sql(fields: Sequence[str], level: int, ratio: int) -> str:
-    """Fold the delta table (1 s blocks) into ``level`` (blocks ``ratio`` times wider)."""
-    cols = ["run_id", "level", "block", "n", "time_min_s", "time_max_s"]
+    """Fold the delta table (smallest-level blocks) into ``level`` (blocks ``ratio`` × wider)."""
     sel = [
         "run_id",
         str(level),
@@ -338,25 +451,121 @@ def _merge_sql(fields: Sequence[str], level: int, ratio: int) -> str:
         "min(time_min_s)",
         "max(time_max_s)",
     ]
-    upd = [
-        "n = n + excluded.n",
-        "time_min_s = min(time_min_s, excluded.time_min_s)",
-        "time_max_s = max(time_max_s, excluded.time_max_s)",
-    ]
     for f in fields:
-        cols += [f"{f}_min", f"{f}_max", f"{f}_sum", f"{f}_n"]
         sel += [f"min({f}_min)", f"max({f}_max)", f"total({f}_sum)", f"sum({f}_n)"]
-        upd += [
-            f"{f}_min = coalesce(min({f}_min, excluded.{f}_min), {f}_min, excluded.{f}_min)",
-            f"{f}_max = coalesce(max({f}_max, excluded.{f}_max), {f}_max, excluded.{f}_max)",
-            f"{f}_sum = {f}_sum + excluded.{f}_sum",
-            f"{f}_n = {f}_n + excluded.{f}_n",
-        ]
     return (
-        f"INSERT INTO sample_rollups ({', '.join(cols)}) SELECT {', '.join(sel)} "
-        "FROM temp.edo_rollup_delta WHERE true GROUP BY run_id, blk "
-        f"ON CONFLICT (run_id, level, block) DO UPDATE SET {', '.join(upd)}"
+        f"INSERT INTO sample_rollups ({', '.join(_rollup_cols(fields))}) "
+        f"SELECT {', '.join(sel)} FROM temp.edo_rollup_delta WHERE true GROUP BY run_id, blk "
+        + _upsert_set(fields)
     )
+
+
+def _upsert_sql(fields: Sequence[str]) -> str:
+    """Merge one ready-made rollup row (``?`` per column) into ``sample_rollups``."""
+    key = (tuple(fields), "upsert")
+    sql = _UPSERT_CACHE.get(key)
+    if sql is None:
+        cols = _rollup_cols(fields)
+        sql = _UPSERT_CACHE[key] = (
+            f"INSERT INTO sample_rollups ({', '.join(cols)}) VALUES "
+            f"({', '.join('?' * len(cols))}) " + _upsert_set(fields)
+        )
+    return sql
+
+
+_UPSERT_CACHE: dict[tuple[tuple[str, ...], str], str] = {}
+_FIELD_INDEX: dict[tuple[str, ...], tuple[int, ...]] = {}
+
+
+def _summary(col: Sequence[Any]) -> tuple[Any, ...]:
+    """``(min, max, sum, count)`` of the non-NULL values, as SQLite's aggregates give them."""
+    try:
+        s = sum(col)
+    except TypeError:  # NULLs among the values
+        col = [x for x in col if x is not None]
+        s = sum(col)
+    if s != s:  # NaN: SQLite stores NaN as NULL
+        col = [x for x in col if x == x]
+        s = sum(col)
+    return (min(col), max(col), float(s), len(col)) if col else _NO_VALUES
+
+
+def _python_rollup(
+    run_id: int, values: Sequence[Sequence[Any]], fields: Sequence[str], widths_s: Sequence[int]
+) -> list[tuple[Any, ...]] | None:
+    """Rollup rows (every level) of one run's new samples, computed from the tuples in memory.
+
+    Returns ``None`` when the Python aggregates might differ from SQLite's (times out of order or
+    negative); the caller then folds with SQL. Raises ``TypeError`` / ``ValueError`` /
+    ``OverflowError`` on values that are not numbers (the caller folds with SQL too).
+    """
+    key = tuple(fields)
+    idx = _FIELD_INDEX.get(key)
+    if idx is None:
+        idx = _FIELD_INDEX[key] = tuple(SAMPLE_FIELDS.index(f) for f in fields)
+    cols = list(zip(*values, strict=True))
+    times = cols[_TIME]
+    n = len(times)
+    w0 = widths_s[0]
+    if not 0 <= times[0] <= times[-1] or list(times) != sorted(times):
+        return None
+    # the smallest level's blocks are slices of the (sorted) batch
+    cuts: list[tuple[int, int, int]] = []
+    a = 0
+    while a < n:
+        blk = int(times[a] / w0)
+        b = bisect_left(times, (blk + 1) * w0, a)
+        if b <= a or int(times[b - 1] / w0) != blk:
+            return None
+        cuts.append((a, b, blk))
+        a = b
+    # per block, per field: (min, max, sum, non-null count)
+    per_cut: list[list[tuple[Any, ...]]] = [[] for _ in cuts]
+    for j in idx:
+        col = cols[j]
+        first = col[0]
+        if first == col[-1] and col.count(first) == n and (first is None or type(first) is int):
+            # one value throughout (or all NULL): no need to look at them one by one
+            for pc, (a, b, _) in zip(per_cut, cuts, strict=True):
+                pc.append(
+                    _NO_VALUES if first is None else (first, first, float(first * (b - a)), b - a)
+                )
+        elif len(cuts) == 1:
+            per_cut[0].append(_summary(col))
+        else:
+            for pc, (a, b, _) in zip(per_cut, cuts, strict=True):
+                pc.append(_summary(col[a:b]))
+    rows = [
+        (run_id, 0, blk, b - a, times[a], times[b - 1], *chain.from_iterable(per_cut[k]))
+        for k, (a, b, blk) in enumerate(cuts)
+    ]
+    # coarser levels: smallest-level blocks grouped by block // ratio
+    for level in range(1, len(widths_s)):
+        ratio = widths_s[level] // w0
+        groups: dict[int, list[int]] = {}
+        for k, (_, _, blk) in enumerate(cuts):
+            groups.setdefault(blk // ratio, []).append(k)
+        for blk, ks in groups.items():
+            start, end = cuts[ks[0]][0], cuts[ks[-1]][1]
+            head = (run_id, level, blk, end - start, times[start], times[end - 1])
+            if len(ks) == 1:
+                rows.append((*head, *chain.from_iterable(per_cut[ks[0]])))
+                continue
+            row: list[Any] = list(head)
+            for same_field in zip(*(per_cut[k] for k in ks), strict=True):
+                parts = [p for p in same_field if p[3]]
+                if len(parts) == 1:
+                    row += parts[0]
+                elif not parts:
+                    row += _NO_VALUES
+                else:
+                    mins, maxs, sums, counts = zip(*parts, strict=True)
+                    row += (min(mins), max(maxs), sum(sums), sum(counts))
+            rows.append(tuple(row))
+    return rows
+
+
+_NO_VALUES = (None, None, 0.0, 0)
 
 
 def _fold(
@@ -367,14 +576,14 @@ def _fold(
     *,
     one_run: bool = False,
 ) -> None:
-    if widths_s[0] != 1 or any(w % widths_s[0] for w in widths_s):
-        raise ValueError(f"rollup widths {widths_s!r} must start at 1 s and be whole seconds")
+    _check_widths(widths_s)
     key = (tuple(fields), tuple(widths_s), one_run)
     sqls = _SQL_CACHE.get(key)
     if sqls is None:
+        w0 = widths_s[0]
         sqls = _SQL_CACHE[key] = [
-            _agg_sql(fields, one_run=one_run),
-            *(_merge_sql(fields, lvl, w) for lvl, w in enumerate(widths_s)),
+            _agg_sql(fields, w0, one_run=one_run),
+            *(_merge_sql(fields, lvl, w // w0) for lvl, w in enumerate(widths_s)),
         ]
     _exec(
         conn,
@@ -393,6 +602,11 @@ def _exec(conn: Any, sql: str, params: Mapping[str, Any] | None = None) -> Any:
     if isinstance(conn, Connection):
         return conn.exec_driver_sql(sql, dict(params or {}))
     return conn.execute(sql, dict(params or {}))
+
+
+def _get_mark(conn: Any) -> int:
+    row = _exec(conn, "SELECT value FROM meta WHERE key = 'rollup_through_id'").fetchone()
+    return int(row[0]) if row else 0
 
 
 def roll_up(
@@ -416,9 +630,12 @@ def roll_up(
 
     Returns:
         How many samples were folded in (0 when nothing was done).
+
+    Raises:
+        ValueError: ``widths_s`` are not increasing powers of two.
     """
-    row = _exec(conn, "SELECT value FROM meta WHERE key = 'rollup_through_id'").fetchone()
-    lo = int(row[0]) if row else 0
+    _check_widths(widths_s)
+    lo = _get_mark(conn)
     hi_row = _exec(conn, "SELECT max(id) FROM samples").fetchone()
     hi = int(hi_row[0]) if hi_row and hi_row[0] is not None else 0
     if hi <= lo or hi - lo < min_rows:
@@ -437,8 +654,7 @@ def rebuild_rollups(conn: Connection, run_ids: Sequence[int]) -> None:
     """
     if "sample_rollups" not in inspect(conn).get_table_names():
         return
-    row = _exec(conn, "SELECT value FROM meta WHERE key = 'rollup_through_id'").fetchone()
-    mark = int(row[0]) if row else 0
+    mark = _get_mark(conn)
     for run_id in run_ids:
         _exec(conn, "DELETE FROM sample_rollups WHERE run_id = :r", {"r": run_id})
         _fold(

@@ -197,9 +197,10 @@ ROLLUP_FIELDS: tuple[str, ...] = (
 )
 
 #: Width (seconds) of a rollup block at each level: level ``L`` block ``k`` holds the samples with
-#: ``CAST(time_s / ROLLUP_LEVEL_WIDTHS_S[L] AS INTEGER) = k`` (epoch-aligned, so the blocks of a
-#: level tile time and a coarser block is exactly 16 finer ones).
-ROLLUP_LEVEL_WIDTHS_S: tuple[int, ...] = (1, 16, 256, 4096)
+#: ``CAST(time_s / ROLLUP_LEVEL_WIDTHS_S[L] AS INTEGER) = k`` (epoch-aligned powers of two, so the
+#: blocks of a level tile time and a coarser block is exactly 16 finer ones). Downsampling to
+#: buckets narrower than the smallest level reads the samples themselves.
+ROLLUP_LEVEL_WIDTHS_S: tuple[int, ...] = (16, 256, 4096)
 
 
 def _rollup_columns() -> list[Column[Any]]:
@@ -219,7 +220,7 @@ def _rollup_columns() -> list[Column[Any]]:
 #: sample column, for downsampling in SQL without scanning every sample (see
 #: :meth:`edo_monitor.store.history.History.samples`). It summarises the samples with
 #: ``id <= meta['rollup_through_id']``; later samples are read raw. Maintained by writer engines
-#: (:func:`edo_monitor.store.engine.roll_up`).
+#: (:func:`edo_monitor.store.engine.write_samples`, :func:`edo_monitor.store.engine.roll_up`).
 sample_rollups = Table(
     "sample_rollups",
     Base.metadata,

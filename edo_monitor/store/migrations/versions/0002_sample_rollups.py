@@ -1,6 +1,6 @@
 """Schema version 2: ``sample_rollups``, per-time-block summaries of samples for fast downsampling.
 
-Each row holds, for one run, level and epoch-aligned time block (1 s, 16 s, 256 s, 4096 s wide),
+Each row holds, for one run, level and epoch-aligned time block (16 s, 256 s, 4096 s wide),
 the sample count, first/last time, and min / max / sum / non-null count of every numeric sample
 column. ``History.samples(max_points=…)`` reads these instead of every sample, so a peak stays a
 peak and a run of ten million samples downsamples in milliseconds. Existing samples are folded in
@@ -52,7 +52,7 @@ FIELDS = (
     "host_available_bytes",
 )
 FLOATS = {"fragmentation", "free_fraction"}
-WIDTHS_S = (1, 16, 256, 4096)
+WIDTHS_S = (16, 256, 4096)
 
 
 def upgrade() -> None:
