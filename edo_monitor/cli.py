@@ -525,9 +525,10 @@ def export_cmd(
             raise ConfigError(
                 f"--out {str(out_file)!r} is the history database itself; choose another file"
             )
-    columns = ["id", "time_s", *NUMERIC_SAMPLE_COLUMNS]
+    columns = ["id", "time_s", "device_kind", *NUMERIC_SAMPLE_COLUMNS]
     with _history(db) as h:
         info = h.run(run)
+        kind = info.device_kind
 
         def samples() -> Iterator[dict[str, Any]]:
             after = 0
@@ -535,8 +536,8 @@ def export_cmd(
                 page = h.samples_since(info.id, after, limit=10_000)
                 if not page:
                     return
-                for s in page:
-                    yield {"id": s.id, "time_s": s.time_s, **s.values}
+                for s in page:  # a run's samples all have the run's device kind
+                    yield {"id": s.id, "time_s": s.time_s, "device_kind": kind, **s.values}
                 after = page[-1].id
 
         stream = (

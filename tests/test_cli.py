@@ -73,6 +73,7 @@ def test_export_formats(db: Path, tmp_path: Path) -> None:
     res = run("export", "1", "--format", "csv", db=db)
     rows = list(csv.DictReader(io.StringIO(res.stdout)))
     assert len(rows) == N_SAMPLES and "in_use_bytes" in rows[0]
+    assert {r["device_kind"] for r in rows} == {"cpu-budget"}  # what each reading measured
     out = tmp_path / "r.json"
     assert run("export", "1", "--format", "json", "--out", str(out), db=db).exit_code == 0
     doc = json.loads(out.read_text())

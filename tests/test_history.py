@@ -240,6 +240,27 @@ def test_run_summary_numbers(seeded: tuple[Path, dict[str, Any]]) -> None:
         assert h.run(2).sample_count == 300
 
 
+def test_all_digit_reference_is_an_id_never_a_uuid_prefix(
+    seeded: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    """Regression: ``show 0`` opened the run whose uuid starts with 0."""
+    import shutil
+    import sqlite3
+
+    path = tmp_path / "copy.db"
+    shutil.copy(seeded[0], path)
+    con = sqlite3.connect(path)
+    con.execute("UPDATE runs SET uuid = '01234567-89ab-cdef-0123-456789abcdef' WHERE id = 2")
+    con.commit()
+    con.close()
+    with History(path) as h:
+        for ref in ("0", "0123", 123):
+            with pytest.raises(RunNotFoundError, match=r"no run with id \d+$"):
+                h.run(ref)
+        assert h.run("01234567-").id == 2
+        assert h.run("2").id == 2
+
+
 def test_run_references(seeded: tuple[Path, dict[str, Any]]) -> None:
     path, facts = seeded
     with History(path) as h:
@@ -250,6 +271,7 @@ def test_run_references(seeded: tuple[Path, dict[str, Any]]) -> None:
             h.run(99)
         with pytest.raises(RunNotFoundError, match="uuid prefix"):
             h.run("zzz-not-hex")
+
         # a one-character prefix shared by several uuids is ambiguous (or matches one/none)
         first = {u[0] for u in facts["uuids"]}
         shared = next((c for c in first if sum(u[0] == c for u in facts["uuids"]) > 1), None)

@@ -417,3 +417,12 @@ def test_step_on_a_monitor_never_entered_counts_nothing() -> None:
     mon = edo_monitor.watch(make_model())
     mon.step()
     assert mon.steps == 0 and mon.status == "created"
+
+
+def test_missing_database_driver_is_a_store_error() -> None:
+    with (
+        pytest.raises(StoreError, match="postgresql"),
+        edo_monitor.watch(db="postgresql://user:secret@127.0.0.1:1/edo"),
+    ):
+        pass
+    assert agent_threads() == []

@@ -192,7 +192,12 @@ def open_engine(
             url = URL.create(
                 "sqlite", database=f"file:{Path(path).resolve()}?mode=ro", query={"uri": "true"}
             )
-    engine = create_engine(url, connect_args=connect_args, pool_pre_ping=not is_sqlite)
+    try:
+        engine = create_engine(url, connect_args=connect_args, pool_pre_ping=not is_sqlite)
+    except ImportError as exc:  # the dialect is known, its DBAPI driver is not installed
+        raise StoreError(
+            f"cannot open history database {shown}: its driver is not installed ({exc})"
+        ) from None
     if is_sqlite:
         event.listen(engine, "connect", _sqlite_pragmas if readonly else _sqlite_pragmas_rw)
         if not readonly:

@@ -475,8 +475,9 @@ class History:
                 row = conn.execute(select(*cols).where(Run.id == int(ref))).first()
                 if row is not None:
                     return dict(row._mapping)
-                if isinstance(ref, int):
-                    raise RunNotFoundError(f"no run with id {ref}")
+                # all digits is an id, never a uuid prefix: "show 0" must not open the run whose
+                # uuid starts with 0
+                raise RunNotFoundError(f"no run with id {int(ref)}")
             ref_s = str(ref).strip()
             if ref_s.lower() == "latest":
                 row = conn.execute(
