@@ -63,7 +63,7 @@ class Writer:
         run_id: int,
         *,
         queue_size: int = 10_000,
-        flush_interval_s: float = 0.5,
+        flush_interval_s: float = 1.0,
         batch_size: int = 1_000,
     ) -> None:
         self.engine = engine
