@@ -725,8 +725,13 @@ class Monitor:
             if self._stop.wait(delay):
                 break
 
-    def _account(self) -> Accounting:
-        return account(self.model, self.optimizers, cuda_mode=self.device_kind == "cuda")
+    def _account(self, *, include_grads: bool = True) -> Accounting:
+        return account(
+            self.model,
+            self.optimizers,
+            cuda_mode=self.device_kind == "cuda",
+            include_grads=include_grads,
+        )
 
     def _sample_once(self) -> Reading:
         with self._sample_lock:
@@ -739,8 +744,8 @@ class Monitor:
         # the last step boundary's accounting (gradients alive) is the step's peak; between
         # boundaries gradients may be gone, so a reading taken there would flap around the floor
         acc = self._step_accounting
-        if acc is None:
-            acc = self._account()
+        if acc is None:  # no step boundary yet: sizes only (this thread must not read .grad)
+            acc = self._account(include_grads=False)
         self._want_step_accounting = True
         self.accounting = acc
         activations = self._tracker.activations_bytes if self._tracker is not None else None

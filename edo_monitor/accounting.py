@@ -116,16 +116,21 @@ def account(
     optimizers: Sequence[torch.optim.Optimizer] = (),
     *,
     cuda_mode: bool = False,
+    include_grads: bool = True,
 ) -> Accounting:
     """Walk ``model`` and ``optimizers`` and return the bytes per category.
 
-    Runs on the sampler thread while training goes on: it only reads sizes, never data, and copies
-    the optimizer's state dicts before iterating them.
+    Reads sizes only, never data, and copies the optimizer's state dicts before iterating them.
+    From a thread other than the training thread, pass ``include_grads=False``.
 
     Args:
         model: the watched model; ``None`` gives an empty :class:`Accounting`.
         optimizers: optimizers whose state is counted (each tensor once).
         cuda_mode: tier rule, see the module docstring.
+        include_grads: read ``.grad`` of each parameter. Only the training thread may: autograd
+            writes ``.grad`` without holding the GIL during ``backward()``, so reading it from
+            another thread at that moment is a data race (seen as crashes). Off, gradients
+            count 0.
     """
     if model is None:
         return Accounting()
@@ -148,7 +153,8 @@ def account(
 
     def add_param(p: torch.Tensor) -> tuple[int, int, int]:
         pb = add("params", p, p)
-        gb = add("grads", p.grad, p) if p.grad is not None else 0
+        grad = p.grad if include_grads else None
+        gb = add("grads", grad, p) if grad is not None else 0
         ob = 0
         for opt in optimizers:
             state = opt.state.get(p)

@@ -28,10 +28,9 @@ class TableCandidate:
     """A plain ``nn.Embedding`` / ``nn.EmbeddingBag`` on the device tier.
 
     ``params_bytes`` and ``optimizer_state_bytes`` are its weight's bytes now; ``grads_bytes`` is
-    the gradient it has at a step's peak: the gradient present now, else, for a dense trainable
-    weight, its own size (a gradient of that shape and dtype appears at every backward). Plans
-    made between ``zero_grad(set_to_none=True)`` and the next backward estimate the same saving
-    as plans made at the step boundary.
+    the gradient it has at a step's peak: for a dense trainable weight its own size (a gradient of
+    that shape and dtype appears at every backward), else 0. It is derived, never read from
+    ``.grad``: plans run on the sampler thread while autograd may be writing ``.grad``.
     """
 
     name: str
@@ -60,12 +59,10 @@ def device_tables(
         if not on_device:
             continue
         ob = sum(optimizer_state_bytes(opt, w) for opt in optimizers)
-        if w.grad is not None:
-            gb = tensor_bytes(w.grad)
-        elif w.requires_grad and not getattr(module, "sparse", False):
-            gb = tensor_bytes(w)
-        else:
-            gb = 0
+        # never read w.grad here: plans are made on the sampler thread, and autograd writes .grad
+        # without the GIL during backward (reading it concurrently corrupts memory)
+        dense_trainable = w.requires_grad and not getattr(module, "sparse", False)
+        gb = tensor_bytes(w) if dense_trainable else 0
         out.append(TableCandidate(name, module, w, tensor_bytes(w), gb, ob))
     out.sort(key=lambda c: c.total_bytes, reverse=True)
     return out
