@@ -350,7 +350,28 @@ def dequantize_int8_rowwise(q: torch.Tensor, scale: torch.Tensor) -> torch.Tenso
     return q.float() * scale.unsqueeze(-1)
 
 
-class Int8RowwiseEmbedding(_EdoEmbedding):
+class _RowComputedEmbedding(_EdoEmbedding):
+    """Base of the tables that compute looked-up rows (``_rows(idx) -> (*, D)``) instead of
+    indexing a weight: lookups and bags go through :func:`_lookup_from_rows`."""
+
+    padding_row: torch.Tensor | None
+
+    def _rows(self, idx: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(
+        self,
+        input: torch.Tensor,
+        offsets: torch.Tensor | None = None,
+        per_sample_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Compute the looked-up rows (or bags of them). Shapes as in the subclass docstring."""
+        return _lookup_from_rows(
+            self._rows, self.options, self.padding_row, input, offsets, per_sample_weights
+        )
+
+
+class Int8RowwiseEmbedding(_RowComputedEmbedding):
     """A frozen table as int8 rows with per-row fp32 scales (buffers ``weight`` and ``row_scale``).
 
     Args:
@@ -393,19 +414,8 @@ class Int8RowwiseEmbedding(_EdoEmbedding):
         s = F.embedding(idx, self.row_scale.unsqueeze(1))
         return (q.float() * s).to(self.output_dtype)
 
-    def forward(
-        self,
-        input: torch.Tensor,
-        offsets: torch.Tensor | None = None,
-        per_sample_weights: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Dequantise the looked-up rows. Shapes as in the module docstring."""
-        return _lookup_from_rows(
-            self._rows, self.options, self.padding_row, input, offsets, per_sample_weights
-        )
 
-
-class LowRankEmbedding(_EdoEmbedding):
+class LowRankEmbedding(_RowComputedEmbedding):
     """``weight ≈ left @ right`` with ``left`` ``(N, k)`` and ``right`` ``(k, D)``.
 
     Build with :meth:`from_weight`. ``left``/``right`` are parameters with ``requires_grad`` as
@@ -473,17 +483,6 @@ class LowRankEmbedding(_EdoEmbedding):
 
     def _rows(self, idx: torch.Tensor) -> torch.Tensor:
         return F.embedding(idx, self.left, self.options.padding_idx) @ self.right
-
-    def forward(
-        self,
-        input: torch.Tensor,
-        offsets: torch.Tensor | None = None,
-        per_sample_weights: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Reconstruct the looked-up rows. Shapes as in the module docstring."""
-        return _lookup_from_rows(
-            self._rows, self.options, self.padding_row, input, offsets, per_sample_weights
-        )
 
 
 def row_error(
