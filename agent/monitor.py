@@ -94,6 +94,28 @@ class RunSummary:
     events: dict[str, int] = field(default_factory=dict)
     actions: tuple[dict[str, Any], ...] = ()
 
+    def __str__(self) -> str:
+        """A readable multi-line summary (what ``print(monitor.summary())`` shows)."""
+        mff = self.min_free_fraction
+        lines = [
+            f"run {self.run_id} ({self.run_name}): {self.status}, {self.device_kind}, "
+            f"budget {format_bytes(self.budget_bytes)}",
+            f"steps {self.steps}, samples {self.samples} ({self.samples_dropped} dropped)",
+            f"peak in use {format_bytes(self.peak_in_use_bytes)}, allocated "
+            f"{format_bytes(self.peak_allocated_bytes)}, reserved "
+            f"{format_bytes(self.peak_reserved_bytes)}, activations "
+            f"{format_bytes(self.peak_activations_bytes)}",
+            f"min free {'N/A' if mff is None else f'{mff:.1%}'}",
+            f"events {self.events or 'none'}",
+        ]
+        lines += [
+            f"action {a.get('action')} on {a.get('target')}: saved "
+            f"{format_bytes(a.get('saved_bytes'))} in {a.get('duration_s', 0.0):.3f} s"
+            for a in self.actions
+        ]
+        lines.append(f"database {self.db_url}")
+        return "\n".join(lines)
+
 
 def _max(a: int | None, b: int | None) -> int | None:
     if a is None:

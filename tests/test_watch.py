@@ -426,3 +426,16 @@ def test_missing_database_driver_is_a_store_error() -> None:
     ):
         pass
     assert agent_threads() == []
+
+
+def test_summary_prints_readably(db_path: Path) -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with edo_monitor.watch(model, db=db_path, budget="64MiB") as mon:
+        train(model, opt, 3)
+    text = str(mon.summary())
+    assert (
+        text.splitlines()[0]
+        == f"run {mon.run_id} (Sequential): finished, cpu-budget, budget 64 MiB"
+    )
+    assert "steps 3, samples" in text and f"database sqlite:///{db_path}" in text
