@@ -580,10 +580,14 @@ class Monitor:
         in the history even when the user catches it)."""
         assert self.budget_bytes is not None
         try:
+            # at least the excess, as enforce_budget reports it; "accounted" is what was in use
+            # before the request that failed
+            requested = max(1, requested_bytes, in_use_bytes - self.budget_bytes)
             enforce_budget(
                 self.budget_bytes,
                 in_use_bytes,
-                requested_bytes=max(1, requested_bytes),
+                accounted_bytes=in_use_bytes - requested,  # in use before the failed request
+                requested_bytes=requested,
             )
         except BudgetOutOfMemoryError as exc:
             self._record_oom(exc)

@@ -134,5 +134,11 @@ def test_enforce_fails_in_forward_before_the_optimizer_step(db_path: Path) -> No
     with History(db_path) as history:
         (oom,) = history.events("latest", kind="oom")
     assert oom.data["parsed"]["requested_bytes"] == round(2.44 * 1024**2)
+    # "accounted" is what was in use before the failed request: it fits, the request does not
+    parsed = oom.data["parsed"]
+    mib = 1024**2
+    assert parsed["allocated_bytes"] <= BUDGET + 0.005 * mib
+    assert parsed["allocated_bytes"] + parsed["requested_bytes"] > BUDGET - 0.01 * mib
+    assert parsed["free_bytes"] == pytest.approx(BUDGET - parsed["allocated_bytes"], abs=0.01 * mib)
     # the message prints two decimals of MiB, as PyTorch's does: 11.44 MiB
     assert oom.data["parsed"]["total_bytes"] == round(11.44 * 1024**2)
