@@ -253,7 +253,6 @@ class Monitor:
         self._min_free_fraction: float | None = None
         self._fraction_set = False
         self._entered = False
-        self._sample_lock = threading.Lock()
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> Monitor:
@@ -321,22 +320,20 @@ class Monitor:
         device_name = f"host CPU ({platform.machine() or 'unknown'})"  # cpu-budget: modelled
         device_uuid = None
         device_total = None
-        self._probes["host"] = HostProbe(on_event=self._emit_probe_event)
+        self._probes["host"] = HostProbe(on_event=self._emit)
         if self.device_kind == "cuda":
             from edo_monitor.probes.cuda import AllocatorProbe
             from edo_monitor.probes.nvml import NvmlProbe
 
             props = torch.cuda.get_device_properties(self.device_index)
             torch_uuid = str(getattr(props, "uuid", "") or "") or None
-            nvml = NvmlProbe(
-                self.device_index or 0, torch_uuid=torch_uuid, on_event=self._emit_probe_event
-            )
+            nvml = NvmlProbe(self.device_index or 0, torch_uuid=torch_uuid, on_event=self._emit)
             nvml.start()
             self._probes["nvml"] = nvml
             self._probes["cuda"] = AllocatorProbe(
                 self.device_index or 0,
                 snapshot_interval_s=self.snapshot_interval_s,
-                on_event=self._emit_probe_event,
+                on_event=self._emit,
             )
             device_name = nvml.device_name or props.name
             device_uuid = nvml.device_uuid or (f"GPU-{torch_uuid}" if torch_uuid else None)
@@ -480,9 +477,6 @@ class Monitor:
             self._actions.append(dict(data or {}))
         if self._writer is not None:
             self._writer.put_event(kind, message, step=self.steps, data=data)
-
-    def _emit_probe_event(self, kind: str, message: str, data: Mapping[str, Any]) -> None:
-        self._emit(kind, message, data)
 
     def _agent_error(self, where: str, exc: BaseException) -> None:
         key = f"{where}:{type(exc).__name__}"
@@ -760,10 +754,7 @@ class Monitor:
         )
 
     def _sample_once(self) -> Reading:
-        with self._sample_lock:
-            return self._sample_locked()
-
-    def _sample_locked(self) -> Reading:
+        """One reading: the sampler thread's tick, and the last one after it has stopped."""
         now = time.time()
         values: dict[str, Any] = {}
         values.update(self._probes["host"].read())
