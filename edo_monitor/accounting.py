@@ -35,8 +35,25 @@ logger = logging.getLogger(__name__)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
-    """Bytes of ``tensor``'s elements: ``numel() * element_size()`` (not its whole storage)."""
-    return tensor.numel() * tensor.element_size()
+    """Bytes of ``tensor``'s elements: ``numel() * element_size()`` (not its whole storage).
+
+    Sparse tensors are sized by what they store, not by their dense shape: a COO tensor as its
+    ``indices()`` plus ``values()``; a compressed layout (CSR, CSC, BSR, BSC) as its compressed
+    and plain index tensors plus ``values()``. The sparse gradient of an ``Embedding(1_000_000, 64,
+    sparse=True)`` after 4 lookups is 4 x 8 index bytes + 4 x 64 x 4 value bytes, not 256 MB.
+    """
+    layout = tensor.layout
+    if layout == torch.strided:
+        return tensor.numel() * tensor.element_size()
+    if layout == torch.sparse_coo:
+        return tensor_bytes(tensor._indices()) + tensor_bytes(tensor._values())
+    if layout in (torch.sparse_csr, torch.sparse_bsr):
+        parts = (tensor.crow_indices(), tensor.col_indices(), tensor.values())
+    elif layout in (torch.sparse_csc, torch.sparse_bsc):
+        parts = (tensor.ccol_indices(), tensor.row_indices(), tensor.values())
+    else:  # a layout this torch adds later: its dense size is the safe upper bound
+        return tensor.numel() * tensor.element_size()
+    return sum(tensor_bytes(t) for t in parts)
 
 
 def is_table_module(module: nn.Module) -> bool:
