@@ -6,7 +6,8 @@ argument value are also :class:`ValueError`, so ``except ValueError`` keeps work
 
 from __future__ import annotations
 
-import torch
+import threading
+from typing import TYPE_CHECKING, Any
 
 __all__ = [
     "AlreadyWatchedError",
@@ -38,11 +39,41 @@ class RunNotFoundError(EdoMonitorError, LookupError):
     """A run reference (id, uuid prefix or ``latest``) matched no run, or several."""
 
 
-class BudgetOutOfMemoryError(torch.OutOfMemoryError):
-    """Raised in CPU-budget mode with ``enforce=True`` when the accounted bytes exceed the budget.
+if TYPE_CHECKING:  # for type checkers; at run time the class is made on first access
+    import torch
 
-    A subclass of :class:`torch.OutOfMemoryError`, so code that catches a real CUDA out-of-memory
-    error catches this one too; its message follows PyTorch's wording
-    (``"... out of memory. Tried to allocate ..."``) so that
-    :func:`edo_monitor.parse_oom_message` reads it.
-    """
+    class BudgetOutOfMemoryError(torch.OutOfMemoryError):
+        """See :func:`_budget_oom_error`."""
+
+
+_MAKE_LOCK = threading.Lock()
+
+
+def _budget_oom_error() -> type:
+    import torch  # here, not at the top: readers of the history (the CLI) never import torch
+
+    class BudgetOutOfMemoryError(torch.OutOfMemoryError):
+        """Raised in CPU-budget mode with ``enforce=True`` when the accounted bytes exceed the
+        budget.
+
+        A subclass of :class:`torch.OutOfMemoryError`, so code that catches a real CUDA
+        out-of-memory error catches this one too; its message follows PyTorch's wording
+        (``"... out of memory. Tried to allocate ..."``) so that
+        :func:`edo_monitor.parse_oom_message` reads it.
+        """
+
+    BudgetOutOfMemoryError.__module__ = __name__
+    BudgetOutOfMemoryError.__qualname__ = "BudgetOutOfMemoryError"
+    return BudgetOutOfMemoryError
+
+
+def __getattr__(name: str) -> Any:
+    """``BudgetOutOfMemoryError`` subclasses a torch class: made on first access (PEP 562), so
+    importing this module does not import torch."""
+    if name == "BudgetOutOfMemoryError":
+        with _MAKE_LOCK:  # one class, even when two threads ask at once
+            cls = globals().get(name)
+            if cls is None:
+                cls = globals()[name] = _budget_oom_error()
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

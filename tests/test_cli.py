@@ -195,3 +195,29 @@ def test_cli_on_runs_recorded_by_the_agent(tmp_path: Path) -> None:
     assert refused.exit_code == 2 and "history database itself" in refused.stderr
     assert path.read_bytes() == before
     assert run("runs", "--limit", "-1", db=path).exit_code == 2
+
+
+def test_history_commands_import_no_torch(db: Path) -> None:
+    """Start-up: ``import edo_monitor`` and the history commands never import torch (it costs
+    seconds); ``edo_monitor.watch`` still works, importing it on first use (PEP 562)."""
+    code = (
+        "import json, sys\n"
+        "import edo_monitor\n"
+        "from edo_monitor.cli import app\n"
+        "for argv in (['runs'], ['show', '1'], ['events', '1'], ['compare', '1', '2'],\n"
+        "             ['export', '1'], ['sql', 'SELECT 1'], ['doctor'], ['--help']):\n"
+        "    try:\n"
+        "        app([*argv, *(['--db', sys.argv[1]] if argv != ['--help'] else [])])\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy'))\n"
+        "watch = edo_monitor.watch\n"
+        "print(json.dumps([heavy, watch.__module__, 'torch' in sys.modules]))\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code, str(db)], capture_output=True, text=True, timeout=120
+    )
+    assert res.returncode == 0, res.stderr
+    heavy, watch_module, torch_after = json.loads(res.stdout.splitlines()[-1])
+    assert heavy == []
+    assert watch_module == "edo_monitor.agent.monitor" and torch_after is True

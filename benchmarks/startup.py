@@ -1,0 +1,157 @@
+"""Start-up cost of ``edo-monitor`` commands, as ratios to importing its own libraries.
+
+    .venv/bin/python benchmarks/startup.py [--repeats 15] [--runs 20]
+
+Every variant is a fresh subprocess (``python -c …`` or the ``edo-monitor`` console script of
+this interpreter's environment), timed from ``Popen`` to ``wait4`` with its peak RSS from
+``wait4``'s rusage. The variants run interleaved, ``--repeats`` rounds, so machine noise hits
+them alike; the table shows medians and ratios to the baseline
+
+    baseline = ``python -c "import sqlalchemy, typer, rich"``
+
+(the libraries every history command needs). ``import cost`` subtracts a bare interpreter
+(``python -c pass``). The database is a temporary SQLite file with ``--runs`` finished runs of
+100 samples each, written with the project's writer engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+
+def _seed(path: Path, runs: int) -> None:
+    from sqlalchemy.orm import Session
+
+    from edo_monitor.readings import SAMPLE_FIELDS
+    from edo_monitor.store.engine import open_engine, write_samples
+    from edo_monitor.store.schema import Run
+
+    engine = open_engine(path)
+    t0 = 1_700_000_000.0
+    for k in range(runs):
+        with Session(engine) as s, s.begin():
+            run = Run(
+                uuid=str(uuid.UUID(int=k + 1)),
+                name=f"bench-{k}",
+                host="bench",
+                pid=1,
+                status="finished",
+                started_at_s=t0 + 1000 * k,
+                ended_at_s=t0 + 1000 * k + 100,
+                heartbeat_at_s=t0 + 1000 * k + 100,
+                device_kind="cpu-budget",
+                interval_s=1.0,
+                torch_version="2.x",
+                config={},
+                steps=100,
+                samples_dropped=0,
+                tags=[],
+            )
+            s.add(run)
+            s.flush()
+            run_id = run.id
+        rows = []
+        for i in range(100):
+            row = dict.fromkeys(SAMPLE_FIELDS)
+            row.update(time_s=t0 + 1000 * k + i, step=i, device_kind="cpu-budget")
+            row["in_use_bytes"] = 1_000_000 * (i + 1)
+            rows.append(tuple(row[f] for f in SAMPLE_FIELDS))
+        with engine.begin() as conn:
+            write_samples(conn, run_id, rows)
+    engine.dispose()
+
+
+BASELINE = "import sqlalchemy, typer, rich"
+WATCH = "import edo_monitor; edo_monitor.watch"
+
+
+def _time(cmd: list[str], env: dict[str, str]) -> tuple[float, float]:
+    """(wall seconds, peak RSS in MiB) of one subprocess."""
+    t = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    err = proc.stderr.read().decode() if proc.stderr else ""
+    if proc.stderr:
+        proc.stderr.close()
+    if proc.returncode != 0:
+        raise SystemExit(f"{cmd} exited {proc.returncode}: {err}")
+    return wall, usage.ru_maxrss / 1024  # Linux: KiB
+
+
+def main() -> None:
+    """Run the variants interleaved and print the table."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--seed-only", metavar="PATH", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.seed_only:
+        _seed(Path(args.seed_only), args.runs)
+        return
+
+    py = sys.executable
+    exe = str(Path(py).with_name("edo-monitor"))
+    if not Path(exe).exists():
+        raise SystemExit(f"{exe} not found: install the project (pip install -e .)")
+    with tempfile.TemporaryDirectory() as tmp:
+        db = Path(tmp) / "h.db"
+        # seeded in a child: this process stays small, and a child's peak RSS (which Linux
+        # counts from the fork, before its exec) is its own
+        subprocess.run([py, __file__, "--runs", str(args.runs), "--seed-only", str(db)], check=True)
+        env = {**os.environ, "EDO_DB": str(db), "COLUMNS": "200"}
+        variants = [
+            ("bare interpreter: python -c pass", [py, "-c", "pass"]),
+            ("baseline: import sqlalchemy, typer, rich", [py, "-c", BASELINE]),
+            ("import edo_monitor", [py, "-c", "import edo_monitor"]),
+            ("import edo_monitor.cli", [py, "-c", "import edo_monitor.cli"]),
+            ("edo-monitor --help", [exe, "--help"]),
+            (f"edo-monitor runs ({args.runs} runs)", [exe, "runs"]),
+            ("edo-monitor show latest", [exe, "show", "latest"]),
+            ("import torch (what watch() needs)", [py, "-c", "import torch"]),
+            ("import edo_monitor; edo_monitor.watch", [py, "-c", WATCH]),
+        ]
+        for _, cmd in variants:  # warm the file cache once
+            _time(cmd, env)
+        walls: dict[str, list[float]] = {name: [] for name, _ in variants}
+        rss: dict[str, list[float]] = {name: [] for name, _ in variants}
+        for _ in range(args.repeats):
+            for name, cmd in variants:
+                w, r = _time(cmd, env)
+                walls[name].append(w)
+                rss[name].append(r)
+    med = {name: statistics.median(v) for name, v in walls.items()}
+    bare = med[variants[0][0]]
+    base = med[variants[1][0]]
+    print(
+        f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"Python {platform.python_version()}, load average {os.getloadavg()[0]:.1f}; "
+        f"{args.repeats} interleaved rounds, medians"
+    )
+    print()
+    print("| command | wall | ratio to baseline | import cost | ratio (import cost) | peak RSS |")
+    print("|---|--:|--:|--:|--:|--:|")
+    for name, _ in variants:
+        m = med[name]
+        cost = m - bare
+        ratio_cost = "-" if name == variants[0][0] else f"{cost / (base - bare):.2f}x"
+        print(
+            f"| {name} | {1000 * m:.0f} ms | {m / base:.2f}x | {1000 * cost:.0f} ms | "
+            f"{ratio_cost} | {statistics.median(rss[name]):.0f} MiB |"
+        )
+
+
+if __name__ == "__main__":
+    main()
