@@ -21,6 +21,9 @@ Python standard library's own source files, which every Python installation carr
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # say what is happening at once: importing PyTorch takes seconds
+    print("train_embedding: loading PyTorch and edo-monitor…", flush=True)
+
 import argparse
 import logging
 import re
@@ -109,13 +112,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     torch.manual_seed(0)
+    source = str(args.text) if args.text else "the Python standard library"
+    print(f"reading the text of {source}…", flush=True)
     text = args.text.read_text(encoding="utf-8", errors="replace") if args.text else default_text()
+    print(f"building the dataset from {len(text):,} characters…", flush=True)
     features, targets = build_dataset(text)
     device = torch.device(args.device)
     model = HashedWordModel().to(device)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     policy = edo_monitor.Policy(mode="observe" if args.no_tune else "auto")
-    source = str(args.text) if args.text else "the Python standard library"
     print(f"training on {len(targets):,} positions of {source}; table {BUCKETS:,} x 64")
 
     losses: list[float] = []

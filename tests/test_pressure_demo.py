@@ -71,3 +71,31 @@ def test_tuned_run_survives_and_untuned_run_runs_out_of_memory(tmp_path: Path) -
     assert parsed["backend"] == "cpu-budget"
     assert parsed["total_bytes"] == 158 * 1024 * 1024
     assert json.loads(oom[0])["top_consumers"][0]["module"] == "features"
+
+
+def test_the_example_says_what_it_does_before_importing_torch(tmp_path: Path) -> None:
+    """Importing PyTorch takes seconds: the example's first line comes before it (issue 10, 12).
+
+    ``python -v`` writes each import to stderr, merged here into the same pipe as stdout (the
+    example flushes its line), so the order of the two is the order they happened in.
+    """
+    proc = subprocess.Popen(
+        [sys.executable, "-v", str(EXAMPLE), "--db", str(tmp_path / "h.db")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("import 'torch'"):
+                break
+    finally:
+        proc.kill()
+        proc.wait()
+    said = [i for i, line in enumerate(lines) if line.startswith("train_embedding: loading")]
+    torch_at = [i for i, line in enumerate(lines) if line.startswith("import 'torch'")]
+    assert torch_at, "torch was never imported"
+    assert said and said[0] < torch_at[0]

@@ -7,9 +7,17 @@ clicks. Databases are written through the ORM, as the agent's writer does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import csv
+import fcntl
 import os
+import pty
+import select
+import signal
 import sqlite3
+import struct
+import sys
+import termios
 import threading
 import time
 import uuid
@@ -18,14 +26,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import update
+from sqlalchemy import text, update
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 from textual.pilot import Pilot
 from textual.widgets import DataTable, Input, Static
 
 from edo_monitor.store.engine import open_engine
 from edo_monitor.store.schema import Event, Meta, ModuleStat, Run, Sample
-from edo_monitor.tui.app import EdoTui, parse_args
+from edo_monitor.tui.app import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EdoTui, main, parse_args
 from edo_monitor.tui.data import DataSource, Series
 from edo_monitor.tui.screens import HelpScreen, RunScreen, RunsScreen
 from edo_monitor.tui.widgets import Gauge, MemoryChart
@@ -647,18 +656,23 @@ def test_unknown_run_reference(db: Path) -> None:
 
 
 def test_app_opens_read_only(db: Path) -> None:
-    os.chmod(db, 0o444)
-    try:
-        app = EdoTui(db, refresh_s=REFRESH_S)
+    # chmod does not stop root (CI runs as root): check what the app did, not the file's mode
+    before = db.read_bytes()
+    app = EdoTui(db, refresh_s=REFRESH_S)
 
-        async def body(pilot: Pilot[None]) -> None:
-            await wait_for(pilot, lambda: loaded(app))
-            assert app.run_screen.error is None
-            assert app.run_screen.loaded
+    async def body(pilot: Pilot[None]) -> None:
+        await wait_for(pilot, lambda: loaded(app))
+        assert app.run_screen.error is None
+        assert app.run_screen.loaded
+        with (
+            pytest.raises(OperationalError, match="readonly database"),
+            app.source.open().engine.begin() as conn,
+        ):
+            conn.execute(text("INSERT INTO meta (key, value) VALUES ('x', 'y')"))
 
-        run_app(app, body)
-    finally:
-        os.chmod(db, 0o644)
+    run_app(app, body)
+    assert db.read_bytes() == before
+    assert not Path(f"{db}-wal").exists() or Path(f"{db}-wal").stat().st_size == 0
 
 
 # -- layout ----------------------------------------------------------------------------------
@@ -741,3 +755,138 @@ def test_parse_args() -> None:
     assert parse_args([]).db is None
     with pytest.raises(SystemExit):
         parse_args(["--refresh-s", "0"])
+
+
+# -- user strings are text, never markup (issue 10, item 8) ---------------------------------------
+
+MARKUP_NAMES = ("sweep[/bs64]", "bert[lr=1e-4]", "[bold]loud[/bold]")
+
+
+def test_user_strings_are_shown_as_is(tmp_path: Path) -> None:
+    path = tmp_path / "markup.db"
+    engine = open_engine(path)
+    with Session(engine) as session, session.begin():
+        for name in MARKUP_NAMES:
+            run = make_run(session, name, tags=["[/tag]", "lr=[1e-4]"])
+        add_event(session, run, run.started_at_s + 1, "agent_error", "failed in [/emb] [red]x")
+        add_table(session, run, "emb[/x].table[0]", 10, 4)
+    engine.dispose()
+    out = tmp_path / "out"
+    out.mkdir()
+    app = EdoTui(path, refresh_s=REFRESH_S, export_dir=out)
+
+    async def body(pilot: Pilot[None]) -> None:
+        await wait_for(pilot, lambda: loaded(app))
+        screen = run_view(app)
+        assert screen.error is None
+        assert " [bold]loud[/bold] " in text_of(screen.query_one("#run-header", Static))
+        events = screen.query_one("#events", DataTable)
+        assert table_column(events, 3) == ["failed in [/emb] [red]x"]
+        assert table_column(screen.query_one("#modules", DataTable), 0) == ["emb[/x].table[0]"]
+        await pilot.press("e")  # the notification names the run
+        await wait_for(pilot, lambda: app.last_export is not None)
+        assert any("([bold]loud[/bold])" in n.message for n in app._notifications)
+        await pilot.press("r")
+        await wait_for(pilot, lambda: app.runs_screen.loads > 0)
+        table = app.runs_screen.query_one("#runs", DataTable)
+        assert table_column(table, 1) == list(reversed(MARKUP_NAMES))
+        await pilot.press("slash", *"[/tag]")
+        await pilot.pause()
+        assert table.row_count == 3
+        assert "'[/tag]'" in text_of(app.runs_screen.query_one("#runs-header", Static))
+        assert app.is_running
+
+    run_app(app, body)
+
+
+# -- exit codes (issue 10, item 10) ------------------------------------------------------------
+
+
+def _exit_code_after_quit(app: EdoTui) -> int:
+    async def body(pilot: Pilot[None]) -> None:
+        await wait_for(pilot, lambda: loaded(app))
+        await pilot.press("q")
+        await wait_for(pilot, lambda: not app.is_running)
+
+    run_app(app, body)
+    return app.exit_code
+
+
+def test_exit_code_ok_after_showing_a_run(db: Path) -> None:
+    assert _exit_code_after_quit(EdoTui(db, refresh_s=REFRESH_S)) == EXIT_OK == 0
+
+
+def test_exit_code_ok_while_waiting_for_a_first_run(tmp_path: Path) -> None:
+    path = tmp_path / "empty.db"
+    open_engine(path).dispose()
+    assert _exit_code_after_quit(EdoTui(path, refresh_s=REFRESH_S)) == 0
+
+
+def test_exit_code_1_after_an_error_panel(db: Path, tmp_path: Path) -> None:
+    assert _exit_code_after_quit(EdoTui(tmp_path / "nope.db", refresh_s=REFRESH_S)) == 1
+    assert _exit_code_after_quit(EdoTui(db, run="zzzz", refresh_s=REFRESH_S)) == 1
+    junk = tmp_path / "junk.db"
+    junk.write_bytes(b"not sqlite" * 200)
+    assert _exit_code_after_quit(EdoTui(junk, refresh_s=REFRESH_S)) == EXIT_REFUSED == 1
+
+
+def test_exit_code_1_when_quitting_from_the_runs_view_with_an_error(tmp_path: Path) -> None:
+    app = EdoTui(tmp_path / "nope.db", refresh_s=REFRESH_S)
+
+    async def body(pilot: Pilot[None]) -> None:
+        await wait_for(pilot, lambda: loaded(app))
+        await pilot.press("r")
+        await wait_for(pilot, lambda: app.runs_screen.error_code is not None)
+        await pilot.press("q")
+
+    run_app(app, body)
+    assert app.exit_code == 1
+
+
+def test_exit_code_usage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--refresh-s", "0"])
+    assert info.value.code == EXIT_USAGE == 2
+    with pytest.raises(SystemExit) as info:
+        main(["--no-such-option"])
+    assert info.value.code == 2
+    capsys.readouterr()
+    assert main(["nosuchdialect://host/db"]) == 2  # refused before the screen is taken over
+    err = capsys.readouterr().err
+    assert err.startswith("edo-tui: error: db='nosuchdialect://host/db'")
+    assert main([str(tmp_path)]) == 2  # a folder, not a database file
+
+
+# -- keys typed before the first frame (issue 10, item 14) -------------------------------------
+
+
+@pytest.mark.slow
+def test_keys_typed_before_the_first_frame_are_kept(db: Path, tmp_path: Path) -> None:
+    """``r q`` typed while edo-tui is still starting: the runs view opens, then the app quits.
+
+    A real terminal (a pty): the keys are written before the process has drawn anything.
+    Before the fix the first screen's auto-focus put the hidden filter box in focus and ``q``
+    was typed into it, so the app never quit.
+    """
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: edo-tui in a 140x45 terminal
+        os.execv(sys.executable, [sys.executable, "-m", "edo_monitor.tui.app", str(db)])
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 45, 140, 0, 0))
+    os.write(fd, b"r q")
+    output = bytearray()
+    status = None
+    deadline = time.monotonic() + 120  # a hang guard, not a speed bound
+    while status is None and time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.1)
+        if ready:
+            with contextlib.suppress(OSError):  # OSError: the child closed the terminal
+                output += os.read(fd, 1 << 16)
+        done, wait_status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            status = os.waitstatus_to_exitcode(wait_status)
+    if status is None:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    os.close(fd)
+    assert status == 0, "edo-tui did not quit on the q typed before its first frame"
+    assert b"runs in" in output  # the r typed before the first frame opened the runs view

@@ -7,6 +7,13 @@ Usage::
 ``DB`` is a file path or SQLAlchemy URL (default: ``EDO_DB``, else ``./edo-history.db``, as the
 agent); ``RUN`` an id, a uuid prefix or ``latest`` (default: the latest running run, else the
 latest run). The database is opened read-only; the dashboard never talks to a running agent.
+
+Exit codes (the scheme of ``edo-monitor``), decided by what the dashboard shows when it quits:
+    0  quit while showing a run, the runs table, or "waiting for a run"
+    1  quit while an error panel says the database or run cannot be read (no such file, not a
+       database, a newer schema, an unreachable server, no run matching ``--run``)
+    2  usage: an unknown option, a bad value, a database argument that is not a path or URL
+    3  unexpected internal error (Textual prints the traceback)
 """
 
 from __future__ import annotations
@@ -14,21 +21,38 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from rich.console import RenderableType
 from textual import work
 from textual.app import App
 from textual.binding import Binding
+from textual.notifications import SeverityLevel
+
+from edo_monitor.errors import ConfigError
+from edo_monitor.store.engine import resolve_db_url
 
 from .data import DataSource, RunInfo
 from .screens import READ_ERRORS, HelpScreen, RunScreen, RunsScreen
 
-__all__ = ["EdoTui", "main", "parse_args"]
+__all__ = [
+    "EXIT_INTERNAL",
+    "EXIT_OK",
+    "EXIT_REFUSED",
+    "EXIT_USAGE",
+    "EdoTui",
+    "main",
+    "parse_args",
+]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_REFRESH_S = 1.0
+
+#: Exit codes, the same scheme as ``edo-monitor`` (see the module docstring).
+EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 
 
 class EdoTui(App[None]):
@@ -67,6 +91,19 @@ class EdoTui(App[None]):
         self.refresh_s = refresh_s
         self.export_dir = Path(export_dir) if export_dir is not None else None
         self.last_export: Path | None = None
+        self._final_error_code: int | None = None
+
+    def notify(
+        self,
+        message: str,
+        *,
+        title: str = "",
+        severity: SeverityLevel = "information",
+        timeout: float | None = None,
+        markup: bool = False,
+    ) -> None:
+        """Show a notification; its text is shown as is (run names and paths are not markup)."""
+        super().notify(message, title=title, severity=severity, timeout=timeout, markup=markup)
 
     def on_mount(self) -> None:
         """Install both views and show the run view."""
@@ -74,9 +111,38 @@ class EdoTui(App[None]):
         self.install_screen(RunsScreen(), "runs")
         self.push_screen("live")
 
+    def exit(
+        self,
+        result: None = None,
+        return_code: int = 0,
+        message: RenderableType | None = None,
+    ) -> None:
+        """Exit the app (``q``), noting the exit code for what it shows (:attr:`exit_code`)."""
+        if self._final_error_code is None:
+            self._final_error_code = self._shown_error_code()
+        super().exit(result, return_code, message)
+
     def on_unmount(self) -> None:
         """Release the database."""
         self.source.close()
+
+    @property
+    def exit_code(self) -> int:
+        """The process exit code for what the app shows now (see the module docstring):
+        :data:`EXIT_INTERNAL` after a crash, else the code of the error panel on the screen the
+        user is looking at (or, on help, the run view's), else :data:`EXIT_OK`."""
+        if self.return_code not in (None, 0):
+            return EXIT_INTERNAL
+        if self._final_error_code is not None:  # the app has exited: what it showed last
+            return self._final_error_code
+        return self._shown_error_code()
+
+    def _shown_error_code(self) -> int:
+        shown = [s for s in self.screen_stack if isinstance(s, (RunScreen, RunsScreen))]
+        for screen in reversed(shown):
+            if screen.error_code is not None:
+                return screen.error_code
+        return EXIT_OK
 
     @property
     def run_screen(self) -> RunScreen:
@@ -178,11 +244,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point of ``edo-tui``."""
-    args = parse_args(argv)
-    EdoTui(args.db, run=args.run, refresh_s=args.refresh_s).run()
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``edo-tui``: returns the exit code (module docstring).
+
+    The arguments are checked before the screen is taken over: a bad option or a database
+    argument that is neither a path nor a usable URL prints one line on stderr and returns
+    :data:`EXIT_USAGE`.
+    """
+    args = parse_args(argv)  # argparse exits with 2 itself
+    try:
+        resolve_db_url(args.db)
+    except ConfigError as exc:
+        sys.stderr.write(f"edo-tui: error: {exc}\n")
+        return EXIT_USAGE
+    app = EdoTui(args.db, run=args.run, refresh_s=args.refresh_s)
+    app.run()
+    return app.exit_code
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

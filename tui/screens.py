@@ -21,7 +21,7 @@ from textual.css.query import NoMatches
 from textual.screen import ModalScreen, Screen
 from textual.widgets import DataTable, Footer, Input, Static
 
-from edo_monitor.errors import EdoMonitorError
+from edo_monitor.errors import ConfigError, EdoMonitorError
 from edo_monitor.units import format_bytes
 
 from .data import (
@@ -42,6 +42,7 @@ from .widgets import (
     format_duration,
     format_fraction,
     format_time,
+    plain,
 )
 
 if TYPE_CHECKING:
@@ -104,6 +105,12 @@ def _while_shown(method: _F) -> _F:
     return wrapper  # type: ignore[return-value]
 
 
+def _code_for(exc: BaseException) -> int:
+    """The exit code an error shown on screen stands for: 2 for a database argument that is not
+    usable as given (:class:`ConfigError`), else 1 (the database or run cannot be read)."""
+    return 2 if isinstance(exc, ConfigError) else 1
+
+
 def _message_for(exc: BaseException) -> str:
     text = str(exc) or type(exc).__name__
     if isinstance(exc, ImportError):
@@ -147,6 +154,8 @@ class RunScreen(Screen[None]):
         self.actions: list[EventInfo] = []
         self.module_ids: tuple[int, ...] = ()
         self.error: str | None = None
+        #: exit code of the error shown (``None``: no error, or only "waiting for a run")
+        self.error_code: int | None = None
         self.loaded = False
         self.busy = False
         self.generation = 0
@@ -226,6 +235,7 @@ class RunScreen(Screen[None]):
                     self._show_error,
                     generation,
                     f"No runs recorded yet in {source.label}. Waiting for a run to start…",
+                    None,
                 )
                 return
             series = source.series(run, max_points)
@@ -234,7 +244,9 @@ class RunScreen(Screen[None]):
             modules = source.modules(run.id)
         except READ_ERRORS as exc:
             logger.debug("load failed", exc_info=True)
-            self.app.call_from_thread(self._show_error, generation, _message_for(exc))
+            self.app.call_from_thread(
+                self._show_error, generation, _message_for(exc), _code_for(exc)
+            )
             return
         self.app.call_from_thread(
             self._apply_load, generation, run, series, latest, events, modules
@@ -252,18 +264,21 @@ class RunScreen(Screen[None]):
             )
         except READ_ERRORS as exc:
             logger.debug("poll failed", exc_info=True)
-            self.app.call_from_thread(self._show_error, generation, _message_for(exc))
+            self.app.call_from_thread(
+                self._show_error, generation, _message_for(exc), _code_for(exc)
+            )
             return
         self.app.call_from_thread(self._apply_poll, generation, poll)
 
     # -- applying (UI thread) ---------------------------------------------------------------
 
     @_while_shown
-    def _show_error(self, generation: int, message: str) -> None:
+    def _show_error(self, generation: int, message: str, code: int | None) -> None:
         if generation != self.generation or not self.is_mounted:
             return
         self.busy = False
         self.error = message
+        self.error_code = code
         box = self.query_one("#run-message", Static)
         box.update(Text(message, style="bold"))
         box.display = True
@@ -273,6 +288,7 @@ class RunScreen(Screen[None]):
     def _clear_error(self) -> None:
         if self.error is not None:
             self.error = None
+            self.error_code = None
             self.query_one("#run-message", Static).display = False
 
     @_while_shown
@@ -336,11 +352,11 @@ class RunScreen(Screen[None]):
                 self.actions.append(event)
             style = _EVENT_STYLES.get(event.kind, "")
             table.add_row(
-                format_duration(event.time_s - start),
-                str(event.step),
-                Text(event.kind, style=style),
-                _event_detail(event),
-                _format_saved(event),
+                plain(format_duration(event.time_s - start)),
+                plain(event.step),
+                plain(event.kind, style),
+                plain(_event_detail(event)),
+                plain(_format_saved(event)),
                 key=str(event.id),
             )
         if events:
@@ -362,15 +378,15 @@ class RunScreen(Screen[None]):
                 else "N/A"
             )
             table.add_row(
-                row.module,
-                shape,
-                row.dtype or "N/A",
-                row.placement or "N/A",
-                format_bytes(row.params_bytes),
-                format_bytes(row.grads_bytes),
-                format_bytes(row.optimizer_state_bytes),
-                format_bytes(row.activations_bytes),
-                format_bytes(row.total_bytes),
+                plain(row.module),
+                plain(shape),
+                plain(row.dtype or "N/A"),
+                plain(row.placement or "N/A"),
+                plain(format_bytes(row.params_bytes)),
+                plain(format_bytes(row.grads_bytes)),
+                plain(format_bytes(row.optimizer_state_bytes)),
+                plain(format_bytes(row.activations_bytes)),
+                plain(format_bytes(row.total_bytes)),
                 key=row.module,
             )
 
@@ -491,6 +507,9 @@ def _matches(run: RunInfo, needle: str) -> bool:
 class RunsScreen(Screen[None]):
     """Every run in the database: sortable (click a header, or ``s``), filterable (``/``)."""
 
+    #: the table, not the (hidden) filter box: a key typed before the view is shown must reach
+    #: the app's bindings, not be typed into the filter
+    AUTO_FOCUS = "#runs"
     BINDINGS = [  # noqa: RUF012
         Binding("s", "sort_next", "sort"),
         Binding("escape", "clear_filter", "clear filter", show=False),
@@ -505,6 +524,8 @@ class RunsScreen(Screen[None]):
         self.filter_text = ""
         self.busy = False
         self.loads = 0
+        #: exit code of the error shown (``None``: none)
+        self.error_code: int | None = None
 
     @property
     def tui(self) -> EdoTui:
@@ -550,15 +571,16 @@ class RunsScreen(Screen[None]):
         try:
             run_list = self.tui.source.runs()
         except READ_ERRORS as exc:
-            self.app.call_from_thread(self._show_error, _message_for(exc))
+            self.app.call_from_thread(self._show_error, _message_for(exc), _code_for(exc))
             return
         self.app.call_from_thread(self._apply, run_list)
 
     @_while_shown
-    def _show_error(self, message: str) -> None:
+    def _show_error(self, message: str, code: int) -> None:
         self.busy = False
         if not self.is_mounted:
             return
+        self.error_code = code
         box = self.query_one("#runs-message", Static)
         box.update(Text(message, style="bold"))
         box.display = True
@@ -569,6 +591,7 @@ class RunsScreen(Screen[None]):
         if not self.is_mounted:
             return
         self.loads += 1
+        self.error_code = None
         self.run_list = run_list
         box = self.query_one("#runs-message", Static)
         if not run_list:
@@ -599,16 +622,16 @@ class RunsScreen(Screen[None]):
             table.columns[key].label = Text(label + (arrow if key == self.sort_key else ""))
         for run in self.visible():
             table.add_row(
-                str(run.id),
-                run.name,
-                Text(run.status, style=STATUS_STYLES.get(run.status, "")),
-                format_time(run.started_at_s),
-                format_duration(elapsed_s(run)),
-                f"{run.device_name or '?'} ({run.device_kind})",
-                format_bytes(run.peak_in_use_bytes),
-                format_fraction(run.min_free_fraction),
-                str(run.oom_count),
-                str(run.action_count),
+                plain(run.id),
+                plain(run.name),
+                plain(run.status, STATUS_STYLES.get(run.status, "")),
+                plain(format_time(run.started_at_s)),
+                plain(format_duration(elapsed_s(run))),
+                plain(f"{run.device_name or '?'} ({run.device_kind})"),
+                plain(format_bytes(run.peak_in_use_bytes)),
+                plain(format_fraction(run.min_free_fraction)),
+                plain(run.oom_count),
+                plain(run.action_count),
                 key=str(run.id),
             )
         if keep is not None and keep in table.rows:

@@ -19,6 +19,7 @@ __all__ = [
     "format_duration",
     "format_fraction",
     "format_time",
+    "plain",
 ]
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,17 @@ STATUS_STYLES = {
     "interrupted": "bold yellow",
     "crashed": "bold white on red",
 }
+
+
+def plain(value: object, style: str = "") -> Text:
+    """``value`` as text that is shown exactly as is: never parsed as Rich markup.
+
+    Every string the dashboard did not write itself (run names, tags, event messages, module
+    names, paths, error messages) goes through this before it reaches a widget: a ``str`` cell of
+    a ``DataTable`` is parsed as markup, so ``bert[lr=1e-4]`` would lose its brackets and
+    ``sweep[/bs64]`` would raise ``MarkupError``.
+    """
+    return Text(str(value), style=style, no_wrap=True, overflow="ellipsis")
 
 
 def format_duration(seconds: float | None) -> str:
