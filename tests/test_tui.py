@@ -860,23 +860,21 @@ def test_exit_code_usage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
 # -- keys typed before the first frame (issue 10, item 14) -------------------------------------
 
 
-@pytest.mark.slow
-def test_keys_typed_before_the_first_frame_are_kept(db: Path, tmp_path: Path) -> None:
-    """``r q`` typed while edo-tui is still starting: the runs view opens, then the app quits.
-
-    A real terminal (a pty): the keys are written before the process has drawn anything.
-    Before the fix the first screen's auto-focus put the hidden filter box in focus and ``q``
-    was typed into it, so the app never quit.
-    """
+def _edo_tui_in_a_terminal(db: Path, script: list[tuple[bytes | None, bytes]]) -> tuple[int, bytes]:
+    """Run ``edo-tui DB`` in a 140x45 pty; for each ``(wait_for, keys)`` wait until the output
+    holds ``wait_for`` (``None``: do not wait), then type ``keys``. Returns the exit status and
+    the output, once the process has exited (a hang guard of 120 s kills it)."""
     pid, fd = pty.fork()
-    if pid == 0:  # the child: edo-tui in a 140x45 terminal
+    if pid == 0:  # the child
         os.execv(sys.executable, [sys.executable, "-m", "edo_monitor.tui.app", str(db)])
     fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 45, 140, 0, 0))
-    os.write(fd, b"r q")
     output = bytearray()
     status = None
+    steps = list(script)
     deadline = time.monotonic() + 120  # a hang guard, not a speed bound
     while status is None and time.monotonic() < deadline:
+        while steps and (steps[0][0] is None or steps[0][0] in output):
+            os.write(fd, steps.pop(0)[1])
         ready, _, _ = select.select([fd], [], [], 0.1)
         if ready:
             with contextlib.suppress(OSError):  # OSError: the child closed the terminal
@@ -887,6 +885,19 @@ def test_keys_typed_before_the_first_frame_are_kept(db: Path, tmp_path: Path) ->
     if status is None:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+        status = -1
     os.close(fd)
+    return status, bytes(output)
+
+
+@pytest.mark.slow
+def test_keys_typed_before_the_first_frame_are_kept(db: Path) -> None:
+    """Keys typed while edo-tui is still starting (a real terminal: a pty; the keys are written
+    before the process has drawn anything). Before the fix the runs view's auto-focus put its
+    hidden filter box in focus and the ``q`` after ``r`` was typed into it: the app never quit."""
+    status, _ = _edo_tui_in_a_terminal(db, [(None, b"r q")])
     assert status == 0, "edo-tui did not quit on the q typed before its first frame"
-    assert b"runs in" in output  # the r typed before the first frame opened the runs view
+    # the r alone: the runs view opens (its header is drawn), then q quits
+    status, output = _edo_tui_in_a_terminal(db, [(None, b"r"), (b"runs in", b"q")])
+    assert b"runs in" in output
+    assert status == 0
