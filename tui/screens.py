@@ -159,7 +159,10 @@ class RunScreen(Screen[None]):
         self.loaded = False
         self.busy = False
         self.generation = 0
+        #: completed reads: ``refreshes`` of what is new in the open run, ``loads`` of a run
+        #: (or of "no run yet" / an error)
         self.refreshes = 0
+        self.loads = 0
 
     @property
     def tui(self) -> EdoTui:
@@ -277,6 +280,7 @@ class RunScreen(Screen[None]):
         if generation != self.generation or not self.is_mounted:
             return
         self.busy = False
+        self.loads += 1
         self.error = message
         self.error_code = code
         box = self.query_one("#run-message", Static)
@@ -316,7 +320,7 @@ class RunScreen(Screen[None]):
         self._add_events(events)
         self._add_modules(modules)
         self.loaded = True
-        self.refreshes += 1
+        self.loads += 1
         self._redraw()
 
     @_while_shown
