@@ -44,6 +44,16 @@ device memory. The estimate therefore reports it apart, as ``step_state_bytes``:
   ``K × embedding_dim`` in ``dtype`` (two parameter tensors, so two step counters).
 * ``"hash:B"`` or ``("hash", B)``: ``B × embedding_dim`` shared rows in ``dtype``, trainable
   (ids are hashed into ``B`` buckets; the hash itself stores nothing).
+* ``"hash2:B"`` or ``("hash2", B)``: two hashes into the same ``B × embedding_dim`` rows, mixed by
+  learned per-id weights ``num_embeddings × 2`` (two trainable tensors).
+* ``"qr:R"`` or ``("qr", R)``: quotient–remainder rows, a ``ceil(num_embeddings / R) ×
+  embedding_dim`` and an ``R × embedding_dim`` table (two trainable tensors).
+* ``"hybrid:K:B"`` or ``("hybrid", K, B)``: ``K`` hot ids with rows of their own plus ``B``
+  hashed buckets for the rest (two trainable tensors ``K × embedding_dim`` and ``B ×
+  embedding_dim``), and the sorted hot ids as an int64 buffer (``K × 8`` bytes, in
+  ``params_bytes``).
+
+The sharing kinds are the tables of :mod:`edo_monitor.nn.sharing`, byte for byte.
 
 Everything here is arithmetic; nothing touches a device.
 """
@@ -99,8 +109,11 @@ _DTYPES: dict[str, tuple[str, int]] = {
 }
 _DTYPES_ALLOWED = "float32, float16, bfloat16, float64 (or fp32, fp16, bf16, fp64, a torch.dtype)"
 _COMPRESSION_ALLOWED = (
-    "None, 'fp16', 'bf16', 'int8', 'lowrank:K' / ('lowrank', K), 'hash:B' / ('hash', B)"
+    "None, 'fp16', 'bf16', 'int8', 'lowrank:K' / ('lowrank', K), 'hash:B' / ('hash', B), "
+    "'hash2:B' / ('hash2', B), 'qr:R' / ('qr', R), 'hybrid:K:B' / ('hybrid', K, B)"
 )
+# compression kinds with integer arguments -> how many
+_COMPRESSION_ARGS = {"lowrank": 1, "hash": 1, "hash2": 1, "qr": 1, "hybrid": 2}
 
 
 @dataclass(frozen=True)
@@ -112,7 +125,7 @@ class Estimate:
         dtype: element type of the uncompressed table (``"float32"`` …).
         optimizer: canonical optimizer name (one of :data:`OPTIMIZERS`).
         compression: canonical compression (``None``, ``"fp16"``, ``"bf16"``, ``"int8"``,
-            ``"lowrank:K"``, ``"hash:B"``).
+            ``"lowrank:K"``, ``"hash:B"``, ``"hash2:B"``, ``"qr:R"``, ``"hybrid:K:B"``).
         master_weights: whether an fp32 master copy is kept for a 16-bit table.
         params_bytes: parameters and buffers (int8 scales included).
         grads_bytes: gradients (0 for a frozen table).
@@ -179,38 +192,36 @@ def _optimizer(value: object) -> str:
     return key
 
 
-def _compression(value: object) -> tuple[str | None, int]:
-    """Canonical (kind, argument): (None, 0), ("fp16", 0), ("lowrank", K), ("hash", B) …"""
+def _compression(value: object) -> tuple[str | None, tuple[int, ...]]:
+    """Canonical (kind, arguments): (None, ()), ("lowrank", (K,)), ("hybrid", (K, B)) …"""
     if value is None:
-        return None, 0
+        return None, ()
     bad = ConfigError(f"compression={value!r} is not allowed; expected {_COMPRESSION_ALLOWED}")
     if isinstance(value, str):
         text = value.strip().lower()
         if text in ("", "none"):
-            return None, 0
+            return None, ()
         if text in ("fp16", "float16", "half"):
-            return "fp16", 0
+            return "fp16", ()
         if text in ("bf16", "bfloat16"):
-            return "bf16", 0
+            return "bf16", ()
         if text in ("int8", "int8-rowwise", "int8_rowwise"):
-            return "int8", 0
-        kind, sep, arg = text.partition(":")
-        if not sep:
-            raise bad
+            return "int8", ()
+        kind, *parts = (part.strip() for part in text.split(":"))
         try:
-            number = int(arg.strip())
+            numbers = tuple(int(part) for part in parts)
         except ValueError:
             raise bad from None
-    elif isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str):
+    elif isinstance(value, tuple) and value and isinstance(value[0], str):
         kind = value[0].strip().lower()
-        number = value[1]
-        if isinstance(number, bool) or not isinstance(number, int):
+        numbers = value[1:]
+        if any(isinstance(n, bool) or not isinstance(n, int) for n in numbers):
             raise bad
     else:
         raise bad
-    if kind not in ("lowrank", "hash"):
+    if _COMPRESSION_ARGS.get(kind) != len(numbers):
         raise bad
-    return kind, number
+    return kind, numbers
 
 
 def estimate(
@@ -234,7 +245,9 @@ def estimate(
             ``"adam"``, ``"adamw"``, ``"adagrad"``, ``"rmsprop"``.
         compression: ``None``, ``"fp16"``, ``"bf16"``, ``"int8"``, ``"lowrank:K"`` or
             ``("lowrank", K)`` with ``1 <= K <= min(num_embeddings, embedding_dim)``,
-            ``"hash:B"`` or ``("hash", B)`` with ``1 <= B <= num_embeddings``.
+            ``"hash:B"`` / ``"hash2:B"`` with ``1 <= B <= num_embeddings``, ``"qr:R"`` with
+            ``1 <= R <= num_embeddings``, ``"hybrid:K:B"`` with ``0 <= K < num_embeddings`` and
+            ``1 <= B <= num_embeddings - K`` (tuple forms ``("hash", B)`` … as well).
         master_weights: keep an fp32 master copy (and fp32 optimizer state) for a 16-bit
             trainable table; only allowed when the trainable storage is 16-bit.
 
@@ -250,7 +263,7 @@ def estimate(
     opt = _optimizer(optimizer)
     if not isinstance(master_weights, bool):
         raise ConfigError(f"master_weights={master_weights!r} is not allowed; expected a bool")
-    kind, arg = _compression(compression)
+    kind, args = _compression(compression)
 
     # (elements of each trainable tensor, bytes per element of the trainable storage)
     trainable: list[int] = []
@@ -264,19 +277,39 @@ def estimate(
     elif kind == "int8":
         params = rows * cols + rows * 4  # int8 weights + one float32 scale per row
     elif kind == "lowrank":
-        if not 1 <= arg <= min(rows, cols):
+        (k,) = args
+        if not 1 <= k <= min(rows, cols):
             raise ConfigError(
-                f"compression='lowrank:{arg}' is not allowed; the rank K must be between 1 and "
+                f"compression='lowrank:{k}' is not allowed; the rank K must be between 1 and "
                 f"min(num_embeddings, embedding_dim) = {min(rows, cols)}"
             )
-        trainable = [rows * arg, arg * cols]
-    else:  # hash
-        if not 1 <= arg <= rows:
+        trainable = [rows * k, k * cols]
+    elif kind in ("hash", "hash2"):
+        (b,) = args
+        if not 1 <= b <= rows:
             raise ConfigError(
-                f"compression='hash:{arg}' is not allowed; the number of buckets B must be "
+                f"compression='{kind}:{b}' is not allowed; the number of buckets B must be "
                 f"between 1 and num_embeddings = {rows}"
             )
-        trainable = [arg * cols]
+        trainable = [b * cols] if kind == "hash" else [b * cols, rows * 2]
+    elif kind == "qr":
+        (r,) = args
+        if not 1 <= r <= rows:
+            raise ConfigError(
+                f"compression='qr:{r}' is not allowed; the number of remainders R must be "
+                f"between 1 and num_embeddings = {rows}"
+            )
+        trainable = [-(-rows // r) * cols, r * cols]
+    else:  # hybrid
+        k, b = args
+        if not 0 <= k < rows or not 1 <= b <= rows - k:
+            raise ConfigError(
+                f"compression='hybrid:{k}:{b}' is not allowed; the hot ids K must be between 0 "
+                f"and num_embeddings - 1 = {rows - 1}, the buckets B between 1 and "
+                f"num_embeddings - K"
+            )
+        trainable = [k * cols, b * cols] if k else [b * cols]  # no hot rows: no hot tensor
+        params = k * 8  # the sorted hot ids, int64
 
     if master_weights and (not trainable or storage_bytes != 2):
         raise ConfigError(
@@ -295,7 +328,7 @@ def estimate(
         optimizer_state = numel * storage_bytes * states_per_element
     step_state = _STEP_TENSOR_BYTES * len(trainable) if has_step else 0
 
-    canonical = kind if kind in (None, "fp16", "bf16", "int8") else f"{kind}:{arg}"
+    canonical = ":".join([kind, *map(str, args)]) if kind is not None else None
     result = Estimate(
         num_embeddings=rows,
         embedding_dim=cols,
