@@ -61,6 +61,10 @@ class ActionContext:
         max_checkpoint_blocks: most blocks ``checkpoint_activations`` wraps in one application.
         low_rank_fraction: rank of ``compress_embedding_lowrank`` as a fraction of
             ``embedding_dim``.
+        lookup_counter: an :class:`edo_monitor.frequency.LookupCounter` watching the model's
+            tables (``share_embedding`` takes its hot ids from it); ``None`` = no counts.
+        share_hot_fraction, share_bucket_fraction: ``share_embedding``'s hot rows and buckets as
+            fractions of the table's rows.
         fail_at: name of a stage at which the action raises :class:`InjectedFailureError`
             (tests of the transaction); ``None`` in normal use.
     """
@@ -74,6 +78,9 @@ class ActionContext:
     activation_profile: Any = None
     max_checkpoint_blocks: int = 4
     low_rank_fraction: float = 0.5
+    lookup_counter: Any = None
+    share_hot_fraction: float = 0.05
+    share_bucket_fraction: float = 0.05
     fail_at: str | None = None
 
     def __post_init__(self) -> None:

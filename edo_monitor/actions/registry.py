@@ -7,6 +7,7 @@ from edo_monitor.actions.checkpoint_activations import CheckpointActivations
 from edo_monitor.actions.compress_embedding import CompressEmbedding
 from edo_monitor.actions.offload_embedding import OffloadEmbedding
 from edo_monitor.actions.release_cache import ReleaseCache
+from edo_monitor.actions.share_embedding import ShareEmbedding
 
 __all__ = ["ACTIONS", "DEFAULT_LOSSLESS_LADDER", "DEFAULT_LOSSY_LADDER", "LOSSY_ACTIONS"]
 
@@ -21,11 +22,13 @@ ACTIONS: dict[str, Action] = {
         CompressEmbedding("fp16"),
         CompressEmbedding("int8"),
         CompressEmbedding("lowrank"),
+        ShareEmbedding(),
     )
 }
 """Every action by name (``release_cache``, ``offload_embedding``, ``checkpoint_activations``,
 ``compress_embedding`` (bf16 trainable / int8 frozen), ``compress_embedding_bf16``,
-``compress_embedding_fp16``, ``compress_embedding_int8``, ``compress_embedding_lowrank``)."""
+``compress_embedding_fp16``, ``compress_embedding_int8``, ``compress_embedding_lowrank``,
+``share_embedding`` (hot/cold hybrid))."""
 
 LOSSY_ACTIONS: frozenset[str] = frozenset(n for n, a in ACTIONS.items() if a.lossy)
 
@@ -34,4 +37,4 @@ DEFAULT_LOSSLESS_LADDER: tuple[str, ...] = (
     "offload_embedding",
     "checkpoint_activations",
 )
-DEFAULT_LOSSY_LADDER: tuple[str, ...] = ("compress_embedding",)
+DEFAULT_LOSSY_LADDER: tuple[str, ...] = ("compress_embedding", "share_embedding")

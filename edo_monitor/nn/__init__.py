@@ -1,4 +1,4 @@
-"""EDO embedding modules (host offload, low precision, int8 row-wise, low rank)."""
+"""EDO embedding modules (host offload, low precision, int8 row-wise, low rank, shared rows)."""
 
 from __future__ import annotations
 
@@ -13,15 +13,20 @@ from edo_monitor.nn.embedding import (
     quantize_int8_rowwise,
     row_error,
 )
+from edo_monitor.nn.sharing import HashedEmbedding, HybridEmbedding, QREmbedding, hash_ids
 
 __all__ = [
     "BAG_MODES",
     "EmbeddingOptions",
+    "HashedEmbedding",
+    "HybridEmbedding",
     "Int8RowwiseEmbedding",
     "LowPrecisionEmbedding",
     "LowRankEmbedding",
     "OffloadedEmbedding",
+    "QREmbedding",
     "dequantize_int8_rowwise",
+    "hash_ids",
     "quantize_int8_rowwise",
     "row_error",
 ]

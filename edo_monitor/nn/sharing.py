@@ -140,14 +140,20 @@ class _SharedEmbedding(_RowComputedEmbedding):
     def _gather(self, idx: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         return F.embedding(idx, table, sparse=self.options.sparse)
 
-    def reconstructed(self) -> torch.Tensor:
-        """Every id's row ``(N, D)`` as a lookup returns it (padding row exact; no gradient)."""
-        with torch.no_grad():
-            ids = torch.arange(self.options.num_embeddings, device=self.padding_device())
-            w = self._rows(ids)
-            if self.padding_row is not None:
-                w[self.options.padding_idx] = self.padding_row.to(w.dtype)
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows ``(*ids.shape, D)`` a lookup of ``ids`` returns (padding row exact)."""
+        w = self._rows(ids)
+        if self.padding_row is not None:
+            mask = (ids == self.options.padding_idx).unsqueeze(-1)
+            w = torch.where(mask, self.padding_row.to(w.dtype), w)
         return w
+
+    def reconstructed(self) -> torch.Tensor:
+        """Every id's row ``(N, D)`` as a lookup returns it (no gradient)."""
+        with torch.no_grad():
+            return self.rows(
+                torch.arange(self.options.num_embeddings, device=self.padding_device())
+            )
 
     def padding_device(self) -> torch.device:
         """The device of the module's tensors (where lookups run)."""
@@ -378,6 +384,46 @@ class HybridEmbedding(_SharedEmbedding):
         hot = self._gather(slot, self.hot_weight)
         return torch.where(is_hot.unsqueeze(-1), hot, cold)
 
+    def split_rows(
+        self, table: torch.Tensor, *, reduce: str = "mean", chunk_rows: int = 65536
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Map a per-id ``(N, D)`` tensor onto this module's rows: ``(hot (K, D), cold (B, D))``.
+
+        Hot rows are copied (in ``hot_ids`` order); each bucket gets the ``reduce`` (``"mean"`` or
+        ``"sum"``) of its cold members' rows, the padding row left out (an empty bucket is zero).
+        Used for the weight (mean: the model keeps working), the optimizer's per-element state
+        (mean) and a gradient (sum: the chain rule through a shared row). Works ``chunk_rows`` rows
+        at a time: the temporary memory is one chunk plus the ``(B, D)`` sums, not a copy of the
+        table. The result is in ``table``'s dtype, on its device.
+
+        Raises:
+            ValueError: for a shape other than ``(N, D)`` or another ``reduce``.
+        """
+        n, d = self.options.num_embeddings, self.options.embedding_dim
+        if tuple(table.shape) != (n, d):
+            raise ValueError(f"table has shape {tuple(table.shape)}; expected ({n}, {d})")
+        if reduce not in ("mean", "sum"):
+            raise ValueError(f"reduce={reduce!r}; expected 'mean' or 'sum'")
+        t = table.detach()
+        hot_ids = self.hot_ids.to(t.device)
+        acc = torch.float64 if t.dtype == torch.float64 else torch.float32
+        sums = torch.zeros(self.num_buckets, d, dtype=acc, device=t.device)
+        counts = torch.zeros(self.num_buckets, dtype=acc, device=t.device)
+        pad = self.options.padding_idx
+        for start in range(0, n, chunk_rows):
+            ids = torch.arange(start, min(n, start + chunk_rows), device=t.device)
+            is_hot, _ = self.hot_slots(ids.to(self.hot_ids.device))
+            cold = ~is_hot.to(t.device)
+            if pad is not None:
+                cold &= ids != pad
+            ids = ids[cold]
+            b = hash_ids(ids, self.num_buckets, self.seed)
+            sums.index_add_(0, b, t[ids].to(acc))
+            counts.index_add_(0, b, torch.ones_like(b, dtype=acc))
+        if reduce == "mean":
+            sums /= counts.clamp(min=1).unsqueeze(1)
+        return t[hot_ids].clone(), sums.to(t.dtype)
+
     @classmethod
     def from_weight(
         cls,
@@ -390,10 +436,8 @@ class HybridEmbedding(_SharedEmbedding):
         chunk_rows: int = 65536,
     ) -> HybridEmbedding:
         """Convert a trained ``(N, D)`` table: hot rows copied, each bucket the mean of its cold
-        members' rows (an empty bucket is zero), the padding row kept exact.
-
-        Works ``chunk_rows`` rows at a time, so the temporary memory is one chunk plus the
-        ``(B, D)`` sums, not a copy of the table. Result on ``weight``'s device, in its dtype.
+        members' rows (:meth:`split_rows`), the padding row kept exact. Result on ``weight``'s
+        device, in its dtype, with ``requires_grad`` as ``weight`` has it.
         """
         n, d = weight.shape
         if (n, d) != (options.num_embeddings, options.embedding_dim):
@@ -408,24 +452,16 @@ class HybridEmbedding(_SharedEmbedding):
             hot,
             num_buckets,
             seed=seed,
-            hot_weight=w[hot] if hot.numel() else w.new_zeros(0, d),
+            hot_weight=w.new_zeros(hot.numel(), d),
             cold_weight=w.new_zeros(num_buckets, d),
             padding_row=w[options.padding_idx] if options.padding_idx is not None else None,
         )
-        sums = torch.zeros(num_buckets, d, dtype=torch.float32, device=w.device)
-        counts = torch.zeros(num_buckets, dtype=torch.float32, device=w.device)
-        for start in range(0, n, chunk_rows):
-            ids = torch.arange(start, min(n, start + chunk_rows), device=w.device)
-            is_hot, _ = module.hot_slots(ids)
-            cold = ~is_hot
-            if options.padding_idx is not None:
-                cold &= ids != options.padding_idx
-            ids = ids[cold]
-            b = hash_ids(ids, num_buckets, seed)
-            sums.index_add_(0, b, w[ids].float())
-            counts.index_add_(0, b, torch.ones_like(b, dtype=torch.float32))
+        hot_rows, cold_rows = module.split_rows(w, chunk_rows=chunk_rows)
         with torch.no_grad():
-            module.cold_weight.copy_(sums / counts.clamp(min=1).unsqueeze(1))
+            module.hot_weight.copy_(hot_rows)
+            module.cold_weight.copy_(cold_rows)
+        module.hot_weight.requires_grad_(weight.requires_grad)
+        module.cold_weight.requires_grad_(weight.requires_grad)
         return module
 
     def extra_repr(self) -> str:

@@ -1,0 +1,219 @@
+"""``share_embedding``: turn the largest table into a hot/cold :class:`HybridEmbedding` (lossy).
+
+The ``K`` most looked-up ids keep rows of their own; every other id shares one of ``B`` hashed
+buckets (:mod:`edo_monitor.nn.sharing`). ``K = round(N × ActionContext.share_hot_fraction)`` (but
+no more ids than were seen looking up) and ``B = max(1, round(N × share_bucket_fraction))``; the
+defaults (5 % and 5 %) make a table about 10× smaller. The hot ids come from
+``ActionContext.lookup_counter`` (an :class:`edo_monitor.frequency.LookupCounter` watching the
+table); without counts every id is cold (plain hashing).
+
+Conversion keeps the model working and the optimizer consistent:
+
+* hot rows are copied; each bucket starts as the mean of its members' rows;
+* the old ``Parameter`` leaves every optimizer group holding it and ``hot_weight`` and
+  ``cold_weight`` take its place (same group, same hyper-parameters); its per-element state
+  (Adam's moments, momentum buffers, Adagrad's sums) is mapped the same way (hot rows copied,
+  bucket means), scalar state (``step``) is copied to each new parameter, so bias correction and
+  schedules go on where they were;
+* a dense gradient is mapped by sum (the gradient of a shared row is the sum of its members');
+  a sparse gradient is dropped (``None``: it is stale at a step boundary and its dense form could
+  be as large as the table).
+
+Refused: DDP/FSDP models, tied weights, ``max_norm``, ``scale_grad_by_freq``, non-float tables,
+and tables the sizes would not make smaller. The recorded error compares the rows the model now
+computes with the rows before: :func:`edo_monitor.nn.row_error` over every row, and
+``lookup_relative_error`` = Σ c_i ‖w_i − w'_i‖² / Σ c_i ‖w_i‖² over the counted lookups (``c_i``
+the counts), which is what the next batches will feel; without counts it is the same over rows.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from edo_monitor.accounting import tensor_bytes
+from edo_monitor.actions.base import Action, ActionContext, Plan, Refusal, find_wrapped_parallel
+from edo_monitor.actions.tables import (
+    TableCandidate,
+    device_tables,
+    replace_module,
+    replace_param_in_optimizers,
+    sharing_users,
+)
+from edo_monitor.nn import EmbeddingOptions, row_error
+from edo_monitor.nn.sharing import HybridEmbedding
+from edo_monitor.units import format_bytes
+
+__all__ = ["ShareEmbedding"]
+
+logger = logging.getLogger(__name__)
+
+
+class _Rows:
+    """Rows ``[start:stop]`` of a module's table computed on demand (for :func:`row_error`)."""
+
+    def __init__(self, module: HybridEmbedding, n: int) -> None:
+        self.module, self.n = module, n
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        start, stop, _ = rows.indices(self.n)
+        return self.module.rows(torch.arange(start, stop, device=self.module.hot_ids.device))
+
+
+class ShareEmbedding(Action):
+    """Convert the largest eligible table into a hot/cold hybrid (see the module docstring)."""
+
+    name = "share_embedding"
+    lossy = True
+
+    @staticmethod
+    def _sizes(ctx: ActionContext, t: TableCandidate) -> tuple[int, int]:
+        n = int(t.module.num_embeddings)
+        k = round(n * ctx.share_hot_fraction)
+        counter = ctx.lookup_counter
+        if counter is not None and t.name in counter.tables:
+            k = min(k, int((counter.counts(t.name) > 0).sum()))
+        else:
+            k = 0
+        return k, max(1, round(n * ctx.share_bucket_fraction))
+
+    @staticmethod
+    def _blocker(ctx: ActionContext, t: TableCandidate, k: int, b: int) -> str | None:
+        opts = EmbeddingOptions.from_module(t.module)
+        users = sharing_users(ctx.model, t.module, t.weight)
+        if users:
+            return f"weight is tied to {', '.join(users)}"
+        if opts.max_norm is not None:
+            return "max_norm is not preserved by sharing (it rewrites shared rows in place)"
+        if opts.scale_grad_by_freq:
+            return "scale_grad_by_freq is not preserved by sharing"
+        if not t.weight.is_floating_point():
+            return f"weight is {t.weight.dtype}"
+        if k + b >= opts.num_embeddings:
+            return f"{k} hot rows + {b} buckets would not be fewer than {opts.num_embeddings} rows"
+        return None
+
+    @staticmethod
+    def _new_bytes(ctx: ActionContext, t: TableCandidate, k: int, b: int) -> int:
+        """Device bytes of the hybrid: rows, hot ids, padding row, gradient, optimizer state."""
+        w = t.weight
+        d = int(t.module.embedding_dim)
+        elements = (k + b) * d
+        tensors = 2 if k else 1
+        params = elements * w.element_size() + k * 8
+        if t.module.padding_idx is not None:
+            params += d * w.element_size()
+        grads = elements * w.element_size() if t.grads_bytes else 0
+        state = 0
+        for opt in ctx.optimizers:
+            for v in (opt.state.get(w) or {}).values():
+                if not isinstance(v, torch.Tensor):
+                    continue
+                if v.shape == w.shape:
+                    state += elements * v.element_size()
+                else:
+                    state += tensors * tensor_bytes(v)
+        return params + grads + state
+
+    def plan(self, ctx: ActionContext) -> Plan | Refusal:
+        """Pick the largest table that sharing makes smaller; estimate = bytes saved right after."""
+        wrapper = find_wrapped_parallel(ctx.model)
+        if wrapper:
+            return self.refuse("", f"model is wrapped in {wrapper}; sharing a shard is unsupported")
+        tables = device_tables(ctx.model, ctx.optimizers, ctx.cuda_mode)
+        if not tables:
+            return self.refuse("", "no plain embedding table left on the device tier")
+        reasons = []
+        for t in tables:
+            k, b = self._sizes(ctx, t)
+            blocker = self._blocker(ctx, t, k, b)
+            if blocker:
+                reasons.append(f"{t.name}: {blocker}")
+                continue
+            est = t.total_bytes - self._new_bytes(ctx, t, k, b)
+            details: dict[str, Any] = {"hot_ids": k, "buckets": b, "seed": 0}
+            if ctx.lookup_counter is not None and t.name in ctx.lookup_counter.tables:
+                freq = ctx.lookup_counter.frequency(t.name, k)
+                details["hot_share_fraction"] = freq.top_share_fraction
+            return Plan(
+                self.name,
+                t.name,
+                est,
+                f"sharing {t.name} ({k} hot rows, {b} buckets) saves {format_bytes(est)}",
+                details,
+            )
+        return self.refuse(tables[0].name, "; ".join(reasons))
+
+    def _apply(
+        self, ctx: ActionContext, plan: Plan
+    ) -> tuple[dict[str, Any], dict[str, float] | None]:
+        module = ctx.model.get_submodule(plan.target)
+        weight: nn.Parameter = module.weight
+        options = EmbeddingOptions.from_module(module)
+        k, b, seed = plan.details["hot_ids"], plan.details["buckets"], plan.details["seed"]
+        counter = ctx.lookup_counter
+        hot = counter.hot_ids(plan.target, k) if k else torch.zeros(0, dtype=torch.long)
+        new = HybridEmbedding.from_weight(weight, options, hot, b, seed=seed)
+        new.train(module.training)
+        ctx.stage("converted")
+        # with no hot ids, hot_weight is an empty (0, D) parameter: it stays out of the optimizer
+        new_params = [new.hot_weight, new.cold_weight] if k else [new.cold_weight]
+
+        def split(tensor: torch.Tensor, reduce: str) -> list[torch.Tensor]:
+            hot_part, cold_part = new.split_rows(tensor, reduce=reduce)
+            return [hot_part, cold_part] if k else [cold_part]
+
+        if weight.grad is not None and not weight.grad.is_sparse:
+            for p, g in zip(new_params, split(weight.grad, "sum"), strict=True):
+                p.grad = g
+        old_states = [(opt, opt.state.get(weight)) for opt in ctx.optimizers]
+        trainable = new_params if weight.requires_grad else []
+        replace_param_in_optimizers(ctx.optimizers, weight, trainable)
+        for opt, state in old_states:
+            if not state or not trainable:
+                continue
+            converted: list[dict[str, Any]] = [{} for _ in trainable]
+            for key, v in state.items():
+                if isinstance(v, torch.Tensor) and v.shape == weight.shape:
+                    parts = split(v, "mean")
+                else:  # scalars such as Adam's step: each new parameter goes on from there
+                    parts = [v.clone() if isinstance(v, torch.Tensor) else v for _ in trainable]
+                for target, part in zip(converted, parts, strict=True):
+                    target[key] = part
+            for p, st in zip(trainable, converted, strict=True):
+                opt.state[p] = st
+        ctx.stage("optimizer_updated")
+        places = replace_module(ctx.model, module, new)
+        ctx.stage("module_replaced")
+        n = options.num_embeddings
+        skip = (options.padding_idx,) if options.padding_idx is not None else ()
+        error = row_error(weight.detach(), _Rows(new, n), skip)
+        error["lookup_relative_error"] = self._lookup_error(weight.detach(), new, counter, plan)
+        return {"places": places, "hot_ids": k, "buckets": b}, error
+
+    @staticmethod
+    def _lookup_error(
+        original: torch.Tensor, new: HybridEmbedding, counter: Any, plan: Plan
+    ) -> float:
+        """Σ c_i ‖w_i − w'_i‖² / Σ c_i ‖w_i‖² over counted ids (all rows, weight 1, without)."""
+        n = original.shape[0]
+        if counter is not None and plan.target in counter.tables:
+            counts = counter.counts(plan.target)
+            ids = torch.nonzero(counts).flatten()
+            weights = counts[ids].double()
+        else:
+            ids = torch.arange(n)
+            weights = torch.ones(n, dtype=torch.float64)
+        num = den = 0.0
+        chunk = 65536
+        for start in range(0, ids.numel(), chunk):
+            part = ids[start : start + chunk].to(original.device)
+            ref = original[part].double()
+            got = new.rows(part).detach().double()
+            c = weights[start : start + chunk].to(ref.device)
+            num += float((c * (ref - got).pow(2).sum(1)).sum())
+            den += float((c * ref.pow(2).sum(1)).sum())
+        return num / den if den else 0.0
