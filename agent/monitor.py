@@ -42,6 +42,7 @@ from edo_monitor.actions.enforce import enforce_budget
 from edo_monitor.actions.registry import ACTIONS
 from edo_monitor.agent.activations import ActivationTracker
 from edo_monitor.errors import AlreadyWatchedError, BudgetOutOfMemoryError, ConfigError
+from edo_monitor.frequency import LookupCounter
 from edo_monitor.policy import Decision, Policy, ThresholdCrossing, make_planner
 from edo_monitor.probes.host import HostProbe
 from edo_monitor.readings import Reading
@@ -226,6 +227,8 @@ class Monitor:
         )
         self._hook_handle: Any = None
         self._tracker: ActivationTracker | None = None
+        #: lookups per id of the model's tables (hot ids for share_embedding, history events)
+        self._lookups: LookupCounter | None = None
         self._writer: Writer | None = None
         self._engine: Any = None
         self._sampler: threading.Thread | None = None
@@ -395,6 +398,9 @@ class Monitor:
                 self._tracker.limit_bytes = self.budget_bytes
                 self._tracker.static_bytes = self.accounting.total_bytes
                 self._tracker.on_exceed = self._budget_exceeded
+        if self.model is not None:
+            self._lookups = LookupCounter()
+            self._lookups.watch_tables(self.model)
         self._sampler = threading.Thread(target=self._sample_loop, name="edo-sampler", daemon=True)
         self._sampler.start()
         logger.info(
@@ -427,6 +433,7 @@ class Monitor:
                 self._record_oom(exc)
         else:
             status, error = "finished", None
+        self._record_lookup_frequency()
         self._teardown()
         if self._engine is not None and self.run_id >= 0:
             try:
@@ -448,6 +455,21 @@ class Monitor:
             self._engine.dispose()
         self.status = status
 
+    def _record_lookup_frequency(self, top_k: int = 20) -> None:
+        """One ``lookup_frequency`` event per table: its top ids and the share they cover."""
+        if self._lookups is None:
+            return
+        self._lookups.close()
+        for table in self._lookups.tables:
+            freq = self._lookups.frequency(table, top_k)
+            if freq.sampled_lookups:
+                self._emit(
+                    "lookup_frequency",
+                    f"{table}: top {len(freq.top_ids)} ids cover {freq.top_share_fraction:.1%} "
+                    f"of {freq.sampled_lookups:,} lookups ({freq.distinct_ids:,} distinct ids)",
+                    freq.as_dict(),
+                )
+
     def _teardown(self) -> None:
         """Stop threads and remove hooks; safe to call on a half-started monitor."""
         self._stop.set()
@@ -456,6 +478,8 @@ class Monitor:
         if self._hook_handle is not None:
             self._hook_handle.remove()
             self._hook_handle = None
+        if self._lookups is not None:
+            self._lookups.close()
         if self._fraction_set:
             try:
                 torch.cuda.set_per_process_memory_fraction(1.0, self.device_index)
@@ -627,6 +651,7 @@ class Monitor:
             reserved_unallocated_bytes=reading.reserved_unallocated_bytes if reading else None,
             release_cache_min_bytes=self.policy.release_cache_min_bytes,
             activation_profile=self.activation_profile,
+            lookup_counter=self._lookups,
         )
 
     def _evaluate_policy(self, reading: Reading) -> None:
@@ -720,6 +745,8 @@ class Monitor:
                 self._tracker.static_bytes = self._account().total_bytes
             self._step_accounting = None
             self._want_step_accounting = True
+            if self._lookups is not None:  # the action may have swapped a table: count the new one
+                self._lookups.watch_tables(self.model)
         else:
             message = f"{result.action} on {result.target or '-'} {result.status}: {result.reason}"
         self._emit(kind, message, data)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
+import edo_monitor
 from edo_monitor.actions import ACTIONS, ActionContext
 from edo_monitor.frequency import LookupCounter
 from edo_monitor.nn import HybridEmbedding, hash_ids
+from edo_monitor.store.history import History
 
 N, D = 4000, 16
 
@@ -172,3 +176,39 @@ def test_share_without_counts_hashes_every_id() -> None:
     params = opt.param_groups[0]["params"]
     assert params[0] is model.emb.cold_weight
     assert [tuple(p.shape) for p in params] == [(200, D), (1, D), (1,)]
+
+
+def test_watch_counts_lookups_and_shares_through_the_ladder(tmp_path: Path) -> None:
+    db = tmp_path / "runs.db"
+    torch.manual_seed(0)
+    model = Model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    # the table with Adam: 4000 x 16 x 4 bytes x 4 (weight, grad, two moments) = 1,024,000 bytes;
+    # a 1.2 MB budget leaves ~14 % free after the first step, under the 20 % floor
+    policy = edo_monitor.Policy(allow_lossy=True, ladder=["share_embedding"])
+    with edo_monitor.watch(model, db=db, budget=1_200_000, policy=policy, interval_s=0.01) as mon:
+        gen = torch.Generator().manual_seed(0)
+        seen = torch.zeros(N, dtype=torch.long)
+        for _ in range(40):
+            ids = _zipf_ids(gen, 256)
+            if isinstance(model.emb, nn.Embedding):
+                seen.index_add_(0, ids, torch.ones_like(ids))
+            loss = (model(ids) - 1.0).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    (action,) = mon.summary().actions
+    assert action["action"] == "share_embedding" and action["target"] == "emb"
+    assert action["saved_bytes"] == action["estimated_saving_bytes"]
+    hybrid = model.emb
+    assert isinstance(hybrid, HybridEmbedding)
+    # the hot ids are the most looked-up ids of the steps before the action
+    k = hybrid.num_hot
+    assert 0 < k <= 200
+    expected = sorted(torch.sort(-seen, stable=True).indices[:k].tolist())
+    assert hybrid.hot_ids.tolist() == expected
+    with History(db) as history:
+        (freq,) = history.events("latest", kind="lookup_frequency")
+    # counted on every forward, the old table's and then the hybrid's (same name)
+    assert freq.data["table"] == "emb"
+    assert freq.data["sampled_lookups"] == 40 * 256
