@@ -330,7 +330,12 @@ class Monitor:
 
             props = torch.cuda.get_device_properties(self.device_index)
             torch_uuid = str(getattr(props, "uuid", "") or "") or None
-            nvml = NvmlProbe(self.device_index or 0, torch_uuid=torch_uuid, on_event=self._emit)
+            nvml = NvmlProbe(
+                self.device_index or 0,
+                torch_uuid=torch_uuid,
+                on_event=self._emit,
+                fallback_name=props.name,
+            )
             nvml.start()
             self._probes["nvml"] = nvml
             self._probes["cuda"] = AllocatorProbe(

@@ -18,6 +18,9 @@ is read (the allocator sources are ``c10/cuda/CUDACachingAllocator.cpp`` and
 * **CUDA, PyTorch ≤ 1.3** — ``… W free; U cached)`` where U is cached-but-unused memory
   (the allocator printed ``cached − allocated``): ``reserved_unallocated_bytes`` = U and
   ``reserved_bytes`` = Z + U.
+* **CUDA libraries** — ``CUBLAS_STATUS_ALLOC_FAILED``, ``CUDNN_STATUS_ALLOC_FAILED`` (and the
+  cuSPARSE, cuSOLVER, cuFFT, hipBLAS, MIOpen equivalents): the library could not allocate its
+  workspace or handle. These are out-of-memory errors without numbers (every field ``None``).
 * **ROCm** — the same texts with ``HIP`` for ``CUDA`` (no process sentences: there is no NVML).
 * **XPU** — ``XPU out of memory. …`` in the ≥ 2.1 shape (read as well; backend ``"xpu"``).
 * **Apple MPS** — ``MPS backend out of memory (MPS allocated: R, other allocations: O[, max
@@ -32,7 +35,10 @@ is read (the allocator sources are ``c10/cuda/CUDACachingAllocator.cpp`` and
 
 Sizes are printed with two decimals in ``bytes``, ``KiB``, ``MiB``, ``GiB`` (older texts and MPS:
 ``KB``, ``MB``, ``GB``, which also meant powers of 1024); each is stored as
-``round(value × unit)``. ``17179869184.00 GiB`` (2**64 bytes) is what PyTorch prints for an
+``round(value × unit)``. Line breaks, repeated spaces and per-line launcher prefixes
+(``[rank0]:``, pytest's ``E   ``) are ignored, so a message re-wrapped over several lines reads as
+the one-line original; "A is allocated by PyTorch" is read even when its "Of the allocated memory"
+lead-in was cut. ``17179869184.00 GiB`` (2**64 bytes) is what PyTorch prints for an
 unknown or underflowed ``size_t``: it, and anything of 2**63 bytes or more, becomes ``None``.
 """
 
@@ -69,7 +75,9 @@ _SIZE = r"(\d+(?:\.\d+)?)\s*(bytes|byte|KiB|MiB|GiB|TiB|KB|MB|GB|TB|B)\b"
 _HEADER = re.compile(
     r"(?P<backend>CUDA|HIP|XPU|MPS backend|CPU-budget)\s+out of memory"
     r"|(?P<bare>\bOut of memory\.\s+Tried to allocate)"
-    r"|(?P<driver>\b(?:CUDA|HIP) (?:runtime )?error(?: \(2\))?\s*:\s*out of memory)",
+    r"|(?P<driver>\b(?:CUDA|HIP) (?:runtime )?error(?: \(2\))?\s*:\s*out of memory)"
+    r"|(?P<library>\b(?:CUBLAS|CUDNN|CUSPARSE|CUSOLVER|CUFFT|CUBLASLT|HIPBLAS|HIPBLASLT|"
+    r"HIPSPARSE|HIPSOLVER|HIPFFT|MIOPEN)_(?:STATUS_)?ALLOC_FAILED\b)",
     re.IGNORECASE,
 )
 _REQUESTED = re.compile(r"Tried to allocate\s+" + _SIZE, re.IGNORECASE)
@@ -79,9 +87,11 @@ _NEW_FREE = re.compile(r"of which\s+" + _SIZE + r"\s+is free", re.IGNORECASE)
 _PROCESS = re.compile(
     r"(this process|Process\s+(\d+))\s+has\s+" + _SIZE + r"\s+memory in use", re.IGNORECASE
 )
-_NEW_ALLOCATED = re.compile(
-    r"Of the allocated memory\s+" + _SIZE + r"\s+is allocated by PyTorch", re.IGNORECASE
-)
+# "Of the allocated memory" is not required: a re-wrapped log may have cut that lead-in off.
+_NEW_ALLOCATED = re.compile(_SIZE + r"\s+is allocated by PyTorch", re.IGNORECASE)
+# Per-line prefixes that launchers and log formatters put in front of every line of a wrapped
+# message (torchrun's "[rank0]:", pytest's "E   "); removed before the lines are joined.
+_LINE_PREFIX = re.compile(r"^[ \t]*(?:\[(?:rank|default)\d+\]:|E(?=[ \t]{2,}))", re.MULTILINE)
 _NEW_RESERVED_UNALLOCATED = re.compile(
     _SIZE + r"\s+is reserved by PyTorch but unallocated", re.IGNORECASE
 )
@@ -171,9 +181,9 @@ def _backend_of(header: re.Match[str], text: str) -> str:
         if key.startswith("mps"):
             return "mps"
         return key
-    driver = header.group("driver")
+    driver = header.group("driver") or header.group("library")
     if driver:
-        return "hip" if driver.lower().startswith("hip") else "cuda"
+        return "hip" if driver.lower().startswith(("hip", "miopen")) else "cuda"
     # Bare "Out of memory." (recent device-generic allocator): ROCm builds name their env var.
     return "hip" if "PYTORCH_HIP_ALLOC_CONF" in text else "cuda"
 
@@ -198,7 +208,9 @@ def parse_oom_message(message: str, *, pid: int | None = None) -> OomInfo | None
     try:
         if not isinstance(message, str):
             return None
-        text = " ".join(message.split())
+        # one line, single spaces: a message wrapped over lines (by a logger, a launcher or by
+        # hand) reads as the one-line text PyTorch produced
+        text = " ".join(_LINE_PREFIX.sub("", message).split())
         header = _HEADER.search(text)
         if header is None:
             return None
@@ -239,18 +251,7 @@ def _parse_new(
     total = _NEW_TOTAL.search(text)
     allocated = _size_at(_NEW_ALLOCATED.search(text))
     reserved_unallocated = _size_at(_NEW_RESERVED_UNALLOCATED.search(text))
-    own_pid = os.getpid() if pid is None else pid
-    process_bytes: int | None = None
-    by_pid: int | None = None
-    for match in _PROCESS.finditer(text):
-        size = _size_at(match, 3)
-        if match.group(2) is None:  # "this process has …"
-            process_bytes = size
-            break
-        if by_pid is None and int(match.group(2)) == own_pid:
-            by_pid = size
-    if process_bytes is None:
-        process_bytes = by_pid
+    process_bytes = _own_process_bytes(text, os.getpid() if pid is None else pid)
     return OomInfo(
         requested_bytes=requested,
         device_index=int(total.group(1)) if total else None,
@@ -263,6 +264,26 @@ def _parse_new(
         backend=backend,
         raw=raw,
     )
+
+
+def _own_process_bytes(text: str, own_pid: int) -> int | None:
+    """This process's bytes from the process sentences (NVML's list, one sentence a process).
+
+    PyTorch writes "this process has" for the entry whose pid is its own and "Process p has" for
+    the others. In a container's PID namespace NVML's host pid never equals ours, so our own
+    entry reads "Process p has": when the message has exactly one process sentence and no
+    "this process has", that one process is the one that ran out of memory — ours.
+    """
+    matches = list(_PROCESS.finditer(text))
+    for match in matches:
+        if match.group(2) is None:  # "this process has …"
+            return _size_at(match, 3)
+    for match in matches:
+        if int(match.group(2)) == own_pid:
+            return _size_at(match, 3)
+    if len(matches) == 1:
+        return _size_at(matches[0], 3)
+    return None
 
 
 def _parse_old(old: re.Match[str], raw: str, backend: str, requested: int | None) -> OomInfo:

@@ -177,9 +177,101 @@ def test_new_wording_process_pid_matches_given_pid_real_message() -> None:
     assert mine.free_bytes == round(235.06 * MiB)
     assert mine.allocated_bytes == round(14.06 * GiB)
     assert mine.reserved_unallocated_bytes == round(330.42 * MiB)
-    other = parse(message, pid=1)
-    assert other.process_bytes is None
-    assert other.allocated_bytes == round(14.06 * GiB)
+    # the only process sentence, no "this process has": in a container's PID namespace NVML's
+    # host pid is never ours, and the one process on the device that ran out of memory is us
+    container = parse(message, pid=1)
+    assert container.process_bytes == round(14.52 * GiB)
+    assert container.allocated_bytes == round(14.06 * GiB)
+
+
+def test_one_foreign_process_sentence_is_ours_in_a_container() -> None:
+    message = (
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.00 GiB. GPU 0 has a "
+        "total capacity of 11.00 GiB of which 512.00 MiB is free. Process 4242 has 9.50 GiB "
+        "memory in use. Of the allocated memory 7.25 GiB is allocated by PyTorch, and 1.75 GiB "
+        "is reserved by PyTorch but unallocated."
+    )
+    info = parse(message, pid=17)
+    assert info.process_bytes == 9 * GiB + 512 * MiB  # 9.50 GiB
+    assert info.requested_bytes == GiB
+    assert info.total_bytes == 11 * GiB
+    assert info.free_bytes == 512 * MiB
+    assert info.allocated_bytes == 7 * GiB + 256 * MiB  # 7.25 GiB
+    assert info.reserved_unallocated_bytes == GiB + 768 * MiB  # 1.75 GiB
+    assert info.reserved_bytes == 9 * GiB
+
+
+def test_several_foreign_process_sentences_are_not_guessed() -> None:
+    message = (
+        "CUDA out of memory. Tried to allocate 2.00 MiB. GPU 0 has a total capacity of 8.00 GiB "
+        "of which 0 bytes is free. Process 11 has 3.00 GiB memory in use. Process 12 has 5.00 GiB "
+        "memory in use. Of the allocated memory 2.50 GiB is allocated by PyTorch, and 0 bytes is "
+        "reserved by PyTorch but unallocated."
+    )
+    assert parse(message, pid=17).process_bytes is None
+    assert parse(message, pid=12).process_bytes == 5 * GiB
+
+
+def test_rewrapped_message_with_cut_lead_in() -> None:
+    # a log re-wrapped at another width, its "Of the allocated memory" lead-in cut off
+    message = """torch.OutOfMemoryError: CUDA out of memory. Tried to allocate
+1.00 GiB. GPU 0 has a total capacity of 11.00
+GiB of which 512.00 MiB is free. Process 4242 has
+9.50 GiB memory in use. ... 7.25 GiB is
+allocated by PyTorch, and 1.75 GiB is reserved by
+PyTorch but unallocated."""
+    info = parse(message, pid=17)
+    assert info.requested_bytes == GiB
+    assert info.device_index == 0
+    assert info.total_bytes == 11 * GiB
+    assert info.free_bytes == 512 * MiB
+    assert info.process_bytes == 9 * GiB + 512 * MiB
+    assert info.allocated_bytes == 7 * GiB + 256 * MiB
+    assert info.reserved_unallocated_bytes == GiB + 768 * MiB
+    assert info.reserved_bytes == 9 * GiB
+
+
+@pytest.mark.parametrize("width", [17, 23, 40, 61])
+def test_any_wrapping_and_launcher_prefix_reads_the_same(width: int) -> None:
+    import textwrap
+
+    one_line = (
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 138.00 MiB. GPU 1 has a "
+        "total capacity of 15.90 GiB of which 8.44 MiB is free. Including non-PyTorch memory, "
+        "this process has 15.32 GiB memory in use. Of the allocated memory 14.12 GiB is "
+        "allocated by PyTorch, and 410.41 MiB is reserved by PyTorch but unallocated."
+    )
+    lines = textwrap.wrap(one_line, width)
+    for wrapped in ("\n".join(lines), "\n".join(f"[rank3]: {x}" for x in lines)):
+        info = parse(wrapped)
+        assert info.requested_bytes == 138 * MiB
+        assert info.device_index == 1
+        assert info.total_bytes == round(15.90 * GiB)
+        assert info.free_bytes == round(8.44 * MiB)
+        assert info.process_bytes == round(15.32 * GiB)
+        assert info.allocated_bytes == round(14.12 * GiB)
+        assert info.reserved_unallocated_bytes == round(410.41 * MiB)
+
+
+@pytest.mark.parametrize(
+    ("message", "backend"),
+    [
+        (
+            "RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling "
+            "`cublasCreate(handle)`",
+            "cuda",
+        ),
+        ("RuntimeError: cuDNN error: CUDNN_STATUS_ALLOC_FAILED", "cuda"),
+        ("RuntimeError: CUDA error: CUSOLVER_STATUS_ALLOC_FAILED when calling X", "cuda"),
+        ("RuntimeError: HIPBLAS_STATUS_ALLOC_FAILED when calling `hipblasCreate`", "hip"),
+    ],
+)
+def test_cuda_library_allocation_failures_are_oom_without_numbers(
+    message: str, backend: str
+) -> None:
+    info = parse(message)
+    assert info.backend == backend
+    assert info == OomInfo(backend=backend, raw=message)  # every number None
 
 
 def test_new_wording_line_wrapped_real_message() -> None:

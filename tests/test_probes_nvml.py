@@ -178,3 +178,88 @@ def test_parse_visible_devices() -> None:
     assert parse_visible_devices(None) is None
     assert parse_visible_devices("") == []
     assert parse_visible_devices(" 1, 0 ") == ["1", "0"]
+
+
+# --- impossible values, odd names, a driver that stops answering (issue 9, item 10)
+
+
+@pytest.mark.parametrize(
+    ("used", "shown"),
+    [
+        (2**64 - 1, "NVML_VALUE_NOT_AVAILABLE"),  # a binding that passes the driver's N/A through
+        (150_000_000_001, "> device total 150000000000"),  # one byte more than the device has
+        (2**63, "outside 0 .. 2**63-1"),
+    ],
+)
+def test_impossible_process_memory_is_unknown_with_one_event(used: int, shown: str) -> None:
+    gpus = [FakeGpu(U0, processes=[(PID, used)])]
+    p, events = probe(FakeNvml(gpus))
+    readings = [p.read() for _ in range(3)]
+    assert [r["process_device_bytes"] for r in readings] == [None, None, None]
+    assert [r["device_total_bytes"] for r in readings] == [150_000_000_000] * 3
+    assert p.available
+    impossible = [e for e in events if "recorded as unknown" in e[1]]
+    assert len(impossible) == 1 and len(events) == 1
+    assert shown in impossible[0][1] and impossible[0][2]["field"] == "process_device_bytes"
+
+
+def test_process_memory_equal_to_the_total_is_kept() -> None:
+    gpus = [FakeGpu(U0, processes=[(PID, 150_000_000_000)])]
+    p, events = probe(FakeNvml(gpus))
+    assert p.read()["process_device_bytes"] == 150_000_000_000
+    assert events == []
+
+
+def test_impossible_device_totals_are_unknown() -> None:
+    gpus = [FakeGpu(U0, total=2**64 - 1, used=1_000, reserved=0, processes=[(PID, 700)])]
+    p, events = probe(FakeNvml(gpus))
+    r = p.read()
+    assert r["device_total_bytes"] is None
+    # free (2**64 - 1 - 1000) is beyond the int64 range as well; used (1000) cannot be checked
+    # against an unknown total but fits
+    assert r["device_free_bytes"] is None and r["device_used_bytes"] == 1_000
+    assert p.available and len(events) == 2
+    assert [e[2]["field"] for e in events] == ["device_total_bytes", "device_free_bytes"]
+
+
+def test_undecodable_device_name_keeps_the_source_with_torchs_name() -> None:
+    gpus = [FakeGpu(U0, name=b"NVIDIA \xff\xfe H200", processes=[(PID, 700)])]
+    events: list[tuple[str, str, dict]] = []
+    p = NvmlProbe(
+        0,
+        nvml=FakeNvml(gpus),
+        visible_devices=None,
+        pid=PID,
+        on_event=lambda k, m, d: events.append((k, m, dict(d))),
+        fallback_name="NVIDIA H200 (torch)",
+    )
+    assert p.start()
+    assert p.available and p.device_name == "NVIDIA H200 (torch)"
+    assert p.read()["process_device_bytes"] == 700
+    assert len(events) == 1 and "UnicodeDecodeError" in events[0][1]
+
+
+def test_undecodable_device_name_without_fallback_is_none() -> None:
+    gpus = [FakeGpu(U0, name=b"\xc3\x28GPU")]
+    p, events = probe(FakeNvml(gpus))
+    assert p.available and p.device_name is None
+    assert [e[2]["field"] for e in events] == ["name"]
+    assert p.read()["device_total_bytes"] == gpus[0].total
+
+
+@pytest.mark.parametrize("after", [0, 3])
+def test_driver_mismatch_after_init_reports_the_real_cause_once(after: int) -> None:
+    nvml = FakeNvml(three_gpus(), mismatch_after_reads=after)
+    p, events = probe(nvml)
+    values = [p.read()["device_total_bytes"] for _ in range(after + 3)]
+    assert values == [nvml.gpus[0].total] * after + [None] * 3
+    assert not p.available
+    assert len(events) == 1  # no "memory info v2 unavailable" first
+    assert "versions do not match" in events[0][1]
+    assert "NVMLError_LibRmVersionMismatch" in events[0][1]
+    assert "v2" not in events[0][1]
+
+
+def test_driver_mismatch_at_init_names_the_cause() -> None:
+    p, events = probe(FakeNvml(three_gpus(), driver_mismatch=True))
+    assert len(events) == 1 and "versions do not match" in p.reason

@@ -17,7 +17,16 @@ Failures: a missing library or driver, a driver/library mismatch, an unknown dev
 source unavailable. ``NotSupported`` (MIG devices, some process queries) makes that one field
 ``None``. ``GPU is lost`` mid-run marks the device unavailable for the rest of the run. Errors the
 binding raises that are not ``NVMLError`` (``NVMLLibraryMismatchError`` for a missing versioned
-function, ``AttributeError`` …) are handled like the rest. Every change is reported once.
+function, ``AttributeError`` …) are handled like the rest. Every change is reported once, with
+its real cause: when the v2 memory query fails, v1 is tried before v2 is blamed, so a driver that
+stopped answering (library/driver version mismatch after an upgrade, driver unloaded) is reported
+as that, once, and not first as "memory info v2 unavailable".
+
+Impossible values are unknown, not numbers: a byte count of ``NVML_VALUE_NOT_AVAILABLE``
+(2**64 − 1, the driver's "N/A"), of 2**63 or more (it would not fit the history's signed 64-bit
+integers) or above the device's total memory reads ``None``, reported once per field. A device
+name that is not valid UTF-8 (pynvml's ``.decode()`` raises) does not make the source
+unavailable: the name is decoded leniently or taken from torch (``fallback_name``).
 """
 
 from __future__ import annotations
@@ -33,6 +42,22 @@ from edo_monitor.probes import EventCallback, ignore_event
 __all__ = ["NvmlProbe", "parse_visible_devices", "resolve_nvml_uuid"]
 
 logger = logging.getLogger(__name__)
+
+#: NVML's "not available" value for unsigned 64-bit fields (``NVML_VALUE_NOT_AVAILABLE``).
+NVML_VALUE_NOT_AVAILABLE = 2**64 - 1
+#: Byte counts at or above this do not fit a signed 64-bit integer (SQLite's INTEGER).
+_INT64_LIMIT = 2**63
+
+#: Errors that mean NVML as a whole stopped answering (not one function or field): the driver
+#: and library versions differ (upgraded without a reboot), the driver is not loaded, NVML is
+#: not initialised, the library is gone. pynvml's exception class names.
+_FATAL_ERRORS = {
+    "NVMLError_LibRmVersionMismatch": "NVML library and kernel driver versions do not match "
+    "(driver upgraded without a reboot?)",
+    "NVMLError_DriverNotLoaded": "the NVIDIA kernel driver is not loaded",
+    "NVMLError_Uninitialized": "NVML is not initialised",
+    "NVMLError_LibraryNotFound": "the NVML library was not found",
+}
 
 _NVML_FIELDS = (
     "device_total_bytes",
@@ -59,9 +84,22 @@ def parse_visible_devices(value: str | None) -> list[str] | None:
     return entries
 
 
+def _decode(value: Any) -> str:
+    """A str from NVML's ``char[]`` results; bytes that are not UTF-8 are replaced, not fatal."""
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def _cause(exc: BaseException) -> str | None:
+    """The real cause when ``exc`` means NVML as a whole stopped answering, else ``None``."""
+    for cls in type(exc).__mro__:
+        cause = _FATAL_ERRORS.get(cls.__name__)
+        if cause is not None:
+            return f"{cause}: {exc} ({type(exc).__name__})"
+    return None
+
+
 def _uuid_of(nvml: Any, handle: Any) -> str:
-    uuid = nvml.nvmlDeviceGetUUID(handle)
-    return uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+    return _decode(nvml.nvmlDeviceGetUUID(handle))
 
 
 def resolve_nvml_uuid(
@@ -139,6 +177,7 @@ class NvmlProbe:
             containers that do not share the host PID namespace, in which case
             ``process_device_bytes`` is ``None``).
         on_event: callback for ``probe_unavailable`` events.
+        fallback_name: the device's name from torch, used when NVML's cannot be read.
     """
 
     def __init__(
@@ -150,8 +189,10 @@ class NvmlProbe:
         torch_uuid: str | None = None,
         pid: int | None = None,
         on_event: EventCallback = ignore_event,
+        fallback_name: str | None = None,
     ) -> None:
         self.torch_index = torch_index
+        self._fallback_name = fallback_name
         self._nvml = nvml
         self._visible = (
             os.environ.get("CUDA_VISIBLE_DEVICES") if visible_devices is ... else visible_devices
@@ -201,19 +242,57 @@ class NvmlProbe:
         try:
             nvml.nvmlInit()
         except Exception as exc:
-            self._unavailable(f"nvmlInit failed: {exc} ({type(exc).__name__})")
+            self._unavailable(_cause(exc) or f"nvmlInit failed: {exc} ({type(exc).__name__})")
             return False
         try:
             uuid = resolve_nvml_uuid(nvml, self.torch_index, self._visible, self._torch_uuid)
             self._handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
             self.device_uuid = uuid
-            name = nvml.nvmlDeviceGetName(self._handle)
-            self.device_name = name.decode() if isinstance(name, bytes) else str(name)
         except Exception as exc:
-            self._unavailable(f"cannot find torch device {self.torch_index}: {exc}")
+            cause = _cause(exc)
+            self._unavailable(cause or f"cannot find torch device {self.torch_index}: {exc}")
             return False
         self._state.available = True
+        self.device_name = self._read_name()
         return True
+
+    def _read_name(self) -> str | None:
+        """The device name; never makes the source unavailable (pynvml decodes the C string
+        strictly and raises ``UnicodeDecodeError`` on bytes that are not UTF-8)."""
+        try:
+            return _decode(self._nvml.nvmlDeviceGetName(self._handle))
+        except Exception as exc:
+            name = self._fallback_name
+            self._report(
+                "name",
+                f"device name unreadable ({type(exc).__name__}: {exc}); using "
+                + (f"torch's {name!r}" if name else "none"),
+                field="name",
+            )
+            return name
+
+    def _checked(self, field: str, value: Any, limit: int | None) -> int | None:
+        """``value`` as an int, or ``None`` (reported once per field) when it is impossible:
+        NVML's N/A value, 2**63 or more, negative, or above ``limit`` (the device total)."""
+        if value is None:
+            return None
+        number = int(value)
+        if 0 <= number < _INT64_LIMIT and (limit is None or number <= limit):
+            return number
+        what = (
+            "NVML_VALUE_NOT_AVAILABLE (2**64-1)"
+            if number == NVML_VALUE_NOT_AVAILABLE
+            else f"{number}"
+            + (f" > device total {limit}" if limit is not None and 0 <= number < _INT64_LIMIT
+               else " (outside 0 .. 2**63-1)")
+        )  # fmt: skip
+        self._report(
+            f"impossible:{field}",
+            f"{field} reported as {what}; recorded as unknown",
+            field=field,
+            value=str(number),
+        )
+        return None
 
     def close(self) -> None:
         """Shut NVML down (when it was started)."""
@@ -245,8 +324,10 @@ class NvmlProbe:
                 try:
                     info = nvml.nvmlDeviceGetMemoryInfo(handle, version=nvml.nvmlMemory_v2)
                 except Exception as exc:
-                    if self._is_lost(exc):
+                    if self._is_lost(exc) or _cause(exc):
                         raise
+                    # blame v2 only when v1 answers: an error that v1 shares is the real cause
+                    info = nvml.nvmlDeviceGetMemoryInfo(handle)
                     self._state.memory_info_version = 1
                     self._report(
                         "v2",
@@ -255,18 +336,26 @@ class NvmlProbe:
                     )
             if info is None:
                 info = nvml.nvmlDeviceGetMemoryInfo(handle)
-            total, free = int(info.total), int(info.free)
-            used = int(info.used) if self._state.memory_info_version == 2 else total - free
+            total = self._checked("device_total_bytes", info.total, None)
+            free = self._checked("device_free_bytes", info.free, total)
+            if self._state.memory_info_version == 2:
+                used = self._checked("device_used_bytes", info.used, total)
+            else:
+                used = None if total is None or free is None else total - free
             out.update(
                 device_total_bytes=total,
                 device_used_bytes=used,
                 device_free_bytes=free,
                 nvml_memory_info_version=self._state.memory_info_version,
             )
-            self.device_total_bytes = total
+            if total is not None:
+                self.device_total_bytes = total
         except Exception as exc:
+            cause = _cause(exc)
             if self._is_lost(exc):
                 self._unavailable(f"device lost: {exc}")
+            elif cause is not None:
+                self._unavailable(cause)
             elif self._not_supported(exc):
                 self._report("meminfo-ns", f"memory info not supported: {exc}", field="memory")
             else:
@@ -283,6 +372,10 @@ class NvmlProbe:
             if self._is_lost(exc):
                 self._unavailable(f"device lost: {exc}")
                 return None
+            cause = _cause(exc)
+            if cause is not None:
+                self._unavailable(cause)
+                return None
             self._state.process_supported = False
             self._report(
                 "procs", f"process list unavailable ({type(exc).__name__}: {exc})", field="process"
@@ -298,7 +391,7 @@ class NvmlProbe:
                         field="process",
                     )
                     return None
-                return int(used)
+                return self._checked("process_device_bytes", used, self.device_total_bytes)
         self._report(
             "proc-pid",
             f"pid {self._pid} not in the device's process list (container PID namespace?)",

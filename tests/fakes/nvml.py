@@ -16,8 +16,14 @@ import pynvml
 
 @dataclass
 class FakeGpu:
+    """One device. ``name`` may be ``bytes`` (the driver's raw ``char[]``); bytes that are not
+    UTF-8 make ``nvmlDeviceGetName`` raise ``UnicodeDecodeError`` as pynvml's strict
+    ``.decode()`` does. ``processes`` are ``(pid, usedGpuMemory)``: ``None`` is what pynvml gives
+    for ``NVML_VALUE_NOT_AVAILABLE``; a raw ``2**64 - 1`` models a binding that passes the
+    driver's value through."""
+
     uuid: str
-    name: str = "NVIDIA H200"
+    name: str | bytes = "NVIDIA H200"
     total: int = 150_000_000_000
     used: int = 10_000_000_000
     reserved: int = 500_000_000
@@ -40,6 +46,10 @@ class FakeNvml:
         v2_binding_error: the binding itself fails on the versioned call with an error that is
             not an ``NVMLError`` (``NVMLLibraryMismatchError``), as pynvml's version-mismatch
             wrapper does.
+        mismatch_after_reads: after this many memory reads (all devices), every device query
+            raises ``NVMLError_LibRmVersionMismatch``: the kernel driver was replaced under a
+            running process (an upgrade without a reboot). ``0``: from the first query, with
+            ``nvmlInit`` succeeding.
     """
 
     NVMLError = pynvml.NVMLError
@@ -55,7 +65,9 @@ class FakeNvml:
         driver_mismatch: bool = False,
         has_v2: bool = True,
         v2_binding_error: bool = False,
+        mismatch_after_reads: int | None = None,
     ) -> None:
+        self.mismatch_after_reads = mismatch_after_reads
         self.gpus = gpus
         self.library_missing = library_missing
         self.driver_mismatch = driver_mismatch
@@ -81,6 +93,11 @@ class FakeNvml:
         if not self.initialised:
             raise self._err(pynvml.NVML_ERROR_UNINITIALIZED)
 
+    def _check_driver(self) -> None:
+        after = self.mismatch_after_reads
+        if after is not None and sum(g.reads for g in self.gpus) >= after:
+            raise self._err(pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH)
+
     def nvmlDeviceGetCount(self) -> int:
         self._check()
         return len(self.gpus)
@@ -102,7 +119,9 @@ class FakeNvml:
         return handle.uuid
 
     def nvmlDeviceGetName(self, handle: FakeGpu) -> str:
-        return handle.name
+        self._check()
+        name = handle.name
+        return name.decode() if isinstance(name, bytes) else name  # pynvml's convertStrBytes
 
     def _maybe_lost(self, gpu: FakeGpu) -> None:
         if gpu.lost_after_reads is not None and gpu.reads >= gpu.lost_after_reads:
@@ -110,6 +129,7 @@ class FakeNvml:
 
     def nvmlDeviceGetMemoryInfo(self, handle: FakeGpu, version: int | None = None) -> Any:
         self._check()
+        self._check_driver()
         self._maybe_lost(handle)
         if handle.memory_not_supported:
             raise self._err(pynvml.NVML_ERROR_NOT_SUPPORTED)
@@ -131,6 +151,7 @@ class FakeNvml:
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle: FakeGpu) -> list[Any]:
         self._check()
+        self._check_driver()
         self._maybe_lost(handle)
         if handle.mig:
             raise self._err(pynvml.NVML_ERROR_NOT_SUPPORTED)
