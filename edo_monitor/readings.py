@@ -24,8 +24,10 @@ class Reading:
     (``.all.current`` / ``.all.peak`` keys); ``fragmentation``, ``largest_inactive_block_bytes``
     and ``segment_count`` from ``torch.cuda.memory_snapshot()`` (taken less often); category
     bytes from :func:`edo_monitor.accounting.account` and the saved-tensor hooks; host fields
-    from psutil. ``in_use_bytes`` is what counts against ``budget_bytes``; ``free_fraction`` is
-    ``(budget_bytes - in_use_bytes) / budget_bytes``. ``time_s``: Unix epoch seconds, UTC.
+    from psutil and the process's cgroup (the smaller of machine and cgroup; the process tree by
+    PSS, see :mod:`edo_monitor.probes.host`). ``in_use_bytes`` is what counts against
+    ``budget_bytes``; ``free_fraction`` is ``(budget_bytes - in_use_bytes) / budget_bytes``.
+    ``time_s``: Unix epoch seconds, UTC.
     """
 
     time_s: float
@@ -57,6 +59,8 @@ class Reading:
     free_fraction: float | None = None
     process_rss_bytes: int | None = None
     host_available_bytes: int | None = None
+    host_limit_bytes: int | None = None
+    process_tree_bytes: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The fields as a plain dict (the ``samples`` row without ``run_id``)."""

@@ -66,7 +66,7 @@ def test_reader_leaves_v1_alone_writer_upgrades(
     assert conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() == (
         str(SCHEMA_VERSION),
     )
-    assert conn.execute("SELECT version_num FROM alembic_version").fetchone() == ("0002",)
+    assert conn.execute("SELECT version_num FROM alembic_version").fetchone() == ("0003",)
     per_level = conn.execute(
         "SELECT level, sum(n), max(in_use_bytes_max), count(*) FROM sample_rollups GROUP BY level"
     ).fetchall()
@@ -76,17 +76,27 @@ def test_reader_leaves_v1_alone_writer_upgrades(
         for lvl, w in enumerate(ROLLUP_LEVEL_WIDTHS_S)
     ]
     assert conn.execute("SELECT count(*) FROM samples").fetchone() == (N,)
+    # version 3's columns: old samples unmeasured, old rollup blocks summarise "no values"
+    assert conn.execute(
+        "SELECT count(*) FROM samples WHERE process_tree_bytes IS NULL AND host_limit_bytes IS NULL"
+    ).fetchone() == (N,)
+    assert conn.execute(
+        "SELECT DISTINCT process_tree_bytes_min, process_tree_bytes_sum, process_tree_bytes_n, "
+        "host_limit_bytes_sum, host_limit_bytes_n FROM sample_rollups"
+    ).fetchall() == [(None, 0.0, 0, 0.0, 0)]
     conn.close()
     with History(path) as h:
         assert h.outdated is None and h.run(1).sample_count == N
 
 
 def test_rollup_revision_matches_schema_py() -> None:
-    """Revision 0002 keeps frozen copies of the rollup columns and level widths; at schema
-    version 2 they must be what ``schema.py`` (and so the writers and readers) use."""
-    assert SCHEMA_VERSION == 2
+    """Revisions 0002 and 0003 keep frozen copies of the rollup columns and level widths; at
+    schema version 3 together they must be what ``schema.py`` (and so the writers and readers)
+    use."""
+    assert SCHEMA_VERSION == 3
     rev = importlib.import_module("edo_monitor.store.migrations.versions.0002_sample_rollups")
-    assert rev.FIELDS == ROLLUP_FIELDS
+    rev3 = importlib.import_module("edo_monitor.store.migrations.versions.0003_host_tree_and_limit")
+    assert rev.FIELDS + rev3.FIELDS == ROLLUP_FIELDS
     assert rev.WIDTHS_S == ROLLUP_LEVEL_WIDTHS_S == (16, 256, 4096)
 
 

@@ -37,7 +37,7 @@ __all__ = [
     "sample_rollups",
 ]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 #: Run statuses written by the agent. ``crashed`` is never written: readers derive it from a
 #: ``running`` run whose process is gone or whose heartbeat is stale.
@@ -125,6 +125,8 @@ class Sample(Base):
     free_fraction: Mapped[float | None] = mapped_column(Float)
     process_rss_bytes: Mapped[int | None]
     host_available_bytes: Mapped[int | None]
+    host_limit_bytes: Mapped[int | None]
+    process_tree_bytes: Mapped[int | None]
 
 
 class Event(Base):
@@ -194,6 +196,8 @@ ROLLUP_FIELDS: tuple[str, ...] = (
     "free_fraction",
     "process_rss_bytes",
     "host_available_bytes",
+    "host_limit_bytes",
+    "process_tree_bytes",
 )
 
 #: Width (seconds) of a rollup block at each level: level ``L`` block ``k`` holds the samples with
