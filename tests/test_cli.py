@@ -16,6 +16,7 @@ from test_history import N_SAMPLES, seed
 from typer.testing import CliRunner
 
 from edo_monitor.cli import app
+from edo_monitor.store.schema import SCHEMA_VERSION
 
 runner = CliRunner()
 
@@ -129,7 +130,8 @@ def test_errors_are_one_line_with_exit_codes(db: Path, tmp_path: Path) -> None:
 
 def test_doctor(db: Path, tmp_path: Path) -> None:
     data = json.loads(run("doctor", "--json", db=db).stdout)
-    assert data["ok"] and data["schema_version"] == 2 and data["quick_check"] == ["ok"]
+    assert data["ok"] and data["schema_version"] == SCHEMA_VERSION == 3
+    assert data["quick_check"] == ["ok"]
     assert data["rows"]["samples"] == N_SAMPLES + 300 and data["bytes_per_sample"] > 0
     assert run("doctor", "--full", db=db).exit_code == 0
 
