@@ -37,7 +37,7 @@ from edo_monitor.store.schema import Event, Meta, ModuleStat, Run, Sample
 from edo_monitor.tui.app import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EdoTui, main, parse_args
 from edo_monitor.tui.data import DataSource, Series
 from edo_monitor.tui.screens import HelpScreen, RunScreen, RunsScreen
-from edo_monitor.tui.widgets import Gauge, MemoryChart
+from edo_monitor.tui.widgets import FLOOR_RGB, OOM_RGB, Gauge, MemoryChart
 
 GIB = 1 << 30
 REFRESH_S = 0.2
@@ -700,8 +700,7 @@ def test_layout_snapshot(db: Path, tmp_path: Path) -> None:
         }
         assert all(r.width > 0 and r.height > 0 for r in regions.values())
         assert regions["#run-header"].y < regions["#gauges"].y < regions["#chart"].y
-        assert regions["#chart"].y < regions["#events"].y
-        assert regions["#events"].x < regions["#modules"].x
+        assert regions["#chart"].y < regions["#events"].y < regions["#modules"].y
         assert regions["#chart"].height >= 10
         svg = Path(app.save_screenshot(path=str(tmp_path), filename="live.svg"))
         text = svg.read_text()
@@ -910,3 +909,154 @@ def test_keys_typed_before_the_first_frame_are_kept(db: Path) -> None:
     status, output = _edo_tui_in_a_terminal(db, [(None, b"r"), (b"runs in", b"q")])
     assert b"runs in" in output
     assert status == 0
+
+
+# -- the chart and the panels (issue 10, item 14) -------------------------------------------------
+
+
+def chart_rows_in(chart: MemoryChart, rgb: tuple[int, int, int]) -> list[int]:
+    """Indices of the chart's lines holding a character drawn in colour ``rgb``."""
+    rows = []
+    for y, line in enumerate(chart.lines):
+        for segment in line:
+            color = segment.style.color if segment.style else None
+            triplet = None if color is None else color.triplet
+            if triplet is not None and tuple(triplet) == rgb and segment.text.strip():
+                rows.append(y)
+                break
+    return rows
+
+
+@pytest.fixture
+def failed_db(tmp_path: Path) -> Path:
+    """A failed run (an out-of-memory error at 40 s) and a run without a budget."""
+    path = tmp_path / "failed.db"
+    engine = open_engine(path)
+    with Session(engine) as session, session.begin():
+        run = make_run(session, "oom-run", status="failed", budget=1 * GIB)
+        run.error = "OutOfMemoryError: CUDA out of memory"
+        for i in range(41):
+            session.add(sample(run, run.started_at_s + i, i, (500 + 10 * i) << 20))
+        message = (
+            "out of memory: CUDA out of memory. Tried to allocate 64.00 MiB. GPU 0 has a total "
+            "capacity of 1.00 GiB of which 12.00 MiB is free. Including non-PyTorch memory, this "
+            "process has 1012.00 MiB memory in use. Of the allocated memory 900.00 MiB is "
+            "allocated by PyTorch, and 40.00 MiB is reserved by PyTorch but unallocated."
+        )
+        add_event(session, run, run.started_at_s + 40, "oom", message)
+        add_table(
+            session,
+            run,
+            "model.encoder.embeddings.word_embeddings",
+            250_002,
+            1024,
+            activations_bytes=123_456_789,
+        )
+        add_table(session, run, "model.encoder.embeddings.position_embeddings", 514, 1024)
+        free = make_run(session, "no-budget", budget=0, device_kind="cpu-budget")
+        free.budget_bytes = None
+        for i in range(10):
+            session.add(
+                sample(
+                    free,
+                    free.started_at_s + i,
+                    i,
+                    (100 + i) << 20,
+                    budget_bytes=None,
+                    free_fraction=None,
+                )
+            )
+    engine.dispose()
+    return path
+
+
+def test_failed_run_chart_marks_the_out_of_memory_error(failed_db: Path) -> None:
+    app = EdoTui(failed_db, run="1", refresh_s=REFRESH_S)
+
+    async def body(pilot: Pilot[None]) -> None:
+        await wait_for(pilot, lambda: loaded(app))
+        chart = app.run_screen.query_one(MemoryChart)
+        await wait_for(pilot, lambda: chart.lines_size == chart.wanted_size)
+        assert chart.oom_count == 1
+        assert chart.data.ooms == (40.0,)
+        oom_rows = chart_rows_in(chart, OOM_RGB)
+        assert 0 in oom_rows  # the legend names it
+        assert "out of memory" in chart.lines[0].text
+        plot_rows = [y for y in oom_rows if y > 0]
+        assert len(plot_rows) >= chart.size.height // 2  # a vertical line down the plot
+        assert any("OOM" in chart.lines[y].text for y in plot_rows)
+
+    run_app(app, body)
+
+
+def test_floor_line_is_yellow_and_the_legend_is_not_on_it(failed_db: Path) -> None:
+    app = EdoTui(failed_db, run="1", refresh_s=REFRESH_S)
+
+    async def body(pilot: Pilot[None]) -> None:
+        await wait_for(pilot, lambda: loaded(app))
+        chart = app.run_screen.query_one(MemoryChart)
+        await wait_for(pilot, lambda: chart.lines_size == chart.wanted_size)
+        r, g, b = FLOOR_RGB
+        assert r >= 200 and g >= 180 and b <= 80  # yellow, as README and help say
+        assert chart.data.floor_bytes == int(GIB * 0.8)  # budget 1 GiB, floor 20 % free
+        floor_rows = [y for y in chart_rows_in(chart, FLOOR_RGB) if y > 0]
+        assert len(floor_rows) == 1  # one horizontal line
+        assert "─" * 10 in chart.lines[floor_rows[0]].text
+        legend = chart.lines[0].text
+        assert "in use" in legend and "floor (20% free)" in legend
+        for line in chart.lines[1:]:
+            assert "in use" not in line.text and "floor" not in line.text
+
+    run_app(app, body)
+
+
+def test_run_without_a_budget_has_no_floor_marker(failed_db: Path) -> None:
+    app = EdoTui(failed_db, run="2", refresh_s=REFRESH_S)
+
+    async def body(pilot: Pilot[None]) -> None:
+        await wait_for(pilot, lambda: loaded(app))
+        screen = app.run_screen
+        chart = screen.query_one(MemoryChart)
+        await wait_for(pilot, lambda: chart.lines_size == chart.wanted_size)
+        assert chart.points == 10
+        assert chart.data.floor_bytes is None
+        assert chart_rows_in(chart, FLOOR_RGB) == []
+        assert "floor" not in chart.lines[0].text
+        free = screen.query_one("#gauge-free", Gauge)
+        assert free.mark is None and free.text == "N/A (no budget)"
+        assert screen.query_one("#gauge-used", Gauge).mark is None
+
+    run_app(app, body)
+
+
+def test_at_160_columns_tables_fit_and_the_selected_event_is_shown_whole(failed_db: Path) -> None:
+    app = EdoTui(failed_db, run="1", refresh_s=REFRESH_S)
+
+    async def body(pilot: Pilot[None]) -> None:
+        await pilot.resize_terminal(160, 50)
+        await wait_for(pilot, lambda: loaded(app))
+        await pilot.pause()
+        screen = app.run_screen
+        modules = screen.query_one("#modules", DataTable)
+        events = screen.query_one("#events", DataTable)
+        for table in (modules, events):  # every column inside the panel: nothing cut
+            assert table.virtual_size.width <= table.scrollable_content_region.width
+        assert table_column(modules, 0)[0] == "model.encoder.embeddings.word_embeddings"
+        assert table_column(modules, 7)[0] == "117.74 MiB"  # activ, the second last column
+        message = (
+            "out of memory: CUDA out of memory. Tried to allocate 64.00 MiB. GPU 0 has a total "
+            "capacity of 1.00 GiB of which 12.00 MiB is free. Including non-PyTorch memory, this "
+            "process has 1012.00 MiB memory in use. Of the allocated memory 900.00 MiB is "
+            "allocated by PyTorch, and 40.00 MiB is reserved by PyTorch but unallocated."
+        )
+        detail = screen.query_one("#event-detail", Static)
+        assert detail.display and message in " ".join(text_of(detail).split())
+        # in the table the detail is cut at a word boundary, marked with …
+        cell = events.get_row_at(0)[3]
+        width = events.columns[events.ordered_columns[3].key].get_render_width(events) - 2
+        lines = app.console.render_lines(cell, app.console.options.update_width(width))
+        shown = "".join(seg.text for seg in lines[0]).rstrip()
+        assert shown.endswith("…")
+        assert message.startswith(shown[:-1]) and message[len(shown) - 1] == " "
+
+    run_app(app, body)

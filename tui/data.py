@@ -134,6 +134,13 @@ class Series:
         self.allocated: list[int | None] = []
         self.reserved: list[int | None] = []
         self.last_id = 0
+        #: held while the series changes and while a snapshot is taken (workers read it)
+        self.lock = threading.Lock()
+
+    def snapshot(self) -> tuple[list[float], list[int | None], list[int | None], list[int | None]]:
+        """Copies of (time_s, in_use, allocated, reserved), consistent with each other."""
+        with self.lock:
+            return list(self.time_s), list(self.in_use), list(self.allocated), list(self.reserved)
 
     def __len__(self) -> int:
         return len(self.index)
@@ -157,12 +164,13 @@ class Series:
     def extend(self, rows: Iterable[Sequence[Any]]) -> int:
         """Fold new samples ``(id, time_s, in_use, allocated, reserved)`` in; returns how many."""
         count = 0
-        for sample_id, time_s, in_use, allocated, reserved in rows:
-            self.add(time_s, in_use, allocated, reserved)
-            self.last_id = max(self.last_id, sample_id)
-            count += 1
-        while len(self.index) > 2 * self.max_points:
-            self._coarsen()
+        with self.lock:
+            for sample_id, time_s, in_use, allocated, reserved in rows:
+                self.add(time_s, in_use, allocated, reserved)
+                self.last_id = max(self.last_id, sample_id)
+                count += 1
+            while len(self.index) > 2 * self.max_points:
+                self._coarsen()
         return count
 
     def _coarsen(self) -> None:

@@ -5,17 +5,26 @@ from __future__ import annotations
 import datetime as dt
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+from rich.console import Console
 from rich.text import Text
+from textual.message import Message
+from textual.strip import Strip
 from textual.widget import Widget
-from textual_plotext import PlotextPlot
+from textual_plotext import Plot
 
 from .data import EventInfo, Series
 
 __all__ = [
+    "FLOOR_RGB",
+    "OOM_RGB",
     "STATUS_STYLES",
+    "ChartData",
     "Gauge",
     "MemoryChart",
+    "build_chart",
+    "chart_legend",
     "format_duration",
     "format_fraction",
     "format_time",
@@ -132,65 +141,243 @@ def _unit(max_bytes: float) -> tuple[str, float]:
     return "B", 1.0
 
 
-class MemoryChart(PlotextPlot):
-    """In-use, allocated and reserved bytes over elapsed time, the floor line and actions."""
+RGB = tuple[int, int, int]
+#: Colours of the chart (24-bit, so every terminal shows the same colour the legend names).
+IN_USE_RGB: RGB = (80, 220, 60)  # green
+ALLOCATED_RGB: RGB = (0, 200, 220)  # cyan
+RESERVED_RGB: RGB = (70, 110, 255)  # blue
+FLOOR_RGB: RGB = (255, 215, 0)  # yellow
+ACTION_RGB: RGB = (255, 95, 215)  # magenta
+OOM_RGB: RGB = (255, 40, 40)  # red
 
-    def __init__(self, *, id: str | None = None) -> None:
-        """Create an empty chart."""
-        super().__init__(id=id)
-        self.points = 0
-        self.action_count = 0
-        #: plotext marker of the lines: "sd" (one character per cell) draws in half the time
-        #: of plotext's default "hd" (2x2 per cell), which keeps a refresh under 50 ms.
-        self.marker = "sd"
 
-    def show(
-        self,
+def _rich(rgb: RGB) -> str:
+    return f"rgb({rgb[0]},{rgb[1]},{rgb[2]})"
+
+
+@dataclass(frozen=True)
+class ChartData:
+    """What the chart draws, as an immutable snapshot (handed to a worker thread).
+
+    ``time_s`` are seconds since the run started; byte columns may hold ``None`` (not available).
+    ``floor_bytes`` is the in-use level at the policy's floor (``None``: no budget, no floor);
+    ``actions`` are (seconds, bytes after) of actions, ``ooms`` the seconds of out-of-memory
+    errors.
+    """
+
+    time_s: tuple[float, ...] = ()
+    in_use: tuple[int | None, ...] = ()
+    allocated: tuple[int | None, ...] = ()
+    reserved: tuple[int | None, ...] = ()
+    floor_bytes: int | None = None
+    floor_fraction: float | None = None
+    actions: tuple[tuple[float, int | None], ...] = ()
+    ooms: tuple[float, ...] = ()
+
+    @classmethod
+    def of(
+        cls,
         series: Series | None,
         *,
         start_s: float,
         floor_bytes: int | None,
-        actions: Sequence[EventInfo] = (),
-    ) -> None:
-        """Redraw with ``series``; ``floor_bytes`` is the in-use level at the floor."""
-        plt = self.plt
-        plt.clear_figure()
-        plt.title("device memory (yellow line: the floor; x: actions)")
-        plt.xlabel("elapsed (s)")
-        self.points = 0 if series is None else len(series)
-        self.action_count = len(actions)
-        if series is None or not len(series):
-            plt.title("device memory (no samples yet)")
-            self.refresh()
-            return
-        values = [v for v in (*series.in_use, *series.reserved) if v is not None]
-        top = max([*values, floor_bytes or 0, 1])
-        unit, size = _unit(top)
-        plt.ylabel(unit)
-        xs = [t - start_s for t in series.time_s]
-        for label, data, color in (
-            ("reserved", series.reserved, "blue"),
-            ("allocated", series.allocated, "cyan"),
-            ("in use", series.in_use, "green"),
-        ):
-            pts = [(x, v / size) for x, v in zip(xs, data, strict=True) if v is not None]
-            if pts:
-                plt.plot(
-                    [p[0] for p in pts],
-                    [p[1] for p in pts],
-                    label=label,
-                    color=color,
-                    marker=self.marker,
-                )
-        if floor_bytes is not None:
-            plt.hline(floor_bytes / size, "yellow")
-        for event in actions:
-            plt.vline(event.time_s - start_s, "red")
-        if actions:
-            ax = [e.time_s - start_s for e in actions]
-            ay = [
-                (e.data.get("bytes_after") or e.data.get("bytes_before") or 0) / size
-                for e in actions
-            ]
-            plt.scatter(ax, ay, marker="x", color="red", label="action")
+        floor_fraction: float | None,
+        events: Sequence[EventInfo] = (),
+    ) -> ChartData:
+        """Snapshot ``series`` (thread-safe) and the action and OOM events among ``events``."""
+        actions = tuple(
+            (
+                e.time_s - start_s,
+                _int_or_none(e.data.get("bytes_after") or e.data.get("bytes_before")),
+            )
+            for e in events
+            if e.kind == "action"
+        )
+        ooms = tuple(e.time_s - start_s for e in events if e.kind == "oom")
+        if series is None:
+            return cls(
+                floor_bytes=floor_bytes,
+                floor_fraction=floor_fraction,
+                actions=actions,
+                ooms=ooms,
+            )
+        time_s, in_use, allocated, reserved = series.snapshot()
+        return cls(
+            tuple(t - start_s for t in time_s),
+            tuple(in_use),
+            tuple(allocated),
+            tuple(reserved),
+            floor_bytes,
+            floor_fraction,
+            actions,
+            ooms,
+        )
+
+
+def _int_or_none(value: object) -> int | None:
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def chart_legend(data: ChartData) -> Text:
+    """The legend line: one entry per thing drawn, in its colour (never drawn over the plot)."""
+    legend = Text(no_wrap=True, overflow="ellipsis")
+    legend.append(" device memory   ", style="bold")
+    for name, rgb, column in (
+        ("in use", IN_USE_RGB, data.in_use),
+        ("allocated", ALLOCATED_RGB, data.allocated),
+        ("reserved", RESERVED_RGB, data.reserved),
+    ):
+        if any(v is not None for v in column):
+            legend.append("█ ", style=_rich(rgb))
+            legend.append(f"{name}   ")
+    if data.floor_bytes is not None and data.floor_fraction is not None:
+        legend.append("── ", style=_rich(FLOOR_RGB))
+        legend.append(f"floor ({data.floor_fraction:.0%} free)   ")
+    if data.actions:
+        legend.append("│x ", style=_rich(ACTION_RGB))
+        legend.append("action   ")
+    if data.ooms:
+        legend.append("│ OOM ", style=f"bold {_rich(OOM_RGB)}")
+        legend.append("out of memory")
+    if not data.time_s:
+        legend.append("(no samples yet)", style="italic")
+    return legend
+
+
+def _fit(xs: Sequence[float], ys: Sequence[int | None], columns: int) -> tuple[list, list]:
+    """At most ``columns`` points: the maximum of the points that fall in each column."""
+    pts = [(x, y) for x, y in zip(xs, ys, strict=True) if y is not None]
+    if len(pts) <= columns or columns < 2:
+        return [p[0] for p in pts], [p[1] for p in pts]
+    x0, x1 = pts[0][0], pts[-1][0]
+    scale = (columns - 1) / ((x1 - x0) or 1.0)
+    out_x: list[float] = []
+    out_y: list[int] = []
+    last = -1
+    for x, y in pts:
+        col = int((x - x0) * scale)
+        if col == last:
+            if y > out_y[-1]:
+                out_y[-1] = y
+        else:
+            out_x.append(x)
+            out_y.append(y)
+            last = col
+    return out_x, out_y
+
+
+def build_chart(data: ChartData, width: int, height: int) -> list[Strip]:
+    """Draw ``data`` into ``height`` lines of ``width`` cells: the legend, then the plot.
+
+    Pure and thread-safe (its own plotext figure and Rich console), so it runs in a worker
+    thread and the UI thread only shows the lines. Colours are 24-bit (:data:`FLOOR_RGB` …).
+    """
+    width, height = max(20, width), max(4, height)
+    console = Console(
+        width=width, height=height, color_system="truecolor", force_terminal=True, no_color=False
+    )
+    options = console.options.update(width=width, no_wrap=True, overflow="crop")
+    lines = [Strip(console.render_lines(chart_legend(data), options, pad=True)[0], width)]
+    if not data.time_s:
+        return lines
+    plt = Plot()
+    plt.theme("clear")
+    plt.plotsize(width, height - 1)
+    plt._set_size(width, height - 1)  # as textual-plotext's own widget does (its issue #5)
+    values = [v for v in (*data.in_use, *data.reserved) if v is not None]
+    top = max([*values, data.floor_bytes or 0, 1])
+    unit, size = _unit(top)
+    plt.ylabel(unit)
+    plt.xlabel("elapsed (s)")
+    columns = max(2, width - 10)
+    for column, rgb in (
+        (data.reserved, RESERVED_RGB),
+        (data.allocated, ALLOCATED_RGB),
+        (data.in_use, IN_USE_RGB),
+    ):
+        xs, ys = _fit(data.time_s, column, columns)
+        if xs:
+            plt.plot(xs, [y / size for y in ys], color=rgb, marker="sd")
+    if data.floor_bytes is not None:
+        plt.hline(data.floor_bytes / size, FLOOR_RGB)
+    for x, _ in data.actions:
+        plt.vline(x, ACTION_RGB)
+    if data.actions:
+        plt.scatter(
+            [x for x, _ in data.actions],
+            [(y or 0) / size for _, y in data.actions],
+            marker="x",
+            color=ACTION_RGB,
+        )
+    for x in data.ooms:
+        plt.vline(x, OOM_RGB)
+        plt.text("OOM", x, top / size, color=OOM_RGB, alignment="right")
+    x_end = max([*data.time_s, *(x for x, _ in data.actions), *data.ooms])
+    plt.xlim(0.0, x_end * 1.02 or 1.0)  # a mark at the last sample stays inside the frame
+    plot = Text.from_ansi(plt.build(), no_wrap=True)
+    lines.extend(
+        Strip(segments, width) for segments in console.render_lines(plot, options, pad=True)
+    )
+    return lines[:height]
+
+
+class MemoryChart(Widget):
+    """In-use, allocated and reserved bytes over elapsed time, the floor line, actions and
+    out-of-memory errors, with a legend line above the plot.
+
+    The lines are built off the UI thread (:func:`build_chart`, by the screen's workers) and
+    handed over with :meth:`set_lines`; :meth:`render_line` only returns them. When the widget's
+    size no longer matches the lines, it asks for new ones (:attr:`wanted_size`).
+    """
+
+    DEFAULT_CSS = """
+    MemoryChart { height: 1fr; }
+    """
+
+    def __init__(self, *, id: str | None = None) -> None:
+        """Create an empty chart."""
+        super().__init__(id=id)
+        self.data = ChartData()
+        self.lines: list[Strip] = []
+        self.lines_size: tuple[int, int] = (0, 0)
+        self.points = 0
+        self.action_count = 0
+        self.oom_count = 0
+        self.builds = 0
+
+    @property
+    def wanted_size(self) -> tuple[int, int]:
+        """The size to build lines for: the widget's content size now."""
+        return self.size.width, self.size.height
+
+    def set_lines(self, data: ChartData, lines: list[Strip], size: tuple[int, int]) -> None:
+        """Show ``lines`` (built by :func:`build_chart` from ``data`` at ``size``)."""
+        self.data = data
+        self.lines = lines
+        self.lines_size = size
+        self.points = len(data.time_s)
+        self.action_count = len(data.actions)
+        self.oom_count = len(data.ooms)
+        self.builds += 1
         self.refresh()
+        if size != self.wanted_size and self.size.area:
+            self.post_message(self.Stale(self))  # built for a size the widget no longer has
+
+    def on_resize(self) -> None:
+        """Ask the screen for lines of the new size."""
+        if self.lines_size != self.wanted_size:
+            self.post_message(self.Stale(self))
+
+    class Stale(Message):
+        """The chart's lines do not fit its size any more."""
+
+        def __init__(self, chart: MemoryChart) -> None:
+            """For ``chart``."""
+            super().__init__()
+            self.chart = chart
+
+    def render_line(self, y: int) -> Strip:
+        """Line ``y`` of the last lines built, on the widget's background."""
+        if y < len(self.lines):
+            return self.lines[y].crop_extend(0, self.size.width, None).apply_style(self.rich_style)
+        return Strip.blank(self.size.width, self.rich_style)
