@@ -16,6 +16,7 @@ import select
 import signal
 import sqlite3
 import struct
+import subprocess
 import sys
 import termios
 import threading
@@ -1058,5 +1059,139 @@ def test_at_160_columns_tables_fit_and_the_selected_event_is_shown_whole(failed_
         shown = "".join(seg.text for seg in lines[0]).rstrip()
         assert shown.endswith("…")
         assert message.startswith(shown[:-1]) and message[len(shown) - 1] == " "
+
+    run_app(app, body)
+
+
+# -- following new runs (issue 10, item 13) ------------------------------------------------------
+
+WATCHED_TRAINING = """
+import pathlib, sys, time
+import torch
+from torch import nn
+import edo_monitor
+
+db, stop = sys.argv[1], pathlib.Path(sys.argv[2])
+torch.manual_seed(0)
+model = nn.Embedding(1000, 16)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+with edo_monitor.watch(model, opt, db=db, budget="64MiB", interval_s=0.05, run_name="second-run"):
+    while not stop.exists():
+        loss = model(torch.randint(0, 1000, (64,))).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        time.sleep(0.01)  # the workload's pace, not synchronisation
+"""
+
+
+def _run_status(db: Path, name: str) -> str | None:
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        row = conn.execute("SELECT status FROM runs WHERE name = ?", (name,)).fetchone()
+    except sqlite3.OperationalError:  # the agent is creating the schema
+        row = None
+    finally:
+        conn.close()
+    return None if row is None else str(row[0])
+
+
+def _finished_run_db(tmp_path: Path) -> Path:
+    path = tmp_path / "follow.db"
+    engine = open_engine(path)
+    with Session(engine) as session, session.begin():
+        run = make_run(session, "first-run", status="finished", started=time.time() - 600)
+        add_samples(session, run, 30)
+    engine.dispose()
+    return path
+
+
+@pytest.mark.slow
+def test_live_view_follows_a_new_run_started_by_watch(tmp_path: Path) -> None:
+    db = _finished_run_db(tmp_path)
+    stop = tmp_path / "stop"
+    app = EdoTui(db, refresh_s=REFRESH_S)
+    header = ""
+
+    async def body(pilot: Pilot[None]) -> None:
+        nonlocal header
+        await wait_for(pilot, lambda: loaded(app))
+        screen = run_view(app)
+        assert screen.run_info is not None and screen.run_info.name == "first-run"
+        assert "following new runs" in text_of(screen.query_one("#run-header", Static))
+        child = subprocess.Popen([sys.executable, "-c", WATCHED_TRAINING, str(db), str(stop)])
+        try:
+            # torch's import takes seconds: a hang guard, then the app's own clock
+            await wait_for(pilot, lambda: _run_status(db, "second-run") == "running", 300)
+            await within_refreshes(
+                pilot,
+                screen,
+                lambda: screen.run_info is not None and screen.run_info.name == "second-run",
+                2,
+            )
+            header = text_of(screen.query_one("#run-header", Static))
+            assert screen.run_info.status == "running"
+            await wait_for(pilot, lambda: screen.query_one(MemoryChart).points > 0)
+            stop.touch()
+            await wait_for(pilot, lambda: child.poll() is not None, 120)
+            assert child.returncode == 0
+            await within_refreshes(pilot, screen, lambda: screen.run_info.status == "finished", 2)
+            assert screen.run_info.name == "second-run"  # stays on the run it follows
+        finally:
+            stop.touch()
+            child.wait(120)
+
+    run_app(app, body)
+    assert "second-run" in header and " running " in header
+    assert "following new runs (switched from #1)" in header
+
+
+def test_following_is_turned_off_and_on_with_f(tmp_path: Path) -> None:
+    db = _finished_run_db(tmp_path)
+    app = EdoTui(db, refresh_s=REFRESH_S)
+
+    async def body(pilot: Pilot[None]) -> None:
+        await wait_for(pilot, lambda: loaded(app))
+        screen = run_view(app)
+        header = screen.query_one("#run-header", Static)
+        await pilot.press("f")
+        assert not screen.follow
+        assert "not following new runs" in text_of(header)
+        engine = open_engine(db)
+        with Session(engine) as session, session.begin():
+            make_run(session, "new-run", status="running", started=time.time())
+        engine.dispose()
+        ticks = screen.ticks
+        await wait_for(pilot, lambda: screen.ticks >= ticks + 3)
+        assert screen.run_info is not None and screen.run_info.name == "first-run"
+        await pilot.press("f")
+        assert screen.follow
+        await within_refreshes(
+            pilot,
+            screen,
+            lambda: screen.run_info is not None and screen.run_info.name == "new-run",
+            2,
+        )
+        assert "following new runs (switched from #1)" in text_of(header)
+
+    run_app(app, body)
+
+
+def test_a_run_asked_for_is_not_left(db: Path) -> None:
+    app = EdoTui(db, run="1", refresh_s=REFRESH_S)  # old-finished, while live-run is running
+
+    async def body(pilot: Pilot[None]) -> None:
+        await wait_for(pilot, lambda: loaded(app))
+        screen = run_view(app)
+        assert not screen.follow
+        ticks = screen.ticks
+        await wait_for(pilot, lambda: screen.ticks >= ticks + 3)
+        assert screen.run_info is not None and screen.run_info.name == "old-finished"
+        assert "not following new runs · f: follow" in text_of(
+            screen.query_one("#run-header", Static)
+        )
+        await pilot.press("l")  # the live view follows again
+        await wait_for(pilot, lambda: screen.loaded)
+        assert screen.follow and screen.run_info.name == "live-run"
 
     run_app(app, body)

@@ -245,6 +245,8 @@ class RunScreen(Screen[None]):
         #: (or of "no run yet" / an error)
         self.refreshes = 0
         self.loads = 0
+        #: refresh timer ticks (and other calls of :meth:`tick`)
+        self.ticks = 0
         self._header_lines = 1
 
     @property
@@ -320,7 +322,10 @@ class RunScreen(Screen[None]):
     def tick(self) -> None:
         """Start a read unless one is in flight, or the open run can no longer change (and no
         newer run is to be followed)."""
-        if self.busy or not self.is_mounted:
+        if not self.is_mounted:
+            return
+        self.ticks += 1
+        if self.busy:
             return
         run = self.run_info
         if self.loaded and run is not None and run.status != "running" and self.follow:
@@ -468,6 +473,7 @@ class RunScreen(Screen[None]):
         if generation != self.generation:
             return
         self.busy = False
+        self.refreshes += 1
         self._update_header()
 
     @_while_shown
