@@ -324,6 +324,7 @@ class Monitor:
         device_uuid = None
         device_total = None
         self._probes["host"] = HostProbe(on_event=self._emit)
+        self._probes["host"].start()  # process tree and cgroup on their own thread
         if self.device_kind == "cuda":
             from edo_monitor.probes.cuda import AllocatorProbe
             from edo_monitor.probes.nvml import NvmlProbe
@@ -497,6 +498,9 @@ class Monitor:
         nvml = self._probes.get("nvml")
         if nvml is not None:
             nvml.close()
+        host = self._probes.get("host")
+        if host is not None:
+            host.close()
 
     # ------------------------------------------------------------------ events & errors
     def _emit(self, kind: str, message: str, data: Mapping[str, Any] | None = None) -> None:

@@ -95,7 +95,7 @@ def test_host_reading_uses_the_smaller_of_machine_and_cgroup(tmp_path: Path) -> 
     machine = psutil.virtual_memory()
     assert machine.available > 768 * MiB and machine.total > 2 * GiB  # the premise
     proc = v2_tree(tmp_path / "cg", parent_max=str(3 * GiB), leaf_max=str(2 * GiB))
-    probe = HostProbe(cgroup_root=tmp_path / "cg", proc_cgroup=proc, tree_interval_s=0)
+    probe = HostProbe(cgroup_root=tmp_path / "cg", proc_cgroup=proc, slow_interval_s=0)
     r = probe.read()
     assert r["host_limit_bytes"] == 2 * GiB
     assert r["host_available_bytes"] == 768 * MiB
@@ -129,7 +129,7 @@ def _hold(conn: Connection, nbytes: int, grandchild_bytes: int) -> None:
 
 @pytest.mark.skipif(not hasattr(psutil.Process(), "memory_full_info"), reason="no PSS/USS here")
 def test_process_tree_counts_forked_workers_once_by_pss() -> None:
-    probe = HostProbe(tree_interval_s=0)
+    probe = HostProbe(slow_interval_s=0)
     before = probe.read()
     assert probe.tree_processes == 1
     ctx = mp.get_context("fork")
@@ -168,10 +168,28 @@ def test_process_tree_counts_forked_workers_once_by_pss() -> None:
 
 
 def test_tree_is_read_on_its_own_schedule() -> None:
-    probe = HostProbe(tree_interval_s=10.0)
+    probe = HostProbe(slow_interval_s=10.0)
     first = probe.read(now_s=100.0)["process_tree_bytes"]
     assert first is not None and first > 0
     held = b"\x01" * (64 * MiB)
     assert probe.read(now_s=105.0)["process_tree_bytes"] == first  # repeated, not re-read
     assert probe.read(now_s=110.0)["process_tree_bytes"] >= first + 64 * MiB - 8 * MiB
     del held
+
+
+def test_started_probe_reads_the_tree_on_its_own_thread() -> None:
+    import threading
+
+    probe = HostProbe(slow_interval_s=0.05)
+    probe.start()
+    try:
+        deadline = 600  # polls of 0.05 s: a hang guard, not a timing bound
+        while probe.read()["process_tree_bytes"] is None and deadline:
+            threading.Event().wait(0.05)
+            deadline -= 1
+        r = probe.read()
+        assert r["process_tree_bytes"] is not None and r["process_tree_bytes"] > 0
+        assert "edo-host" in {t.name for t in threading.enumerate()}
+    finally:
+        probe.close()
+    assert "edo-host" not in {t.name for t in threading.enumerate()}

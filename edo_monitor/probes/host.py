@@ -17,14 +17,20 @@ Sources:
 * The **process tree** (this process and its descendants: forking DataLoader workers): the sum
   of each process's PSS (proportional set size, ``psutil.Process.memory_full_info().pss``), so a
   page shared by several processes (copy-on-write after ``fork``) is counted once in all; USS
-  (pages private to the process) where PSS is unavailable. Reading PSS walks the process's page
-  tables, so the tree is read at most every ``tree_interval_s`` and repeated in between.
+  (pages private to the process) where PSS is unavailable.
+
+Reading PSS walks each process's page tables (about 60 ms for a process with PyTorch loaded on
+the development machine) and the cgroup files take a few ms, so both are read at most every
+``slow_interval_s`` (2 s) and repeated in between; RSS and the machine's memory are read at every
+sample. After :meth:`HostProbe.start` the slow reads run on their own thread (``edo-host``), so
+the sampler never waits for them; without it, :meth:`HostProbe.read` does them on its schedule.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -242,15 +248,15 @@ class HostProbe:
 
     * ``process_rss_bytes``: ``psutil.Process().memory_info().rss`` (this process only).
     * ``process_tree_bytes``: PSS of this process and its descendants (see the module docstring),
-      read every ``tree_interval_s``.
+      read every ``slow_interval_s``.
     * ``host_limit_bytes``: the smaller of the machine's total memory and the cgroup's limit.
     * ``host_available_bytes``: the smaller of the machine's available memory and the cgroup's
-      limit minus its use.
+      limit minus its use (the cgroup read every ``slow_interval_s``).
 
     Args:
         on_event: callback for ``probe_unavailable`` events.
         cgroup_root, proc_cgroup: see :func:`read_cgroup_memory` (tests pass a folder).
-        tree_interval_s: seconds between process-tree reads (``0``: every reading).
+        slow_interval_s: seconds between process-tree and cgroup reads (``0``: every reading).
         pid: the process at the root of the tree (default: this one).
     """
 
@@ -260,21 +266,59 @@ class HostProbe:
         on_event: EventCallback = ignore_event,
         cgroup_root: str | os.PathLike[str] = CGROUP_ROOT,
         proc_cgroup: str | os.PathLike[str] = "/proc/self/cgroup",
-        tree_interval_s: float = 2.0,
+        slow_interval_s: float = 2.0,
         pid: int | None = None,
     ) -> None:
         self._process = psutil.Process(pid)
         self._on_event = on_event
         self._cgroup_root = cgroup_root
         self._proc_cgroup = proc_cgroup
-        self.tree_interval_s = tree_interval_s
+        self.slow_interval_s = slow_interval_s
         self._failed: set[str] = set()
-        self._tree_at_s = -float("inf")
+        self._slow_at_s = -float("inf")
         self._tree: int | None = None
         #: processes in the tree at the last tree read (this one included)
         self.tree_processes = 0
         #: the cgroup read at the last reading (``None``: none)
         self.cgroup: CgroupMemory | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        """Read the process tree and the cgroup every ``slow_interval_s`` on a daemon thread
+        (``edo-host``) from now on; :meth:`read` then returns their latest values at once
+        (``None`` until the thread's first read)."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._slow_loop, name="edo-host", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the thread started by :meth:`start` (waits for it)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _slow_loop(self) -> None:
+        while True:
+            self._slow_read()
+            if self._stop.wait(self.slow_interval_s):
+                return
+
+    def _slow_read(self) -> None:
+        """The cgroup and the process tree (never raises; failures reported once)."""
+        if "cgroup" not in self._failed:
+            try:
+                self.cgroup = read_cgroup_memory(self._cgroup_root, self._proc_cgroup)
+            except Exception as exc:  # read_cgroup_memory does not raise; belt and braces
+                self._fail("cgroup", exc)
+        if "tree" not in self._failed:
+            try:
+                self._tree, self.tree_processes = _tree_bytes(self._process)
+            except Exception as exc:
+                self._tree = None
+                self._fail("tree", exc)
 
     def _fail(self, what: str, exc: BaseException) -> None:
         if what in self._failed:
@@ -289,9 +333,13 @@ class HostProbe:
         """One reading; ``None`` fields where a source fails (reported once). Never raises.
 
         Args:
-            now_s: monotonic time for the tree schedule (default ``time.monotonic()``).
+            now_s: monotonic time for the slow reads' schedule (default ``time.monotonic()``).
         """
         out: dict[str, Any] = dict.fromkeys(_HOST_FIELDS)
+        now = time.monotonic() if now_s is None else now_s
+        if self._thread is None and now - self._slow_at_s >= self.slow_interval_s:
+            self._slow_at_s = now
+            self._slow_read()
         if "rss" not in self._failed:
             try:
                 out["process_rss_bytes"] = int(self._process.memory_info().rss)
@@ -299,19 +347,10 @@ class HostProbe:
                 self._fail("rss", exc)
         if "host" not in self._failed:
             try:
-                self.cgroup = read_cgroup_memory(self._cgroup_root, self._proc_cgroup)
                 available, limit = _combine(psutil.virtual_memory(), self.cgroup)
                 out["host_available_bytes"] = available
                 out["host_limit_bytes"] = limit
             except Exception as exc:
                 self._fail("host", exc)
-        now = time.monotonic() if now_s is None else now_s
-        if "tree" not in self._failed and now - self._tree_at_s >= self.tree_interval_s:
-            self._tree_at_s = now
-            try:
-                self._tree, self.tree_processes = _tree_bytes(self._process)
-            except Exception as exc:
-                self._tree = None
-                self._fail("tree", exc)
         out["process_tree_bytes"] = self._tree
         return out
