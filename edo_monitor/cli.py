@@ -1,29 +1,36 @@
 """``edo-monitor``: questions about recorded runs, from a terminal or a script.
 
 Every command takes ``--db PATH|URL`` (default: ``$EDO_DB``, else ``./edo-history.db``). Listing
-commands take ``--json`` for scripts. A run is named by its id, a uuid prefix, or ``latest``.
+commands take ``--json`` for scripts. A run is named by its id, a uuid prefix of at least one
+non-digit character (``runs`` prints prefixes that always open their run), or ``latest``.
 
-Exit codes:
-    0  success
-    1  not found or refused: no such run or database, a write refused by ``sql``, a database
-       that cannot be used (not a database, newer schema), ``doctor`` found a problem
-    2  usage: unknown option, bad value (a size, a duration, a column name)
-    3  unexpected internal error (reported in one line; set ``EDO_DEBUG=1`` for the traceback)
+Exit codes (:data:`EXIT_CODES`, also in ``edo-monitor --help``):
+    0    success
+    1    runtime or data error: no such run, no database (missing file or folder), a database
+         that cannot be used (not a database, newer schema, unreadable), a write refused by
+         ``sql``, ``sql`` ran past its ``--timeout``, ``doctor`` found a problem
+    2    usage: unknown option, bad value (a size, a duration, a format, a column name); checked
+         before anything is opened
+    3    unexpected internal error (reported in one line; set ``EDO_DEBUG=1`` for the traceback)
+    130  interrupted (Ctrl-C)
+
+No command creates a file it was not asked to write: readers open the database read-only, and a
+command that fails creates nothing.
 """
 
 from __future__ import annotations
 
 import csv
 import functools
-import io
 import json
 import logging
+import math
 import os
 import re
 import sqlite3
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -38,14 +45,23 @@ __all__ = ["app", "main"]
 
 logger = logging.getLogger(__name__)
 
-EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+#: The exit codes of every command (``edo-monitor --help`` lists them).
+EXIT_CODES = {
+    EXIT_OK: "ok",
+    EXIT_ERROR: "runtime or data error (no such run or database, unusable database, refused "
+    "write, sql timeout, doctor problem)",
+    EXIT_USAGE: "usage error (bad option or value; nothing was opened)",
+    EXIT_INTERNAL: "internal error",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
+}
+_EXIT_HELP = "; ".join(f"{code} {what}" for code, what in EXIT_CODES.items())
 
 app = typer.Typer(
     name="edo-monitor",
     help=(
         "Questions about recorded edo-monitor runs (history database). RUN is a run id, a uuid "
-        "prefix or 'latest'. Exit codes: 0 ok; 1 not found, refused or unusable database; "
-        "2 usage or bad value; 3 internal error."
+        f"prefix as 'runs' prints it, or 'latest'. Exit codes: {_EXIT_HELP}."
     ),
     no_args_is_help=True,
     add_completion=False,
@@ -58,14 +74,17 @@ class _Consoles:
     """Rich consoles made on first use (so they see the current stdout/stderr, e.g. in tests);
     wide when the output is not a terminal, so piped tables are not squeezed."""
 
+    # markup and emoji codes off: names, tags, messages and module names are the user's text
+    # (``bert[lr=1e-4]``, ``sweep[/bs64]``, ``:fire:``) and are printed as they are
+
     @property
     def out(self) -> Console:
         width = None if sys.stdout.isatty() else 200
-        return Console(highlight=False, soft_wrap=False, width=width)
+        return Console(highlight=False, soft_wrap=False, width=width, markup=False, emoji=False)
 
     @property
     def err(self) -> Console:
-        return Console(stderr=True, highlight=False, soft_wrap=True)
+        return Console(stderr=True, highlight=False, soft_wrap=True, markup=False, emoji=False)
 
 
 _c = _Consoles()
@@ -80,7 +99,9 @@ DbOpt = Annotated[
     ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON (for scripts).")]
-RunArg = Annotated[str, typer.Argument(help="Run id, uuid prefix, or 'latest'.")]
+RunArg = Annotated[
+    str, typer.Argument(help="Run id, uuid prefix (as 'runs' prints it), or 'latest'.")
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -89,8 +110,12 @@ class RefusedError(EdoMonitorError):
     """A request the CLI refuses (exit code 1)."""
 
 
+class _InterruptedError(Exception):
+    """Ctrl-C during ``sql`` (exit code 130)."""
+
+
 def _fail(message: str, code: int) -> typer.Exit:
-    _c.err.print(f"edo-monitor: error: {message}", markup=False)
+    _c.err.print(f"edo-monitor: error: {message}")
     return typer.Exit(code)
 
 
@@ -106,14 +131,16 @@ def _handle_errors(func: F) -> F:
         except BrokenPipeError:  # the reader went away (`edo-monitor export 1 | head`)
             sys.stderr.close()
             raise typer.Exit(EXIT_OK) from None
+        except (KeyboardInterrupt, _InterruptedError):
+            raise _fail("interrupted", EXIT_INTERRUPTED) from None
         except ConfigError as exc:
             raise _fail(str(exc), EXIT_USAGE) from None
         except (RunNotFoundError, StoreError, RefusedError) as exc:
-            raise _fail(str(exc), EXIT_REFUSED) from None
+            raise _fail(str(exc), EXIT_ERROR) from None
         except EdoMonitorError as exc:
-            raise _fail(str(exc), EXIT_REFUSED) from None
+            raise _fail(str(exc), EXIT_ERROR) from None
         except (OSError, sqlite3.Error) as exc:
-            raise _fail(f"{type(exc).__name__}: {exc}", EXIT_REFUSED) from None
+            raise _fail(f"{type(exc).__name__}: {exc}", EXIT_ERROR) from None
         except Exception as exc:
             if os.environ.get("EDO_DEBUG"):
                 raise
@@ -127,8 +154,7 @@ def _handle_errors(func: F) -> F:
 
 @app.callback()
 def _global(db: DbOpt = None) -> None:
-    """Questions about recorded edo-monitor runs (history database). Exit codes: 0 ok,
-    1 not found / refused / unusable database, 2 usage or bad value, 3 internal error."""
+    """Questions about recorded edo-monitor runs (history database); exit codes: see --help."""
     if db is not None:  # `edo-monitor --db X cmd`: the command's own --db/EDO_DB default
         os.environ["EDO_DB"] = db
 
@@ -198,16 +224,27 @@ def _info_dict(info: Any) -> dict[str, Any]:
     return d
 
 
+def _require_database(db: str | None) -> None:
+    """Raise StoreError (exit 1) unless ``db`` is an existing SQLite file (or a server URL)."""
+    from edo_monitor.store.engine import readonly_uri, resolve_db_url
+
+    url = resolve_db_url(db, readonly=True)
+    if url.get_backend_name() == "sqlite" and url.database and url.database != ":memory:":
+        readonly_uri(url.database)  # the same "no history database at …" as every reader
+
+
 def _history(db: str | None, *, readonly: bool = True) -> Any:
     from edo_monitor.store.history import History
 
     h = History(db, readonly=readonly)
     if h.outdated:
-        _c.err.print(f"edo-monitor: note: {h.outdated}", markup=False)
+        _c.err.print(f"edo-monitor: note: {h.outdated}")
     return h
 
 
 # -- commands ----------------------------------------------------------------------------------
+
+_STATUSES = ("running", "finished", "failed", "interrupted", "crashed")
 
 
 @app.command("runs")
@@ -228,15 +265,18 @@ def runs_cmd(
     limit: Annotated[int | None, typer.Option(help="At most this many runs.", min=1)] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """List runs, newest first."""
+    """List runs, newest first. The id and the uuid column are references that open the run."""
+    if status is not None and status not in _STATUSES:
+        raise ConfigError(f"--status {status!r} is not a run status; expected one of {_STATUSES}")
     since_s = None if since is None else time.time() - _parse_duration(since, "--since")
     with _history(db) as h:
         runs = h.runs(status=status, since=since_s, name=name, tag=tag, limit=limit)
+        refs = h.uuid_references() if runs and not as_json else {}
     if as_json:
         _print_json([_info_dict(r) for r in runs])
         return
     if not runs:
-        _c.out.print("no runs recorded", markup=False)
+        _c.out.print("no runs recorded")
         return
     table = Table(title=None, show_lines=False)
     for col, just in (
@@ -257,7 +297,7 @@ def runs_cmd(
     for r in runs:
         table.add_row(
             str(r.id),
-            r.uuid[:8],
+            refs.get(r.id, str(r.id)),
             r.name,
             r.status,
             _when(r.started_at_s),
@@ -343,7 +383,7 @@ def show_cmd(
         return
     if modules:
         if not mods:
-            _c.out.print(f"run {info.id} recorded no module statistics", markup=False)
+            _c.out.print(f"run {info.id} recorded no module statistics")
             return
         _c.out.print(_module_table(mods))
         return
@@ -398,7 +438,7 @@ def show_cmd(
         if len(events) > len(shown):
             _c.out.print(f"… {len(events) - len(shown)} more (edo-monitor events {info.id})")
     else:
-        _c.out.print("no events", markup=False)
+        _c.out.print("no events")
     if mods:
         _c.out.print(_module_table(mods))
 
@@ -423,7 +463,7 @@ def events_cmd(
         _print_json([dataclasses.asdict(e) for e in events])
         return
     if not events:
-        _c.out.print(f"run {info.id}: no events", markup=False)
+        _c.out.print(f"run {info.id}: no events")
         return
     _c.out.print(_events_table(events, info.started_at_s))
 
@@ -496,7 +536,7 @@ def compare_cmd(
     if c.actions_a or c.actions_b:
         _c.out.print(acts)
     else:
-        _c.out.print("no actions in either run", markup=False)
+        _c.out.print("no actions in either run")
 
 
 @app.command("export")
@@ -517,14 +557,7 @@ def export_cmd(
 
     if fmt not in ("csv", "json", "jsonl"):
         raise ConfigError(f"--format {fmt!r} is not supported; expected csv, json or jsonl")
-    if out_file is not None:
-        from edo_monitor.store.engine import resolve_db_url
-
-        database = resolve_db_url(db).database
-        if database and out_file.resolve() == Path(database).resolve():
-            raise ConfigError(
-                f"--out {str(out_file)!r} is the history database itself; choose another file"
-            )
+    target = None if out_file is None else _export_target(out_file, db)
     columns = ["id", "time_s", "device_kind", *NUMERIC_SAMPLE_COLUMNS]
     with _history(db) as h:
         info = h.run(run)
@@ -540,9 +573,18 @@ def export_cmd(
                     yield {"id": s.id, "time_s": s.time_s, "device_kind": kind, **s.values}
                 after = page[-1].id
 
-        stream = (
-            out_file.open("w", newline="", encoding="utf-8") if out_file is not None else sys.stdout
-        )
+        tmp: Path | None = None
+        if target is not None:  # a temporary file beside the target, renamed into place
+            import tempfile
+
+            fd, tmp_name = tempfile.mkstemp(
+                dir=target.parent, prefix=f".{target.name}.", suffix=".tmp"
+            )
+            tmp = Path(tmp_name)
+            stream: Any = os.fdopen(fd, "w", newline="", encoding="utf-8")
+        else:
+            stream = sys.stdout
+        done = False
         try:
             if fmt == "csv":
                 writer = csv.DictWriter(stream, fieldnames=columns, extrasaction="ignore")
@@ -566,11 +608,56 @@ def export_cmd(
                 }
                 json.dump(doc, stream, indent=2, default=_json_default)
                 stream.write("\n")
+            done = True
         finally:
-            if out_file is not None:
+            if tmp is not None and target is not None:
                 stream.close()
+                if done:
+                    _publish(tmp, target)
+                else:
+                    tmp.unlink(missing_ok=True)
     if out_file is not None:
-        _c.err.print(f"wrote run {info.id} as {fmt} to {out_file}", markup=False)
+        _c.err.print(f"wrote run {info.id} as {fmt} to {out_file}")
+
+
+def _export_target(out_file: Path, db: str | None) -> Path:
+    """The file ``--out`` names, links resolved; refused when it is the history database or one
+    of its companion files (``-wal``, ``-shm``, ``-journal``: overwriting the ``-wal`` of a
+    database whose last transactions are still in it loses them), a folder, or in a missing
+    folder."""
+    from edo_monitor.store.engine import resolve_db_url
+
+    target = Path(os.path.realpath(out_file))
+    shown = str(out_file)
+    if target.is_dir():
+        raise ConfigError(f"--out {shown!r} is a directory; expected a file path")
+    if not target.parent.is_dir():
+        raise ConfigError(f"--out {shown!r}: folder {str(target.parent)!r} does not exist")
+    url = resolve_db_url(db, readonly=True)
+    database = url.database if url.get_backend_name() == "sqlite" else None
+    if database and database != ":memory:":
+        base = os.path.realpath(database)
+        for suffix in ("", "-wal", "-shm", "-journal"):
+            protected = base + suffix
+            same = str(target) == protected
+            if not same and target.exists() and os.path.exists(protected):
+                same = os.path.samefile(target, protected)  # hard links
+            if same:
+                what = " itself" if not suffix else f"'s {suffix} file"
+                raise ConfigError(
+                    f"--out {shown!r} is the history database{what} ({protected}); choose "
+                    "another file"
+                )
+    return target
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    """Give the finished temporary file the mode a new file would have and rename it over
+    ``target`` (atomic: a reader sees the old file or the whole new one)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(tmp, 0o666 & ~mask)
+    os.replace(tmp, target)
 
 
 # -- sql ---------------------------------------------------------------------------------------
@@ -608,44 +695,177 @@ _WRITE_ACTIONS = {
 }
 
 
-def _run_sqlite_readonly(path: str, query: str) -> tuple[list[str], list[tuple[Any, ...]]]:
-    if not Path(path).exists():
-        raise StoreError(f"no history database at {path!r} (nothing has been recorded yet)")
-    denied: list[str] = []
+#: Rows the ``sql`` table shows (``--csv`` and ``--json`` stream every row).
+SQL_TABLE_MAX_ROWS = 1000
+#: ``sql --timeout`` default (seconds).
+SQL_TIMEOUT_S = 60.0
+_FETCH_ROWS = 500
+_PROGRESS_STEPS = 10_000  # SQLite VM steps between checks for Ctrl-C and the time limit
 
-    def authorizer(action: int, arg1: str | None, arg2: str | None, *_: Any) -> int:
+
+class _Query:
+    """One read-only statement on a SQLite history file, stoppable with Ctrl-C and by a time
+    limit (SQLite's progress handler, checked every :data:`_PROGRESS_STEPS` VM steps), whose
+    rows are read in pages as they are printed."""
+
+    def __init__(self, path: str, query: str, timeout_s: float) -> None:
+        from edo_monitor.store.engine import BUSY_TIMEOUT_S, readonly_uri
+
+        self.denied: list[str] = []
+        self.interrupted = False
+        self.timeout_s = timeout_s
+        self.deadline = time.monotonic() + timeout_s if timeout_s > 0 else math.inf
+        self.conn = sqlite3.connect(readonly_uri(path), uri=True, timeout=BUSY_TIMEOUT_S)
+        self.path = path
+        self.query = query
+
+    def _authorizer(self, action: int, arg1: str | None, arg2: str | None, *_: Any) -> int:
         if action in _WRITE_ACTIONS:
-            denied.append(f"{_WRITE_ACTIONS[action]} {arg1 or ''}".strip())
+            self.denied.append(f"{_WRITE_ACTIONS[action]} {arg1 or ''}".strip())
             return sqlite3.SQLITE_DENY
         if action == sqlite3.SQLITE_PRAGMA:
             name = (arg1 or "").lower()
             if arg2 is not None and name not in _READ_PRAGMAS:
-                denied.append(f"PRAGMA {name} = {arg2}")
+                self.denied.append(f"PRAGMA {name} = {arg2}")
                 return sqlite3.SQLITE_DENY
         return sqlite3.SQLITE_OK
 
-    if re.match(r"\s*vacuum\b", query, re.IGNORECASE):
-        raise RefusedError("refused: the sql command is read-only (VACUUM writes)")
-    conn = sqlite3.connect(f"file:{Path(path).resolve()}?mode=ro", uri=True, timeout=30)
-    try:
-        conn.execute("PRAGMA query_only = ON")
-        conn.set_authorizer(authorizer)
+    def _progress(self) -> int:
+        return 1 if self.interrupted or time.monotonic() > self.deadline else 0
+
+    def _on_sigint(self, *_: Any) -> None:
+        self.interrupted = True
+        self.conn.interrupt()
+
+    def rows(self) -> tuple[list[str], Iterator[tuple[Any, ...]]]:
+        """Column names and an iterator over the rows (read :data:`_FETCH_ROWS` at a time).
+
+        Raises:
+            RefusedError: the statement would write, or it ran past the time limit.
+            ConfigError: it is not valid SQL (or several statements).
+            _InterruptedError: Ctrl-C.
+            StoreError: the database cannot be read (the reason, never "a write").
+        """
+        self.conn.execute("PRAGMA query_only = ON")
+        self.conn.set_authorizer(self._authorizer)
+        self.conn.set_progress_handler(self._progress, _PROGRESS_STEPS)
+        cur = self._call(lambda: self.conn.execute(self.query))
+        names = [d[0] for d in cur.description or []]
+
+        def pages() -> Iterator[tuple[Any, ...]]:
+            while True:
+                page = self._call(lambda: cur.fetchmany(_FETCH_ROWS))
+                if not page:
+                    return
+                yield from page
+                if self.interrupted:
+                    raise _InterruptedError
+
+        return names, pages()
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        from edo_monitor.store.engine import _readonly_error
+
         try:
-            cur = conn.execute(query)
-            rows = cur.fetchall()
+            return fn()
         except sqlite3.Warning as exc:  # e.g. several statements
             raise ConfigError(f"sql: {exc}") from None
         except sqlite3.DatabaseError as exc:
-            if denied or "not authorized" in str(exc) or "readonly" in str(exc):
-                what = denied[0] if denied else "a write"
+            if self.interrupted:
+                raise _InterruptedError from None
+            if "interrupted" in str(exc) and time.monotonic() > self.deadline:
+                raise RefusedError(
+                    f"sql: the statement ran past --timeout {self.timeout_s:g} s and was stopped; "
+                    "give a larger --timeout (0 = no limit)"
+                ) from None
+            if self.denied or "not authorized" in str(exc):
+                what = self.denied[0] if self.denied else "a write"
                 raise RefusedError(
                     f"refused: the sql command is read-only ({what} would change the database)"
                 ) from None
-            raise ConfigError(f"sql: {exc}") from None
-        names = [d[0] for d in cur.description or []]
-        return names, rows
+            err = _readonly_error(self.path, exc)
+            if isinstance(err, StoreError):
+                raise err from None
+            if any(w in str(exc) for w in ("not a database", "malformed", "locked", "I/O")):
+                raise StoreError(f"sql: cannot read {self.path!r}: {exc}") from None
+            raise ConfigError(f"sql: {exc}") from None  # syntax, no such table or column …
+
+    def __enter__(self) -> _Query:
+        import signal
+        import threading
+
+        self._old_handler = None
+        if threading.current_thread() is threading.main_thread():
+            self._old_handler = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import signal
+
+        if self._old_handler is not None:
+            signal.signal(signal.SIGINT, self._old_handler)
+        self.conn.close()
+
+
+def _server_rows(url: Any, query: str) -> tuple[list[str], list[tuple[Any, ...]]]:
+    """A read-only statement on a database server (``SET TRANSACTION READ ONLY``)."""
+    from sqlalchemy import text
+
+    from edo_monitor.store.engine import open_engine
+
+    engine = open_engine(url, readonly=True)
+    try:
+        with engine.connect() as conn:
+            conn.exec_driver_sql("SET TRANSACTION READ ONLY")
+            result = conn.execute(text(query))
+            names = list(result.keys()) if result.returns_rows else []
+            rows = [tuple(r) for r in result] if result.returns_rows else []
+            conn.rollback()
     finally:
-        conn.close()
+        engine.dispose()
+    return names, rows
+
+
+def _print_rows(
+    names: list[str], rows: Iterable[tuple[Any, ...]], *, as_json: bool, as_csv: bool
+) -> None:
+    """Print rows as they come (CSV, JSON) or as one table of at most SQL_TABLE_MAX_ROWS."""
+    out = sys.stdout
+    if as_csv:
+        w = csv.writer(out)
+        w.writerow(names)
+        for r in rows:
+            w.writerow(r)
+        out.flush()
+        return
+    if as_json:
+        out.write("[")
+        first = True
+        for r in rows:
+            obj = json.dumps(dict(zip(names, r, strict=True)), default=_json_default)
+            out.write(("\n  " if first else ",\n  ") + obj)
+            first = False
+        out.write("\n]\n" if not first else "]\n")
+        out.flush()
+        return
+    table = Table()
+    for n in names:
+        table.add_column(n)
+    count = 0
+    more = False
+    for r in rows:
+        if count == SQL_TABLE_MAX_ROWS:
+            more = True
+            break
+        table.add_row(*("NULL" if v is None else str(v) for v in r))
+        count += 1
+    _c.out.print(table)
+    if more:
+        _c.out.print(
+            f"first {SQL_TABLE_MAX_ROWS} rows shown; --csv or --json print every row (streamed)"
+        )
+    else:
+        _c.out.print(f"{count} row(s)")
 
 
 @app.command("sql")
@@ -655,43 +875,34 @@ def sql_cmd(
     db: DbOpt = None,
     as_json: JsonOpt = False,
     as_csv: Annotated[bool, typer.Option("--csv", help="Print CSV.")] = False,
+    timeout: Annotated[
+        float,
+        typer.Option(
+            "--timeout",
+            help=f"Stop the statement after this many seconds (0: no limit) [default: "
+            f"{SQL_TIMEOUT_S:g}]",
+            show_default=False,
+        ),
+    ] = SQL_TIMEOUT_S,
 ) -> None:
-    """Run one read-only SQL statement; anything that would write is refused."""
-    from sqlalchemy import text
+    """Run one read-only SQL statement; anything that would write is refused. Rows are printed
+    as they are read (--csv, --json; the table shows the first 1000); Ctrl-C stops it."""
+    from edo_monitor.store.engine import resolve_db_url
 
-    from edo_monitor.store.engine import open_engine, resolve_db_url
-
-    url = resolve_db_url(db)
+    if not math.isfinite(timeout) or timeout < 0:
+        raise ConfigError(f"--timeout {timeout!r} must be a number of seconds ≥ 0 (0: no limit)")
+    if as_json and as_csv:
+        raise ConfigError("--json and --csv exclude each other; give one")
+    if re.match(r"\s*vacuum\b", query, re.IGNORECASE):
+        raise RefusedError("refused: the sql command is read-only (VACUUM writes)")
+    url = resolve_db_url(db, readonly=True)
     if url.get_backend_name() == "sqlite" and url.database and url.database != ":memory:":
-        names, rows = _run_sqlite_readonly(url.database, query)
-    else:
-        engine = open_engine(url, readonly=True)
-        try:
-            with engine.connect() as conn:
-                conn.exec_driver_sql("SET TRANSACTION READ ONLY")
-                result = conn.execute(text(query))
-                names = list(result.keys()) if result.returns_rows else []
-                rows = [tuple(r) for r in result] if result.returns_rows else []
-                conn.rollback()
-        finally:
-            engine.dispose()
-    if as_json:
-        _print_json([dict(zip(names, r, strict=True)) for r in rows])
+        with _Query(url.database, query, timeout) as q:
+            names, rows = q.rows()
+            _print_rows(names, rows, as_json=as_json, as_csv=as_csv)
         return
-    if as_csv:
-        buf = io.StringIO()
-        w = csv.writer(buf)
-        w.writerow(names)
-        w.writerows(rows)
-        sys.stdout.write(buf.getvalue())
-        return
-    table = Table()
-    for n in names:
-        table.add_column(n)
-    for r in rows:
-        table.add_row(*("NULL" if v is None else str(v) for v in r))
-    _c.out.print(table)
-    _c.out.print(f"{len(rows)} row(s)", markup=False)
+    names, server_rows = _server_rows(url, query)
+    _print_rows(names, server_rows, as_json=as_json, as_csv=as_csv)
 
 
 # -- prune -------------------------------------------------------------------------------------
@@ -729,19 +940,29 @@ def prune_cmd(
         )
     if keep_last is not None and keep_last < 0:
         raise ConfigError(f"--keep-last {keep_last} must be ≥ 0")
-    now = time.time()
-    report = prune(
-        History(db, readonly=dry_run),
-        older_than_s=None if older_than is None else _parse_duration(older_than, "--older-than"),
-        keep_last=keep_last,
-        downsample_older_than_s=None
+    # every value checked before the database is opened
+    older_than_s = None if older_than is None else _parse_duration(older_than, "--older-than")
+    downsample_s = (
+        None
         if downsample_older_than is None
-        else _parse_duration(downsample_older_than, "--downsample-older-than"),
-        bucket_s=_parse_duration(bucket, "--bucket"),
-        dry_run=dry_run,
-        vacuum=vacuum,
-        now_s=now,
+        else _parse_duration(downsample_older_than, "--downsample-older-than")
     )
+    bucket_s = _parse_duration(bucket, "--bucket")
+    if bucket_s <= 0:
+        raise ConfigError(f"--bucket {bucket!r} must be longer than 0 s")
+    _require_database(db)  # prune writes, but never creates a database
+    now = time.time()
+    with History(db, readonly=dry_run) as history:
+        report = prune(
+            history,
+            older_than_s=older_than_s,
+            keep_last=keep_last,
+            downsample_older_than_s=downsample_s,
+            bucket_s=bucket_s,
+            dry_run=dry_run,
+            vacuum=vacuum,
+            now_s=now,
+        )
     if as_json:
         _print_json(report)
         return
@@ -771,7 +992,7 @@ def doctor_cmd(
     from edo_monitor.store.engine import resolve_db_url
     from edo_monitor.store.schema import SCHEMA_VERSION
 
-    url = resolve_db_url(db)
+    url = resolve_db_url(db, readonly=True)
     h = _history(db)
     report: dict[str, Any] = {"database": url.database or str(url)}
     problems: list[str] = []
@@ -844,9 +1065,9 @@ def doctor_cmd(
             table.add_row("samples not rolled up yet", str(report["samples_not_rolled_up"]))
         _c.out.print(table)
         for p in problems:
-            _c.err.print(f"edo-monitor: {'note' if 'older' in p else 'problem'}: {p}", markup=False)
+            _c.err.print(f"edo-monitor: {'note' if 'older' in p else 'problem'}: {p}")
     if not report["ok"]:
-        raise typer.Exit(EXIT_REFUSED)
+        raise typer.Exit(EXIT_ERROR)
 
 
 # -- estimate ----------------------------------------------------------------------------------

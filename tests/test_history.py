@@ -9,7 +9,6 @@ import sqlite3
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,15 @@ from edo_monitor.store.history import _PEAK_COLUMNS, History, _tail_stats_sql, p
 from edo_monitor.store.schema import ROLLUP_LEVEL_WIDTHS_S, Event, ModuleStat, Run, Sample
 
 T0 = 1_700_000_000.25  # run start (Unix seconds)
+#: Fixed run uuids (ids 1-5): the first two have an all-digit 8-character prefix and share their
+#: first 15 characters; the third and fourth share their first two.
+UUIDS = (
+    "90455722-7c1e-4c59-9d2a-1f0c3b7e8a01",
+    "90455722-7c1e-4000-8000-000000000002",
+    "a3c2f1e0-0000-4000-8000-000000000003",
+    "a3d00000-0000-4000-8000-000000000004",
+    "0e0e0e0e-0000-4000-8000-000000000005",
+)
 N_SAMPLES = 6000
 INTERVAL = 0.5
 
@@ -59,7 +67,7 @@ def seed(path: Path) -> dict[str, Any]:
     engine = open_engine(path)
     host = socket.gethostname()
     now = time.time()
-    uuids = [str(uuid.uuid4()) for _ in range(5)]
+    uuids = list(UUIDS)
     specs = [
         dict(name="embed-big", status="finished", ended_at_s=T0 + N_SAMPLES * INTERVAL, tags=["a"]),
         dict(name="embed-small", status="failed", ended_at_s=T0 + 200, error="RuntimeError: x"),
@@ -272,12 +280,30 @@ def test_run_references(seeded: tuple[Path, dict[str, Any]]) -> None:
         with pytest.raises(RunNotFoundError, match="uuid prefix"):
             h.run("zzz-not-hex")
 
-        # a one-character prefix shared by several uuids is ambiguous (or matches one/none)
-        first = {u[0] for u in facts["uuids"]}
-        shared = next((c for c in first if sum(u[0] == c for u in facts["uuids"]) > 1), None)
-        if shared is not None and not shared.isdigit():
-            with pytest.raises(RunNotFoundError, match="several runs"):
-                h.run(shared)
+        # a prefix shared by several uuids is ambiguous; an all-digit one is an id
+        with pytest.raises(RunNotFoundError, match="several runs"):
+            h.run("a3")
+        with pytest.raises(RunNotFoundError, match=r"no run with id 90455722$"):
+            h.run("90455722")
+        assert h.run("90455722-7c1e-4c").id == 1
+
+
+def test_uuid_references_always_open_their_run(seeded: tuple[Path, dict[str, Any]]) -> None:
+    """Regression: ``runs`` printed 8-character uuid prefixes, and an all-digit one
+    (``90455722``) was read as a run id. References are at least 13 characters (the dash
+    included) and longer where two uuids share more."""
+    path, _ = seeded
+    with History(path) as h:
+        refs = h.uuid_references()
+        assert refs == {
+            1: "90455722-7c1e-4c",  # shares "90455722-7c1e-4" with run 2
+            2: "90455722-7c1e-40",
+            3: "a3c2f1e0-0000",
+            4: "a3d00000-0000",
+            5: "0e0e0e0e-0000",
+        }
+        for run_id, ref in refs.items():
+            assert h.run(ref).id == run_id
 
 
 @pytest.mark.parametrize("max_points", [1000, 100, 37, 5])
@@ -614,3 +640,166 @@ def test_series_says_where_samples_since_continues(tmp_path: Path) -> None:
         assert [r.id for r in new] == [top + 1, top + 2, top + 3]
         assert h.samples(1, columns=["in_use_bytes"], max_points=50).last_id == top + 3
         assert h.samples(1, start=T0 + 10**6, columns=["step"]).last_id == top + 3  # empty window
+
+
+def _one_run(path: Path, name: str = "r") -> None:
+    """A history database at ``path`` (written by the writer engine) with one finished run."""
+    engine = open_engine(path)
+    with Session(engine) as s, s.begin():
+        s.add(
+            Run(
+                uuid=UUIDS[0],
+                name=name,
+                host="h",
+                pid=1,
+                status="finished",
+                started_at_s=T0,
+                ended_at_s=T0 + 1,
+                device_kind="cpu-budget",
+                interval_s=1.0,
+                torch_version="2.x",
+                config={},
+                tags=[],
+            )
+        )
+    engine.dispose()
+
+
+@pytest.mark.parametrize(
+    "name", ["runs#1.db", "a?b.db", "100%25.db", "my runs.db", "résumé-日本.db"]
+)
+def test_paths_with_uri_characters_round_trip(tmp_path: Path, name: str) -> None:
+    """Regression: readers opened ``file:{path}?mode=ro`` unescaped, so ``runs#1.db`` read (and
+    created) a file named ``runs`` and ``100%25.db`` failed."""
+    path = tmp_path / name
+    _one_run(path, name="the-run")
+    with History(path) as h:
+        assert [r.name for r in h.runs()] == ["the-run"]
+    with History(str(path)) as h:
+        assert h.run("latest").uuid == UUIDS[0]
+    assert {p.name for p in tmp_path.iterdir()} <= {name, f"{name}-wal", f"{name}-shm"}
+
+
+def test_reader_never_creates_a_file(tmp_path: Path) -> None:
+    for name in ("missing.db", "x#y.db", "a?b.db", "sub/none.db"):
+        with pytest.raises(StoreError, match="no history database"):
+            History(tmp_path / name)
+    assert list(tmp_path.iterdir()) == []
+
+
+def _as_nobody(fn: Any) -> Any:
+    """Run ``fn()`` as an unprivileged user and return its result (or its error, as
+    ``(type name, message)``): in a forked child that drops root to ``nobody``, or here when
+    this process is not root (then permissions hold already)."""
+    import json
+    import os
+    import pwd
+
+    def call() -> Any:
+        try:
+            return ["ok", fn()]
+        except Exception as exc:
+            return ["error", type(exc).__name__, str(exc)]
+
+    if os.geteuid() != 0:
+        return call()
+    try:
+        nobody = pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("running as root and there is no user 'nobody' to drop to")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        code = 0
+        try:
+            os.close(r)
+            os.setgid(nobody.pw_gid)
+            os.setuid(nobody.pw_uid)
+            os.write(w, json.dumps(call()).encode())
+        except BaseException:
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0 and data, "the unprivileged child failed"
+    return json.loads(data)
+
+
+def test_wal_database_in_a_folder_the_reader_cannot_write(tmp_path: Path) -> None:
+    """A finished WAL database in a read-only folder is read (immutably: no ``-shm`` needed,
+    nothing created, bytes unchanged); one whose ``-wal`` still holds data cannot be, and the
+    error says why (the folder, the missing ``-shm``), never that a SELECT writes."""
+    import shutil
+    import tempfile
+
+    from edo_monitor.store.engine import readonly_uri
+
+    # a folder an unprivileged user can reach (pytest's tmp_path is private to root)
+    shared = Path(tempfile.mkdtemp(prefix="edo-ro-"))
+    try:
+        shared.chmod(0o755)
+        folder = shared / "results"
+        folder.mkdir()
+        finished = folder / "finished.db"
+        _one_run(tmp_path / "src.db", name="done")
+        shutil.copy(tmp_path / "src.db", finished)  # writer closed: everything in the main file
+        assert finished.read_bytes()[18:20] == b"\x02\x02"  # WAL mode
+        # a killed run: its last transaction is still in the -wal file
+        live = sqlite3.connect(tmp_path / "live.db")
+        live.execute("PRAGMA journal_mode = WAL")
+        live.execute("PRAGMA wal_autocheckpoint = 0")
+        live.execute("CREATE TABLE t (x)")
+        live.execute("INSERT INTO t VALUES (1)")
+        live.commit()
+        shutil.copy(tmp_path / "live.db", folder / "killed.db")
+        shutil.copy(tmp_path / "live.db-wal", folder / "killed.db-wal")
+        live.close()
+        for f in folder.iterdir():
+            f.chmod(0o644)
+        folder.chmod(0o555)  # nobody may write here (root still can: hence _as_nobody)
+        before = {f.name: f.read_bytes() for f in folder.iterdir()}
+
+        def read_finished() -> list[str]:
+            with History(finished) as h:
+                return [r.name for r in h.runs()]
+
+        assert _as_nobody(read_finished) == ["ok", ["done"]]
+        assert _as_nobody(lambda: "immutable=1" in readonly_uri(finished)) == ["ok", True]
+        res = _as_nobody(lambda: History(folder / "killed.db").schema_version)
+        assert res[:2] == ["error", "StoreError"]
+        assert "killed.db-shm" in res[2] and str(folder) in res[2] and "not writable" in res[2]
+        assert "write a readonly" not in res[2]
+        assert {f.name: f.read_bytes() for f in folder.iterdir()} == before  # nothing created
+    finally:
+        for d in (shared / "results", shared):
+            if d.exists():
+                d.chmod(0o755)
+        shutil.rmtree(shared)
+
+
+def test_alembic_revision_newer_than_the_code_is_refused(
+    seeded: tuple[Path, dict[str, Any]],
+) -> None:
+    """Regression: a database whose ``alembic_version`` is newer than the code but whose
+    ``meta`` row is not was accepted and written to."""
+    path, _ = seeded
+    with sqlite3.connect(path) as con:
+        assert con.execute("SELECT version_num FROM alembic_version").fetchone() == ("0002",)
+        con.execute("UPDATE alembic_version SET version_num = '0003'")
+    before = path.read_bytes()
+    for readonly in (False, True):
+        with pytest.raises(StoreError) as err:
+            open_engine(path, readonly=readonly)
+        assert "schema version 2 (meta table)" in str(err.value)
+        assert "Alembic revision '0003'" in str(err.value)
+        assert "this edo-monitor's schema version is 2" in str(err.value)
+    with sqlite3.connect(path) as con:  # a revision this code does not know at all
+        con.execute("UPDATE alembic_version SET version_num = 'f00d'")
+    with pytest.raises(StoreError, match="Alembic revision 'f00d'"):
+        open_engine(path)
+    with sqlite3.connect(path) as con:
+        assert con.execute("SELECT count(*) FROM runs").fetchone() == (5,)
+    assert len(path.read_bytes()) == len(before)

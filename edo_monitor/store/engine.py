@@ -33,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from itertools import chain, pairwise
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
 from sqlalchemy.engine import URL, make_url
@@ -52,6 +53,7 @@ __all__ = [
     "insert_samples",
     "maintains_rollups",
     "open_engine",
+    "readonly_uri",
     "rebuild_rollups",
     "resolve_db_url",
     "roll_up",
@@ -70,12 +72,18 @@ ROLLUP_MIN_ROWS = 1024
 _MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 
 
-def resolve_db_url(db: str | os.PathLike[str] | None = None) -> URL:
+def resolve_db_url(db: str | os.PathLike[str] | None = None, *, readonly: bool = False) -> URL:
     """Turn ``db`` (path, URL or ``None``) into an SQLAlchemy URL.
+
+    Args:
+        db: a path, an SQLAlchemy URL, or ``None``.
+        readonly: for a reader, whose missing folder is a missing database (``StoreError``, as
+            a missing file) rather than a bad value.
 
     Raises:
         ConfigError: the URL's scheme names no installed SQLAlchemy dialect, the string is not a
-            URL, or the path is a directory.
+            URL, the path is a directory, or (writers) its folder does not exist.
+        StoreError: (readers) the path's folder does not exist.
     """
     if db is None:
         db = os.environ.get("EDO_DB") or DEFAULT_DB
@@ -92,18 +100,96 @@ def resolve_db_url(db: str | os.PathLike[str] | None = None) -> URL:
                 "SQLAlchemy URL such as 'sqlite:///runs.db' or 'postgresql://host/db'"
             ) from None
         if url.get_backend_name() == "sqlite" and url.database and url.database != ":memory:":
-            _check_file_path(Path(url.database), text_)
+            _check_file_path(Path(url.database), text_, readonly)
         return url
     path = Path(text_).expanduser()
-    _check_file_path(path, text_)
+    _check_file_path(path, text_, readonly)
     return URL.create("sqlite", database=str(path))
 
 
-def _check_file_path(path: Path, shown: str) -> None:
+def _check_file_path(path: Path, shown: str, readonly: bool = False) -> None:
     if path.is_dir():
         raise ConfigError(f"db={shown!r} is a directory; expected a database file path")
     if not path.parent.exists():
+        if readonly:
+            raise StoreError(
+                f"no history database at {shown!r}: folder {str(path.parent)!r} does not exist"
+            )
         raise ConfigError(f"db={shown!r}: folder {str(path.parent)!r} does not exist")
+
+
+def readonly_uri(path: str | os.PathLike[str]) -> str:
+    """The SQLite URI that opens the history file ``path`` for reading only.
+
+    The absolute path is percent-encoded (``#``, ``?``, ``%``, spaces and non-ASCII characters
+    round-trip exactly; ``mode=ro`` never creates the file). A database in WAL mode whose folder
+    this process cannot write, and whose ``-shm`` file is missing, cannot be opened the usual way
+    (SQLite must create the ``-shm`` file to read it): when it has no ``-wal`` data either (a
+    finished run: everything is in the main file) it is opened ``immutable=1``, which needs
+    neither file.
+
+    Raises:
+        StoreError: the file is missing or not readable, or it is a WAL database whose ``-wal``
+            file holds data but whose ``-shm`` file is missing in a folder this process cannot
+            write (the message names the folder and the file).
+    """
+    p = Path(os.path.abspath(os.fspath(path)))
+    if not p.exists():
+        if not p.parent.is_dir():
+            raise StoreError(
+                f"no history database at {str(path)!r}: folder {str(p.parent)!r} does not exist"
+            )
+        raise StoreError(f"no history database at {str(path)!r} (nothing has been recorded yet)")
+    if not os.access(p, os.R_OK):
+        raise StoreError(f"cannot read history database {str(path)!r}: permission denied")
+    uri = f"file:{quote(str(p))}?mode=ro"
+    wal, shm = Path(f"{p}-wal"), Path(f"{p}-shm")
+    if _is_wal(p) and not shm.exists() and not os.access(p.parent, os.W_OK | os.X_OK):
+        wal_bytes = wal.stat().st_size if wal.exists() else 0
+        if wal_bytes:
+            raise StoreError(
+                f"cannot read history database {str(path)!r}: {wal_bytes} bytes of its data are "
+                f"still in {wal.name!r} (a run that did not close it), and SQLite must create "
+                f"{shm.name!r} to read them, but folder {str(p.parent)!r} is not writable by this "
+                "user; ask its owner to open it once (any edo-monitor command does), or copy the "
+                "database with its -wal file to a folder you can write"
+            )
+        uri += "&immutable=1"  # finished: every page is in the main file, nothing can change it
+        logger.info("reading %r immutably: its folder is not writable", str(path))
+    return uri
+
+
+def _is_wal(path: Path) -> bool:
+    """Whether the SQLite file's header says WAL mode (read and write versions 2)."""
+    try:
+        with path.open("rb") as f:
+            header = f.read(20)
+    except OSError:
+        return False
+    return header[:16] == b"SQLite format 3\x00" and header[18:20] == b"\x02\x02"
+
+
+def _connect_readonly(uri: str, shown: str) -> sqlite3.Connection:
+    try:
+        conn = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_S, check_same_thread=False)
+        conn.execute("SELECT count(*) FROM sqlite_master").fetchone()  # reads the schema now
+    except sqlite3.OperationalError as exc:
+        raise _readonly_error(shown, exc) from None
+    return conn
+
+
+def _readonly_error(shown: str, exc: sqlite3.Error) -> Exception:
+    """An error a read-only open ran into, said as what it is (never "a write")."""
+    reason = str(exc)
+    if "readonly" in reason or "unable to open" in reason or "disk I/O" in reason:
+        folder = os.path.dirname(os.path.abspath(shown))
+        return StoreError(
+            f"cannot read history database {shown!r}: SQLite needs to create or update its "
+            f"'-shm' (shared memory) file beside it, and cannot ({reason}); is folder "
+            f"{folder!r} writable by this user? Copy the database with its -wal file to a "
+            "folder you can write, or ask its owner to open it once"
+        )
+    return exc
 
 
 def _sqlite_pragmas(dbapi_conn: sqlite3.Connection, _record: object) -> None:
@@ -179,21 +265,28 @@ def open_engine(
         StoreError: the file is missing (readers), is not a database or not an edo-monitor
             database, comes from a newer edo-monitor, or the server cannot be reached.
     """
-    url = db if isinstance(db, URL) else resolve_db_url(db)
+    url = db if isinstance(db, URL) else resolve_db_url(db, readonly=readonly)
     is_sqlite = url.get_backend_name() == "sqlite"
     connect_args: dict[str, object] = {}
     shown = url.database if is_sqlite and url.database else repr(url)
+    creator = None
     if is_sqlite:
         connect_args = {"timeout": BUSY_TIMEOUT_S, "check_same_thread": False}
         path = url.database
         if readonly and path and path != ":memory:":
-            if not Path(path).exists():
-                raise StoreError(f"no history database at {path!r} (nothing has been recorded yet)")
-            url = URL.create(
-                "sqlite", database=f"file:{Path(path).resolve()}?mode=ro", query={"uri": "true"}
-            )
+            reader_uri = readonly_uri(path)  # raises StoreError: missing, unreadable
+            url = URL.create("sqlite", database=path)
+
+            def creator() -> sqlite3.Connection:
+                return _connect_readonly(reader_uri, path)
+
     try:
-        engine = create_engine(url, connect_args=connect_args, pool_pre_ping=not is_sqlite)
+        engine = create_engine(
+            url,
+            connect_args=connect_args,
+            pool_pre_ping=not is_sqlite,
+            **({"creator": creator} if creator is not None else {}),
+        )
     except ImportError as exc:  # the dialect is known, its DBAPI driver is not installed
         raise StoreError(
             f"cannot open history database {shown}: its driver is not installed ({exc})"
@@ -211,6 +304,10 @@ def open_engine(
     except (OperationalError, SADatabaseError) as exc:
         engine.dispose()
         reason = str(exc.orig)
+        if readonly and is_sqlite and isinstance(exc.orig, sqlite3.Error):
+            err = _readonly_error(shown, exc.orig)
+            if isinstance(err, StoreError):
+                raise err from None
         if "file is not a database" in reason or "malformed" in reason:
             raise StoreError(
                 f"{shown!r} is not an SQLite database ({reason}); expected an edo-monitor history "
@@ -238,14 +335,35 @@ def schema_version(conn: Connection) -> int | None:
     return int(row) if row is not None else 1
 
 
+def _alembic_revision(conn: Connection) -> str | None:
+    """``alembic_version.version_num`` (``None`` when the table or its row is missing)."""
+    if "alembic_version" not in inspect(conn).get_table_names():
+        return None
+    row = conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
+    return None if row is None else str(row)
+
+
+def _refuse_newer(version: int | None, revision: str | None, shown: str) -> None:
+    """Refuse a database from a newer edo-monitor, by either of its two version records: the
+    ``meta`` row and Alembic's revision (``"000N"`` is schema version N; a revision this
+    edo-monitor does not know is newer)."""
+    rev_version = int(revision) if revision is not None and revision.isdigit() else None
+    newer_meta = version is not None and version > SCHEMA_VERSION
+    newer_rev = revision is not None and (rev_version is None or rev_version > SCHEMA_VERSION)
+    if newer_meta or newer_rev:
+        raise StoreError(
+            f"history database {shown!r} comes from a newer edo-monitor: it has schema version "
+            f"{version} (meta table) and Alembic revision {revision!r}, while this "
+            f"edo-monitor's schema version is {SCHEMA_VERSION} (revision {SCHEMA_VERSION:04d}); "
+            "upgrade edo-monitor to use it"
+        )
+
+
 def _check_schema(engine: Engine, *, readonly: bool, shown: str) -> None:
     with engine.connect() as conn:
         version = schema_version(conn)
-    if version is not None and version > SCHEMA_VERSION:
-        raise StoreError(
-            f"history database {shown!r} has schema version {version}, newer than this "
-            f"edo-monitor's schema version {SCHEMA_VERSION}; upgrade edo-monitor to read it"
-        )
+        revision = _alembic_revision(conn) if version is not None else None
+    _refuse_newer(version, revision, shown)
     if version == SCHEMA_VERSION:
         return
     if readonly:
@@ -266,13 +384,10 @@ def _upgrade(engine: Engine, shown: str) -> None:
 
     with engine.begin() as conn:  # BEGIN IMMEDIATE on SQLite: one upgrader at a time
         version = schema_version(conn)  # again, under the lock: another writer may have done it
+        revision = _alembic_revision(conn) if version is not None else None
+        _refuse_newer(version, revision, shown)
         if version == SCHEMA_VERSION:
             return
-        if version is not None and version > SCHEMA_VERSION:
-            raise StoreError(
-                f"history database {shown!r} has schema version {version}, newer than this "
-                f"edo-monitor's schema version {SCHEMA_VERSION}; upgrade edo-monitor to read it"
-            )
         cfg = alembic_config(connection=conn)
         tables = set(inspect(conn).get_table_names())
         if version is not None and "alembic_version" not in tables:

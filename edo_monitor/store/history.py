@@ -46,6 +46,7 @@ from edo_monitor.store.status import effective_status
 
 __all__ = [
     "NUMERIC_SAMPLE_COLUMNS",
+    "UUID_REF_LEN",
     "EventInfo",
     "History",
     "MetricComparison",
@@ -78,6 +79,8 @@ _PEAK_COLUMNS = (
 )
 _RUN_COLUMNS = [c.name for c in Run.__table__.columns]
 RunRef = int | str
+#: Shortest uuid prefix the CLI prints as a run reference (8 hex digits, the dash, 4 more).
+UUID_REF_LEN = 13
 
 
 def _pandas() -> Any:
@@ -463,6 +466,38 @@ class History:
         """
         info = self._base_info(self._find(ref))
         return self._with_stats([info])[0] if stats else info
+
+    def uuid_references(self) -> dict[int, str]:
+        """For every run id, a uuid prefix that opens exactly that run with :meth:`run`.
+
+        A prefix is at least :data:`UUID_REF_LEN` characters (13: ``"90455722-7c1e"``, the dash
+        included, so it is never all digits and never read as a run id) and longer where another
+        run's uuid starts the same way. A uuid that is all digits cannot be told from a run id at
+        any length, and one that is not hexadecimal or is a prefix of another is no prefix
+        reference either: their reference is the run id.
+        """
+        if self._empty:
+            return {}
+        with self._read() as conn:
+            rows = sorted(
+                ((str(u).lower(), i) for i, u in conn.execute(select(Run.id, Run.uuid))),
+            )
+        refs: dict[int, str] = {}
+        for k, (u, run_id) in enumerate(rows):
+            need = UUID_REF_LEN
+            for j in (k - 1, k + 1):  # sorted: the longest shared prefix is with a neighbour
+                if 0 <= j < len(rows):
+                    other = rows[j][0]
+                    common = next(
+                        (n for n, (a, b) in enumerate(zip(u, other, strict=False)) if a != b),
+                        min(len(u), len(other)),
+                    )
+                    need = max(need, common + 1)
+            ref = u[:need]
+            hexa = re.fullmatch(r"[0-9a-f-]{1,36}", ref) is not None
+            usable = hexa and not ref.isdigit() and len(ref) == need
+            refs[run_id] = ref if usable else str(run_id)
+        return refs
 
     def _find(self, ref: RunRef) -> dict[str, Any]:
         if self._empty:
