@@ -22,7 +22,14 @@ from edo_monitor.errors import ConfigError, RunNotFoundError, StoreError
 from edo_monitor.readings import SAMPLE_FIELDS
 from edo_monitor.store.engine import open_engine, roll_up, write_samples
 from edo_monitor.store.history import _PEAK_COLUMNS, History, _tail_stats_sql, prune
-from edo_monitor.store.schema import ROLLUP_LEVEL_WIDTHS_S, Event, ModuleStat, Run, Sample
+from edo_monitor.store.schema import (
+    ROLLUP_LEVEL_WIDTHS_S,
+    SCHEMA_VERSION,
+    Event,
+    ModuleStat,
+    Run,
+    Sample,
+)
 
 T0 = 1_700_000_000.25  # run start (Unix seconds)
 #: Fixed run uuids (ids 1-5): the first two have an all-digit 8-character prefix and share their
@@ -787,15 +794,18 @@ def test_alembic_revision_newer_than_the_code_is_refused(
     ``meta`` row is not was accepted and written to."""
     path, _ = seeded
     with sqlite3.connect(path) as con:
-        assert con.execute("SELECT version_num FROM alembic_version").fetchone() == ("0002",)
-        con.execute("UPDATE alembic_version SET version_num = '0003'")
+        assert con.execute("SELECT version_num FROM alembic_version").fetchone() == (
+            f"{SCHEMA_VERSION:04d}",
+        )
+        newer = f"{SCHEMA_VERSION + 1:04d}"
+        con.execute("UPDATE alembic_version SET version_num = ?", (newer,))
     before = path.read_bytes()
     for readonly in (False, True):
         with pytest.raises(StoreError) as err:
             open_engine(path, readonly=readonly)
-        assert "schema version 2 (meta table)" in str(err.value)
-        assert "Alembic revision '0003'" in str(err.value)
-        assert "this edo-monitor's schema version is 2" in str(err.value)
+        assert f"schema version {SCHEMA_VERSION} (meta table)" in str(err.value)
+        assert f"Alembic revision '{newer}'" in str(err.value)
+        assert f"this edo-monitor's schema version is {SCHEMA_VERSION}" in str(err.value)
     with sqlite3.connect(path) as con:  # a revision this code does not know at all
         con.execute("UPDATE alembic_version SET version_num = 'f00d'")
     with pytest.raises(StoreError, match="Alembic revision 'f00d'"):
