@@ -1,75 +1,258 @@
-"""Bytes saved for backward, measured with ``torch.autograd.graph.saved_tensors_hooks``.
+"""Bytes saved for backward that are alive now, measured with ``saved_tensors_hooks``.
 
 The pack hook sees every tensor autograd saves during forward (in the training thread, inside the
-``watch()`` block). Each storage is counted once per step (many saved tensors are views of one
-storage), and the model's own parameters are skipped (they are counted as parameters). The pack
-hook returns the tensor itself, so nothing is copied and nothing is kept alive.
+``watch()`` block). Instead of the tensor it hands autograd a small holder (:class:`_Saved`) that
+keeps the tensor and a key of its storage; autograd keeps the holder exactly as long as it keeps
+the saved tensor (until ``backward()`` frees the graph, or for as long as a retained graph lives),
+and the unpack hook gives the tensor back. When autograd drops the holder, its ``__del__`` hands
+the key back. So the tracker knows, at any moment, the bytes of saved tensors that are alive:
 
-At each step boundary :meth:`ActivationTracker.end_step` closes the step: the bytes saved during it
-become ``last_step_bytes`` and the running peak. ``activations_bytes`` in a reading is the larger of
-the last finished step's and the current step's bytes.
+* each storage counts once while any holder of it is alive (many saved tensors are views of one
+  storage: a reference count per storage, keyed by its ``data_ptr`` — unique while the holder
+  keeps the storage alive);
+* the model's own parameters are skipped (they are counted as parameters);
+* sparse tensors have no single storage: they count their indices plus values
+  (:func:`edo_monitor.accounting.tensor_bytes`), keyed by their values' storage;
+* a tensor that requires grad is held detached (same storage and version counter): holding a saved
+  *output* with its ``grad_fn`` would make a reference cycle through autograd's C++ graph that
+  Python's garbage collector cannot see, and a graph dropped without ``backward()`` would never be
+  freed.
+
+Readings: :attr:`ActivationTracker.live_bytes` (alive now), :meth:`ActivationTracker.take_peak`
+(the highest live bytes since the previous call: what a sample reports, so a sample taken between
+steps does not miss a step's peak), :attr:`ActivationTracker.step_peak_bytes` and
+:meth:`ActivationTracker.end_step` (the peak of the current step, for the step boundary), and
+:attr:`ActivationTracker.peak_bytes` (the whole run). With gradient accumulation the peak is that of
+the bytes alive *at once* (each micro-batch's graph is freed by its ``backward()``), not a sum over
+micro-batches; saved tensors that outlive their step (``backward(retain_graph=True)`` and a loss
+kept in a running total) stay counted, so a leak shows as growth.
+
+Thread safety: holders may be freed on any thread (autograd's device threads on CUDA). ``__del__``
+only appends the key to a ``collections.deque`` (atomic, never blocks, so it cannot deadlock with a
+collection that runs inside the hook); the counters are changed under one lock by whoever reads or
+packs next.
+
+Failures: an error inside the pack hook (a tensor whose storage cannot be read, e.g. a wrapper
+tensor subclass) is counted in :attr:`ActivationTracker.errors` and passed to ``on_error``; the
+tensor is saved as is (uncounted) and training goes on. The CPU-budget
+out-of-memory error raised by ``on_exceed`` is deliberate and propagates.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
+from edo_monitor.accounting import tensor_bytes
+
 __all__ = ["ActivationTracker"]
+
+_STRIDED = torch.strided
+
+
+class _Saved:
+    """What autograd keeps instead of a saved tensor: the tensor and its storage key.
+
+    ``key`` is ``None`` for a tensor that is not counted (a parameter, an empty storage).
+    """
+
+    __slots__ = ("key", "released", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, key: int | None, released: collections.deque) -> None:
+        self.tensor = tensor
+        self.key = key
+        self.released = released
+
+    def __del__(self) -> None:
+        if self.key is not None:
+            self.released.append(self.key)
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
+    """``(key, bytes)`` of the memory ``tensor`` keeps alive.
+
+    Strided: the storage's ``data_ptr`` and its whole ``nbytes`` (a view keeps all of it alive).
+    Sparse: minus the values' storage pointer (a separate key space) and indices + values bytes.
+    Raises whatever torch raises for a tensor without readable storage.
+    """
+    if tensor.layout is _STRIDED:
+        storage = tensor.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    values = tensor._values() if tensor.layout is torch.sparse_coo else tensor.values()
+    return -values.untyped_storage().data_ptr(), tensor_bytes(tensor)
 
 
 class ActivationTracker:
-    """Counts saved-for-backward bytes per step.
+    """Counts the bytes of saved-for-backward tensors alive now, and their peaks.
+
+    Use as a context manager around the training (the training thread); see the module docstring.
 
     Args:
         params: the watched model's parameters (their storages are not counted).
+        on_error: called as ``on_error(exc)`` for each error caught inside the pack hook (the
+            agent counts them and records the first of each kind); also counted in :attr:`errors`.
+
+    Attributes:
+        errors: exceptions caught inside the pack hook (count).
+        limit_bytes, static_bytes, on_exceed: CPU-budget enforcement during forward: when
+            ``static_bytes`` + the live saved bytes with a new storage would go over
+            ``limit_bytes``, ``on_exceed(requested_bytes, in_use_bytes)`` is called before the
+            storage is counted (it raises the out-of-memory error, so the failing forward never
+            reaches the optimizer).
+        last_step_bytes: the peak of the last step closed by :meth:`end_step`.
     """
 
-    def __init__(self, params: Iterable[torch.Tensor] = ()) -> None:
-        self._param_ptrs = self._ptrs(params)
-        self._seen: set[int] = set()
-        self.current_step_bytes = 0
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] = (),
+        *,
+        on_error: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        self._param_keys = self._keys(params)
+        self._lock = threading.Lock()
+        self._released: collections.deque[int] = collections.deque()
+        self._refs: dict[int, int] = {}
+        self._sizes: dict[int, int] = {}
+        self._live = 0
+        self._peak_step = 0
+        self._peak_sample = 0
+        self._peak_run = 0
         self.last_step_bytes = 0
-        self.peak_step_bytes = 0
+        self.errors = 0
+        self.on_error = on_error
         self._context: Any = None
-        #: CPU-budget enforcement during forward: when ``static_bytes`` + this step's saved bytes
-        #: go over ``limit_bytes``, ``on_exceed(requested_bytes, in_use_bytes)`` is called (it
-        #: raises the out-of-memory error, so the failing forward never reaches the optimizer)
         self.limit_bytes: int | None = None
         self.static_bytes = 0
         self.on_exceed: Callable[[int, int], None] | None = None
 
     @staticmethod
-    def _ptrs(params: Iterable[torch.Tensor]) -> set[int]:
-        return {p.untyped_storage().data_ptr() for p in params}
+    def _keys(params: Iterable[torch.Tensor]) -> frozenset[int]:
+        keys = set()
+        for p in params:
+            try:
+                keys.add(_storage_key(p)[0])
+            except Exception:  # a parameter without readable storage cannot be saved by key
+                continue
+        return frozenset(keys)
 
     def set_params(self, params: Iterable[torch.Tensor]) -> None:
         """Replace the set of parameter storages to skip (after an action changed the model)."""
-        self._param_ptrs = self._ptrs(params)
+        self._param_keys = self._keys(params)
 
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in self._seen and ptr not in self._param_ptrs:
-            self._seen.add(ptr)
-            nbytes = storage.nbytes()
-            self.current_step_bytes += nbytes
-            limit = self.limit_bytes
-            if limit is not None and self.on_exceed is not None:
-                in_use = self.static_bytes + self.current_step_bytes
-                if in_use > limit:
-                    self.current_step_bytes -= nbytes  # the allocation fails: it never happened
-                    self.on_exceed(nbytes, in_use)
-        return tensor
+    # ------------------------------------------------------------------ hooks (hot path)
+    def pack(self, tensor: torch.Tensor) -> Any:
+        """The pack hook: count ``tensor``'s storage while autograd keeps it; never raises for
+        the tracker's own failures (only ``on_exceed``'s out-of-memory error propagates)."""
+        try:
+            key, nbytes = _storage_key(tensor)
+            if nbytes == 0 or key in self._param_keys:
+                return tensor
+            if tensor.requires_grad:
+                tensor = tensor.detach()  # no cycle through the output's grad_fn (see above)
+            with self._lock:
+                if self._released:
+                    self._drain()
+                refs = self._refs.get(key)
+                if refs is not None:
+                    self._refs[key] = refs + 1
+                    return _Saved(tensor, key, self._released)
+                limit = self.limit_bytes
+                in_use = self.static_bytes + self._live + nbytes
+                if limit is None or in_use <= limit or self.on_exceed is None:
+                    self._count(key, nbytes)
+                    return _Saved(tensor, key, self._released)
+        except Exception as exc:
+            self._failed(exc)
+            return tensor
+        self.on_exceed(nbytes, in_use)  # raises: the allocation failed, nothing was counted
+        with self._lock:  # an on_exceed that returns lets the storage be counted
+            self._count(key, nbytes)
+        return _Saved(tensor, key, self._released)
 
     @staticmethod
-    def _unpack(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
+    def unpack(packed: Any) -> torch.Tensor:
+        """The unpack hook: the tensor the pack hook was given (or its detached alias)."""
+        return packed.tensor if type(packed) is _Saved else packed
 
+    def _count(self, key: int, nbytes: int) -> None:
+        """A first holder of ``key``: its bytes become live (lock held)."""
+        self._refs[key] = 1
+        self._sizes[key] = nbytes
+        live = self._live + nbytes
+        self._live = live
+        if live > self._peak_step:
+            self._peak_step = live
+        if live > self._peak_sample:
+            self._peak_sample = live
+        if live > self._peak_run:
+            self._peak_run = live
+
+    def _drain(self) -> None:
+        """Apply the holders freed since the last call (lock held)."""
+        released = self._released
+        refs = self._refs
+        while released:
+            key = released.popleft()
+            n = refs.get(key, 1) - 1
+            if n > 0:
+                refs[key] = n
+            else:
+                refs.pop(key, None)
+                self._live -= self._sizes.pop(key, 0)
+
+    def _failed(self, exc: BaseException) -> None:
+        self.errors += 1
+        if self.on_error is not None:
+            with contextlib.suppress(Exception):  # reporting must not fail the forward either
+                self.on_error(exc)
+
+    # ------------------------------------------------------------------ readings
+    @property
+    def live_bytes(self) -> int:
+        """Bytes of saved tensors alive now (each storage once, parameters skipped)."""
+        with self._lock:
+            self._drain()
+            return self._live
+
+    @property
+    def step_peak_bytes(self) -> int:
+        """The highest :attr:`live_bytes` since the last :meth:`end_step`."""
+        with self._lock:
+            self._drain()
+            return self._peak_step
+
+    @property
+    def peak_bytes(self) -> int:
+        """The highest :attr:`live_bytes` since the tracker was made."""
+        return self._peak_run
+
+    def take_peak(self) -> int:
+        """The highest :attr:`live_bytes` since the previous call (or since the start); the next
+        call starts from the bytes alive now. What one sample reports as ``activations_bytes``."""
+        with self._lock:
+            self._drain()
+            peak = self._peak_sample
+            self._peak_sample = self._live
+            return peak
+
+    def end_step(self) -> int:
+        """Close the current step; returns its peak of live saved bytes (also
+        :attr:`last_step_bytes`). The next step's peak starts from the bytes alive now."""
+        with self._lock:
+            self._drain()
+            peak = self._peak_step
+            self._peak_step = self._live
+        self.last_step_bytes = peak
+        return peak
+
+    # ------------------------------------------------------------------ context manager
     def __enter__(self) -> ActivationTracker:
-        self._context = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._context = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._context.__enter__()
         return self
 
@@ -77,17 +260,3 @@ class ActivationTracker:
         if self._context is not None:
             self._context.__exit__(None, None, None)
             self._context = None
-
-    def end_step(self) -> int:
-        """Close the current step; returns the bytes it saved for backward."""
-        step_bytes = self.current_step_bytes
-        self.last_step_bytes = step_bytes
-        self.peak_step_bytes = max(self.peak_step_bytes, step_bytes)
-        self.current_step_bytes = 0
-        self._seen = set()
-        return step_bytes
-
-    @property
-    def activations_bytes(self) -> int:
-        """Bytes saved for backward, as the sampler reports them (see module docstring)."""
-        return max(self.last_step_bytes, self.current_step_bytes)

@@ -36,7 +36,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from edo_monitor.accounting import Accounting, account
-from edo_monitor.actions.base import ActionContext
+from edo_monitor.actions.base import ActionContext, ActionResult
 from edo_monitor.actions.checkpoint_activations import ActivationProfile, ActivationRecorder
 from edo_monitor.actions.enforce import enforce_budget
 from edo_monitor.actions.registry import ACTIONS
@@ -75,6 +75,8 @@ class RunSummary:
             peaks over the run's readings (``None`` where the source was unavailable).
         min_free_fraction: lowest ``free_fraction`` seen.
         events: count of events by kind. actions: the ``action`` events' data, in order.
+        agent_errors: failures inside the agent by ``"where:ExceptionType"`` (the hooks, the
+            sampler ...), every occurrence counted; each kind is one ``agent_error`` event.
     """
 
     run_id: int
@@ -94,6 +96,7 @@ class RunSummary:
     min_free_fraction: float | None
     events: dict[str, int] = field(default_factory=dict)
     actions: tuple[dict[str, Any], ...] = ()
+    agent_errors: dict[str, int] = field(default_factory=dict)
 
     def __str__(self) -> str:
         """A readable multi-line summary (what ``print(monitor.summary())`` shows)."""
@@ -109,6 +112,8 @@ class RunSummary:
             f"min free {'N/A' if mff is None else f'{mff:.1%}'}",
             f"events {self.events or 'none'}",
         ]
+        if self.agent_errors:
+            lines.append(f"agent errors (training went on) {self.agent_errors}")
         lines += [
             f"action {a.get('action')} on {a.get('target')}: saved "
             f"{format_bytes(a.get('saved_bytes'))} in {a.get('duration_s', 0.0):.3f} s"
@@ -234,7 +239,7 @@ class Monitor:
         self._sampler: threading.Thread | None = None
         self._stop = threading.Event()
         self._probes: dict[str, Any] = {}
-        self._agent_errors: set[str] = set()
+        self._agent_errors: Counter[str] = Counter()  # "where:ExceptionType" -> occurrences
         self._pending_error: BaseException | None = None
         self._events: Counter[str] = Counter()
         self._actions: list[dict[str, Any]] = []
@@ -312,7 +317,9 @@ class Monitor:
                 if p.is_cuda:
                     cuda_index = p.device.index if p.device.index is not None else 0
                     break
-        elif torch.cuda.is_available() and torch.cuda.is_initialized():
+        elif torch.cuda.is_initialized() and torch.cuda.is_available():
+            # is_initialized first: is_available() may initialise the driver (it queries the
+            # device count), which can break a DataLoader that forks later
             cuda_index = torch.cuda.current_device()
         if cuda_index is not None:
             self.device_kind = "cuda"
@@ -399,7 +406,9 @@ class Monitor:
         self._hook_handle = register_optimizer_step_post_hook(self._on_optimizer_step)
         if self.track_activations:
             params = self.model.parameters() if self.model is not None else ()
-            self._tracker = ActivationTracker(params).__enter__()
+            self._tracker = ActivationTracker(
+                params, on_error=lambda exc: self._agent_error("saved-tensor hook", exc)
+            ).__enter__()
             if self._enforcing:
                 self._tracker.limit_bytes = self.budget_bytes
                 self._tracker.static_bytes = self.accounting.total_bytes
@@ -512,10 +521,16 @@ class Monitor:
             self._writer.put_event(kind, message, step=self.steps, data=data)
 
     def _agent_error(self, where: str, exc: BaseException) -> None:
+        """Count a failure inside the agent; the first of each kind is logged with its traceback
+        and recorded as one ``agent_error`` event (any thread; never raises)."""
         key = f"{where}:{type(exc).__name__}"
-        if key not in self._agent_errors:
-            self._agent_errors.add(key)
-            logger.exception("edo-monitor: %s failed (training goes on)", where)
+        self._agent_errors[key] += 1
+        if self._agent_errors[key] == 1:
+            logger.error(
+                "edo-monitor: %s failed (training goes on)",
+                where,
+                exc_info=(type(exc), exc, exc.__traceback__),
+            )
             self._emit("agent_error", f"{where}: {type(exc).__name__}: {exc}", {"where": where})
         if self.strict and self._pending_error is None:
             self._pending_error = exc
@@ -574,33 +589,49 @@ class Monitor:
 
         Order: measure the step (accounting while gradients live; the activation profile), enforce
         the CPU budget against this step's peak, apply the pending decision, then close the step.
+        Closing the step (count, activation peak, next profile) runs in ``finally``: an exception
+        anywhere before it (the budget's out-of-memory error included: the optimizer step has run)
+        never leaves the count behind or merges two steps.
         """
-        if self._want_step_accounting or self._enforcing:
-            # between optimizer step and zero_grad, gradients and optimizer state are all alive:
-            # the step's peak of static memory (the sampler may land anywhere)
-            self._want_step_accounting = False
-            self._step_accounting = self._account()
-        self._collect_activation_profile()
-        if self._enforcing and self._step_accounting is not None:
-            static = self._step_accounting.total_bytes
-            if self._tracker is not None:
-                self._tracker.static_bytes = static
-            activations = self._tracker.activations_bytes if self._tracker is not None else 0
-            if static + activations > (self.budget_bytes or 0):
-                self._budget_exceeded(static - self._last_static_bytes, static + activations)
-            self._last_static_bytes = static
-        self._deliver_pressure_hooks()
-        self._apply_pending_decision()
+        try:
+            if self._want_step_accounting or self._enforcing:
+                # between optimizer step and zero_grad, gradients and optimizer state are all
+                # alive: the step's peak of static memory (the sampler may land anywhere)
+                self._want_step_accounting = False
+                self._step_accounting = self._account()
+            self._collect_activation_profile()
+            if self._enforcing and self._step_accounting is not None:
+                static = self._step_accounting.total_bytes
+                if self._tracker is not None:
+                    self._tracker.static_bytes = static
+                # the highest saved bytes alive at once during this step (retained ones included)
+                activations = self._tracker.step_peak_bytes if self._tracker is not None else 0
+                last_static, self._last_static_bytes = self._last_static_bytes, static
+                if static + activations > (self.budget_bytes or 0):
+                    self._budget_exceeded(static - last_static, static + activations)
+            self._deliver_pressure_hooks()
+            self._apply_pending_decision()
+        finally:
+            self._close_step(count)
+        if self.strict and self._pending_error is not None:
+            err, self._pending_error = self._pending_error, None
+            raise err
+
+    def _close_step(self, count: bool) -> None:
+        """Step bookkeeping; each part guarded so one failure cannot skip the others."""
         if count:
             self.steps += 1
             if self._writer is not None:
                 self._writer.run_values["steps"] = self.steps
             if self._tracker is not None:
-                self._tracker.end_step()
-        self._arm_activation_profile()
-        if self.strict and self._pending_error is not None:
-            err, self._pending_error = self._pending_error, None
-            raise err
+                try:
+                    self._tracker.end_step()
+                except Exception as exc:
+                    self._agent_error("closing the step", exc)
+        try:
+            self._arm_activation_profile()
+        except Exception as exc:
+            self._agent_error("activation profile", exc)
 
     def _budget_exceeded(self, requested_bytes: int, in_use_bytes: int) -> None:
         """Raise the CPU-budget out-of-memory error, recorded as an ``oom`` event first (so it is
@@ -631,20 +662,20 @@ class Monitor:
             or time.monotonic() - self._profiled_at_s < self.profile_interval_s
         ):
             return
-        self._recorder = ActivationRecorder(self.model).__enter__()
+        tracker = self._tracker
+        chain = (tracker.pack, tracker.unpack) if tracker is not None else None
+        self._recorder = ActivationRecorder(self.model, chain=chain).__enter__()
 
     def _collect_activation_profile(self) -> None:
         if self._recorder is None:
             return
         recorder, self._recorder = self._recorder, None
         recorder.__exit__(None, None, None)
-        profile = recorder.profile()
         self._profiled_at_s = time.monotonic()
+        for err in recorder.errors:  # its hooks caught them; the forward went on
+            self._agent_error("activation profile hook", err)
+        profile = recorder.profile()
         self.activation_profile = profile
-        if self._tracker is not None:  # the recorder's hooks were innermost during this step
-            self._tracker.current_step_bytes = max(
-                self._tracker.current_step_bytes, profile.total_bytes
-            )
         now = time.time()
         for module, nbytes in sorted(profile.exclusive_bytes.items()):
             if nbytes > 0 or module in self._module_rows:
@@ -724,7 +755,21 @@ class Monitor:
         decision = self.policy.pending
         if decision is None or decision.advisory:
             return
-        result = ACTIONS[decision.action].apply(self._action_context(self.latest), decision.plan)
+        try:
+            result = ACTIONS[decision.action].apply(
+                self._action_context(self.latest), decision.plan
+            )
+        except Exception as exc:  # Action.apply raised (e.g. its plan() at apply time): failed
+            logger.warning("action %s raised at apply time: %r", decision.action, exc)
+            result = ActionResult(
+                decision.action,
+                decision.target,
+                "failed",
+                estimated_saving_bytes=decision.estimated_saving_bytes,
+                reason=f"{type(exc).__name__}: {exc}",
+                exception=exc,
+            )
+        # resolved once: a failed decision is never retried on the same target
         self.policy.resolve(decision, result.status)
         kind = {"applied": "action", "refused": "action_refused"}.get(
             result.status, "action_failed"
@@ -801,7 +846,8 @@ class Monitor:
             acc = self._account(include_grads=False)
         self._want_step_accounting = True
         self.accounting = acc
-        activations = self._tracker.activations_bytes if self._tracker is not None else None
+        # the highest saved-for-backward bytes alive at once since the previous sample
+        activations = self._tracker.take_peak() if self._tracker is not None else None
         values.update(
             params_bytes=acc.params_bytes,
             grads_bytes=acc.grads_bytes,
@@ -985,6 +1031,7 @@ class Monitor:
             min_free_fraction=self._min_free_fraction,
             events=dict(self._events),
             actions=tuple(self._actions),
+            agent_errors=dict(self._agent_errors),
         )
 
 

@@ -43,9 +43,10 @@ def test_activation_tracker_counts_each_storage_once_and_skips_parameters() -> N
         z = y.sigmoid()  # saves its output: one 8 x 100 float storage
         w = z[:4] * z[4:]  # saves two views of z's storage: counted once
         w.sum().backward()
+        assert tracker.live_bytes == 0  # backward freed the graph and its saved tensors
     step_bytes = tracker.end_step()
-    assert step_bytes == 8 * 100 * 4 + 8 * 100 * 4  # x, z
-    assert tracker.last_step_bytes == step_bytes and tracker.current_step_bytes == 0
+    assert step_bytes == 8 * 100 * 4 + 8 * 100 * 4  # x, z: the step's peak alive at once
+    assert tracker.last_step_bytes == step_bytes and tracker.step_peak_bytes == 0
 
 
 def test_activations_recorded_per_step_and_can_be_turned_off(db_path: Path) -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from edo_monitor.accounting import is_table_module
+from edo_monitor.accounting import is_table_module, tensor_bytes
 from edo_monitor.actions.base import (
     Action,
     ActionContext,
@@ -85,11 +85,24 @@ class ActivationRecorder:
 
     Installs forward hooks on ``model``'s modules and a ``saved_tensors_hooks`` pair; removes them
     on exit. Storages are keyed by ``data_ptr`` (saved tensors stay alive during the forward, so
-    keys are unique).
+    keys are unique); sparse tensors by their values' storage, sized as indices + values.
+    ``chain=(pack, unpack)`` passes every saved tensor on to an outer pair of hooks (the agent's
+    :class:`~edo_monitor.agent.activations.ActivationTracker`), which the innermost hooks would
+    otherwise hide. An error inside the hooks is kept in ``errors`` and never reaches the forward.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        chain: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None,
+    ) -> None:
         self.model = model
+        #: an outer ``(pack, unpack)`` pair the recorder's saved-tensor hooks pass every tensor
+        #: on to (the agent's live tracker keeps counting during a recorded step)
+        self._chain = chain
+        #: errors caught inside the recorder's hooks (training goes on; the profile misses them)
+        self.errors: list[BaseException] = []
         self._names = {id(m): n for n, m in model.named_modules()}
         self._stack: list[str] = []
         self._bytes: dict[int, int] = {}
@@ -102,19 +115,25 @@ class ActivationRecorder:
 
     @staticmethod
     def _key(t: torch.Tensor) -> tuple[int, int]:
+        if t.layout != torch.strided:  # sparse: no single storage; indices + values
+            values = t._values() if t.layout == torch.sparse_coo else t.values()
+            return -values.untyped_storage().data_ptr(), tensor_bytes(t)
         s = t.untyped_storage()
         return s.data_ptr(), s.nbytes()
 
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        name = self._names[id(module)]
+        name = self._names.get(id(module), "")
         self._stack.append(name)
         self._called.add(name)
-        keys = self._inputs.setdefault(name, set())
-        for t in _tensors(args, kwargs):
-            keys.add(self._key(t)[0])
+        try:
+            keys = self._inputs.setdefault(name, set())
+            for t in _tensors(args, kwargs):
+                keys.add(self._key(t)[0])
+        except Exception as exc:  # a hook must never fail the user's forward
+            self.errors.append(exc)
 
     def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        name = self._names[id(module)]
+        name = self._names.get(id(module), "")
         if self._stack and self._stack[-1] == name:
             self._stack.pop()
 
@@ -127,17 +146,26 @@ class ActivationRecorder:
         prev = self._owners.get(ptr)
         self._owners[ptr] = owners if prev is None else prev & owners
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        self._record(t, self._stack)
-        return t
+    def _pack(self, t: torch.Tensor) -> Any:
+        try:
+            self._record(t, self._stack)
+        except Exception as exc:  # a hook must never fail the user's forward
+            self.errors.append(exc)
+        return t if self._chain is None else self._chain[0](t)
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        return packed if self._chain is None else self._chain[1](packed)
 
     def note_held(self, args: tuple, kwargs: dict, block: str) -> None:
         """Count the inputs a checkpointed ``block`` keeps alive, attributed outside the block."""
         stack = list(self._stack)
         if stack and stack[-1] == block:
             stack.pop()
-        for t in _tensors(args, kwargs):
-            self._record(t, stack)
+        try:
+            for t in _tensors(args, kwargs):
+                self._record(t, stack)
+        except Exception as exc:  # called from a checkpointed block's forward: never fail it
+            self.errors.append(exc)
 
     def __enter__(self) -> ActivationRecorder:
         for t in list(self.model.parameters()) + list(self.model.buffers()):
@@ -145,7 +173,7 @@ class ActivationRecorder:
         for m in self.model.modules():
             self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
             self._handles.append(m.register_forward_hook(self._post, with_kwargs=True))
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         stack = getattr(_ACTIVE, "recorders", [])
         stack.append(self)
