@@ -10,7 +10,7 @@ the key back. So the tracker knows, at any moment, the bytes of saved tensors th
 * each storage counts once while any holder of it is alive (many saved tensors are views of one
   storage: a reference count per storage, keyed by its ``data_ptr`` — unique while the holder
   keeps the storage alive);
-* the model's own parameters are skipped (they are counted as parameters);
+* the model's own parameters and buffers are skipped (they are counted as ``params_bytes``);
 * sparse tensors have no single storage: they count their indices plus values
   (:func:`edo_monitor.accounting.tensor_bytes`), keyed by their values' storage;
 * a tensor that requires grad is held detached (same storage and version counter): holding a saved
@@ -93,7 +93,8 @@ class ActivationTracker:
     Use as a context manager around the training (the training thread); see the module docstring.
 
     Args:
-        params: the watched model's parameters (their storages are not counted).
+        params: the watched model's parameters and buffers (their storages are not counted:
+            they are the model's own memory, counted as ``params_bytes``).
         on_error: called as ``on_error(exc)`` for each error caught inside the pack hook (the
             agent counts them and records the first of each kind); also counted in :attr:`errors`.
 

@@ -405,9 +405,8 @@ class Monitor:
         self._writer.start()
         self._hook_handle = register_optimizer_step_post_hook(self._on_optimizer_step)
         if self.track_activations:
-            params = self.model.parameters() if self.model is not None else ()
             self._tracker = ActivationTracker(
-                params, on_error=lambda exc: self._agent_error("saved-tensor hook", exc)
+                self._model_tensors(), on_error=lambda exc: self._agent_error("saved-tensor hook", exc)
             ).__enter__()
             if self._enforcing:
                 self._tracker.limit_bytes = self.budget_bytes
@@ -795,7 +794,7 @@ class Monitor:
                 f"in {result.duration_s:.3f} s"
             )
             if self._tracker is not None:
-                self._tracker.set_params(self.model.parameters())
+                self._tracker.set_params(self._model_tensors())
                 self._tracker.static_bytes = self._account().total_bytes
             self._step_accounting = None
             self._want_step_accounting = True
@@ -825,6 +824,12 @@ class Monitor:
                 delay = 0.0
             if self._stop.wait(delay):
                 break
+
+    def _model_tensors(self) -> list[torch.Tensor]:
+        """Parameters and buffers: counted as ``params_bytes``, so never as activations."""
+        if self.model is None:
+            return []
+        return [*self.model.parameters(), *self.model.buffers()]
 
     def _account(self, *, include_grads: bool = True) -> Accounting:
         return account(

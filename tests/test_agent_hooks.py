@@ -1,0 +1,376 @@
+"""The agent's hooks on real CPU training loops: saved-for-backward bytes alive at once, hooks
+that never fail training, step bookkeeping that survives exceptions, and no CUDA initialisation.
+
+Expected byte counts are derived by hand from the shapes (float32 = 4 bytes, int64 = 8 bytes)."""
+
+from __future__ import annotations
+
+import sqlite3
+import sys
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+import edo_monitor
+from edo_monitor.actions.base import Action, ActionContext, Plan, Refusal
+from edo_monitor.actions.registry import ACTIONS
+from edo_monitor.agent.activations import ActivationTracker
+from edo_monitor.store.history import History
+
+F32 = 4
+
+
+def samples(db: Path) -> list[tuple[int, int | None]]:
+    con = sqlite3.connect(db)
+    try:
+        return con.execute("SELECT step, activations_bytes FROM samples ORDER BY id").fetchall()
+    finally:
+        con.close()
+
+
+def wait_for(predicate: Any, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached before the deadline")
+        time.sleep(0.005)
+
+
+# ----------------------------------------------------------------------------- the tracker
+def small_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1))
+
+
+# batch 128: Linear(64, 256) saves its input x [128, 64]; ReLU saves its output [128, 256] (the
+# next Linear's input, the same storage); pow(2) saves its input [128, 1]. Weights are skipped.
+SMALL_STEP_BYTES = 128 * 64 * F32 + 128 * 256 * F32 + 128 * 1 * F32  # 164,352
+
+
+def small_loss(model: nn.Module, gen: torch.Generator) -> torch.Tensor:
+    x = torch.randn(128, 64, generator=gen)
+    return model(x).pow(2).mean()
+
+
+def test_bytes_alive_now_fall_when_backward_frees_the_graph() -> None:
+    model = small_mlp()
+    gen = torch.Generator().manual_seed(0)
+    with ActivationTracker([*model.parameters()]) as tracker:
+        loss = small_loss(model, gen)
+        assert tracker.live_bytes == SMALL_STEP_BYTES
+        loss.backward()
+        assert tracker.live_bytes == 0
+        assert tracker.take_peak() == SMALL_STEP_BYTES  # the peak since the start
+        assert tracker.take_peak() == 0  # nothing alive since the last reading
+        assert tracker.end_step() == SMALL_STEP_BYTES
+
+
+def test_retained_graphs_stay_counted_until_dropped() -> None:
+    model = small_mlp()
+    gen = torch.Generator().manual_seed(0)
+    with ActivationTracker([*model.parameters()]) as tracker:
+        total = torch.zeros(())
+        for step in range(1, 6):
+            loss = small_loss(model, gen)
+            loss.backward(retain_graph=True)
+            total = total + loss  # keeps every step's graph (and its saved tensors) alive
+            assert tracker.live_bytes == step * SMALL_STEP_BYTES
+            assert tracker.end_step() == step * SMALL_STEP_BYTES
+        del total, loss
+        assert tracker.live_bytes == 0
+
+
+def test_a_graph_dropped_without_backward_is_freed() -> None:
+    """Regression: the pack hook kept the saved *output* with its grad_fn, a reference cycle
+    through autograd's C++ graph that the garbage collector cannot see: the graph leaked."""
+    x = torch.randn(1000, 100, requires_grad=True)
+    with ActivationTracker() as tracker:
+        out = x.sigmoid()  # sigmoid saves its own output
+        assert tracker.live_bytes == 1000 * 100 * F32
+        alive = weakref.ref(out)
+        del out
+        assert alive() is None
+        assert tracker.live_bytes == 0
+
+
+def test_views_of_one_storage_count_once_while_any_is_saved() -> None:
+    x = torch.randn(8, 100, requires_grad=True)
+    with ActivationTracker() as tracker:
+        z = x.sigmoid()  # saves z: 8 x 100 floats
+        a = z[:4].exp()  # exp saves its output: a new 4 x 100 storage
+        b = z[4:] * 2.0  # saves nothing
+        first = (z[:4] * z[4:]).sum()  # saves two views of z's storage
+        assert tracker.live_bytes == 8 * 100 * F32 + 4 * 100 * F32
+        del a, b
+        assert tracker.live_bytes == 8 * 100 * F32
+        first.backward(retain_graph=True)
+        del first
+        assert tracker.live_bytes == 8 * 100 * F32  # z still saved by its own sigmoid node
+        del z
+        assert tracker.live_bytes == 0
+
+
+# ----------------------------------------------------------------------------- item 1
+class SparseGraph(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor, adj: torch.Tensor) -> torch.Tensor:
+        return torch.sparse.mm(adj, self.lin(x))
+
+
+def ring_adjacency() -> torch.Tensor:
+    """50 x 50 COO with 100 distinct non-zeros: (i, i) and (i, i+1 mod 50)."""
+    rows = [i for i in range(50) for _ in range(2)]
+    cols = [(i + d) % 50 for i in range(50) for d in range(2)]
+    indices = torch.tensor([rows, cols])
+    return torch.sparse_coo_tensor(indices, torch.ones(100), (50, 50), check_invariants=True)
+
+
+# x [50, 16] saved by the Linear; adj saved by sparse.mm: 2 x 100 int64 indices + 100 float
+# values; the product [50, 8] saved by pow(2)
+SPARSE_STEP_BYTES = 50 * 16 * F32 + (2 * 100 * 8 + 100 * F32) + 50 * 8 * F32  # 6,800
+
+
+def test_sparse_saved_tensor_is_sized_as_indices_plus_values(db_path: Path) -> None:
+    model = SparseGraph()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    adj = ring_adjacency()
+    gen = torch.Generator().manual_seed(0)
+    with edo_monitor.watch(model, db=db_path, interval_s=0.01) as mon:
+        for _ in range(5):
+            model(torch.randn(50, 16, generator=gen), adj).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    summary = mon.summary()
+    assert summary.status == "finished" and summary.steps == 5
+    assert summary.agent_errors == {} and "agent_error" not in summary.events
+    assert summary.peak_activations_bytes == SPARSE_STEP_BYTES
+
+
+class Wrapped(torch.Tensor):
+    """A wrapper tensor subclass (like DTensor or a quantised tensor): it has no readable storage
+    of its own, so the tracker cannot size it."""
+
+    @staticmethod
+    def __new__(cls, elem: torch.Tensor) -> Wrapped:
+        return torch.Tensor._make_wrapper_subclass(cls, elem.shape, dtype=elem.dtype)
+
+    def __init__(self, elem: torch.Tensor) -> None:
+        self.elem = elem
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        def unwrap(t: Any) -> Any:
+            return t.elem if isinstance(t, Wrapped) else t
+
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+
+
+def test_a_failing_hook_is_counted_recorded_once_and_training_goes_on(db_path: Path) -> None:
+    def make() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = nn.Linear(3, 2)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(6):
+            model(Wrapped(torch.randn(4, 3, generator=gen))).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    twin, twin_opt = make()
+    train(twin, twin_opt)
+    model, opt = make()
+    with edo_monitor.watch(model, db=db_path, interval_s=0.01) as mon:
+        train(model, opt)
+    summary = mon.summary()
+    assert summary.status == "finished" and summary.steps == 6
+    # one input per step saved for backward: 6 failures of the saved-tensor hook; in the one
+    # profiled step the recorder's forward pre-hook and pack hook failed on it too
+    assert summary.agent_errors == {
+        "saved-tensor hook:RuntimeError": 6,
+        "activation profile hook:RuntimeError": 2,
+    }
+    assert summary.events["agent_error"] == 2  # one event per kind
+    with History(db_path) as history:
+        wheres = sorted(e.data["where"] for e in history.events("latest", kind="agent_error"))
+    assert wheres == ["activation profile hook", "saved-tensor hook"]
+    # the training itself is exactly that of an unwatched twin
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+
+
+# ----------------------------------------------------------------------------- item 2
+class RaisesAtApply(Action):
+    """An action whose plan works on the sampler thread and raises at apply time."""
+
+    name = "test_raises_at_apply"
+    lossy = False
+
+    def __init__(self) -> None:
+        self.apply_time_plans = 0
+
+    def plan(self, ctx: ActionContext) -> Plan | Refusal:
+        if threading.current_thread() is threading.main_thread():  # the training thread
+            self.apply_time_plans += 1
+            raise RuntimeError("plan broke at apply time")
+        return Plan(self.name, "0", 1, "test")
+
+
+def test_an_action_raising_at_apply_fails_once_and_every_step_counts(
+    db_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    action = RaisesAtApply()
+    monkeypatch.setitem(ACTIONS, action.name, action)  # registered like any action
+    policy = edo_monitor.Policy(
+        min_free_fraction=0.5, rearm_free_fraction=0.6, cooldown_steps=0, ladder=[action.name]
+    )
+    model = small_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    # static: params + grads = 2 x (64*256 + 256 + 256 + 1) floats = 135,176 bytes; one step's
+    # saved bytes 164,352: 299,528 fit, two steps' (463,880) would not
+    budget = 380_000
+    gen = torch.Generator().manual_seed(0)
+    steps = 0
+    with edo_monitor.watch(
+        model, db=db_path, interval_s=0.01, budget=budget, enforce=True, policy=policy
+    ) as mon:
+
+        def step() -> None:
+            nonlocal steps
+            small_loss(model, gen).backward()
+            opt.step()
+            opt.zero_grad()
+            steps += 1
+
+        while action.apply_time_plans == 0 and steps < 10_000:
+            step()
+        for _ in range(40):
+            step()
+        apply_time_plans = action.apply_time_plans  # (the last sample, after the block, plans)
+    summary = mon.summary()
+    assert summary.status == "finished"
+    assert summary.steps == steps
+    assert apply_time_plans == 1  # failed once, never retried in 40 steps
+    assert summary.events["decision"] == 1
+    assert summary.events["action_failed"] == 1
+    assert "oom" not in summary.events  # no two steps' activations added up
+    with History(db_path) as history:
+        (failed,) = history.events("latest", kind="action_failed")
+    assert failed.data["status"] == "failed"
+    assert failed.data["reason"] == "RuntimeError: plan broke at apply time"
+
+
+def test_a_budget_error_at_the_step_boundary_still_counts_the_step(db_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(100, 100)  # 10,100 floats: 40,400 bytes
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    # forward: params 40,400 + the input 8 x 100 floats (3,200) fit in 60,000; at the boundary
+    # params + grads + Adam's two new states (4 x 40,400) do not: the boundary raises, after the
+    # optimizer step has run (it is a step)
+    with edo_monitor.watch(model, db=db_path, budget=60_000, enforce=True) as mon:
+        model(torch.randn(8, 100)).sum().backward()
+        with pytest.raises(edo_monitor.BudgetOutOfMemoryError):
+            opt.step()
+        assert mon.steps == 1
+        assert opt.state[model.weight]["step"].item() == 1.0
+    assert mon.summary().steps == 1
+    assert mon.summary().events["oom"] == 1
+
+
+# ----------------------------------------------------------------------------- item 6
+MICRO_BATCH = 512
+# Linear(256, 1024) saves its input [512, 256]; each ReLU saves its output [512, 1024] (the next
+# Linear's input, same storage); pow(2) saves the difference [512, 1]
+MICRO_BATCH_BYTES = MICRO_BATCH * (256 + 1024 + 1024 + 1) * F32  # 4,720,640 (4.50 MiB)
+
+
+def test_gradient_accumulation_reports_the_peak_alive_at_once(db_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(0)
+    # params + grads = 2 x 1,313,793 floats = 10.02 MiB; + 4.50 MiB fits in 20 MiB, while the
+    # sum of four micro-batches (18.01 MiB) would not
+    with edo_monitor.watch(model, db=db_path, interval_s=0.02, budget="20MiB", enforce=True) as mon:
+        for _ in range(3):
+            for _ in range(4):
+                x = torch.randn(MICRO_BATCH, 256, generator=gen)
+                y = torch.randn(MICRO_BATCH, 1, generator=gen)
+                ((model(x) - y).pow(2).mean() / 4).backward()
+            opt.step()
+            opt.zero_grad()
+    summary = mon.summary()
+    assert summary.steps == 3 and "oom" not in summary.events
+    assert summary.peak_activations_bytes == MICRO_BATCH_BYTES
+    assert max(a for _, a in samples(db_path)) == MICRO_BATCH_BYTES
+
+
+# ----------------------------------------------------------------------------- item 7
+def test_saved_tensors_kept_across_steps_show_as_growth(db_path: Path) -> None:
+    model = small_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(0)
+    with edo_monitor.watch(model, db=db_path, interval_s=0.01) as mon:
+        wait_for(lambda: mon.summary().samples >= 1)
+        total = torch.zeros(())
+        for step in range(1, 21):
+            loss = small_loss(model, gen)
+            loss.backward(retain_graph=True)
+            total = total + loss  # the classic leak: every step's graph stays alive
+            opt.step()
+            opt.zero_grad()
+            if step == 10:
+                seen = mon.summary().samples
+                wait_for(lambda seen=seen: mon.summary().samples > seen)
+    series = [a for _, a in samples(db_path)]
+    assert series[0] == 0
+    assert series == sorted(series)  # it only grows
+    assert any(10 * SMALL_STEP_BYTES <= a < 20 * SMALL_STEP_BYTES for a in series)
+    assert series[-1] == 20 * SMALL_STEP_BYTES  # 3,287,040: twenty steps' saved tensors
+    del total, loss
+
+
+# ----------------------------------------------------------------------------- item 13
+def test_watch_on_a_cpu_model_never_asks_cuda(db_path: Path) -> None:
+    """``torch.cuda.is_available()`` may initialise the driver (a later fork then breaks);
+    ``watch()`` of a CPU model (or of the process) must not call it, nor initialise CUDA."""
+    calls: list[str] = []
+    watched = {"is_available", "_lazy_init", "init", "current_device", "device_count"}
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        code = frame.f_code
+        if event == "call" and code.co_name in watched and "torch/cuda" in code.co_filename:
+            calls.append(code.co_name)
+
+    initialised = torch.cuda.is_initialized()
+    model = small_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(0)
+    threading.setprofile(profile)
+    sys.setprofile(profile)
+    try:
+        with edo_monitor.watch(model, db=db_path, interval_s=0.01) as mon:
+            for _ in range(3):
+                small_loss(model, gen).backward()
+                opt.step()
+                opt.zero_grad()
+        with edo_monitor.watch(db=db_path, interval_s=0.01) as process_only:
+            process_only.step()
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)  # type: ignore[arg-type]
+    assert mon.device_kind == "cpu-budget" and process_only.device_kind == "cpu-budget"
+    assert calls == []
+    assert torch.cuda.is_initialized() == initialised
