@@ -406,7 +406,8 @@ class Monitor:
         self._hook_handle = register_optimizer_step_post_hook(self._on_optimizer_step)
         if self.track_activations:
             self._tracker = ActivationTracker(
-                self._model_tensors(), on_error=lambda exc: self._agent_error("saved-tensor hook", exc)
+                self._model_tensors(),
+                on_error=lambda exc: self._agent_error("saved-tensor hook", exc),
             ).__enter__()
             if self._enforcing:
                 self._tracker.limit_bytes = self.budget_bytes

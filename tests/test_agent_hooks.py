@@ -206,7 +206,8 @@ def test_a_failing_hook_is_counted_recorded_once_and_training_goes_on(db_path: P
         wheres = sorted(e.data["where"] for e in history.events("latest", kind="agent_error"))
     assert wheres == ["activation profile hook", "saved-tensor hook"]
     # the training itself is exactly that of an unwatched twin
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+    pairs = zip(model.parameters(), twin.parameters(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
 
 
 # ----------------------------------------------------------------------------- item 2
