@@ -150,7 +150,14 @@ class ActivationTracker:
         """The pack hook: count ``tensor``'s storage while autograd keeps it; never raises for
         the tracker's own failures (only ``on_exceed``'s out-of-memory error propagates)."""
         try:
-            key, nbytes = _storage_key(tensor)
+            if tensor.layout is _STRIDED:  # inline: the common case, on the hot path
+                storage = tensor.untyped_storage()
+                key = storage.data_ptr()
+                if key in self._param_keys:
+                    return tensor
+                nbytes = storage.nbytes()
+            else:
+                key, nbytes = _storage_key(tensor)
             if nbytes == 0 or key in self._param_keys:
                 return tensor
             if tensor.requires_grad:
