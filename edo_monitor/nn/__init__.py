@@ -1,7 +1,15 @@
-"""EDO embedding modules (host offload, low precision, int8 row-wise, low rank, shared rows)."""
+"""EDO embedding modules (host offload, device row cache, low precision, int8, low rank,
+shared rows)."""
 
 from __future__ import annotations
 
+from edo_monitor.nn.cached import (
+    CACHE_POLICIES,
+    CachedEmbedding,
+    CachedEmbeddingBag,
+    CachedTable,
+    CacheStats,
+)
 from edo_monitor.nn.embedding import (
     BAG_MODES,
     EmbeddingOptions,
@@ -17,6 +25,11 @@ from edo_monitor.nn.sharing import HashedEmbedding, HybridEmbedding, QREmbedding
 
 __all__ = [
     "BAG_MODES",
+    "CACHE_POLICIES",
+    "CacheStats",
+    "CachedEmbedding",
+    "CachedEmbeddingBag",
+    "CachedTable",
     "EmbeddingOptions",
     "HashedEmbedding",
     "HybridEmbedding",

@@ -1,0 +1,287 @@
+"""The device row cache: same results as a resident nn.Embedding twin (CPU).
+
+Exactness is checked in float64 (the catch-up is then exact to rounding, ~1e-15) and once in
+float32 (where the twin's own per-step rounding, ~1e-7 per step, is the floor).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from edo_monitor.nn import CachedEmbedding, CachedEmbeddingBag
+
+N, D, C = 200, 4, 20
+
+OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.05),
+    "sgd_weight_decay": lambda p: torch.optim.SGD(p, lr=0.05, weight_decay=0.01),
+    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+    "sgd_momentum_dampening_wd": lambda p: torch.optim.SGD(
+        p, lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01
+    ),
+    "sgd_nesterov_wd": lambda p: torch.optim.SGD(
+        p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01
+    ),
+    "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.05, initial_accumulator_value=0.1),
+    "adam": lambda p: torch.optim.Adam(p, lr=0.01),
+    "adam_amsgrad": lambda p: torch.optim.Adam(p, lr=0.01, amsgrad=True),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.01),
+}
+
+
+def _zipf_ids(gen: torch.Generator, shape: tuple[int, ...], n: int = N) -> torch.Tensor:
+    probs = 1.0 / torch.arange(1, n + 1, dtype=torch.float64) ** 1.05
+    count = 1
+    for s in shape:
+        count *= s
+    return torch.multinomial(probs, count, replacement=True, generator=gen).reshape(shape)
+
+
+def _pair(base: torch.Tensor, cache_rows: int = C, bag: str | None = None, **kw):
+    n, d = base.shape
+    pad = kw.pop("padding_idx", None)
+    if bag is None:
+        twin = nn.Embedding.from_pretrained(base.clone(), freeze=False, padding_idx=pad)
+        cached = CachedEmbedding(n, d, cache_rows, padding_idx=pad, _weight=base.clone(), **kw)
+    else:
+        twin = nn.EmbeddingBag.from_pretrained(
+            base.clone(), freeze=False, mode=bag, padding_idx=pad
+        )
+        cached = CachedEmbeddingBag(
+            n, d, cache_rows, mode=bag, padding_idx=pad, _weight=base.clone(), **kw
+        )
+    return twin, cached
+
+
+def _train(
+    modules: list[tuple[nn.Module, torch.optim.Optimizer]],
+    steps: int,
+    gen: torch.Generator,
+    *,
+    bag: bool = False,
+    dtype: torch.dtype = torch.float64,
+    schedulers: list | None = None,
+    accumulate: int = 1,
+) -> None:
+    for _ in range(steps):
+        batches = []
+        for _ in range(accumulate):
+            ids = _zipf_ids(gen, (4, 6))
+            shape = (4, D) if bag else (4, 6, D)
+            batches.append((ids, torch.randn(shape, generator=gen, dtype=dtype)))
+        for module, opt in modules:
+            opt.zero_grad()
+            for ids, target in batches:
+                ((module(ids) - target) ** 2).sum().backward()
+            opt.step()
+        for s in schedulers or []:
+            s.step()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b|."""
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_cached_table_equals_resident_twin_after_200_steps(name: str) -> None:
+    """Every supported optimizer, a step-decay schedule, 10 % cache, LFU: exact in float64."""
+    torch.manual_seed(0)
+    base = torch.randn(N, D, dtype=torch.float64)
+    twin, cached = _pair(base)
+    o1, o2 = OPTIMIZERS[name]([twin.weight]), OPTIMIZERS[name]([cached.weight])
+    sched = [torch.optim.lr_scheduler.StepLR(o, 37, 0.5) for o in (o1, o2)]
+    _train([(twin, o1), (cached, o2)], 200, torch.Generator().manual_seed(1), schedulers=sched)
+    stats = cached.stats()
+    assert stats.evicted > 100 and stats.misses > 100  # rows really left and came back
+    assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
+    # the optimizer's full-table state equals the twin's too
+    s1 = o1.state_dict()["state"][0]
+    s2 = o2.state_dict()["state"][0]
+    for key, value in s1.items():
+        if isinstance(value, torch.Tensor) and value.dim() == 2:
+            assert s2[key].shape == value.shape
+            assert _rel(s2[key], value) < 1e-12 if value.abs().max() > 0 else True
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd_nesterov_wd"])
+def test_float32_table_within_rounding_of_twin(name: str) -> None:
+    """float32: the twin itself rounds every step; the cache stays within 1e-5 after 200 steps."""
+    torch.manual_seed(0)
+    base = torch.randn(N, D)
+    twin, cached = _pair(base)
+    o1, o2 = OPTIMIZERS[name]([twin.weight]), OPTIMIZERS[name]([cached.weight])
+    _train([(twin, o1), (cached, o2)], 200, torch.Generator().manual_seed(1), dtype=torch.float32)
+    assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("policy", "block_rows", "accumulate"), [("lru", 1, 1), ("lfu", 8, 1), ("lfu", 1, 3)]
+)
+def test_lru_chunked_and_gradient_accumulation_stay_exact(
+    policy: str, block_rows: int, accumulate: int
+) -> None:
+    """LRU, 8-row blocks, and three forwards per step (rows used since the step stay pinned)."""
+    torch.manual_seed(0)
+    base = torch.randn(N, D, dtype=torch.float64)
+    twin, cached = _pair(base, 80, policy=policy, block_rows=block_rows)
+    o1 = torch.optim.Adam([twin.weight], lr=0.01)
+    o2 = torch.optim.Adam([cached.weight], lr=0.01)
+    gen = torch.Generator().manual_seed(2)
+    _train([(twin, o1), (cached, o2)], 40, gen, accumulate=accumulate)
+    assert cached.stats().evicted > 0
+    assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+@pytest.mark.parametrize("pad", [None, 3])
+def test_bag_outputs_and_gradients_match(mode: str, pad: int | None) -> None:
+    torch.manual_seed(0)
+    base = torch.randn(N, D, dtype=torch.float64)
+    flat = torch.tensor([1, 3, 7, 7, 199, 0, 12, 3, 3, 5])
+    offsets = torch.tensor([0, 3, 3, 6])
+    psw = torch.linspace(0.5, 2.0, flat.numel(), dtype=torch.float64)
+    cases = [{"offsets": offsets}, {"offsets": offsets, "per_sample_weights": psw}]
+    for case in cases:
+        if "per_sample_weights" in case and mode != "sum":
+            continue
+        twin, cached = _pair(base, 16, bag=mode, padding_idx=pad)
+        out1, out2 = twin(flat, **case), cached(flat, **case)
+        assert torch.equal(out1, out2)
+        out1.pow(2).sum().backward()
+        out2.pow(2).sum().backward()
+        slots = cached.block_to_slot[flat]
+        assert torch.equal(cached.weight.grad[slots], twin.weight.grad[flat])
+    twin, cached = _pair(base, 16, bag=mode, padding_idx=pad)
+    two_d = torch.tensor([[1, 2, 3], [4, 4, 9]])
+    assert torch.equal(twin(two_d), cached(two_d))
+
+
+def test_embedding_options_padding_max_norm_and_attributes() -> None:
+    torch.manual_seed(0)
+    base = torch.randn(N, D, dtype=torch.float64)
+    twin = nn.Embedding.from_pretrained(
+        base.clone(), freeze=False, padding_idx=3, max_norm=1.0, scale_grad_by_freq=True
+    )
+    cached = CachedEmbedding(
+        N, D, 8, padding_idx=3, max_norm=1.0, scale_grad_by_freq=True, _weight=base.clone()
+    )
+    ids = torch.tensor([[3, 5, 5, 9], [3, 150, 2, 5]])
+    out1, out2 = twin(ids), cached(ids)
+    assert out2.shape == (2, 4, D) and torch.equal(out1, out2)
+    out1.sum().backward()
+    out2.sum().backward()
+    slots = cached.block_to_slot[ids]
+    assert torch.equal(cached.weight.grad[slots], twin.weight.grad[ids])
+    assert torch.count_nonzero(cached.weight.grad[cached.block_to_slot[3]]) == 0
+    assert (cached.num_embeddings, cached.embedding_dim, cached.padding_idx) == (N, D, 3)
+    assert cached.max_norm == 1.0 and cached.scale_grad_by_freq is True
+    with pytest.raises(IndexError, match=r"\[0, 200\)"):
+        cached(torch.tensor([200]))
+
+
+def test_refused_settings_are_named() -> None:
+    with pytest.raises(ValueError, match="sparse=True"):
+        CachedEmbedding(N, D, C, sparse=True)
+    refused = {
+        "weight_decay=0.01 \\(L2": lambda p: torch.optim.Adam(p, weight_decay=0.01),
+        "Adagrad with weight_decay": lambda p: torch.optim.Adagrad(p, weight_decay=0.01),
+        "RMSprop is not supported": lambda p: torch.optim.RMSprop(p),
+    }
+    for message, make in refused.items():
+        table = CachedEmbedding(N, D, C)
+        with pytest.raises(ValueError, match=message):
+            table.attach(make([table.weight]))
+    table = CachedEmbedding(N, D, C)
+    with pytest.raises(ValueError, match="policy='mru'"):
+        CachedEmbedding(N, D, C, policy="mru")
+    with pytest.raises(ValueError, match="does not step"):
+        table.attach(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1))
+
+
+def test_more_unique_ids_than_cache_rows_grows_or_errors() -> None:
+    torch.manual_seed(0)
+    base = torch.randn(N, D, dtype=torch.float64)
+    ids = torch.arange(30)
+    strict = CachedEmbedding(N, D, 10, _weight=base.clone(), overflow="error")
+    with pytest.raises(RuntimeError, match=r"needs 30 cache rows .* holds 10 rows"):
+        strict(ids)
+    grow = CachedEmbedding(N, D, 10, _weight=base.clone())
+    assert torch.equal(grow(ids), base[:30])
+    assert grow.cache_rows == 30
+
+
+def test_checkpoint_into_fresh_uncached_model_continues_like_the_twin() -> None:
+    torch.manual_seed(0)
+    base = torch.randn(N, D, dtype=torch.float64)
+    twin, cached = _pair(base)
+    o1 = torch.optim.AdamW([twin.weight], lr=0.01, weight_decay=0.01)
+    o2 = torch.optim.AdamW([cached.weight], lr=0.01, weight_decay=0.01)
+    gen = torch.Generator().manual_seed(3)
+    _train([(twin, o1), (cached, o2)], 30, gen)
+    # as saved to a file: nothing shared with the live optimizer (its 'step' tensor included)
+    model_sd, opt_sd = copy.deepcopy(cached.state_dict()), copy.deepcopy(o2.state_dict())
+    assert model_sd["weight"].shape == (N, D)
+    assert opt_sd["state"][0]["exp_avg"].shape == (N, D)
+    fresh = nn.Embedding(N, D, dtype=torch.float64)
+    fresh.load_state_dict(model_sd)
+    o3 = torch.optim.AdamW([fresh.weight], lr=0.01, weight_decay=0.01)
+    o3.load_state_dict(opt_sd)
+    # and into another cached table (attached first, then loaded)
+    other = CachedEmbedding(N, D, C, dtype=torch.float64)
+    o4 = torch.optim.AdamW([other.weight], lr=0.01, weight_decay=0.01)
+    other.attach(o4)
+    other.load_state_dict(model_sd)
+    o4.load_state_dict(copy.deepcopy(opt_sd))
+    gen_state = gen.get_state()
+    _train([(twin, o1), (fresh, o3)], 30, gen)
+    gen.set_state(gen_state)
+    _train([(cached, o2), (other, o4)], 30, gen)
+    assert _rel(fresh.weight.detach(), twin.weight.detach()) < 1e-12
+    assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
+    assert _rel(other.full_weight(), twin.weight.detach()) < 1e-12
+
+
+def test_resize_both_ways_mid_training_stays_exact() -> None:
+    torch.manual_seed(0)
+    base = torch.randn(N, D, dtype=torch.float64)
+    twin, cached = _pair(base, 60)
+    o1 = torch.optim.SGD([twin.weight], lr=0.05, momentum=0.9, weight_decay=0.01)
+    o2 = torch.optim.SGD([cached.weight], lr=0.05, momentum=0.9, weight_decay=0.01)
+    gen = torch.Generator().manual_seed(4)
+    _train([(twin, o1), (cached, o2)], 20, gen)
+    cached.resize(30)
+    assert cached.cache_rows == 30 and o2.state[cached.weight]["momentum_buffer"].shape == (30, D)
+    _train([(twin, o1), (cached, o2)], 20, gen)
+    cached.resize(N)
+    assert cached.cache_rows == N
+    _train([(twin, o1), (cached, o2)], 20, gen)
+    assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
+
+
+def test_prefetch_and_warm_start_give_the_same_results() -> None:
+    torch.manual_seed(0)
+    base = torch.randn(N, D, dtype=torch.float64)
+    freq = torch.zeros(N, dtype=torch.int64)
+    freq[:C] = 5
+    twin, cached = _pair(base, C, id_frequencies=freq)
+    assert set(cached.slot_to_block.tolist()) == set(range(C))  # warm start: the frequent rows
+    o1 = torch.optim.Adam([twin.weight], lr=0.01)
+    o2 = torch.optim.Adam([cached.weight], lr=0.01)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(30):
+        ids = _zipf_ids(gen, (4, 6))
+        target = torch.randn(4, 6, D, generator=gen, dtype=torch.float64)
+        cached.prefetch(ids)
+        assert bool((cached.block_to_slot[ids] >= 0).all())
+        for m, o in ((twin, o1), (cached, o2)):
+            o.zero_grad()
+            ((m(ids) - target) ** 2).sum().backward()
+            o.step()
+    assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
