@@ -191,6 +191,8 @@ def account(
             pb, gb, ob = pb + p_, gb + g_, ob + o_
         for b in module.buffers(recurse=True):
             pb += add("params", b, b)
+        if callable(getattr(module, "host_bytes", None)):  # a row cache's host table and state
+            host += int(module.host_bytes())
         weight = _table_weight(module)
         placement = getattr(module, "edo_placement", None)
         if placement is None:

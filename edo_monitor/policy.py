@@ -13,6 +13,10 @@ lossy only with ``allow_lossy``), skipping actions that refuse, ``(action, targe
 failed before, ``release_cache`` in CPU-budget mode or when the reading's reserved-but-unallocated
 bytes are below ``release_cache_min_bytes``. Only one decision is pending at a time.
 
+Growing back: in ``"auto"`` mode, when not under pressure and ``free_fraction`` has stayed at or
+above ``rearm_free_fraction + grow_margin_fraction`` for ``grow_after_readings`` readings in a row,
+the policy decides ``grow_cache`` (a row cache takes rows back, up to the whole table) if it plans.
+
 Modes: ``"auto"`` decides and expects the agent to apply; ``"advise"`` emits decisions marked
 advisory (each ``(action, target)`` once per pressure episode) that are recorded, not applied;
 ``"observe"`` emits crossings only.
@@ -121,13 +125,17 @@ class Policy:
         mode: ``"auto"``, ``"advise"`` or ``"observe"``.
         allow_lossy: allow lossy actions (``compress_embedding*``).
         ladder: action names in the order to try; default lossless
-            (``release_cache``, ``offload_embedding``, ``checkpoint_activations``) then, with
+            (``release_cache``, ``cache_embedding``, ``offload_embedding``,
+            ``checkpoint_activations``) then, with
             ``allow_lossy``, ``compress_embedding``.
         on_pressure: called by the agent with each :class:`ThresholdCrossing` (see
             :meth:`call_on_pressure`).
         on_action: called by the agent with each :class:`~edo_monitor.actions.ActionResult`.
         release_cache_min_bytes: slack below which ``release_cache`` is skipped (int or size
             string such as ``"64MiB"``).
+        grow_margin_fraction: free fraction above the re-arm level a row cache leaves when it
+            grows back (in [0, 1)).
+        grow_after_readings: consecutive readings above ``rearm + margin`` before it grows (>= 1).
 
     Raises:
         ConfigError: (a ``ValueError``) for any value out of its allowed set; the message names
@@ -145,6 +153,8 @@ class Policy:
         on_pressure: Callable[[ThresholdCrossing], Any] | None = None,
         on_action: Callable[[ActionResult], Any] | None = None,
         release_cache_min_bytes: int | str = 64 * 1024 * 1024,
+        grow_margin_fraction: float = 0.05,
+        grow_after_readings: int = 3,
     ) -> None:
         self.min_free_fraction = _fraction("min_free_fraction", min_free_fraction)
         self.rearm_free_fraction = _fraction("rearm_free_fraction", rearm_free_fraction)
@@ -177,6 +187,26 @@ class Policy:
         self.release_cache_min_bytes = parse_bytes(
             release_cache_min_bytes, name="release_cache_min_bytes"
         )
+        if (
+            isinstance(grow_margin_fraction, bool)
+            or not isinstance(grow_margin_fraction, (int, float))
+            or not 0 <= grow_margin_fraction < 1
+        ):
+            raise ConfigError(
+                f"grow_margin_fraction={grow_margin_fraction!r} is not allowed; expected a number "
+                "in [0, 1)"
+            )
+        self.grow_margin_fraction = float(grow_margin_fraction)
+        if (
+            isinstance(grow_after_readings, bool)
+            or not isinstance(grow_after_readings, int)
+            or grow_after_readings < 1
+        ):
+            raise ConfigError(
+                f"grow_after_readings={grow_after_readings!r} is not allowed; expected an int >= 1"
+            )
+        self.grow_after_readings = grow_after_readings
+        self._calm_readings = 0
         self._lock = threading.Lock()
         self.under_pressure = False
         self.pending: Decision | None = None
@@ -247,7 +277,13 @@ class Policy:
                         "above_rearm", reading.step, reading.time_s, free, self.rearm_free_fraction
                     )
                 )
-            if not self.under_pressure or self.mode == "observe" or planner is None:
+            if not self.under_pressure:
+                grow = self._maybe_grow(reading, planner)
+                if grow is not None:
+                    events.append(grow)
+                return events
+            self._calm_readings = 0
+            if self.mode == "observe" or planner is None:
                 return events
             if self.pending is not None:
                 return events
@@ -271,6 +307,49 @@ class Policy:
                     NoActionAvailable(reading.step, reading.time_s, free, tuple(refusals))
                 )
         return events
+
+    def _maybe_grow(self, reading: Reading, planner: Planner | None) -> Decision | None:
+        """A ``grow_cache`` decision after enough calm readings (auto mode, lock held)."""
+        free = float(reading.free_fraction or 0.0)
+        if free < self.rearm_free_fraction + self.grow_margin_fraction:
+            self._calm_readings = 0
+            return None
+        self._calm_readings += 1
+        if (
+            self.mode != "auto"
+            or planner is None
+            or self.pending is not None
+            or self._calm_readings < self.grow_after_readings
+            or (
+                self.last_decision_step is not None
+                and reading.step - self.last_decision_step < self.cooldown_steps
+            )
+        ):
+            return None
+        self._calm_readings = 0
+        if isinstance(planner, Mapping):
+            plan = planner.get("grow_cache", Refusal("grow_cache", "", "not planned"))
+        else:
+            plan = planner("grow_cache")
+        if isinstance(plan, Refusal) or (plan.action, plan.target) in self._failed:
+            return None
+        decision = Decision(
+            action=plan.action,
+            target=plan.target,
+            estimated_saving_bytes=plan.estimated_saving_bytes,
+            reason=(
+                f"free {free:.1%} above re-arm {self.rearm_free_fraction:.0%} + margin "
+                f"{self.grow_margin_fraction:.0%}: {plan.reason}"
+            ),
+            step=reading.step,
+            time_s=reading.time_s,
+            free_fraction=free,
+            mode="auto",
+            plan=plan,
+        )
+        self.pending = decision
+        self.last_decision_step = reading.step
+        return decision
 
     def _choose(self, reading: Reading, planner: Planner) -> tuple[Decision | None, list[Refusal]]:
         refusals: list[Refusal] = []

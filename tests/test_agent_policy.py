@@ -14,6 +14,9 @@ from edo_monitor.store.history import History
 
 ROWS, DIM = 20_000, 32
 TABLE_BYTES = ROWS * DIM * 4
+# these tests pin offload's numbers; the default ladder tries cache_embedding first
+# (tests/test_cache_action.py)
+OFFLOAD_LADDER = ["release_cache", "offload_embedding", "checkpoint_activations"]
 
 
 def model_and_opt() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -51,7 +54,7 @@ def test_auto_mode_offloads_and_hooks_run_on_the_training_thread(db_path: Path) 
     def on_action(result: object) -> None:
         seen.append(("action", threading.current_thread().name))
 
-    policy = edo_monitor.Policy(on_pressure=on_pressure, on_action=on_action)
+    policy = edo_monitor.Policy(on_pressure=on_pressure, on_action=on_action, ladder=OFFLOAD_LADDER)
     with edo_monitor.watch(model, db=db_path, budget=BUDGET, policy=policy, interval_s=0.01) as mon:
         train(model, opt, 40)
     assert ("pressure", main) in seen and ("action", main) in seen
@@ -67,7 +70,7 @@ def test_auto_mode_offloads_and_hooks_run_on_the_training_thread(db_path: Path) 
 def test_advise_mode_records_without_changing_the_model(db_path: Path) -> None:
     model, opt = model_and_opt()
     twin, twin_opt = model_and_opt()
-    policy = edo_monitor.Policy(mode="advise")
+    policy = edo_monitor.Policy(mode="advise", ladder=OFFLOAD_LADDER)
     with edo_monitor.watch(model, db=db_path, budget=BUDGET, policy=policy, interval_s=0.01) as mon:
         losses = train(model, opt, 30)
     assert losses == train(twin, twin_opt, 30)  # nothing applied: bit-identical training

@@ -83,7 +83,12 @@ def test_invalid_arguments_raise_config_error_naming_the_value(kwargs: dict, mat
 
 
 def test_default_ladders() -> None:
-    assert Policy().ladder == ("release_cache", "offload_embedding", "checkpoint_activations")
+    assert Policy().ladder == (
+        "release_cache",
+        "cache_embedding",
+        "offload_embedding",
+        "checkpoint_activations",
+    )
     assert Policy(allow_lossy=True).ladder[-2:] == ("compress_embedding", "share_embedding")
     assert Policy(release_cache_min_bytes="1MiB").release_cache_min_bytes == MiB
     assert all(name in ACTIONS for name in Policy(allow_lossy=True).ladder)
@@ -175,6 +180,7 @@ def test_lossy_only_with_allow_lossy_and_after_lossless() -> None:
     assert isinstance(none, NoActionAvailable)
     assert [r.action for r in none.refusals] == [
         "release_cache",
+        "cache_embedding",
         "offload_embedding",
         "checkpoint_activations",
     ]
@@ -262,7 +268,7 @@ def test_loop_reacts_within_one_step_and_free_memory_returns_above_the_floor() -
             elif isinstance(e, Decision):
                 pending = e
     assert log[0] == (1, "below_floor")
-    assert log[1] == (1, "offload_embedding:applied")  # applied at the very next boundary
+    assert log[1] == (1, "cache_embedding:applied")  # applied at the very next boundary
     assert log[2] == (2, "above_rearm")
     assert min(frees[1:]) > 0.25
-    assert isinstance(model.emb, nn.Module) and model.emb.edo_placement == "host"
+    assert isinstance(model.emb, nn.Module) and model.emb.edo_placement == "cached"

@@ -67,6 +67,11 @@ class ActionContext:
             fractions of the table's rows.
         fail_at: name of a stage at which the action raises :class:`InjectedFailureError`
             (tests of the transaction); ``None`` in normal use.
+        budget_bytes, in_use_bytes: the latest reading's (``None`` without one); the row cache
+            sizes itself from them.
+        rearm_free_fraction: the policy's re-arm level (``cache_embedding`` frees enough to get
+            back to it).
+        grow_margin_fraction: ``grow_cache`` keeps ``rearm + margin`` of the budget free.
     """
 
     model: nn.Module
@@ -82,6 +87,10 @@ class ActionContext:
     share_hot_fraction: float = 0.05
     share_bucket_fraction: float = 0.05
     fail_at: str | None = None
+    budget_bytes: int | None = None
+    in_use_bytes: int | None = None
+    rearm_free_fraction: float | None = None
+    grow_margin_fraction: float = 0.05
 
     def __post_init__(self) -> None:
         self.optimizers = tuple(self.optimizers)

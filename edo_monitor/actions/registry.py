@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from edo_monitor.actions.base import Action
+from edo_monitor.actions.cache_embedding import CacheEmbedding, GrowCache
 from edo_monitor.actions.checkpoint_activations import CheckpointActivations
 from edo_monitor.actions.compress_embedding import CompressEmbedding
 from edo_monitor.actions.offload_embedding import OffloadEmbedding
@@ -15,6 +16,8 @@ ACTIONS: dict[str, Action] = {
     a.name: a
     for a in (
         ReleaseCache(),
+        CacheEmbedding(),
+        GrowCache(),
         OffloadEmbedding(),
         CheckpointActivations(),
         CompressEmbedding("auto"),
@@ -25,7 +28,9 @@ ACTIONS: dict[str, Action] = {
         ShareEmbedding(),
     )
 }
-"""Every action by name (``release_cache``, ``offload_embedding``, ``checkpoint_activations``,
+"""Every action by name (``release_cache``, ``cache_embedding``, ``grow_cache`` (asked for by the
+policy when memory is free again, not on a ladder), ``offload_embedding``,
+``checkpoint_activations``,
 ``compress_embedding`` (bf16 trainable / int8 frozen), ``compress_embedding_bf16``,
 ``compress_embedding_fp16``, ``compress_embedding_int8``, ``compress_embedding_lowrank``,
 ``share_embedding`` (hot/cold hybrid))."""
@@ -34,6 +39,7 @@ LOSSY_ACTIONS: frozenset[str] = frozenset(n for n, a in ACTIONS.items() if a.los
 
 DEFAULT_LOSSLESS_LADDER: tuple[str, ...] = (
     "release_cache",
+    "cache_embedding",
     "offload_embedding",
     "checkpoint_activations",
 )

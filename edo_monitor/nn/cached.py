@@ -260,6 +260,29 @@ class _AdamRule(_Rule):
     ) -> None:
         if p.shape[0] == 0:
             return
+        m = state["exp_avg"]
+        moving = (m != 0).any(dim=1)
+        if not bool(moving.all()):
+            # rows whose first moment is zero get no Adam update: only the decoupled decay
+            still = (~moving).nonzero().reshape(-1)
+            p[still] *= self._decay(s[still], torch.full_like(s[still], t))[:, None]
+            idx = moving.nonzero().reshape(-1)
+            sub_p = p[idx]
+            sub_state = {k: v[idx] for k, v in state.items()}
+            self._catch_up_moving(sub_p, sub_state, s[idx], t)
+            p[idx] = sub_p
+            for k, v in sub_state.items():
+                state[k][idx] = v
+            missed = (t - s).double()[:, None]
+            state["exp_avg_sq"][still] *= torch.pow(self.beta2, missed[still])
+            return
+        self._catch_up_moving(p, state, s, t)
+
+    def _catch_up_moving(
+        self, p: torch.Tensor, state: dict[str, torch.Tensor], s: torch.Tensor, t: int
+    ) -> None:
+        if p.shape[0] == 0:
+            return
         rows, dim = p.shape
         missed = t - s  # (R,)
         n = missed.clamp(max=self.window)
@@ -363,6 +386,20 @@ class CacheStats:
         """``hits / (hits + misses)`` over all forwards (``None`` before the first)."""
         total = self.hits + self.misses
         return self.hits / total if total else None
+
+
+def rebind_data(param: nn.Parameter, data: torch.Tensor) -> None:
+    """``param.data = data`` for a new shape, also when a live graph still holds ``param``.
+
+    Autograd caches a parameter's gradient accumulator (with the shape it had) while any graph
+    refers to it, e.g. the previous step's ``loss`` the training loop still holds; reusing it after
+    a shape change fails in backward ("invalid gradient ... expected shape"). PyTorch drops that
+    cache when ``.data`` changes dtype, so the data is swapped through another dtype first.
+    Call with ``param.grad`` set to ``None``.
+    """
+    other = torch.float32 if data.dtype == torch.float64 else torch.float64
+    param.data = torch.empty(0, dtype=other, device=data.device)
+    param.data = data
 
 
 def _pinned_empty(shape: Sequence[int], dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -576,8 +613,8 @@ class CachedTable(_EdoEmbedding):
         new_state: dict[str, torch.Tensor] = {}
         for key in rule.keys:
             value = state.get(key)
+            init = float(group.get("initial_accumulator_value", 0.0)) if key == "sum" else 0.0
             if value is None:
-                init = float(group.get("initial_accumulator_value", 0.0)) if key == "sum" else 0.0
                 hs = _pinned_empty((n, d), self.host_weight.dtype, self._pin)
                 hs.fill_(init)
                 host_state[key] = hs
@@ -589,7 +626,7 @@ class CachedTable(_EdoEmbedding):
                 new_state[key] = self._gather_rows(hs).to(self.device)
             elif tuple(value.shape) == tuple(self.weight.shape):  # cache layout: scatter to ids
                 hs = _pinned_empty((n, d), self.host_weight.dtype, self._pin)
-                hs.zero_()
+                hs.fill_(init)  # rows never cached hold the initial state
                 used = (self.slot_to_block >= 0).nonzero().reshape(-1)
                 ids, real = self._block_rows_of(self.slot_to_block[used])
                 hs[ids[real]] = value.detach().cpu()[self._slot_rows(used)[real]]
@@ -877,8 +914,10 @@ class CachedTable(_EdoEmbedding):
             slots = self.block_to_slot[blocks]
             miss = blocks[slots < 0]
             if miss.numel():
+                protect = self.slot_pinned.clone()
+                protect[slots[slots >= 0]] = True  # the hits of these ids stay too
                 try:
-                    new = self._evict(miss.numel(), self.slot_pinned.clone())
+                    new = self._evict(miss.numel(), protect)
                 except _CacheFullError:
                     return  # prefetch is a hint: the forward loads what it needs
                 self._load_blocks(miss, new)
@@ -1007,7 +1046,7 @@ class CachedTable(_EdoEmbedding):
         last_use, pinned = self.slot_last_use[keep], self.slot_pinned[keep]
         # commit
         p.grad = None
-        p.data = new_data
+        rebind_data(p, new_data)
         p.grad = new_grad
         for k, v in new_state.items():
             state[k] = v

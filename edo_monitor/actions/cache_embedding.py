@@ -1,0 +1,359 @@
+"""``cache_embedding`` and ``grow_cache``: a resizable device row cache over a host table.
+
+``cache_embedding`` (on the default ladder, before ``offload_embedding``):
+
+* when a table is already cached and its cache can give rows back (more rows than the peak unique
+  ids of one batch), it **shrinks** that cache: renewed pressure;
+* else it converts the largest eligible ``nn.Embedding`` / ``nn.EmbeddingBag`` to a
+  :class:`edo_monitor.nn.CachedTable`. The same ``Parameter`` object becomes the cache (its data,
+  gradient and optimizer state are rebound to ``(C, D)`` tensors), the full table and its optimizer
+  state move to host memory, and the optimizer is attached for exact catch-up (lossless).
+
+Cache size ``C`` (rows): the rows that stay on the device after freeing the bytes needed to get
+``free_fraction`` back to the re-arm level, ``need = in_use - (1 - rearm) * budget``; at least the
+peak unique ids of one batch (seen by :func:`track_batch_ids`, else the table's peak so far), at
+most ``N - 1``. Per row the device holds the weight, its gradient (trainable tables) and each
+per-element optimizer state tensor, so the estimate is ``(N - C) * D * element_size * (1 + grad
++ states)``: exactly what the accounting measures before and after.
+
+``grow_cache`` (not on the ladder: the policy asks for it when ``free_fraction`` stays above the
+re-arm level plus a margin): grows the most-shrunk cache by the rows that fit in the spare bytes
+above ``rearm + margin``; when that reaches the whole table, the table becomes an ordinary resident
+``nn.Embedding`` / ``nn.EmbeddingBag`` again (same ``Parameter``). Its estimate is negative (bytes
+it will use).
+
+Refused: DDP/FSDP-wrapped models, tied weights, ``sparse=True`` tables, optimizers or settings the
+cache cannot catch up exactly (named by :mod:`edo_monitor.nn.cached`), fused/capturable groups.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from edo_monitor.actions.base import Action, ActionContext, Plan, Refusal, find_wrapped_parallel
+from edo_monitor.actions.tables import device_tables, replace_module, sharing_users
+from edo_monitor.nn import EmbeddingOptions
+from edo_monitor.nn.cached import CachedTable, _group_of, _make_rule, rebind_data
+from edo_monitor.units import format_bytes
+
+__all__ = ["CacheEmbedding", "GrowCache", "peak_batch_ids", "track_batch_ids"]
+
+logger = logging.getLogger(__name__)
+
+_PEAK_IDS: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+
+
+def track_batch_ids(model: nn.Module) -> list[Any]:
+    """Record the peak ids per forward of every plain table of ``model`` (forward pre-hooks).
+
+    Unique ids are counted for host inputs; for CUDA inputs the number of ids (an upper bound that
+    needs no device synchronisation). Returns the hook handles (call ``.remove()`` on each).
+    """
+
+    def hook(module: nn.Module, args: tuple) -> None:
+        if not args or not isinstance(args[0], torch.Tensor):
+            return
+        ids = args[0]
+        count = int(torch.unique(ids).numel()) if ids.is_cpu else int(ids.numel())
+        if count > _PEAK_IDS.get(module, 0):
+            _PEAK_IDS[module] = count
+
+    return [
+        m.register_forward_pre_hook(hook)
+        for m in model.modules()
+        if type(m) in (nn.Embedding, nn.EmbeddingBag)
+    ]
+
+
+def peak_batch_ids(module: nn.Module) -> int | None:
+    """Peak (unique) ids of one forward seen for ``module``, or ``None`` when never seen."""
+    if isinstance(module, CachedTable):
+        return module.peak_unique_ids or None
+    return _PEAK_IDS.get(module)
+
+
+def _state_tensors(optimizers: Sequence[torch.optim.Optimizer], param: nn.Parameter) -> int:
+    """How many per-element state tensors ``param`` has now."""
+    count = 0
+    for opt in optimizers:
+        state = opt.state.get(param, {})
+        count += sum(
+            1
+            for v in state.values()
+            if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(param.shape)
+        )
+    return count
+
+
+def _row_bytes(param: nn.Parameter, optimizers: Sequence[torch.optim.Optimizer]) -> int:
+    """Device bytes per row: weight + gradient (trainable) + per-element optimizer state."""
+    per = param.shape[1] * param.element_size()
+    return per * (1 + int(param.requires_grad) + _state_tensors(optimizers, param))
+
+
+def _need_bytes(ctx: ActionContext) -> int | None:
+    """Bytes to free to get back to the re-arm level, or ``None`` without a reading."""
+    if ctx.budget_bytes is None or ctx.in_use_bytes is None or ctx.rearm_free_fraction is None:
+        return None
+    return max(0, math.ceil(ctx.in_use_bytes - (1 - ctx.rearm_free_fraction) * ctx.budget_bytes))
+
+
+def _holders(
+    optimizers: Sequence[torch.optim.Optimizer], param: nn.Parameter
+) -> list[torch.optim.Optimizer]:
+    return [o for o in optimizers if any(p is param for g in o.param_groups for p in g["params"])]
+
+
+def _optimizer_refusal(optimizers: Sequence[torch.optim.Optimizer], param: nn.Parameter) -> str:
+    holders = _holders(optimizers, param)
+    if len(holders) > 1:
+        return "stepped by more than one optimizer"
+    for opt in holders:
+        try:
+            _make_rule(opt, _group_of(opt, param), 0)
+        except ValueError as exc:
+            return str(exc)
+    return ""
+
+
+class CacheEmbedding(Action):
+    """Cache the largest eligible table on the device (or shrink an existing cache). Lossless."""
+
+    name = "cache_embedding"
+    lossy = False
+
+    def plan(self, ctx: ActionContext) -> Plan | Refusal:
+        """Shrink a cache that can give rows back, else convert the largest eligible table."""
+        wrapper = find_wrapped_parallel(ctx.model)
+        if wrapper:
+            return self.refuse("", f"model is wrapped in {wrapper}; caching a shard is unsupported")
+        need = _need_bytes(ctx)
+        for name, module in ctx.model.named_modules():
+            if not isinstance(module, CachedTable) or not getattr(module, "edo_action_made", False):
+                continue  # a cache the user built is the user's to size
+            floor_rows = max(1, module.peak_unique_ids) + module.block_rows
+            row_bytes = _row_bytes(module.weight, ctx.optimizers)
+            spare_rows = module.cache_rows - floor_rows
+            if spare_rows < module.block_rows:
+                continue
+            give = spare_rows if need is None else min(spare_rows, -(-need // row_bytes))
+            give = max(module.block_rows, give - give % module.block_rows)
+            to_rows = module.cache_rows - give
+            return Plan(
+                self.name,
+                name,
+                give * row_bytes,
+                f"shrink the row cache of {name} from {module.cache_rows} to {to_rows} rows",
+                {
+                    "resize": "shrink",
+                    "from_rows": module.cache_rows,
+                    "to_rows": to_rows,
+                    "num_embeddings": module.num_embeddings,
+                },
+            )
+        tables = device_tables(ctx.model, ctx.optimizers, ctx.cuda_mode)
+        if not tables:
+            return self.refuse("", "no embedding table left on the device tier to cache")
+        reasons = []
+        for t in tables:
+            module, weight = t.module, t.weight
+            if sharing_users(ctx.model, module, weight):
+                users = ", ".join(sharing_users(ctx.model, module, weight))
+                reasons.append(f"{t.name}: weight is tied to {users}")
+                continue
+            if getattr(module, "sparse", False):
+                reasons.append(f"{t.name}: sparse=True is not supported by the row cache")
+                continue
+            refusal = _optimizer_refusal(ctx.optimizers, weight)
+            if refusal:
+                reasons.append(f"{t.name}: {refusal}")
+                continue
+            n = int(weight.shape[0])
+            row_bytes = _row_bytes(weight, ctx.optimizers)
+            peak = peak_batch_ids(module)
+            floor_rows = max(1, peak if peak is not None else min(n, 1024))
+            if need is None:
+                rows = max(floor_rows, n // 10)
+            else:
+                rows = max(floor_rows, n - -(-need // row_bytes))
+            if rows >= n:
+                reasons.append(
+                    f"{t.name}: a cache of the peak ids per batch ({floor_rows}) would hold the "
+                    f"whole table ({n} rows)"
+                )
+                continue
+            saving = (n - rows) * row_bytes
+            return Plan(
+                self.name,
+                t.name,
+                saving,
+                f"largest table {t.name}: keep {rows} of {n} rows on the device, the table and its "
+                f"optimizer state in host memory (frees {format_bytes(saving)})",
+                {
+                    "resize": "create",
+                    "to_rows": rows,
+                    "num_embeddings": n,
+                    "peak_batch_ids": peak,
+                    "kind": type(module).__name__,
+                },
+            )
+        return self.refuse(tables[0].name, "; ".join(reasons))
+
+    def _apply(
+        self, ctx: ActionContext, plan: Plan
+    ) -> tuple[dict[str, Any], dict[str, float] | None]:
+        module = ctx.model.get_submodule(plan.target)
+        rows = int(plan.details["to_rows"])
+        if isinstance(module, CachedTable):
+            _resize(ctx, module, rows)
+            return {"cache_rows": module.cache_rows, "host_bytes": module.host_bytes()}, None
+        weight = module.weight
+        options = EmbeddingOptions.from_module(module)
+        device = weight.device
+        table = CachedTable(
+            options,
+            weight.detach(),
+            rows,
+            device=device,
+            requires_grad=weight.requires_grad,
+        )
+        ctx.stage("host_table_made")
+        cache = table._parameters["weight"]
+        table._parameters["weight"] = weight  # the same Parameter object becomes the cache
+        grad = weight.grad
+        weight.grad = None
+        rebind_data(weight, cache.data)
+        if grad is not None:
+            weight.grad = torch.zeros_like(cache.data)
+        ctx.stage("weight_moved")
+        holders = _holders(ctx.optimizers, weight)
+        try:
+            for opt in holders:
+                table.attach(opt)
+            ctx.stage("optimizer_attached")
+            table.train(module.training)
+            table.edo_action_made = True
+            places = replace_module(ctx.model, module, table)
+            ctx.stage("module_replaced")
+        except BaseException:
+            table.detach_optimizer()
+            raise
+        return {
+            "places": places,
+            "cache_rows": table.cache_rows,
+            "host_bytes": table.host_bytes(),
+            "pinned": bool(table.host_weight.is_pinned()),
+        }, None
+
+
+def _resize(ctx: ActionContext, module: CachedTable, rows: int) -> None:
+    """Resize with the module's bookkeeping rebound, not edited, so a Transaction can undo it."""
+    module.block_to_slot = module.block_to_slot.clone()
+    module.last_step = module.last_step.clone()
+    module.slot_pinned = module.slot_pinned.clone()
+    module.resize(rows)
+    ctx.stage("cache_resized")
+
+
+class GrowCache(Action):
+    """Give a cache rows back when memory allows; the whole table makes it resident again."""
+
+    name = "grow_cache"
+    lossy = False
+
+    def plan(self, ctx: ActionContext) -> Plan | Refusal:
+        """Grow the smallest cache (relative to its table) into the spare bytes above the margin."""
+        caches = [
+            (name, m)
+            for name, m in ctx.model.named_modules()
+            if isinstance(m, CachedTable) and getattr(m, "edo_action_made", False)
+        ]
+        if not caches:
+            return self.refuse("", "no row cache made by cache_embedding")
+        if ctx.budget_bytes is None or ctx.in_use_bytes is None or ctx.rearm_free_fraction is None:
+            return self.refuse("", "no reading to size the growth")
+        keep_free = (ctx.rearm_free_fraction + ctx.grow_margin_fraction) * ctx.budget_bytes
+        spare = ctx.budget_bytes - ctx.in_use_bytes - keep_free
+        name, module = min(caches, key=lambda c: c[1].cache_rows / c[1].num_embeddings)
+        row_bytes = _row_bytes(module.weight, ctx.optimizers)
+        rows = int(spare // row_bytes)
+        rows -= rows % module.block_rows
+        if rows < module.block_rows:
+            return self.refuse(name, f"spare {format_bytes(max(0, int(spare)))} is below one block")
+        to_rows = min(module.num_embeddings, module.cache_rows + rows)
+        resident = to_rows >= module.num_embeddings
+        cost = (to_rows - module.cache_rows) * row_bytes
+        return Plan(
+            self.name,
+            name,
+            -cost,
+            f"grow the row cache of {name} from {module.cache_rows} to {to_rows} rows"
+            + (" (the whole table: resident again)" if resident else ""),
+            {
+                "resize": "resident" if resident else "grow",
+                "from_rows": module.cache_rows,
+                "to_rows": to_rows,
+                "num_embeddings": module.num_embeddings,
+            },
+        )
+
+    def _apply(
+        self, ctx: ActionContext, plan: Plan
+    ) -> tuple[dict[str, Any], dict[str, float] | None]:
+        module = ctx.model.get_submodule(plan.target)
+        assert isinstance(module, CachedTable)
+        if plan.details["resize"] != "resident":
+            _resize(ctx, module, int(plan.details["to_rows"]))
+            return {"cache_rows": module.cache_rows}, None
+        plain = _to_resident(ctx, module)
+        return {"cache_rows": module.num_embeddings, "kind": type(plain).__name__}, None
+
+
+def _to_resident(ctx: ActionContext, module: CachedTable) -> nn.Module:
+    """Replace ``module`` by a plain table holding the same ``Parameter`` (full table again)."""
+    module.last_step = module.last_step.clone()
+    module.flush()  # host rows current (host values only become current: harmless to keep)
+    weight = module.weight
+    device = weight.device
+    full = module.host_weight.to(device, copy=True)
+    grad = weight.grad
+    if grad is not None:
+        new_grad = torch.zeros_like(full)
+        used = (module.slot_to_block >= 0).nonzero().reshape(-1)
+        ids, real = module._block_rows_of(module.slot_to_block[used])
+        new_grad[ids[real].to(device)] = grad[module._slot_rows(used)[real].to(device)]
+    state = module._opt_state()
+    new_state = {
+        k: module.host_state[k].to(device, copy=True) for k in module._state_keys() if k in state
+    }
+    weight.grad = None
+    rebind_data(weight, full)
+    weight.grad = new_grad if grad is not None else None
+    for k, v in new_state.items():
+        state[k] = v
+    ctx.stage("weight_moved")
+    o = module.options
+    if o.bag_mode is None:
+        plain: nn.Module = nn.Embedding(
+            o.num_embeddings, o.embedding_dim, o.padding_idx, o.max_norm, o.norm_type,
+            o.scale_grad_by_freq, o.sparse, device="meta",
+        )  # fmt: skip
+    else:
+        plain = nn.EmbeddingBag(
+            o.num_embeddings, o.embedding_dim, o.max_norm, o.norm_type, o.scale_grad_by_freq,
+            o.bag_mode, o.sparse, include_last_offset=o.include_last_offset,
+            padding_idx=o.padding_idx, device="meta",
+        )  # fmt: skip
+    plain._parameters["weight"] = weight
+    plain.train(module.training)
+    replace_module(ctx.model, module, plain)
+    ctx.stage("module_replaced")
+    module.detach_optimizer()  # last: cannot fail
+    return plain

@@ -1,0 +1,243 @@
+"""The cache_embedding / grow_cache actions on real CPU training loops.
+
+A recommender-like model (an item table that dominates memory, a small user table) trained with
+Adam; twins are trained on the same batches without the action.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import edo_monitor
+from edo_monitor.accounting import account
+from edo_monitor.actions import ACTIONS, ActionContext, InjectedFailureError, Refusal
+from edo_monitor.actions.cache_embedding import track_batch_ids
+from edo_monitor.nn import CachedTable
+from edo_monitor.store.history import History
+
+ITEMS, USERS, DIM = 4000, 50, 16
+ROW_BYTES = DIM * 8 * 4  # float64 weight + grad + Adam's two moments
+
+
+class Recommender(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.items = nn.Embedding(ITEMS, DIM, dtype=torch.float64)
+        self.users = nn.Embedding(USERS, DIM, dtype=torch.float64)
+
+    def forward(self, users: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
+        return (self.users(users) * self.items(items)).sum(-1)
+
+
+def _batches(n: int, seed: int = 1) -> list[tuple[torch.Tensor, ...]]:
+    gen = torch.Generator().manual_seed(seed)
+    probs = 1.0 / torch.arange(1, ITEMS + 1, dtype=torch.float64) ** 1.05
+    out = []
+    for _ in range(n):
+        items = torch.multinomial(probs, 64, replacement=True, generator=gen)
+        users = torch.randint(0, USERS, (64,), generator=gen)
+        out.append((users, items, torch.randn(64, generator=gen, dtype=torch.float64)))
+    return out
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple) -> torch.Tensor:
+    users, items, target = batch
+    loss = ((model(users, items) - target) ** 2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss  # kept alive by the caller, as training loops do
+
+
+def _pair() -> tuple[nn.Module, torch.optim.Optimizer, nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = Recommender()
+    twin = copy.deepcopy(model)
+    return (
+        model,
+        torch.optim.Adam(model.parameters(), lr=0.01),
+        twin,
+        torch.optim.Adam(twin.parameters(), lr=0.01),
+    )
+
+
+def _ctx(model: nn.Module, opt: torch.optim.Optimizer, **kw) -> ActionContext:
+    in_use = account(model, [opt]).total_bytes
+    return ActionContext(
+        model, [opt], budget_bytes=kw.pop("budget_bytes", in_use), in_use_bytes=in_use, **kw
+    )
+
+
+def _full(model: nn.Module) -> torch.Tensor:
+    return model.state_dict()["items.weight"]
+
+
+@pytest.mark.slow
+def test_cache_estimate_equals_measured_and_training_equals_the_twin() -> None:
+    model, opt, twin, twin_opt = _pair()
+    batches = _batches(60)
+    for b in batches[:10]:
+        loss = _step(model, opt, b)
+        _step(twin, twin_opt, b)
+    weight = model.items.weight
+    # budget such that in_use is 90 %: need = in_use - 75 % of budget
+    in_use = account(model, [opt]).total_bytes
+    budget = int(in_use / 0.9)
+    ctx = _ctx(model, opt, budget_bytes=budget, rearm_free_fraction=0.25)
+    plan = ACTIONS["cache_embedding"].plan(ctx)
+    assert plan.target == "items" and plan.details["resize"] == "create"
+    need = in_use - 0.75 * budget
+    rows = plan.details["to_rows"]
+    assert rows == ITEMS - -(-int(need) // ROW_BYTES)  # frees just enough, in whole rows
+    result = ACTIONS["cache_embedding"].apply(ctx, plan)
+    assert result.status == "applied", result.reason
+    assert result.saved_bytes == result.estimated_saving_bytes == (ITEMS - rows) * ROW_BYTES
+    assert isinstance(model.items, CachedTable) and model.items.weight is weight
+    assert any(p is weight for p in opt.param_groups[0]["params"])
+    assert weight.shape == (rows, DIM)
+    for b in batches[10:]:
+        loss = _step(model, opt, b)  # noqa: F841
+        _step(twin, twin_opt, b)
+    assert torch.allclose(_full(model), _full(twin), rtol=0, atol=1e-12)
+    assert torch.allclose(model.users.weight, twin.users.weight, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "stage", ["host_table_made", "weight_moved", "optimizer_attached", "module_replaced"]
+)
+def test_failure_at_each_stage_rolls_back_bit_identical(stage: str) -> None:
+    model, opt, twin, twin_opt = _pair()
+    batches = _batches(20)
+    for b in batches[:5]:
+        _step(model, opt, b)
+        _step(twin, twin_opt, b)
+    weight = model.items.weight
+    state_before = {k: v for k, v in opt.state[weight].items()}
+    ctx = _ctx(model, opt, fail_at=stage)
+    result = ACTIONS["cache_embedding"].apply(ctx)
+    assert result.status == "failed" and isinstance(result.exception, InjectedFailureError)
+    assert type(model.items) is nn.Embedding and model.items.weight is weight
+    assert weight.shape == (ITEMS, DIM)
+    assert all(opt.state[weight][k] is v for k, v in state_before.items())
+    for b in batches[5:]:  # no hook left behind: training continues exactly as the twin's
+        _step(model, opt, b)
+        _step(twin, twin_opt, b)
+    assert torch.equal(model.items.weight, twin.items.weight)
+
+
+def test_inconsistent_optimizer_state_fails_and_rolls_back() -> None:
+    """A state tensor of the wrong shape (a real inconsistency) fails the attach mid-action."""
+    model, opt, twin, twin_opt = _pair()
+    batches = _batches(10)
+    for b in batches[:3]:
+        _step(model, opt, b)
+        _step(twin, twin_opt, b)
+    weight = model.items.weight
+    opt.state[weight]["exp_avg_sq"] = opt.state[weight]["exp_avg_sq"][:-1]  # one row short
+    twin_opt.state[twin.items.weight]["exp_avg_sq"] = twin_opt.state[twin.items.weight][
+        "exp_avg_sq"
+    ][:-1]
+    result = ACTIONS["cache_embedding"].apply(_ctx(model, opt))
+    assert result.status == "failed" and "exp_avg_sq" in result.reason
+    assert type(model.items) is nn.Embedding and weight.shape == (ITEMS, DIM)
+    assert opt.state[weight]["exp_avg"].shape == (ITEMS, DIM)
+
+
+def test_refusals_name_the_blocker() -> None:
+    torch.manual_seed(0)
+    model = Recommender()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=0.1)
+    r = ACTIONS["cache_embedding"].plan(_ctx(model, opt))
+    assert isinstance(r, Refusal) and "L2, not decoupled" in r.reason
+    sparse = nn.Module()
+    sparse.items = nn.Embedding(ITEMS, DIM, sparse=True)
+    r = ACTIONS["cache_embedding"].plan(
+        ActionContext(sparse, [torch.optim.SGD(sparse.parameters(), lr=0.1)])
+    )
+    assert isinstance(r, Refusal) and "sparse=True" in r.reason
+    tied = Recommender()
+    tied.out = nn.Linear(DIM, ITEMS, bias=False, dtype=torch.float64)
+    tied.out.weight = tied.items.weight
+    r = ACTIONS["cache_embedding"].plan(ActionContext(tied, []))
+    assert isinstance(r, Refusal) and "tied" in r.reason
+
+
+@pytest.mark.slow
+def test_shrink_then_grow_back_to_resident_stays_exact() -> None:
+    model, opt, twin, twin_opt = _pair()
+    handles = track_batch_ids(model)  # what watch() installs: peak unique ids per forward
+    batches = _batches(80)
+    it = iter(batches)
+    for b in [next(it) for _ in range(5)]:
+        _step(model, opt, b)
+        _step(twin, twin_opt, b)
+    ctx = _ctx(model, opt, budget_bytes=None)  # no reading: a tenth of the table
+    first = ACTIONS["cache_embedding"].apply(ctx)
+    assert first.status == "applied" and model.items.cache_rows == ITEMS // 10
+    assert 0 < first.details["peak_batch_ids"] <= 64
+    for h in handles:
+        h.remove()
+    for b in [next(it) for _ in range(10)]:
+        _step(model, opt, b)
+        _step(twin, twin_opt, b)
+    # renewed pressure: the cache shrinks (down to the peak ids per batch and one block)
+    shrink = ACTIONS["cache_embedding"].apply(_ctx(model, opt, budget_bytes=None))
+    assert shrink.status == "applied" and shrink.details["resize"] == "shrink"
+    assert model.items.cache_rows == model.items.peak_unique_ids + 1
+    assert shrink.saved_bytes == shrink.estimated_saving_bytes > 0
+    for b in [next(it) for _ in range(10)]:
+        _step(model, opt, b)
+        _step(twin, twin_opt, b)
+    # memory is free again: grow by what fits above re-arm + margin
+    in_use = account(model, [opt]).total_bytes
+    spare_rows = 300
+    budget = int((in_use + spare_rows * ROW_BYTES) / 0.70)  # 25 % re-arm + 5 % margin
+    ctx = ActionContext(
+        model, [opt], budget_bytes=budget, in_use_bytes=in_use, rearm_free_fraction=0.25
+    )
+    grow = ACTIONS["grow_cache"].apply(ctx)
+    assert grow.status == "applied" and grow.details["resize"] == "grow"
+    assert grow.saved_bytes == grow.estimated_saving_bytes < 0
+    assert abs(grow.details["to_rows"] - grow.details["from_rows"] - spare_rows) <= 1
+    for b in [next(it) for _ in range(10)]:
+        _step(model, opt, b)
+        _step(twin, twin_opt, b)
+    ctx = ActionContext(
+        model, [opt], budget_bytes=10**12, in_use_bytes=in_use, rearm_free_fraction=0.25
+    )
+    back = ACTIONS["grow_cache"].apply(ctx)
+    assert back.status == "applied" and back.details["resize"] == "resident"
+    assert type(model.items) is nn.Embedding and model.items.weight.shape == (ITEMS, DIM)
+    assert back.saved_bytes == back.estimated_saving_bytes
+    assert torch.allclose(model.items.weight, twin.items.weight, rtol=0, atol=1e-12)
+    for b in it:
+        _step(model, opt, b)
+        _step(twin, twin_opt, b)
+    assert torch.allclose(model.items.weight, twin.items.weight, rtol=0, atol=1e-12)
+    assert opt.state[model.items.weight]["exp_avg"].shape == (ITEMS, DIM)
+
+
+@pytest.mark.slow
+def test_agent_picks_the_cache_before_offload_and_resizes_with_events(db_path: Path) -> None:
+    """A recommender under a CPU budget: the default ladder caches the item table."""
+    torch.manual_seed(0)
+    model = Recommender()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    # params alone use ~1/4 of the table's training bytes: a budget of 3x params forces action
+    budget = int(account(model).total_bytes * 3)
+    policy = edo_monitor.Policy(cooldown_steps=1)
+    with edo_monitor.watch(model, db=db_path, budget=budget, policy=policy, interval_s=0.01) as mon:
+        for b in _batches(60):
+            _step(model, opt, b)
+    actions = mon.summary().actions
+    assert actions and actions[0]["action"] == "cache_embedding"
+    assert all(a["action"] != "offload_embedding" for a in actions)
+    assert isinstance(model.items, CachedTable) or type(model.items) is nn.Embedding
+    with History(db_path) as history:
+        events = history.events("latest", kind="action")
+    assert events[0].data["saved_bytes"] == events[0].data["estimated_saving_bytes"]
