@@ -363,7 +363,8 @@ class CacheStats:
 
     ``*_step`` values cover the forwards since the last optimizer step (or since the last
     :meth:`CachedTable.reset_step_stats`); the others are totals. Hits and misses count unique
-    ids per forward. ``h2d_bytes``/``d2h_bytes``: weight and optimizer-state bytes moved
+    ids per forward; ``lookups``/``lookup_hits`` count every looked-up id (repeats too).
+    ``h2d_bytes``/``d2h_bytes``: weight and optimizer-state bytes moved
     host→device (loads) and device→host (write-backs).
     """
 
@@ -380,12 +381,19 @@ class CacheStats:
     h2d_bytes_step: int
     d2h_bytes_step: int
     peak_unique_ids: int
+    lookups: int = 0
+    lookup_hits: int = 0
 
     @property
     def hit_rate(self) -> float | None:
         """``hits / (hits + misses)`` over all forwards (``None`` before the first)."""
         total = self.hits + self.misses
         return self.hits / total if total else None
+
+    @property
+    def lookup_hit_rate(self) -> float | None:
+        """Fraction of all looked-up ids (repeats counted) whose row was already cached."""
+        return self.lookup_hits / self.lookups if self.lookups else None
 
 
 def rebind_data(param: nn.Parameter, data: torch.Tensor) -> None:
@@ -496,7 +504,9 @@ class CachedTable(_EdoEmbedding):
         self._auto_hook: Any = None
         self._had_grad = False
         self._side_stream: Any = None
-        self._counters = dict.fromkeys(("hits", "misses", "evicted", "h2d_bytes", "d2h_bytes"), 0)
+        self._counters = dict.fromkeys(
+            ("hits", "misses", "evicted", "h2d_bytes", "d2h_bytes", "lookups", "lookup_hits"), 0
+        )
         self._step_counters = dict(self._counters)
         self.peak_unique_ids = 0
         self.register_state_dict_post_hook(_module_state_dict_hook)
@@ -563,6 +573,8 @@ class CachedTable(_EdoEmbedding):
             s["h2d_bytes"],
             s["d2h_bytes"],
             self.peak_unique_ids,
+            c["lookups"],
+            c["lookup_hits"],
         )
 
     def reset_step_stats(self) -> None:
@@ -822,10 +834,12 @@ class CachedTable(_EdoEmbedding):
         if self.policy == "lfu":
             freq = self.block_freq[self.slot_to_block[candidates]]
             # least frequent first, ties: least recently used
-            order = torch.argsort(freq * (self._tick + 1) + last, stable=True)
+            score = freq * (self._tick + 1) + last
         else:
-            order = torch.argsort(last, stable=True)
-        victims = candidates[order[:need]]
+            score = last
+        # the need smallest scores (last use breaks LFU ties; ticks are unique per forward)
+        order = torch.topk(score, need, largest=False, sorted=False).indices
+        victims = candidates[order]
         self._write_back(victims)
         self.block_to_slot[self.slot_to_block[victims]] = -1
         self.slot_to_block[victims] = -1
@@ -878,7 +892,9 @@ class CachedTable(_EdoEmbedding):
             )
         r = self.block_rows
         blocks = ids // r if r > 1 else ids
-        uniq, inverse = torch.unique(blocks, return_inverse=True)
+        uniq, inverse, counts = torch.unique(blocks, return_inverse=True, return_counts=True)
+        present = self.block_to_slot[uniq] >= 0
+        self._count(lookups=int(ids.numel()), lookup_hits=int(counts[present].sum()))
         n_unique = uniq.numel() if r == 1 else int(torch.unique(ids).numel())
         self.peak_unique_ids = max(self.peak_unique_ids, n_unique)
         self._tick += 1
