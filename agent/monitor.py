@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from sqlalchemy import insert, update
+from sqlalchemy.exc import SQLAlchemyError
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -42,12 +43,17 @@ from edo_monitor.actions.checkpoint_activations import ActivationProfile, Activa
 from edo_monitor.actions.enforce import enforce_budget
 from edo_monitor.actions.registry import ACTIONS
 from edo_monitor.agent.activations import ActivationTracker
-from edo_monitor.errors import AlreadyWatchedError, BudgetOutOfMemoryError, ConfigError
+from edo_monitor.errors import (
+    AlreadyWatchedError,
+    BudgetOutOfMemoryError,
+    ConfigError,
+    StoreError,
+)
 from edo_monitor.frequency import LookupCounter
 from edo_monitor.policy import Decision, Policy, ThresholdCrossing, make_planner
 from edo_monitor.probes.host import HostProbe
 from edo_monitor.readings import Reading
-from edo_monitor.store.engine import open_engine, resolve_db_url
+from edo_monitor.store.engine import check_writable, open_engine, resolve_db_url
 from edo_monitor.store.schema import Run
 from edo_monitor.store.writer import Writer
 from edo_monitor.units import format_bytes, parse_bytes
@@ -69,7 +75,15 @@ class RunSummary:
     Attributes:
         run_id, run_uuid, run_name, status, device_kind, db_url: identify the run.
         steps: optimizer steps (or ``Monitor.step()`` calls) seen.
-        samples: readings taken. samples_dropped: items the full history queue dropped.
+        samples: readings taken. samples_dropped: rows (samples, events, module rows) not
+            written to the history: queue full, refused by the database, unwritable when the run
+            ended (disk full), or held back because the database file was deleted or replaced.
+        samples_written: samples the history database holds for the run.
+        rows_not_written: ``samples_dropped`` by table (``samples``, ``events``,
+            ``module_stats``).
+        recorded_status: the status the database holds for the run after it ended (``None``:
+            the end could not be recorded, so the stored run still says ``running``).
+        store_problem: why rows were not written (``None`` when every row was).
         budget_bytes: the capacity the policy measures against (``None`` without a budget on a
             CPU).
         peak_in_use_bytes, peak_allocated_bytes, peak_reserved_bytes, peak_activations_bytes:
@@ -98,6 +112,10 @@ class RunSummary:
     events: dict[str, int] = field(default_factory=dict)
     actions: tuple[dict[str, Any], ...] = ()
     agent_errors: dict[str, int] = field(default_factory=dict)
+    samples_written: int = 0
+    rows_not_written: dict[str, int] = field(default_factory=dict)
+    recorded_status: str | None = None
+    store_problem: str | None = None
 
     def __str__(self) -> str:
         """A readable multi-line summary (what ``print(monitor.summary())`` shows)."""
@@ -105,7 +123,8 @@ class RunSummary:
         lines = [
             f"run {self.run_id} ({self.run_name}): {self.status}, {self.device_kind}, "
             f"budget {format_bytes(self.budget_bytes)}",
-            f"steps {self.steps}, samples {self.samples} ({self.samples_dropped} dropped)",
+            f"steps {self.steps}, samples {self.samples} ({self.samples_written} written, "
+            f"{self.samples_dropped} row(s) not written)",
             f"peak in use {format_bytes(self.peak_in_use_bytes)}, allocated "
             f"{format_bytes(self.peak_allocated_bytes)}, reserved "
             f"{format_bytes(self.peak_reserved_bytes)}, activations "
@@ -120,6 +139,17 @@ class RunSummary:
             f"{format_bytes(a.get('saved_bytes'))} in {a.get('duration_s', 0.0):.3f} s"
             for a in self.actions
         ]
+        if self.samples_dropped or self.store_problem:
+            nw = self.rows_not_written
+            lines.append(
+                f"NOT WRITTEN to the history: {nw.get('samples', 0)} sample(s), "
+                f"{nw.get('events', 0)} event(s), {nw.get('module_stats', 0)} module row(s)"
+                + (f" ({self.store_problem})" if self.store_problem else "")
+            )
+        if self.status not in ("running", "created") and self.recorded_status != self.status:
+            lines.append(
+                f"the database still records this run as {self.recorded_status or 'running'}"
+            )
         lines.append(f"database {self.db_url}")
         return "\n".join(lines)
 
@@ -196,7 +226,13 @@ class Monitor:
         self.budget_bytes_requested = None if budget is None else parse_bytes(budget, name="budget")
         if self.budget_bytes_requested == 0:
             raise ConfigError("budget=0 leaves no memory; expected a positive size")
+        if self.budget_bytes_requested is not None and self.budget_bytes_requested >= 2**63:
+            raise ConfigError(
+                f"budget={budget!r} is {self.budget_bytes_requested} bytes; expected less than "
+                "2**63 bytes (8 EiB), the largest size the history stores"
+            )
         self.db_url = resolve_db_url(db)
+        check_writable(self.db_url)  # in-memory URL: ConfigError; read-only file: StoreError
         self.run_name = run_name or (type(model).__name__ if model is not None else "process")
         self.tags = [tags] if isinstance(tags, str) else [str(t) for t in (tags or [])]
         self.strict = strict
@@ -262,6 +298,8 @@ class Monitor:
         self._min_free_fraction: float | None = None
         self._fraction_set = False
         self._entered = False
+        self._recorded_status: str | None = None
+        self._host_probe: Any = None
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> Monitor:
@@ -336,8 +374,9 @@ class Monitor:
         device_name = f"host CPU ({platform.machine() or 'unknown'})"  # cpu-budget: modelled
         device_uuid = None
         device_total = None
-        self._probes["host"] = HostProbe(on_event=self._emit)
-        self._probes["host"].start()  # process tree and cgroup on their own thread
+        self._host_probe = HostProbe(on_event=self._emit)
+        self._host_probe.start()  # process tree and cgroup on their own thread
+        self._probes["host"] = self._host_probe
         if self.device_kind == "cuda":
             from edo_monitor.probes.cuda import AllocatorProbe
             from edo_monitor.probes.nvml import NvmlProbe
@@ -382,6 +421,31 @@ class Monitor:
             "model": type(self.model).__name__ if self.model is not None else None,
             **self.user_config,
         }
+        try:
+            self.run_id = self._insert_run(now, config, device_name, device_uuid, device_total)
+        except SQLAlchemyError as exc:
+            raise StoreError(
+                f"cannot record the run in history database {self.db_url.database or self.db_url}"
+                f": {getattr(exc, 'orig', None) or exc}"
+            ) from None
+        self.status = "running"
+        self._writer = Writer(
+            self._engine,
+            self.run_id,
+            queue_size=self.queue_size,
+            on_problem=lambda message: self._emit("store_error", message, {"error": message}),
+        )
+        self._writer.start()
+        self._start_hooks()
+
+    def _insert_run(
+        self,
+        now: float,
+        config: dict[str, Any],
+        device_name: str,
+        device_uuid: str | None,
+        device_total: int | None,
+    ) -> int:
         with self._engine.begin() as conn:
             result = conn.execute(
                 insert(Run).values(
@@ -405,10 +469,9 @@ class Monitor:
                     samples_dropped=0,
                 )
             )
-            self.run_id = int(result.inserted_primary_key[0])
-        self.status = "running"
-        self._writer = Writer(self._engine, self.run_id, queue_size=self.queue_size)
-        self._writer.start()
+            return int(result.inserted_primary_key[0])
+
+    def _start_hooks(self) -> None:
         self._hook_handle = register_optimizer_step_post_hook(self._on_optimizer_step)
         if self.track_activations:
             self._tracker = ActivationTracker(
@@ -458,8 +521,11 @@ class Monitor:
         self._teardown()
         if self._engine is not None and self.run_id >= 0:
             try:
+                if self._writer is not None and self._writer.file_lost:
+                    # the file was deleted or replaced: the run's row is not there to update
+                    raise StoreError(self._writer.problem)
                 with self._engine.begin() as conn:
-                    conn.execute(
+                    updated = conn.execute(
                         update(Run)
                         .where(Run.id == self.run_id)
                         .values(
@@ -471,6 +537,8 @@ class Monitor:
                             samples_dropped=self._writer.dropped if self._writer else 0,
                         )
                     )
+                if updated.rowcount == 1:
+                    self._recorded_status = status
             except Exception:
                 logger.exception("edo-monitor: could not record the end of run %d", self.run_id)
             self._engine.dispose()
@@ -513,9 +581,8 @@ class Monitor:
         nvml = self._probes.get("nvml")
         if nvml is not None:
             nvml.close()
-        host = self._probes.get("host")
-        if host is not None:
-            host.close()
+        if self._host_probe is not None:
+            self._host_probe.close()
 
     # ------------------------------------------------------------------ events & errors
     def _emit(self, kind: str, message: str, data: Mapping[str, Any] | None = None) -> None:
@@ -1039,6 +1106,12 @@ class Monitor:
             steps=self.steps,
             samples=self._samples,
             samples_dropped=self._writer.dropped if self._writer is not None else 0,
+            samples_written=self._writer.written["samples"] if self._writer is not None else 0,
+            rows_not_written=dict(self._writer.not_written) if self._writer is not None else {},
+            recorded_status=(
+                self._recorded_status if self.status not in ("running", "created") else "running"
+            ),
+            store_problem=self._writer.problem if self._writer is not None else None,
             budget_bytes=self.budget_bytes,
             peak_in_use_bytes=self._peaks["in_use_bytes"],
             peak_allocated_bytes=self._peaks["allocated_bytes"],

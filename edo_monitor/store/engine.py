@@ -50,6 +50,8 @@ __all__ = [
     "DEFAULT_DB",
     "ROLLUP_MIN_ROWS",
     "alembic_config",
+    "check_writable",
+    "database_file",
     "insert_samples",
     "maintains_rollups",
     "open_engine",
@@ -105,6 +107,61 @@ def resolve_db_url(db: str | os.PathLike[str] | None = None, *, readonly: bool =
     path = Path(text_).expanduser()
     _check_file_path(path, text_, readonly)
     return URL.create("sqlite", database=str(path))
+
+
+def database_file(url: URL) -> Path | None:
+    """The file an SQLite URL writes to; ``None`` for other databases and in-memory ones."""
+    if url.get_backend_name() != "sqlite" or _is_memory(url):
+        return None
+    database = url.database or ""
+    if database.startswith("file:"):  # a URI filename (``?uri=true``)
+        database = database[5:].partition("?")[0]
+    return Path(database).expanduser()
+
+
+def _is_memory(url: URL) -> bool:
+    if url.get_backend_name() != "sqlite":
+        return False
+    database = url.database or ""
+    if database in ("", ":memory:") or database.startswith("file::memory:"):
+        return True
+    return "mode=memory" in database or url.query.get("mode") == "memory"
+
+
+def check_writable(url: URL) -> None:
+    """Check, before a run starts, that a writer can record into ``url``.
+
+    An in-memory SQLite database (``sqlite://``, ``sqlite:///:memory:``, ``mode=memory``) is
+    refused: every connection (the agent's writer thread has its own) sees a different, empty
+    database, and nothing could read it after the run. A file must be writable, and so must its
+    folder (SQLite creates its ``-wal``, ``-shm`` and journal files there). Other databases are
+    checked when the run starts.
+
+    Raises:
+        ConfigError: an in-memory SQLite URL.
+        StoreError: the file or its folder is read-only (permissions or a read-only mount).
+    """
+    if _is_memory(url):
+        raise ConfigError(
+            f"db={url.render_as_string(hide_password=True)!r} is an in-memory SQLite database: "
+            "the agent's writer thread would see a different, empty database and nothing could "
+            "read it after the run; give a file path (e.g. db='runs.db')"
+        )
+    path = database_file(url)
+    if path is None:
+        return
+    if path.exists() and not os.access(path, os.R_OK | os.W_OK):
+        raise StoreError(
+            f"history database {str(path)!r} is read-only for this process; make it writable "
+            "or give another db= path"
+        )
+    folder = path.parent if str(path.parent) else Path(".")
+    if folder.exists() and not os.access(folder, os.W_OK | os.X_OK):
+        raise StoreError(
+            f"folder {str(folder)!r} of history database {str(path)!r} is read-only for this "
+            "process (SQLite writes its -wal and -shm files next to the database); give a db= "
+            "path in a writable folder"
+        )
 
 
 def _check_file_path(path: Path, shown: str, readonly: bool = False) -> None:

@@ -11,11 +11,28 @@ DBAPI ``executemany``, and the rollups folded in from the same tuples); every sa
 columns. Events and module rows, whose keys vary, are written with Core ``insert`` executemany,
 one per group of rows with the same keys. The writer keeps one connection between flushes
 (replaced after an error).
+
+Nothing is lost without being counted (:attr:`Writer.not_written`, by table): rows dropped because
+the queue was full, rows the database refused (a value it cannot store), rows still waiting when
+the writer gives up at :meth:`Writer.close` on a database that keeps failing (disk full, server
+gone: ``OperationalError``, tried again on every flush until then), and rows held back because
+the database file was deleted or replaced while the run went on. An SQLite file's identity
+(device and inode) is taken when the writer starts and checked before every flush: writing on
+into a deleted or replaced file would "succeed" into a file nobody can read, so from then on rows
+are counted, not written, and the problem is logged once (:attr:`Writer.problem`). The count goes
+into ``runs.samples_dropped`` whenever a flush succeeds and into the log at ``close()``.
+
+An integer that SQLite cannot store (2**63 or more, a driver's "not available" marker that got
+through) makes the flush fail with ``OverflowError``: such values are replaced by ``NULL`` (each
+counted in :attr:`Writer.values_nulled`, logged once) and the flush is tried again, so one bad
+value never stops the history.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -27,7 +44,7 @@ from sqlalchemy import Connection, Engine, bindparam, insert, update
 from sqlalchemy.exc import OperationalError
 
 from edo_monitor.readings import SAMPLE_FIELDS, Reading
-from edo_monitor.store.engine import write_samples
+from edo_monitor.store.engine import database_file, write_samples
 from edo_monitor.store.schema import Event, ModuleStat, Run
 
 __all__ = ["Writer"]
@@ -39,6 +56,8 @@ _TABLES = (("events", Event), ("module_stats", ModuleStat))
 _CLOSE_TRIES = 3
 #: a Reading's values in ``SAMPLE_FIELDS`` order, as one tuple (C speed, no dict per sample)
 _SAMPLE_VALUES = attrgetter(*SAMPLE_FIELDS)
+#: SQLite's INTEGER is a signed 64-bit integer
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 class Writer:
@@ -51,6 +70,8 @@ class Writer:
         flush_interval_s: longest time an item waits before it is written; also the heartbeat
             period.
         batch_size: a flush happens early once this many items are waiting.
+        on_problem: called once (from the writer thread) with a message when the database file
+            is deleted or replaced, or when the writer gives up with rows unwritten.
 
     The queue is two ``collections.deque`` (samples; events and module rows) whose ``append`` and
     ``popleft`` are atomic: a ``put_*`` costs a length check and an append, with no lock, and the
@@ -65,8 +86,10 @@ class Writer:
         queue_size: int = 10_000,
         flush_interval_s: float = 1.0,
         batch_size: int = 1_000,
+        on_problem: Any = None,
     ) -> None:
         self.engine = engine
+        self._on_problem = on_problem
         self.run_id = run_id
         self.flush_interval_s = flush_interval_s
         self.batch_size = max(1, batch_size)
@@ -80,17 +103,68 @@ class Writer:
         self._dropped_recorded = 0
         self._thread = threading.Thread(target=self._loop, name="edo-writer", daemon=True)
         self._error_logged = False
+        self._last_error = ""
+        self._closed = False
         #: rows written so far, by table name (read by tests and benchmarks)
         self.written: dict[str, int] = {"samples": 0, "events": 0, "module_stats": 0}
         self.flushes = 0
         #: extra ``runs`` columns written with each heartbeat (e.g. ``{"steps": 12}``)
         self.run_values: dict[str, Any] = {}
+        #: rows not written, by table (queue full, refused, unwritable at close, file gone)
+        self.not_written: dict[str, int] = {"samples": 0, "events": 0, "module_stats": 0}
+        #: values replaced by NULL because SQLite cannot store them (integers beyond 64 bits)
+        self.values_nulled = 0
+        #: why rows are not being written (``None`` while all is well)
+        self.problem: str | None = None
+        #: the database file was deleted or replaced during the run
+        self.file_lost = False
+        self._path = database_file(engine.url)
+        self._identity = self._file_identity()
 
     # -- producer side (any thread, never blocks) ----------------------------------------------
     @property
     def dropped(self) -> int:
-        """Items dropped because the queue was full."""
+        """Items not written, all tables (see :attr:`not_written`)."""
         return self._dropped
+
+    def _count(self, table: str, n: int) -> None:
+        if n:
+            self.not_written[table] += n
+            self._dropped += n
+
+    def _file_identity(self) -> tuple[int, int] | None:
+        if self._path is None:
+            return None
+        try:
+            st = os.stat(self._path)
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino)
+
+    def _file_problem(self) -> str | None:
+        """Why the database file is no longer the one the run started in (``None``: it is)."""
+        if self._identity is None or self._path is None:
+            return None
+        try:
+            st = os.stat(self._path)
+        except FileNotFoundError:
+            return f"history database {str(self._path)!r} was deleted during the run"
+        except OSError as exc:
+            return f"history database {str(self._path)!r} cannot be checked: {exc}"
+        if (st.st_dev, st.st_ino) != self._identity:
+            return f"history database {str(self._path)!r} was replaced by another file mid-run"
+        return None
+
+    def _set_problem(self, message: str) -> None:
+        if self.problem is not None:
+            return
+        self.problem = message
+        logger.warning("history writer: %s; rows from now on are counted, not written", message)
+        if self._on_problem is not None:
+            try:
+                self._on_problem(message)
+            except Exception:
+                logger.debug("on_problem callback failed", exc_info=True)
 
     def _waiting(self) -> int:
         return len(self._samples) + len(self._others)
@@ -99,7 +173,8 @@ class Writer:
         """Queue one sample; False (and counted) when the queue is full."""
         samples = self._samples
         waiting = len(samples) + len(self._others)
-        if waiting >= self.queue_size:
+        if waiting >= self.queue_size or self._closed:
+            self.not_written["samples"] += 1
             self._dropped += 1
             return False
         samples.append(reading)
@@ -109,7 +184,8 @@ class Writer:
 
     def _put(self, item: tuple[str, dict[str, Any]]) -> bool:
         waiting = self._waiting()
-        if waiting >= self.queue_size:
+        if waiting >= self.queue_size or self._closed:
+            self.not_written[item[0]] += 1
             self._dropped += 1
             return False
         self._others.append(item)
@@ -156,6 +232,21 @@ class Writer:
             logger.error(
                 "history writer did not stop within %.0f s; some rows may be lost", timeout_s
             )
+        self._report_not_written()
+
+    def _report_not_written(self) -> None:
+        """Log what was not written (always, when anything was)."""
+        if not self._dropped:
+            return
+        nw = self.not_written
+        logger.warning(
+            "history: %d sample(s), %d event(s), %d module row(s) not written to %s%s",
+            nw["samples"],
+            nw["events"],
+            nw["module_stats"],
+            self.engine.url.render_as_string(hide_password=True),
+            f" ({self.problem})" if self.problem else "",
+        )
 
     @property
     def alive(self) -> bool:
@@ -197,6 +288,7 @@ class Writer:
         try:
             self._run()
         finally:
+            self._closed = True  # from now on a put is counted, not queued
             self._release()
 
     def _run(self) -> None:
@@ -216,9 +308,10 @@ class Writer:
             if last or count >= self.batch_size or time.monotonic() >= deadline:
                 failed = not self._flush(pending)
                 deadline = time.monotonic() + self.flush_interval_s
-                if failed and stopping:  # closing: a few more tries, then give up (logged)
+                if failed and stopping:  # closing: a few more tries, then give up (counted)
                     tries_left -= 1
                     if tries_left <= 0:
+                        self._give_up(pending)
                         return
                     time.sleep(min(self.flush_interval_s, 1.0))
                     continue
@@ -228,7 +321,49 @@ class Writer:
                 if last:
                     return
 
+    def _give_up(self, pending: dict[str, list[Any]]) -> None:
+        """Count every row still pending or waiting as not written (the database kept failing)."""
+        self._set_problem(f"the database kept failing ({self._last_error})")  # may queue one
+        for table, rows in pending.items():
+            self._count(table, len(rows))
+            rows.clear()
+        self._count("samples", len(self._samples))
+        self._samples.clear()
+        while self._others:
+            table, _ = self._others.popleft()
+            self._count(table, 1)
+
     def _flush(self, pending: dict[str, list[Any]]) -> bool:
+        problem = self.problem or self._file_problem()
+        if problem is not None:  # a deleted or replaced file: count the rows, write nothing
+            self.file_lost = True
+            self._set_problem(problem)
+            for table, rows in pending.items():
+                self._count(table, len(rows))
+            return True
+        try:
+            return self._write(pending)
+        except OverflowError as exc:  # an integer SQLite cannot store: NULL it, try again
+            self._release()
+            nulled = _null_out_of_range(pending)
+            self.values_nulled += nulled
+            logger.warning(
+                "history writer: %d value(s) beyond SQLite's 64-bit integers written as NULL (%s)",
+                nulled,
+                exc,
+            )
+            if not nulled:  # not ours to fix: drop the batch, counted
+                for table, rows in pending.items():
+                    self._count(table, len(rows))
+                return True
+            try:
+                return self._write(pending)
+            except OverflowError:
+                for table, rows in pending.items():
+                    self._count(table, len(rows))
+                return True
+
+    def _write(self, pending: dict[str, list[Any]]) -> bool:
         dropped = self._dropped
         new_drops = dropped - self._dropped_recorded
         now = time.time()
@@ -257,7 +392,12 @@ class Writer:
                 if new_drops:
                     values["samples_dropped"] = dropped
                 conn.execute(_heartbeat(tuple(values)), {**values, "edo_run_id": self.run_id})
+        except OverflowError:
+            if new_drops:
+                pending["events"].pop()
+            raise
         except Exception as exc:  # the database must never take the training down
+            self._last_error = f"{type(exc).__name__}: {getattr(exc, 'orig', None) or exc}"
             self._release()  # the next try starts on a fresh connection
             if new_drops:
                 pending["events"].pop()
@@ -270,14 +410,15 @@ class Writer:
                 )
                 self._error_logged = True
             if not retry:  # bad rows never get better: drop them (counted) instead of looping
-                self._dropped += sum(len(rows) for rows in pending.values())
+                for table, rows in pending.items():
+                    self._count(table, len(rows))
                 return True
             # keep the batch for the next try, but bounded: beyond 100k rows, drop the oldest
-            for rows in pending.values():
+            for table, rows in pending.items():
                 if len(rows) > 100_000:
                     excess = len(rows) - 100_000
                     del rows[:excess]
-                    self._dropped += excess
+                    self._count(table, excess)
             return False
         for table, rows in pending.items():
             self.written[table] += len(rows)
@@ -302,6 +443,28 @@ def _heartbeat(columns: tuple[str, ...]) -> Any:
 
 
 _HEARTBEATS: dict[tuple[str, ...], Any] = {}
+
+
+def _fits(value: Any) -> bool:
+    return not isinstance(value, int) or _INT64_MIN <= value <= _INT64_MAX
+
+
+def _null_out_of_range(pending: dict[str, list[Any]]) -> int:
+    """Replace integers SQLite cannot store by ``None`` in the pending rows; how many."""
+    nulled = 0
+    samples = pending["samples"]
+    for i, reading in enumerate(samples):
+        bad = {f: None for f in SAMPLE_FIELDS if not _fits(getattr(reading, f))}
+        if bad:
+            samples[i] = dataclasses.replace(reading, **bad)
+            nulled += len(bad)
+    for table in ("events", "module_stats"):
+        for row in pending[table]:
+            for key, value in row.items():
+                if not _fits(value):
+                    row[key] = None
+                    nulled += 1
+    return nulled
 
 
 def _same_keys(rows: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
