@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import os
 import sys
 import time
 import types
@@ -294,9 +295,20 @@ def words(steps: int, batch: int) -> None:
     )
 
 
+def default_data() -> Path:
+    """``$EDO_DATA_DIR/movielens-small``, else ``shared/data/movielens-small`` above the repo."""
+    env = os.environ.get("EDO_DATA_DIR")
+    candidates = [Path(env)] if env else []
+    candidates += [parent / "shared" / "data" for parent in ROOT.parents]
+    for folder in candidates:
+        if (folder / "movielens-small" / "ratings.csv").is_file():
+            return folder / "movielens-small"
+    return (candidates[0] if candidates else ROOT) / "movielens-small"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", type=Path, default=ROOT.parent / "shared/data/movielens-small")
+    parser.add_argument("--data", type=Path, default=default_data(), help="MovieLens folder")
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=1024)
     parser.add_argument("--word-steps", type=int, default=300)
