@@ -13,7 +13,8 @@ Variants, for the embedding tables (the bias tables and the classifier stay as t
 
 * ``full``: ``nn.Embedding`` / ``nn.EmbeddingBag`` in float32 (the reference);
 * ``bf16``: the table stored in bf16 (:class:`LowPrecisionEmbedding`), trained from the start;
-* ``hash xR``: :class:`HashedEmbedding` with ``N / R`` buckets; ``hash2 x10`` with two hashes;
+* ``hash xR``: :class:`HashedEmbedding` with ``N / R`` buckets (x1.5 and x2 are the seeds' "30-50 %
+  fewer rows"); ``hash2 x10`` with two hashes;
 * ``qr``: :class:`QREmbedding`, ``R = ceil(sqrt(N))``, product;
 * ``hybrid P% hot``: :class:`HybridEmbedding`, the ``P %`` most frequent ids of the training data
   keep their rows, the rest share buckets numbering 5 % of the rows;
@@ -76,10 +77,10 @@ def _bf16(table: nn.Module, _counts: torch.Tensor) -> nn.Module:
     return LowPrecisionEmbedding(weight, EmbeddingOptions.from_module(table), torch.float32)
 
 
-def _hash(ratio: int, hashes: int = 1) -> TableFactory:
+def _hash(ratio: float, hashes: int = 1) -> TableFactory:
     def make(table: nn.Module, _counts: torch.Tensor) -> nn.Module:
         opts = EmbeddingOptions.from_module(table)
-        buckets = max(1, opts.num_embeddings // ratio)
+        buckets = max(1, round(opts.num_embeddings / ratio))
         return HashedEmbedding(
             opts, buckets, num_hashes=hashes, weight=table.weight.detach()[:buckets].clone()
         )
@@ -112,6 +113,8 @@ def _hybrid(hot_fraction: float) -> TableFactory:
 
 FROM_START: dict[str, TableFactory] = {
     "bf16": _bf16,
+    "hash x1.5": _hash(1.5),
+    "hash x2": _hash(2),
     "hash x4": _hash(4),
     "hash x10": _hash(10),
     "hash x50": _hash(50),
