@@ -324,6 +324,48 @@ def default_data() -> Path:
     return (candidates[0] if candidates else ROOT) / "movielens-small"
 
 
+def counter_cost(steps: int, batch: int, rounds: int = 5) -> None:
+    """Step time of the word model with and without a LookupCounter, interleaved (ratio)."""
+    ex = _example("train_embedding")
+    features, targets = ex.build_dataset(ex.default_text(500_000))
+    torch.manual_seed(0)
+    model = ex.HashedWordModel()
+    opt = torch.optim.Adam(model.parameters(), lr=0.005)
+    gen = torch.Generator().manual_seed(0)
+    counter = LookupCounter()
+
+    def timed() -> float:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            idx = torch.randint(0, len(targets), (batch,), generator=gen)
+            loss = nn.functional.cross_entropy(model(features[idx]), targets[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return (time.perf_counter() - t0) / steps
+
+    timed()  # warm-up
+    plain, counted = [], []
+    for _ in range(rounds):
+        plain.append(timed())
+        counter.watch("features", model.features)
+        counted.append(timed())
+        counter.close()
+    plain.sort()
+    counted.sort()
+    mid = rounds // 2
+    print(
+        f"\nLookup counting on the word model, batch {batch}, {rounds} x {steps} steps each, "
+        "interleaved (medians)\n"
+    )
+    print("| step without counter ms | step with counter ms | ratio |")
+    print("|---:|---:|---:|")
+    print(
+        f"| {plain[mid] * 1e3:.2f} | {counted[mid] * 1e3:.2f} | {counted[mid] / plain[mid]:.4f} |",
+        flush=True,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", type=Path, default=default_data(), help="MovieLens folder")
@@ -331,10 +373,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=1024)
     parser.add_argument("--word-steps", type=int, default=300)
     parser.add_argument("--skip-words", action="store_true")
+    parser.add_argument("--skip-movielens", action="store_true")
+    parser.add_argument("--counter-cost", action="store_true", help="only time lookup counting")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, 1 thread, {time.strftime('%Y-%m-%d')}")
-    if (args.data / "ratings.csv").is_file():
+    if args.counter_cost:
+        counter_cost(20, args.batch_size)
+        return 0
+    if args.skip_movielens:
+        pass
+    elif (args.data / "ratings.csv").is_file():
         movielens(args.data, args.epochs, args.batch_size)
     else:
         print(f"\nMovieLens skipped: {args.data / 'ratings.csv'} not found (pass --data DIR)")
