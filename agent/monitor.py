@@ -519,11 +519,15 @@ class Monitor:
             status, error = "finished", None
         self._record_lookup_frequency()
         self._teardown()
-        if self._engine is not None and self.run_id >= 0:
+        if self._writer is not None and self._writer.file_lost:
+            # the file was deleted or replaced: the run's row is not there to update
+            logger.warning(
+                "edo-monitor: the end of run %d is not recorded: %s",
+                self.run_id,
+                self._writer.problem,
+            )
+        elif self._engine is not None and self.run_id >= 0:
             try:
-                if self._writer is not None and self._writer.file_lost:
-                    # the file was deleted or replaced: the run's row is not there to update
-                    raise StoreError(self._writer.problem)
                 with self._engine.begin() as conn:
                     updated = conn.execute(
                         update(Run)
@@ -541,6 +545,7 @@ class Monitor:
                     self._recorded_status = status
             except Exception:
                 logger.exception("edo-monitor: could not record the end of run %d", self.run_id)
+        if self._engine is not None:
             self._engine.dispose()
         self.status = status
 
