@@ -2,13 +2,16 @@
 
     .venv/bin/python benchmarks/overhead.py [--batch 1024] [--seconds 150] [--block-s 2.5]
         [--writer-samples 200000] [--enqueue-calls 100000] [--threads N] [--dir /tmp/edo-overhead]
+        [--device cpu|cuda]
 
 What is measured, and how (issues 2 and 3, "Done when"):
 
 1. **Step time.** The main example's model (``examples/train_embedding.py``: ``HashedWordModel``,
    its dataset from ``default_text()``, Adam lr 0.01), one training step = sample a batch of
    ``--batch`` positions, forward, cross-entropy, backward, ``opt.step()``,
-   ``opt.zero_grad(set_to_none=True)``, ``loss.item()``. No policy, no budget. Five modes:
+   ``opt.zero_grad(set_to_none=True)``, ``loss.item()`` (which waits for the device, so a step's
+   wall time includes its CUDA kernels with ``--device cuda``: model and data on the GPU, the
+   agent then reads NVML and the CUDA allocator). No policy, no budget. Five modes:
 
    - ``off``: no agent at all (no ``watch()`` block, no hooks, no threads);
    - ``off-control``: the same again, an A/A control: its ratio to ``off`` is the method's noise;
@@ -122,16 +125,18 @@ def load_example() -> ModuleType:
 class Trainer:
     """The example's model, Adam and data; :meth:`step` is one training step."""
 
-    def __init__(self, example: ModuleType, batch: int) -> None:
+    def __init__(self, example: ModuleType, batch: int, device: str = "cpu") -> None:
         torch.manual_seed(0)
-        self.features, self.targets = example.build_dataset(example.default_text())
-        self.model = example.HashedWordModel()
+        features, targets = example.build_dataset(example.default_text())
+        self.features, self.targets = features.to(device), targets.to(device)
+        self.model = example.HashedWordModel().to(device)
         self.opt = torch.optim.Adam(self.model.parameters(), lr=0.01)
         self.batch = batch
         self.gen = torch.Generator().manual_seed(1)
 
     def step(self) -> float:
         idx = torch.randint(0, len(self.targets), (self.batch,), generator=self.gen)
+        idx = idx.to(self.features.device)
         loss = nn.functional.cross_entropy(self.model(self.features[idx]), self.targets[idx])
         loss.backward()
         self.opt.step()
@@ -701,6 +706,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--enqueue-calls", type=int, default=100_000)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--dir", type=Path, default=Path("/tmp/edo-overhead"))
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda: where the model trains")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.threads:
@@ -710,7 +716,9 @@ def main(argv: list[str] | None = None) -> int:
     _fresh(db)
 
     example = load_example()
-    trainer = Trainer(example, args.batch)
+    trainer = Trainer(example, args.batch, args.device)
+    if args.device != "cpu":
+        print(f"device {args.device}: {torch.cuda.get_device_name(args.device)}", flush=True)
     print(f"step time, {len(MODES)} modes interleaved, ~{args.seconds:.0f} s:", flush=True)
     TIMER.calibrate()
     with TIMER:

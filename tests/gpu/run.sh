@@ -1,0 +1,172 @@
+#!/usr/bin/env bash
+# Run the GPU kit on a machine with CUDA and no network, in at most 8 minutes (docs/gpu.md):
+#
+#   1. a venv with --system-site-packages (the machine's own torch), the project installed from
+#      the wheels prepare.sh downloaded (--no-index --find-links), checked against the checkout;
+#   2. pytest -m gpu tests/gpu (junit xml);
+#   3. the main example (examples/train_embedding.py) on CUDA with its default budget;
+#   4. the overhead benchmark (benchmarks/overhead.py) on CUDA, shortened.
+#
+#   tests/gpu/run.sh [RESULTS_DIR]      # default: $OUT, else <checkout>/gpu-results
+#
+# Everything goes to RESULTS_DIR, flat (the device tool returns at most 8 files, 2 folders deep):
+# summary.txt, setup.log, env.txt, pytest.log, junit.xml, example.log, overhead.log.
+# Environment: PYTHON (default python3: the interpreter that has torch), WHEEL_DIR (default
+# <checkout>/.gpu-wheels), VENV (default a fresh temporary folder), BUDGET_S (total seconds,
+# default 470). Exit status: 0 when every part passed, else 1.
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+RESULTS=${1:-${OUT:-$ROOT/gpu-results}}
+PYTHON=${PYTHON:-python3}
+WHEEL_DIR=${WHEEL_DIR:-$ROOT/.gpu-wheels}
+BUDGET_S=${BUDGET_S:-470}
+case $WHEEL_DIR in /*) ;; *) WHEEL_DIR=$ROOT/$WHEEL_DIR ;; esac
+mkdir -p "$RESULTS"
+RESULTS=$(cd "$RESULTS" && pwd)
+WORK=$(mktemp -d /tmp/edo-gpu.XXXXXX)
+VENV=${VENV:-$WORK/venv}
+SUMMARY=$RESULTS/summary.txt
+T0=$(date +%s)
+FAILED=0
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 EDO_DB=$WORK/default.db
+cd "$ROOT"
+: >"$SUMMARY"
+
+say() { echo "$*" | tee -a "$SUMMARY"; }
+left_s() { echo $((BUDGET_S - ($(date +%s) - T0))); }
+
+# part NAME MAX_S LOG CMD...: run CMD under `timeout` (MAX_S, or what is left of BUDGET_S if less),
+# output to LOG; one line in the summary with the exit status and the seconds it took.
+part() {
+    local name=$1 max_s=$2 log=$3
+    shift 3
+    local limit
+    limit=$(left_s)
+    ((limit > max_s)) && limit=$max_s
+    if ((limit < 10)); then
+        say "$(printf '%-9s SKIPPED  (time budget of %s s spent)' "$name" "$BUDGET_S")"
+        FAILED=1
+        return 1
+    fi
+    local t rc
+    t=$(date +%s)
+    echo "\$ $*" >>"$log"
+    timeout --kill-after=10 "$limit" "$@" >>"$log" 2>&1
+    rc=$?
+    local verdict=ok
+    if ((rc == 124 || rc == 137)); then
+        verdict="TIMEOUT after ${limit} s"
+    elif ((rc != 0)); then
+        verdict="FAILED"
+    fi
+    ((rc != 0)) && FAILED=1
+    say "$(printf '%-9s %-8s rc=%-3s %4d s  -> %s' "$name" "${verdict%% *}" "$rc" \
+        $(($(date +%s) - t)) "$(basename "$log")")"
+    [[ $verdict == TIMEOUT* ]] && say "          $verdict"
+    return "$rc"
+}
+
+say "edo-monitor GPU kit, $(date -u +%Y-%m-%dT%H:%M:%SZ), checkout $ROOT"
+say "results in $RESULTS; python $($PYTHON -c 'import sys; print(sys.version.split()[0])')"
+
+# ---------------------------------------------------------------- 1. environment
+setup() {
+    set -e
+    if [[ ! -d $WHEEL_DIR ]]; then
+        echo "no wheel folder $WHEEL_DIR: run tests/gpu/prepare.sh on a development machine and" \
+            "carry the folder (docs/gpu.md)"
+        return 3
+    fi
+    # hermetic: no pip configuration of this machine (indexes, find-links, constraints) applies
+    export PIP_CONFIG_FILE=/dev/null
+    unset PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_FIND_LINKS PIP_CONSTRAINT PIP_REQUIREMENT
+    "$PYTHON" -m venv --system-site-packages "$VENV"
+    local pip=("$VENV/bin/python" -m pip install --no-index --find-links "$WHEEL_DIR"
+        --disable-pip-version-check --no-cache-dir --no-compile)
+    if [[ $(cat "$WHEEL_DIR/SOURCE" 2>/dev/null) == $("$ROOT/tests/gpu/fingerprint.sh") ]]; then
+        echo "the project's wheel matches the checkout's sources: installing it"
+        "${pip[@]}" edo-monitor
+    else
+        echo "WARNING: the project's wheel in $WHEEL_DIR was built from other sources than this" \
+            "checkout's; installing the checkout instead (no build isolation)"
+        "${pip[@]}" --no-build-isolation "$ROOT"
+    fi
+    # pytest and pytest-timeout: the machine's own when it has them, else from the wheels
+    "${pip[@]}" "pytest>=8" "pytest-timeout>=2.3"
+    "$VENV/bin/python" -m pip check | head -20 || echo "WARNING: pip check reports the above"
+}
+export ROOT PYTHON WHEEL_DIR VENV WORK
+export -f setup
+part setup 120 "$RESULTS/setup.log" bash -c setup || {
+    say "setup failed: see setup.log"
+    tail -5 "$RESULTS/setup.log"
+    exit 1
+}
+PY=("$VENV/bin/python" -P)  # -P: import the installed package, not the checkout's folder
+
+{
+    echo "== torch and CUDA"
+    "${PY[@]}" - <<'EOF'
+import edo_monitor, sqlalchemy, textual, torch
+print("edo_monitor", edo_monitor.__version__, "from", edo_monitor.__file__)
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print("device 0:", p.name, p.total_memory, "bytes,", p.multi_processor_count, "SMs")
+print("sqlalchemy", sqlalchemy.__version__, "textual", textual.__version__)
+EOF
+    echo "== nvidia-smi"
+    timeout 20 nvidia-smi || echo "(no nvidia-smi)"
+    echo "== pip list"
+    "$VENV/bin/python" -m pip list --disable-pip-version-check 2>&1
+} >"$RESULTS/env.txt" 2>&1
+CUDA=$("${PY[@]}" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/null || echo 0)
+say "$(grep -m1 '^torch ' "$RESULTS/env.txt")"
+
+# ---------------------------------------------------------------- 2. the GPU tests
+part pytest 240 "$RESULTS/pytest.log" "${PY[@]}" -m pytest -m gpu tests/gpu -v -rA \
+    -p no:cacheprovider --timeout 150 --junitxml="$RESULTS/junit.xml" -o junit_family=xunit2
+rc=$?
+# pytest 5 = nothing collected/selected: a failure here too
+((rc == 5)) && say "          pytest collected no test"
+tally=$(grep -E '^=+ .*(passed|failed|skipped|error).* in [0-9.]+s' "$RESULTS/pytest.log" | tail -1)
+say "          ${tally:-no pytest summary line}"
+grep -E '^(SKIPPED|FAILED|ERROR) ' "$RESULTS/pytest.log" | sed 's/^/          /' | head -40 \
+    | tee -a "$SUMMARY"
+
+# ---------------------------------------------------------------- 3. the main example
+# Without CUDA (a dry run of this script) parts 3 and 4 run on the CPU, to check the plumbing.
+DEVICE=cuda EXAMPLE_ARGS="" BENCH_ARGS="--seconds 60 --steady-s 6 --writer-samples 50000"
+if ((!CUDA)); then
+    DEVICE=cpu EXAMPLE_ARGS="--steps 20" BENCH_ARGS="--seconds 10 --steady-s 0 --writer-samples 5000"
+    say "no CUDA device: a dry run, the example and the benchmark shortened and on the CPU"
+fi
+example() {
+    local rc=0
+    # shellcheck disable=SC2086
+    "$VENV/bin/python" -P examples/train_embedding.py --device "$DEVICE" --db "$WORK/example.db" \
+        $EXAMPLE_ARGS || rc=$?
+    echo "== train_embedding.py exit status $rc (1 = it stopped with an out-of-memory error)"
+    echo "== edo-monitor show latest"
+    "$VENV/bin/edo-monitor" show latest --db "$WORK/example.db" || true
+    echo "== edo-monitor events latest"
+    "$VENV/bin/edo-monitor" events latest --db "$WORK/example.db" || true
+    return "$rc"
+}
+export DEVICE EXAMPLE_ARGS
+export -f example
+part example 75 "$RESULTS/example.log" bash -c example
+grep -E '^(device|steps|peak in use|min free|events|action) ' "$RESULTS/example.log" \
+    | sed 's/^/          /' | tee -a "$SUMMARY"
+
+# ---------------------------------------------------------------- 4. the overhead benchmark
+# shellcheck disable=SC2086
+part overhead 150 "$RESULTS/overhead.log" "${PY[@]}" benchmarks/overhead.py --device "$DEVICE" \
+    $BENCH_ARGS --block-s 1.5 --enqueue-calls 20000 --dir "$WORK/overhead"
+sed -n '/^| *mode/,/^$/p' "$RESULTS/overhead.log" | head -12 | sed 's/^/          /' \
+    | tee -a "$SUMMARY"
+
+say "total $(($(date +%s) - T0)) s of $BUDGET_S; $([[ $FAILED == 0 ]] && echo ALL OK || echo FAILURES)"
+rm -rf "$WORK"
+exit "$FAILED"
