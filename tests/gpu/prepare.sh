@@ -74,7 +74,7 @@ cp "$build"/edo_monitor-*.whl "$WHEEL_DIR"/
 rm -rf "$ROOT/build" "$ROOT"/*.egg-info
 
 # A fingerprint of the package sources the wheel was built from (run.sh recomputes it).
-"$ROOT/tests/gpu/fingerprint.sh" >"$WHEEL_DIR/SOURCE"
+bash "$ROOT/tests/gpu/fingerprint.sh" >"$WHEEL_DIR/SOURCE"
 
 size_b=$(du -sb "$WHEEL_DIR" | cut -f1)
 tree_b=$(git ls-files -z --cached --others --exclude-standard | du -cb --files0-from=- 2>/dev/null \

@@ -13,14 +13,16 @@
 # summary.txt, setup.log, env.txt, pytest.log, junit.xml, example.log, overhead.log.
 # Environment: PYTHON (default python3: the interpreter that has torch), WHEEL_DIR (default
 # <checkout>/.gpu-wheels), VENV (default a fresh temporary folder), BUDGET_S (total seconds,
-# default 470). Exit status: 0 when every part passed, else 1.
+# default 460), SETUP_S, PYTEST_S, EXAMPLE_S, BENCH_S (each part's limit: 120, 240, 90, 150).
+# Exit status: 0 when every part passed, else 1.
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 RESULTS=${1:-${OUT:-$ROOT/gpu-results}}
 PYTHON=${PYTHON:-python3}
 WHEEL_DIR=${WHEEL_DIR:-$ROOT/.gpu-wheels}
-BUDGET_S=${BUDGET_S:-470}
+BUDGET_S=${BUDGET_S:-460}
+SETUP_S=${SETUP_S:-120} PYTEST_S=${PYTEST_S:-240} EXAMPLE_S=${EXAMPLE_S:-90} BENCH_S=${BENCH_S:-150}
 case $WHEEL_DIR in /*) ;; *) WHEEL_DIR=$ROOT/$WHEEL_DIR ;; esac
 mkdir -p "$RESULTS"
 RESULTS=$(cd "$RESULTS" && pwd)
@@ -84,7 +86,7 @@ setup() {
     "$PYTHON" -m venv --system-site-packages "$VENV"
     local pip=("$VENV/bin/python" -m pip install --no-index --find-links "$WHEEL_DIR"
         --disable-pip-version-check --no-cache-dir --no-compile)
-    if [[ $(cat "$WHEEL_DIR/SOURCE" 2>/dev/null) == $("$ROOT/tests/gpu/fingerprint.sh") ]]; then
+    if [[ $(cat "$WHEEL_DIR/SOURCE" 2>/dev/null) == $(bash "$ROOT/tests/gpu/fingerprint.sh") ]]; then
         echo "the project's wheel matches the checkout's sources: installing it"
         "${pip[@]}" edo-monitor
     else
@@ -98,7 +100,7 @@ setup() {
 }
 export ROOT PYTHON WHEEL_DIR VENV WORK
 export -f setup
-part setup 120 "$RESULTS/setup.log" bash -c setup || {
+part setup "$SETUP_S" "$RESULTS/setup.log" bash -c setup || {
     say "setup failed: see setup.log"
     tail -5 "$RESULTS/setup.log"
     exit 1
@@ -125,7 +127,7 @@ CUDA=$("${PY[@]}" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/de
 say "$(grep -m1 '^torch ' "$RESULTS/env.txt")"
 
 # ---------------------------------------------------------------- 2. the GPU tests
-part pytest 240 "$RESULTS/pytest.log" "${PY[@]}" -m pytest -m gpu tests/gpu -v -rA \
+part pytest "$PYTEST_S" "$RESULTS/pytest.log" "${PY[@]}" -m pytest -m gpu tests/gpu -v -rA \
     -p no:cacheprovider --timeout 150 --junitxml="$RESULTS/junit.xml" -o junit_family=xunit2
 rc=$?
 # pytest 5 = nothing collected/selected: a failure here too
@@ -139,7 +141,8 @@ grep -E '^(SKIPPED|FAILED|ERROR) ' "$RESULTS/pytest.log" | sed 's/^/          /'
 # Without CUDA (a dry run of this script) parts 3 and 4 run on the CPU, to check the plumbing.
 DEVICE=cuda EXAMPLE_ARGS="" BENCH_ARGS="--seconds 60 --steady-s 6 --writer-samples 50000"
 if ((!CUDA)); then
-    DEVICE=cpu EXAMPLE_ARGS="--steps 20" BENCH_ARGS="--seconds 10 --steady-s 0 --writer-samples 5000"
+    DEVICE=cpu EXAMPLE_ARGS="--steps 5"
+    BENCH_ARGS="--batch 256 --seconds 8 --steady-s 0 --writer-samples 5000"
     say "no CUDA device: a dry run, the example and the benchmark shortened and on the CPU"
 fi
 example() {
@@ -148,21 +151,19 @@ example() {
     "$VENV/bin/python" -P examples/train_embedding.py --device "$DEVICE" --db "$WORK/example.db" \
         $EXAMPLE_ARGS || rc=$?
     echo "== train_embedding.py exit status $rc (1 = it stopped with an out-of-memory error)"
-    echo "== edo-monitor show latest"
-    "$VENV/bin/edo-monitor" show latest --db "$WORK/example.db" || true
-    echo "== edo-monitor events latest"
-    "$VENV/bin/edo-monitor" events latest --db "$WORK/example.db" || true
+    echo "== edo-monitor show latest (what the history database holds)"
+    "$VENV/bin/edo-monitor" show latest --db "$WORK/example.db" </dev/null || true
     return "$rc"
 }
 export DEVICE EXAMPLE_ARGS
 export -f example
-part example 75 "$RESULTS/example.log" bash -c example
+part example "$EXAMPLE_S" "$RESULTS/example.log" bash -c example
 grep -E '^(device|steps|peak in use|min free|events|action) ' "$RESULTS/example.log" \
     | sed 's/^/          /' | tee -a "$SUMMARY"
 
 # ---------------------------------------------------------------- 4. the overhead benchmark
 # shellcheck disable=SC2086
-part overhead 150 "$RESULTS/overhead.log" "${PY[@]}" benchmarks/overhead.py --device "$DEVICE" \
+part overhead "$BENCH_S" "$RESULTS/overhead.log" "${PY[@]}" benchmarks/overhead.py --device "$DEVICE" \
     $BENCH_ARGS --block-s 1.5 --enqueue-calls 20000 --dir "$WORK/overhead"
 sed -n '/^| *mode/,/^$/p' "$RESULTS/overhead.log" | head -12 | sed 's/^/          /' \
     | tee -a "$SUMMARY"

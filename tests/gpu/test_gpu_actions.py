@@ -128,14 +128,15 @@ def test_offload_embedding_moves_the_table_to_pinned_host_memory() -> None:
         "exp_avg_sq": "cpu",
     }
     assert pinned >= _next_power_of_two(table_bytes) == 2**26  # the allocator rounds up
-    assert result.details["pinned_bytes"] == pinned  # issue 9, item 12: the bytes really pinned
+    # issue 9, item 12: the action records the bytes really pinned
+    assert result.details.get("pinned_bytes") == pinned, result.details
 
     for idx in batches[1:]:
         for m, o in ((model, opt), (twin, twin_opt)):
             o.zero_grad(set_to_none=True)
             _step(m, o, idx)
     torch.testing.assert_close(weight.detach(), twin[0].weight.detach().cpu())
-    torch.testing.assert_close(model[1].weight, twin[1].weight)
+    torch.testing.assert_close(model[1].weight.detach(), twin[1].weight.detach())
 
 
 def test_compress_embedding_bf16_halves_the_table_on_the_device() -> None:
