@@ -241,3 +241,31 @@ def test_agent_picks_the_cache_before_offload_and_resizes_with_events(db_path: P
     with History(db_path) as history:
         events = history.events("latest", kind="action")
     assert events[0].data["saved_bytes"] == events[0].data["estimated_saving_bytes"]
+
+
+def test_policy_decides_grow_after_calm_readings_only() -> None:
+    from edo_monitor.actions import Plan
+    from edo_monitor.policy import Decision
+    from edo_monitor.readings import Reading
+
+    grow = Plan("grow_cache", "items", -1000, "grow the row cache of items from 10 to 20 rows")
+    policy = edo_monitor.Policy(grow_after_readings=3, cooldown_steps=0)
+
+    def reading(step: int, free: float) -> Reading:
+        return Reading(time_s=float(step), step=step, device_kind="cpu-budget", free_fraction=free)
+
+    planner = {"grow_cache": grow}
+    # 0.29 is above re-arm (0.25) but not above re-arm + margin (0.30): never grows
+    assert [policy.evaluate(reading(s, 0.29), planner) for s in range(5)] == [[]] * 5
+    assert policy.evaluate(reading(5, 0.31), planner) == []
+    assert policy.evaluate(reading(6, 0.31), planner) == []
+    (decision,) = policy.evaluate(reading(7, 0.31), planner)
+    assert isinstance(decision, Decision) and decision.action == "grow_cache"
+    assert decision.estimated_saving_bytes == -1000 and policy.pending is decision
+    policy.resolve(decision, "applied")
+    # a dip resets the count
+    policy.evaluate(reading(8, 0.31), planner)
+    policy.evaluate(reading(9, 0.29), planner)
+    assert policy.evaluate(reading(10, 0.31), planner) == []
+    observe = edo_monitor.Policy(mode="observe")
+    assert all(observe.evaluate(reading(s, 0.9), planner) == [] for s in range(5))
