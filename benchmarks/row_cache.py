@@ -6,8 +6,9 @@ Prints four tables (each measured side by side in one run):
 
 1. hit rate of :class:`edo_monitor.nn.CachedTable` (LFU / LRU, row by row / 512-row chunks) at
    caches of 1, 5, 10 and 25 % of the rows, on MovieLens item ids in rating-time order (batches of
-   1,024 ratings) and on a Zipf(1.05) stream of ``--zipf-ids`` ids over ``--zipf-rows`` rows
-   (batches of 8,192); the time per forward of the cache bookkeeping;
+   at most 1,024 ratings) and on a Zipf(1.05) stream of ``--zipf-ids`` ids over ``--zipf-rows``
+   rows (batches of at most 8,192), each batch at most half the cache (one batch's rows must fit);
+   the time per forward of the cache bookkeeping;
 2. Adam step time (forward, backward, step) at a fixed batch against table size, ``--sizes`` rows
    x 64: resident ``nn.EmbeddingBag``, cached at 10 %, and offloaded (``OffloadedEmbedding``);
 3. step time of a cache holding the whole table (100 % hits after the first step) over resident;
@@ -53,9 +54,12 @@ def zipf_stream(rows: int, count: int, seed: int = 0) -> torch.Tensor:
     return torch.randperm(rows, generator=gen)[ranks]  # hot ids spread over the table
 
 
-def hit_rates(stream: torch.Tensor, rows: int, batch: int) -> list[tuple]:
+def hit_rates(stream: torch.Tensor, rows: int, max_batch: int) -> list[tuple]:
+    """Per cache size, LFU/LRU, row/chunk: (fraction, policy, block, batch, unique-id hit rate,
+    lookup hit rate, ms per forward); batches are at most half the cache (a batch must fit)."""
     out = []
     for fraction in (0.01, 0.05, 0.10, 0.25):
+        batch = max(16, min(max_batch, int(rows * fraction) // 2))
         for policy in ("lfu", "lru"):
             for block in (1, 512):
                 table = CachedEmbedding(
@@ -68,12 +72,13 @@ def hit_rates(stream: torch.Tensor, rows: int, batch: int) -> list[tuple]:
                         for start in range(0, len(stream), batch):
                             table(stream[start : start + batch])
                 except RuntimeError as exc:  # one batch's blocks do not fit in the cache
-                    out.append((fraction, policy, block, None, None, str(exc).split(" (")[0]))
+                    msg = str(exc).split(" (")[0]
+                    out.append((fraction, policy, block, batch, None, None, msg))
                     continue
-                per_forward_ms = (time.perf_counter() - t0) / -(-len(stream) // batch) * 1e3
+                ms_fwd = (time.perf_counter() - t0) / -(-len(stream) // batch) * 1e3
                 st = table.stats()
                 out.append(
-                    (fraction, policy, block, st.hit_rate, st.lookup_hit_rate, per_forward_ms)
+                    (fraction, policy, block, batch, st.hit_rate, st.lookup_hit_rate, ms_fwd)
                 )
     return out
 
@@ -191,14 +196,18 @@ def main() -> None:
         streams.append((f"Zipf(1.05), {args.zipf_ids:,} ids", z, args.zipf_rows, 8192))
         print("\n## 1. Hit rate (unique ids per batch found in the cache)\n")
         print(
-            "| stream | rows | cache | policy | moves | hit rate (unique ids) | "
+            "| stream | rows | cache | batch | policy | moves | hit rate (unique ids) | "
             "hit rate (lookups) | ms / forward |"
         )
-        print("|---|---:|---:|---|---|---:|---:|---:|")
-        for name, stream, rows, batch in streams:
-            for fraction, policy, block, rate, lookup_rate, ms in hit_rates(stream, rows, batch):
+        print("|---|---:|---:|---:|---|---|---:|---:|---:|")
+        for name, stream, rows, max_batch in streams:
+            for fraction, policy, block, batch, rate, lookup_rate, ms in hit_rates(
+                stream, rows, max_batch
+            ):
                 moves = "row" if block == 1 else f"chunk {block}"
-                head = f"| {name} | {rows:,} | {fraction:.0%} | {policy.upper()} | {moves} |"
+                head = (
+                    f"| {name} | {rows:,} | {fraction:.0%} | {batch} | {policy.upper()} | {moves} |"
+                )
                 if rate is None:
                     print(f"{head} fails: {ms} | | |")
                 else:
