@@ -189,7 +189,9 @@ def test_cli_on_runs_recorded_by_the_agent(tmp_path: Path) -> None:
     import edo_monitor
 
     path = tmp_path / "agent.db"
-    for policy in (edo_monitor.Policy(), edo_monitor.Policy(mode="observe")):
+    # offload's saving is the number checked below (the default ladder would cache the table first)
+    offload = edo_monitor.Policy(ladder=["release_cache", "offload_embedding"])
+    for policy in (offload, edo_monitor.Policy(mode="observe")):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Embedding(20_000, 32), nn.Linear(32, 4))
         opt = torch.optim.Adam(model.parameters())
