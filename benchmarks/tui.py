@@ -5,13 +5,19 @@ per 0.1 s, written with ``write_samples`` on a writer engine, as the agent's wri
 rollups included) and one finished run, then drives the app headless (``App.run_test``):
 
 - **open**: first load of the live view (run, SQL-downsampled series, events, tables);
-- **refresh**: 10 new samples and an event are written, then one refresh is timed from the timer
-  tick to the end of the next screen repaint (the read in the worker thread, the widget updates,
-  the compositor's render of what changed, chart included); also the read alone
-  (``DataSource.poll``), the repaint alone, and the chart's render alone;
-- **idle CPU**: process CPU time over ``--idle-s`` seconds with a finished run open.
+- **refresh**: 10 new samples (and, every other time, an event) are written, then one refresh is
+  timed from the timer tick to the end of the next screen repaint (the read and the chart's
+  lines in the worker thread, the widget updates on the UI thread, the compositor's render of
+  what changed); also the read alone (``DataSource.poll``), the repaint alone, and the chart's
+  build alone (``build_chart``, in the worker);
+- **idle CPU**: process CPU time over ``--idle-s`` seconds with a finished run open;
+- **first paint**: ``edo-tui DB`` (``python -m edo_monitor.tui.app``) started in a pseudo-terminal,
+  timed from ``fork`` to the first output of a frame (the alternate screen) and to the first
+  frame that shows the run's name (the live view painted with its data); beside it a bare
+  ``python -c pass`` and ``python -c "import textual, sqlalchemy"``, interleaved, medians.
 
-Prints a table. Usage: ``python benchmarks/tui.py [--samples N] [--repeats R] [--idle-s S]``.
+Prints a table. Usage:
+``python benchmarks/tui.py [--samples N] [--repeats R] [--idle-s S] [--paint-repeats P]``.
 """
 
 from __future__ import annotations
@@ -20,7 +26,10 @@ import argparse
 import asyncio
 import os
 import platform
+import shutil
+import sqlite3
 import statistics
+import sys
 import tempfile
 import time
 import uuid
@@ -36,6 +45,11 @@ from edo_monitor.store.schema import Event, ModuleStat, Run
 from edo_monitor.tui.app import EdoTui
 from edo_monitor.tui.data import DataSource
 from edo_monitor.tui.widgets import MemoryChart
+
+try:
+    from edo_monitor.tui.widgets import build_chart
+except ImportError:  # the dashboard before the chart was built off the UI thread
+    build_chart = None  # type: ignore[assignment]
 
 GIB = 1 << 30
 BUDGET = 8 * GIB
@@ -121,6 +135,31 @@ def seed(path: Path, n: int) -> tuple[int, int, float]:
             write_samples(conn, live, rows(lo, min(n, lo + batch), t0))
     engine.dispose()
     return live, done, t0 + (n - 1) * dt
+
+
+def _seeded_ids(path: Path) -> tuple[int, int, float]:
+    """The live and finished runs' ids and the live run's last sample time, of a seeded file."""
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        ids = dict(conn.execute("SELECT name, id FROM runs"))
+        live, done = ids["bench-live"], ids["bench-done"]
+        (t_last,) = conn.execute(
+            "SELECT max(time_s) FROM samples WHERE run_id = ?", (live,)
+        ).fetchone()
+    finally:
+        conn.close()
+    return live, done, float(t_last)
+
+
+def _sample_count(path: Path, run_id: int) -> int:
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        (count,) = conn.execute(
+            "SELECT count(*) FROM samples WHERE run_id = ?", (run_id,)
+        ).fetchone()
+    finally:
+        conn.close()
+    return int(count)
 
 
 def _values(**values: Any) -> tuple[Any, ...]:
@@ -227,7 +266,10 @@ async def bench_live(path: Path, live: int, t_last: float, repeats: int) -> dict
             history.run(live, stats=False)
             run_row.append(time.perf_counter() - t1)
             t2 = time.perf_counter()
-            chart.render()
+            if build_chart is not None:
+                build_chart(chart.data, *chart.wanted_size)
+            else:  # the chart rendered on the UI thread (plotext, in render())
+                chart.render()
             render.append(time.perf_counter() - t2)
         source.close()
         out["refresh_s"] = refresh
@@ -254,6 +296,66 @@ async def bench_idle(path: Path, run_id: int, idle_s: float, refresh_s: float) -
     return (cpu1 - cpu0) / (wall1 - wall0)
 
 
+def _first_paint_once(argv: list[str], marker: bytes | None) -> tuple[float, float | None]:
+    """Start ``argv`` in a 160x50 pty; seconds to its first output, and to ``marker`` in the
+    output (``None``: no marker; then the process is waited for). Quits the app with ``q``."""
+    import fcntl
+    import pty
+    import select
+    import signal
+    import struct
+    import termios
+
+    t0 = time.perf_counter()
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.execv(argv[0], argv)
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 160, 0, 0))
+    out = bytearray()
+    first = seen = None
+    done = False
+    deadline = t0 + 120
+    while not done and time.perf_counter() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.01)
+        if ready:
+            try:
+                data = os.read(fd, 1 << 16)
+            except OSError:
+                data = b""
+            if data and first is None:
+                first = time.perf_counter() - t0
+            out += data
+            if marker is not None and seen is None and marker in out:
+                seen = time.perf_counter() - t0
+                os.write(fd, b"q")
+        if os.waitpid(pid, os.WNOHANG)[0]:
+            done = True
+    if not done:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    os.close(fd)
+    if marker is None:
+        return time.perf_counter() - t0, None
+    return first if first is not None else float("nan"), seen
+
+
+def bench_first_paint(path: Path, run_id: int, repeats: int) -> dict[str, list[float]]:
+    """``edo-tui`` first paint against bare-interpreter baselines, interleaved."""
+    python = sys.executable
+    out: dict[str, list[float]] = {"python": [], "imports": [], "frame": [], "run": []}
+    for _ in range(repeats):
+        out["python"].append(_first_paint_once([python, "-c", "pass"], None)[0])
+        out["imports"].append(
+            _first_paint_once([python, "-c", "import textual.app, sqlalchemy"], None)[0]
+        )
+        frame, run = _first_paint_once(
+            [python, "-m", "edo_monitor.tui.app", str(path), "--run", str(run_id)], b"bench-live"
+        )
+        out["frame"].append(frame)
+        out["run"].append(run if run is not None else float("nan"))
+    return out
+
+
 def _p90(values: list[float]) -> str:
     return f"{1000 * sorted(values)[int(0.9 * len(values))]:.1f}"
 
@@ -268,15 +370,31 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=1_000_000)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--idle-s", type=float, default=10.0)
+    parser.add_argument("--paint-repeats", type=int, default=7)
+    parser.add_argument(
+        "--seeded",
+        type=Path,
+        default=None,
+        help="keep the seeded database here and reuse it on later runs (each run works on a "
+        "copy), e.g. to compare two versions of the dashboard on the same data",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "bench.db"
         t = time.perf_counter()
-        live, done, t_last = seed(path, args.samples)
+        if args.seeded is not None and args.seeded.exists():
+            live, done, t_last = _seeded_ids(args.seeded)
+            shutil.copyfile(args.seeded, path)
+            args.samples = _sample_count(path, live)
+        else:
+            live, done, t_last = seed(path, args.samples)
+            if args.seeded is not None:
+                shutil.copyfile(path, args.seeded)
         seed_s = time.perf_counter() - t
         result = asyncio.run(bench_live(path, live, t_last, args.repeats))
         idle_done = asyncio.run(bench_idle(path, done, args.idle_s, 1.0))
         idle_live = asyncio.run(bench_idle(path, live, args.idle_s, 1.0))
+        paint = bench_first_paint(path, live, args.paint_repeats)
         for engine in _WRITERS.values():
             engine.dispose()
     cpus = os.cpu_count()
@@ -299,16 +417,24 @@ def main() -> None:
         ("  of which: repaint of the screen (median)", f"{_ms(result['paint_s'])} ms"),
         ("History.run(live run) with statistics (median)", f"{_ms(result['run_stats_s'])} ms"),
         ("History.run(live run, stats=False), as poll reads it", f"{_ms(result['run_row_s'])} ms"),
-        ("  chart render alone (median)", f"{_ms(result['render_s'])} ms"),
         (
-            "refresh p90",
-            f"{1000 * sorted(result['refresh_s'])[int(0.9 * len(result['refresh_s']))]:.1f} ms",
+            "  chart built alone (build_chart in the worker; before: render())",
+            f"{_ms(result['render_s'])} ms",
         ),
+        ("refresh p90 (10 new samples)", f"{_p90(result['refresh_s'])} ms"),
+        ("refresh p90 (10 new samples + 1 event)", f"{_p90(result['refresh_event_s'])} ms"),
         ("idle CPU, finished run open (refresh 1 s)", f"{100 * idle_done:.1f} % of one core"),
         (
             "idle CPU, live run open, no new rows (refresh 1 s)",
             f"{100 * idle_live:.1f} % of one core",
         ),
+    ]
+    n = len(paint["run"])
+    rows += [
+        (f"first paint: python -c pass (median of {n})", f"{_ms(paint['python'])} ms"),
+        ('first paint: python -c "import textual.app, sqlalchemy"', f"{_ms(paint['imports'])} ms"),
+        ("first paint: edo-tui, first frame", f"{_ms(paint['frame'])} ms"),
+        ("first paint: edo-tui, live view with the run's data", f"{_ms(paint['run'])} ms"),
     ]
     width = max(len(r[0]) for r in rows)
     print(f"| {'measure'.ljust(width)} | result |")
