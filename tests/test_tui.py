@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import csv
 import fcntl
+import itertools
 import os
 import pty
 import select
@@ -48,6 +49,10 @@ SIZE = (140, 45)
 # -- seeding ---------------------------------------------------------------------------------
 
 
+#: Fixed run uuids (no chance in tests): prefixes a0000001, a0000002, … each unique, never digits
+_UUIDS = (uuid.UUID(int=(0xA0000000 + n) << 96 | n) for n in itertools.count(1))
+
+
 def make_run(
     session: Session,
     name: str,
@@ -64,7 +69,7 @@ def make_run(
     """Add a run row (flushed, so it has an id)."""
     started = time.time() - 3600 if started is None else started
     run = Run(
-        uuid=str(uuid.uuid4()),
+        uuid=str(next(_UUIDS)),
         name=name,
         host=os.uname().nodename if pid is None else __import__("socket").gethostname(),
         pid=os.getpid() if pid is None else pid,
@@ -864,6 +869,10 @@ def test_exit_code_usage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     err = capsys.readouterr().err
     assert err.startswith("edo-tui: error: db='nosuchdialect://host/db'")
     assert main([str(tmp_path)]) == 2  # a folder, not a database file
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    assert "Exit codes: 0 quit on a run" in " ".join(capsys.readouterr().out.split())
 
 
 # -- keys typed before the first frame (issue 10, item 14) -------------------------------------

@@ -223,6 +223,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="edo-tui",
         description="Terminal dashboard of edo-monitor's history database: runs live and past.",
+        epilog=(
+            "Exit codes: 0 quit on a run, the runs table or 'waiting for a run'; 1 quit while "
+            "the database or run could not be read; 2 usage (bad option, unusable database "
+            "argument); 3 internal error."
+        ),
     )
     parser.add_argument(
         "db",
