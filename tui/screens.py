@@ -248,6 +248,7 @@ class RunScreen(Screen[None]):
         #: refresh timer ticks (and other calls of :meth:`tick`)
         self.ticks = 0
         self._header_lines = 1
+        self._detail_lines = 0
 
     @property
     def tui(self) -> EdoTui:
@@ -578,7 +579,8 @@ class RunScreen(Screen[None]):
         box = self.query_one("#event-detail", Static)
         row = table.cursor_row
         if not self.event_rows or not 0 <= row < len(self.event_rows):
-            box.display = False
+            if box.display:
+                box.display = False
             return
         event = self.event_rows[row]
         start = self.run_info.started_at_s if self.run_info is not None else 0.0
@@ -587,8 +589,13 @@ class RunScreen(Screen[None]):
         text.append(event.kind, _EVENT_STYLES.get(event.kind, ""))
         text.append("  ")
         text.append(_event_detail(event))
-        box.update(text)
-        box.display = True
+        # a layout pass (costly: the whole screen) only when the box's height changes
+        width = box.content_region.width or max(20, self.app.size.width - 2)
+        lines = len(text.wrap(self.app.console, width))
+        box.update(text, layout=lines != self._detail_lines or not box.display)
+        self._detail_lines = lines
+        if not box.display:
+            box.display = True
 
     def _add_modules(self, modules: list[ModuleInfo]) -> None:
         ids = tuple(sorted(m.id for m in modules))
@@ -631,13 +638,12 @@ class RunScreen(Screen[None]):
         step = max(run.steps, self.latest.step if self.latest else 0)
         header.append(f"   step: {step}")
         header.append(f"   elapsed: {format_duration(elapsed_s(run))}")
-        if self.follow:
+        if self.follow:  # the footer names the key (f)
             header.append("   following new runs", style="bold green")
             if self.followed_from is not None:
                 header.append(f" (switched from #{self.followed_from.id})", style="green")
-            header.append(" · f: stop", style="grey62")
         else:
-            header.append("   not following new runs · f: follow", style="grey62")
+            header.append("   not following new runs", style="grey62")
         if run.error:
             header.append(f"\n error: {run.error}", style="red")
         lines = 1 + header.plain.count("\n")

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from edo_monitor.tui.app import EdoTui
+from edo_monitor.tui.widgets import MemoryChart
 
 __all__ = ["main", "screenshot"]
 
@@ -42,6 +43,9 @@ async def screenshot(
         deadline = loop.time() + timeout_s
         while not (screen.loaded or screen.error) and loop.time() < deadline:
             await pilot.pause(0.05)
+        chart = screen.query_one(MemoryChart)
+        while chart.lines_size != chart.wanted_size and loop.time() < deadline:
+            await pilot.pause(0.05)  # the chart's lines are built for its final size
         if view == "runs":
             await pilot.press("r")
             while app.runs_screen.loads == 0 and loop.time() < deadline:

@@ -126,7 +126,7 @@ class Gauge(Widget):
         bar_style = "red" if self.warn else "green"
         for i in range(width):
             if i == mark_at:
-                out.append("┃", style="bold yellow")
+                out.append("┃", style=f"bold {_rich(FLOOR_RGB)}")
             elif i < filled:
                 out.append("█", style=bar_style)
             else:
@@ -161,8 +161,8 @@ class ChartData:
 
     ``time_s`` are seconds since the run started; byte columns may hold ``None`` (not available).
     ``floor_bytes`` is the in-use level at the policy's floor (``None``: no budget, no floor);
-    ``actions`` are (seconds, bytes after) of actions, ``ooms`` the seconds of out-of-memory
-    errors.
+    ``actions`` are (seconds, the action's ``bytes_after``) of actions, drawn as a line with an
+    x at the top, ``ooms`` the seconds of out-of-memory errors.
     """
 
     time_s: tuple[float, ...] = ()
@@ -302,10 +302,10 @@ def build_chart(data: ChartData, width: int, height: int) -> list[Strip]:
         plt.hline(data.floor_bytes / size, FLOOR_RGB)
     for x, _ in data.actions:
         plt.vline(x, ACTION_RGB)
-    if data.actions:
+    if data.actions:  # an x at the top of each action's line
         plt.scatter(
             [x for x, _ in data.actions],
-            [(y or 0) / size for _, y in data.actions],
+            [top / size] * len(data.actions),
             marker="x",
             color=ACTION_RGB,
         )
