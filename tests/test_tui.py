@@ -797,9 +797,9 @@ def test_user_strings_are_shown_as_is(tmp_path: Path) -> None:
         events = screen.query_one("#events", DataTable)
         assert table_column(events, 3) == ["failed in [/emb] [red]x"]
         assert table_column(screen.query_one("#modules", DataTable), 0) == ["emb[/x].table[0]"]
-        await pilot.press("e")  # the notification names the run
-        await wait_for(pilot, lambda: app.last_export is not None)
+        await pilot.press("e")  # the notification names the run (it shows for 2 s: look now)
         assert any("([bold]loud[/bold])" in n.message for n in app._notifications)
+        await wait_for(pilot, lambda: app.last_export is not None)
         await pilot.press("r")
         await wait_for(pilot, lambda: app.runs_screen.loads > 0)
         table = app.runs_screen.query_one("#runs", DataTable)
