@@ -3,7 +3,8 @@
 ``cache_embedding`` (on the default ladder, before ``offload_embedding``):
 
 * when a table is already cached and its cache can give rows back (more rows than the peak unique
-  ids of one batch), it **shrinks** that cache: renewed pressure;
+  ids of one batch, and at least a tenth of the bytes needed), it **shrinks** that cache: renewed
+  pressure;
 * else it converts the largest eligible ``nn.Embedding`` / ``nn.EmbeddingBag`` to a
   :class:`edo_monitor.nn.CachedTable`. The same ``Parameter`` object becomes the cache (its data,
   gradient and optimizer state are rebound to ``(C, D)`` tensors), the full table and its optimizer
@@ -143,6 +144,8 @@ class CacheEmbedding(Action):
             spare_rows = module.cache_rows - floor_rows
             if spare_rows < module.block_rows:
                 continue
+            if need is not None and spare_rows * row_bytes * 10 < need:
+                continue  # less than a tenth of what is needed: let the ladder move on
             give = spare_rows if need is None else min(spare_rows, -(-need // row_bytes))
             give = max(module.block_rows, give - give % module.block_rows)
             to_rows = module.cache_rows - give
