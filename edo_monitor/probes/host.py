@@ -19,7 +19,7 @@ Sources:
   page shared by several processes (copy-on-write after ``fork``) is counted once in all; USS
   (pages private to the process) where PSS is unavailable.
 
-Reading PSS walks each process's page tables (about 60 ms for a process with PyTorch loaded on
+Reading PSS walks each process's page tables (tens of ms for a process with PyTorch loaded on
 the development machine) and the cgroup files take a few ms, so both are read at most every
 ``slow_interval_s`` (2 s) and repeated in between; RSS and the machine's memory are read at every
 sample. After :meth:`HostProbe.start` the slow reads run on their own thread (``edo-host``), so
