@@ -774,6 +774,7 @@ class Monitor:
             in_use_bytes=reading.in_use_bytes if reading else None,
             rearm_free_fraction=self.policy.rearm_free_fraction,
             grow_margin_fraction=self.policy.grow_margin_fraction,
+            host_available_bytes=reading.host_available_bytes if reading else None,
         )
 
     def _evaluate_policy(self, reading: Reading) -> None:
@@ -852,7 +853,7 @@ class Monitor:
                 exception=exc,
             )
         # resolved once: a failed decision is never retried on the same target
-        self.policy.resolve(decision, result.status)
+        ineffective = self.policy.resolve(decision, result)
         kind = {"applied": "action", "refused": "action_refused"}.get(
             result.status, "action_failed"
         )
@@ -886,6 +887,12 @@ class Monitor:
         else:
             message = f"{result.action} on {result.target or '-'} {result.status}: {result.reason}"
         self._emit(kind, message, data)
+        if ineffective is not None:  # the ladder moves on from this (action, target)
+            self._emit(
+                "action_ineffective",
+                f"{result.action} on {result.target} ineffective: {ineffective}",
+                {"action": result.action, "target": result.target, "reason": ineffective},
+            )
         err = self.policy.call_on_action(result)
         if err is not None:
             self._agent_error("on_action hook", err)

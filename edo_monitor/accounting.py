@@ -29,6 +29,7 @@ __all__ = [
     "is_table_module",
     "optimizer_state_bytes",
     "tensor_bytes",
+    "tensor_bytes_as",
 ]
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,24 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
     else:  # a layout this torch adds later: its dense size is the safe upper bound
         return tensor.numel() * tensor.element_size()
     return sum(tensor_bytes(t) for t in parts)
+
+
+def tensor_bytes_as(tensor: torch.Tensor, dtype: torch.dtype) -> int:
+    """Bytes ``tensor`` would take converted to ``dtype`` (``tensor.to(dtype)``), sized as
+    :func:`tensor_bytes` does: a sparse tensor's index tensors keep their size, only its values
+    change element size; a dense tensor is ``numel() * dtype's itemsize``.
+    """
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    layout = tensor.layout
+    if layout == torch.strided:
+        return tensor.numel() * itemsize
+    if layout == torch.sparse_coo:
+        values = tensor._values()
+    elif layout in (torch.sparse_csr, torch.sparse_bsr, torch.sparse_csc, torch.sparse_bsc):
+        values = tensor.values()
+    else:
+        return tensor.numel() * itemsize
+    return tensor_bytes(tensor) - tensor_bytes(values) + values.numel() * itemsize
 
 
 def is_table_module(module: nn.Module) -> bool:
@@ -212,11 +231,11 @@ def account(
                 optimizer_state_bytes=ob,
             )
         )
-    table_names = [t.module for t in tables]
+    table_names = [name for name, module in model.named_modules() if is_table_module(module)]
     others: list[TableStats] = []
     for name, module in model.named_modules():
         own = [p for p in module._parameters.values() if p is not None]
-        if not own or any(name == t or name.startswith(t + ".") for t in table_names):
+        if not own or any(_within(name, t) for t in table_names):
             continue
         pb = gb = ob = 0
         for p in own:
@@ -248,6 +267,11 @@ def account(
         tables=tuple(tables),
         modules=tuple(others),
     )
+
+
+def _within(name: str, ancestor: str) -> bool:
+    """Whether module ``name`` is ``ancestor`` or inside it (``""`` is the root: holds all)."""
+    return ancestor == "" or name == ancestor or name.startswith(ancestor + ".")
 
 
 def _table_weight(module: nn.Module) -> torch.Tensor | None:

@@ -42,8 +42,10 @@ from typing import Any
 
 __all__ = [
     "ALLOCATOR_STAT_KEYS",
+    "EXPANDABLE_PAGE_BYTES",
     "FragmentationStats",
     "allocator_fields",
+    "releasable_bytes",
     "snapshot_fragmentation",
 ]
 
@@ -118,12 +120,21 @@ class FragmentationStats:
         return asdict(self)
 
 
-def _segments(snapshot: object) -> list[Mapping[str, Any]]:
+def _segments(snapshot: object, device: int | None = None) -> list[Mapping[str, Any]]:
+    """The segment dicts of ``snapshot``; with ``device``, only those of that device index.
+
+    A snapshot covers every device the process has used; each segment names its ``device``
+    (an int). With ``device`` given, a segment without a readable ``device`` is dropped too (it
+    cannot be attributed).
+    """
     if isinstance(snapshot, Mapping):
         snapshot = snapshot.get("segments", [])
     if not isinstance(snapshot, Iterable) or isinstance(snapshot, (str, bytes)):
         return []
-    return [s for s in snapshot if isinstance(s, Mapping)]
+    segments = [s for s in snapshot if isinstance(s, Mapping)]
+    if device is not None:
+        segments = [s for s in segments if _int_or_none(s.get("device")) == device]
+    return segments
 
 
 def _block_address(block: Mapping[str, Any]) -> int | None:
@@ -163,19 +174,22 @@ def _holes(segment: Mapping[str, Any]) -> list[int]:
     return holes
 
 
-def snapshot_fragmentation(snapshot: object) -> FragmentationStats:
+def snapshot_fragmentation(snapshot: object, device: int | None = None) -> FragmentationStats:
     """Fragmentation, largest hole, inactive bytes and segment count of an allocator snapshot.
 
     Args:
         snapshot: ``torch.cuda.memory_snapshot()`` (a list of segment dicts), or the dict of
             ``torch.cuda.memory._snapshot()`` (its ``"segments"`` are used). Malformed entries
             are skipped; anything that is not a snapshot counts as an empty one.
+        device: the CUDA device index to measure. A snapshot holds the segments of *every*
+            device the process uses; only those whose ``device`` is this index count. ``None``
+            counts every segment (a snapshot of one device).
 
     Returns:
         A :class:`FragmentationStats` (bytes are ints). What a hole is, and how expandable
         segments are treated: see the module docstring.
     """
-    segments = _segments(snapshot)
+    segments = _segments(snapshot, device)
     holes = [size for segment in segments for size in _holes(segment)]
     total = sum(holes)
     largest = max(holes, default=0)
@@ -186,3 +200,62 @@ def snapshot_fragmentation(snapshot: object) -> FragmentationStats:
         total_inactive_bytes=total,
         segment_count=len(segments),
     )
+
+
+#: Granularity at which ``empty_cache()`` unmaps the free pages of an expandable segment (the
+#: allocator maps expandable segments in 2 MiB pages for its large pool).
+EXPANDABLE_PAGE_BYTES = 2 * 1024 * 1024
+
+
+def releasable_bytes(snapshot: object, device: int | None = None) -> int:
+    """Bytes ``torch.cuda.empty_cache()`` would give back to the driver, from a snapshot.
+
+    ``empty_cache()`` releases only memory no block uses: a segment (one ``cudaMalloc``) goes back
+    when *all* of it is one inactive block; a segment with any ``active_allocated`` or
+    ``active_pending_free`` block stays whole, however much of it is free. In an expandable
+    segment entry (``is_expandable``) it unmaps the whole 2 MiB pages inside each inactive block.
+    Segments of a private pool (``segment_pool_id`` other than ``(0, 0)``: CUDA graphs) are kept
+    by the graph and never released. So this is at most ``reserved - allocated``, and can be far
+    less (a half-used segment keeps its free half).
+
+    Args:
+        snapshot: as for :func:`snapshot_fragmentation`.
+        device: only this device index's segments (a snapshot covers every device); ``None``:
+            all.
+
+    Returns:
+        Bytes (int, >= 0). Malformed segments count 0.
+    """
+    total = 0
+    for segment in _segments(snapshot, device):
+        pool = segment.get("segment_pool_id")
+        if isinstance(pool, list):
+            pool = tuple(pool)
+        if pool not in (None, (0, 0)):
+            continue
+        raw_blocks = segment.get("blocks")
+        blocks = (
+            [b for b in raw_blocks if isinstance(b, Mapping)]
+            if isinstance(raw_blocks, (list, tuple))
+            else []
+        )
+        if segment.get("is_expandable"):
+            for block in blocks:
+                size = _int_or_none(block.get("size")) or 0
+                address = _block_address(block)
+                if block.get("state") != "inactive" or size <= 0:
+                    continue
+                if address is None:
+                    total += size // EXPANDABLE_PAGE_BYTES * EXPANDABLE_PAGE_BYTES
+                    continue
+                page = EXPANDABLE_PAGE_BYTES
+                first = -(-address // page) * page
+                last = (address + size) // page * page
+                total += max(0, last - first)
+            continue
+        size = _int_or_none(segment.get("total_size")) or 0
+        if size <= 0 or not blocks:
+            continue
+        if all(b.get("state") == "inactive" for b in blocks):
+            total += size
+    return total

@@ -42,12 +42,14 @@ from edo_monitor.readings import Reading
 from edo_monitor.units import format_bytes, parse_bytes
 
 __all__ = [
+    "INEFFECTIVE_BELOW_FRACTION",
     "MODES",
     "Decision",
     "NoActionAvailable",
     "Policy",
     "PolicyEvent",
     "ThresholdCrossing",
+    "ineffective_reason",
     "make_planner",
 ]
 
@@ -212,6 +214,8 @@ class Policy:
         self.pending: Decision | None = None
         self.last_decision_step: int | None = None
         self._failed: set[tuple[str, str]] = set()
+        #: (action, target) -> why it was ineffective; cleared when the pressure episode ends
+        self._ineffective: dict[tuple[str, str], str] = {}
         self._advised: set[tuple[str, str]] = set()
         self._reported_none = False
 
@@ -272,6 +276,7 @@ class Policy:
                 )
             elif self.under_pressure and free >= self.rearm_free_fraction:
                 self.under_pressure = False
+                self._ineffective.clear()
                 events.append(
                     ThresholdCrossing(
                         "above_rearm", reading.step, reading.time_s, free, self.rearm_free_fraction
@@ -370,6 +375,15 @@ class Policy:
             if key in self._failed:
                 refusals.append(Refusal(name, plan.target, "failed before on this target"))
                 continue
+            if key in self._ineffective:
+                refusals.append(
+                    Refusal(
+                        name,
+                        plan.target,
+                        f"ineffective before in this episode: {self._ineffective[key]}",
+                    )
+                )
+                continue
             if self.mode == "advise" and key in self._advised:
                 refusals.append(Refusal(name, plan.target, "already advised in this episode"))
                 continue
@@ -404,23 +418,40 @@ class Policy:
             )
         return None
 
-    def resolve(self, decision: Decision, status: str) -> None:
+    def resolve(self, decision: Decision, status: str | ActionResult) -> str | None:
         """Report what became of a pending decision (training thread, after ``apply``).
 
         Args:
             decision: the :class:`Decision` returned by :meth:`evaluate`.
-            status: the :class:`~edo_monitor.actions.ActionResult` ``status``: ``"applied"``
-                (the cooldown starts at the decision's step), ``"refused"`` (no cooldown charged;
-                the next reading may try the next rung) or ``"failed"`` (also never tried on the
-                same target again).
+            status: the :class:`~edo_monitor.actions.ActionResult` (or only its ``status``):
+                ``"applied"`` (the cooldown starts at the decision's step), ``"refused"`` (no
+                cooldown charged; the next reading may try the next rung) or ``"failed"`` (also
+                never tried on the same target again). An applied result whose measured saving
+                is below :data:`INEFFECTIVE_BELOW_FRACTION` of its estimate is *ineffective*:
+                that ``(action, target)`` is skipped until the pressure episode ends, and no
+                cooldown is charged, so the next reading climbs to the next rung.
+
+        Returns:
+            For an ineffective result, one line saying why (the agent records it as an
+            ``action_ineffective`` event); else ``None``.
         """
+        result = status if isinstance(status, ActionResult) else None
+        state = result.status if result is not None else status
+        why = None
+        if result is not None and state == "applied":
+            why = ineffective_reason(result)
         with self._lock:
             if self.pending is decision or self.pending == decision:
                 self.pending = None
-            if status != "applied":
+            if state != "applied" or why is not None:
                 self.last_decision_step = None
-            if status == "failed":
+            if state == "failed":
                 self._failed.add((decision.action, decision.target))
+            if why is not None:
+                self._ineffective[(decision.action, decision.target)] = why
+        if why is not None:
+            logger.info("%s on %s was ineffective: %s", decision.action, decision.target, why)
+        return why
 
     def call_on_pressure(self, crossing: ThresholdCrossing) -> BaseException | None:
         """Call the user's ``on_pressure`` hook; an exception is logged and returned, not raised."""
@@ -429,6 +460,29 @@ class Policy:
     def call_on_action(self, result: ActionResult) -> BaseException | None:
         """Call the user's ``on_action`` hook; an exception is logged and returned, not raised."""
         return _call_hook("on_action", self.on_action, result)
+
+
+#: An applied action whose measured saving is below this fraction of its estimate is
+#: ineffective for its target (e.g. ``release_cache`` when ``empty_cache()`` freed next to nothing).
+INEFFECTIVE_BELOW_FRACTION = 0.5
+
+
+def ineffective_reason(result: ActionResult) -> str | None:
+    """Why an applied ``result`` counts as ineffective, or ``None`` when it is not.
+
+    Ineffective: a positive estimate and a measured saving (``bytes_before - bytes_after``) below
+    :data:`INEFFECTIVE_BELOW_FRACTION` of it. A result whose ``bytes_after`` is itself an
+    estimate (``details["after_is_estimate"]``) is never judged.
+    """
+    if result.status != "applied" or result.details.get("after_is_estimate"):
+        return None
+    estimate = result.estimated_saving_bytes
+    if estimate <= 0 or result.saved_bytes >= INEFFECTIVE_BELOW_FRACTION * estimate:
+        return None
+    return (
+        f"measured saving {format_bytes(max(result.saved_bytes, 0))} is below "
+        f"{INEFFECTIVE_BELOW_FRACTION:.0%} of the estimated {format_bytes(estimate)}"
+    )
 
 
 def _call_hook(name: str, hook: Callable[[Any], Any] | None, arg: Any) -> BaseException | None:

@@ -7,6 +7,7 @@ global RNG (dropout), one of them changed by an action at a step boundary.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import pytest
@@ -131,7 +132,21 @@ def assert_rel_equal(a: list[float], b: list[float], rel: float = 1e-6) -> None:
         assert abs(x - y) <= rel * max(abs(x), 1e-12), (i, x, y)
 
 
+def quiet_profile(model: nn.Module):
+    """A recorded forward that changes nothing: no gradients, the RNG state restored.
+
+    Table actions need one (it tells whether a weight is read outside its module). It runs on a
+    copy: a table with ``max_norm`` renormalises rows in place even under ``no_grad``; the
+    profile refers to modules by name, which the copy shares."""
+    twin = copy.deepcopy(model)
+    with torch.random.fork_rng(), torch.no_grad(), ActivationRecorder(twin) as rec:
+        twin(batches(1, seed=5)[0][0])
+    return rec.profile()
+
+
 def ctx_of(model: nn.Module, opt: torch.optim.Optimizer, **kw) -> ActionContext:
+    if isinstance(model, Net):
+        kw.setdefault("activation_profile", quiet_profile(model))
     return ActionContext(model=model, optimizers=[opt], cuda_mode=False, **kw)
 
 
@@ -210,7 +225,7 @@ def test_checkpoint_estimate_matches_measured_and_losses_equal_and_undo() -> Non
 
 def test_checkpoint_refuses_without_profile() -> None:
     model, opt = make()
-    r = ACTIONS["checkpoint_activations"].plan(ctx_of(model, opt))
+    r = ACTIONS["checkpoint_activations"].plan(ctx_of(model, opt, activation_profile=None))
     assert isinstance(r, Refusal) and "activation profile" in r.reason
 
 
@@ -366,7 +381,7 @@ def test_failure_mid_action_rolls_back_bit_identical(name: str, frozen: bool, st
     torch.manual_seed(5)
     train(model, opt, data[:3])
     x, _ = data[0]
-    profile = profile_of(model, x) if name == "checkpoint_activations" else None
+    profile = profile_of(model, x) if name == "checkpoint_activations" else quiet_profile(model)
     opt.zero_grad(set_to_none=False)
     before = _snapshot(model, opt)
     ctx = ctx_of(model, opt, activation_profile=profile, fail_at=stage)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -72,6 +72,12 @@ class ActionContext:
         rearm_free_fraction: the policy's re-arm level (``cache_embedding`` frees enough to get
             back to it).
         grow_margin_fraction: ``grow_cache`` keeps ``rearm + margin`` of the budget free.
+        memory_snapshot: the allocator-snapshot reader (hardware boundary: default
+            ``torch.cuda.memory_snapshot`` once CUDA is initialised; tests pass recorded ones).
+            ``release_cache`` estimates from it.
+        host_available_bytes: host memory this process may still use (the host probe's cgroup-
+            aware ``host_available_bytes``); ``None`` = read it now. Host-tier actions check
+            their headroom against it.
     """
 
     model: nn.Module
@@ -91,6 +97,8 @@ class ActionContext:
     in_use_bytes: int | None = None
     rearm_free_fraction: float | None = None
     grow_margin_fraction: float = 0.05
+    memory_snapshot: Callable[[], Any] | None = None
+    host_available_bytes: int | None = None
 
     def __post_init__(self) -> None:
         self.optimizers = tuple(self.optimizers)
@@ -104,6 +112,15 @@ class ActionContext:
         """Mark a stage of an action; :class:`InjectedFailureError` when ``fail_at == name``."""
         if self.fail_at == name:
             raise InjectedFailureError(f"injected failure at stage {name!r}")
+
+    def allocator_snapshot(self) -> Any:
+        """An allocator snapshot (all devices' segments), or ``None`` when there is none to take
+        (no reader given and CUDA not initialised: the agent never initialises CUDA)."""
+        if self.memory_snapshot is not None:
+            return self.memory_snapshot()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            return torch.cuda.memory_snapshot()
+        return None
 
     def accounting(self) -> Accounting:
         """:func:`edo_monitor.accounting.account` of model and optimizers under this tier rule."""

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from edo_monitor.accounting import is_table_module, tensor_bytes
@@ -67,11 +68,21 @@ class ActivationProfile:
         exclusive_bytes: per qualified module name, the bytes saved only inside that module's
             forward, minus storages that are the module's inputs (what checkpointing it frees).
         called: names of the modules that ran.
+        buffer_mutating: names of the modules during whose forward a buffer of the model changed
+            (its version counter moved, or a buffer was rebound): BatchNorm's running statistics,
+            any custom running state. Recomputing such a forward would change them again.
+        outside_uses: per embedding-table module name, where its parameters were read outside
+            its own forward during the recorded step (``"<innermost module>: <op>"``, or
+            ``"<no module>: <op>"`` for the user's code around the model), e.g. an output
+            layer tied by use: ``F.linear(h, self.emb.weight)``. Actions that change such a
+            weight's dtype, shape, storage or device refuse. See :class:`ActivationRecorder`.
     """
 
     total_bytes: int
     exclusive_bytes: dict[str, int] = field(default_factory=dict)
     called: frozenset[str] = frozenset()
+    buffer_mutating: frozenset[str] = frozenset()
+    outside_uses: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 class ActivationRecorder:
@@ -112,6 +123,15 @@ class ActivationRecorder:
         self._static: set[int] = set()
         self._handles: list[Any] = []
         self._hooks: Any = None
+        # buffer changes per module forward: the modules owning buffers, a stack of the buffers'
+        # (identity, version) at each forward's start, the modules whose forward changed one
+        self._buffer_owners = [m for m in model.modules() if m._buffers]
+        self._buffer_marks: list[tuple[str, tuple[tuple[int, int], ...]]] = []
+        self._mutating: set[str] = set()
+        # reads of table parameters outside their module's forward (see _UseWatcher)
+        self._watched: dict[int, tuple[str, frozenset[str]]] = {}
+        self._outside: dict[str, set[str]] = {}
+        self._use_mode: _UseWatcher | None = None
 
     @staticmethod
     def _key(t: torch.Tensor) -> tuple[int, int]:
@@ -121,8 +141,69 @@ class ActivationRecorder:
         s = t.untyped_storage()
         return s.data_ptr(), s.nbytes()
 
+    def _buffer_state(self) -> tuple[tuple[int, int], ...]:
+        """``(id, _version)`` of every buffer now: an in-place update bumps the version, a
+        rebinding changes the identity."""
+        return tuple(
+            (id(b), b._version)
+            for m in self._buffer_owners
+            for b in m._buffers.values()
+            if b is not None
+        )
+
+    def _pre_buffers(self, name: str) -> None:
+        if self._buffer_owners:
+            self._buffer_marks.append((name, self._buffer_state()))
+
+    def _post_buffers(self, name: str) -> None:
+        if not self._buffer_owners:
+            return
+        while self._buffer_marks:
+            mark_name, state = self._buffer_marks.pop()
+            if mark_name == name:
+                if state != self._buffer_state():
+                    self._mutating.add(name)
+                return
+
+    def _watch_table_params(self) -> None:
+        """Map each table parameter to (its table's name, the names of modules holding it)."""
+        holders: dict[int, set[str]] = {}
+        for name, m in self.model.named_modules(remove_duplicate=False):
+            for p in m._parameters.values():
+                if p is not None:
+                    holders.setdefault(id(p), set()).add(name)
+        for name, m in self.model.named_modules():
+            if not is_table_module(m):
+                continue
+            for p in m.parameters():
+                if id(p) not in self._watched:
+                    self._watched[id(p)] = (name, frozenset(holders.get(id(p), {name})))
+
+    def note_use(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """Record a read of a table parameter outside the forward of every module holding it
+        (called by the recorder's ``TorchFunctionMode`` for each torch function)."""
+        name = getattr(func, "__name__", "")
+        if name in _METADATA_OPS or name.startswith("_foreach"):
+            return
+        in_place = name.endswith("_") and not name.endswith("__")
+        for i, a in enumerate((*args, *kwargs.values())):
+            items = a if isinstance(a, (list, tuple)) else (a,)
+            for t in items:
+                hit = self._watched.get(id(t)) if isinstance(t, torch.Tensor) else None
+                if hit is None or (in_place and i == 0):
+                    continue  # not watched; or updated in place (an optimizer's step)
+                table, owners = hit
+                if any(o in self._stack for o in owners):
+                    continue
+                where = self._stack[-1] if self._stack else "<no module>"
+                self._outside.setdefault(table, set()).add(f"{where or '<model>'}: {name}")
+
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         name = self._names.get(id(module), "")
+        try:
+            self._pre_buffers(name)
+        except Exception as exc:  # a hook must never fail the user's forward
+            self.errors.append(exc)
         self._stack.append(name)
         self._called.add(name)
         try:
@@ -134,6 +215,10 @@ class ActivationRecorder:
 
     def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         name = self._names.get(id(module), "")
+        try:
+            self._post_buffers(name)
+        except Exception as exc:  # a hook must never fail the user's forward
+            self.errors.append(exc)
         if self._stack and self._stack[-1] == name:
             self._stack.pop()
 
@@ -173,6 +258,10 @@ class ActivationRecorder:
         for m in self.model.modules():
             self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
             self._handles.append(m.register_forward_hook(self._post, with_kwargs=True))
+        self._watch_table_params()
+        if self._watched:
+            self._use_mode = _UseWatcher(self)
+            self._use_mode.__enter__()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         stack = getattr(_ACTIVE, "recorders", [])
@@ -182,6 +271,12 @@ class ActivationRecorder:
 
     def __exit__(self, *exc: Any) -> None:
         self._hooks.__exit__(*exc)
+        if self._use_mode is not None:
+            try:
+                self._use_mode.__exit__(None, None, None)
+            except Exception:  # mode stack changed under us (another mode left open)
+                logger.debug("could not pop the use-watching mode", exc_info=True)
+            self._use_mode = None
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -197,7 +292,70 @@ class ActivationRecorder:
                 if ptr in self._inputs.get(name, ()):
                     continue
                 exclusive[name] = exclusive.get(name, 0) + self._bytes[ptr]
-        return ActivationProfile(total, exclusive, frozenset(self._called))
+        return ActivationProfile(
+            total,
+            exclusive,
+            frozenset(self._called),
+            frozenset(self._mutating),
+            {k: tuple(sorted(v)) for k, v in self._outside.items()},
+        )
+
+
+#: torch functions that read only metadata (shape, dtype, storage pointer ...), never values:
+#: a parameter passed to one of them is not "used" (the agent's own accounting calls them too)
+_METADATA_OPS = frozenset(
+    {
+        "__get__",
+        "__len__",
+        "__hash__",
+        "__format__",
+        "__repr__",
+        "dim",
+        "ndimension",
+        "size",
+        "stride",
+        "numel",
+        "nelement",
+        "element_size",
+        "storage_offset",
+        "untyped_storage",
+        "data_ptr",
+        "is_contiguous",
+        "is_floating_point",
+        "is_complex",
+        "is_pinned",
+        "get_device",
+        "_values",
+        "_indices",
+        "is_coalesced",
+        "_is_view",
+    }
+)
+
+
+class _UseWatcher(TorchFunctionMode):
+    """Passes every torch function call of the recorded step to :meth:`ActivationRecorder.note_use`.
+
+    Why a ``TorchFunctionMode`` and not the saved-tensor hooks: a weight read outside its module
+    is not always saved for backward (``F.linear(x, W)`` with ``x`` not requiring grad saves only
+    ``x``; a frozen table saves nothing; a read under ``no_grad`` is invisible to autograd), but
+    every read passes the tensor to a torch function. The mode is active only during the one
+    recorded step every ``profile_interval_s``, and its check is a dict lookup per argument.
+    """
+
+    def __init__(self, recorder: ActivationRecorder) -> None:
+        super().__init__()
+        self._recorder = recorder
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        try:
+            self._recorder.note_use(func, args, kwargs)
+        except Exception:  # never fail the user's step
+            logger.debug("use check of %r failed", func, exc_info=True)
+        return func(*args, **kwargs)
 
 
 def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -250,6 +408,15 @@ def _contains_table(module: nn.Module) -> bool:
     return any(is_table_module(m) for m in module.modules())
 
 
+def _has_running_stats(module: nn.Module) -> bool:
+    """A normalisation layer that updates running statistics in training mode (BatchNorm*,
+    SyncBatchNorm, InstanceNorm* with ``track_running_stats``) anywhere inside ``module``."""
+    return any(
+        isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
+        for m in module.modules()
+    )
+
+
 def _block_candidates(model: nn.Module) -> list[str]:
     names = []
     for parent_name, parent in model.named_modules():
@@ -284,6 +451,14 @@ class CheckpointActivations(Action):
             return a == b or a.startswith(b + ".") or b.startswith(a + ".")
 
         cands = [c for c in cands if not any(overlaps(c, d) for d in done)]
+        # lossless means bit-identical state, buffers included: a block whose forward changes a
+        # buffer (running statistics) would change it again when recomputed during backward
+        stateful = [
+            c
+            for c in cands
+            if c in profile.buffer_mutating or _has_running_stats(ctx.model.get_submodule(c))
+        ]
+        cands = [c for c in cands if c not in stateful]
         cands = [c for c in cands if sum(1 for o in cands if o.startswith(c + ".")) < 2]
         cands = [c for c in cands if profile.exclusive_bytes.get(c, 0) > 0]
         cands.sort(key=lambda c: profile.exclusive_bytes[c], reverse=True)
@@ -294,14 +469,25 @@ class CheckpointActivations(Action):
             if not any(overlaps(c, o) for o in chosen):
                 chosen.append(c)
         if not chosen:
-            return self.refuse("", "no block with saved activations left to checkpoint")
+            why = "no block with saved activations left to checkpoint"
+            if stateful:
+                why += (
+                    f"; excluded {len(stateful)} block(s) whose forward changes buffers in "
+                    f"training mode (recomputation would update them twice): "
+                    f"{', '.join(stateful[:5])}"
+                )
+            return self.refuse("", why)
         est = sum(profile.exclusive_bytes[c] for c in chosen)
         return Plan(
             self.name,
             ",".join(chosen),
             est,
             f"checkpoint {len(chosen)} block(s) saving {format_bytes(est)} of activations",
-            {"blocks": chosen, "activations_bytes_before": profile.total_bytes},
+            {
+                "blocks": chosen,
+                "activations_bytes_before": profile.total_bytes,
+                "excluded_buffer_mutating": stateful,
+            },
         )
 
     def _measure(self, ctx: ActionContext) -> int:

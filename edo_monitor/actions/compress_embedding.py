@@ -35,12 +35,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from edo_monitor.accounting import tensor_bytes
+from edo_monitor.accounting import tensor_bytes, tensor_bytes_as
 from edo_monitor.actions.base import Action, ActionContext, Plan, Refusal, find_wrapped_parallel
 from edo_monitor.actions.tables import (
     TableCandidate,
     convert_optimizer_state,
     device_tables,
+    outside_use_blocker,
     replace_module,
     replace_param_in_optimizers,
     sharing_users,
@@ -94,6 +95,9 @@ class CompressEmbedding(Action):
         users = sharing_users(ctx.model, t.module, w)
         if users:
             return f"weight is tied to {', '.join(users)}"
+        outside = outside_use_blocker(ctx.activation_profile, t.name)
+        if outside:
+            return outside
         if opts.sparse:
             return "sparse=True is not preserved by compression"
         if opts.max_norm is not None:
@@ -138,11 +142,13 @@ class CompressEmbedding(Action):
         w = t.weight
         n, d = w.shape
         if variant in _DTYPES:
-            saved = t.params_bytes // 2 + t.grads_bytes // 2
+            dtype = _DTYPES[variant]
+            # the weight and its (dense, derived) gradient halve; so does per-element state
+            saved = (t.params_bytes - tensor_bytes_as(w, dtype)) * (2 if t.grads_bytes else 1)
             for opt in ctx.optimizers:
-                for v in (opt.state.get(w) or {}).values():
+                for v in list((opt.state.get(w) or {}).values()):
                     if isinstance(v, torch.Tensor) and v.shape == w.shape and v.is_floating_point():
-                        saved += tensor_bytes(v) - v.numel() * 2
+                        saved += tensor_bytes(v) - tensor_bytes_as(v, dtype)
             return saved
         if variant == "int8":
             pad = d * w.element_size() if t.module.padding_idx is not None else 0

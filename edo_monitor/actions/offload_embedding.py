@@ -21,6 +21,7 @@ from edo_monitor.actions.tables import (
     convert_optimizer_state,
     device_tables,
     optimizer_group_flags,
+    outside_use_blocker,
     replace_module,
     sharing_users,
 )
@@ -56,6 +57,10 @@ class OffloadEmbedding(Action):
             users = sharing_users(ctx.model, t.module, t.weight)
             if users:
                 reasons.append(f"{t.name}: weight is tied to {', '.join(users)}")
+                continue
+            outside = outside_use_blocker(ctx.activation_profile, t.name)
+            if outside:
+                reasons.append(f"{t.name}: {outside}")
                 continue
             flag = optimizer_group_flags(ctx.optimizers, t.weight)
             if flag:

@@ -15,6 +15,7 @@ __all__ = [
     "TableCandidate",
     "convert_optimizer_state",
     "device_tables",
+    "outside_use_blocker",
     "replace_module",
     "replace_param_in_optimizers",
     "sharing_users",
@@ -77,6 +78,33 @@ def sharing_users(model: nn.Module, module: nn.Module, param: nn.Parameter) -> l
         if any(p is param for p in m._parameters.values()):
             users.append(f"{name} ({type(m).__name__})")
     return users
+
+
+def outside_use_blocker(profile: object, table: str) -> str | None:
+    """Why a table's weight may not change dtype, shape, storage or device, or ``None``.
+
+    A weight read outside its own module's forward (``F.linear(h, self.emb.weight)``: an output
+    layer tied by use, not by ``Parameter`` identity) would meet the changed weight there: a dtype
+    or device mismatch in the next step. The reads are recorded by
+    :class:`edo_monitor.actions.checkpoint_activations.ActivationRecorder` over one whole step
+    (``ActivationProfile.outside_uses``); without such a profile nothing is known, and the answer
+    is a refusal too.
+
+    Args:
+        profile: ``ActionContext.activation_profile`` (an ``ActivationProfile`` or ``None``).
+        table: the table module's qualified name.
+    """
+    uses = getattr(profile, "outside_uses", None)
+    if uses is None:
+        return (
+            "no recorded step yet: cannot tell whether its weight is read outside its module "
+            "(one profiled step is needed)"
+        )
+    where = uses.get(table)
+    if where:
+        shown = ", ".join(where[:3]) + (f" and {len(where) - 3} more" if len(where) > 3 else "")
+        return f"weight is read outside {table}'s forward ({shown}); changing it would break that"
+    return None
 
 
 def replace_module(model: nn.Module, old: nn.Module, new: nn.Module) -> list[str]:

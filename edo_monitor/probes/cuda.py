@@ -117,7 +117,8 @@ class AllocatorProbe:
         if self.snapshot_interval_s > 0 and due and "memory_snapshot" not in self._failed:
             self._last_snapshot_s = now
             try:
-                frag = snapshot_fragmentation(self._memory_snapshot())
+                # a snapshot covers every device: measure the watched one only
+                frag = snapshot_fragmentation(self._memory_snapshot(), self.device_index)
                 self._snapshot = {
                     "fragmentation": frag.fragmentation,
                     "largest_inactive_block_bytes": frag.largest_inactive_block_bytes,
