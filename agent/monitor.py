@@ -485,6 +485,7 @@ class Monitor:
         if self.model is not None:
             self._lookups = LookupCounter()
             self._lookups.watch_tables(self.model)
+        self._arm_activation_profile()  # record the first step (table actions need it)
         self._sampler = threading.Thread(target=self._sample_loop, name="edo-sampler", daemon=True)
         self._sampler.start()
         logger.info(
@@ -672,12 +673,14 @@ class Monitor:
         never leaves the count behind or merges two steps.
         """
         try:
+            # the profile first: the readings that see this step's accounting see its profile
+            # too (table actions need one; recording starts on entering, so step 1 has it)
+            self._collect_activation_profile()
             if self._want_step_accounting or self._enforcing:
                 # between optimizer step and zero_grad, gradients and optimizer state are all
                 # alive: the step's peak of static memory (the sampler may land anywhere)
                 self._want_step_accounting = False
                 self._step_accounting = self._account()
-            self._collect_activation_profile()
             if self._enforcing and self._step_accounting is not None:
                 static = self._step_accounting.total_bytes
                 if self._tracker is not None:

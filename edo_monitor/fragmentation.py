@@ -124,8 +124,7 @@ def _segments(snapshot: object, device: int | None = None) -> list[Mapping[str, 
     """The segment dicts of ``snapshot``; with ``device``, only those of that device index.
 
     A snapshot covers every device the process has used; each segment names its ``device``
-    (an int). With ``device`` given, a segment without a readable ``device`` is dropped too (it
-    cannot be attributed).
+    (an int). A segment without a ``device`` key (a recorded one-device snapshot) is kept.
     """
     if isinstance(snapshot, Mapping):
         snapshot = snapshot.get("segments", [])
@@ -133,7 +132,7 @@ def _segments(snapshot: object, device: int | None = None) -> list[Mapping[str, 
         return []
     segments = [s for s in snapshot if isinstance(s, Mapping)]
     if device is not None:
-        segments = [s for s in segments if _int_or_none(s.get("device")) == device]
+        segments = [s for s in segments if s.get("device", device) == device]
     return segments
 
 

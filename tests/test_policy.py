@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from edo_monitor.accounting import account
-from edo_monitor.actions import ACTIONS, ActionContext, Plan, Refusal
+from edo_monitor.actions import ACTIONS, ActionContext, ActivationRecorder, Plan, Refusal
 from edo_monitor.errors import ConfigError
 from edo_monitor.policy import (
     Decision,
@@ -253,9 +255,13 @@ def test_loop_reacts_within_one_step_and_free_memory_returns_above_the_floor() -
             assert result.saved_bytes == pending.estimated_saving_bytes
             pending = None
         x = torch.randint(0, 4000, (8, 5), generator=g)
-        loss = F.cross_entropy(model(x), x[:, 0] % 4)
-        loss.backward()
-        opt.step()
+        # like the agent, record the first step (table actions need to know the weights' uses)
+        with ActivationRecorder(model) if step == 0 else contextlib.nullcontext() as rec:
+            loss = F.cross_entropy(model(x), x[:, 0] % 4)
+            loss.backward()
+            opt.step()
+        if step == 0:
+            ctx.activation_profile = rec.profile()
         in_use = account(model, [opt]).total_bytes
         free = (budget - in_use) / budget
         frees.append(free)

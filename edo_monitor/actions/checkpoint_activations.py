@@ -31,6 +31,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
@@ -56,6 +60,23 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _ACTIVE = threading.local()
+
+#: ``depth`` > 0 while an optimizer's ``step`` runs on this thread (global step hooks, registered
+#: once at import: registering them later, from inside the agent's own optimizer post-hook, would
+#: change the dict PyTorch is iterating). Reads of a weight there are the optimizer's.
+_OPTIMIZER_STEP = threading.local()
+
+
+def _optimizer_step_pre(*args: Any) -> None:
+    _OPTIMIZER_STEP.depth = getattr(_OPTIMIZER_STEP, "depth", 0) + 1
+
+
+def _optimizer_step_post(*args: Any) -> None:
+    _OPTIMIZER_STEP.depth = max(0, getattr(_OPTIMIZER_STEP, "depth", 0) - 1)
+
+
+register_optimizer_step_pre_hook(_optimizer_step_pre)
+register_optimizer_step_post_hook(_optimizer_step_post)
 _MARK = "_edo_checkpoint"
 
 
@@ -181,9 +202,19 @@ class ActivationRecorder:
 
     def note_use(self, func: Any, args: tuple, kwargs: dict) -> None:
         """Record a read of a table parameter outside the forward of every module holding it
-        (called by the recorder's ``TorchFunctionMode`` for each torch function)."""
+        (called by the recorder's ``TorchFunctionMode`` for each torch function).
+
+        Not uses: metadata reads (:data:`_METADATA_OPS`), anything inside an optimizer's
+        ``step`` (the actions move or convert the optimizer's state with the weight), and, for
+        optimizer code run outside ``step``, ``_foreach_*`` ops and in-place ops whose first
+        argument is the weight.
+        """
         name = getattr(func, "__name__", "")
-        if name in _METADATA_OPS or name.startswith("_foreach"):
+        if (
+            getattr(_OPTIMIZER_STEP, "depth", 0)
+            or name in _METADATA_OPS
+            or name.startswith("_foreach")
+        ):
             return
         in_place = name.endswith("_") and not name.endswith("__")
         for i, a in enumerate((*args, *kwargs.values())):
@@ -260,6 +291,7 @@ class ActivationRecorder:
             self._handles.append(m.register_forward_hook(self._post, with_kwargs=True))
         self._watch_table_params()
         if self._watched:
+            _OPTIMIZER_STEP.depth = 0  # a step that raised never ran its post-hook
             self._use_mode = _UseWatcher(self)
             self._use_mode.__enter__()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -306,6 +338,7 @@ class ActivationRecorder:
 _METADATA_OPS = frozenset(
     {
         "__get__",
+        "__set__",
         "__len__",
         "__hash__",
         "__format__",
