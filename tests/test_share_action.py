@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 from torch import nn
 
 import edo_monitor
-from edo_monitor.actions import ACTIONS, ActionContext
+from edo_monitor.actions import ACTIONS, ActionContext, ActivationRecorder
 from edo_monitor.frequency import LookupCounter
 from edo_monitor.nn import HybridEmbedding, hash_ids
 from edo_monitor.store.history import History
@@ -25,6 +26,13 @@ class Model(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head(self.emb(ids)).squeeze(-1)
+
+
+def _profile(model: nn.Module) -> object:
+    """One recorded forward on a copy (sharing needs to know the table is read only by itself)."""
+    with torch.no_grad(), ActivationRecorder(copy.deepcopy(model)) as rec:
+        rec.model(torch.arange(8))
+    return rec.profile()
 
 
 def _zipf_ids(gen: torch.Generator, batch: int) -> torch.Tensor:
@@ -85,7 +93,7 @@ def test_share_converts_the_table_keeps_training_and_estimate_equals_saving() ->
     model, opt, counter = _setup()
     old = model.emb.weight.detach().clone()
     old_state = {k: v.clone() for k, v in opt.state[model.emb.weight].items()}
-    ctx = ActionContext(model, [opt], lookup_counter=counter)
+    ctx = ActionContext(model, [opt], activation_profile=_profile(model), lookup_counter=counter)
     plan = ACTIONS["share_embedding"].plan(ctx)
     assert plan.details["hot_ids"] == 200 and plan.details["buckets"] == 200  # 5 % of 4000 each
     result = ACTIONS["share_embedding"].apply(ctx, plan)
@@ -134,7 +142,9 @@ def test_share_is_transactional(stage: str) -> None:
     weight = model.emb.weight
     before = {k: v.clone() for k, v in model.state_dict().items()}
     opt_before = {k: v.clone() for k, v in opt.state[weight].items()}
-    ctx = ActionContext(model, [opt], lookup_counter=counter, fail_at=stage)
+    ctx = ActionContext(
+        model, [opt], activation_profile=_profile(model), lookup_counter=counter, fail_at=stage
+    )
     result = ACTIONS["share_embedding"].apply(ctx)
     assert result.status == "failed"
     assert isinstance(model.emb, nn.Embedding) and model.emb.weight is weight
@@ -147,7 +157,9 @@ def test_share_is_transactional(stage: str) -> None:
 
 def test_share_refuses_what_it_cannot_keep() -> None:
     model, opt, counter = _setup(max_norm=1.0)
-    refusal = ACTIONS["share_embedding"].plan(ActionContext(model, [opt], lookup_counter=counter))
+    refusal = ACTIONS["share_embedding"].plan(
+        ActionContext(model, [opt], activation_profile=_profile(model), lookup_counter=counter)
+    )
     assert "max_norm" in refusal.reason
 
     class Tied(nn.Module):
@@ -167,7 +179,7 @@ def test_share_without_counts_hashes_every_id() -> None:
     model = Model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     _train(model, opt, 2)
-    ctx = ActionContext(model, [opt])
+    ctx = ActionContext(model, [opt], activation_profile=_profile(model))
     result = ACTIONS["share_embedding"].apply(ctx)
     assert result.status == "applied", result.reason
     assert result.details["hot_ids"] == 0 and model.emb.num_hot == 0

@@ -39,6 +39,7 @@ from edo_monitor.actions.base import Action, ActionContext, Plan, Refusal, find_
 from edo_monitor.actions.tables import (
     TableCandidate,
     device_tables,
+    outside_use_blocker,
     replace_module,
     replace_param_in_optimizers,
     sharing_users,
@@ -86,6 +87,9 @@ class ShareEmbedding(Action):
         users = sharing_users(ctx.model, t.module, t.weight)
         if users:
             return f"weight is tied to {', '.join(users)}"
+        outside = outside_use_blocker(ctx.activation_profile, t.name)
+        if outside:
+            return outside
         if opts.max_norm is not None:
             return "max_norm is not preserved by sharing (it rewrites shared rows in place)"
         if opts.scale_grad_by_freq:
