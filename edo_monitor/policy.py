@@ -10,8 +10,11 @@ Hysteresis: pressure starts when ``free_fraction`` drops below ``min_free_fracti
 ``"above_rearm"`` crossing). While under pressure, and not within ``cooldown_steps`` of the last
 applied decision, the policy decides the first applicable action of its ladder (lossless first,
 lossy only with ``allow_lossy``), skipping actions that refuse, ``(action, target)`` pairs that
-failed before, ``release_cache`` in CPU-budget mode or when the reading's reserved-but-unallocated
-bytes are below ``release_cache_min_bytes``. Only one decision is pending at a time.
+failed before, ``(action, target)`` pairs that were *ineffective* in this pressure episode (applied,
+but the measured saving was below :data:`INEFFECTIVE_BELOW_FRACTION` of the estimate; see
+:meth:`Policy.resolve`), ``release_cache`` in CPU-budget mode or when the reading's
+reserved-but-unallocated bytes are below ``release_cache_min_bytes``. Only one decision is pending
+at a time.
 
 Growing back: in ``"auto"`` mode, when not under pressure and ``free_fraction`` has stayed at or
 above ``rearm_free_fraction + grow_margin_fraction`` for ``grow_after_readings`` readings in a row,

@@ -12,8 +12,12 @@ gives an :class:`ActivationProfile`: for every module, the bytes of saved tensor
 module's forward saves (*exclusive* bytes), minus the block's own inputs (checkpointing keeps
 those alive). Parameters and buffers are not activations and are not counted. Blocks are the
 children of ``nn.Sequential``/``nn.ModuleList`` and of the root, without embedding tables inside;
-a block enclosing two or more other blocks is skipped in favour of the finer ones (checkpointing
-one outer block would recompute everything at once and not lower the backward peak).
+blocks whose forward changed a buffer during the recorded step
+(``ActivationProfile.buffer_mutating``: BatchNorm's running statistics, any running state) or that
+hold a normalisation layer tracking running statistics are excluded (recomputing them would update
+the buffers twice, and lossless means buffers bit-identical too); a block enclosing two or more
+other blocks is skipped in favour of the finer ones (checkpointing one outer block would recompute
+everything at once and not lower the backward peak).
 
 Measured bytes are saved-activation bytes: before = the profile's total, after = a new recorded
 forward (``ActivationRecorder`` also counts the inputs that checkpointed blocks hold). Until the

@@ -19,9 +19,10 @@ Variants (each registered as its own action name):
 * ``compress_embedding``: bf16 for trainable tables, int8 for frozen ones.
 
 The ``padding_idx`` row stays exact (int8/low-rank keep it in a buffer; fp16/bf16 refuse a padding
-row that the dtype cannot hold exactly). Refused: DDP/FSDP models, tied weights, ``sparse=True``
-and ``max_norm`` (both not preserved), ``scale_grad_by_freq`` on a trainable low-rank table, tables
-already at 16 bits or less.
+row that the dtype cannot hold exactly). Refused: DDP/FSDP models, tied weights, a weight read
+outside its module's forward (``actions.tables.outside_use_blocker``; needs a recorded step),
+``sparse=True`` and ``max_norm`` (both not preserved), ``scale_grad_by_freq`` on a trainable
+low-rank table, tables already at 16 bits or less.
 
 The recorded error compares the table as the model now computes it with the table before:
 ``max_abs_error`` and the row cosine (mean, min), padding row excluded.
