@@ -41,18 +41,8 @@ from edo_monitor.actions.tables import (
     sharing_users,
 )
 from edo_monitor.nn import EmbeddingOptions, OffloadedEmbedding
+from edo_monitor.probes.host import host_memory
 from edo_monitor.units import format_bytes
-
-try:  # the cgroup-aware reading (the smaller of the machine's and the container's)
-    from edo_monitor.probes.host import host_memory as _host_memory
-except ImportError:  # pragma: no cover - an older probe: the machine's reading
-
-    def _host_memory() -> tuple[int, int]:
-        import psutil
-
-        vm = psutil.virtual_memory()
-        return int(vm.available), int(vm.total)
-
 
 __all__ = ["OffloadEmbedding", "host_available_bytes", "host_bytes_needed"]
 
@@ -174,10 +164,10 @@ def host_bytes_needed(ctx: ActionContext, t: TableCandidate) -> int:
 
 
 def host_available_bytes() -> int | None:
-    """The host probe's available bytes now (cgroup-aware where the probe is), ``None`` if
-    unreadable."""
+    """Host bytes this process may still use now: :func:`edo_monitor.probes.host.host_memory`'s
+    available bytes (the smaller of the machine's and the cgroup's); ``None`` if unreadable."""
     try:
-        return int(_host_memory()[0])
+        return int(host_memory()[0])
     except Exception:
         logger.debug("host memory unreadable", exc_info=True)
         return None
