@@ -15,7 +15,13 @@ from torch import nn
 
 import edo_monitor
 from edo_monitor.accounting import account
-from edo_monitor.actions import ACTIONS, ActionContext, InjectedFailureError, Refusal
+from edo_monitor.actions import (
+    ACTIONS,
+    ActionContext,
+    ActivationRecorder,
+    InjectedFailureError,
+    Refusal,
+)
 from edo_monitor.actions.cache_embedding import track_batch_ids
 from edo_monitor.nn import CachedTable
 from edo_monitor.store.history import History
@@ -66,8 +72,20 @@ def _pair() -> tuple[nn.Module, torch.optim.Optimizer, nn.Module, torch.optim.Op
     )
 
 
+def _profile(model: nn.Module) -> object:
+    """One recorded forward on a copy: the cache needs to know the table is read only by itself."""
+    users, items, _ = _batches(1, seed=9)[0]
+    twin = copy.deepcopy(model)
+    for m in twin.modules():  # the copy must not feed the original's batch-id peaks
+        m._forward_pre_hooks.clear()
+    with torch.no_grad(), ActivationRecorder(twin) as rec:
+        twin(users, items)
+    return rec.profile()
+
+
 def _ctx(model: nn.Module, opt: torch.optim.Optimizer, **kw) -> ActionContext:
     in_use = account(model, [opt]).total_bytes
+    kw.setdefault("activation_profile", _profile(model))
     return ActionContext(
         model, [opt], budget_bytes=kw.pop("budget_bytes", in_use), in_use_bytes=in_use, **kw
     )

@@ -39,7 +39,12 @@ import torch
 from torch import nn
 
 from edo_monitor.actions.base import Action, ActionContext, Plan, Refusal, find_wrapped_parallel
-from edo_monitor.actions.tables import device_tables, replace_module, sharing_users
+from edo_monitor.actions.tables import (
+    device_tables,
+    outside_use_blocker,
+    replace_module,
+    sharing_users,
+)
 from edo_monitor.nn import EmbeddingOptions
 from edo_monitor.nn.cached import CachedTable, _group_of, _make_rule, rebind_data
 from edo_monitor.units import format_bytes
@@ -177,6 +182,10 @@ class CacheEmbedding(Action):
             refusal = _optimizer_refusal(ctx.optimizers, weight)
             if refusal:
                 reasons.append(f"{t.name}: {refusal}")
+                continue
+            outside = outside_use_blocker(ctx.activation_profile, t.name)
+            if outside:  # the cache changes the weight's shape: a read elsewhere would break
+                reasons.append(f"{t.name}: {outside}")
                 continue
             n = int(weight.shape[0])
             row_bytes = _row_bytes(weight, ctx.optimizers)
