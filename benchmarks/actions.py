@@ -9,11 +9,16 @@ Part 1 — the main example's model (``examples/train_embedding.py``: ``HashedWo
 CPU-budget mode (``cuda_mode=False``), warmed up for ``--warmup-steps`` steps at batch
 ``--batch`` on the example's own dataset (the Python standard library's source). For each action:
 
-- **bytes**: ``ActionResult.saved_bytes`` (device-tier accounting just before and after the
-  action) against ``Plan.estimated_saving_bytes``; and the saving in steady state, after
-  ``--rounds`` more training steps, measured with ``edo_monitor.accounting.account`` at the step's
-  static peak (after ``opt.step()``, before ``zero_grad``) on the acted model and on an untouched
-  twin (gradients exist again then, so e.g. bf16 also halves the gradient);
+- **bytes**: each action is applied where the agent applies it, at the step's static peak (the
+  optimizer step post-hook: after ``opt.step()``, before ``zero_grad``), so the gradients of the
+  last warm-up step exist. ``ActionResult.saved_bytes`` (device-tier accounting just before and
+  after the action) is compared with ``Plan.estimated_saving_bytes``, which counts the gradient a
+  trainable table has at the step's peak. Also shown: the same action applied between steps, after
+  ``zero_grad(set_to_none=True)`` freed the gradients (its ``saved_bytes`` lacks the gradient: it
+  comes back at the next backward), and the saving in steady state, after ``--rounds`` more
+  training steps, measured with ``edo_monitor.accounting.account`` at the step's peak on the acted
+  model and on an untouched twin (gradients exist again then, so e.g. bf16 also halves the
+  gradient); both compared with the estimate;
 - **time per action**: ``ActionResult.duration_s`` (plan re-check, accounting, transaction
   snapshot and the change itself), median of ``--repeats`` applications, each on a fresh copy of
   the warmed-up model and optimizer (rebuilt from their state dicts); for lossy actions also the
@@ -173,47 +178,65 @@ def mlp_variant_class(example: ModuleType) -> type[nn.Module]:
 
 @dataclass
 class Snapshot:
-    """A warmed-up model and optimizer as state dicts, from which fresh copies are built."""
+    """A warmed-up model and optimizer at the last warm-up step's peak (after ``opt.step()``,
+    before ``zero_grad``): state dicts and the gradients, from which fresh copies are built."""
 
     model_cls: Callable[[], nn.Module]
     model_state: dict[str, torch.Tensor]
     optim_state: dict[str, Any]
+    grads: dict[str, torch.Tensor]
 
-    def fresh(self, frozen: bool = False) -> tuple[nn.Module, torch.optim.Adam]:
-        """An independent copy (own tensors, own optimizer state); table frozen if asked."""
+    def fresh(self, frozen: bool = False, grads: bool = True) -> tuple[nn.Module, torch.optim.Adam]:
+        """An independent copy (own tensors, own optimizer state), with the gradients of the
+        step's peak unless ``grads=False`` (as after ``zero_grad(set_to_none=True)``); the table
+        frozen (and without a gradient) if asked."""
         model = self.model_cls()
         model.load_state_dict(self.model_state)
         opt = torch.optim.Adam(model.parameters(), lr=LR)
         opt.load_state_dict(copy.deepcopy(self.optim_state))
+        if grads:
+            for name, p in model.named_parameters():
+                if name in self.grads:
+                    p.grad = self.grads[name].clone()
         if frozen:
             model.features.weight.requires_grad_(False)
+            model.features.weight.grad = None
         return model, opt
 
 
 def train_step(
-    model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    zero_grad: bool = True,
 ) -> tuple[float, float, int]:
-    """One step; returns (seconds, loss, device-tier bytes at the step's static peak)."""
+    """One step; returns (seconds, loss, device-tier bytes at the step's static peak). The
+    gradients are freed (``set_to_none=True``) at the end unless ``zero_grad=False``."""
     t0 = time.perf_counter()
     loss = nn.functional.cross_entropy(model(x), y)
     loss.backward()
     opt.step()
     dt = time.perf_counter() - t0
     peak = account(model, [opt]).total_bytes  # after step, before zero_grad: grads still alive
-    opt.zero_grad(set_to_none=True)
+    if zero_grad:
+        opt.zero_grad(set_to_none=True)
     return dt, float(loss.item()), peak
 
 
 def warm_up(
     model_cls: Callable[[], nn.Module], batches: list[tuple[torch.Tensor, torch.Tensor]]
 ) -> Snapshot:
-    """Train a new model for ``len(batches)`` steps and snapshot it."""
+    """Train a new model for ``len(batches)`` steps and snapshot it at the last step's peak."""
     torch.manual_seed(0)
     model = model_cls()
     opt = torch.optim.Adam(model.parameters(), lr=LR)
-    for x, y in batches:
-        train_step(model, opt, x, y)
-    return Snapshot(model_cls, copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+    for i, (x, y) in enumerate(batches):
+        train_step(model, opt, x, y, zero_grad=i < len(batches) - 1)
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return Snapshot(
+        model_cls, copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()), grads
+    )
 
 
 def profile_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> ActivationProfile:
@@ -240,6 +263,7 @@ class Case:
     opt: torch.optim.Optimizer | None = None
     measured_activation_saving: int | None = None
     row_error_s: float | None = None
+    saved_without_grads: int | None = None
 
     def context(
         self, model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
@@ -351,12 +375,20 @@ def run_part1(args: argparse.Namespace, example: ModuleType) -> None:
                 after_profile = profile_of(model, probe_x, probe_y)
                 case.measured_activation_saving = result.bytes_before - after_profile.total_bytes
             if rep == args.repeats - 1:
+                opt.zero_grad(set_to_none=True)  # the step ends; the next backward starts afresh
                 case.model, case.opt = model, opt  # the last copy trains on below
+        if case.results and case.results[0].status == "applied":
+            # the same action between steps, the gradients freed by zero_grad(set_to_none=True)
+            model, opt = case.snapshot.fresh(case.frozen, grads=False)
+            result = ACTIONS[case.action].apply(case.context(model, opt, probe_x, probe_y))
+            if result.status == "applied":
+                case.saved_without_grads = result.saved_bytes
+            del model, opt
 
     twins: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {
-        "twin": base.fresh(),
-        "twin (frozen)": base.fresh(frozen=True),
-        "twin (MLP variant)": variant.fresh(),
+        "twin": base.fresh(grads=False),
+        "twin (frozen)": base.fresh(frozen=True, grads=False),
+        "twin (MLP variant)": variant.fresh(grads=False),
     }
     runners: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = dict(twins)
     for case in cases:
@@ -383,11 +415,11 @@ def run_part1(args: argparse.Namespace, example: ModuleType) -> None:
     for case in cases:
         if case.refusal is not None or not case.results:
             reason = case.refusal.reason if case.refusal else "no result"
-            rows.append([case.label, "refused", "-", "-", "-", "-", "-", "-", "-", reason])
+            rows.append([case.label, "refused", *["-"] * 9, reason])
             continue
         r = case.results[0]
         if r.status != "applied":
-            rows.append([case.label, r.status, "-", "-", "-", "-", "-", "-", "-", r.reason])
+            rows.append([case.label, r.status, *["-"] * 9, r.reason])
             continue
         durations = [c.duration_s for c in case.results]
         est, saved = r.estimated_saving_bytes, r.saved_bytes
@@ -398,7 +430,8 @@ def run_part1(args: argparse.Namespace, example: ModuleType) -> None:
                 off = "= estimate" if measured == est else f"estimate {est - measured:+,} B"
                 steady = f"{mib(measured)} of activations, re-recorded ({off})"
         else:
-            steady = mib(peaks[case.twin] - peaks[case.label])
+            steady_bytes = peaks[case.twin] - peaks[case.label]
+            steady = f"{mib(steady_bytes)} ({steady_bytes / est:.4f} of est.)"
         rows.append(
             [
                 case.label,
@@ -406,6 +439,7 @@ def run_part1(args: argparse.Namespace, example: ModuleType) -> None:
                 mib(est),
                 mib(saved),
                 f"{saved / est:.4f}" if est else "-",
+                mib(case.saved_without_grads),
                 steady,
                 f"{ms(statistics.median(durations))} ({ms(min(durations))}-{ms(max(durations))})",
                 ms(case.row_error_s),
@@ -422,9 +456,10 @@ def run_part1(args: argparse.Namespace, example: ModuleType) -> None:
                 "action",
                 "target",
                 "estimated",
-                "saved (ActionResult)",
+                "saved (ActionResult, at the step's peak)",
                 "saved/est.",
-                f"saved after {args.rounds} steps (vs twin)",
+                "saved if applied after zero_grad(set_to_none=True)",
+                f"saved at the step's peak after {args.rounds} steps (vs twin)",
                 f"duration_s median (min-max, n={args.repeats})",
                 "of which row_error",
                 "error: row cos mean / min",
