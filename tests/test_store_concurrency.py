@@ -18,12 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy.exc import OperationalError
+from sqlalchemy import event
 from sqlalchemy.orm import Session
 
-import edo_monitor.store.writer as writer_mod
 from edo_monitor.readings import Reading
-from edo_monitor.store.engine import open_engine, roll_up, write_samples
+from edo_monitor.store.engine import open_engine, roll_up
 from edo_monitor.store.history import History
 from edo_monitor.store.schema import Run
 from edo_monitor.store.writer import Writer
@@ -252,33 +251,64 @@ def test_writer_drops_an_unwritable_batch_and_goes_on(tmp_path: Path) -> None:
     engine.dispose()
 
 
+def _short_busy_timeout(engine: Any, timeout_ms: int = 100) -> None:
+    """Make the engine's new connections give up on a lock after ``timeout_ms`` instead of the
+    store's 30 s (a listener after the store's own; SQLAlchemy's public event API)."""
+
+    @event.listens_for(engine, "connect")
+    def _busy(dbapi_conn: sqlite3.Connection, _record: object) -> None:
+        dbapi_conn.execute(f"PRAGMA busy_timeout = {timeout_ms}")
+
+    engine.dispose()  # connections made before the listener keep their 30 s
+
+
 @pytest.mark.parametrize("when", ["running", "closing"])
 def test_writer_retries_after_an_operational_error(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, when: str
 ) -> None:
+    """A real "database is locked": another connection holds the write lock (``BEGIN
+    EXCLUSIVE``) past the writer's busy timeout. The writer keeps its batch, logs once, and
+    writes it all once the lock is gone (while running, and when close() asks for the flush)."""
     engine, run_id = _writer_db(tmp_path)
-    failures = [OperationalError("INSERT", None, sqlite3.OperationalError("database is locked"))]
-
-    def flaky(conn: Any, run: int, values: Any) -> None:
-        if failures:
-            raise failures.pop()
-        write_samples(conn, run, values)
-
-    monkeypatch.setattr(writer_mod, "write_samples", flaky)
+    _short_busy_timeout(engine)
+    locker = sqlite3.connect(tmp_path / "w.db", isolation_level=None)
+    locker.execute("BEGIN EXCLUSIVE")
     writer = Writer(engine, run_id, batch_size=100, flush_interval_s=0.01)
     for i in range(50):
         writer.put_sample(_reading(i))
-    if when == "running":
-        writer.start()
-        deadline = time.monotonic() + 10
-        while writer.written["samples"] < 50 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert failures == [] and writer.written["samples"] == 50
-    else:
+
+    def refused() -> bool:
+        return any("database is locked" in (r.exc_text or "") for r in caplog.records)
+
+    closing = None
+    if when == "closing":
         writer.flush_interval_s = 60.0  # the first flush is the one close() asks for
         writer.start()
+        closing = threading.Thread(target=writer.close)
+        closing.start()  # close() flushes, is refused, and tries again a second later
+    else:
+        writer.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not refused() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert refused(), "the writer never met the lock"
+        assert writer.written["samples"] == 0 and writer.alive
+    finally:
+        locker.execute("ROLLBACK")
+        locker.close()
+    if closing is not None:
+        closing.join(60)
+        assert not closing.is_alive()
+    else:
+        deadline = time.monotonic() + 30
+        while writer.written["samples"] < 50 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert writer.written["samples"] == 50
     writer.close()
-    assert failures == [] and writer.dropped == 0 and writer.written["samples"] == 50
+    assert writer.dropped == 0 and writer.written["samples"] == 50
+    errors = [r for r in caplog.records if "cannot write" in r.getMessage()]
+    assert len(errors) == 1 and "retrying" in errors[0].getMessage()  # logged once
     con = sqlite3.connect(tmp_path / "w.db")
     assert con.execute("SELECT count(*), max(step) FROM samples").fetchone() == (50, 49)
     con.close()
