@@ -83,8 +83,14 @@ def test_advise_mode_records_without_changing_the_model(db_path: Path) -> None:
     assert type(model[0]) is nn.Embedding
     summary = mon.summary()
     # one episode under the floor (nothing applied, it never ends): offload advised once, then
-    # nothing else on the lossless ladder applies (no block saves activations of its own)
-    assert summary.events == {"threshold_crossed": 1, "decision": 1, "no_action": 1}
+    # nothing else on the lossless ladder applies (no block saves activations of its own); at the
+    # end, the lookup counts of the one table
+    assert summary.events == {
+        "threshold_crossed": 1,
+        "decision": 1,
+        "no_action": 1,
+        "lookup_frequency": 1,
+    }
     with History(db_path) as history:
         (decision,) = history.events("latest", kind="decision")[:1]
     assert decision.data["mode"] == "advise"

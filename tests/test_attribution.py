@@ -55,8 +55,10 @@ def test_activations_recorded_per_step_and_can_be_turned_off(db_path: Path) -> N
     with edo_monitor.watch(model, db=db_path, interval_s=0.02) as mon:
         train(model, opt, 5, batch=64)
     with_tracking = mon.summary().peak_activations_bytes
-    # table output [64, 32] (Linear's input), ReLU output [64, 64] (next Linear's input), ids
-    assert with_tracking is not None and with_tracking >= 64 * 32 * 4 + 64 * 64 * 4
+    # one step saves the ids [64] (int64, for the table's backward), the table output [64, 32]
+    # (Linear's input), the ReLU output [64, 64] (ReLU's and the next Linear's, one storage) and
+    # the MLP output [64, 8] (pow's input); weights are parameters, not activations
+    assert with_tracking == 64 * 8 + 64 * 32 * 4 + 64 * 64 * 4 + 64 * 8 * 4 == 27_136
     model2 = TwoTower()
     opt2 = torch.optim.SGD(model2.parameters(), lr=0.1)
     with edo_monitor.watch(model2, db=db_path, interval_s=0.02, track_activations=False) as mon2:
@@ -116,7 +118,9 @@ def test_oom_inside_watch_is_recorded_and_reraised_unchanged(db_path: Path) -> N
     assert parsed["allocated_bytes"] == round(76.50 * 1024**3)
     assert parsed["reserved_unallocated_bytes"] == round(1.07 * 1024**3)
     assert oom.data["top_consumers"][0]["module"] == "table"
-    assert oom.data["last_reading"]["params_bytes"] > 0
+    # the table (2,000 x 32) and the MLP's Linear(32, 64) and Linear(64, 8), weights and biases
+    params = (2_000 * 32 + 32 * 64 + 64 + 64 * 8 + 8) * 4
+    assert oom.data["last_reading"]["params_bytes"] == params == 266_528
 
 
 def test_other_errors_are_not_ooms(db_path: Path) -> None:

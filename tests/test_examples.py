@@ -1,0 +1,92 @@
+"""The examples on the shared data (``../shared/data`` or ``$EDO_DATA_DIR``; the fixtures skip
+with the reason when it is absent): the recommender on MovieLens, the main example on a text file
+given with ``--text``. Each runs as a user runs it, in a subprocess."""
+
+from __future__ import annotations
+
+import csv
+import re
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+pytestmark = pytest.mark.slow
+
+
+def run_example(name: str, *args: str) -> subprocess.CompletedProcess[str]:
+    script = EXAMPLES / name
+    if not script.is_file():
+        pytest.skip(f"{script} not found (tests run from a checkout)")
+    return subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=600
+    )
+
+
+def test_recommender_on_movielens(movielens_dir: Path, tmp_path: Path) -> None:
+    # the data, counted here: ratings, distinct users and distinct movies
+    with (movielens_dir / "ratings.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    n, users, items = len(rows), len({r["userId"] for r in rows}), len({r["movieId"] for r in rows})
+    db = tmp_path / "rec.db"
+    done = run_example(
+        "train_recommender.py",
+        "--data",
+        str(movielens_dir),
+        "--db",
+        str(db),
+        "--epochs",
+        "2",
+        "--dim",
+        "16",
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"{n:,} ratings, {users:,} users x {items:,} items, dim 16" in done.stdout
+    train_rmse = [float(x) for x in re.findall(r"train RMSE ([\d.]+)", done.stdout)]
+    assert len(train_rmse) == 2 and train_rmse[1] < train_rmse[0]  # it learns
+    # 90 % of the ratings in batches of 1024, twice
+    steps = 2 * -(-int(0.9 * n) // 1024)
+    con = sqlite3.connect(db)
+    assert con.execute("SELECT name, status, steps FROM runs").fetchall() == [
+        ("recommender", "finished", steps)
+    ]
+    tables = con.execute(
+        "SELECT module, num_embeddings, embedding_dim, params_bytes FROM module_stats "
+        "WHERE kind = 'Embedding' GROUP BY module ORDER BY module"
+    ).fetchall()
+    con.close()
+    assert tables == [
+        ("item_bias", items, 1, items * 4),
+        ("items", items, 16, items * 16 * 4),
+        ("user_bias", users, 1, users * 4),
+        ("users", users, 16, users * 16 * 4),
+    ]
+
+
+def test_main_example_trains_on_a_text_file(shakespeare_path: Path, tmp_path: Path) -> None:
+    text = shakespeare_path.read_text(encoding="utf-8", errors="replace")
+    # the example's tokens: words, numbers, single punctuation marks; a position per token after
+    # the first 4 (the context)
+    tokens = re.findall(r"[A-Za-z_]+|[0-9]+|[^\sA-Za-z0-9_]", text)
+    db = tmp_path / "text.db"
+    done = run_example(
+        "train_embedding.py",
+        "--text",
+        str(shakespeare_path),
+        "--db",
+        str(db),
+        "--steps",
+        "12",
+        "--budget",
+        "1GiB",
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"training on {len(tokens) - 4:,} positions of {shakespeare_path};" in done.stdout
+    con = sqlite3.connect(db)
+    assert con.execute("SELECT name, status, steps FROM runs").fetchall() == [
+        ("train_embedding", "finished", 12)
+    ]
+    con.close()
