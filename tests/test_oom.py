@@ -630,6 +630,6 @@ def test_never_raises_on_odd_input() -> None:
         info = parse_oom_message(text)
         assert info is None or info.raw == text
     huge = parse_oom_message("CUDA out of memory. Tried to allocate " + "9" * 400 + ".00 GiB.")
-    assert huge is not None
+    assert huge is not None and huge.backend == "cuda"
     assert huge.requested_bytes is None
     assert parse_oom_message(None) is None  # type: ignore[arg-type]
