@@ -50,6 +50,13 @@ from edo_monitor.errors import (
     StoreError,
 )
 from edo_monitor.frequency import LookupCounter
+from edo_monitor.metrics import (
+    DEFAULT_METRICS_HOST,
+    MetricsServer,
+    require_prometheus,
+    resolve_metrics_port,
+    start_for_monitor,
+)
 from edo_monitor.policy import Decision, Policy, ThresholdCrossing, make_planner
 from edo_monitor.probes.host import HostProbe
 from edo_monitor.readings import Reading
@@ -192,6 +199,8 @@ class Monitor:
         queue_size: int = 10_000,
         config: Mapping[str, Any] | None = None,
         profile_interval_s: float = 30.0,
+        metrics_port: int | None = None,
+        metrics_host: str = DEFAULT_METRICS_HOST,
     ) -> None:
         if model is not None and not isinstance(model, nn.Module):
             raise ConfigError(f"model={type(model).__name__} is not a torch.nn.Module (or None)")
@@ -219,6 +228,12 @@ class Monitor:
             raise ConfigError(f"profile_interval_s={profile_interval_s!r} must be > 0")
         if enforce and budget is None:
             raise ConfigError("enforce=True needs a budget= to enforce")
+        #: base port of the Prometheus endpoint (+ LOCAL_RANK), ``None`` = no endpoint
+        self.metrics_port = resolve_metrics_port(metrics_port)
+        if self.metrics_port is not None:
+            require_prometheus()  # ConfigError naming the [prometheus] extra
+        self.metrics_host = metrics_host
+        self.metrics_server: MetricsServer | None = None
         self.model = model
         self.optimizers = optimizers
         self._explicit_optimizers = bool(optimizers)
@@ -488,6 +503,8 @@ class Monitor:
         self._arm_activation_profile()  # record the first step (table actions need it)
         self._sampler = threading.Thread(target=self._sample_loop, name="edo-sampler", daemon=True)
         self._sampler.start()
+        if self.metrics_port is not None:
+            self.metrics_server = start_for_monitor(self, self.metrics_port, self.metrics_host)
         logger.info(
             "edo-monitor: watching run %d (%s, %s) -> %s",
             self.run_id,
@@ -568,6 +585,8 @@ class Monitor:
     def _teardown(self) -> None:
         """Stop threads and remove hooks; safe to call on a half-started monitor."""
         self._stop.set()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
         if self._sampler is not None and self._sampler.is_alive():
             self._sampler.join()
         if self._hook_handle is not None:
@@ -1166,6 +1185,8 @@ def watch(
     queue_size: int = 10_000,
     config: Mapping[str, Any] | None = None,
     profile_interval_s: float = 30.0,
+    metrics_port: int | None = None,
+    metrics_host: str = DEFAULT_METRICS_HOST,
 ) -> Monitor:
     """Watch a training run; use as ``with edo_monitor.watch(model) as monitor:``.
 
@@ -1196,6 +1217,11 @@ def watch(
         config: extra key/values recorded with the run.
         profile_interval_s: seconds between per-module activation profiles (one step's forward
             is recorded with module hooks; needs ``track_activations``).
+        metrics_port: serve Prometheus metrics on ``/metrics`` at this port + ``$LOCAL_RANK``
+            (default ``$EDO_METRICS_PORT``, else no endpoint; 0 = any free port, see
+            ``monitor.metrics_server.port``); needs the ``[prometheus]`` extra. Names:
+            ``docs/metrics.md``. A port that cannot be bound is a warning, not an error.
+        metrics_host: the address the endpoint binds (default ``127.0.0.1``, loopback only).
 
     Returns:
         A :class:`Monitor` (entering it starts the run).
@@ -1221,4 +1247,6 @@ def watch(
         queue_size=queue_size,
         config=config,
         profile_interval_s=profile_interval_s,
+        metrics_port=metrics_port,
+        metrics_host=metrics_host,
     )

@@ -1102,6 +1102,35 @@ def estimate_cmd(
     sys.stdout.write(text_ + "\n")
 
 
+@app.command("metrics")
+@_handle_errors
+def metrics_cmd(
+    db: DbOpt = None,
+    port: Annotated[
+        int,
+        typer.Option(help="TCP port to serve /metrics on (0 = any free port).", min=0, max=65535),
+    ] = 9400,
+    host: Annotated[
+        str, typer.Option(help="Address to bind (default loopback; 0.0.0.0 = every interface).")
+    ] = "127.0.0.1",
+) -> None:
+    """Serve Prometheus metrics of every running run of the database on /metrics, until Ctrl-C.
+
+    One central scrape for many runs: each scrape reads the latest sample of each running run
+    (read-only). Labels: job, rank, device, run_id, run_name. Needs the [prometheus] extra.
+    Prints the URL it serves on one line; Ctrl-C stops it (exit code 130)."""
+    from edo_monitor.metrics import require_prometheus, serve_history
+
+    require_prometheus()  # exit 2 with the extra's name before anything is opened
+    _require_database(db)
+
+    def ready(server: Any) -> None:
+        _c.out.print(f"serving {server.url}")
+        sys.stdout.flush()
+
+    serve_history(db, host, port, on_ready=ready)
+
+
 def main() -> None:
     """Console-script entry point (``edo-monitor``)."""
     logging.basicConfig(level=logging.WARNING, format="edo-monitor: %(message)s")

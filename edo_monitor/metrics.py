@@ -1,0 +1,436 @@
+"""Prometheus metrics: ``watch(metrics_port=N)`` and ``edo-monitor metrics --db URL``.
+
+Two sources feed one set of metric families (:data:`GAUGES`, :data:`COUNTERS`, documented in
+``docs/metrics.md``), served on ``/metrics`` in Prometheus' text format by ``prometheus_client``:
+
+* :class:`MonitorCollector` reads a live :class:`~edo_monitor.Monitor`'s latest reading and its
+  counters (steps, actions, OOMs). It runs on the HTTP server's thread at scrape time; the
+  training thread does no work for it.
+* :class:`HistoryCollector` reads the latest sample of every running run from a history
+  database (read-only, one short transaction per scrape), for one central scrape of many runs.
+
+Each server has its own :class:`prometheus_client.CollectorRegistry` (never the process-wide
+default one), so two watches in one process do not collide. ``prometheus_client`` is the
+``[prometheus]`` extra; without it :func:`require_prometheus` raises a :class:`ConfigError` that
+names the extra. This module never imports torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socketserver
+import sys
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from edo_monitor.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+#: Default host the servers bind to (loopback: nothing outside the machine can scrape it).
+DEFAULT_METRICS_HOST = "127.0.0.1"
+#: ``edo-monitor metrics``' default port.
+DEFAULT_CENTRAL_PORT = 9400
+#: The environment variable read when ``watch(metrics_port=)`` is not given.
+METRICS_PORT_ENV = "EDO_METRICS_PORT"
+
+#: Gauge name -> (Reading field, help). Bytes in bytes, ratios in [0, 1].
+GAUGES: dict[str, tuple[str, str]] = {
+    "edo_device_total_bytes": ("device_total_bytes", "Device memory capacity (NVML)."),
+    "edo_device_used_bytes": (
+        "device_used_bytes",
+        "Device memory used by every process (NVML), or the accounted bytes in CPU-budget mode.",
+    ),
+    "edo_device_free_bytes": ("device_free_bytes", "Device memory free (NVML)."),
+    "edo_process_device_bytes": (
+        "process_device_bytes",
+        "Device memory used by this process (NVML, CUDA context included).",
+    ),
+    "edo_allocated_bytes": ("allocated_bytes", "Bytes in live tensors (caching allocator)."),
+    "edo_reserved_bytes": ("reserved_bytes", "Bytes the caching allocator holds from the driver."),
+    "edo_active_bytes": ("active_bytes", "Bytes in active allocator blocks."),
+    "edo_peak_allocated_bytes": ("peak_allocated_bytes", "Peak allocated bytes so far."),
+    "edo_largest_inactive_block_bytes": (
+        "largest_inactive_block_bytes",
+        "Largest free block inside reserved segments (last allocator snapshot).",
+    ),
+    "edo_in_use_bytes": (
+        "in_use_bytes",
+        "The figure the policy compares to the budget: reserved bytes on CUDA, accounted bytes "
+        "in CPU-budget mode.",
+    ),
+    "edo_budget_bytes": ("budget_bytes", "The memory budget (bytes), when one is set."),
+    "edo_free_ratio": ("free_fraction", "Free fraction of the budget or device, 0..1."),
+    "edo_fragmentation_ratio": (
+        "fragmentation",
+        "1 - largest free block / free bytes inside reserved segments, 0..1.",
+    ),
+    "edo_params_bytes": ("params_bytes", "Bytes of the model's parameters."),
+    "edo_grads_bytes": ("grads_bytes", "Bytes of the parameters' gradients."),
+    "edo_optimizer_state_bytes": ("optimizer_state_bytes", "Bytes of optimizer state."),
+    "edo_activations_bytes": (
+        "activations_bytes",
+        "Bytes saved for backward alive (the peak between two samples).",
+    ),
+    "edo_host_tier_bytes": ("host_tier_bytes", "Bytes moved to host memory by actions."),
+    "edo_process_rss_bytes": ("process_rss_bytes", "Resident set size of the process."),
+    "edo_host_available_bytes": ("host_available_bytes", "Host memory available."),
+    "edo_reading_timestamp_seconds": ("time_s", "Unix time of the reading these come from."),
+}
+
+#: Counter name (without ``_total``) -> help.
+COUNTERS: dict[str, str] = {
+    "edo_steps": "Optimizer steps of the run.",
+    "edo_actions": "Actions applied by the auto-tuner, by action.",
+    "edo_ooms": "Out-of-memory errors recorded.",
+    "edo_alloc_retries": "cudaMalloc retries of the caching allocator (frees and retries).",
+}
+
+LABELS = ("job", "rank", "device")
+HISTORY_LABELS = (*LABELS, "run_id", "run_name")
+
+
+def require_prometheus() -> Any:
+    """Import ``prometheus_client`` (the ``[prometheus]`` extra).
+
+    Raises:
+        ConfigError: it is not installed (the message names the extra to install).
+    """
+    try:
+        import prometheus_client
+        import prometheus_client.core
+    except ImportError:
+        raise ConfigError(
+            "Prometheus metrics need the prometheus_client package: "
+            "pip install 'edo-monitor[prometheus]'"
+        ) from None
+    return prometheus_client
+
+
+def _check_port(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
+        raise ConfigError(f"{name}={value!r} is not a TCP port; expected an int in 0..65535")
+    return value
+
+
+def resolve_metrics_port(
+    metrics_port: int | None, environ: Mapping[str, str] | None = None
+) -> int | None:
+    """The base port to serve on: ``metrics_port``, else ``$EDO_METRICS_PORT``, else ``None``.
+
+    Raises:
+        ConfigError: not an int in 0..65535 (0 = any free port).
+    """
+    if metrics_port is not None:
+        return _check_port(metrics_port, "metrics_port")
+    env = os.environ if environ is None else environ
+    raw = env.get(METRICS_PORT_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        port = int(raw)
+    except ValueError:
+        raise ConfigError(
+            f"{METRICS_PORT_ENV}={raw!r} is not a TCP port; expected an int in 0..65535"
+        ) from None
+    return _check_port(port, METRICS_PORT_ENV)
+
+
+def local_rank(environ: Mapping[str, str] | None = None) -> int:
+    """This process's rank on its machine: ``$LOCAL_RANK`` (set by torchrun), else 0."""
+    raw = (os.environ if environ is None else environ).get("LOCAL_RANK", "").strip()
+    try:
+        return max(0, int(raw)) if raw else 0
+    except ValueError:
+        logger.warning("LOCAL_RANK=%r is not an int; using 0", raw)
+        return 0
+
+
+def per_rank_port(base_port: int, environ: Mapping[str, str] | None = None) -> int:
+    """``base_port + local rank`` (0 stays 0: any free port).
+
+    Raises:
+        ConfigError: the sum is above 65535.
+    """
+    if base_port == 0:
+        return 0
+    return _check_port(base_port + local_rank(environ), "metrics_port + LOCAL_RANK")
+
+
+def _global_rank() -> int:
+    """The process group's rank when torch.distributed is imported and initialised, else 0."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return int(dist.get_rank())
+    except Exception:
+        logger.debug("could not read the process group's rank", exc_info=True)
+    return 0
+
+
+def _families(
+    label_names: tuple[str, ...],
+    entries: Iterable[tuple[tuple[str, ...], Mapping[str, Any], Mapping[str, Any]]],
+) -> Iterator[Any]:
+    """Metric families from ``(label values, reading fields, counters)`` triples.
+
+    ``counters`` holds ``steps``, ``ooms``, ``alloc_retries`` (numbers or None) and ``actions``
+    (action name -> count). ``None`` values are left out (no sample rather than a fake 0).
+    """
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    entries = list(entries)
+    for name, (field, doc) in GAUGES.items():
+        fam = GaugeMetricFamily(name, doc, labels=label_names)
+        for labels, fields, _ in entries:
+            value = fields.get(field)
+            if value is not None:
+                fam.add_metric(labels, float(value))
+        yield fam
+    for key in ("steps", "ooms", "alloc_retries"):
+        name = f"edo_{key}"
+        fam = CounterMetricFamily(name, COUNTERS[name], labels=label_names)
+        for labels, _, counters in entries:
+            value = counters.get(key)
+            if value is not None:
+                fam.add_metric(labels, float(value))
+        yield fam
+    fam = CounterMetricFamily(
+        "edo_actions", COUNTERS["edo_actions"], labels=(*label_names, "action")
+    )
+    for labels, _, counters in entries:
+        for action, count in sorted((counters.get("actions") or {}).items()):
+            fam.add_metric((*labels, str(action)), float(count))
+    yield fam
+
+
+class MonitorCollector:
+    """Collects a live monitor's latest reading and counters at scrape time (server thread).
+
+    Args:
+        monitor: a started :class:`edo_monitor.Monitor` (read: ``latest``, ``steps``,
+            ``run_uuid``, ``device_kind``, ``device_index``; ``job_id`` and ``rank`` when set).
+    """
+
+    def __init__(self, monitor: Any) -> None:
+        self.monitor = monitor
+        job = getattr(monitor, "job_id", None) or monitor.run_uuid
+        rank = getattr(monitor, "rank", None)
+        rank = _global_rank() if rank is None else int(rank)
+        device = f"cuda:{monitor.device_index or 0}" if monitor.device_kind == "cuda" else "cpu"
+        self.labels: tuple[str, ...] = (str(job), str(rank), device)
+
+    def collect(self) -> Iterator[Any]:
+        """Prometheus' collector protocol: the metric families of the latest reading."""
+        m = self.monitor
+        reading = m.latest
+        fields = reading.as_dict() if reading is not None else {}
+        actions = Counter(
+            str(a.get("action"))
+            for a in list(m._actions)
+            if a.get("status", "applied") == "applied"
+        )
+        counters = {
+            "steps": m.steps,
+            "ooms": m._events.get("oom", 0),
+            "alloc_retries": fields.get("num_alloc_retries"),
+            "actions": actions,
+        }
+        yield from _families(LABELS, [(self.labels, fields, counters)])
+
+
+class HistoryCollector:
+    """Collects the latest sample of every running run in a history database at scrape time.
+
+    One read-only transaction per scrape: the running runs (``runs.status = 'running'`` whose
+    process is alive or whose heartbeat is fresh), the newest sample of each (the
+    ``(run_id, time_s)`` index), and their action and OOM event counts.
+
+    Args:
+        history: an open :class:`edo_monitor.store.history.History` (read-only).
+    """
+
+    def __init__(self, history: Any) -> None:
+        self.history = history
+
+    def entries(self) -> list[tuple[tuple[str, ...], dict[str, Any], dict[str, Any]]]:
+        """``(labels, latest sample fields, counters)`` of each running run."""
+        from sqlalchemy import select, text
+
+        from edo_monitor.store.schema import Event
+        from edo_monitor.store.status import effective_status
+
+        if self.history._empty:
+            return []
+        out = []
+        with self.history._read() as conn:
+            runs = [
+                dict(r._mapping)
+                for r in conn.execute(text("SELECT * FROM runs WHERE status = 'running'"))
+            ]
+            for run in runs:
+                status = effective_status(
+                    run["status"],
+                    host=run["host"],
+                    pid=run["pid"],
+                    heartbeat_at_s=run["heartbeat_at_s"],
+                    interval_s=run["interval_s"],
+                )
+                if status != "running":
+                    continue
+                row = conn.execute(
+                    text(
+                        "SELECT * FROM samples WHERE run_id = :r "
+                        "ORDER BY time_s DESC, id DESC LIMIT 1"
+                    ),
+                    {"r": run["id"]},
+                ).first()
+                fields = dict(row._mapping) if row is not None else {}
+                counts = conn.execute(
+                    text(
+                        "SELECT kind, COUNT(*) FROM events WHERE run_id = :r "
+                        "AND kind IN ('oom', 'action') GROUP BY kind"
+                    ),
+                    {"r": run["id"]},
+                ).all()
+                kinds = dict(counts)
+                actions: Counter[str] = Counter()
+                if kinds.get("action"):
+                    data = conn.execute(
+                        select(Event.data).where(Event.run_id == run["id"], Event.kind == "action")
+                    ).scalars()
+                    actions.update(str((d or {}).get("action")) for d in data)
+                config = run.get("config") or {}
+                if isinstance(config, str):
+                    import json
+
+                    config = json.loads(config)
+                job = run.get("job_id") or config.get("job_id") or run["uuid"]
+                rank = run.get("rank")
+                if rank is None:
+                    rank = config.get("rank", 0)
+                if run["device_kind"] == "cuda":
+                    index = config.get("device_index")
+                    device = "cuda" if index is None else f"cuda:{index}"
+                else:
+                    device = "cpu"
+                steps = max(run["steps"] or 0, fields.get("step") or 0)
+                counters = {
+                    "steps": steps,
+                    "ooms": kinds.get("oom", 0),
+                    "alloc_retries": fields.get("num_alloc_retries"),
+                    "actions": actions,
+                }
+                labels = (str(job), str(rank), device, str(run["id"]), str(run["name"]))
+                out.append((labels, fields, counters))
+        return out
+
+    def collect(self) -> Iterator[Any]:
+        """Prometheus' collector protocol: the metric families of every running run."""
+        yield from _families(HISTORY_LABELS, self.entries())
+
+
+class _Server(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        logger.debug("metrics: " + format, *args)
+
+
+class MetricsServer:
+    """``/metrics`` for one collector, on its own registry and its own ``edo-metrics`` thread.
+
+    Args:
+        collector: an object with ``collect()`` yielding metric families.
+        host: address to bind (default loopback).
+        port: TCP port (0 = any free port; :attr:`port` says which).
+
+    Raises:
+        ConfigError: ``prometheus_client`` is missing.
+        OSError: the address cannot be bound (port in use, unknown host).
+    """
+
+    def __init__(self, collector: Any, host: str = DEFAULT_METRICS_HOST, port: int = 0) -> None:
+        prometheus_client = require_prometheus()
+        self.registry = prometheus_client.CollectorRegistry(auto_describe=False)
+        self.registry.register(collector)
+        app = prometheus_client.make_wsgi_app(self.registry)
+        self._httpd = make_server(
+            host, port, app, server_class=_Server, handler_class=_QuietHandler
+        )
+        self.host = host
+        self.port: int = int(self._httpd.server_port)
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever,
+            kwargs={"poll_interval": 0.2},
+            name="edo-metrics",
+            daemon=True,
+        )
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        """``http://HOST:PORT/metrics``."""
+        return f"http://{self.host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        """Stop serving and join the thread (idempotent)."""
+        if self._thread.is_alive():
+            self._httpd.shutdown()
+            self._thread.join()
+        self._httpd.server_close()
+
+    def __enter__(self) -> MetricsServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def start_for_monitor(monitor: Any, base_port: int, host: str) -> MetricsServer | None:
+    """Serve ``monitor``'s metrics on ``base_port + local rank``; ``None`` (and a warning) when
+    the address cannot be bound — a training run never fails because of its metrics."""
+    port = per_rank_port(base_port)
+    try:
+        server = MetricsServer(MonitorCollector(monitor), host, port)
+    except OSError as exc:
+        logger.warning("edo-monitor: cannot serve metrics on %s:%d: %s", host, port, exc)
+        return None
+    logger.info("edo-monitor: metrics of run %d on %s", monitor.run_id, server.url)
+    return server
+
+
+def serve_history(
+    db: str | None,
+    host: str,
+    port: int,
+    *,
+    on_ready: Callable[[MetricsServer], None] | None = None,
+    stop: threading.Event | None = None,
+) -> None:
+    """Serve the latest readings of every running run of ``db`` until ``stop`` is set (or Ctrl-C).
+
+    Raises:
+        ConfigError: ``prometheus_client`` missing, bad ``db``. StoreError: unusable database.
+        OSError: the address cannot be bound.
+    """
+    from edo_monitor.store.history import History
+
+    require_prometheus()
+    history = History(db, readonly=True)
+    try:
+        with MetricsServer(HistoryCollector(history), host, port) as server:
+            if on_ready is not None:
+                on_ready(server)
+            stop = stop or threading.Event()
+            while not stop.wait(1.0):
+                pass
+    finally:
+        history.close()
