@@ -179,6 +179,8 @@ class Monitor:
         steps: step count so far.
         device_kind: ``"cuda"`` or ``"cpu-budget"``.
         optimizers: optimizers found (or given) that step the model's parameters.
+        metrics_server: the Prometheus endpoint (``.url``, ``.port``) while the block runs with
+            ``metrics_port``; ``None`` otherwise.
     """
 
     def __init__(

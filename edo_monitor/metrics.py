@@ -259,15 +259,15 @@ class HistoryCollector:
 
     def entries(self) -> list[tuple[tuple[str, ...], dict[str, Any], dict[str, Any]]]:
         """``(labels, latest sample fields, counters)`` of each running run."""
-        from sqlalchemy import select, text
+        from sqlalchemy import inspect, select, text
 
         from edo_monitor.store.schema import Event
         from edo_monitor.store.status import effective_status
 
-        if self.history._empty:
-            return []
         out = []
         with self.history._read() as conn:
+            if not inspect(conn).has_table("runs"):  # a database no run has written to yet
+                return []
             runs = [
                 dict(r._mapping)
                 for r in conn.execute(text("SELECT * FROM runs WHERE status = 'running'"))
