@@ -25,7 +25,7 @@ import time
 import uuid as uuidlib
 import weakref
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -43,6 +43,7 @@ from edo_monitor.actions.checkpoint_activations import ActivationProfile, Activa
 from edo_monitor.actions.enforce import enforce_budget
 from edo_monitor.actions.registry import ACTIONS
 from edo_monitor.agent.activations import ActivationTracker
+from edo_monitor.agent.recovery import StepRecovery
 from edo_monitor.errors import (
     AlreadyWatchedError,
     BudgetOutOfMemoryError,
@@ -317,6 +318,7 @@ class Monitor:
         self._entered = False
         self._recorded_status: str | None = None
         self._host_probe: Any = None
+        self._recovery: StepRecovery | None = None  # run_step's split state, made on first use
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> Monitor:
@@ -1104,6 +1106,62 @@ class Monitor:
                 {"module": "other", "kind": "other", "total_bytes": latest.allocated_bytes - known}
             )
         return rows
+
+    # ------------------------------------------------------------------ OOM recovery
+    def run_step(
+        self,
+        step_fn: Callable[[Any], torch.Tensor],
+        batch: Any,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+        reduction: str = "mean",
+        min_micro_batch_rows: int | None = None,
+        merge_after_steps: int | None = None,
+    ) -> torch.Tensor:
+        """Run one training step that recovers from an out-of-memory error by splitting the batch.
+
+        ``step_fn(micro_batch)`` runs the forward and returns the loss: a scalar tensor, the mean
+        over the micro-batch's rows (``reduction="sum"``: their sum). ``run_step`` sets the
+        model's gradients to ``None``, calls ``backward`` on each micro-batch's loss scaled by its
+        share of the rows (the update equals the whole batch's), then, with ``optimizer``, runs
+        ``optimizer.step()`` and ``optimizer.zero_grad()``. On ``torch.OutOfMemoryError`` in
+        forward or backward it releases what the attempt held, applies a pending policy action,
+        halves the micro-batch and retries; the split is kept for later steps and merged back
+        after ``merge_after_steps`` clean steps (default 50). Details:
+        :mod:`edo_monitor.agent.recovery`.
+
+        Args:
+            step_fn: ``micro_batch -> loss`` (scalar tensor).
+            batch: a tensor, or tuples/lists/dicts of tensors, split on dim 0 (same size each).
+            optimizer: stepped after the gradients are accumulated (``None``: the caller steps).
+            reduction: ``"mean"`` or ``"sum"``: how ``step_fn``'s loss reduces over rows.
+            min_micro_batch_rows: the floor (default 1), kept for later calls.
+            merge_after_steps: clean steps before a merge is tried, kept for later calls.
+
+        Returns:
+            The whole batch's loss, detached.
+
+        Raises:
+            ConfigError: a bad argument or batch.
+            torch.OutOfMemoryError: the step's first one, when micro-batches of
+                ``min_micro_batch_rows`` rows still run out of memory; or one raised by
+                ``optimizer.step()`` (that step has run: not retried).
+        """
+        if self._recovery is None:
+            self._recovery = StepRecovery(self)
+        self._recovery.configure(min_micro_batch_rows, merge_after_steps)
+        return self._recovery.run(step_fn, batch, optimizer=optimizer, reduction=reduction)
+
+    def _recovery_point(self) -> None:
+        """Between a failed attempt and its retry: pressure hooks, then the pending policy
+        action (no step is counted, nothing is measured). Never raises."""
+        if os.getpid() != self._pid or self._stop.is_set() or self.status != "running":
+            return
+        try:
+            self._deliver_pressure_hooks()
+            self._apply_pending_decision()
+        except Exception as exc:
+            self._agent_error("recovery point", exc)
 
     # ------------------------------------------------------------------ OOM
     def _record_oom(self, exc: BaseException) -> None:

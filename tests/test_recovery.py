@@ -1,0 +1,209 @@
+"""Issue 14 item 1: out-of-memory recovery inside the step (``Monitor.run_step``), on CPU with the
+CPU budget enforced (``enforce=True`` raises ``BudgetOutOfMemoryError``, a
+``torch.OutOfMemoryError``, from the saved-tensor hook during forward)."""
+
+from __future__ import annotations
+
+import weakref
+from collections import namedtuple
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import edo_monitor
+from edo_monitor.agent.recovery import batch_rows, split_batch
+from edo_monitor.errors import ConfigError
+from edo_monitor.store.history import History
+
+F32 = 4
+FEATURES, HIDDEN, ROWS = 64, 256, 64
+# after a first step, the static bytes are params + grads (SGD keeps no state):
+# 2 x (64 x 256 + 256 + 256 + 1) floats = 2 x 16,897 x 4 = 135,176 bytes.
+# Saved for backward: the input x (a view of the whole batch's [64, 64] storage: 16,384 bytes
+# whatever the micro-batch), ReLU's output [rows, 256] (the next Linear's input: the same
+# storage), and pow's input [rows, 1].
+#   whole batch: 135,176 + 16,384 + 65,536 = 217,096 > 200,000 at ReLU's output: out of memory;
+#   32 rows:     135,176 + 16,384 + 32,768 + 128 = 184,456 <= 200,000: fits.
+BUDGET = 200_000
+
+
+class Probe(nn.Module):
+    """Identity that keeps a weak reference to what passes through (Linear 1's output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: list[weakref.ref[torch.Tensor]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.refs.append(weakref.ref(x))
+        return x
+
+
+def make_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, HIDDEN), Probe(), nn.ReLU(), nn.Linear(HIDDEN, 1))
+
+
+def data(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, FEATURES, generator=gen), torch.randn(rows, 1, generator=gen)
+
+
+def mse(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return (model(x) - y).pow(2).mean()
+
+
+def warm_up(mon: Any, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """A first step on 8 rows: the step boundary then counts params + grads as static."""
+    mon.run_step(lambda mb: mse(model, mb), data(8, seed=99), optimizer=opt)
+
+
+def test_split_batch_keeps_the_structure_and_splits_on_dim_0() -> None:
+    Pair = namedtuple("Pair", "x y")
+    x, y = torch.arange(10).reshape(5, 2), torch.arange(5)
+    parts = split_batch({"p": Pair(x, y), "ids": [y, y], "name": "a"}, 2)
+    assert [batch_rows(p) for p in parts] == [2, 2, 1]
+    assert isinstance(parts[0]["p"], Pair) and parts[2]["name"] == "a"
+    assert torch.equal(parts[1]["p"].x, torch.tensor([[4, 5], [6, 7]]))
+    assert torch.equal(parts[2]["ids"][1], torch.tensor([4]))
+    with pytest.raises(ConfigError, match=r"different sizes on dim 0: \[3, 5\]"):
+        batch_rows((x, torch.zeros(3)))
+    with pytest.raises(ConfigError, match="holds no tensor"):
+        batch_rows({"a": 1})
+
+
+def test_an_oom_is_recovered_by_splitting_and_the_update_equals_the_whole_batch(
+    db_path: Path,
+) -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    probe = model[1]
+    seen: list[tuple[int, bool]] = []  # (rows, every earlier attempt's activation is dead)
+
+    def step_fn(mb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        seen.append((mb[0].shape[0], all(r() is None for r in probe.refs)))
+        return mse(model, mb)
+
+    with edo_monitor.watch(
+        model, opt, db=db_path, interval_s=0.05, budget=BUDGET, enforce=True
+    ) as mon:
+        warm_up(mon, model, opt)
+        reference = make_model()  # the model before the step under test
+        reference.load_state_dict(model.state_dict())
+        batch = data(ROWS, seed=1)
+        probe.refs.clear()
+        seen.clear()
+        loss = mon.run_step(step_fn, batch)
+        grads = [p.grad.clone() for p in model.parameters()]
+        opt.step()
+    # the whole batch failed at ReLU (Linear 1's output was alive then); before the retry it is
+    # dead; two micro-batches of 32 rows then ran
+    assert seen == [(64, True), (32, True), (32, True)]
+    assert mon.summary().events["oom"] == 1
+    assert mon.summary().events["oom_recovered"] == 1
+    with History(db_path) as history:
+        (event,) = history.events("latest", kind="oom_recovered")
+    assert event.data["batch_rows"] == 64
+    assert event.data["micro_batch_rows"] == 32
+    assert event.data["micro_batches"] == 2
+    assert event.data["failed_attempts"] == 1
+    assert event.data["attempted_micro_batch_rows"] == [64, 32]
+    # the unsplit step, unwatched: same loss and gradients up to float reassociation
+    ref_loss = mse(reference, batch)
+    ref_loss.backward()
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-6)
+    for g, p in zip(grads, reference.parameters(), strict=True):
+        rel = ((g - p.grad).abs().max() / p.grad.abs().max()).item()
+        assert rel < 1e-5, rel
+
+
+def test_the_split_is_kept_and_a_merge_that_does_not_fit_waits_twice_as_long(
+    db_path: Path,
+) -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    rows_seen: list[int] = []
+
+    def step_fn(mb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        rows_seen.append(mb[0].shape[0])
+        return mse(model, mb)
+
+    with edo_monitor.watch(
+        model, opt, db=db_path, interval_s=0.05, budget=BUDGET, enforce=True
+    ) as mon:
+        warm_up(mon, model, opt)
+        for step in range(8):
+            mon.run_step(step_fn, data(ROWS, seed=step), optimizer=opt, merge_after_steps=2)
+    # step 0: 64 fails, 2 x 32; steps 1-2 clean at 32; step 3 tries 64 (fails), 2 x 32; the next
+    # try waits 4 clean steps (4-7), so step 7 runs at 32 too
+    assert rows_seen == [64, 32, 32] + [32, 32] * 2 + [64, 32, 32] + [32, 32] * 4
+    summary = mon.summary()
+    assert summary.events["oom_recovered"] == 2 and summary.events["oom"] == 2
+    assert summary.steps == 9
+    with History(db_path) as history:
+        merges = [e.data["merge_attempt"] for e in history.events("latest", kind="oom_recovered")]
+    assert merges == [False, True]
+
+
+@pytest.mark.parametrize(
+    ("floor", "attempts"), [(None, [64, 32, 16, 8, 4, 2, 1]), (16, [64, 32, 16])]
+)
+def test_at_the_floor_it_gives_up_with_the_first_error(
+    db_path: Path, floor: int | None, attempts: list[int]
+) -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    rows_seen: list[int] = []
+
+    def step_fn(mb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        rows_seen.append(mb[0].shape[0])
+        return mse(model, mb)
+
+    # 152,000: x's storage fits (135,176 + 16,384 = 151,560), but not even one row of ReLU's
+    # output (+ 1,024); the whole batch's attempt asked for 64 x 256 floats (64 KiB), the last
+    # one for 256 floats (1 KiB)
+    with edo_monitor.watch(model, opt, db=db_path, budget=152_000, enforce=True) as mon:
+        # 8 rows: 67,588 + 2,048 + 8,224 in forward, 135,176 + 10,272 at the boundary: fits
+        warm_up(mon, model, opt)
+        with pytest.raises(edo_monitor.BudgetOutOfMemoryError) as info:
+            mon.run_step(step_fn, data(ROWS, seed=1), min_micro_batch_rows=floor)
+        assert all(p.grad is None for p in model.parameters())  # partial gradients released
+    assert rows_seen == attempts
+    assert "the recovery gave up" in "".join(getattr(info.value, "__notes__", []))
+    # the first error: it was raised for the whole batch's ReLU output (64 x 256 floats)
+    assert "Tried to allocate 64.00 KiB" in str(info.value)
+    assert mon.summary().events["oom"] == len(attempts)
+    assert mon.summary().events["oom_unrecovered"] == 1
+
+
+def test_ddp_syncs_only_on_the_last_micro_batch(db_path: Path, tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1
+    )
+    try:
+        inner = make_model()
+        model = nn.parallel.DistributedDataParallel(inner)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        syncing: list[bool] = []
+
+        def step_fn(mb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            syncing.append(model.require_backward_grad_sync)
+            x, y = mb
+            return (model(x) - y).pow(2).mean()
+
+        with edo_monitor.watch(
+            model, opt, db=db_path, interval_s=0.05, budget=BUDGET, enforce=True
+        ) as mon:
+            mon.run_step(step_fn, data(8, seed=99), optimizer=opt)
+            mon.run_step(step_fn, data(ROWS, seed=1), optimizer=opt)
+        # warm-up: one batch, synced; then 64 rows (synced: it failed), 32 unsynced, 32 synced
+        assert syncing == [True, True, False, True]
+        assert mon.summary().events["oom_recovered"] == 1
+    finally:
+        dist.destroy_process_group()
