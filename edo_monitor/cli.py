@@ -807,9 +807,21 @@ class _Query:
         self.conn.close()
 
 
-def _server_rows(url: Any, query: str) -> tuple[list[str], list[tuple[Any, ...]]]:
-    """A read-only statement on a database server (``SET TRANSACTION READ ONLY``)."""
+def _server_rows(
+    url: Any, query: str, timeout_s: float = 0.0
+) -> tuple[list[str], list[tuple[Any, ...]]]:
+    """One statement on a database server (PostgreSQL), read-only: the session's transactions
+    are read-only (``default_transaction_read_only``, set by read-only engines) and so is this
+    one (``SET TRANSACTION READ ONLY``); ``statement_timeout`` stops it after ``timeout_s``
+    (0: no limit). The statement runs alone (one prepared statement: ``;``-joined statements
+    are refused by the server), then the transaction is rolled back.
+
+    Raises:
+        RefusedError: the statement would write. StoreError: it ran past ``timeout_s``.
+        ConfigError: the server refused it (syntax, unknown table or column …).
+    """
     from sqlalchemy import text
+    from sqlalchemy.exc import DBAPIError
 
     from edo_monitor.store.engine import open_engine
 
@@ -817,10 +829,30 @@ def _server_rows(url: Any, query: str) -> tuple[list[str], list[tuple[Any, ...]]
     try:
         with engine.connect() as conn:
             conn.exec_driver_sql("SET TRANSACTION READ ONLY")
-            result = conn.execute(text(query))
-            names = list(result.keys()) if result.returns_rows else []
-            rows = [tuple(r) for r in result] if result.returns_rows else []
-            conn.rollback()
+            if engine.dialect.name == "postgresql":
+                ms = math.ceil(timeout_s * 1000)
+                conn.exec_driver_sql(f"SET LOCAL statement_timeout = {ms}")
+            try:
+                result = conn.execute(text(query))
+                names = list(result.keys()) if result.returns_rows else []
+                rows = [tuple(r) for r in result] if result.returns_rows else []
+            except DBAPIError as exc:
+                state = getattr(exc.orig, "sqlstate", None) or ""
+                reason = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
+                if state == "25006":  # read_only_sql_transaction
+                    raise RefusedError(
+                        f"refused: the sql command is read-only ({reason})"
+                    ) from None
+                if state == "57014":  # query_canceled: statement_timeout
+                    raise StoreError(
+                        f"sql: the statement ran longer than --timeout {timeout_s:g} s and was "
+                        "stopped; give a larger --timeout (0: no limit)"
+                    ) from None
+                if state.startswith(("42", "22", "0A")):  # syntax, names, data, unsupported
+                    raise ConfigError(f"sql: {reason}") from None
+                raise StoreError(f"sql: {reason}") from None
+            finally:
+                conn.rollback()
     finally:
         engine.dispose()
     return names, rows
@@ -901,7 +933,7 @@ def sql_cmd(
             names, rows = q.rows()
             _print_rows(names, rows, as_json=as_json, as_csv=as_csv)
         return
-    names, server_rows = _server_rows(url, query)
+    names, server_rows = _server_rows(url, query, timeout)
     _print_rows(names, server_rows, as_json=as_json, as_csv=as_csv)
 
 
@@ -1017,7 +1049,15 @@ def doctor_cmd(
                 if t in tables:
                     counts[t] = conn.execute(text(f"SELECT count(*) FROM {t}")).scalar()
             report["rows"] = counts
-            if "sample_rollups" in tables:
+            if "sample_rollups" in tables and h.engine.dialect.name == "postgresql":
+                report["samples_not_rolled_up"] = conn.execute(  # each run has its own mark
+                    text(
+                        "SELECT count(*) FROM samples s LEFT JOIN meta m ON m.key = "
+                        "'rollup_through_id:' || s.run_id WHERE s.id > coalesce(CAST(m.value "
+                        "AS BIGINT), 0)"
+                    )
+                ).scalar()
+            elif "sample_rollups" in tables:
                 mark = conn.execute(
                     text("SELECT value FROM meta WHERE key = 'rollup_through_id'")
                 ).scalar()

@@ -1,8 +1,11 @@
-"""Shared fixtures: the shared data folder, temporary history databases."""
+"""Shared fixtures: the shared data folder, temporary history databases (SQLite files, fresh
+PostgreSQL schemas)."""
 
 from __future__ import annotations
 
 import os
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -52,3 +55,66 @@ def movielens_dir(data_dir: Path) -> Path:
 def db_path(tmp_path: Path) -> Path:
     """A history database path in a fresh temporary folder (not created yet)."""
     return tmp_path / "history.db"
+
+
+# -- PostgreSQL --------------------------------------------------------------------------------
+
+#: The server the ``postgres`` tests use (trust auth); ``EDO_TEST_PG_URL`` overrides it.
+PG_SERVER_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+
+
+def _pg_server_url() -> str:
+    return os.environ.get("EDO_TEST_PG_URL") or PG_SERVER_URL
+
+
+@pytest.fixture(scope="session")
+def pg_database() -> Iterator[str]:
+    """A fresh, uniquely named PostgreSQL database for this test session (dropped at the end);
+    its URL. Skips, with the reason, when psycopg is missing or no server is reachable."""
+    try:
+        import psycopg
+    except ImportError:
+        pytest.skip("psycopg is not installed (pip install 'edo-monitor[postgres]')")
+    from sqlalchemy.engine import make_url
+
+    server = make_url(_pg_server_url())
+    dsn = server.set(drivername="postgresql").render_as_string(hide_password=False)
+    try:
+        admin = psycopg.connect(dsn, autocommit=True, connect_timeout=3)
+    except psycopg.Error as exc:
+        pytest.skip(f"no PostgreSQL server reachable at {server!r}: {exc}".strip())
+    name = f"edo_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    with admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+        try:
+            yield server.set(database=name).render_as_string(hide_password=False)
+        finally:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def pg_url(pg_database: str) -> Iterator[str]:
+    """A PostgreSQL URL whose tables live in a schema of their own, fresh for this test
+    (``search_path`` set through the URL's ``options``), dropped after it."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    url = make_url(pg_database)
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    dsn = url.set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f'CREATE SCHEMA "{schema}"')
+    yield url.update_query_dict({"options": f"-csearch_path={schema}"}).render_as_string(
+        hide_password=False
+    )
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def history_db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A history database that does not exist yet: an SQLite file path, then a fresh
+    PostgreSQL schema (tests using it run on both backends)."""
+    if request.param == "sqlite":
+        return str(tmp_path / "history.db")
+    return request.getfixturevalue("pg_url")

@@ -49,17 +49,22 @@ __all__ = [
     "BUSY_TIMEOUT_S",
     "DEFAULT_DB",
     "ROLLUP_MIN_ROWS",
+    "SqlDialect",
     "alembic_config",
     "check_writable",
     "database_file",
     "insert_samples",
+    "is_postgres",
     "maintains_rollups",
     "open_engine",
     "readonly_uri",
     "rebuild_rollups",
     "resolve_db_url",
     "roll_up",
+    "run_mark",
+    "run_mark_key",
     "schema_version",
+    "sql_dialect",
     "write_samples",
 ]
 
@@ -337,6 +342,11 @@ def open_engine(
             def creator() -> sqlite3.Connection:
                 return _connect_readonly(reader_uri, path)
 
+    if readonly and url.get_backend_name() == "postgresql":
+        # readers never write: every transaction of their sessions is read-only
+        own = url.query.get("options") or ""
+        own = own if isinstance(own, str) else " ".join(own)
+        connect_args["options"] = f"{own} -c default_transaction_read_only=on".strip()
     try:
         engine = create_engine(
             url,
@@ -440,6 +450,8 @@ def _upgrade(engine: Engine, shown: str) -> None:
     from alembic import command
 
     with engine.begin() as conn:  # BEGIN IMMEDIATE on SQLite: one upgrader at a time
+        if is_postgres(conn):  # PostgreSQL: a transaction-scoped advisory lock does the same
+            conn.exec_driver_sql("SELECT pg_advisory_xact_lock(%(k)s, 0)", {"k": _LOCK_CLASS + 1})
         version = schema_version(conn)  # again, under the lock: another writer may have done it
         revision = _alembic_revision(conn) if version is not None else None
         _refuse_newer(version, revision, shown)
@@ -496,12 +508,152 @@ def insert_samples(conn: Connection, rows: Sequence[Mapping[str, Any]]) -> None:
     if not rows:
         return
     sql = _sample_insert_sql(conn.dialect.paramstyle, None)
+    if is_postgres(conn):
+        run_ids = sorted({int(r["run_id"]) for r in rows})
+        for run_id in run_ids:  # in id order: two writers never wait on each other in a cycle
+            _pg_lock_run(conn, run_id)
+        conn.exec_driver_sql(sql, [tuple(map(r.get, _SAMPLE_COLS)) for r in rows])
+        for run_id in run_ids:
+            _pg_fold_run(conn, run_id)
+        return
     conn.exec_driver_sql(sql, [tuple(map(r.get, _SAMPLE_COLS)) for r in rows])
 
 
 def maintains_rollups(engine: Engine) -> bool:
-    """Whether ``engine`` is a SQLite writer engine that keeps ``sample_rollups`` current."""
+    """Whether ``engine`` is a SQLite writer engine that keeps ``sample_rollups`` current.
+
+    (PostgreSQL engines keep them current too, per run, in :func:`write_samples` and
+    :func:`insert_samples`; see :func:`run_mark_key`.)
+    """
     return event.contains(engine, "after_cursor_execute", _after_execute)
+
+
+def is_postgres(conn: Connection | Engine) -> bool:
+    """Whether ``conn`` talks to PostgreSQL (rather than SQLite)."""
+    return conn.dialect.name == "postgresql"
+
+
+class SqlDialect:
+    """The few SQL idioms that differ between SQLite and PostgreSQL, as text to format in.
+
+    SQLite's ``total()`` (a float sum, ``0.0`` over no values) is ``coalesce(sum()::float8, 0)``
+    on PostgreSQL (whose ``sum`` of integers is ``numeric``); SQLite's ``CAST(x AS INTEGER)``
+    truncates toward zero, PostgreSQL's rounds, hence ``trunc()``; SQLite's two-argument
+    ``min``/``max`` are ``least``/``greatest``; SQLite's planner hints (``NOT INDEXED``, a unary
+    ``+`` on a column) are dropped on PostgreSQL.
+    """
+
+    def __init__(self, postgres: bool) -> None:
+        self.postgres = postgres
+        self.not_indexed = "" if postgres else " NOT INDEXED"
+        self.plus = "" if postgres else "+"
+
+    def total(self, expr: str) -> str:
+        """Float sum of the non-NULL values of ``expr`` (``0.0`` when there are none)."""
+        return f"coalesce(sum({expr})::float8, 0)" if self.postgres else f"total({expr})"
+
+    def trunc(self, expr: str) -> str:
+        """``expr`` truncated toward zero, as an integer."""
+        return f"trunc({expr})::bigint" if self.postgres else f"CAST({expr} AS INTEGER)"
+
+    def least(self, a: str, b: str) -> str:
+        """The smaller of two values."""
+        return f"least({a}, {b})" if self.postgres else f"min({a}, {b})"
+
+
+def sql_dialect(conn: Connection | Engine) -> SqlDialect:
+    """The :class:`SqlDialect` of ``conn``'s database."""
+    return SqlDialect(is_postgres(conn))
+
+
+def run_mark_key(run_id: int) -> str:
+    """The ``meta`` key of a run's rollup mark on PostgreSQL.
+
+    On PostgreSQL several writers insert at once and sample ids are not committed in order, so
+    one global ``rollup_through_id`` cannot say what the rollups hold. Each run has its own mark
+    instead: every sample of run ``run_id`` with ``id <= int(meta[run_mark_key(run_id)])`` is in
+    ``sample_rollups``. A run's inserts and folds are serialised by a transaction-scoped
+    advisory lock on the run id (taken before the insert, so ids grow in commit order within a
+    run).
+    """
+    return f"rollup_through_id:{int(run_id)}"
+
+
+def run_mark(conn: Connection, run_id: int) -> int:
+    """A run's rollup mark on PostgreSQL (0 when nothing of it is rolled up)."""
+    row = conn.execute(
+        text("SELECT value FROM meta WHERE key = :k"), {"k": run_mark_key(run_id)}
+    ).first()
+    return int(row[0]) if row else 0
+
+
+def _pg_lock_run(conn: Connection, run_id: int) -> None:
+    conn.exec_driver_sql(
+        "SELECT pg_advisory_xact_lock(%(k)s, %(r)s)", {"k": _LOCK_CLASS, "r": int(run_id)}
+    )
+
+
+#: First key of the advisory locks that serialise one run's inserts on PostgreSQL ("edo1").
+_LOCK_CLASS = 0x65646F31
+
+
+def _pg_set_run_mark(conn: Connection, run_id: int, value: int) -> None:
+    conn.execute(
+        text(
+            "INSERT INTO meta (key, value) VALUES (:k, :v) "
+            "ON CONFLICT (key) DO UPDATE SET value = excluded.value"
+        ),
+        {"k": run_mark_key(run_id), "v": str(int(value))},
+    )
+
+
+def _pg_fold_run(conn: Connection, run_id: int) -> int:
+    """Fold run ``run_id``'s samples above its mark into the rollups with SQL (PostgreSQL);
+    the caller holds the run's advisory lock. Returns how many samples were folded."""
+    lo = run_mark(conn, run_id)
+    hi = conn.execute(text("SELECT max(id) FROM samples WHERE run_id = :r"), {"r": run_id}).scalar()
+    if hi is None or int(hi) <= lo:
+        return 0
+    n = conn.execute(
+        text("SELECT count(*) FROM samples WHERE run_id = :r AND id > :lo AND id <= :hi"),
+        {"r": run_id, "lo": lo, "hi": int(hi)},
+    ).scalar()
+    _fold(
+        conn,
+        {"lo": lo, "hi": int(hi), "run": run_id},
+        ROLLUP_FIELDS,
+        ROLLUP_LEVEL_WIDTHS_S,
+        one_run=True,
+    )
+    _pg_set_run_mark(conn, run_id, int(hi))
+    return int(n or 0)
+
+
+def _pg_write_samples(conn: Connection, run_id: int, values: Sequence[Sequence[Any]]) -> None:
+    """:func:`write_samples` on PostgreSQL: insert, then fold the batch into the rollups from
+    the tuples in memory (per-run mark, see :func:`run_mark_key`)."""
+    _pg_lock_run(conn, run_id)
+    mark = run_mark(conn, run_id)
+    waiting = conn.execute(
+        text("SELECT 1 FROM samples WHERE id > :m AND run_id = :r LIMIT 1"),
+        {"m": mark, "r": run_id},
+    ).first()
+    if waiting is not None:  # samples inserted by other means: fold them first
+        _pg_fold_run(conn, run_id)
+    sql = _sample_insert_sql(conn.dialect.paramstyle, run_id)
+    conn.exec_driver_sql(sql, list(values))
+    rows = None
+    try:
+        ordered = sorted(values, key=lambda v: v[_TIME])
+        rows = _python_rollup(run_id, ordered, ROLLUP_FIELDS, ROLLUP_LEVEL_WIDTHS_S)
+    except (TypeError, ValueError, OverflowError):
+        rows = None
+    if rows is None:
+        _pg_fold_run(conn, run_id)
+        return
+    conn.exec_driver_sql(_upsert_sql(ROLLUP_FIELDS, postgres=True), rows)
+    top = conn.execute(text("SELECT max(id) FROM samples WHERE run_id = :r"), {"r": run_id})
+    _pg_set_run_mark(conn, run_id, int(top.scalar() or 0))
 
 
 def write_samples(conn: Connection, run_id: int, values: Sequence[Sequence[Any]]) -> None:
@@ -523,6 +675,9 @@ def write_samples(conn: Connection, run_id: int, values: Sequence[Sequence[Any]]
     raised as SQLAlchemy's (``OperationalError`` for "locked" or I/O, so callers can retry).
     """
     if not values:
+        return
+    if is_postgres(conn):
+        _pg_write_samples(conn, run_id, values)
         return
     sql = _sample_insert_sql(conn.dialect.paramstyle, run_id)
     if not maintains_rollups(conn.engine):
@@ -582,7 +737,22 @@ def _rollup_cols(fields: Sequence[str]) -> list[str]:
     return cols
 
 
-def _upsert_set(fields: Sequence[str]) -> str:
+def _upsert_set(fields: Sequence[str], postgres: bool = False) -> str:
+    if postgres:  # least/greatest skip NULLs; the target table's columns must be qualified
+        t = "sample_rollups."
+        upd = [
+            f"n = {t}n + excluded.n",
+            f"time_min_s = least({t}time_min_s, excluded.time_min_s)",
+            f"time_max_s = greatest({t}time_max_s, excluded.time_max_s)",
+        ]
+        for f in fields:
+            upd += [
+                f"{f}_min = least({t}{f}_min, excluded.{f}_min)",
+                f"{f}_max = greatest({t}{f}_max, excluded.{f}_max)",
+                f"{f}_sum = {t}{f}_sum + excluded.{f}_sum",
+                f"{f}_n = {t}{f}_n + excluded.{f}_n",
+            ]
+        return f"ON CONFLICT (run_id, level, block) DO UPDATE SET {', '.join(upd)}"
     upd = [
         "n = n + excluded.n",
         "time_min_s = min(time_min_s, excluded.time_min_s)",
@@ -598,27 +768,31 @@ def _upsert_set(fields: Sequence[str]) -> str:
     return f"ON CONFLICT (run_id, level, block) DO UPDATE SET {', '.join(upd)}"
 
 
-def _agg_sql(fields: Sequence[str], width: int, *, one_run: bool = False) -> str:
+def _agg_sql(
+    fields: Sequence[str], width: int, *, one_run: bool = False, postgres: bool = False
+) -> str:
     """Smallest-level aggregates of the samples with ``:lo < id <= :hi`` into the delta table."""
+    d = SqlDialect(postgres)
     sel = [
         "run_id",
         "0",
-        f"CAST(time_s / {width} AS INTEGER) AS blk",
+        f"{d.trunc(f'time_s / {width}')} AS blk",
         "count(*)",
         "min(time_s)",
         "max(time_s)",
     ]
     for f in fields:
-        sel += [f"min({f})", f"max({f})", f"total({f})", f"count({f})"]
+        sel += [f"min({f})", f"max({f})", d.total(f), f"count({f})"]
     return (
-        f"INSERT INTO temp.edo_rollup_delta ({', '.join(_rollup_cols(fields))}) "
+        f"INSERT INTO {'' if postgres else 'temp.'}edo_rollup_delta "
+        f"({', '.join(_rollup_cols(fields))}) "
         f"SELECT {', '.join(sel)} FROM samples WHERE id > :lo AND id <= :hi "
         + ("AND run_id = :run " if one_run else "")
         + "GROUP BY run_id, blk"
     )
 
 
-def _merge_sql(fields: Sequence[str], level: int, ratio: int) -> str:
+def _merge_sql(fields: Sequence[str], level: int, ratio: int, postgres: bool = False) -> str:
     """Fold the delta table (smallest-level blocks) into ``level`` (blocks ``ratio`` × wider)."""
     sel = [
         "run_id",
@@ -628,24 +802,27 @@ def _merge_sql(fields: Sequence[str], level: int, ratio: int) -> str:
         "min(time_min_s)",
         "max(time_max_s)",
     ]
+    d = SqlDialect(postgres)
     for f in fields:
-        sel += [f"min({f}_min)", f"max({f}_max)", f"total({f}_sum)", f"sum({f}_n)"]
+        sel += [f"min({f}_min)", f"max({f}_max)", d.total(f"{f}_sum"), f"sum({f}_n)"]
     return (
         f"INSERT INTO sample_rollups ({', '.join(_rollup_cols(fields))}) "
-        f"SELECT {', '.join(sel)} FROM temp.edo_rollup_delta WHERE true GROUP BY run_id, blk "
-        + _upsert_set(fields)
+        f"SELECT {', '.join(sel)} FROM {'' if postgres else 'temp.'}edo_rollup_delta "
+        "WHERE true GROUP BY run_id, blk " + _upsert_set(fields, postgres)
     )
 
 
-def _upsert_sql(fields: Sequence[str]) -> str:
-    """Merge one ready-made rollup row (``?`` per column) into ``sample_rollups``."""
-    key = (tuple(fields), "upsert")
+def _upsert_sql(fields: Sequence[str], *, postgres: bool = False) -> str:
+    """Merge one ready-made rollup row (``?``, PostgreSQL ``%s``, per column) into
+    ``sample_rollups``."""
+    key = (tuple(fields), "upsert-pg" if postgres else "upsert")
     sql = _UPSERT_CACHE.get(key)
     if sql is None:
         cols = _rollup_cols(fields)
+        marks = ", ".join(["%s" if postgres else "?"] * len(cols))
         sql = _UPSERT_CACHE[key] = (
-            f"INSERT INTO sample_rollups ({', '.join(cols)}) VALUES "
-            f"({', '.join('?' * len(cols))}) " + _upsert_set(fields)
+            f"INSERT INTO sample_rollups ({', '.join(cols)}) VALUES ({marks}) "
+            + _upsert_set(fields, postgres)
         )
     return sql
 
@@ -754,29 +931,40 @@ def _fold(
     one_run: bool = False,
 ) -> None:
     _check_widths(widths_s)
-    key = (tuple(fields), tuple(widths_s), one_run)
+    pg = isinstance(conn, Connection) and is_postgres(conn)
+    key = (tuple(fields), tuple(widths_s), one_run, pg)
     sqls = _SQL_CACHE.get(key)
     if sqls is None:
         w0 = widths_s[0]
         sqls = _SQL_CACHE[key] = [
-            _agg_sql(fields, w0, one_run=one_run),
-            *(_merge_sql(fields, lvl, w // w0) for lvl, w in enumerate(widths_s)),
+            _agg_sql(fields, w0, one_run=one_run, postgres=pg),
+            *(_merge_sql(fields, lvl, w // w0, pg) for lvl, w in enumerate(widths_s)),
         ]
-    _exec(
-        conn,
-        "CREATE TEMP TABLE IF NOT EXISTS edo_rollup_delta AS "
-        "SELECT * FROM main.sample_rollups WHERE 0",
-    )
-    _exec(conn, "DELETE FROM temp.edo_rollup_delta")
+    if pg:
+        _exec(
+            conn,
+            "CREATE TEMP TABLE IF NOT EXISTS edo_rollup_delta AS "
+            "SELECT * FROM sample_rollups WHERE false",
+        )
+        _exec(conn, "DELETE FROM edo_rollup_delta")
+    else:
+        _exec(
+            conn,
+            "CREATE TEMP TABLE IF NOT EXISTS edo_rollup_delta AS "
+            "SELECT * FROM main.sample_rollups WHERE 0",
+        )
+        _exec(conn, "DELETE FROM temp.edo_rollup_delta")
     for sql in sqls:
         _exec(conn, sql, params)
 
 
-_SQL_CACHE: dict[tuple[tuple[str, ...], tuple[int, ...], bool], list[str]] = {}
+_SQL_CACHE: dict[tuple[tuple[str, ...], tuple[int, ...], bool, bool], list[str]] = {}
 
 
 def _exec(conn: Any, sql: str, params: Mapping[str, Any] | None = None) -> Any:
     if isinstance(conn, Connection):
+        if is_postgres(conn):  # psycopg's own parameter style is %(name)s
+            return conn.execute(text(sql), dict(params or {}))
         return conn.exec_driver_sql(sql, dict(params or {}))
     return conn.execute(sql, dict(params or {}))
 
@@ -810,8 +998,17 @@ def roll_up(
 
     Raises:
         ValueError: ``widths_s`` are not increasing powers of two.
+
+    On PostgreSQL (an SQLAlchemy connection) every run's samples above its own mark are folded
+    (:func:`run_mark_key`), each under its run's advisory lock; ``min_rows`` is ignored.
     """
     _check_widths(widths_s)
+    if isinstance(conn, Connection) and is_postgres(conn):
+        folded = 0
+        for (run_id,) in conn.execute(text("SELECT id FROM runs ORDER BY id")).all():
+            _pg_lock_run(conn, run_id)
+            folded += _pg_fold_run(conn, run_id)
+        return folded
     lo = _get_mark(conn)
     hi_row = _exec(conn, "SELECT max(id) FROM samples").fetchone()
     hi = int(hi_row[0]) if hi_row and hi_row[0] is not None else 0
@@ -830,6 +1027,13 @@ def rebuild_rollups(conn: Connection, run_ids: Sequence[int]) -> None:
     Runs in the caller's write transaction; a database without ``sample_rollups`` is left alone.
     """
     if "sample_rollups" not in inspect(conn).get_table_names():
+        return
+    if is_postgres(conn):
+        for run_id in sorted(run_ids):
+            _pg_lock_run(conn, run_id)
+            _exec(conn, "DELETE FROM sample_rollups WHERE run_id = :r", {"r": run_id})
+            _exec(conn, "DELETE FROM meta WHERE key = :k", {"k": run_mark_key(run_id)})
+            _pg_fold_run(conn, run_id)
         return
     mark = _get_mark(conn)
     for run_id in run_ids:

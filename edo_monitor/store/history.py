@@ -34,7 +34,14 @@ from sqlalchemy.engine import URL
 
 from edo_monitor.errors import ConfigError, RunNotFoundError
 from edo_monitor.readings import SAMPLE_FIELDS
-from edo_monitor.store.engine import open_engine, schema_version
+from edo_monitor.store.engine import (
+    is_postgres,
+    open_engine,
+    run_mark,
+    run_mark_key,
+    schema_version,
+    sql_dialect,
+)
 from edo_monitor.store.schema import (
     ROLLUP_FIELDS,
     ROLLUP_LEVEL_WIDTHS_S,
@@ -367,7 +374,9 @@ class History:
             self.schema_version: int | None = schema_version(conn)
             tables = set(inspect(conn).get_table_names())
         self._empty = "runs" not in tables
-        self._has_rollups = "sample_rollups" in tables and self.engine.dialect.name == "sqlite"
+        self._has_rollups = "sample_rollups" in tables
+        self._pg = is_postgres(self.engine)
+        self._sql = sql_dialect(self.engine)
 
     # -- lifecycle ---------------------------------------------------------------------------
     @contextmanager
@@ -378,6 +387,9 @@ class History:
                 conn.exec_driver_sql("SELECT 1")  # autobegin (writer engines: BEGIN IMMEDIATE)
                 if not conn.connection.dbapi_connection.in_transaction:  # type: ignore[union-attr]
                     conn.exec_driver_sql("BEGIN")
+            elif self.engine.dialect.name == "postgresql":
+                # one snapshot for every statement (rollups, mark and raw tail agree)
+                conn.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
             yield conn
 
     def close(self) -> None:
@@ -584,7 +596,8 @@ class History:
         with self._read() as conn:
             ev = conn.execute(
                 text(
-                    "SELECT run_id, count(*), sum(kind = 'action'), sum(kind = 'oom') "
+                    "SELECT run_id, count(*), sum(CASE WHEN kind = 'action' THEN 1 ELSE 0 END), "
+                    "sum(CASE WHEN kind = 'oom' THEN 1 ELSE 0 END) "
                     f"FROM events WHERE run_id IN ({placeholders}) GROUP BY run_id"
                 )
             ).all()
@@ -611,11 +624,36 @@ class History:
     def _sample_stats(self, ids: Sequence[int]) -> dict[int, dict[str, Any]]:
         cols = [*_PEAK_COLUMNS, "free_fraction"]
         placeholders = ", ".join(str(int(i)) for i in ids)
-        agg = ", ".join(f"min({c}), max({c}), total({c}), count({c})" for c in cols)
+        d = self._sql
+        agg = ", ".join(f"min({c}), max({c}), {d.total(c)}, count({c})" for c in cols)
         parts: dict[int, dict[int, list[Any]]] = {}
         with self._read() as conn:
-            mark = self._mark(conn) if self._has_rollups else None
-            if mark is not None:
+            marks = self._pg_marks(conn, ids) if self._has_rollups and self._pg else None
+            mark = self._mark(conn) if self._has_rollups and not self._pg else None
+            if marks is not None:  # PostgreSQL: each run has its own mark
+                top = len(ROLLUP_LEVEL_WIDTHS_S) - 1
+                r_agg = ", ".join(
+                    f"min({c}_min), max({c}_max), {d.total(f'{c}_sum')}, sum({c}_n)" for c in cols
+                )
+                in_rollups = ", ".join(str(int(i)) for i in marks) or "NULL"
+                results = list(
+                    conn.execute(
+                        text(
+                            f"SELECT run_id, sum(n), min(time_min_s), max(time_max_s), {r_agg} "
+                            f"FROM sample_rollups WHERE level = {top} AND run_id IN "
+                            f"({in_rollups}) GROUP BY run_id"
+                        )
+                    ).all()
+                )
+                for run_id in ids:
+                    results += conn.execute(
+                        text(
+                            f"SELECT run_id, count(*), min(time_s), max(time_s), {agg} FROM "
+                            "samples WHERE run_id = :r AND id > :m GROUP BY run_id"
+                        ),
+                        {"r": run_id, "m": marks.get(run_id, 0)},
+                    ).all()
+            elif mark is not None:
                 top = len(ROLLUP_LEVEL_WIDTHS_S) - 1
                 r_agg = ", ".join(
                     f"min({c}_min), max({c}_max), total({c}_sum), sum({c}_n)" for c in cols
@@ -648,7 +686,30 @@ class History:
             out[run_id] = d
         return out
 
-    def _mark(self, conn: Any) -> int | None:
+    def _pg_marks(self, conn: Any, ids: Sequence[int]) -> dict[int, int]:
+        """PostgreSQL: the rollup marks of those of ``ids`` whose rollups are usable (not more
+        than ``_MAX_TAIL_ROWS`` samples behind)."""
+        out = {}
+        for run_id in ids:
+            m = self._mark(conn, run_id)
+            if m is not None:
+                out[run_id] = m
+        return out
+
+    def _mark(self, conn: Any, run_id: int | None = None) -> int | None:
+        """Samples with ``id`` up to the returned mark are in the rollups (on PostgreSQL: of run
+        ``run_id``); ``None``: the rollups are too far behind, read the samples raw."""
+        if self._pg:
+            assert run_id is not None
+            mark = run_mark(conn, run_id)
+            behind = conn.execute(
+                text(
+                    "SELECT count(*) FROM (SELECT 1 FROM samples WHERE run_id = :r AND id > :m "
+                    f"LIMIT {_MAX_TAIL_ROWS + 1}) AS tail"
+                ),
+                {"r": run_id, "m": mark},
+            ).scalar()
+            return None if int(behind or 0) > _MAX_TAIL_ROWS else mark
         row = conn.execute(text("SELECT value FROM meta WHERE key = 'rollup_through_id'")).first()
         mark = int(row[0]) if row else 0
         top = conn.execute(text("SELECT max(id) FROM samples")).scalar() or 0
@@ -724,7 +785,7 @@ class History:
         # the smallest level, computed from the samples themselves
         want = (hi - lo) / max_points
         level = max((i for i, w in enumerate(ROLLUP_LEVEL_WIDTHS_S) if w <= want), default=None)
-        mark = self._mark(conn) if self._has_rollups and level is not None else None
+        mark = self._mark(conn, run_id) if self._has_rollups and level is not None else None
         if level is None or mark is None or any(c not in _ROLLUP_SET for c in cols):
             return self._bucketed_raw(conn, run_id, cols, lo, hi, max_points)
         return self._bucketed_rollups(conn, run_id, cols, lo, hi, max_points, level, mark)
@@ -747,8 +808,9 @@ class History:
     ) -> SampleSeries:
         width = (hi - lo) / max_points
         # buckets counted from `lo`; the last sample (time == hi) joins the last bucket
-        bucket = f"min(CAST((time_s - :lo) / :w AS INTEGER), {max_points - 1})"
-        agg = ", ".join(f"min({c}), max({c}), total({c}), count({c})" for c in cols)
+        d = self._sql
+        bucket = d.least(d.trunc("(time_s - :lo) / :w"), str(max_points - 1))
+        agg = ", ".join(f"min({c}), max({c}), {d.total(c)}, count({c})" for c in cols)
         q = (
             f"SELECT {bucket} AS b, count(*), min(time_s), max(time_s), {agg} FROM samples "
             "WHERE run_id = :r AND time_s >= :lo AND time_s <= :hi GROUP BY b ORDER BY b"
@@ -776,7 +838,10 @@ class History:
             m += 1
         ncols = len(cols)
         acc: dict[int, list[Any]] = {}
-        r_agg = ", ".join(f"min({c}_min), max({c}_max), total({c}_sum), sum({c}_n)" for c in cols)
+        d = self._sql
+        r_agg = ", ".join(
+            f"min({c}_min), max({c}_max), {d.total(f'{c}_sum')}, sum({c}_n)" for c in cols
+        )
         q_roll = (
             f"SELECT block / :m AS b, sum(n), min(time_min_s), max(time_max_s), {r_agg} "
             "FROM sample_rollups WHERE run_id = :r AND level = :lvl "
@@ -794,12 +859,13 @@ class History:
             ),
             params,
         ).scalars()
-        agg = ", ".join(f"min({c}), max({c}), total({c}), count({c})" for c in cols)
-        bucket = f"CAST(time_s / {width} AS INTEGER) / :m"
+        agg = ", ".join(f"min({c}), max({c}), {d.total(c)}, count({c})" for c in cols)
+        blk_expr = d.trunc(f"time_s / {width}")
+        bucket = f"{blk_expr} / :m"
         q_edge = (
             f"SELECT {bucket} AS b, count(*), min(time_s), max(time_s), {agg} FROM samples "
             "WHERE run_id = :r AND time_s >= :t0 AND time_s <= :t1 AND id <= :mark "
-            f"AND CAST(time_s / {width} AS INTEGER) = :blk GROUP BY b"
+            f"AND {blk_expr} = :blk GROUP BY b"
         )
         for blk in set(edges):
             t0 = max(lo, blk * width)
@@ -811,9 +877,9 @@ class History:
                 _merge(acc, row[0], row[1:], ncols)
         # samples newer than the rollups
         q_tail = (
-            f"SELECT {bucket} AS b, count(*), min(time_s), max(time_s), {agg} FROM samples "
-            "NOT INDEXED WHERE id > :mark AND +run_id = :r AND time_s >= :lo AND time_s <= :hi "
-            "GROUP BY b"
+            f"SELECT {bucket} AS b, count(*), min(time_s), max(time_s), {agg} FROM samples"
+            f"{d.not_indexed} WHERE id > :mark AND {d.plus}run_id = :r AND time_s >= :lo "
+            "AND time_s <= :hi GROUP BY b"
         )
         for row in conn.execute(
             text(q_tail), {"r": run_id, "lo": lo, "hi": hi, "mark": mark, "m": m}
@@ -834,7 +900,7 @@ class History:
             if value is None:
                 return Peak(run_id, col, None, None, None)
             lo, hi = None, None
-            mark = self._mark(conn) if self._has_rollups and col in _ROLLUP_SET else None
+            mark = self._mark(conn, run_id) if self._has_rollups and col in _ROLLUP_SET else None
             if mark is not None:
                 # narrow down through the rollup levels to one smallest-level block
                 for level in range(len(ROLLUP_LEVEL_WIDTHS_S) - 1, -1, -1):
@@ -878,7 +944,7 @@ class History:
         return Peak(run_id, col, value, row[0] if row else None, row[1] if row else None)
 
     def _sample_max(self, conn: Any, run_id: int, col: str) -> Any:
-        mark = self._mark(conn) if self._has_rollups and col in _ROLLUP_SET else None
+        mark = self._mark(conn, run_id) if self._has_rollups and col in _ROLLUP_SET else None
         if mark is None:
             return conn.execute(
                 text(f"SELECT max({col}) FROM samples WHERE run_id = :r"), {"r": run_id}
@@ -889,7 +955,10 @@ class History:
             {"r": run_id},
         ).scalar()
         b = conn.execute(
-            text(f"SELECT max({col}) FROM samples NOT INDEXED WHERE id > :m AND +run_id = :r"),
+            text(
+                f"SELECT max({col}) FROM samples{self._sql.not_indexed} WHERE id > :m AND "
+                f"{self._sql.plus}run_id = :r"
+            ),
             {"r": run_id, "m": mark},
         ).scalar()
         vals = [v for v in (a, b) if v is not None]
@@ -915,10 +984,9 @@ class History:
             run_id = self._find(run)["id"]
         sel = ", ".join(c for c in cols if c != "step")
         # walk the rowid from after_id (never an index scan of the whole table)
-        hint = " NOT INDEXED" if self.engine.dialect.name == "sqlite" else ""
         q = (
-            f"SELECT id, time_s, step{', ' + sel if sel else ''} FROM samples{hint} "
-            "WHERE id > :a AND +run_id = :r ORDER BY id"
+            f"SELECT id, time_s, step{', ' + sel if sel else ''} FROM samples"
+            f"{self._sql.not_indexed} WHERE id > :a AND {self._sql.plus}run_id = :r ORDER BY id"
         )
         if limit is not None:
             q += f" LIMIT {int(limit)}"
@@ -1158,11 +1226,11 @@ def prune(
             if table != "sample_rollups" or history._has_rollups:  # FK cascade, made explicit
                 conn.execute(text(f"DELETE FROM {table} WHERE run_id IN ({ids})"))
         for run_id in thin:
-            bucket = "CAST(time_s / :w AS INTEGER)"
+            bucket = history._sql.trunc("time_s / :w")
             keeps = [
                 f"SELECT id FROM (SELECT id, row_number() OVER (PARTITION BY {bucket} "
                 f"ORDER BY {order}) AS rn FROM samples WHERE run_id = :r AND time_s < :cut) "
-                "WHERE rn = 1"
+                "AS k WHERE rn = 1"
                 for order in (
                     "time_s, id",
                     "time_s DESC, id DESC",
@@ -1180,6 +1248,9 @@ def prune(
             if res.rowcount:
                 report["samples_deleted"] += res.rowcount
                 report["runs_downsampled"] += 1
+        if history._pg:  # the deleted runs' rollup marks
+            for run_id in sorted(doomed):
+                conn.execute(text("DELETE FROM meta WHERE key = :k"), {"k": run_mark_key(run_id)})
         if history._has_rollups:
             roll_up(conn)  # fold in what is waiting; resets the mark if ids went down
             rebuild_rollups(conn, thin)
