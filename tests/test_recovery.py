@@ -207,3 +207,39 @@ def test_ddp_syncs_only_on_the_last_micro_batch(db_path: Path, tmp_path: Path) -
         assert mon.summary().events["oom_recovered"] == 1
     finally:
         dist.destroy_process_group()
+
+
+def test_the_split_merges_back_when_memory_was_freed(db_path: Path) -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    rows_seen: list[int] = []
+
+    def step_fn(mb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        rows_seen.append(mb[0].shape[0])
+        return mse(model, mb)
+
+    # static with momentum: params + grads + momentum = 3 x 67,588 = 202,764; budget 260,000:
+    #   64 rows: 202,764 + 16,384 + 65,536 = 284,684 at ReLU: out of memory; 32 rows: 252,044.
+    # Without momentum state: 135,176 + 16,384 + 65,536 + 256 = 217,352: 64 rows fit again.
+    with edo_monitor.watch(
+        model, opt, db=db_path, interval_s=0.05, budget=260_000, enforce=True
+    ) as mon:
+        warm_up(mon, model, opt)  # 8 rows; boundary 202,764 + 10,272 fits
+        rows_seen.clear()
+        run = lambda seed: mon.run_step(  # noqa: E731
+            step_fn, data(ROWS, seed=seed), optimizer=opt, merge_after_steps=1
+        )
+        run(1)  # recovered: 2 x 32
+        for group in opt.param_groups:  # the momentum state goes away (freed by the user)
+            group["momentum"] = 0.0
+        opt.state.clear()
+        run(2)  # 2 x 32 (one clean step; this step's boundary measures 135,176 static)
+        run(3)  # merge tried: 64 rows fit
+        run(4)  # whole batch
+    assert rows_seen == [64, 32, 32, 32, 32, 64, 64]
+    summary = mon.summary()
+    assert summary.events["oom_recovered"] == 1
+    assert summary.events["micro_batches_merged"] == 1
+    with History(db_path) as history:
+        (merged,) = history.events("latest", kind="micro_batches_merged")
+    assert merged.data == {"batch_rows": 64, "micro_batch_rows": 64}
