@@ -15,6 +15,7 @@ A failure inside the agent never fails the training: it is logged once, recorded
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -51,6 +52,7 @@ from edo_monitor.errors import (
     StoreError,
 )
 from edo_monitor.frequency import LookupCounter
+from edo_monitor.leaks import GrowthDetector
 from edo_monitor.metrics import (
     DEFAULT_METRICS_HOST,
     MetricsServer,
@@ -318,6 +320,7 @@ class Monitor:
         self._entered = False
         self._recorded_status: str | None = None
         self._host_probe: Any = None
+        self._leaks = GrowthDetector()  # steady growth of saved tensors across steps
         self._recovery: StepRecovery | None = None  # run_step's split state, made on first use
 
     # ------------------------------------------------------------------ context manager
@@ -730,12 +733,24 @@ class Monitor:
             if self._tracker is not None:
                 try:
                     self._tracker.end_step()
+                    self._check_growth(self._tracker.live_bytes)
                 except Exception as exc:
                     self._agent_error("closing the step", exc)
         try:
             self._arm_activation_profile()
         except Exception as exc:
             self._agent_error("activation profile", exc)
+
+    def _check_growth(self, activations_bytes: int) -> None:
+        """Saved tensors alive at the step boundary: steady growth is a ``leak_suspected``."""
+        suspicion = self._leaks.add(self.steps, "activations", activations_bytes)
+        if suspicion is not None:
+            self._emit(
+                "leak_suspected",
+                f"{suspicion.category} grow by {format_bytes(int(suspicion.growth_bytes_per_step))}"
+                f" per step (steps {suspicion.first_step}-{suspicion.last_step})",
+                dataclasses.asdict(suspicion),
+            )
 
     def _budget_exceeded(self, requested_bytes: int, in_use_bytes: int) -> None:
         """Raise the CPU-budget out-of-memory error, recorded as an ``oom`` event first (so it is

@@ -69,6 +69,7 @@ _EVENT_STYLES = {
     "oom_recovered": "green",
     "oom_unrecovered": "bold red",
     "micro_batches_merged": "cyan",
+    "leak_suspected": "yellow",
     "probe_unavailable": "grey62",
     "samples_dropped": "yellow",
     "agent_error": "red",
