@@ -778,8 +778,21 @@ class History:
         params = {"r": run_id, "lo": lo, "hi": hi}
         if max_points is None:
             return _raw_series(run_id, cols, conn.execute(text(raw_sql), params).all())
-        few = conn.execute(text(raw_sql + f" LIMIT {max_points + 1}"), params).all()
-        if len(few) <= max_points:
+        if self._pg:
+            # count first: PostgreSQL's (run_id, time_s) index has no id in it, so the ordered
+            # LIMIT below would sort every sample of a long run before giving the first rows
+            n = conn.execute(
+                text(
+                    "SELECT count(*) FROM (SELECT 1 FROM samples WHERE run_id = :r AND "
+                    f"time_s >= :lo AND time_s <= :hi LIMIT {max_points + 1}) AS few"
+                ),
+                params,
+            ).scalar()
+            few = conn.execute(text(raw_sql), params).all() if n <= max_points else []
+        else:
+            few = conn.execute(text(raw_sql + f" LIMIT {max_points + 1}"), params).all()
+            n = len(few)
+        if n <= max_points:
             return _raw_series(run_id, cols, few)
         # the coarsest rollup level whose blocks fit in a bucket; none: buckets narrower than
         # the smallest level, computed from the samples themselves
