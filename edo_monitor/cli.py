@@ -1113,6 +1113,136 @@ def doctor_cmd(
 # -- estimate ----------------------------------------------------------------------------------
 
 
+@app.command("explain")
+@_handle_errors
+def explain_cmd(
+    run: RunArg,
+    db: DbOpt = None,
+    event: Annotated[
+        int | None, typer.Option("--event", help="Only the incident of this event id.")
+    ] = None,
+    top: Annotated[int, typer.Option(help="Remedies shown per incident.", min=1)] = 12,
+    as_json: JsonOpt = False,
+) -> None:
+    """What would have avoided each OOM and pressure crossing: shortfall and ranked remedies."""
+    from edo_monitor.hindsight import explain
+
+    _require_database(db)
+    with _history(db) as h:
+        result = explain(h, run, event=event)
+    if as_json:
+        _print_json(result.as_dict())
+        return
+    if not result.incidents:
+        _c.out.print(f"run {result.run_id}: no OOM and no pressure crossing to explain")
+        return
+    for inc in result.incidents:
+        what = "out of memory" if inc.kind == "oom" else "free memory below the floor"
+        _c.out.print(
+            f"event {inc.event_id}  step {inc.step}  {what}: {inc.message}\n"
+            f"  in use {_bytes(inc.in_use_bytes)} of {_bytes(inc.budget_bytes)}"
+            + (
+                f", episode peak {_bytes(inc.peak_in_use_bytes)}"
+                if inc.kind == "below_floor"
+                else ""
+            )
+            + f"; shortfall {_bytes(inc.shortfall_bytes)} ({inc.shortfall_bytes:,} bytes)"
+        )
+        table = Table(show_edge=False)
+        for col, justify in (
+            ("remedy", "left"),
+            ("target", "left"),
+            ("saving", "right"),
+            ("enough", "left"),
+            ("lossy", "left"),
+            ("from", "left"),
+        ):
+            table.add_column(col, justify=justify)  # type: ignore[arg-type]
+        for r in inc.remedies[:top]:
+            table.add_row(
+                r.action,
+                r.target,
+                _bytes(r.saving_bytes),
+                "yes" if r.enough else "no",
+                "yes" if r.lossy else "no",
+                r.detail,
+            )
+        _c.out.print(table)
+        if len(inc.remedies) > top:
+            _c.out.print(f"  … {len(inc.remedies) - top} more (--top, --json)")
+
+
+@app.command("replay")
+@_handle_errors
+def replay_cmd(
+    run: RunArg,
+    db: DbOpt = None,
+    policy: Annotated[
+        str,
+        typer.Option(
+            help="Policy settings KEY=VALUE,... (min_free_fraction, rearm_free_fraction, "
+            "cooldown_steps, mode, allow_lossy, ladder=a+b, release_cache_min_bytes, "
+            "grow_margin_fraction, grow_after_readings); default: the default policy."
+        ),
+    ] = "",
+    as_json: JsonOpt = False,
+) -> None:
+    """Re-run a recorded run through a policy offline: when it would have acted, what, and the
+    resulting minimum free fraction, beside what happened."""
+    from edo_monitor.hindsight import parse_policy, replay
+
+    settings = parse_policy(policy)  # usage errors before anything is opened
+    from edo_monitor.policy import Policy
+
+    pol = Policy(**settings)
+    _require_database(db)
+    with _history(db) as h:
+        result = replay(h, run, pol)
+    if as_json:
+        _print_json(result.as_dict())
+        return
+    _c.out.print(f"run {result.run_id} {result.run_name}: {result.samples:,} samples through")
+    _c.out.print(f"  {result.policy}")
+    table = Table(show_edge=False)
+    for col, justify in (
+        ("", "left"),
+        ("step", "right"),
+        ("action", "left"),
+        ("target", "left"),
+        ("saving", "right"),
+        ("free at decision", "right"),
+        ("status", "left"),
+    ):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for label, rows in (("replay", result.decisions), ("recorded", result.recorded)):
+        for d in rows:
+            table.add_row(
+                label,
+                str(d.step),
+                d.action,
+                d.target or "-",
+                _bytes(d.saving_bytes),
+                _pct(d.free_fraction),
+                d.status,
+            )
+        if not rows:
+            table.add_row(label, "-", "(no decision)", "", "", "", "")
+    _c.out.print(table)
+    for step, refused in result.refusals:
+        _c.out.print(f"replay: step {step}: no action applies")
+        for action, reason in refused:
+            _c.out.print(f"  {action}: {reason}")
+    _c.out.print(
+        f"min free fraction: replay {_pct(result.min_free_fraction)}, "
+        f"recorded {_pct(result.recorded_min_free_fraction)}"
+    )
+    for step, avoided in zip(result.oom_steps, result.oom_avoided, strict=True):
+        _c.out.print(
+            f"recorded OOM at step {step}: "
+            + ("the replayed actions free more than its shortfall" if avoided else "not avoided")
+        )
+
+
 @app.command("estimate")
 @_handle_errors
 def estimate_cmd(

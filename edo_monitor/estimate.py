@@ -55,16 +55,19 @@ device memory. The estimate therefore reports it apart, as ``step_state_bytes``:
 
 The sharing kinds are the tables of :mod:`edo_monitor.nn.sharing`, byte for byte.
 
-Everything here is arithmetic; nothing touches a device.
+Everything here is arithmetic; nothing touches a device, and torch is not imported (a
+``torch.dtype`` is recognised when the caller has imported torch).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from edo_monitor.errors import ConfigError
 
@@ -171,7 +174,8 @@ def _positive_int(value: object, name: str) -> int:
 
 
 def _dtype(value: object) -> tuple[str, int]:
-    if isinstance(value, torch.dtype):
+    torch_module = sys.modules.get("torch")  # a torch.dtype exists only once torch is imported
+    if torch_module is not None and isinstance(value, torch_module.dtype):
         key = str(value).removeprefix("torch.")
     elif isinstance(value, str):
         key = value.strip().lower().removeprefix("torch.")

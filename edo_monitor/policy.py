@@ -31,18 +31,22 @@ import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from edo_monitor.actions.base import ActionContext, ActionResult, Plan, Refusal
-from edo_monitor.actions.registry import (
-    ACTIONS,
+from edo_monitor.errors import ConfigError
+from edo_monitor.plans import (
+    ACTION_NAMES,
     DEFAULT_LOSSLESS_LADDER,
     DEFAULT_LOSSY_LADDER,
-    LOSSY_ACTIONS,
+    LOSSY_ACTION_NAMES,
+    Plan,
+    Refusal,
 )
-from edo_monitor.errors import ConfigError
 from edo_monitor.readings import Reading
 from edo_monitor.units import format_bytes, parse_bytes
+
+if TYPE_CHECKING:  # the policy itself needs no torch (edo_monitor.hindsight replays offline)
+    from edo_monitor.actions.base import ActionContext, ActionResult
 
 __all__ = [
     "INEFFECTIVE_BELOW_FRACTION",
@@ -227,14 +231,14 @@ class Policy:
             return DEFAULT_LOSSLESS_LADDER + (DEFAULT_LOSSY_LADDER if self.allow_lossy else ())
         if isinstance(ladder, str) or not isinstance(ladder, Sequence):
             raise ConfigError(f"ladder={ladder!r} is not allowed; expected a list of action names")
-        known = ", ".join(ACTIONS)
+        known = ", ".join(ACTION_NAMES)
         seen: set[str] = set()
         for name in ladder:
-            if name not in ACTIONS:
+            if name not in ACTION_NAMES:
                 raise ConfigError(f"ladder action {name!r} is not known; expected one of {known}")
             if name in seen:
                 raise ConfigError(f"ladder action {name!r} appears twice")
-            if name in LOSSY_ACTIONS and not self.allow_lossy:
+            if name in LOSSY_ACTION_NAMES and not self.allow_lossy:
                 raise ConfigError(
                     f"ladder action {name!r} is lossy; pass allow_lossy=True to use it"
                 )
@@ -505,6 +509,8 @@ def make_planner(ctx: ActionContext) -> Callable[[str], Plan | Refusal]:
     An exception while planning becomes a :class:`~edo_monitor.actions.Refusal` whose reason names
     it (the agent must never fail training because of a plan).
     """
+
+    from edo_monitor.actions.registry import ACTIONS
 
     def planner(name: str) -> Plan | Refusal:
         try:

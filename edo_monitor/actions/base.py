@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from edo_monitor.accounting import Accounting, account
+from edo_monitor.plans import Plan, Refusal
 
 __all__ = [
     "Action",
@@ -125,34 +126,6 @@ class ActionContext:
     def accounting(self) -> Accounting:
         """:func:`edo_monitor.accounting.account` of model and optimizers under this tier rule."""
         return account(self.model, self.optimizers, cuda_mode=self.cuda_mode)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What an action would do.
-
-    Attributes:
-        action: action name (a key of ``ACTIONS``).
-        target: what it acts on (qualified module name(s), ``"allocator"``), for humans and events.
-        estimated_saving_bytes: device-tier bytes it expects to free (int).
-        reason: one line: why this target, what changes.
-        details: action-specific values (variant, rank, module names ...), JSON-serialisable.
-    """
-
-    action: str
-    target: str
-    estimated_saving_bytes: int
-    reason: str
-    details: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """Why an action does not apply now (``target`` may be ``""`` when there is none)."""
-
-    action: str
-    target: str
-    reason: str
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from edo_monitor.actions.compress_embedding import CompressEmbedding
 from edo_monitor.actions.offload_embedding import OffloadEmbedding
 from edo_monitor.actions.release_cache import ReleaseCache
 from edo_monitor.actions.share_embedding import ShareEmbedding
+from edo_monitor.plans import DEFAULT_LOSSLESS_LADDER, DEFAULT_LOSSY_LADDER
 
 __all__ = ["ACTIONS", "DEFAULT_LOSSLESS_LADDER", "DEFAULT_LOSSY_LADDER", "LOSSY_ACTIONS"]
 
@@ -36,11 +37,3 @@ policy when memory is free again, not on a ladder), ``offload_embedding``,
 ``share_embedding`` (hot/cold hybrid))."""
 
 LOSSY_ACTIONS: frozenset[str] = frozenset(n for n, a in ACTIONS.items() if a.lossy)
-
-DEFAULT_LOSSLESS_LADDER: tuple[str, ...] = (
-    "release_cache",
-    "cache_embedding",
-    "offload_embedding",
-    "checkpoint_activations",
-)
-DEFAULT_LOSSY_LADDER: tuple[str, ...] = ("compress_embedding", "share_embedding")

@@ -1,0 +1,1006 @@
+"""Hindsight over a recorded run: what would have avoided each incident, and what another policy
+would have done. Reads only the history database (a copy from another machine is enough) and
+never imports torch.
+
+:func:`explain` (``edo-monitor explain RUN``): for each ``oom`` event and each pressure crossing
+(``threshold_crossed`` below the floor) the **shortfall** and a ranked table of **remedies**, each
+with its estimated saving from the recorded attribution and whether it is enough:
+
+* shortfall of an OOM: ``requested - free`` of the parsed message (the bytes the failing
+  allocation lacked); of a crossing: the bytes to free so that the episode's highest in-use
+  (until free memory was back above the re-arm level, or the run ended) stays at the floor,
+  ``max(in_use) - (1 - floor) * budget``;
+* tables (latest ``module_stats`` row of each embedding table at the incident, on the device
+  tier): ``offload_embedding`` (params + grads + optimizer state), ``cache_embedding`` (all rows
+  but a cache of ``CACHE_FLOOR_ROWS``: the action's floor when the peak ids per batch are not
+  known), ``compress`` to bf16, int8 (frozen), low-rank ``dim / 4`` and hashing to ``rows / 10``
+  buckets (saving = recorded bytes minus :func:`edo_monitor.estimate.estimate` of the new table
+  with the run's optimizer);
+* ``checkpoint_activations`` of the ``MAX_CHECKPOINT_BLOCKS`` modules with the most recorded
+  activation bytes (an upper bound: each block's input stays saved);
+* ``smaller_batch`` (activations scale with the batch: the largest batch fraction that is enough),
+  ``mixed_precision`` (activations and gradients halved), ``optimizer`` (Adam → Adagrad / SGD: the
+  estimator's state tensors per element), all from the sample at the incident;
+* ``expandable_segments`` (CUDA only, when fragmentation was above ``FRAGMENTATION_HIGH``): the
+  reserved-but-unallocated bytes outside the largest free block.
+
+:func:`replay` (``edo-monitor replay RUN --policy ...``): the run's samples, in order, through a
+real :class:`edo_monitor.policy.Policy`. Live actions are first taken out of the trace (their
+measured saving is added back from the moment they were recorded), then each replayed decision's
+modelled saving is taken off the in-use bytes of every later sample with a higher step (the agent
+applies at the step boundary). Modelled from the recorded attribution, exactly as the actions
+estimate: ``cache_embedding`` (create and shrink), ``offload_embedding``,
+``checkpoint_activations``, ``compress_embedding`` (bf16 / fp16 / int8 / low-rank) and
+``grow_cache``. Refused with a reason: ``release_cache`` (the allocator's slack after the step is
+not in the trace) and ``share_embedding`` (needs the ids' frequencies per row).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from edo_monitor.errors import ConfigError
+from edo_monitor.plans import Plan, Refusal
+from edo_monitor.units import format_bytes
+
+__all__ = [
+    "CACHE_FLOOR_ROWS",
+    "Explanation",
+    "Incident",
+    "Remedy",
+    "ReplayDecision",
+    "ReplayResult",
+    "explain",
+    "parse_policy",
+    "replay",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Rows a row cache keeps at least when the peak ids per batch are unknown (the action's own
+#: fallback, ``min(rows, 1024)``).
+CACHE_FLOOR_ROWS = 1024
+#: Blocks ``checkpoint_activations`` wraps at most (its default ``max_checkpoint_blocks``).
+MAX_CHECKPOINT_BLOCKS = 4
+#: Fragmentation above which ``expandable_segments`` is suggested.
+FRAGMENTATION_HIGH = 0.3
+
+
+# -- the recorded run ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Table:
+    """An embedding table as recorded (module_stats), with its modelled state in a replay."""
+
+    module: str
+    kind: str
+    num_embeddings: int
+    embedding_dim: int
+    dtype: str
+    params_bytes: int
+    grads_bytes: int
+    optimizer_state_bytes: int
+    placement: str | None = None
+    cache_rows: int | None = None  # a modelled row cache
+    on_device: bool = True
+    counts_step: bool = False  # CPU-budget accounting counts the optimizer's step counters
+
+    @property
+    def total_bytes(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.optimizer_state_bytes
+
+    @property
+    def element_bytes(self) -> int:
+        return max(1, self.params_bytes // max(1, self.num_embeddings * self.embedding_dim))
+
+    @property
+    def state_tensors(self) -> int:
+        """Per-element optimizer state tensors (Adam 2, Adagrad 1, SGD 0)."""
+        return round(self.optimizer_state_bytes / self.params_bytes) if self.params_bytes else 0
+
+    @property
+    def row_bytes(self) -> int:
+        """Device bytes per row: weight, gradient and each per-element state tensor."""
+        per = self.embedding_dim * self.element_bytes
+        return per * (1 + int(self.grads_bytes > 0) + self.state_tensors)
+
+    @property
+    def optimizer(self) -> str:
+        return {0: "sgd", 1: "adagrad"}.get(self.state_tensors, "adam")
+
+
+def _tables_at(
+    rows: Sequence[Mapping[str, Any]],
+    time_s: float | None,
+    *,
+    before: bool = False,
+    counts_step: bool = False,
+) -> dict[str, _Table]:
+    """Latest state of each embedding table at ``time_s`` (strictly before it with ``before``;
+    all rows when ``None``); categories take their largest value so far (gradients and optimizer
+    state appear after the first step)."""
+    tables: dict[str, _Table] = {}
+    for r in rows:
+        if time_s is not None and (r["time_s"] >= time_s if before else r["time_s"] > time_s):
+            break
+        if r["num_embeddings"] is None or r["embedding_dim"] is None:
+            continue
+        t = tables.get(r["module"])
+        values = {
+            k: int(r[k] or 0) for k in ("params_bytes", "grads_bytes", "optimizer_state_bytes")
+        }
+        dtype = (r["dtype"] or "float32").removeprefix("torch.")
+        if t is None or values["params_bytes"] != t.params_bytes or dtype != t.dtype:
+            tables[r["module"]] = _Table(
+                r["module"],
+                r["kind"],
+                int(r["num_embeddings"]),
+                int(r["embedding_dim"]),
+                dtype,
+                placement=r["placement"],
+                counts_step=counts_step,
+                **values,
+            )
+        else:
+            t.grads_bytes = max(t.grads_bytes, values["grads_bytes"])
+            t.optimizer_state_bytes = max(t.optimizer_state_bytes, values["optimizer_state_bytes"])
+            t.placement = r["placement"]
+    return tables
+
+
+def _activations_at(rows: Sequence[Mapping[str, Any]], time_s: float | None) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in rows:
+        if time_s is not None and r["time_s"] > time_s:
+            break
+        out[r["module"]] = int(r["activations_bytes"] or 0)
+    return {m: b for m, b in out.items() if b > 0}
+
+
+def _load(history: Any, run: Any) -> tuple[Any, list[dict[str, Any]], list[Any]]:
+    from sqlalchemy import text
+
+    info = history.run(run, stats=False)
+    with history._read() as conn:
+        rows = [
+            dict(r)
+            for r in conn.execute(
+                text("SELECT * FROM module_stats WHERE run_id = :r ORDER BY time_s, id"),
+                {"r": info.id},
+            ).mappings()
+        ]
+    return info, rows, history.events(info.id)
+
+
+def _open(db: Any) -> tuple[Any, bool]:
+    from edo_monitor.store.history import History
+
+    if isinstance(db, History):
+        return db, False
+    return History(db), True
+
+
+# -- explain ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Remedy:
+    """One thing that would have saved bytes at an incident.
+
+    Attributes:
+        action: ``offload_embedding``, ``cache_embedding``, ``compress_embedding_bf16`` /
+            ``_int8`` / ``_lowrank``, ``share_embedding``, ``checkpoint_activations``,
+            ``smaller_batch``, ``mixed_precision``, ``optimizer``, ``expandable_segments``.
+        target: the module(s), or what changes (``"batch x 0.62"``, ``"adam -> sgd"``).
+        saving_bytes: estimated bytes it frees at the incident (int).
+        enough: whether ``saving_bytes >= shortfall_bytes``.
+        lossy: whether it changes numerics (or the training recipe).
+        detail: where the number comes from.
+    """
+
+    action: str
+    target: str
+    saving_bytes: int
+    enough: bool
+    lossy: bool
+    detail: str
+
+
+@dataclass(frozen=True)
+class Incident:
+    """An OOM or a pressure crossing and what would have avoided it.
+
+    Attributes:
+        event_id: the ``events`` row (``edo-monitor events RUN``).
+        kind: ``"oom"`` or ``"below_floor"``.
+        step, time_s: when (Unix seconds, UTC).
+        in_use_bytes, budget_bytes: at the incident (the OOM's last reading, the crossing's
+            sample); ``peak_in_use_bytes``: the episode's highest in-use (crossings).
+        shortfall_bytes: bytes that had to go (see the module docstring).
+        remedies: ranked, largest saving first.
+    """
+
+    event_id: int
+    kind: str
+    step: int
+    time_s: float
+    in_use_bytes: int | None
+    budget_bytes: int | None
+    peak_in_use_bytes: int | None
+    shortfall_bytes: int
+    message: str
+    remedies: tuple[Remedy, ...]
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """:func:`explain`'s answer for one run."""
+
+    run_id: int
+    run_name: str
+    device_kind: str
+    floor_fraction: float
+    incidents: tuple[Incident, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain, JSON-ready values."""
+        return dataclasses.asdict(self)
+
+
+def _est(t: _Table, compression: Any) -> int:
+    from edo_monitor.estimate import estimate
+
+    dtype = t.dtype if t.dtype in ("float32", "float16", "bfloat16", "float64") else "float32"
+    est = estimate(
+        t.num_embeddings,
+        t.embedding_dim,
+        dtype=dtype,
+        optimizer=t.optimizer,
+        compression=compression,
+    )
+    return est.total_with_step_bytes if t.counts_step else est.total_bytes
+
+
+def _sample_at(history: Any, run_id: int, time_s: float) -> dict[str, Any] | None:
+    from sqlalchemy import text
+
+    with history._read() as conn:
+        row = (
+            conn.execute(
+                text(
+                    "SELECT * FROM samples WHERE run_id = :r AND time_s <= :t "
+                    "ORDER BY time_s DESC, id DESC LIMIT 1"
+                ),
+                {"r": run_id, "t": time_s},
+            )
+            .mappings()
+            .first()
+        )
+    return dict(row) if row else None
+
+
+def _peak_in_episode(history: Any, run_id: int, start_s: float, end_s: float | None) -> int | None:
+    from sqlalchemy import text
+
+    with history._read() as conn:
+        return conn.execute(
+            text(
+                "SELECT max(in_use_bytes) FROM samples WHERE run_id = :r AND time_s >= :a"
+                + ("" if end_s is None else " AND time_s < :b")
+            ),
+            {"r": run_id, "a": start_s, "b": end_s},
+        ).scalar()
+
+
+def _remedies(
+    shortfall: int,
+    sample: Mapping[str, Any] | None,
+    tables: Mapping[str, _Table],
+    activations: Mapping[str, int],
+    in_use_bytes: int | None = None,
+) -> list[Remedy]:
+    out: list[Remedy] = []
+
+    def add(action: str, target: str, saving: int, lossy: bool, detail: str) -> None:
+        if saving > 0:
+            out.append(Remedy(action, target, int(saving), saving >= shortfall, lossy, detail))
+
+    for t in sorted(tables.values(), key=lambda t: -t.total_bytes):
+        if not t.on_device or t.placement == "host" or t.total_bytes <= 0:
+            continue
+        add(
+            "offload_embedding",
+            t.module,
+            t.total_bytes,
+            False,
+            f"params {format_bytes(t.params_bytes)} + grads {format_bytes(t.grads_bytes)} + "
+            f"optimizer state {format_bytes(t.optimizer_state_bytes)} to host memory",
+        )
+        keep = min(t.num_embeddings, CACHE_FLOOR_ROWS)
+        add(
+            "cache_embedding",
+            t.module,
+            (t.num_embeddings - keep) * t.row_bytes,
+            False,
+            f"keep {keep:,} of {t.num_embeddings:,} rows on the device "
+            f"({format_bytes(t.row_bytes)} a row); fewer rows freed with a larger cache",
+        )
+        current = t.total_bytes
+        for action, comp, note in (
+            ("compress_embedding_bf16", "bf16", "bf16 table, grads and state"),
+            ("compress_embedding_int8", "int8", "int8 rows + a float32 scale a row; frozen"),
+            (
+                "compress_embedding_lowrank",
+                f"lowrank:{max(1, t.embedding_dim // 4)}",
+                f"rank {max(1, t.embedding_dim // 4)} factors",
+            ),
+            (
+                "share_embedding",
+                f"hash:{max(1, t.num_embeddings // 10)}",
+                f"{max(1, t.num_embeddings // 10):,} hashed buckets",
+            ),
+        ):
+            try:
+                after = _est(t, comp)
+            except ConfigError:
+                continue
+            add(action, t.module, current - after, True, f"{note}: estimate {format_bytes(after)}")
+    blocks = {m: b for m, b in activations.items() if m not in ("<model>", "") and m not in tables}
+    if blocks:
+        top = sorted(blocks.items(), key=lambda kv: -kv[1])[:MAX_CHECKPOINT_BLOCKS]
+        add(
+            "checkpoint_activations",
+            ", ".join(m for m, _ in top),
+            sum(b for _, b in top),
+            False,
+            "saved activations of the largest blocks (upper bound: each block's input stays)",
+        )
+    if sample is not None:
+        act = int(sample.get("activations_bytes") or 0)
+        grads = int(sample.get("grads_bytes") or 0)
+        state = int(sample.get("optimizer_state_bytes") or 0)
+        params = int(sample.get("params_bytes") or 0)
+        if in_use_bytes is not None and sample.get("device_kind") != "cuda":
+            # at an OOM the failing request is itself an activation: what is not static is
+            act = max(act, in_use_bytes - params - grads - state)
+        if act > 0:
+            if act > shortfall:
+                frac = (act - shortfall) / act
+                add(
+                    "smaller_batch",
+                    f"batch x {frac:.2f}",
+                    act - math.floor(act * frac),
+                    True,
+                    f"activations {format_bytes(act)} scale with the batch",
+                )
+            else:
+                add(
+                    "smaller_batch",
+                    "batch x 0.50",
+                    act // 2,
+                    True,
+                    f"activations {format_bytes(act)} scale with the batch; not enough alone",
+                )
+        add(
+            "mixed_precision",
+            "bf16 autocast",
+            act // 2 + grads // 2,
+            True,
+            f"activations {format_bytes(act)} and gradients {format_bytes(grads)} halved",
+        )
+        states = round(state / params) if params else 0
+        if states >= 2:
+            from edo_monitor.estimate import estimate
+
+            for name in ("adagrad", "sgd"):
+                per = estimate(1, 1, optimizer=name).optimizer_state_bytes // 4
+                add(
+                    "optimizer",
+                    f"adam -> {name}",
+                    state - state * per // states,
+                    True,
+                    f"{per} state tensor(s) a parameter instead of {states} (the estimator)",
+                )
+        frag = sample.get("fragmentation")
+        slack = sample.get("reserved_unallocated_bytes")
+        largest = sample.get("largest_inactive_block_bytes") or 0
+        if sample.get("device_kind") == "cuda" and frag is not None and frag > FRAGMENTATION_HIGH:
+            add(
+                "expandable_segments",
+                "PYTORCH_CUDA_ALLOC_CONF",
+                int((slack or 0) - largest),
+                False,
+                f"fragmentation {frag:.0%}: cached slack outside the largest free block",
+            )
+    # enough first, lossless before lossy, then the larger saving
+    out.sort(key=lambda r: (not r.enough, r.lossy, -r.saving_bytes))
+    return out
+
+
+def explain(db: Any, run: Any, *, event: int | None = None) -> Explanation:
+    """What would have avoided each OOM and each pressure crossing of a recorded run.
+
+    Args:
+        db: a :class:`edo_monitor.History`, a path or an SQLAlchemy URL (read-only).
+        run: run id, uuid prefix or ``"latest"``.
+        event: only the incident of this event id.
+
+    Returns:
+        An :class:`Explanation` (no incidents when the run had none).
+
+    Raises:
+        RunNotFoundError: no such run. StoreError: no usable database. ConfigError: ``event``
+        is not an OOM or below-floor crossing of the run.
+    """
+    history, owned = _open(db)
+    try:
+        info, module_rows, events = _load(history, run)
+        floor = float((info.config or {}).get("floor") or 0.2)  # the live policy's floor
+        cpu = info.device_kind != "cuda"
+        incidents = []
+        crossings = [e for e in events if e.kind == "threshold_crossed"]
+        for e in events:
+            if event is not None and e.id != event:
+                continue
+            if e.kind == "oom":
+                parsed = e.data.get("parsed") or {}
+                last = e.data.get("last_reading") or {}
+                requested, free = parsed.get("requested_bytes"), parsed.get("free_bytes")
+                budget = parsed.get("total_bytes") or last.get("budget_bytes")
+                if requested is not None:
+                    shortfall = max(0, int(requested) - int(free or 0))
+                else:
+                    shortfall = max(0, int(last.get("in_use_bytes") or 0) - int(budget or 0))
+                in_use = (int(budget) - int(free or 0) + int(requested or 0)) if budget else None
+                sample = {**last} if last else _sample_at(history, info.id, e.time_s)
+                incidents.append(
+                    Incident(
+                        e.id,
+                        "oom",
+                        e.step,
+                        e.time_s,
+                        in_use,
+                        budget,
+                        in_use,
+                        shortfall,
+                        e.message,
+                        tuple(
+                            _remedies(
+                                shortfall,
+                                sample,
+                                _tables_at(module_rows, e.time_s, counts_step=cpu),
+                                _activations_at(module_rows, e.time_s),
+                                in_use,
+                            )
+                        ),
+                    )
+                )
+            elif e.kind == "threshold_crossed" and e.data.get("direction") == "below":
+                floor_e = float(e.data.get("floor", e.data.get("threshold", floor)))
+                end = next(
+                    (
+                        c.time_s
+                        for c in crossings
+                        if c.time_s > e.time_s and c.data.get("direction") == "above"
+                    ),
+                    None,
+                )
+                peak = _peak_in_episode(history, info.id, e.time_s, end)
+                budget = e.data.get("budget_bytes") or info.budget_bytes
+                peak = max(int(peak or 0), int(e.data.get("in_use_bytes") or 0))
+                shortfall = max(0, math.ceil(peak - (1 - floor_e) * int(budget or 0)))
+                sample = _sample_at(history, info.id, e.time_s)
+                incidents.append(
+                    Incident(
+                        e.id,
+                        "below_floor",
+                        e.step,
+                        e.time_s,
+                        e.data.get("in_use_bytes"),
+                        budget,
+                        peak,
+                        shortfall,
+                        e.message,
+                        tuple(
+                            _remedies(
+                                shortfall,
+                                sample,
+                                _tables_at(module_rows, e.time_s, counts_step=cpu),
+                                _activations_at(module_rows, e.time_s),
+                            )
+                        ),
+                    )
+                )
+        if event is not None and not incidents:
+            raise ConfigError(
+                f"event={event!r} is not an OOM or a below-floor crossing of run {info.id}; "
+                f"see edo-monitor events {info.id} --kind oom --kind threshold_crossed"
+            )
+        return Explanation(info.id, info.name, info.device_kind, floor, tuple(incidents))
+    finally:
+        if owned:
+            history.close()
+
+
+# -- replay -------------------------------------------------------------------------------------
+
+_POLICY_KEYS = {
+    "min_free_fraction": float,
+    "rearm_free_fraction": float,
+    "cooldown_steps": int,
+    "mode": str,
+    "allow_lossy": bool,
+    "ladder": tuple,
+    "release_cache_min_bytes": str,
+    "grow_margin_fraction": float,
+    "grow_after_readings": int,
+}
+
+
+def parse_policy(text: str) -> dict[str, Any]:
+    """Policy keyword arguments from ``"min_free_fraction=0.3,cooldown_steps=2,..."``.
+
+    ``ladder`` takes action names joined by ``+`` (``ladder=offload_embedding+cache_embedding``);
+    ``allow_lossy`` takes ``true``/``false``. Values are checked by :class:`Policy` itself.
+
+    Raises:
+        ConfigError: an unknown key, a missing ``=``, or a value of the wrong kind.
+    """
+    out: dict[str, Any] = {}
+    for part in (p.strip() for p in (text or "").split(",")):
+        if not part:
+            continue
+        key, sep, value = (s.strip() for s in part.partition("="))
+        if not sep or key not in _POLICY_KEYS:
+            raise ConfigError(
+                f"policy setting {part!r} is not allowed; expected KEY=VALUE with KEY one of "
+                f"{', '.join(_POLICY_KEYS)}"
+            )
+        kind = _POLICY_KEYS[key]
+        try:
+            if kind is bool:
+                if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError(value)
+                out[key] = value.lower() in ("true", "1", "yes")
+            elif kind is tuple:
+                out[key] = tuple(v.strip() for v in value.split("+") if v.strip())
+            else:
+                out[key] = kind(value)
+        except ValueError:
+            raise ConfigError(
+                f"policy setting {key}={value!r} is not allowed; expected a {kind.__name__}"
+            ) from None
+    return out
+
+
+@dataclass(frozen=True)
+class ReplayDecision:
+    """A decision of the replayed policy (or, in ``recorded``, of the live run).
+
+    Attributes:
+        step, time_s: the reading it was decided on.
+        action, target: what.
+        saving_bytes: modelled saving (replay) or measured ``saved_bytes`` (live; ``None`` when
+            the live decision was not applied).
+        free_fraction: free fraction of the reading (modelled in a replay).
+        status: ``"modelled"``, ``"advised"`` (replay in advise mode); live: ``"applied"``,
+            ``"refused"``, ``"failed"``, ``"advised"`` or ``"pending"``.
+        reason: the plan's reason.
+    """
+
+    step: int
+    time_s: float
+    action: str
+    target: str
+    saving_bytes: int | None
+    free_fraction: float | None
+    status: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """:func:`replay`'s answer: the replayed decisions beside the recorded ones.
+
+    Attributes:
+        run_id, run_name: the run.
+        policy: ``repr`` of the replayed policy.
+        samples: samples replayed.
+        decisions: the replayed policy's decisions, in order.
+        refusals: for each ``no_action`` of the replay, ``(step, [(action, reason), ...])``.
+        recorded: the live run's decisions with their outcome.
+        crossings: the replay's threshold crossings ``(step, "below_floor" | "above_rearm",
+            free_fraction)``.
+        min_free_fraction: modelled minimum free fraction; ``recorded_min_free_fraction``: the
+            live run's.
+        oom_steps: steps of the live run's OOM events; ``oom_avoided``: for each, whether the
+            modelled savings in force by then cover its shortfall.
+        duration_s: wall time of the replay loop (reading the samples included).
+    """
+
+    run_id: int
+    run_name: str
+    policy: str
+    samples: int
+    decisions: tuple[ReplayDecision, ...]
+    refusals: tuple[tuple[int, tuple[tuple[str, str], ...]], ...]
+    recorded: tuple[ReplayDecision, ...]
+    crossings: tuple[tuple[int, str, float], ...]
+    min_free_fraction: float | None
+    recorded_min_free_fraction: float | None
+    oom_steps: tuple[int, ...]
+    oom_avoided: tuple[bool, ...]
+    duration_s: float
+
+    @property
+    def samples_per_s(self) -> float | None:
+        """Replay speed."""
+        return self.samples / self.duration_s if self.duration_s > 0 else None
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain, JSON-ready values (``samples_per_s`` included)."""
+        d = dataclasses.asdict(self)
+        d["samples_per_s"] = self.samples_per_s
+        return d
+
+
+@dataclass
+class _Model:
+    """The modelled state of the run during a replay, and the planner the policy calls."""
+
+    tables: dict[str, _Table]
+    activations: dict[str, int]
+    rearm_fraction: float
+    grow_margin_fraction: float
+    in_use_bytes: int = 0
+    budget_bytes: int = 0
+    checkpointed: set[str] = field(default_factory=set)
+
+    def need(self) -> int:
+        return max(0, math.ceil(self.in_use_bytes - (1 - self.rearm_fraction) * self.budget_bytes))
+
+    def device(self) -> list[_Table]:
+        plain = [t for t in self.tables.values() if t.on_device and t.cache_rows is None]
+        return sorted(plain, key=lambda t: -t.total_bytes)
+
+    def __call__(self, name: str) -> Plan | Refusal:
+        if name == "release_cache":
+            return Refusal(
+                name,
+                "allocator",
+                "not modelled offline: the allocator's slack after the step is not in the trace",
+            )
+        if name == "share_embedding":
+            return Refusal(name, "", "not modelled offline: needs the ids' frequency per row")
+        if name == "cache_embedding":
+            return self._cache()
+        if name == "grow_cache":
+            return self._grow()
+        if name == "checkpoint_activations":
+            return self._checkpoint()
+        tables = self.device()
+        if not tables:
+            return Refusal(name, "", "no embedding table left on the device tier")
+        t = tables[0]
+        if name == "offload_embedding":
+            return Plan(
+                name,
+                t.module,
+                t.total_bytes,
+                f"largest table {t.module} ({format_bytes(t.total_bytes)}) moves to host memory",
+                {"model": "offload"},
+            )
+        variant = {
+            "compress_embedding": "bf16",
+            "compress_embedding_bf16": "bf16",
+            "compress_embedding_fp16": "fp16",
+            "compress_embedding_int8": "int8",
+            "compress_embedding_lowrank": f"lowrank:{max(1, t.embedding_dim // 2)}",
+        }.get(name)
+        if variant is None:
+            return Refusal(name, "", f"not modelled offline: {name}")
+        saving = t.total_bytes - _est(t, variant)
+        return Plan(
+            name,
+            t.module,
+            saving,
+            f"{t.module} to {variant} (the estimator)",
+            {"model": "compress", "compression": variant},
+        )
+
+    def _cache(self) -> Plan | Refusal:
+        need = self.need()
+        for t in self.tables.values():
+            if t.cache_rows is None or not t.on_device:
+                continue
+            floor = min(t.num_embeddings, CACHE_FLOOR_ROWS) + 1
+            spare = t.cache_rows - floor
+            if spare < 1:
+                continue
+            give = min(spare, -(-need // t.row_bytes)) or spare
+            return Plan(
+                "cache_embedding",
+                t.module,
+                give * t.row_bytes,
+                f"shrink the row cache of {t.module} from {t.cache_rows} to "
+                f"{t.cache_rows - give} rows",
+                {"model": "cache", "to_rows": t.cache_rows - give},
+            )
+        tables = self.device()
+        if not tables:
+            return Refusal("cache_embedding", "", "no embedding table left on the device tier")
+        for t in tables:
+            n = t.num_embeddings
+            floor = max(1, min(n, CACHE_FLOOR_ROWS))
+            rows = max(floor, n - -(-need // t.row_bytes))
+            if rows >= n:
+                continue
+            saving = (n - rows) * t.row_bytes
+            return Plan(
+                "cache_embedding",
+                t.module,
+                saving,
+                f"largest table {t.module}: keep {rows} of {n} rows on the device",
+                {"model": "cache", "to_rows": rows},
+            )
+        return Refusal("cache_embedding", tables[0].module, "a cache would hold the whole table")
+
+    def _grow(self) -> Plan | Refusal:
+        caches = [t for t in self.tables.values() if t.cache_rows is not None and t.on_device]
+        if not caches:
+            return Refusal("grow_cache", "", "no row cache made by cache_embedding")
+        keep_free = (self.rearm_fraction + self.grow_margin_fraction) * self.budget_bytes
+        spare = self.budget_bytes - self.in_use_bytes - keep_free
+        t = min(caches, key=lambda c: (c.cache_rows or 0) / c.num_embeddings)
+        rows = int(spare // t.row_bytes)
+        if rows < 1:
+            return Refusal("grow_cache", t.module, "spare bytes below one row")
+        to_rows = min(t.num_embeddings, (t.cache_rows or 0) + rows)
+        cost = (to_rows - (t.cache_rows or 0)) * t.row_bytes
+        return Plan(
+            "grow_cache",
+            t.module,
+            -cost,
+            f"grow the row cache of {t.module} to {to_rows} rows",
+            {"model": "cache", "to_rows": to_rows},
+        )
+
+    def _checkpoint(self) -> Plan | Refusal:
+        cands = [
+            (m, b)
+            for m, b in self.activations.items()
+            if m not in ("<model>", "") and m not in self.tables and m not in self.checkpointed
+        ]
+        cands.sort(key=lambda mb: -mb[1])
+        chosen = cands[:MAX_CHECKPOINT_BLOCKS]
+        if not chosen:
+            return Refusal(
+                "checkpoint_activations", "", "no block with recorded activations to checkpoint"
+            )
+        est = sum(b for _, b in chosen)
+        return Plan(
+            "checkpoint_activations",
+            ",".join(m for m, _ in chosen),
+            est,
+            f"checkpoint {len(chosen)} block(s) saving {format_bytes(est)} of activations",
+            {"model": "checkpoint", "blocks": [m for m, _ in chosen]},
+        )
+
+    def commit(self, plan: Plan) -> None:
+        """Change the modelled state as the applied action would."""
+        kind = plan.details.get("model")
+        if kind == "checkpoint":
+            self.checkpointed.update(plan.details["blocks"])
+            return
+        t = self.tables.get(plan.target)
+        if t is None:
+            return
+        if kind == "offload":
+            t.on_device = False
+        elif kind == "cache":
+            rows = int(plan.details["to_rows"])
+            t.cache_rows = None if rows >= t.num_embeddings else rows
+        elif kind == "compress":
+            after = _est(t, plan.details["compression"])
+            scale = after / t.total_bytes if t.total_bytes else 0.0
+            t.params_bytes = int(t.params_bytes * scale)
+            t.grads_bytes = int(t.grads_bytes * scale)
+            t.optimizer_state_bytes = after - t.params_bytes - t.grads_bytes
+            t.on_device = False  # compressed once: not planned again
+
+
+def replay(db: Any, run: Any, policy: Any = None) -> ReplayResult:
+    """Re-run a recorded run's samples through a real :class:`edo_monitor.policy.Policy`.
+
+    Args:
+        db: a :class:`edo_monitor.History`, a path or an SQLAlchemy URL (read-only).
+        run: run id, uuid prefix or ``"latest"``.
+        policy: a :class:`Policy`, its keyword arguments (a mapping), a string for
+            :func:`parse_policy`, or ``None`` (the default policy, ``mode="auto"``). A policy
+            object is used as it is (its state changes).
+
+    Returns:
+        A :class:`ReplayResult` (see the module docstring for how each effect is modelled).
+
+    Raises:
+        RunNotFoundError: no such run. StoreError: no usable database. ConfigError: a bad policy.
+    """
+    from edo_monitor.policy import Decision, NoActionAvailable, Policy, ThresholdCrossing
+    from edo_monitor.readings import Reading
+
+    if policy is None:
+        policy = Policy()
+    elif isinstance(policy, str):
+        policy = Policy(**parse_policy(policy))
+    elif isinstance(policy, Mapping):
+        policy = Policy(**policy)
+    elif not isinstance(policy, Policy):
+        raise ConfigError(
+            f"policy={policy!r} is not allowed; expected a Policy, a mapping or a string"
+        )
+    history, owned = _open(db)
+    try:
+        t0 = time.perf_counter()
+        info, module_rows, events = _load(history, run)
+        live = [e for e in events if e.kind == "action"]
+        cpu = info.device_kind != "cuda"
+        # the tables as they were before the live run's first decision changed anything
+        changed = [e.time_s for e in events if e.kind in ("decision", "action")]
+        first_live = min(changed) if changed else None
+        model = _Model(
+            _tables_at(module_rows, first_live, before=True, counts_step=cpu),
+            _activations_at(module_rows, first_live),
+            policy.rearm_free_fraction,
+            policy.grow_margin_fraction,
+        )
+        for t in model.tables.values():
+            t.on_device = t.placement != "host"
+        live_back = [(e.time_s, int(e.data.get("saved_bytes") or 0)) for e in live]
+        ooms = [e for e in events if e.kind == "oom"]
+        oom_need = []
+        for e in ooms:
+            parsed = e.data.get("parsed") or {}
+            req, free = parsed.get("requested_bytes"), parsed.get("free_bytes")
+            oom_need.append((e.time_s, max(0, int(req or 0) - int(free or 0))))
+
+        decisions: list[ReplayDecision] = []
+        refusals: list[tuple[int, tuple[tuple[str, str], ...]]] = []
+        crossings: list[tuple[int, str, float]] = []
+        pending: list[tuple[int, int]] = []  # (decision step, saving): in force at a later step
+        applied = 0
+        back = 0
+        li = 0
+        min_free: float | None = None
+        min_rec: float | None = None
+        saved_at_oom: list[int] = []
+        oi = 0
+        n = 0
+        from sqlalchemy import text
+
+        query = text(
+            "SELECT time_s, step, device_kind, in_use_bytes, budget_bytes, free_fraction, "
+            "reserved_unallocated_bytes FROM samples WHERE run_id = :r ORDER BY time_s, id"
+        )
+        evaluate = policy.evaluate
+        with history._read() as conn:
+            result = conn.execute(query, {"r": info.id})
+            while True:
+                chunk = result.fetchmany(65536)
+                if not chunk:
+                    break
+                for time_s, step, kind, in_use, budget, rec_free, slack in chunk:
+                    n += 1
+                    while li < len(live_back) and live_back[li][0] <= time_s:
+                        back += live_back[li][1]
+                        li += 1
+                    if pending and pending[0][0] < step:
+                        while pending and pending[0][0] < step:
+                            applied += pending.pop(0)[1]
+                    while oi < len(oom_need) and oom_need[oi][0] <= time_s:
+                        saved_at_oom.append(applied)
+                        oi += 1
+                    if rec_free is not None and (min_rec is None or rec_free < min_rec):
+                        min_rec = rec_free
+                    if in_use is None or not budget:
+                        continue
+                    now = in_use + back - applied
+                    free = (budget - now) / budget
+                    if min_free is None or free < min_free:
+                        min_free = free
+                    model.in_use_bytes = now
+                    model.budget_bytes = budget
+                    reading = Reading(
+                        time_s,
+                        step,
+                        kind,
+                        reserved_unallocated_bytes=slack,
+                        budget_bytes=budget,
+                        in_use_bytes=now,
+                        free_fraction=free,
+                    )
+                    for ev in evaluate(reading, model):
+                        if isinstance(ev, ThresholdCrossing):
+                            crossings.append((ev.step, ev.kind, ev.free_fraction))
+                        elif isinstance(ev, NoActionAvailable):
+                            refusals.append(
+                                (ev.step, tuple((r.action, r.reason) for r in ev.refusals))
+                            )
+                        elif isinstance(ev, Decision):
+                            decisions.append(
+                                ReplayDecision(
+                                    ev.step,
+                                    ev.time_s,
+                                    ev.action,
+                                    ev.target,
+                                    ev.estimated_saving_bytes,
+                                    ev.free_fraction,
+                                    "advised" if ev.advisory else "modelled",
+                                    ev.reason,
+                                )
+                            )
+                            if not ev.advisory:
+                                model.commit(ev.plan)
+                                pending.append((ev.step, ev.estimated_saving_bytes))
+                                policy.resolve(ev, "applied")
+        while oi < len(oom_need):
+            saved_at_oom.append(applied)
+            oi += 1
+        duration = time.perf_counter() - t0
+        return ReplayResult(
+            info.id,
+            info.name,
+            repr(policy),
+            n,
+            tuple(decisions),
+            tuple(refusals),
+            tuple(_recorded(events)),
+            tuple(crossings),
+            min_free,
+            min_rec,
+            tuple(e.step for e in ooms),
+            tuple(s >= need for s, (_, need) in zip(saved_at_oom, oom_need, strict=True)),
+            duration,
+        )
+    finally:
+        if owned:
+            history.close()
+
+
+def _recorded(events: Sequence[Any]) -> list[ReplayDecision]:
+    """The live run's decisions, each with the outcome of its action event."""
+    outcomes = {
+        "action": "applied",
+        "action_refused": "refused",
+        "action_failed": "failed",
+    }
+    out: list[ReplayDecision] = []
+    open_: list[int] = []
+    for e in events:
+        if e.kind == "decision":
+            mode = e.data.get("mode")
+            out.append(
+                ReplayDecision(
+                    e.step,
+                    e.time_s,
+                    str(e.data.get("action")),
+                    str(e.data.get("target") or ""),
+                    None,
+                    e.data.get("free_fraction"),
+                    "advised" if mode == "advise" else "pending",
+                    str(e.data.get("reason") or ""),
+                )
+            )
+            if mode != "advise":
+                open_.append(len(out) - 1)
+        elif e.kind in outcomes and open_:
+            i = open_.pop(0)
+            saved = int(e.data.get("saved_bytes") or 0) if e.kind == "action" else None
+            out[i] = dataclasses.replace(out[i], status=outcomes[e.kind], saving_bytes=saved)
+    return out

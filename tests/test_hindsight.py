@@ -1,0 +1,218 @@
+"""explain and replay (issue 14, items 3 and 4) on real recorded runs: real watch() loops on the
+CPU budget, a real SQLite file, the real Policy, the CLI through typer's runner."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from typer.testing import CliRunner
+
+import edo_monitor
+from edo_monitor.actions import ACTIONS, LOSSY_ACTIONS
+from edo_monitor.cli import app
+from edo_monitor.errors import ConfigError
+from edo_monitor.hindsight import explain, parse_policy, replay
+from edo_monitor.plans import ACTION_NAMES, LOSSY_ACTION_NAMES
+from edo_monitor.policy import Policy
+from edo_monitor.store.history import History
+
+ROWS, DIM = 20_000, 32
+# the table with Adam after one step: weight, gradient, exp_avg, exp_avg_sq (float32) and the
+# 4-byte step counter, all in the CPU budget
+TABLE_BYTES = ROWS * DIM * 4 * 4 + 4
+BUDGET = 12_000_000
+
+
+class TinyModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.EmbeddingBag(ROWS, DIM, mode="mean")
+        self.head = nn.Linear(DIM, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+def _train(db: Path, mode: str, *, until: str) -> int:
+    """A real training loop under watch(); steps until the run recorded an event of kind
+    ``until`` (and 5 steps more), with a hang guard. Returns the run id."""
+    torch.manual_seed(0)
+    model = TinyModel()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    policy = Policy(mode=mode, ladder=["offload_embedding"], cooldown_steps=3)
+    gen = torch.Generator().manual_seed(1)
+    with edo_monitor.watch(
+        model, opt, db=str(db), budget=BUDGET, policy=policy, enforce=False, interval_s=0.01
+    ) as monitor:
+        deadline = time.monotonic() + 120  # hang guard only
+        extra = None
+        while time.monotonic() < deadline:
+            x = torch.randint(0, ROWS, (64, 4), generator=gen)
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if extra is None and monitor.summary().events.get(until):
+                extra = 5
+            if extra is not None:
+                extra -= 1
+                if extra <= 0:
+                    break
+        assert extra is not None and extra <= 0, f"no {until} event before the hang guard"
+        return monitor.run_id
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, int]:
+    db = tmp_path_factory.mktemp("hindsight") / "h.db"
+    tuned = _train(db, "auto", until="action")
+    observed = _train(db, "observe", until="threshold_crossed")
+    return db, tuned, observed
+
+
+def test_action_names_without_torch_match_the_registry() -> None:
+    assert tuple(ACTIONS) == ACTION_NAMES
+    assert LOSSY_ACTIONS == LOSSY_ACTION_NAMES
+
+
+def test_replay_of_the_tuned_run_decides_as_it_did_and_models_the_measured_saving(
+    runs: tuple[Path, int, int],
+) -> None:
+    db, tuned, _ = runs
+    with History(db) as h:
+        decision = h.events(tuned, kind="decision")[0]
+        action = h.events(tuned, kind="action")[0]
+    assert action.data["saved_bytes"] == TABLE_BYTES  # the live measurement, derived above
+    result = replay(db, tuned, {"ladder": ("offload_embedding",), "cooldown_steps": 3})
+    first = result.decisions[0]
+    assert (first.action, first.target) == ("offload_embedding", "features")
+    assert first.step == decision.step
+    assert first.saving_bytes == TABLE_BYTES
+    assert result.recorded[0].status == "applied"
+    assert result.recorded[0].saving_bytes == TABLE_BYTES
+    # the live action is taken out of the trace and the replayed one put in: the same minimum
+    assert result.min_free_fraction == pytest.approx(result.recorded_min_free_fraction)
+
+
+def test_replay_of_the_observed_run_acts_like_the_tuned_one(runs: tuple[Path, int, int]) -> None:
+    db, tuned, observed = runs
+    with History(db) as h:
+        live = h.events(tuned, kind="decision")[0]
+        crossing = h.events(observed, kind="threshold_crossed")[0]
+        samples = list(
+            h.samples(observed, columns=["step", "in_use_bytes"], max_points=None).rows()
+        )
+    result = replay(db, observed, "ladder=offload_embedding,cooldown_steps=3")
+    first = result.decisions[0]
+    assert first.action == live.data["action"] and abs(first.step - live.step) <= 1
+    assert first.step == crossing.step
+    assert first.saving_bytes == TABLE_BYTES
+    assert result.recorded == ()  # observe mode decides nothing
+    # the modelled offload takes TABLE_BYTES off every sample of a later step
+    modelled = [r["in_use_bytes"] - (TABLE_BYTES if r["step"] > first.step else 0) for r in samples]
+    assert result.min_free_fraction == pytest.approx((BUDGET - max(modelled)) / BUDGET)
+    # a policy whose floor is never crossed does nothing
+    calm = replay(db, observed, Policy(min_free_fraction=0.01, rearm_free_fraction=0.02))
+    assert calm.decisions == () and calm.crossings == ()
+
+
+def test_explain_the_crossing(runs: tuple[Path, int, int]) -> None:
+    db, _, observed = runs
+    with History(db) as h:
+        peak = h.peak(observed).value
+        crossing = h.events(observed, kind="threshold_crossed")[0]
+    result = explain(db, observed)
+    inc = result.incidents[0]
+    assert inc.kind == "below_floor" and inc.event_id == crossing.id
+    # the whole episode lasts to the end of the run (observe mode never frees anything)
+    assert inc.peak_in_use_bytes == peak
+    assert inc.shortfall_bytes == -int(-(peak - 0.8 * BUDGET) // 1)
+    by_action = {(r.action, r.target): r for r in inc.remedies}
+    offload = by_action[("offload_embedding", "features")]
+    assert offload.saving_bytes == TABLE_BYTES and offload.enough and not offload.lossy
+    # Adam -> SGD frees all optimizer state: two tensors per element of every parameter and a
+    # 4-byte step counter per parameter tensor (3 tensors)
+    params = sum(p.numel() * 4 for p in TinyModel().parameters())
+    sgd = by_action[("optimizer", "adam -> sgd")]
+    assert sgd.saving_bytes == 2 * params + 3 * 4
+    bf16 = by_action[("compress_embedding_bf16", "features")]
+    assert bf16.saving_bytes == ROWS * DIM * 4 * 2  # four tensors, 2 bytes an element less
+    assert inc.remedies[0].enough and not inc.remedies[0].lossy  # enough and lossless first
+    with pytest.raises(ConfigError, match="not an OOM or a below-floor crossing"):
+        explain(db, observed, event=10**9)
+
+
+def test_cli_explain_and_replay(runs: tuple[Path, int, int]) -> None:
+    db, _, observed = runs
+    runner = CliRunner()
+    res = runner.invoke(app, ["explain", str(observed), "--db", str(db), "--json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["incidents"][0]["kind"] == "below_floor"
+    res = runner.invoke(app, ["explain", str(observed), "--db", str(db)])
+    assert res.exit_code == 0 and "offload_embedding" in res.stdout and "shortfall" in res.stdout
+    res = runner.invoke(
+        app, ["replay", str(observed), "--db", str(db), "--policy", "ladder=offload_embedding"]
+    )
+    assert res.exit_code == 0, res.output
+    assert "replay" in res.stdout and "min free fraction" in res.stdout
+    res = runner.invoke(
+        app,
+        [
+            "replay",
+            str(observed),
+            "--db",
+            str(db),
+            "--policy",
+            "ladder=offload_embedding",
+            "--json",
+        ],
+    )
+    assert json.loads(res.stdout)["decisions"][0]["saving_bytes"] == TABLE_BYTES
+    bad = runner.invoke(app, ["replay", "1", "--db", str(db), "--policy", "floor=0.3"])
+    assert bad.exit_code == 2 and "floor=0.3" in bad.stderr
+    bad = runner.invoke(app, ["replay", "1", "--db", str(db), "--policy", "min_free_fraction=2"])
+    assert bad.exit_code == 2 and "min_free_fraction=2.0" in bad.stderr
+
+
+def test_parse_policy() -> None:
+    assert parse_policy("min_free_fraction=0.3, allow_lossy=true,ladder=a+b") == {
+        "min_free_fraction": 0.3,
+        "allow_lossy": True,
+        "ladder": ("a", "b"),
+    }
+    assert parse_policy("") == {}
+    with pytest.raises(ConfigError, match="cooldown_steps='x'"):
+        parse_policy("cooldown_steps=x")
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        parse_policy("min_free_fraction")
+
+
+def test_explain_and_replay_import_no_torch(runs: tuple[Path, int, int]) -> None:
+    """A database copied to a machine without torch: both commands run on it."""
+    db, _, observed = runs
+    code = (
+        "import sys\n"
+        "from edo_monitor.cli import app\n"
+        "for argv in (['explain', sys.argv[2]], ['replay', sys.argv[2]]):\n"
+        "    try:\n"
+        "        app([*argv, '--db', sys.argv[1]])\n"
+        "    except SystemExit as e:\n"
+        "        assert not e.code, e.code\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code, str(db), str(observed)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines()[-1] == "[]"
