@@ -1172,6 +1172,13 @@ def explain_cmd(
             _c.out.print(f"  … {len(inc.remedies) - top} more (--top, --json)")
 
 
+def _signed_bytes(value: int | None) -> str:
+    """``-14.75 MiB`` for a negative count (a cache growing back uses bytes)."""
+    if value is not None and value < 0:
+        return "-" + _bytes(-value)
+    return _bytes(value)
+
+
 @app.command("replay")
 @_handle_errors
 def replay_cmd(
@@ -1221,7 +1228,7 @@ def replay_cmd(
                 str(d.step),
                 d.action,
                 d.target or "-",
-                _bytes(d.saving_bytes),
+                _signed_bytes(d.saving_bytes),
                 _pct(d.free_fraction),
                 d.status,
             )

@@ -218,7 +218,8 @@ def test_history_commands_import_no_torch(db: Path) -> None:
         "import edo_monitor\n"
         "from edo_monitor.cli import app\n"
         "for argv in (['runs'], ['show', '1'], ['events', '1'], ['compare', '1', '2'],\n"
-        "             ['export', '1'], ['sql', 'SELECT 1'], ['doctor'], ['--help']):\n"
+        "             ['export', '1'], ['sql', 'SELECT 1'], ['doctor'], ['explain', '1'],\n"
+        "             ['replay', '1'], ['--help']):\n"
         "    try:\n"
         "        app([*argv, *(['--db', sys.argv[1]] if argv != ['--help'] else [])])\n"
         "    except SystemExit:\n"
@@ -251,6 +252,8 @@ DB_COMMANDS: list[tuple[list[str], list[str], list[str]]] = [
     (["sql", "SELECT 1"], ["sql", "SELECT 1", "--timeout", "-1"], ["sql", "DELETE FROM runs"]),
     (["prune", "--keep-last", "9", "--dry-run"], ["prune", "--older-than", "banana"], []),
     (["doctor"], ["doctor", "--full", "maybe"], []),
+    (["explain", "1"], ["explain", "1", "--top", "0"], ["explain", "99"]),
+    (["replay", "1"], ["replay", "1", "--policy", "bogus=1"], ["replay", "99"]),
 ]
 
 

@@ -216,3 +216,39 @@ def test_explain_and_replay_import_no_torch(runs: tuple[Path, int, int]) -> None
     )
     assert res.returncode == 0, res.stderr
     assert res.stdout.splitlines()[-1] == "[]"
+
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_embedding.py"
+
+
+@pytest.mark.slow
+def test_replay_of_the_pressure_demo_without_tuner_decides_as_the_tuned_demo(
+    tmp_path: Path,
+) -> None:
+    """The pressure demo (real example, 40 steps) with and without the tuner; the default policy
+    replayed on the --no-tune run decides the live run's first action within one step, with its
+    estimate (the live run's own plan, made from the same kind of reading)."""
+    db = tmp_path / "demo.db"
+    for extra in ([], ["--no-tune"]):
+        subprocess.run(
+            [sys.executable, str(EXAMPLE), "--steps", "40", "--db", str(db), *extra],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            check=False,
+        )
+    with History(db) as h:
+        tuned, untuned = sorted(r.id for r in h.runs())
+        assert h.run(untuned).name == "train_embedding-no-tune"
+        live = h.events(tuned, kind="decision")[0]
+        applied = h.events(tuned, kind="action")
+        assert h.events(untuned, kind="oom"), "the untuned demo must run out of memory"
+    result = replay(db, untuned)
+    first = result.decisions[0]
+    assert first.action == live.data["action"] == "cache_embedding"
+    assert abs(first.step - live.step) <= 1
+    assert first.saving_bytes == live.data["estimated_saving_bytes"]
+    if applied and applied[0].data["decided_at_step"] == live.step:
+        assert first.saving_bytes == applied[0].data["saved_bytes"]
+    text = explain(db, untuned).incidents
+    assert {i.kind for i in text} == {"below_floor", "oom"}
