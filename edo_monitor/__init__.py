@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # the names below are imported on first use (PEP 562), see __
         StoreError,
     )
     from edo_monitor.estimate import Estimate, estimate
+    from edo_monitor.hindsight import explain, replay
     from edo_monitor.oom import OomInfo, parse_oom_message
     from edo_monitor.policy import Policy
     from edo_monitor.readings import Reading
@@ -43,6 +44,8 @@ _LAZY = {
     "StoreError": "edo_monitor.errors",
     "Estimate": "edo_monitor.estimate",
     "estimate": "edo_monitor.estimate",
+    "explain": "edo_monitor.hindsight",
+    "replay": "edo_monitor.hindsight",
     "OomInfo": "edo_monitor.oom",
     "parse_oom_message": "edo_monitor.oom",
     "Policy": "edo_monitor.policy",
@@ -83,6 +86,8 @@ __all__ = [
     "StoreError",
     "__version__",
     "estimate",
+    "explain",
     "parse_oom_message",
+    "replay",
     "watch",
 ]

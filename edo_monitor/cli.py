@@ -1136,10 +1136,23 @@ def explain_cmd(
     if not result.incidents:
         _c.out.print(f"run {result.run_id}: no OOM and no pressure crossing to explain")
         return
+    previous: Any = None
     for inc in result.incidents:
         what = "out of memory" if inc.kind == "oom" else "free memory below the floor"
+        same = previous is not None and (
+            (inc.kind, inc.shortfall_bytes, inc.remedies)
+            == (previous.kind, previous.shortfall_bytes, previous.remedies)
+        )
+        if same:  # a crossing in every step of an episode: said once
+            _c.out.print(
+                f"event {inc.event_id}  step {inc.step}  {what}: the same shortfall and remedies "
+                f"as event {previous.event_id}"
+            )
+            continue
+        previous = inc
+        said = inc.message if inc.kind == "oom" else f"{what}: {inc.message}"
         _c.out.print(
-            f"event {inc.event_id}  step {inc.step}  {what}: {inc.message}\n"
+            f"event {inc.event_id}  step {inc.step}  {said}\n"
             f"  in use {_bytes(inc.in_use_bytes)} of {_bytes(inc.budget_bytes)}"
             + (
                 f", episode peak {_bytes(inc.peak_in_use_bytes)}"
