@@ -442,7 +442,7 @@ class Policy:
             For an ineffective result, one line saying why (the agent records it as an
             ``action_ineffective`` event); else ``None``.
         """
-        result = status if isinstance(status, ActionResult) else None
+        result = None if isinstance(status, str) else status  # an ActionResult (torch-free check)
         state = result.status if result is not None else status
         why = None
         if result is not None and state == "applied":

@@ -222,16 +222,17 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_embedding
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # two runs of the demo on a shared 2-core machine
 def test_replay_of_the_pressure_demo_without_tuner_decides_as_the_tuned_demo(
     tmp_path: Path,
 ) -> None:
-    """The pressure demo (real example, 40 steps) with and without the tuner; the default policy
+    """The pressure demo (real example, 30 steps) with and without the tuner; the default policy
     replayed on the --no-tune run decides the live run's first action within one step, with its
     estimate (the live run's own plan, made from the same kind of reading)."""
     db = tmp_path / "demo.db"
     for extra in ([], ["--no-tune"]):
         subprocess.run(
-            [sys.executable, str(EXAMPLE), "--steps", "40", "--db", str(db), *extra],
+            [sys.executable, str(EXAMPLE), "--steps", "30", "--db", str(db), *extra],
             capture_output=True,
             text=True,
             timeout=900,
