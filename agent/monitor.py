@@ -39,7 +39,6 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from edo_monitor.accounting import Accounting, account
 from edo_monitor.actions.base import ActionContext, ActionResult
-from edo_monitor.actions.cache_embedding import track_batch_ids
 from edo_monitor.actions.checkpoint_activations import ActivationProfile, ActivationRecorder
 from edo_monitor.actions.enforce import enforce_budget
 from edo_monitor.actions.registry import ACTIONS
@@ -362,15 +361,10 @@ class Monitor:
                     "watched by an open watch() block; watch each model once"
                 )
             _watched[id(self.model)] = weakref.ref(self.model)
-        # peak ids per batch of each table: cache_embedding sizes its cache from it
-        self._batch_id_hooks = track_batch_ids(self.model)
 
     def _unregister_model(self) -> None:
         if self.model is None:
             return
-        for handle in getattr(self, "_batch_id_hooks", ()):
-            handle.remove()
-        self._batch_id_hooks = []
         with _watched_lock:
             ref = _watched.get(id(self.model))
             if ref is not None and ref() is self.model:

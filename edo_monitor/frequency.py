@@ -9,7 +9,9 @@ two moments): for ``D = 64`` that is 0.8 %, and none of it on the device.
 
 The counts are a sample: with ``sample_every = s`` they estimate ``s ×`` the true counts; shares
 (what fraction of lookups the top ``K`` ids cover) need no scaling. EmbeddingBag inputs count each
-entry of each bag, ``padding_idx`` entries excluded (they read no trainable row).
+entry of each bag, ``padding_idx`` entries excluded (they read no trainable row). The counter also
+keeps each table's peak of distinct ids in one counted forward (``cache_embedding`` sizes a cache
+from it).
 
 The hook never raises into the user's forward: an unexpected error is logged once and that table's
 counting stops.
@@ -82,6 +84,7 @@ class LookupCounter:
             raise ValueError(f"sample_every={sample_every!r}; expected an int >= 1")
         self.sample_every = sample_every
         self._counts: dict[str, torch.Tensor] = {}
+        self._peak_unique: dict[str, int] = {}
         self._calls: dict[str, int] = {}
         self._handles: dict[str, Any] = {}
 
@@ -109,6 +112,8 @@ class LookupCounter:
                     ids = ids[ids != pad]
                 uniq, mult = torch.unique(ids, return_counts=True)
                 counts.index_add_(0, uniq.cpu(), mult.cpu())
+                if uniq.numel() > self._peak_unique.get(name, 0):
+                    self._peak_unique[name] = int(uniq.numel())
             except Exception as exc:  # never fail the user's forward
                 logger.warning("lookup counting stopped for %s: %s", name, exc)
                 handle = self._handles.pop(name, None)
@@ -136,6 +141,12 @@ class LookupCounter:
             KeyError: for a table that was never watched.
         """
         return self._counts[name]
+
+    def peak_unique_ids(self, name: str) -> int | None:
+        """Most distinct ids one counted forward of table ``name`` looked up (``padding_idx``
+        left out); ``None`` before its first counted forward. ``cache_embedding`` sizes a cache
+        to hold at least this many rows."""
+        return self._peak_unique.get(name)
 
     @property
     def tables(self) -> Iterable[str]:

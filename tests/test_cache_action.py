@@ -22,7 +22,7 @@ from edo_monitor.actions import (
     InjectedFailureError,
     Refusal,
 )
-from edo_monitor.actions.cache_embedding import track_batch_ids
+from edo_monitor.frequency import LookupCounter
 from edo_monitor.nn import CachedTable
 from edo_monitor.store.history import History
 
@@ -188,18 +188,18 @@ def test_refusals_name_the_blocker() -> None:
 @pytest.mark.slow
 def test_shrink_then_grow_back_to_resident_stays_exact() -> None:
     model, opt, twin, twin_opt = _pair()
-    handles = track_batch_ids(model)  # what watch() installs: peak unique ids per forward
+    counter = LookupCounter()  # what watch() installs: lookups and peak unique ids per forward
+    counter.watch_tables(model)
     batches = _batches(80)
     it = iter(batches)
     for b in [next(it) for _ in range(5)]:
         _step(model, opt, b)
         _step(twin, twin_opt, b)
-    ctx = _ctx(model, opt, budget_bytes=None)  # no reading: a tenth of the table
+    ctx = _ctx(model, opt, budget_bytes=None, lookup_counter=counter)  # no reading: a tenth
     first = ACTIONS["cache_embedding"].apply(ctx)
     assert first.status == "applied" and model.items.cache_rows == ITEMS // 10
     assert 0 < first.details["peak_batch_ids"] <= 64
-    for h in handles:
-        h.remove()
+    counter.close()
     for b in [next(it) for _ in range(10)]:
         _step(model, opt, b)
         _step(twin, twin_opt, b)

@@ -12,7 +12,7 @@
 
 Cache size ``C`` (rows): the rows that stay on the device after freeing the bytes needed to get
 ``free_fraction`` back to the re-arm level, ``need = in_use - (1 - rearm) * budget``; at least the
-peak unique ids of one batch (seen by :func:`track_batch_ids`, else the table's peak so far), at
+peak unique ids of one batch (the agent's lookup counter, or the cache's own peak so far), at
 most ``N - 1``. Per row the device holds the weight, its gradient (trainable tables) and each
 per-element optimizer state tensor, so the estimate is ``(N - C) * D * element_size * (1 + grad
 + states)``: exactly what the accounting measures before and after.
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import math
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,40 +48,18 @@ from edo_monitor.nn import EmbeddingOptions
 from edo_monitor.nn.cached import CachedTable, _group_of, _make_rule, rebind_data
 from edo_monitor.units import format_bytes
 
-__all__ = ["CacheEmbedding", "GrowCache", "peak_batch_ids", "track_batch_ids"]
+__all__ = ["CacheEmbedding", "GrowCache", "peak_batch_ids"]
 
 logger = logging.getLogger(__name__)
 
-_PEAK_IDS: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 
-
-def track_batch_ids(model: nn.Module) -> list[Any]:
-    """Record the peak ids per forward of every plain table of ``model`` (forward pre-hooks).
-
-    Unique ids are counted for host inputs; for CUDA inputs the number of ids (an upper bound that
-    needs no device synchronisation). Returns the hook handles (call ``.remove()`` on each).
-    """
-
-    def hook(module: nn.Module, args: tuple) -> None:
-        if not args or not isinstance(args[0], torch.Tensor):
-            return
-        ids = args[0]
-        count = int(torch.unique(ids).numel()) if ids.is_cpu else int(ids.numel())
-        if count > _PEAK_IDS.get(module, 0):
-            _PEAK_IDS[module] = count
-
-    return [
-        m.register_forward_pre_hook(hook)
-        for m in model.modules()
-        if type(m) in (nn.Embedding, nn.EmbeddingBag)
-    ]
-
-
-def peak_batch_ids(module: nn.Module) -> int | None:
-    """Peak (unique) ids of one forward seen for ``module``, or ``None`` when never seen."""
+def peak_batch_ids(ctx: ActionContext, name: str, module: nn.Module) -> int | None:
+    """Peak distinct ids of one forward of table ``name``: a cache's own count, else the agent's
+    :class:`~edo_monitor.frequency.LookupCounter` (``ctx.lookup_counter``); ``None`` when unseen."""
     if isinstance(module, CachedTable):
         return module.peak_unique_ids or None
-    return _PEAK_IDS.get(module)
+    counter = ctx.lookup_counter
+    return counter.peak_unique_ids(name) if counter is not None else None
 
 
 def _state_tensors(optimizers: Sequence[torch.optim.Optimizer], param: nn.Parameter) -> int:
@@ -189,7 +166,7 @@ class CacheEmbedding(Action):
                 continue
             n = int(weight.shape[0])
             row_bytes = _row_bytes(weight, ctx.optimizers)
-            peak = peak_batch_ids(module)
+            peak = peak_batch_ids(ctx, t.name, module)
             floor_rows = max(1, peak if peak is not None else min(n, 1024))
             if need is None:
                 rows = max(floor_rows, n // 10)
