@@ -976,8 +976,17 @@ class Monitor:
             acc = self._account(include_grads=False)
         self._want_step_accounting = True
         self.accounting = acc
-        # the highest saved-for-backward bytes alive at once since the previous sample
-        activations = self._tracker.take_peak() if self._tracker is not None else None
+        # the highest saved-for-backward bytes alive at once since the previous sample, and at
+        # least the peak of the current step so far and of the last finished step: a sample
+        # taken between a backward() and the next forward still counts what the step saved
+        # (else readings swing with the moment they land in the step, and the policy decides on
+        # one reading and applies on another)
+        tracker = self._tracker
+        activations = (
+            max(tracker.take_peak(), tracker.step_peak_bytes, tracker.last_step_bytes)
+            if tracker is not None
+            else None
+        )
         values.update(
             params_bytes=acc.params_bytes,
             grads_bytes=acc.grads_bytes,
