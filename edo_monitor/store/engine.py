@@ -548,6 +548,16 @@ class SqlDialect:
         self.not_indexed = "" if postgres else " NOT INDEXED"
         self.plus = "" if postgres else "+"
 
+    def samples_above(self, param: str) -> str:
+        """``FROM`` source and ``WHERE`` start for the samples with ``id > :param``, walked by
+        id (the samples newer than a rollup mark): SQLite's ``NOT INDEXED``; on PostgreSQL a
+        subquery fenced by ``OFFSET 0``, planned alone, so its only predicate picks the primary
+        key range (never the ``(run_id, time_s)`` index over a whole run). Follow it with
+        ``self.plus + "run_id = …"``."""
+        if self.postgres:
+            return f"(SELECT * FROM samples WHERE id > :{param} OFFSET 0) AS samples WHERE "
+        return f"samples NOT INDEXED WHERE id > :{param} AND "
+
     def total(self, expr: str) -> str:
         """Float sum of the non-NULL values of ``expr`` (``0.0`` when there are none)."""
         return f"coalesce(sum({expr})::float8, 0)" if self.postgres else f"total({expr})"

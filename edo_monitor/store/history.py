@@ -649,7 +649,7 @@ class History:
                     results += conn.execute(
                         text(
                             f"SELECT run_id, count(*), min(time_s), max(time_s), {agg} FROM "
-                            "samples WHERE run_id = :r AND id > :m GROUP BY run_id"
+                            f"{d.samples_above('m')}run_id = :r GROUP BY run_id"
                         ),
                         {"r": run_id, "m": marks.get(run_id, 0)},
                     ).all()
@@ -704,8 +704,8 @@ class History:
             mark = run_mark(conn, run_id)
             behind = conn.execute(
                 text(
-                    "SELECT count(*) FROM (SELECT 1 FROM samples WHERE run_id = :r AND id > :m "
-                    f"LIMIT {_MAX_TAIL_ROWS + 1}) AS tail"
+                    f"SELECT count(*) FROM (SELECT 1 FROM {self._sql.samples_above('m')}"
+                    f"run_id = :r LIMIT {_MAX_TAIL_ROWS + 1}) AS tail"
                 ),
                 {"r": run_id, "m": mark},
             ).scalar()
@@ -890,8 +890,8 @@ class History:
                 _merge(acc, row[0], row[1:], ncols)
         # samples newer than the rollups
         q_tail = (
-            f"SELECT {bucket} AS b, count(*), min(time_s), max(time_s), {agg} FROM samples"
-            f"{d.not_indexed} WHERE id > :mark AND {d.plus}run_id = :r AND time_s >= :lo "
+            f"SELECT {bucket} AS b, count(*), min(time_s), max(time_s), {agg} FROM "
+            f"{d.samples_above('mark')}{d.plus}run_id = :r AND time_s >= :lo "
             "AND time_s <= :hi GROUP BY b"
         )
         for row in conn.execute(
@@ -969,8 +969,7 @@ class History:
         ).scalar()
         b = conn.execute(
             text(
-                f"SELECT max({col}) FROM samples{self._sql.not_indexed} WHERE id > :m AND "
-                f"{self._sql.plus}run_id = :r"
+                f"SELECT max({col}) FROM {self._sql.samples_above('m')}{self._sql.plus}run_id = :r"
             ),
             {"r": run_id, "m": mark},
         ).scalar()
