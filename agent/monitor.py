@@ -912,11 +912,15 @@ class Monitor:
                 f"{result.action} on {result.target}: saved {format_bytes(result.saved_bytes)} "
                 f"in {result.duration_s:.3f} s"
             )
+            # the accounting after the action, taken here on the training thread at the step
+            # boundary, gradients alive: the next readings see the model as it is now (without
+            # it they fell back to an accounting without gradients until the next boundary, and
+            # a brief jump of free memory could end a pressure episode falsely)
+            acc = self._account()
             if self._tracker is not None:
                 self._tracker.set_params(self._model_tensors())
-                self._tracker.static_bytes = self._account().total_bytes
-            self._step_accounting = None
-            self._want_step_accounting = True
+                self._tracker.static_bytes = acc.total_bytes
+            self._step_accounting = acc
             if self._lookups is not None:  # the action may have swapped a table: count the new one
                 self._lookups.watch_tables(self.model)
         else:
