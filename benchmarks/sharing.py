@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from edo_monitor.actions import ACTIONS, ActionContext
+from edo_monitor.actions import ACTIONS, ActionContext, ActivationRecorder
 from edo_monitor.frequency import LookupCounter
 from edo_monitor.nn import (
     EmbeddingOptions,
@@ -151,12 +151,22 @@ def convert(model: nn.Module, names: list[str], factory: TableFactory, counts: d
 
 
 def apply_mid_run(
-    model: nn.Module, opt: torch.optim.Optimizer, counter: LookupCounter, action: str, hot: float
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    counter: LookupCounter,
+    probe: Callable[[nn.Module], object],
+    action: str,
+    hot: float,
 ) -> None:
-    """Apply ``action`` once per table (largest first), as the agent would at a step boundary."""
+    """Apply ``action`` once per table (largest first), as the agent would at a step boundary:
+    with the lookup counts and a recorded forward (``probe``), which the table actions need to
+    know that no weight is read outside its own module."""
+    with torch.no_grad(), ActivationRecorder(model) as rec:
+        probe(model)
     ctx = ActionContext(
         model,
         [opt],
+        activation_profile=rec.profile(),
         lookup_counter=counter if hot else None,
         share_hot_fraction=hot,
         share_bucket_fraction=BUCKET_FRACTION,
@@ -177,6 +187,7 @@ def run_variants(
     checkpoints: list[int],
     quality: Callable[[nn.Module], float],
     quality_name: str,
+    probe: Callable[[nn.Module], object],
 ) -> None:
     """Train each variant, evaluating at each of ``checkpoints`` (step counts, the last one the
     end of training); print one table row per variant: the final and the best value."""
@@ -214,7 +225,7 @@ def run_variants(
             done = stop
             if mid is not None and stop == half:
                 counter.close()
-                apply_mid_run(model, opt, counter, *mid)
+                apply_mid_run(model, opt, counter, probe, *mid)
             if stop in checkpoints:
                 values.append(quality(model))
         elapsed = time.perf_counter() - t0
@@ -272,6 +283,7 @@ def movielens(data: Path, epochs: int, batch: int) -> None:
         [steps_per_epoch * (e + 1) for e in range(epochs)],
         rmse,
         "test RMSE",
+        lambda m: m(users[:8], items[:8]),
     )
 
 
@@ -310,6 +322,7 @@ def words(steps: int, batch: int) -> None:
         [steps // 3, 2 * steps // 3, steps],
         held_out_loss,
         "held-out loss",
+        lambda m: m(features[:8]),
     )
 
 
