@@ -28,6 +28,7 @@ advisory (each ``(action, target)`` once per pressure episode) that are recorded
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -231,14 +232,15 @@ class Policy:
             return DEFAULT_LOSSLESS_LADDER + (DEFAULT_LOSSY_LADDER if self.allow_lossy else ())
         if isinstance(ladder, str) or not isinstance(ladder, Sequence):
             raise ConfigError(f"ladder={ladder!r} is not allowed; expected a list of action names")
-        known = ", ".join(ACTION_NAMES)
+        names, lossy = _known_actions()
+        known = ", ".join(names)
         seen: set[str] = set()
         for name in ladder:
-            if name not in ACTION_NAMES:
+            if name not in names:
                 raise ConfigError(f"ladder action {name!r} is not known; expected one of {known}")
             if name in seen:
                 raise ConfigError(f"ladder action {name!r} appears twice")
-            if name in LOSSY_ACTION_NAMES and not self.allow_lossy:
+            if name in lossy and not self.allow_lossy:
                 raise ConfigError(
                     f"ladder action {name!r} is lossy; pass allow_lossy=True to use it"
                 )
@@ -501,6 +503,18 @@ def _call_hook(name: str, hook: Callable[[Any], Any] | None, arg: Any) -> BaseEx
         logger.exception("user hook %s raised; training goes on", name)
         return exc
     return None
+
+
+def _known_actions() -> tuple[tuple[str, ...], frozenset[str]]:
+    """(every action name, the lossy ones): the built-in actions, plus any registered in
+    ``edo_monitor.actions.ACTIONS`` when that registry is loaded (it imports torch; a policy made
+    for ``replay`` does not need it)."""
+    registry = sys.modules.get("edo_monitor.actions.registry")
+    if registry is None:
+        return ACTION_NAMES, LOSSY_ACTION_NAMES
+    extra = tuple(n for n in registry.ACTIONS if n not in ACTION_NAMES)
+    lossy = LOSSY_ACTION_NAMES | {n for n in extra if registry.ACTIONS[n].lossy}
+    return ACTION_NAMES + extra, frozenset(lossy)
 
 
 def make_planner(ctx: ActionContext) -> Callable[[str], Plan | Refusal]:
