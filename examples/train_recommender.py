@@ -116,7 +116,10 @@ def train(
                 opt.step()
                 opt.zero_grad(set_to_none=True)
             if watched:
-                print(f"epoch {epoch}: test RMSE {rmse(test_idx):.4f}")
+                print(
+                    f"epoch {epoch}: train RMSE {rmse(train_idx):.4f}  "
+                    f"test RMSE {rmse(test_idx):.4f}"
+                )
     return model, rmse(test_idx), mon
 
 
