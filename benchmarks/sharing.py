@@ -377,6 +377,33 @@ def counter_cost(steps: int, batch: int, rounds: int = 5) -> None:
         f"| {plain[mid] * 1e3:.2f} | {counted[mid] * 1e3:.2f} | {counted[mid] / plain[mid]:.4f} |",
         flush=True,
     )
+    # the hook's own cost, without the rest of the step's noise: the table's forward alone
+    ids = features[torch.randint(0, len(targets), (batch,), generator=gen)]
+    table = model.features
+
+    def forwards(n: int = 200) -> float:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for _ in range(n):
+                table(ids)
+        return (time.perf_counter() - t0) / n
+
+    alone, hooked = [], []
+    for _ in range(rounds):
+        alone.append(forwards())
+        counter.watch("features", table)
+        hooked.append(forwards())
+        counter.close()
+    alone.sort()
+    hooked.sort()
+    hook_s = hooked[mid] - alone[mid]
+    print("\n| table forward ms | with counter ms | counter ms | counter / step |")
+    print("|---:|---:|---:|---:|")
+    print(
+        f"| {alone[mid] * 1e3:.3f} | {hooked[mid] * 1e3:.3f} | {hook_s * 1e3:.3f} | "
+        f"{hook_s / plain[mid]:.2%} |",
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
