@@ -63,7 +63,7 @@ from edo_monitor.policy import Decision, Policy, ThresholdCrossing, make_planner
 from edo_monitor.probes.host import HostProbe
 from edo_monitor.readings import Reading
 from edo_monitor.store.engine import check_writable, open_engine, resolve_db_url
-from edo_monitor.store.schema import Run
+from edo_monitor.store.models import Run
 from edo_monitor.store.writer import Writer
 from edo_monitor.units import format_bytes, parse_bytes
 

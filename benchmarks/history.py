@@ -46,7 +46,8 @@ import edo_monitor.store.engine as engine_mod
 from edo_monitor.readings import SAMPLE_FIELDS, Reading
 from edo_monitor.store.engine import insert_samples, open_engine, roll_up
 from edo_monitor.store.history import History
-from edo_monitor.store.schema import ROLLUP_LEVEL_WIDTHS_S, Run, Sample
+from edo_monitor.store.models import Run, Sample
+from edo_monitor.store.schema import ROLLUP_LEVEL_WIDTHS_S
 
 BATCH = 1000
 COLS = ["in_use_bytes", "free_fraction", "allocated_bytes"]

@@ -101,7 +101,7 @@ from edo_monitor.agent.activations import ActivationTracker, _Saved
 from edo_monitor.agent.monitor import DEFAULT_INTERVAL_S, Monitor
 from edo_monitor.readings import Reading
 from edo_monitor.store.engine import open_engine
-from edo_monitor.store.schema import Run, Sample
+from edo_monitor.store.models import Run, Sample
 from edo_monitor.store.writer import Writer
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -30,7 +30,7 @@ from edo_monitor.hindsight import replay
 from edo_monitor.readings import SAMPLE_FIELDS
 from edo_monitor.store.engine import open_engine, write_samples
 from edo_monitor.store.history import History
-from edo_monitor.store.schema import ModuleStat, Run
+from edo_monitor.store.models import ModuleStat, Run
 
 BUDGET = 2**30
 ROWS, DIM = 100_000, 64

@@ -34,7 +34,7 @@ def _seed(path: Path, runs: int) -> None:
 
     from edo_monitor.readings import SAMPLE_FIELDS
     from edo_monitor.store.engine import open_engine, write_samples
-    from edo_monitor.store.schema import Run
+    from edo_monitor.store.models import Run
 
     engine = open_engine(path)
     t0 = 1_700_000_000.0

@@ -41,7 +41,7 @@ from sqlalchemy.orm import Session
 
 from edo_monitor.readings import SAMPLE_FIELDS
 from edo_monitor.store.engine import open_engine, write_samples
-from edo_monitor.store.schema import Event, ModuleStat, Run
+from edo_monitor.store.models import Event, ModuleStat, Run
 from edo_monitor.tui.app import EdoTui
 from edo_monitor.tui.data import DataSource
 from edo_monitor.tui.widgets import MemoryChart

@@ -261,7 +261,7 @@ class HistoryCollector:
         """``(labels, latest sample fields, counters)`` of each running run."""
         from sqlalchemy import inspect, select, text
 
-        from edo_monitor.store.schema import Event
+        from edo_monitor.store.schema import events_table
         from edo_monitor.store.status import effective_status
 
         out = []
@@ -301,7 +301,9 @@ class HistoryCollector:
                 actions: Counter[str] = Counter()
                 if kinds.get("action"):
                     data = conn.execute(
-                        select(Event.data).where(Event.run_id == run["id"], Event.kind == "action")
+                        select(events_table.c.data).where(
+                            events_table.c.run_id == run["id"], events_table.c.kind == "action"
+                        )
                     ).scalars()
                     actions.update(str((d or {}).get("action")) for d in data)
                 config = run.get("config") or {}

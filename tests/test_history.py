@@ -22,14 +22,8 @@ from edo_monitor.errors import ConfigError, RunNotFoundError, StoreError
 from edo_monitor.readings import SAMPLE_FIELDS
 from edo_monitor.store.engine import is_postgres, open_engine, roll_up, write_samples
 from edo_monitor.store.history import _PEAK_COLUMNS, History, _tail_stats_sql, prune
-from edo_monitor.store.schema import (
-    ROLLUP_LEVEL_WIDTHS_S,
-    SCHEMA_VERSION,
-    Event,
-    ModuleStat,
-    Run,
-    Sample,
-)
+from edo_monitor.store.models import Event, ModuleStat, Run, Sample
+from edo_monitor.store.schema import ROLLUP_LEVEL_WIDTHS_S, SCHEMA_VERSION
 
 T0 = 1_700_000_000.25  # run start (Unix seconds)
 #: Fixed run uuids (ids 1-5): the first two have an all-digit 8-character prefix and share their

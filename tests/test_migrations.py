@@ -16,7 +16,8 @@ from alembic.migration import MigrationContext
 from edo_monitor.errors import StoreError
 from edo_monitor.store.engine import alembic_config, open_engine
 from edo_monitor.store.history import History
-from edo_monitor.store.schema import ROLLUP_FIELDS, ROLLUP_LEVEL_WIDTHS_S, SCHEMA_VERSION, Base
+from edo_monitor.store.models import Base
+from edo_monitor.store.schema import ROLLUP_FIELDS, ROLLUP_LEVEL_WIDTHS_S, SCHEMA_VERSION
 
 N = 3000
 

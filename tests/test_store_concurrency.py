@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session
 from edo_monitor.readings import Reading
 from edo_monitor.store.engine import open_engine, roll_up
 from edo_monitor.store.history import History
-from edo_monitor.store.schema import Run
+from edo_monitor.store.models import Run
 from edo_monitor.store.writer import Writer
 
 WRITERS = 4
@@ -38,7 +38,7 @@ CHILD = textwrap.dedent(
     from sqlalchemy.orm import Session
     from edo_monitor.readings import SAMPLE_FIELDS, Reading
     from edo_monitor.store.engine import open_engine, write_samples
-    from edo_monitor.store.schema import Event, Run, Sample
+    from edo_monitor.store.models import Event, Run, Sample
 
     path, k, batches, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     engine = open_engine(path)

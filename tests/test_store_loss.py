@@ -25,7 +25,7 @@ import edo_monitor
 from edo_monitor.errors import ConfigError, StoreError
 from edo_monitor.readings import Reading
 from edo_monitor.store.engine import open_engine
-from edo_monitor.store.schema import Run
+from edo_monitor.store.models import Run
 from edo_monitor.store.writer import Writer
 
 T0 = 1.7e9

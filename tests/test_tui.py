@@ -35,7 +35,7 @@ from textual.pilot import Pilot
 from textual.widgets import DataTable, Input, Static
 
 from edo_monitor.store.engine import open_engine
-from edo_monitor.store.schema import Event, Meta, ModuleStat, Run, Sample
+from edo_monitor.store.models import Event, Meta, ModuleStat, Run, Sample
 from edo_monitor.tui.app import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EdoTui, main, parse_args
 from edo_monitor.tui.data import DataSource, Series
 from edo_monitor.tui.screens import HelpScreen, RunScreen, RunsScreen

@@ -46,8 +46,8 @@ from edo_monitor.store.schema import (
     ROLLUP_FIELDS,
     ROLLUP_LEVEL_WIDTHS_S,
     SCHEMA_VERSION,
-    Event,
-    Run,
+    events_table,
+    runs_table,
 )
 from edo_monitor.store.status import effective_status
 
@@ -84,7 +84,7 @@ _PEAK_COLUMNS = (
     "device_used_bytes",
     "process_rss_bytes",
 )
-_RUN_COLUMNS = [c.name for c in Run.__table__.columns]
+_RUN_COLUMNS = [c.name for c in runs_table.columns]
 RunRef = int | str
 #: Shortest uuid prefix the CLI prints as a run reference (8 hex digits, the dash, 4 more).
 UUID_REF_LEN = 13
@@ -445,13 +445,15 @@ class History:
         since_s = _to_epoch(since, "since")
         if self._empty:
             return []
-        stmt = select(*Run.__table__.columns).order_by(Run.started_at_s.desc(), Run.id.desc())
+        stmt = select(*runs_table.columns).order_by(
+            runs_table.c.started_at_s.desc(), runs_table.c.id.desc()
+        )
         if since_s is not None:
-            stmt = stmt.where(Run.started_at_s >= since_s)
+            stmt = stmt.where(runs_table.c.started_at_s >= since_s)
         if name:
             wild = any(ch in name for ch in "*?")
             pattern = name.replace("*", "%").replace("?", "_") if wild else f"%{name}%"
-            stmt = stmt.where(Run.name.like(pattern))
+            stmt = stmt.where(runs_table.c.name.like(pattern))
         with self._read() as conn:
             rows = [dict(r._mapping) for r in conn.execute(stmt)]
         if tag is not None:
@@ -492,7 +494,10 @@ class History:
             return {}
         with self._read() as conn:
             rows = sorted(
-                ((str(u).lower(), i) for i, u in conn.execute(select(Run.id, Run.uuid))),
+                (
+                    (str(u).lower(), i)
+                    for i, u in conn.execute(select(runs_table.c.id, runs_table.c.uuid))
+                ),
             )
         refs: dict[int, str] = {}
         for k, (u, run_id) in enumerate(rows):
@@ -514,12 +519,12 @@ class History:
     def _find(self, ref: RunRef) -> dict[str, Any]:
         if self._empty:
             raise RunNotFoundError(f"no run {ref!r}: the history database has no runs")
-        cols = Run.__table__.columns
+        cols = runs_table.columns
         with self._read() as conn:
             if isinstance(ref, bool):
                 raise RunNotFoundError(f"{ref!r} is not a run reference")
             if isinstance(ref, int) or (isinstance(ref, str) and ref.strip().isdigit()):
-                row = conn.execute(select(*cols).where(Run.id == int(ref))).first()
+                row = conn.execute(select(*cols).where(runs_table.c.id == int(ref))).first()
                 if row is not None:
                     return dict(row._mapping)
                 # all digits is an id, never a uuid prefix: "show 0" must not open the run whose
@@ -528,7 +533,9 @@ class History:
             ref_s = str(ref).strip()
             if ref_s.lower() == "latest":
                 row = conn.execute(
-                    select(*cols).order_by(Run.started_at_s.desc(), Run.id.desc()).limit(1)
+                    select(*cols)
+                    .order_by(runs_table.c.started_at_s.desc(), runs_table.c.id.desc())
+                    .limit(1)
                 ).first()
                 if row is None:
                     raise RunNotFoundError("no run 'latest': the history database has no runs")
@@ -538,7 +545,7 @@ class History:
                     f"no run {ref_s!r}: expected a run id, a uuid prefix or 'latest'"
                 )
             found = conn.execute(
-                select(*cols).where(Run.uuid.like(ref_s.lower() + "%")).limit(6)
+                select(*cols).where(runs_table.c.uuid.like(ref_s.lower() + "%")).limit(6)
             ).all()
         if not found:
             raise RunNotFoundError(f"no run with id or uuid prefix {ref_s!r}")
@@ -1036,14 +1043,14 @@ class History:
         run_id = run if isinstance(run, int) and not isinstance(run, bool) else None
         if run_id is None or after_id is None:
             run_id = self._find(run)["id"]
-        stmt = select(*Event.__table__.columns).where(Event.run_id == run_id)
+        stmt = select(*events_table.columns).where(events_table.c.run_id == run_id)
         if kind is not None:
             kinds = [kind] if isinstance(kind, str) else list(kind)
-            stmt = stmt.where(Event.kind.in_(kinds))
+            stmt = stmt.where(events_table.c.kind.in_(kinds))
         if after_id is not None:
-            stmt = stmt.where(Event.id > after_id).order_by(Event.id)
+            stmt = stmt.where(events_table.c.id > after_id).order_by(events_table.c.id)
         else:
-            stmt = stmt.order_by(Event.time_s, Event.id)
+            stmt = stmt.order_by(events_table.c.time_s, events_table.c.id)
         with self._read() as conn:
             return [
                 EventInfo(r.id, r.run_id, r.time_s, r.step, r.kind, r.message, dict(r.data or {}))

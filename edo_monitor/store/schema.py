@@ -1,4 +1,8 @@
-"""The history database's tables (SQLAlchemy 2 typed ORM).
+"""The history database's tables (SQLAlchemy Core ``Table`` objects in :data:`metadata`).
+
+Readers (``History``, the CLI, the dashboard) use these tables alone, so a history command never
+imports ``sqlalchemy.orm``. The agent's writer maps ORM classes onto the same tables
+(:mod:`edo_monitor.store.models`).
 
 Times are seconds since the Unix epoch, UTC, stored as floats (``*_s`` columns): they bucket and
 compare cheaply in SQL. Byte counts are integers. ``SCHEMA_VERSION`` is recorded in the ``meta``
@@ -17,25 +21,28 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    MetaData,
     PrimaryKeyConstraint,
     String,
     Table,
     Text,
 )
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from edo_monitor.readings import SAMPLE_FIELDS
 
 __all__ = [
     "ROLLUP_FIELDS",
     "ROLLUP_LEVEL_WIDTHS_S",
     "SCHEMA_VERSION",
-    "Base",
-    "Event",
-    "Meta",
-    "ModuleStat",
-    "Run",
-    "Sample",
+    "events_table",
+    "meta_table",
+    "metadata",
+    "module_stats_table",
+    "runs_table",
     "sample_rollups",
+    "samples_table",
 ]
+
 
 SCHEMA_VERSION = 3
 
@@ -44,128 +51,101 @@ SCHEMA_VERSION = 3
 RUN_STATUSES = ("running", "finished", "failed", "interrupted")
 
 
-class Base(DeclarativeBase):
-    """Declarative base of every edo-monitor table."""
+_INT = BigInteger().with_variant(Integer(), "sqlite")
 
-    type_annotation_map = {int: BigInteger().with_variant(Integer(), "sqlite")}  # noqa: RUF012
+#: Every table of the history database (plain SQLAlchemy Core: readers need no ORM).
+metadata = MetaData()
 
+#: Key/value facts about the database itself (``schema_version``, ``rollup_through_id``).
+meta_table = Table(
+    "meta",
+    metadata,
+    Column("key", String(64), primary_key=True),
+    Column("value", Text, nullable=False),
+)
 
-class Meta(Base):
-    """Key/value facts about the database itself (``schema_version``)."""
-
-    __tablename__ = "meta"
-    key: Mapped[str] = mapped_column(String(64), primary_key=True)
-    value: Mapped[str] = mapped_column(Text)
-
-
-class Run(Base):
-    """One ``watch()`` block: who, where, what device, with which settings, and how it ended."""
-
-    __tablename__ = "runs"
-    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
-    uuid: Mapped[str] = mapped_column(String(36), unique=True, index=True)
-    name: Mapped[str] = mapped_column(String(200))
-    host: Mapped[str] = mapped_column(String(255))
-    pid: Mapped[int]
-    started_at_s: Mapped[float] = mapped_column(Float, index=True)
-    ended_at_s: Mapped[float | None] = mapped_column(Float)
-    heartbeat_at_s: Mapped[float | None] = mapped_column(Float)
-    status: Mapped[str] = mapped_column(String(16), index=True)
-    error: Mapped[str | None] = mapped_column(Text)
-    device_kind: Mapped[str] = mapped_column(String(16))
-    device_name: Mapped[str | None] = mapped_column(String(200))
-    device_uuid: Mapped[str | None] = mapped_column(String(100))
-    device_total_bytes: Mapped[int | None]
-    budget_bytes: Mapped[int | None]
-    interval_s: Mapped[float] = mapped_column(Float)
-    torch_version: Mapped[str] = mapped_column(String(64))
-    config: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
-    tags: Mapped[list[str]] = mapped_column(JSON, default=list)
-    steps: Mapped[int] = mapped_column(default=0)
-    samples_dropped: Mapped[int] = mapped_column(default=0)
-
+#: One ``watch()`` block: who, where, what device, with which settings, and how it ended.
+runs_table = Table(
+    "runs",
+    metadata,
+    Column("id", _INT, primary_key=True, autoincrement=True),
+    Column("uuid", String(36), nullable=False, unique=True, index=True),
+    Column("name", String(200), nullable=False),
+    Column("host", String(255), nullable=False),
+    Column("pid", _INT, nullable=False),
+    Column("started_at_s", Float, nullable=False, index=True),
+    Column("ended_at_s", Float),
+    Column("heartbeat_at_s", Float),
+    Column("status", String(16), nullable=False, index=True),
+    Column("error", Text),
+    Column("device_kind", String(16), nullable=False),
+    Column("device_name", String(200)),
+    Column("device_uuid", String(100)),
+    Column("device_total_bytes", _INT),
+    Column("budget_bytes", _INT),
+    Column("interval_s", Float, nullable=False),
+    Column("torch_version", String(64), nullable=False),
+    Column("config", JSON, nullable=False, default=dict),
+    Column("tags", JSON, nullable=False, default=list),
+    Column("steps", _INT, nullable=False, default=0),
+    Column("samples_dropped", _INT, nullable=False, default=0),
+)
 
 _FLOAT_FIELDS = {"time_s", "fragmentation", "free_fraction"}
-_STRING_FIELDS = {"device_kind"}
 
+#: One :class:`edo_monitor.readings.Reading` per row; the columns are its fields (same names).
+samples_table = Table(
+    "samples",
+    metadata,
+    Column("id", _INT, primary_key=True, autoincrement=True),
+    Column("run_id", _INT, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("time_s", Float, nullable=False),
+    Column("step", _INT, nullable=False),
+    Column("device_kind", String(16), nullable=False),
+    *(
+        Column(name, Float if name in _FLOAT_FIELDS else _INT)
+        for name in SAMPLE_FIELDS
+        if name not in ("time_s", "step", "device_kind")
+    ),
+    Index("ix_samples_run_time", "run_id", "time_s"),
+)
 
-class Sample(Base):
-    """One :class:`edo_monitor.readings.Reading`; the columns are its fields (same names)."""
+#: Something that happened: a threshold crossing, a decision, an action, a refusal, an OOM, a
+#: probe becoming unavailable, dropped samples. ``data`` holds the kind's numbers (JSON).
+events_table = Table(
+    "events",
+    metadata,
+    Column("id", _INT, primary_key=True, autoincrement=True),
+    Column("run_id", _INT, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False, index=True),
+    Column("time_s", Float, nullable=False),
+    Column("step", _INT, nullable=False),
+    Column("kind", String(32), nullable=False, index=True),
+    Column("message", Text, nullable=False),
+    Column("data", JSON, nullable=False, default=dict),
+)
 
-    __tablename__ = "samples"
-    __table_args__ = (Index("ix_samples_run_time", "run_id", "time_s"),)
-    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
-    time_s: Mapped[float] = mapped_column(Float)
-    step: Mapped[int]
-    device_kind: Mapped[str] = mapped_column(String(16))
-    device_total_bytes: Mapped[int | None]
-    device_used_bytes: Mapped[int | None]
-    device_free_bytes: Mapped[int | None]
-    process_device_bytes: Mapped[int | None]
-    nvml_memory_info_version: Mapped[int | None]
-    allocated_bytes: Mapped[int | None]
-    reserved_bytes: Mapped[int | None]
-    active_bytes: Mapped[int | None]
-    inactive_split_bytes: Mapped[int | None]
-    reserved_unallocated_bytes: Mapped[int | None]
-    peak_allocated_bytes: Mapped[int | None]
-    num_alloc_retries: Mapped[int | None]
-    num_ooms: Mapped[int | None]
-    fragmentation: Mapped[float | None] = mapped_column(Float)
-    largest_inactive_block_bytes: Mapped[int | None]
-    segment_count: Mapped[int | None]
-    params_bytes: Mapped[int | None]
-    grads_bytes: Mapped[int | None]
-    optimizer_state_bytes: Mapped[int | None]
-    activations_bytes: Mapped[int | None]
-    host_tier_bytes: Mapped[int | None]
-    budget_bytes: Mapped[int | None]
-    in_use_bytes: Mapped[int | None]
-    free_fraction: Mapped[float | None] = mapped_column(Float)
-    process_rss_bytes: Mapped[int | None]
-    host_available_bytes: Mapped[int | None]
-    host_limit_bytes: Mapped[int | None]
-    process_tree_bytes: Mapped[int | None]
-
-
-class Event(Base):
-    """Something that happened: a threshold crossing, a decision, an action, a refusal, an OOM,
-    a probe becoming unavailable, dropped samples. ``data`` holds the kind's numbers (JSON)."""
-
-    __tablename__ = "events"
-    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
-    time_s: Mapped[float] = mapped_column(Float)
-    step: Mapped[int]
-    kind: Mapped[str] = mapped_column(String(32), index=True)
-    message: Mapped[str] = mapped_column(Text)
-    data: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
-
-
-class ModuleStat(Base):
-    """Bytes of one module (embedding tables, and modules with saved activations) at one moment.
-
-    Written on the first sample, whenever a table's placement, dtype or bytes change, and at the
-    end of the run; the latest row per module is its current state.
-    """
-
-    __tablename__ = "module_stats"
-    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
-    time_s: Mapped[float] = mapped_column(Float)
-    step: Mapped[int]
-    module: Mapped[str] = mapped_column(String(500))
-    kind: Mapped[str] = mapped_column(String(100))
-    num_embeddings: Mapped[int | None]
-    embedding_dim: Mapped[int | None]
-    dtype: Mapped[str | None] = mapped_column(String(32))
-    device: Mapped[str | None] = mapped_column(String(32))
-    placement: Mapped[str | None] = mapped_column(String(16))
-    params_bytes: Mapped[int] = mapped_column(default=0)
-    grads_bytes: Mapped[int] = mapped_column(default=0)
-    optimizer_state_bytes: Mapped[int] = mapped_column(default=0)
-    activations_bytes: Mapped[int] = mapped_column(default=0)
+#: Bytes of one module (embedding tables, and modules with saved activations) at one moment.
+#: Written on the first sample, whenever a table's placement, dtype or bytes change, and at the
+#: end of the run; the latest row per module is its current state.
+module_stats_table = Table(
+    "module_stats",
+    metadata,
+    Column("id", _INT, primary_key=True, autoincrement=True),
+    Column("run_id", _INT, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False, index=True),
+    Column("time_s", Float, nullable=False),
+    Column("step", _INT, nullable=False),
+    Column("module", String(500), nullable=False),
+    Column("kind", String(100), nullable=False),
+    Column("num_embeddings", _INT),
+    Column("embedding_dim", _INT),
+    Column("dtype", String(32)),
+    Column("device", String(32)),
+    Column("placement", String(16)),
+    Column("params_bytes", _INT, nullable=False, default=0),
+    Column("grads_bytes", _INT, nullable=False, default=0),
+    Column("optimizer_state_bytes", _INT, nullable=False, default=0),
+    Column("activations_bytes", _INT, nullable=False, default=0),
+)
 
 
 #: Sample columns summarised in ``sample_rollups`` (every numeric ``samples`` column but time).
@@ -227,7 +207,7 @@ def _rollup_columns() -> list[Column[Any]]:
 #: (:func:`edo_monitor.store.engine.write_samples`, :func:`edo_monitor.store.engine.roll_up`).
 sample_rollups = Table(
     "sample_rollups",
-    Base.metadata,
+    metadata,
     Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
     Column("level", Integer, nullable=False),
     Column("block", Integer, nullable=False),

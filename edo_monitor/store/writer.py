@@ -45,7 +45,7 @@ from sqlalchemy.exc import OperationalError
 
 from edo_monitor.readings import SAMPLE_FIELDS, Reading
 from edo_monitor.store.engine import database_file, write_samples
-from edo_monitor.store.schema import Event, ModuleStat, Run
+from edo_monitor.store.models import Event, ModuleStat, Run
 
 __all__ = ["Writer"]
 
