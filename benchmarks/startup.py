@@ -4,12 +4,17 @@
 
 Every variant is a fresh subprocess (``python -c …`` or the ``edo-monitor`` console script of
 this interpreter's environment), timed from ``Popen`` to ``wait4`` with its peak RSS from
-``wait4``'s rusage. The variants run interleaved, ``--repeats`` rounds, so machine noise hits
-them alike; the table shows medians and ratios to the baseline
+``wait4``'s rusage, and its CPU time (user + system, also from ``wait4``: less sensitive than wall
+time to other jobs on a shared machine). The project's modules are byte-compiled first, as
+``pip install`` leaves them. The variants run interleaved, ``--repeats`` rounds, so machine noise
+hits them alike; the table shows medians and ratios to the baseline
 
     baseline = ``python -c "import sqlalchemy, typer, rich"``
 
-(the libraries every history command needs). ``import cost`` subtracts a bare interpreter
+(the libraries every history command needs). The "library floor" is what those libraries cost a
+command beyond their import: a one-command typer app that parses two options (typer 0.2x builds
+pydantic adapters for them) and prints a 12-column rich table of ``--runs`` rows; the last column
+is each command's ratio to it. ``import cost`` subtracts a bare interpreter
 (``python -c pass``). The database is a temporary SQLite file with ``--runs`` finished runs of
 100 samples each, written with the project's writer engine.
 """
@@ -17,7 +22,9 @@ them alike; the table shows medians and ratios to the baseline
 from __future__ import annotations
 
 import argparse
+import compileall
 import datetime
+import importlib.util
 import os
 import platform
 import statistics
@@ -73,10 +80,25 @@ def _seed(path: Path, runs: int) -> None:
 
 BASELINE = "import sqlalchemy, typer, rich"
 WATCH = "import edo_monitor; edo_monitor.watch"
+#: What any typer + rich command does besides importing: parse an option (typer builds pydantic
+#: adapters for it) and print a 12-column table of --runs rows; sqlalchemy imported as well.
+LIBRARY_FLOOR = (
+    "import sqlalchemy, typer, rich.console, rich.table\n"
+    "app = typer.Typer()\n"
+    "@app.command()\n"
+    "def runs(db: str = '', limit: int = 20) -> None:\n"
+    "    t = rich.table.Table()\n"
+    "    for c in range(12):\n"
+    "        t.add_column(f'column {c}')\n"
+    "    for r in range(limit):\n"
+    "        t.add_row(*[f'value {r}.{c}' for c in range(12)])\n"
+    "    rich.console.Console().print(t)\n"
+    "app(['--db', 'x', '--limit', '{runs}'], standalone_mode=False)\n"
+)
 
 
-def _time(cmd: list[str], env: dict[str, str]) -> tuple[float, float]:
-    """(wall seconds, peak RSS in MiB) of one subprocess."""
+def _time(cmd: list[str], env: dict[str, str]) -> tuple[float, float, float]:
+    """(wall seconds, CPU seconds (user + system), peak RSS in MiB) of one subprocess."""
     t = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     _, status, usage = os.wait4(proc.pid, 0)
@@ -87,7 +109,7 @@ def _time(cmd: list[str], env: dict[str, str]) -> tuple[float, float]:
         proc.stderr.close()
     if proc.returncode != 0:
         raise SystemExit(f"{cmd} exited {proc.returncode}: {err}")
-    return wall, usage.ru_maxrss / 1024  # Linux: KiB
+    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024  # Linux: KiB
 
 
 def main() -> None:
@@ -114,6 +136,10 @@ def main() -> None:
         variants = [
             ("bare interpreter: python -c pass", [py, "-c", "pass"]),
             ("baseline: import sqlalchemy, typer, rich", [py, "-c", BASELINE]),
+            (
+                "library floor: a typer command printing a rich table",
+                [py, "-c", LIBRARY_FLOOR.replace("{runs}", str(args.runs))],
+            ),
             ("import edo_monitor", [py, "-c", "import edo_monitor"]),
             ("import edo_monitor.cli", [py, "-c", "import edo_monitor.cli"]),
             ("edo-monitor --help", [exe, "--help"]),
@@ -122,18 +148,30 @@ def main() -> None:
             ("import torch (what watch() needs)", [py, "-c", "import torch"]),
             ("import edo_monitor; edo_monitor.watch", [py, "-c", WATCH]),
         ]
+        # bytecode for the project's own modules, as `pip install` writes it (an editable
+        # install, or PYTHONDONTWRITEBYTECODE, would otherwise compile them in every run)
+        for pkg in ("edo_monitor", "tui"):
+            spec = importlib.util.find_spec(pkg)
+            if spec is not None and spec.submodule_search_locations:
+                for where in spec.submodule_search_locations:
+                    compileall.compile_dir(where, quiet=1)
         for _, cmd in variants:  # warm the file cache once
             _time(cmd, env)
         walls: dict[str, list[float]] = {name: [] for name, _ in variants}
+        cpus: dict[str, list[float]] = {name: [] for name, _ in variants}
         rss: dict[str, list[float]] = {name: [] for name, _ in variants}
         for _ in range(args.repeats):
             for name, cmd in variants:
-                w, r = _time(cmd, env)
+                w, c, r = _time(cmd, env)
                 walls[name].append(w)
+                cpus[name].append(c)
                 rss[name].append(r)
     med = {name: statistics.median(v) for name, v in walls.items()}
+    cpu = {name: statistics.median(v) for name, v in cpus.items()}
     bare = med[variants[0][0]]
     base = med[variants[1][0]]
+    base_cpu = cpu[variants[1][0]]
+    floor = med[variants[2][0]]
     print(
         f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
@@ -141,15 +179,19 @@ def main() -> None:
         f"{args.repeats} interleaved rounds, medians"
     )
     print()
-    print("| command | wall | ratio to baseline | import cost | ratio (import cost) | peak RSS |")
-    print("|---|--:|--:|--:|--:|--:|")
+    print(
+        "| command | wall | ratio to baseline | import cost | ratio (import cost) | CPU time "
+        "| ratio (CPU) | peak RSS | ratio to library floor |"
+    )
+    print("|---|--:|--:|--:|--:|--:|--:|--:|--:|")
     for name, _ in variants:
         m = med[name]
         cost = m - bare
         ratio_cost = "-" if name == variants[0][0] else f"{cost / (base - bare):.2f}x"
         print(
             f"| {name} | {1000 * m:.0f} ms | {m / base:.2f}x | {1000 * cost:.0f} ms | "
-            f"{ratio_cost} | {statistics.median(rss[name]):.0f} MiB |"
+            f"{ratio_cost} | {1000 * cpu[name]:.0f} ms | {cpu[name] / base_cpu:.2f}x | "
+            f"{statistics.median(rss[name]):.0f} MiB | {m / floor:.2f}x |"
         )
 
 

@@ -17,7 +17,6 @@ from sqlalchemy import insert
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
-import edo_monitor.store.engine as engine_mod
 from edo_monitor.errors import ConfigError, RunNotFoundError, StoreError
 from edo_monitor.readings import SAMPLE_FIELDS
 from edo_monitor.store.engine import is_postgres, open_engine, roll_up, write_samples
@@ -511,17 +510,15 @@ def _values(run_id: int, i: int, t: float, rng: random.Random) -> tuple:
     return tuple(row[f] for f in SAMPLE_FIELDS)
 
 
-def test_writer_rollups_equal_the_sql_fold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The rollups folded in from the writer's tuples are the ones SQLite's GROUP BY gives."""
+def test_writer_rollups_equal_the_sql_fold(tmp_path: Path) -> None:
+    """The rollups folded in from the writer's tuples are the ones SQLite's GROUP BY gives.
+
+    Which path each batch took is read from the statements SQLite ran (``sqlite3``'s trace
+    callback): the Python fold writes ready-made rows (``INSERT INTO sample_rollups … VALUES``),
+    the SQL fold aggregates the samples (``INSERT INTO sample_rollups … SELECT``; it also runs
+    first when samples of other writers wait, as before the first and the sixth batch)."""
     folded: list[bool] = []  # per batch: summarised in Python (True) or left to SQL (False)
-    python_rollup = engine_mod._python_rollup
-
-    def spy(*args: Any) -> Any:
-        rows = python_rollup(*args)
-        folded.append(rows is not None)
-        return rows
-
-    monkeypatch.setattr(engine_mod, "_python_rollup", spy)
+    statements: list[str] = []
     path = tmp_path / "w.db"
     seed(path)  # run 1 and 2 samples, rolled up by SQL
     engine = open_engine(path)
@@ -536,8 +533,16 @@ def test_writer_rollups_equal_the_sql_fold(tmp_path: Path, monkeypatch: pytest.M
             i += 1
         if size == 250:  # the clock stepped back: SQL fold for this batch
             values[100], values[101] = values[101], values[100]
+        statements.clear()
         with engine.begin() as conn:
+            conn.connection.dbapi_connection.set_trace_callback(statements.append)
             write_samples(conn, 1, values)
+            conn.connection.dbapi_connection.set_trace_callback(None)
+        upserts = [q for q in statements if q.lstrip().startswith("INSERT INTO sample_rollups")]
+        python_fold = any(" VALUES (" in q for q in upserts)
+        sql_fold = any("SELECT" in q for q in upserts)
+        assert python_fold or sql_fold, size  # every batch is folded in, one way or the other
+        folded.append(python_fold)
         if size == 3:  # another connection's samples, not rolled up yet (< ROLLUP_MIN_ROWS)
             with engine.begin() as conn:
                 conn.execute(insert(Sample), [_sample(2, k, rng) for k in range(5)])

@@ -11,8 +11,6 @@ from __future__ import annotations
 import socket
 import time
 
-import psutil
-
 __all__ = ["effective_status", "stale_after_s"]
 
 _HOSTNAME = socket.gethostname()
@@ -52,6 +50,8 @@ def effective_status(
 
 
 def _pid_alive(pid: int) -> bool:
+    import psutil  # only for running runs on this host: readers of finished runs skip its import
+
     try:
         proc = psutil.Process(pid)
         return proc.status() != psutil.STATUS_ZOMBIE
