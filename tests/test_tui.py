@@ -1202,3 +1202,49 @@ def test_a_run_asked_for_is_not_left(db: Path) -> None:
         assert screen.follow and screen.run_info.name == "live-run"
 
     run_app(app, body)
+
+
+def test_chart_strips_equal_richs_ansi_decoding() -> None:
+    """The chart's fast ANSI → strips path gives, cell by cell, the characters and colours that
+    Rich's ``Text.from_ansi`` rendering gives for a real plotext figure (lines, floor, action,
+    OOM label, scatter), cropped and padded to the width."""
+    from rich.console import Console
+    from rich.text import Text
+    from textual.strip import Strip
+    from textual_plotext import Plot
+
+    from edo_monitor.tui.widgets import ACTION_RGB, IN_USE_RGB, ansi_strips
+
+    width = 150
+    plt = Plot()
+    plt.theme("clear")
+    plt.plotsize(width, 30)
+    plt._set_size(width, 30)
+    xs = list(range(130))
+    plt.plot(xs, [(x * 7919) % 101 / 100 for x in xs], color=IN_USE_RGB, marker="sd")
+    plt.hline(0.4, FLOOR_RGB)
+    plt.vline(60, ACTION_RGB)
+    plt.scatter([60], [1.0], marker="x", color=ACTION_RGB)
+    plt.text("OOM", 90, 1.0, color=OOM_RGB, alignment="right")
+    ansi = plt.build()
+    console = Console(width=width, color_system="truecolor", force_terminal=True)
+    options = console.options.update(width=width, no_wrap=True, overflow="crop")
+    reference = [
+        Strip(line, width)
+        for line in console.render_lines(Text.from_ansi(ansi, no_wrap=True), options, pad=True)
+    ]
+
+    def cells(strip: Strip) -> list[tuple[str, Any, Any]]:
+        return [
+            (ch, seg.style.color if seg.style else None, seg.style.bgcolor if seg.style else None)
+            for seg in strip
+            for ch in seg.text
+        ]
+
+    fast = ansi_strips(ansi, width)
+    assert len(fast) == 30  # plotsize's height; Rich renders the final newline as a blank 31st
+    assert [cells(s) for s in fast] == [cells(s) for s in reference[:30]]
+    assert all(s.cell_length == width for s in fast)
+    colours = {c[1].triplet for s in fast for c in cells(s) if c[1] is not None}
+    assert {IN_USE_RGB, FLOOR_RGB, ACTION_RGB, OOM_RGB} <= {tuple(c) for c in colours}
+    assert [c[0] for c in cells(ansi_strips(ansi, 40)[0])] == [c[0] for c in cells(fast[0])][:40]
