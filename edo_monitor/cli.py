@@ -1133,56 +1133,10 @@ def explain_cmd(
     if as_json:
         _print_json(result.as_dict())
         return
-    if not result.incidents:
-        _c.out.print(f"run {result.run_id}: no OOM and no pressure crossing to explain")
-        return
-    previous: Any = None
-    for inc in result.incidents:
-        what = "out of memory" if inc.kind == "oom" else "free memory below the floor"
-        same = previous is not None and (
-            (inc.kind, inc.shortfall_bytes, inc.remedies)
-            == (previous.kind, previous.shortfall_bytes, previous.remedies)
-        )
-        if same:  # a crossing in every step of an episode: said once
-            _c.out.print(
-                f"event {inc.event_id}  step {inc.step}  {what}: the same shortfall and remedies "
-                f"as event {previous.event_id}"
-            )
-            continue
-        previous = inc
-        said = inc.message if inc.kind == "oom" else f"{what}: {inc.message}"
-        _c.out.print(
-            f"event {inc.event_id}  step {inc.step}  {said}\n"
-            f"  in use {_bytes(inc.in_use_bytes)} of {_bytes(inc.budget_bytes)}"
-            + (
-                f", episode peak {_bytes(inc.peak_in_use_bytes)}"
-                if inc.kind == "below_floor"
-                else ""
-            )
-            + f"; shortfall {_bytes(inc.shortfall_bytes)} ({inc.shortfall_bytes:,} bytes)"
-        )
-        table = Table(show_edge=False)
-        for col, justify in (
-            ("remedy", "left"),
-            ("target", "left"),
-            ("saving", "right"),
-            ("enough", "left"),
-            ("lossy", "left"),
-            ("from", "left"),
-        ):
-            table.add_column(col, justify=justify)  # type: ignore[arg-type]
-        for r in inc.remedies[:top]:
-            table.add_row(
-                r.action,
-                r.target,
-                _bytes(r.saving_bytes),
-                "yes" if r.enough else "no",
-                "yes" if r.lossy else "no",
-                r.detail,
-            )
-        _c.out.print(table)
-        if len(inc.remedies) > top:
-            _c.out.print(f"  … {len(inc.remedies) - top} more (--top, --json)")
+    from edo_monitor.hindsight_view import explain_renderables
+
+    for renderable in explain_renderables(result, top=top):
+        _c.out.print(renderable)
 
 
 def _signed_bytes(value: int | None) -> str:

@@ -3,11 +3,14 @@ CPU budget, a real SQLite file, the real Policy, the CLI through typer's runner.
 
 from __future__ import annotations
 
+import html
 import json
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -253,3 +256,50 @@ def test_replay_of_the_pressure_demo_without_tuner_decides_as_the_tuned_demo(
         assert first.saving_bytes == applied[0].data["saved_bytes"]
     text = explain(db, untuned).incidents
     assert {i.kind for i in text} == {"below_floor", "oom"}
+
+
+def test_dashboard_explains_the_selected_crossing(runs: tuple[Path, int, int]) -> None:
+    """``x`` in the run view shows what ``explain`` says of the selected incident: the shortfall
+    and the remedies, as ``edo-monitor explain`` prints them; Escape closes it."""
+    import asyncio
+
+    from textual.widgets import DataTable
+
+    from edo_monitor.tui.app import EdoTui
+    from edo_monitor.tui.screens import ExplainScreen
+
+    db, _, observed = runs
+    with History(db) as h:
+        crossing = h.events(observed, kind="threshold_crossed")[0]
+    expected = explain(db, observed, event=crossing.id)
+    inc = expected.incidents[0]
+    assert inc.shortfall_bytes > 0 and inc.remedies[0].action == "offload_embedding"
+
+    async def drive() -> tuple[Any, str, bool]:
+        app = EdoTui(db, run=str(observed))
+        async with app.run_test(size=(160, 50)) as pilot:
+            screen = app.run_screen
+            deadline = time.monotonic() + 60  # hang guard
+            while not screen.loaded and time.monotonic() < deadline:
+                await pilot.pause(0.02)
+            row = next(i for i, e in enumerate(screen.event_rows) if e.id == crossing.id)
+            screen.query_one("#events", DataTable).move_cursor(row=row)
+            await pilot.press("x")
+            explain_screen = app.screen
+            assert isinstance(explain_screen, ExplainScreen)
+            while explain_screen.result is None and time.monotonic() < deadline:
+                await pilot.pause(0.02)
+            await pilot.pause()
+            # what the terminal shows: the screenshot's text, tags and entities removed
+            svg = app.export_screenshot()
+            text = html.unescape(re.sub(r"<[^>]+>", "", svg)).replace("\xa0", " ")
+            await pilot.press("escape")
+            await pilot.pause()
+            return explain_screen.result, text, app.screen is screen
+
+    result, text, closed = asyncio.run(drive())
+    assert result == expected
+    assert f"event {crossing.id}  step {crossing.step}" in text
+    assert f"({inc.shortfall_bytes:,} bytes)" in text
+    assert "offload_embedding" in text and "features" in text
+    assert closed

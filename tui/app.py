@@ -35,7 +35,7 @@ from edo_monitor.errors import ConfigError
 from edo_monitor.store.engine import resolve_db_url
 
 from .data import DataSource, RunInfo
-from .screens import READ_ERRORS, HelpScreen, RunScreen, RunsScreen
+from .screens import READ_ERRORS, ExplainScreen, HelpScreen, RunScreen, RunsScreen
 
 __all__ = [
     "EXIT_INTERNAL",
@@ -72,6 +72,7 @@ class EdoTui(App[None]):
         Binding("r", "runs", "runs"),
         Binding("slash", "filter", "filter"),
         Binding("e", "export", "export CSV"),
+        Binding("x", "explain", "explain"),
         Binding("question_mark", "help", "help"),
         Binding("q", "quit", "quit"),
     ]
@@ -155,7 +156,7 @@ class EdoTui(App[None]):
         return self.get_screen("runs")  # type: ignore[return-value]
 
     def _close_modal(self) -> None:
-        while isinstance(self.screen, HelpScreen):
+        while isinstance(self.screen, (HelpScreen, ExplainScreen)):
             self.pop_screen()
 
     def _show(self, name: str) -> None:
@@ -186,6 +187,20 @@ class EdoTui(App[None]):
         if not isinstance(self.screen, HelpScreen):
             self.push_screen(HelpScreen())
 
+    def action_explain(self) -> None:
+        """``x``: what would have avoided the open run's OOMs and crossings (the selected
+        event's only, when it is one)."""
+        run = self.run_screen.run_info
+        if run is None:
+            self.notify("no run is open to explain", severity="warning")
+            return
+        if isinstance(self.screen, ExplainScreen):
+            return
+        self._show("live")
+        event = self.run_screen.selected_event
+        chosen = event.id if event is not None and event.kind in _INCIDENT_KINDS else None
+        self.push_screen(ExplainScreen(run, chosen))
+
     def action_export(self) -> None:
         """``e``: write the open run's samples to a CSV file (name shown in a notification)."""
         run = self.run_screen.run_info
@@ -206,6 +221,10 @@ class EdoTui(App[None]):
             return
         self.last_export = path
         self.call_from_thread(self.notify, f"exported run #{run_id} to {path}", timeout=8)
+
+
+#: Event kinds that :func:`edo_monitor.hindsight.explain` can explain alone.
+_INCIDENT_KINDS = ("oom", "threshold_crossed")
 
 
 def _positive_float(text: str) -> float:

@@ -52,7 +52,7 @@ from .widgets import (
 if TYPE_CHECKING:
     from .app import EdoTui
 
-__all__ = ["HelpScreen", "RunScreen", "RunsScreen"]
+__all__ = ["ExplainScreen", "HelpScreen", "RunScreen", "RunsScreen"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +86,8 @@ HELP_TEXT = """\
   [b]/[/b]        filter the runs table (Esc clears, Enter goes to the table)
   [b]s[/b]        runs table: sort by the next column (or click a column header)
   [b]e[/b]        export the open run's samples to CSV in the current folder
+  [b]x[/b]        explain: what would have avoided the open run's OOMs and pressure
+           crossings (the selected event's only, when it is one); Esc closes
   [b]?[/b]        this help
   [b]q[/b]        quit
 
@@ -577,6 +579,15 @@ class RunScreen(Screen[None]):
     def _event_highlighted(self) -> None:
         self._show_event_detail()
 
+    @property
+    def selected_event(self) -> EventInfo | None:
+        """The event under the events table's cursor (``None``: no event)."""
+        try:
+            row = self.query_one("#events", DataTable).cursor_row
+        except NoMatches:
+            return None
+        return self.event_rows[row] if 0 <= row < len(self.event_rows) else None
+
     def _show_event_detail(self) -> None:
         """The whole detail of the event under the cursor, wrapped, below the table."""
         table = self.query_one("#events", DataTable)
@@ -944,4 +955,83 @@ class HelpScreen(ModalScreen[None]):
 
     def on_click(self) -> None:
         """Close on a click."""
+        self.dismiss()
+
+
+class ExplainScreen(ModalScreen[None]):
+    """What would have avoided the open run's OOMs and pressure crossings
+    (:func:`edo_monitor.hindsight.explain`, rendered as ``edo-monitor explain`` prints it).
+
+    Only the incident of ``event_id`` when it names one (the event selected in the run view),
+    else every incident of the run. Read in a worker thread; arrows and page keys scroll; Escape
+    or ``x`` closes.
+    """
+
+    BINDINGS = [  # noqa: RUF012
+        Binding("escape", "close", "close"),
+        Binding("x", "close", "close", show=False),
+    ]
+
+    def __init__(self, run: RunInfo, event_id: int | None = None) -> None:
+        """Explain ``run`` (only the incident of ``event_id`` when given)."""
+        super().__init__(id="explain-screen")
+        self.run = run
+        self.event_id = event_id
+        #: the explanation shown (``None`` until read)
+        self.result: Any = None
+        self.error: str | None = None
+
+    def compose(self) -> ComposeResult:
+        """A title line and the (scrollable) explanation."""
+        with VerticalScroll(id="explain-box"):
+            yield Static(
+                Text(
+                    f"what would have avoided each OOM and pressure crossing of run "
+                    f"#{self.run.id} ({self.run.name})   Esc closes",
+                    style="bold",
+                ),
+                id="explain-title",
+            )
+            yield Static(Text("reading…"), id="explain-text")
+
+    def on_mount(self) -> None:
+        """Start reading."""
+        self._read()
+
+    @work(thread=True, group="explain")
+    def _read(self) -> None:
+        from edo_monitor.hindsight import explain
+
+        app: EdoTui = self.app  # type: ignore[assignment]
+        try:
+            history = app.source.open()
+            result = None
+            if self.event_id is not None:
+                try:
+                    result = explain(history, self.run.id, event=self.event_id)
+                except ConfigError:  # the selected event is not an incident: explain them all
+                    result = None
+            if result is None:
+                result = explain(history, self.run.id)
+        except READ_ERRORS as exc:
+            app.call_from_thread(self._show_error, _message_for(exc))
+            return
+        app.call_from_thread(self._show, result)
+
+    @_while_shown
+    def _show(self, result: Any) -> None:
+        from rich.console import Group
+
+        from edo_monitor.hindsight_view import explain_renderables
+
+        self.result = result
+        self.query_one("#explain-text", Static).update(Group(*explain_renderables(result)))
+
+    @_while_shown
+    def _show_error(self, message: str) -> None:
+        self.error = message
+        self.query_one("#explain-text", Static).update(Text(message, style="bold red"))
+
+    def action_close(self) -> None:
+        """Close the view."""
         self.dismiss()
