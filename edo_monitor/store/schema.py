@@ -93,14 +93,29 @@ runs_table = Table(
 
 _FLOAT_FIELDS = {"time_s", "fragmentation", "free_fraction"}
 
+
+def _run_row_columns(*, run_index: bool) -> list[Column[Any]]:
+    """``id``, ``run_id`` (cascading foreign key; indexed alone when ``run_index``), ``time_s``
+    and ``step``: the first columns of every per-run table."""
+    return [
+        Column("id", _INT, primary_key=True, autoincrement=True),
+        Column(
+            "run_id",
+            _INT,
+            ForeignKey("runs.id", ondelete="CASCADE"),
+            nullable=False,
+            index=run_index or None,
+        ),
+        Column("time_s", Float, nullable=False),
+        Column("step", _INT, nullable=False),
+    ]
+
+
 #: One :class:`edo_monitor.readings.Reading` per row; the columns are its fields (same names).
 samples_table = Table(
     "samples",
     metadata,
-    Column("id", _INT, primary_key=True, autoincrement=True),
-    Column("run_id", _INT, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
-    Column("time_s", Float, nullable=False),
-    Column("step", _INT, nullable=False),
+    *_run_row_columns(run_index=False),
     Column("device_kind", String(16), nullable=False),
     *(
         Column(name, Float if name in _FLOAT_FIELDS else _INT)
@@ -115,10 +130,7 @@ samples_table = Table(
 events_table = Table(
     "events",
     metadata,
-    Column("id", _INT, primary_key=True, autoincrement=True),
-    Column("run_id", _INT, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False, index=True),
-    Column("time_s", Float, nullable=False),
-    Column("step", _INT, nullable=False),
+    *_run_row_columns(run_index=True),
     Column("kind", String(32), nullable=False, index=True),
     Column("message", Text, nullable=False),
     Column("data", JSON, nullable=False, default=dict),
@@ -130,10 +142,7 @@ events_table = Table(
 module_stats_table = Table(
     "module_stats",
     metadata,
-    Column("id", _INT, primary_key=True, autoincrement=True),
-    Column("run_id", _INT, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False, index=True),
-    Column("time_s", Float, nullable=False),
-    Column("step", _INT, nullable=False),
+    *_run_row_columns(run_index=True),
     Column("module", String(500), nullable=False),
     Column("kind", String(100), nullable=False),
     Column("num_embeddings", _INT),
