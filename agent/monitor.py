@@ -59,11 +59,13 @@ from edo_monitor.metrics import (
     resolve_metrics_port,
     start_for_monitor,
 )
+from edo_monitor.nn.cached import CachedTable
 from edo_monitor.policy import Decision, Policy, ThresholdCrossing, make_planner
 from edo_monitor.probes.host import HostProbe
 from edo_monitor.readings import Reading
 from edo_monitor.store.engine import check_writable, open_engine, resolve_db_url
 from edo_monitor.store.models import Run
+from edo_monitor.store.schema import CACHE_FIELDS
 from edo_monitor.store.writer import Writer
 from edo_monitor.units import format_bytes, parse_bytes
 
@@ -161,6 +163,16 @@ class RunSummary:
             )
         lines.append(f"database {self.db_url}")
         return "\n".join(lines)
+
+
+def _sum_cache_counters(
+    tables: Mapping[str, tuple[dict[str, int], dict[str, int]]],
+) -> dict[str, int | None]:
+    """The sample's ``cache_*`` fields: the tables' increments (and rows now) summed; ``None``
+    each when the model has no cached table."""
+    if not tables:
+        return {}
+    return {f: sum(inc[f] for _, inc in tables.values()) for f in CACHE_FIELDS}
 
 
 def _max(a: int | None, b: int | None) -> int | None:
@@ -300,6 +312,8 @@ class Monitor:
         self._events: Counter[str] = Counter()
         self._actions: list[dict[str, Any]] = []
         self._module_rows: dict[str, dict[str, Any]] = {}
+        #: each cached table's counters at the previous sample, by (module name, object id)
+        self._cache_prev: dict[tuple[str, int], dict[str, int]] = {}
         self._want_step_accounting = False
         self._step_accounting: Accounting | None = None
         self._recorder: ActivationRecorder | None = None
@@ -998,6 +1012,8 @@ class Monitor:
             host_tier_bytes=acc.host_bytes,
             activations_bytes=activations,
         )
+        cache_tables = self._cache_counters()
+        values.update(_sum_cache_counters(cache_tables))
         budget = self.budget_bytes
         if self.device_kind == "cuda":
             nvml = self._probes["nvml"]
@@ -1027,6 +1043,7 @@ class Monitor:
         if self._writer is not None:
             self._writer.put_sample(reading)
             self._write_changed_tables(acc, now)
+            self._write_cache_rows(cache_tables, now)
         if self.policy is not None:
             self._evaluate_policy(reading)
         return reading
@@ -1055,6 +1072,46 @@ class Monitor:
                 grads_bytes=max(t.grads_bytes, old.get("grads_bytes", 0)),
                 optimizer_state_bytes=t.optimizer_state_bytes,
             )
+
+    def _cache_counters(self) -> dict[str, tuple[dict[str, int], dict[str, int]]]:
+        """Each cached table's counters (``CachedTable.stats()``): ``name -> (totals since it
+        was cached, increments since the previous sample)`` (sampler thread)."""
+        if self.model is None:
+            return {}
+        out = {}
+        seen = set()
+        for name, module in self.model.named_modules():
+            if not isinstance(module, CachedTable):
+                continue
+            st = module.stats()
+            totals = {
+                "cache_rows": st.cache_rows,
+                "cache_lookups": st.lookups,
+                "cache_lookup_hits": st.lookup_hits,
+                "cache_rows_loaded": st.misses,
+                "cache_rows_evicted": st.evicted,
+                "cache_moved_bytes": st.h2d_bytes + st.d2h_bytes,
+            }
+            key = (name, id(module))
+            seen.add(key)
+            prev = self._cache_prev.get(key, {})
+            increments = {k: max(0, v - prev.get(k, 0)) for k, v in totals.items()}
+            increments["cache_rows"] = st.cache_rows
+            self._cache_prev[key] = totals
+            out[name] = (totals, increments)
+        for key in [k for k in self._cache_prev if k not in seen]:  # grown back, or replaced
+            del self._cache_prev[key]
+        return out
+
+    def _write_cache_rows(
+        self, tables: Mapping[str, tuple[dict[str, int], dict[str, int]]], now: float
+    ) -> None:
+        """Each cached table's totals into its module row; ``None`` once a table has no cache."""
+        for name, (totals, _) in tables.items():
+            self._update_module_row(name, now, **totals)
+        for name, row in list(self._module_rows.items()):
+            if name not in tables and row.get("cache_rows") is not None:
+                self._update_module_row(name, now, **dict.fromkeys(CACHE_FIELDS))
 
     def _update_module_row(self, module: str, now: float, **fields: Any) -> None:
         """Merge ``fields`` into the module's latest row; queue a new row when it changed.

@@ -340,6 +340,41 @@ def _module_table(mods: list[Any]) -> Table:
     return table
 
 
+def _cache_table(mods: list[Any], summary: Any) -> Table | None:
+    """Row caches: one row per cached table (totals since it was cached) and the run's total
+    over its samples (with bytes moved per step); ``None`` when the run had no cache."""
+    cached = [m for m in mods if m.cache_rows is not None]
+    if not cached and summary is None:
+        return None
+    table = Table(title="row caches (CachedEmbedding tables)")
+    table.add_column("table")
+    for col in ("cache rows", "hit rate", "rows loaded", "rows evicted", "moved", "moved/step"):
+        table.add_column(col, justify="right")
+    for m in cached:
+        rows = f"{m.cache_rows:,}" + (f" of {m.num_embeddings:,}" if m.num_embeddings else "")
+        table.add_row(
+            m.module,
+            rows,
+            _pct(m.cache_hit_fraction),
+            f"{m.cache_rows_loaded or 0:,}",
+            f"{m.cache_rows_evicted or 0:,}",
+            _bytes(m.cache_moved_bytes or 0),
+            "-",
+        )
+    if summary is not None:
+        per_step = summary.moved_bytes_per_step
+        table.add_row(
+            f"run (steps {summary.first_step}-{summary.last_step})",
+            f"{summary.rows_now:,}",
+            _pct(summary.hit_fraction),
+            f"{summary.rows_loaded:,}",
+            f"{summary.rows_evicted:,}",
+            _bytes(summary.moved_bytes),
+            "-" if per_step is None else _bytes(round(per_step)),
+        )
+    return table
+
+
 def _events_table(events: list[Any], start_s: float) -> Table:
     table = Table(title="events")
     table.add_column("id", justify="right")
@@ -369,6 +404,7 @@ def show_cmd(
         mods = h.modules(info.id)
         events = [] if modules else h.events(info.id)
         peak = None if modules else h.peak(info.id)
+        cache = h.cache_summary(info.id)
     if as_json:
         import dataclasses
 
@@ -378,6 +414,13 @@ def show_cmd(
                 "peak": None if peak is None else dataclasses.asdict(peak),
                 "events": [dataclasses.asdict(e) for e in events],
                 "modules": [{**dataclasses.asdict(m), "total_bytes": m.total_bytes} for m in mods],
+                "row_cache": None
+                if cache is None
+                else {
+                    **dataclasses.asdict(cache),
+                    "hit_fraction": cache.hit_fraction,
+                    "moved_bytes_per_step": cache.moved_bytes_per_step,
+                },
             }
         )
         return
@@ -386,6 +429,9 @@ def show_cmd(
             _c.out.print(f"run {info.id} recorded no module statistics")
             return
         _c.out.print(_module_table(mods))
+        caches = _cache_table(mods, cache)
+        if caches is not None:
+            _c.out.print(caches)
         return
     summary = Table(title=f"run {info.id}  {info.name}", show_header=False)
     summary.add_column("field")
@@ -441,6 +487,9 @@ def show_cmd(
         _c.out.print("no events")
     if mods:
         _c.out.print(_module_table(mods))
+    caches = _cache_table(mods, cache)
+    if caches is not None:
+        _c.out.print(caches)
 
 
 @app.command("events")

@@ -28,6 +28,14 @@ class Reading:
     PSS, see :mod:`edo_monitor.probes.host`). ``in_use_bytes`` is what counts against
     ``budget_bytes``; ``free_fraction`` is ``(budget_bytes - in_use_bytes) / budget_bytes``.
     ``time_s``: Unix epoch seconds, UTC.
+
+    Row caches (:class:`edo_monitor.nn.CachedEmbedding` / ``CachedEmbeddingBag``, from
+    ``CachedTable.stats()``), summed over the run's cached tables, ``None`` when it has none:
+    ``cache_rows`` is the device cache's rows now; the others count since the previous sample
+    (so they add up over samples and rollups): ``cache_lookups`` looked-up ids (repeats too),
+    ``cache_lookup_hits`` those found in the cache (hit rate = hits / lookups),
+    ``cache_rows_loaded`` rows loaded host→device (misses), ``cache_rows_evicted`` rows written
+    back and dropped, ``cache_moved_bytes`` weight and optimizer-state bytes moved either way.
     """
 
     time_s: float
@@ -61,6 +69,12 @@ class Reading:
     host_available_bytes: int | None = None
     host_limit_bytes: int | None = None
     process_tree_bytes: int | None = None
+    cache_rows: int | None = None
+    cache_lookups: int | None = None
+    cache_lookup_hits: int | None = None
+    cache_rows_loaded: int | None = None
+    cache_rows_evicted: int | None = None
+    cache_moved_bytes: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The fields as a plain dict (the ``samples`` row without ``run_id``)."""

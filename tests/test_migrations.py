@@ -17,7 +17,12 @@ from edo_monitor.errors import StoreError
 from edo_monitor.store.engine import alembic_config, open_engine
 from edo_monitor.store.history import History
 from edo_monitor.store.models import Base
-from edo_monitor.store.schema import ROLLUP_FIELDS, ROLLUP_LEVEL_WIDTHS_S, SCHEMA_VERSION
+from edo_monitor.store.schema import (
+    CACHE_FIELDS,
+    ROLLUP_FIELDS,
+    ROLLUP_LEVEL_WIDTHS_S,
+    SCHEMA_VERSION,
+)
 
 N = 3000
 
@@ -67,7 +72,9 @@ def test_reader_leaves_v1_alone_writer_upgrades(
     assert conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() == (
         str(SCHEMA_VERSION),
     )
-    assert conn.execute("SELECT version_num FROM alembic_version").fetchone() == ("0003",)
+    assert conn.execute("SELECT version_num FROM alembic_version").fetchone() == (
+        f"{SCHEMA_VERSION:04d}",
+    )
     per_level = conn.execute(
         "SELECT level, sum(n), max(in_use_bytes_max), count(*) FROM sample_rollups GROUP BY level"
     ).fetchall()
@@ -91,13 +98,14 @@ def test_reader_leaves_v1_alone_writer_upgrades(
 
 
 def test_rollup_revision_matches_schema_py() -> None:
-    """Revisions 0002 and 0003 keep frozen copies of the rollup columns and level widths; at
-    schema version 3 together they must be what ``schema.py`` (and so the writers and readers)
-    use."""
-    assert SCHEMA_VERSION == 3
+    """Revisions 0002–0004 keep frozen copies of the rollup columns and level widths; at schema
+    version 4 together they must be what ``schema.py`` (and so the writers and readers) use."""
+    assert SCHEMA_VERSION == 4
     rev = importlib.import_module("edo_monitor.store.migrations.versions.0002_sample_rollups")
     rev3 = importlib.import_module("edo_monitor.store.migrations.versions.0003_host_tree_and_limit")
-    assert rev.FIELDS + rev3.FIELDS == ROLLUP_FIELDS
+    rev4 = importlib.import_module("edo_monitor.store.migrations.versions.0004_row_cache_counters")
+    assert rev.FIELDS + rev3.FIELDS + rev4.FIELDS == ROLLUP_FIELDS
+    assert rev4.FIELDS == CACHE_FIELDS
     assert rev.WIDTHS_S == ROLLUP_LEVEL_WIDTHS_S == (16, 256, 4096)
 
 

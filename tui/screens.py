@@ -287,7 +287,17 @@ class RunScreen(Screen[None]):
             events.add_column(key, key=key)
         modules = self.query_one("#modules", DataTable)
         modules.add_columns(
-            "table", "shape", "dtype", "placement", "params", "grads", "optim", "activ", "total"
+            "table",
+            "shape",
+            "dtype",
+            "placement",
+            "params",
+            "grads",
+            "optim",
+            "activ",
+            "total",
+            "cache rows",
+            "hits",
         )
         self.query_one("#run-message", Static).display = False
         self.set_interval(self.tui.refresh_s, self.tick, name="run-refresh")
@@ -637,6 +647,8 @@ class RunScreen(Screen[None]):
                 plain(format_bytes(row.optimizer_state_bytes)),
                 plain(format_bytes(row.activations_bytes)),
                 plain(format_bytes(row.total_bytes)),
+                plain("-" if row.cache_rows is None else f"{row.cache_rows:,}"),
+                plain("-" if row.cache_rows is None else format_fraction(row.cache_hit_fraction)),
                 key=row.module,
             )
 

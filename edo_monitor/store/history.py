@@ -54,6 +54,7 @@ from edo_monitor.store.status import effective_status
 __all__ = [
     "NUMERIC_SAMPLE_COLUMNS",
     "UUID_REF_LEN",
+    "CacheSummary",
     "EventInfo",
     "History",
     "MetricComparison",
@@ -197,6 +198,22 @@ class ModuleInfo:
     grads_bytes: int
     optimizer_state_bytes: int
     activations_bytes: int
+    #: row cache (``CachedEmbedding`` tables; ``None`` otherwise or in files before schema 4):
+    #: device rows now, and since the table was cached: looked-up ids, those that hit, rows
+    #: loaded and evicted, weight + optimizer-state bytes moved host↔device
+    cache_rows: int | None = None
+    cache_lookups: int | None = None
+    cache_lookup_hits: int | None = None
+    cache_rows_loaded: int | None = None
+    cache_rows_evicted: int | None = None
+    cache_moved_bytes: int | None = None
+
+    @property
+    def cache_hit_fraction(self) -> float | None:
+        """Looked-up ids found in the device cache / all looked-up ids (``None``: no lookups)."""
+        if not self.cache_lookups or self.cache_lookup_hits is None:
+            return None
+        return self.cache_lookup_hits / self.cache_lookups
 
     @property
     def total_bytes(self) -> int:
@@ -346,6 +363,41 @@ def _merge(acc: dict[int, list[Any]], b: int, part: Sequence[Any], ncols: int) -
         cur[k + 3] += part[k + 3]
 
 
+@dataclass(frozen=True)
+class CacheSummary:
+    """A run's row caches over its samples (sums of the samples' ``cache_*`` increments).
+
+    Attributes:
+        run_id: the run.
+        lookups, lookup_hits: looked-up ids of cached tables, and those found on the device.
+        rows_loaded, rows_evicted: rows moved host→device (misses) and written back.
+        moved_bytes: weight and optimizer-state bytes moved either way.
+        first_step, last_step: steps of the first and last sample with a cache.
+        rows_now: the cache rows of the last sample with a cache.
+    """
+
+    run_id: int
+    lookups: int
+    lookup_hits: int
+    rows_loaded: int
+    rows_evicted: int
+    moved_bytes: int
+    first_step: int
+    last_step: int
+    rows_now: int
+
+    @property
+    def hit_fraction(self) -> float | None:
+        """``lookup_hits / lookups`` (``None`` without lookups)."""
+        return self.lookup_hits / self.lookups if self.lookups else None
+
+    @property
+    def moved_bytes_per_step(self) -> float | None:
+        """``moved_bytes`` per step between the first and the last sample with a cache."""
+        steps = self.last_step - self.first_step
+        return self.moved_bytes / steps if steps > 0 else None
+
+
 class History:
     """Read access to the history database.
 
@@ -372,7 +424,16 @@ class History:
         self.readonly = readonly
         with self._read() as conn:
             self.schema_version: int | None = schema_version(conn)
-            tables = set(inspect(conn).get_table_names())
+            inspector = inspect(conn)
+            tables = set(inspector.get_table_names())
+            present = (
+                {c["name"] for c in inspector.get_columns("samples")}
+                if "samples" in tables
+                else set(SAMPLE_FIELDS)
+            )
+        #: the sample columns a default read returns: those of ROLLUP_FIELDS this file has (a
+        #: file of an older schema lacks the newer ones)
+        self._default_columns = tuple(f for f in ROLLUP_FIELDS if f in present)
         self._empty = "runs" not in tables
         self._has_rollups = "sample_rollups" in tables
         self._pg = is_postgres(self.engine)
@@ -739,8 +800,8 @@ class History:
         Args:
             run: run reference (see :meth:`run`).
             start, end: window (Unix seconds or datetime; both inclusive); default the whole run.
-            columns: sample columns (default: every numeric quantity, ``ROLLUP_FIELDS``; any of
-                :data:`NUMERIC_SAMPLE_COLUMNS` may be asked for).
+            columns: sample columns (default: every numeric quantity, ``ROLLUP_FIELDS``, that the
+                file has; any of :data:`NUMERIC_SAMPLE_COLUMNS` may be asked for).
             max_points: most buckets to return; ``None`` returns every sample.
 
         Raises:
@@ -812,7 +873,7 @@ class History:
 
     def _columns(self, columns: Sequence[str] | None) -> tuple[str, ...]:
         if columns is None:
-            return ROLLUP_FIELDS
+            return self._default_columns
         if isinstance(columns, str):
             columns = [columns]
         bad = [c for c in columns if c not in NUMERIC_SAMPLE_COLUMNS]
@@ -1057,6 +1118,42 @@ class History:
                 for r in conn.execute(stmt)
             ]
 
+    def cache_summary(self, run: RunRef) -> CacheSummary | None:
+        """The run's row caches summed over its samples; ``None`` when no sample had a cache
+        (or the file predates schema 4).
+
+        Raises:
+            RunNotFoundError: no such run.
+        """
+        run_id = self._find(run)["id"]
+        if "cache_rows" not in self._default_columns:
+            return None
+        q = text(
+            "SELECT count(*), sum(cache_lookups), sum(cache_lookup_hits), sum(cache_rows_loaded), "
+            "sum(cache_rows_evicted), sum(cache_moved_bytes), min(step), max(step), max(id) "
+            "FROM samples WHERE run_id = :r AND cache_rows IS NOT NULL"
+        )
+        with self._read() as conn:
+            n, lookups, hits, loaded, evicted, moved, first, last, last_id = conn.execute(
+                q, {"r": run_id}
+            ).one()
+            if not n:
+                return None
+            rows_now = conn.execute(
+                text("SELECT cache_rows FROM samples WHERE id = :i"), {"i": last_id}
+            ).scalar()
+        return CacheSummary(
+            run_id,
+            int(lookups or 0),
+            int(hits or 0),
+            int(loaded or 0),
+            int(evicted or 0),
+            int(moved or 0),
+            int(first),
+            int(last),
+            int(rows_now or 0),
+        )
+
     def modules(self, run: RunRef) -> list[ModuleInfo]:
         """The latest ``module_stats`` row of each module of a run, largest total first.
 
@@ -1071,7 +1168,7 @@ class History:
         fields = [f.name for f in dataclasses.fields(ModuleInfo)]
         with self._read() as conn:
             rows = conn.execute(q, {"r": run_id}).mappings().all()
-        mods = [ModuleInfo(**{k: r[k] for k in fields}) for r in rows]
+        mods = [ModuleInfo(**{k: r.get(k) for k in fields if k in r}) for r in rows]
         return sorted(mods, key=lambda m: (-m.total_bytes, m.module))
 
     # -- comparison --------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from sqlalchemy import (
 from edo_monitor.readings import SAMPLE_FIELDS
 
 __all__ = [
+    "CACHE_FIELDS",
     "ROLLUP_FIELDS",
     "ROLLUP_LEVEL_WIDTHS_S",
     "SCHEMA_VERSION",
@@ -44,7 +45,7 @@ __all__ = [
 ]
 
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 #: Run statuses written by the agent. ``crashed`` is never written: readers derive it from a
 #: ``running`` run whose process is gone or whose heartbeat is stale.
@@ -52,6 +53,17 @@ RUN_STATUSES = ("running", "finished", "failed", "interrupted")
 
 
 _INT = BigInteger().with_variant(Integer(), "sqlite")
+
+#: Row-cache counters of a table in ``module_stats`` (totals since the table was cached) and,
+#: summed over the run's cached tables since the previous sample, in ``samples`` (schema 4).
+CACHE_FIELDS: tuple[str, ...] = (
+    "cache_rows",
+    "cache_lookups",
+    "cache_lookup_hits",
+    "cache_rows_loaded",
+    "cache_rows_evicted",
+    "cache_moved_bytes",
+)
 
 #: Every table of the history database (plain SQLAlchemy Core: readers need no ORM).
 metadata = MetaData()
@@ -137,8 +149,9 @@ events_table = Table(
 )
 
 #: Bytes of one module (embedding tables, and modules with saved activations) at one moment.
-#: Written on the first sample, whenever a table's placement, dtype or bytes change, and at the
-#: end of the run; the latest row per module is its current state.
+#: Written on the first sample, whenever a table's placement, dtype, bytes or row-cache counters
+#: change, and at the end of the run; the latest row per module is its current state. The
+#: ``cache_*`` columns are a cached table's counters since it was cached (``NULL``: no cache).
 module_stats_table = Table(
     "module_stats",
     metadata,
@@ -154,6 +167,7 @@ module_stats_table = Table(
     Column("grads_bytes", _INT, nullable=False, default=0),
     Column("optimizer_state_bytes", _INT, nullable=False, default=0),
     Column("activations_bytes", _INT, nullable=False, default=0),
+    *(Column(name, _INT) for name in CACHE_FIELDS),
 )
 
 
@@ -187,6 +201,7 @@ ROLLUP_FIELDS: tuple[str, ...] = (
     "host_available_bytes",
     "host_limit_bytes",
     "process_tree_bytes",
+    *CACHE_FIELDS,
 )
 
 #: Width (seconds) of a rollup block at each level: level ``L`` block ``k`` holds the samples with
