@@ -848,14 +848,17 @@ class Monitor:
                 )
                 self._pressure_queue.append(event)
             elif isinstance(event, Decision):
+                err = event.expected_error
                 self._emit(
                     "decision",
                     f"{'advise' if event.advisory else 'decide'}: {event.action} on "
-                    f"{event.target or '-'} (est. {format_bytes(event.estimated_saving_bytes)})",
+                    f"{event.target or '-'} (est. {format_bytes(event.estimated_saving_bytes)}"
+                    + (f", expected error {err:.2g})" if err is not None else ")"),
                     {
                         "action": event.action,
                         "target": event.target,
                         "estimated_saving_bytes": event.estimated_saving_bytes,
+                        "expected_error": err,
                         "reason": event.reason,
                         "mode": event.mode,
                         "free_fraction": event.free_fraction,
@@ -916,6 +919,7 @@ class Monitor:
             "saved_bytes": result.saved_bytes if result.status == "applied" else 0,
             "duration_s": result.duration_s,
             "lossy": result.lossy,
+            "expected_error": decision.expected_error,
             "error": result.error,
             "reason": result.reason,
             "details": result.details,

@@ -32,7 +32,11 @@ applies at the step boundary). Modelled from the recorded attribution, exactly a
 estimate: ``cache_embedding`` (create and shrink), ``offload_embedding``,
 ``checkpoint_activations``, ``compress_embedding`` (bf16 / fp16 / int8 / low-rank) and
 ``grow_cache``. Refused with a reason: ``release_cache`` (the allocator's slack after the step is
-not in the trace) and ``share_embedding`` (needs the ids' frequencies per row).
+not in the trace) and ``share_embedding`` (needs the ids' frequencies per row). The lossy plans
+carry the expected error the live action would estimate where the trace allows it: bf16 / fp16
+:func:`edo_monitor.plans.rounding_expected_error` (it needs no row values); int8 and low-rank
+``None`` (they need the rows, which the trace does not hold), so the replayed policy ranks them
+after a bf16 / fp16 plan (:func:`edo_monitor.policy.rank_lossy_plans`).
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edo_monitor.errors import ConfigError
-from edo_monitor.plans import Plan, Refusal
+from edo_monitor.plans import Plan, Refusal, rounding_expected_error
 from edo_monitor.units import format_bytes
 
 __all__ = [
@@ -592,7 +596,9 @@ class ReplayDecision:
         free_fraction: free fraction of the reading (modelled in a replay).
         status: ``"modelled"``, ``"advised"`` (replay in advise mode); live: ``"applied"``,
             ``"refused"``, ``"failed"``, ``"advised"`` or ``"pending"``.
-        reason: the plan's reason.
+        reason: the decision's reason.
+        expected_error: the plan's expected relative squared error (lossy actions; ``None``
+            when lossless or not known, e.g. a run recorded before it was recorded).
     """
 
     step: int
@@ -603,6 +609,7 @@ class ReplayDecision:
     free_fraction: float | None
     status: str
     reason: str
+    expected_error: float | None = None
 
 
 @dataclass(frozen=True)
@@ -707,12 +714,14 @@ class _Model:
         if variant is None:
             return Refusal(name, "", f"not modelled offline: {name}")
         saving = t.total_bytes - _est(t, variant)
+        expected = rounding_expected_error(variant) if variant in ("bf16", "fp16") else None
         return Plan(
             name,
             t.module,
             saving,
             f"{t.module} to {variant} (the estimator)",
             {"model": "compress", "compression": variant},
+            expected_error=expected,
         )
 
     def _cache(self) -> Plan | Refusal:
@@ -943,6 +952,7 @@ def replay(db: Any, run: Any, policy: Any = None) -> ReplayResult:
                                     ev.free_fraction,
                                     "advised" if ev.advisory else "modelled",
                                     ev.reason,
+                                    ev.expected_error,
                                 )
                             )
                             if not ev.advisory:
@@ -995,6 +1005,7 @@ def _recorded(events: Sequence[Any]) -> list[ReplayDecision]:
                     e.data.get("free_fraction"),
                     "advised" if mode == "advise" else "pending",
                     str(e.data.get("reason") or ""),
+                    e.data.get("expected_error"),
                 )
             )
             if mode != "advise":

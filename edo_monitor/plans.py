@@ -1,14 +1,17 @@
 """What the policy needs to know about actions, without importing PyTorch.
 
 :class:`Plan` and :class:`Refusal` (what an action's ``plan`` returns), every action's name, the
-lossy ones and the default ladders. :mod:`edo_monitor.actions` (which needs torch) re-exports
-them and registers the actions under these names (a test keeps both lists equal), so
+lossy ones, the default ladders and :func:`rounding_expected_error` (the expected error of a
+bf16/fp16 cast, shared by the action and by the offline replay). :mod:`edo_monitor.actions`
+(which needs torch) re-exports them and registers the actions under these names (a test keeps
+both lists equal), so
 :class:`edo_monitor.policy.Policy` can be built and run offline, e.g. by
 :func:`edo_monitor.hindsight.replay`, in a process that never imports torch.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,8 +20,10 @@ __all__ = [
     "DEFAULT_LOSSLESS_LADDER",
     "DEFAULT_LOSSY_LADDER",
     "LOSSY_ACTION_NAMES",
+    "UNIT_ROUNDOFF",
     "Plan",
     "Refusal",
+    "rounding_expected_error",
 ]
 
 #: Every action's name, in registry order (see :data:`edo_monitor.actions.ACTIONS`).
@@ -54,6 +59,31 @@ DEFAULT_LOSSLESS_LADDER: tuple[str, ...] = (
 )
 DEFAULT_LOSSY_LADDER: tuple[str, ...] = ("compress_embedding", "share_embedding")
 
+#: Unit roundoff ``u`` (half the spacing of the numbers in [1, 2)) of the 16-bit float formats:
+#: bf16 keeps 8 significant bits, fp16 11.
+UNIT_ROUNDOFF: dict[str, float] = {"bf16": 2.0**-8, "fp16": 2.0**-11}
+
+
+def rounding_expected_error(variant: str) -> float:
+    """Expected relative squared error of a table cast to ``variant`` (``"bf16"``/``"fp16"``),
+    rounding to nearest: ``(2 ln 2 / 9) u²`` ≈ ``0.154 u²`` (see :data:`UNIT_ROUNDOFF`).
+
+    Where it comes from: on a binade ``[2^e, 2^(e+1))`` the spacing is ``2u·2^e`` and the
+    rounding error is uniform in half a spacing either way, so ``E[err²] = (2u·2^e)²/12``; with
+    significands spread log-uniformly over the binade (as for values drawn from a smooth
+    distribution spanning several binades, e.g. Gaussian rows), ``E[x²] = 2^(2e)·3/(2 ln 2)``.
+    Their ratio is ``E‖r̂ − r‖² / E‖r‖²`` for a row ``r`` of such values. ``u²/3`` (a relative
+    error uniform in ``[−u, u]``) overstates it: the bound ``u`` is reached only just above a
+    power of two. Measured on an ``N(0, 1)`` table (tests/test_lossy_errors.py) the formula is
+    within 20 % (the measured value is about 1.18× it); values that do not span binades (e.g.
+    uniform in [0, 1]) give about 0.93×. Subnormals and overflow (fp16 above 65504) are not
+    modelled.
+
+    Raises:
+        KeyError: for a variant other than ``"bf16"`` or ``"fp16"``.
+    """
+    return 2.0 * math.log(2.0) / 9.0 * UNIT_ROUNDOFF[variant] ** 2
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -65,6 +95,18 @@ class Plan:
         estimated_saving_bytes: device-tier bytes it expects to free (int).
         reason: one line: why this target, what changes.
         details: action-specific values (variant, rank, module names ...), JSON-serialisable.
+        expected_error: for a lossy action, the expected relative squared error of a looked-up
+            row after the action, ``E[‖r̂ − r‖²] / E[‖r‖²]``: ``r`` the row a lookup returned
+            before, ``r̂`` the row it returns right after, both expectations over the lookups'
+            distribution (the counted lookups of
+            :class:`edo_monitor.frequency.LookupCounter` when it has counts for the table, else
+            every row equally often), the ``padding_idx`` row left out (every action keeps it
+            exact). Dimensionless, ``>= 0``; ``0`` is exact, ``1`` is as large as the rows
+            themselves (e.g. replacing them by zeros). Each action's ``plan`` says how it
+            estimates it (from a bounded sample of rows for large tables).
+            :class:`edo_monitor.policy.Policy` ranks lossy plans by
+            ``estimated_saving_bytes / expected_error``. ``None`` for lossless actions and where
+            it is not known (e.g. a replay without the rows' values).
     """
 
     action: str
@@ -72,6 +114,7 @@ class Plan:
     estimated_saving_bytes: int
     reason: str
     details: dict[str, Any] = field(default_factory=dict)
+    expected_error: float | None = None
 
 
 @dataclass(frozen=True)

@@ -8,13 +8,17 @@ boundary and reports back with :meth:`Policy.resolve`.
 Hysteresis: pressure starts when ``free_fraction`` drops below ``min_free_fraction`` (a
 ``"below_floor"`` crossing) and ends when it is back at or above ``rearm_free_fraction`` (an
 ``"above_rearm"`` crossing). While under pressure, and not within ``cooldown_steps`` of the last
-applied decision, the policy decides the first applicable action of its ladder (lossless first,
-lossy only with ``allow_lossy``), skipping actions that refuse, ``(action, target)`` pairs that
-failed before, ``(action, target)`` pairs that were *ineffective* in this pressure episode (applied,
-but the measured saving was below :data:`INEFFECTIVE_BELOW_FRACTION` of the estimate; see
-:meth:`Policy.resolve`), ``release_cache`` in CPU-budget mode or when the reading's
-reserved-but-unallocated bytes are below ``release_cache_min_bytes``. Only one decision is pending
-at a time.
+applied decision, the policy decides the first applicable lossless action of its ladder, skipping
+actions that refuse, ``(action, target)`` pairs that failed before, ``(action, target)`` pairs that
+were *ineffective* in this pressure episode (applied, but the measured saving was below
+:data:`INEFFECTIVE_BELOW_FRACTION` of the estimate; see :meth:`Policy.resolve`), ``release_cache``
+in CPU-budget mode or when the reading's reserved-but-unallocated bytes are below
+``release_cache_min_bytes``. Only when every lossless rung is skipped, and only with
+``allow_lossy``, the lossy rungs: every one is planned, and among the plans that pass the same
+filters the policy decides the one that saves the most bytes per unit of expected error
+(:func:`rank_lossy_plans`: ``estimated_saving_bytes / max(expected_error,``
+:data:`EXPECTED_ERROR_FLOOR` ``)``, plans without an expected error after those with one, ties in
+ladder order). Only one decision is pending at a time.
 
 Growing back: in ``"auto"`` mode, when not under pressure and ``free_fraction`` has stayed at or
 above ``rearm_free_fraction + grow_margin_fraction`` for ``grow_after_readings`` readings in a row,
@@ -50,6 +54,7 @@ if TYPE_CHECKING:  # the policy itself needs no torch (edo_monitor.hindsight rep
     from edo_monitor.actions.base import ActionContext, ActionResult
 
 __all__ = [
+    "EXPECTED_ERROR_FLOOR",
     "INEFFECTIVE_BELOW_FRACTION",
     "MODES",
     "Decision",
@@ -58,7 +63,9 @@ __all__ = [
     "PolicyEvent",
     "ThresholdCrossing",
     "ineffective_reason",
+    "lossy_score",
     "make_planner",
+    "rank_lossy_plans",
 ]
 
 logger = logging.getLogger(__name__)
@@ -87,7 +94,9 @@ class ThresholdCrossing:
 class Decision:
     """The action the policy chose. ``mode`` ``"advise"`` means record only, do not apply.
 
-    ``plan`` is what :meth:`edo_monitor.actions.Action.apply` takes.
+    ``plan`` is what :meth:`edo_monitor.actions.Action.apply` takes. ``reason`` says why: the
+    pressure, the plan's reason, and for a lossy decision how it ranked against the other lossy
+    plans.
     """
 
     action: str
@@ -104,6 +113,11 @@ class Decision:
     def advisory(self) -> bool:
         """True in ``advise`` mode."""
         return self.mode == "advise"
+
+    @property
+    def expected_error(self) -> float | None:
+        """The plan's :attr:`~edo_monitor.plans.Plan.expected_error` (``None`` for lossless)."""
+        return self.plan.expected_error
 
 
 @dataclass(frozen=True)
@@ -133,11 +147,12 @@ class Policy:
         rearm_free_fraction: pressure ends at or above it. In (0, 1), above ``min_free_fraction``.
         cooldown_steps: optimizer steps between two applied decisions (int >= 0).
         mode: ``"auto"``, ``"advise"`` or ``"observe"``.
-        allow_lossy: allow lossy actions (``compress_embedding*``).
+        allow_lossy: allow lossy actions (``compress_embedding*``, ``share_embedding``).
         ladder: action names in the order to try; default lossless
             (``release_cache``, ``cache_embedding``, ``offload_embedding``,
-            ``checkpoint_activations``) then, with
-            ``allow_lossy``, ``compress_embedding``.
+            ``checkpoint_activations``) then, with ``allow_lossy``, ``compress_embedding`` and
+            ``share_embedding``. Lossless rungs are tried in this order; lossy rungs are ranked
+            (see the module docstring), their order only breaks ties.
         on_pressure: called by the agent with each :class:`ThresholdCrossing` (see
             :meth:`call_on_pressure`).
         on_action: called by the agent with each :class:`~edo_monitor.actions.ActionResult`.
@@ -263,7 +278,8 @@ class Policy:
                 ``device_kind`` and ``reserved_unallocated_bytes`` to skip ``release_cache``.
             planner: ``name -> Plan | Refusal`` (a callable, e.g. :func:`make_planner`, or a
                 mapping; a name missing from a mapping counts as refused). Called only under
-                pressure, in ladder order, until one plans. ``None`` = no decisions.
+                pressure, in ladder order, until a lossless rung plans; when none does, once for
+                every lossy rung. ``None`` = no decisions.
 
         Returns:
             A list of :class:`ThresholdCrossing`, :class:`Decision` and
@@ -366,55 +382,80 @@ class Policy:
         return decision
 
     def _choose(self, reading: Reading, planner: Planner) -> tuple[Decision | None, list[Refusal]]:
+        """The decision for a reading under pressure (lock held), or ``None`` and the refusals.
+
+        Lossless rungs in ladder order, the first that plans and passes :meth:`_filter` wins.
+        Only when they all refuse: every lossy rung is planned and the passing plans ranked by
+        :func:`rank_lossy_plans`.
+        """
         refusals: list[Refusal] = []
+        _, lossy_names = _known_actions()
+        lossy: list[Plan] = []
         for name in self.ladder:
-            if name == "release_cache":
-                skip = self._release_cache_skip(reading)
-                if skip:
-                    refusals.append(Refusal(name, "allocator", skip))
-                    continue
-            if isinstance(planner, Mapping):
-                plan = planner.get(name, Refusal(name, "", "not planned"))
-            else:
-                plan = planner(name)
-            if isinstance(plan, Refusal):
-                refusals.append(plan)
+            plan = self._plan(name, reading, planner, refusals)
+            if plan is None:
                 continue
-            key = (plan.action, plan.target)
-            if key in self._failed:
-                refusals.append(Refusal(name, plan.target, "failed before on this target"))
+            if name in lossy_names:
+                lossy.append(plan)  # ranked once every lossy rung has planned
                 continue
-            if key in self._ineffective:
-                refusals.append(
-                    Refusal(
-                        name,
-                        plan.target,
-                        f"ineffective before in this episode: {self._ineffective[key]}",
-                    )
+            return self._decision(reading, plan, plan.reason), refusals
+        if not lossy:
+            return None, refusals
+        ranked = rank_lossy_plans(lossy)
+        return self._decision(reading, ranked[0], _ranked_reason(ranked)), refusals
+
+    def _plan(
+        self, name: str, reading: Reading, planner: Planner, refusals: list[Refusal]
+    ) -> Plan | None:
+        """Rung ``name``'s plan when it passes the filters (lock held); else its refusal is
+        appended to ``refusals`` and ``None`` returned. Filters: ``release_cache``'s skip rules,
+        the planner's refusal, ``(action, target)`` pairs that failed before, that were
+        ineffective in this episode, or (advise mode) already advised in it."""
+        if name == "release_cache":
+            skip = self._release_cache_skip(reading)
+            if skip:
+                refusals.append(Refusal(name, "allocator", skip))
+                return None
+        if isinstance(planner, Mapping):
+            plan = planner.get(name, Refusal(name, "", "not planned"))
+        else:
+            plan = planner(name)
+        if isinstance(plan, Refusal):
+            refusals.append(plan)
+            return None
+        key = (plan.action, plan.target)
+        if key in self._failed:
+            refusals.append(Refusal(name, plan.target, "failed before on this target"))
+            return None
+        if key in self._ineffective:
+            refusals.append(
+                Refusal(
+                    name,
+                    plan.target,
+                    f"ineffective before in this episode: {self._ineffective[key]}",
                 )
-                continue
-            if self.mode == "advise" and key in self._advised:
-                refusals.append(Refusal(name, plan.target, "already advised in this episode"))
-                continue
-            mode: Literal["auto", "advise"] = "advise" if self.mode == "advise" else "auto"
-            return (
-                Decision(
-                    action=plan.action,
-                    target=plan.target,
-                    estimated_saving_bytes=plan.estimated_saving_bytes,
-                    reason=(
-                        f"free {reading.free_fraction:.1%} below floor "
-                        f"{self.min_free_fraction:.0%}: {plan.reason}"
-                    ),
-                    step=reading.step,
-                    time_s=reading.time_s,
-                    free_fraction=float(reading.free_fraction or 0.0),
-                    mode=mode,
-                    plan=plan,
-                ),
-                refusals,
             )
-        return None, refusals
+            return None
+        if self.mode == "advise" and key in self._advised:
+            refusals.append(Refusal(name, plan.target, "already advised in this episode"))
+            return None
+        return plan
+
+    def _decision(self, reading: Reading, plan: Plan, why: str) -> Decision:
+        mode: Literal["auto", "advise"] = "advise" if self.mode == "advise" else "auto"
+        return Decision(
+            action=plan.action,
+            target=plan.target,
+            estimated_saving_bytes=plan.estimated_saving_bytes,
+            reason=(
+                f"free {reading.free_fraction:.1%} below floor {self.min_free_fraction:.0%}: {why}"
+            ),
+            step=reading.step,
+            time_s=reading.time_s,
+            free_fraction=float(reading.free_fraction or 0.0),
+            mode=mode,
+            plan=plan,
+        )
 
     def _release_cache_skip(self, reading: Reading) -> str | None:
         if reading.device_kind != "cuda":
@@ -491,6 +532,60 @@ def ineffective_reason(result: ActionResult) -> str | None:
     return (
         f"measured saving {format_bytes(max(result.saved_bytes, 0))} is below "
         f"{INEFFECTIVE_BELOW_FRACTION:.0%} of the estimated {format_bytes(estimate)}"
+    )
+
+
+#: Expected errors below this count as this in :func:`rank_lossy_plans`: a plan estimated exact
+#: (``expected_error == 0``, e.g. sharing a table whose cold rows are all equal) does not divide by
+#: zero, and errors this small (float32's own rounding of a row is about 1e-15) rank by saving
+#: alone. It is far below the smallest lossy estimate in use (fp16: about 3.7e-8).
+EXPECTED_ERROR_FLOOR = 1e-12
+
+
+def lossy_score(plan: Plan) -> float | None:
+    """``estimated_saving_bytes / max(expected_error, EXPECTED_ERROR_FLOOR)``: bytes saved per unit
+    of expected relative squared error (see :attr:`edo_monitor.plans.Plan.expected_error`);
+    ``None`` when the plan has no expected error."""
+    if plan.expected_error is None:
+        return None
+    return plan.estimated_saving_bytes / max(float(plan.expected_error), EXPECTED_ERROR_FLOOR)
+
+
+def rank_lossy_plans(plans: Sequence[Plan]) -> list[Plan]:
+    """Lossy plans best first: those with an expected error by :func:`lossy_score`, highest
+    first, then those without one; ties (equal scores, or no score) keep the given (ladder)
+    order. Deterministic: a stable sort of the given order.
+
+    Args:
+        plans: the plans, in ladder order.
+
+    Returns:
+        A new list of the same plans.
+    """
+    order = {id(p): i for i, p in enumerate(plans)}
+
+    def key(plan: Plan) -> tuple[int, float, int]:
+        score = lossy_score(plan)
+        return (score is None, -(score or 0.0), order[id(plan)])
+
+    return sorted(plans, key=key)
+
+
+def _error_text(plan: Plan) -> str:
+    return "unknown" if plan.expected_error is None else f"{plan.expected_error:.2g}"
+
+
+def _ranked_reason(ranked: Sequence[Plan]) -> str:
+    """Why the first of ``ranked`` won: its saving and expected error, and the runner-up's."""
+    best = ranked[0]
+    if len(ranked) == 1:
+        return f"{best.reason}; the only lossy plan (expected error {_error_text(best)})"
+    second = ranked[1]
+    return (
+        f"{best.reason}; best of {len(ranked)} lossy plans by saving per unit of expected "
+        f"error: {format_bytes(best.estimated_saving_bytes)} at {_error_text(best)}, runner-up "
+        f"{second.action} on {second.target or '-'} "
+        f"{format_bytes(second.estimated_saving_bytes)} at {_error_text(second)}"
     )
 
 

@@ -22,7 +22,7 @@ from edo_monitor.actions import ACTIONS, LOSSY_ACTIONS
 from edo_monitor.cli import app
 from edo_monitor.errors import ConfigError
 from edo_monitor.hindsight import explain, parse_policy, replay
-from edo_monitor.plans import ACTION_NAMES, LOSSY_ACTION_NAMES
+from edo_monitor.plans import ACTION_NAMES, LOSSY_ACTION_NAMES, rounding_expected_error
 from edo_monitor.policy import Policy
 from edo_monitor.store.history import History
 
@@ -124,6 +124,26 @@ def test_replay_of_the_observed_run_acts_like_the_tuned_one(runs: tuple[Path, in
     # a policy whose floor is never crossed does nothing
     calm = replay(db, observed, Policy(min_free_fraction=0.01, rearm_free_fraction=0.02))
     assert calm.decisions == () and calm.crossings == ()
+
+
+def test_replay_ranks_lossy_plans_by_expected_error_where_the_trace_allows(
+    runs: tuple[Path, int, int],
+) -> None:
+    """bf16 has an expected error offline (it needs no row values); int8 and low-rank do not
+    (they need the rows), so a bf16 plan outranks them whatever the ladder order."""
+    db, _, observed = runs
+    policy = {
+        "allow_lossy": True,
+        "ladder": ("compress_embedding_int8", "compress_embedding_bf16"),
+    }
+    first = replay(db, observed, policy).decisions[0]
+    assert first.action == "compress_embedding_bf16"
+    assert first.expected_error == rounding_expected_error("bf16")
+    assert "runner-up compress_embedding_int8 on features" in first.reason
+    assert "at unknown" in first.reason  # int8's error is not known offline
+    policy["ladder"] = ("compress_embedding_int8", "compress_embedding_lowrank")
+    first = replay(db, observed, policy).decisions[0]
+    assert first.action == "compress_embedding_int8" and first.expected_error is None
 
 
 def test_explain_the_crossing(runs: tuple[Path, int, int]) -> None:

@@ -13,11 +13,14 @@ from edo_monitor.accounting import account
 from edo_monitor.actions import ACTIONS, ActionContext, ActivationRecorder, Plan, Refusal
 from edo_monitor.errors import ConfigError
 from edo_monitor.policy import (
+    EXPECTED_ERROR_FLOOR,
     Decision,
     NoActionAvailable,
     Policy,
     ThresholdCrossing,
+    lossy_score,
     make_planner,
+    rank_lossy_plans,
 )
 from edo_monitor.readings import Reading
 
@@ -190,6 +193,138 @@ def test_lossy_only_with_allow_lossy_and_after_lossless() -> None:
     assert kinds(p.evaluate(reading(2, 0.1), refused)) == []  # reported once per episode
     p = Policy(allow_lossy=True)
     assert kinds(p.evaluate(reading(1, 0.1), refused))[-1] == "auto:compress_embedding"
+
+
+# ---------------------------------------------------------------- ranking the lossy rungs
+
+LOSSY_LADDER = [
+    "offload_embedding",
+    "compress_embedding_bf16",
+    "compress_embedding_int8",
+    "share_embedding",
+]
+NO_LOSSLESS = {"offload_embedding": Refusal("offload_embedding", "", "none left")}
+
+
+def lossy(action: str, saving_mib: int, error: float | None, target: str = "emb") -> Plan:
+    return Plan(action, target, saving_mib * MiB, f"{action} plan", expected_error=error)
+
+
+def decide(plans: dict, ladder: list[str] | None = None, **kw: object) -> Decision:
+    p = Policy(allow_lossy=True, ladder=ladder or LOSSY_LADDER, **kw)  # type: ignore[arg-type]
+    event = p.evaluate(reading(1, 0.1), {**NO_LOSSLESS, **plans})[-1]
+    assert isinstance(event, Decision), event
+    return event
+
+
+def test_a_smaller_saving_with_a_much_lower_error_wins_and_the_reverse() -> None:
+    # bf16: 50 MiB at 2.3e-6 -> 2.3e13 bytes per unit of error; sharing: 400 MiB at 0.2 -> 2.1e9
+    bf16 = lossy("compress_embedding_bf16", 50, 2.3e-6)
+    noisy_share = lossy("share_embedding", 400, 0.2)
+    d = decide({"compress_embedding_bf16": bf16, "share_embedding": noisy_share})
+    assert d.plan is bf16 and d.expected_error == 2.3e-6
+    assert "best of 2 lossy plans" in d.reason and "runner-up share_embedding on emb" in d.reason
+    assert "50.0 MiB at 2.3e-06" in d.reason and "400.0 MiB at 0.2" in d.reason
+    # sharing a table whose cold rows are nearly equal: 400 MiB at 1e-7 -> 4.2e15, it wins
+    quiet_share = lossy("share_embedding", 400, 1e-7)
+    d = decide({"compress_embedding_bf16": bf16, "share_embedding": quiet_share})
+    assert d.plan is quiet_share and "runner-up compress_embedding_bf16" in d.reason
+    # the ladder order does not matter when the scores differ
+    d = decide(
+        {"compress_embedding_bf16": bf16, "share_embedding": quiet_share},
+        ladder=["share_embedding", "compress_embedding_bf16"],
+    )
+    assert d.plan is quiet_share
+
+
+def test_ties_keep_ladder_order_and_zero_errors_use_the_floor() -> None:
+    a = lossy("compress_embedding_bf16", 100, 0.01)
+    b = lossy("share_embedding", 200, 0.02)  # the same bytes per unit of error
+    assert lossy_score(a) == lossy_score(b)
+    assert decide({"compress_embedding_bf16": a, "share_embedding": b}).plan is a
+    assert (
+        decide(
+            {"compress_embedding_bf16": a, "share_embedding": b},
+            ladder=["share_embedding", "compress_embedding_bf16"],
+        ).plan
+        is b
+    )
+    # an exact estimate divides by the floor, not by zero; two of them: the larger saving
+    exact_small = lossy("compress_embedding_bf16", 10, 0.0)
+    exact_big = lossy("share_embedding", 20, 0.0)
+    assert lossy_score(exact_small) == 10 * MiB / EXPECTED_ERROR_FLOOR
+    d = decide({"compress_embedding_bf16": exact_small, "share_embedding": exact_big})
+    assert d.plan is exact_big
+    # errors under the floor rank as the floor: saving alone decides
+    tiny = lossy("compress_embedding_bf16", 10, 1e-15)
+    assert lossy_score(tiny) == lossy_score(exact_small)
+
+
+def test_plans_without_an_expected_error_rank_after_those_with_one_in_ladder_order() -> None:
+    known = lossy("share_embedding", 1, 0.9)  # a poor score, but a score
+    unknown_a = lossy("compress_embedding_bf16", 500, None)
+    unknown_b = lossy("compress_embedding_int8", 900, None)
+    plans = {
+        "compress_embedding_bf16": unknown_a,
+        "compress_embedding_int8": unknown_b,
+        "share_embedding": known,
+    }
+    d = decide(plans)
+    assert d.plan is known
+    assert rank_lossy_plans([unknown_a, unknown_b, known]) == [known, unknown_a, unknown_b]
+    assert rank_lossy_plans([unknown_b, unknown_a]) == [unknown_b, unknown_a]
+    d = decide({k: v for k, v in plans.items() if v is not known})
+    assert d.plan is unknown_a and "expected error unknown" in d.reason
+    one = decide({"share_embedding": known})
+    assert "the only lossy plan (expected error 0.9)" in one.reason
+
+
+def test_lossless_rungs_still_go_first_and_the_filters_apply_to_lossy_plans() -> None:
+    bf16 = lossy("compress_embedding_bf16", 50, 2.3e-6)
+    share = lossy("share_embedding", 400, 0.2)
+    plans = {
+        "offload_embedding": PLANS["offload_embedding"],
+        "compress_embedding_bf16": bf16,
+        "share_embedding": share,
+    }
+    p = Policy(allow_lossy=True, ladder=LOSSY_LADDER, cooldown_steps=0)
+    d = p.evaluate(reading(1, 0.1), plans)[-1]
+    assert d.action == "offload_embedding" and d.expected_error is None
+    p.resolve(d, "failed")
+    d = p.evaluate(reading(2, 0.1), plans)[-1]  # offload failed on emb: the lossy rungs rank
+    assert d.plan is bf16
+    p.resolve(d, "failed")
+    d = p.evaluate(reading(3, 0.1), plans)[-1]  # bf16 failed on emb: the runner-up
+    assert d.plan is share and "the only lossy plan" in d.reason
+    # advise mode: each lossy suggestion once per episode, best first
+    p = Policy(allow_lossy=True, ladder=LOSSY_LADDER, mode="advise")
+    lossy_only = {**NO_LOSSLESS, "compress_embedding_bf16": bf16, "share_embedding": share}
+    assert kinds(p.evaluate(reading(1, 0.1), lossy_only)) == [
+        "below_floor",
+        "advise:compress_embedding_bf16",
+    ]
+    assert kinds(p.evaluate(reading(2, 0.1), lossy_only)) == ["advise:share_embedding"]
+    assert kinds(p.evaluate(reading(3, 0.1), lossy_only)) == ["none"]
+
+
+def test_every_lossy_rung_is_planned_once_and_ranking_is_deterministic() -> None:
+    calls: list[str] = []
+    plans = {
+        "compress_embedding_bf16": lossy("compress_embedding_bf16", 50, 2.3e-6),
+        "compress_embedding_int8": lossy("compress_embedding_int8", 70, 3.5e-5),
+        "share_embedding": lossy("share_embedding", 400, 0.2),
+    }
+
+    def planner(name: str) -> Plan | Refusal:
+        calls.append(name)
+        return {**NO_LOSSLESS, **plans}.get(name, Refusal(name, "", "not planned"))
+
+    decided = []
+    for _ in range(3):
+        p = Policy(allow_lossy=True, ladder=LOSSY_LADDER)
+        decided.append(p.evaluate(reading(1, 0.1), planner)[-1].reason)
+    assert calls == LOSSY_LADDER * 3
+    assert len(set(decided)) == 1 and "compress_embedding_bf16 plan" in decided[0]
 
 
 def test_advise_records_each_suggestion_once_per_episode_and_observe_only_crossings() -> None:

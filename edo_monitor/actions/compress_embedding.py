@@ -26,6 +26,12 @@ low-rank table, tables already at 16 bits or less.
 
 The recorded error compares the table as the model now computes it with the table before:
 ``max_abs_error`` and the row cosine (mean, min), padding row excluded.
+
+The plan's :attr:`~edo_monitor.plans.Plan.expected_error` (relative squared error of a looked-up
+row): bf16/fp16 :func:`edo_monitor.plans.rounding_expected_error` (``(2 ln 2 / 9) u²``, no rows
+read); int8 :func:`~edo_monitor.actions.expected_error.int8_rowwise_expected_error` and low-rank
+:func:`~edo_monitor.actions.expected_error.lowrank_expected_error`, on at most a bounded sample of
+rows, weighted by the lookup counts when ``ActionContext.lookup_counter`` has them.
 """
 
 from __future__ import annotations
@@ -38,6 +44,11 @@ from torch import nn
 
 from edo_monitor.accounting import tensor_bytes, tensor_bytes_as
 from edo_monitor.actions.base import Action, ActionContext, Plan, Refusal, find_wrapped_parallel
+from edo_monitor.actions.expected_error import (
+    int8_rowwise_expected_error,
+    lowrank_expected_error,
+    table_distribution,
+)
 from edo_monitor.actions.tables import (
     TableCandidate,
     convert_optimizer_state,
@@ -54,6 +65,7 @@ from edo_monitor.nn import (
     LowRankEmbedding,
     row_error,
 )
+from edo_monitor.plans import rounding_expected_error
 from edo_monitor.units import format_bytes
 
 __all__ = ["VARIANTS", "CompressEmbedding"]
@@ -156,8 +168,19 @@ class CompressEmbedding(Action):
             return t.total_bytes - (n * d + n * 4 + pad)
         return t.total_bytes - self._lowrank_bytes(ctx, t)
 
+    def _expected_error(self, ctx: ActionContext, t: TableCandidate, variant: str) -> float:
+        """:attr:`Plan.expected_error` of ``variant`` on ``t`` (see the module docstring)."""
+        if variant in _DTYPES:
+            return rounding_expected_error(variant)
+        dist = table_distribution(ctx.lookup_counter, t.name, int(t.module.num_embeddings))
+        pad = t.module.padding_idx
+        if variant == "int8":
+            return int8_rowwise_expected_error(t.weight, dist, pad)
+        return lowrank_expected_error(t.weight, self._rank(ctx, t), dist, pad)
+
     def plan(self, ctx: ActionContext) -> Plan | Refusal:
-        """Pick the largest table this variant can compress; estimate = bytes saved right after."""
+        """Pick the largest table this variant can compress; estimate = bytes saved right after;
+        ``expected_error`` as the module docstring says (only the chosen table's rows are read)."""
         wrapper = find_wrapped_parallel(ctx.model)
         if wrapper:
             return self.refuse(
@@ -181,12 +204,15 @@ class CompressEmbedding(Action):
             }
             if variant == "lowrank":
                 details["rank"] = self._rank(ctx, t)
+            err = self._expected_error(ctx, t, variant)
             return Plan(
                 self.name,
                 t.name,
                 est,
-                f"{variant} compression of {t.name} saves {format_bytes(est)}",
+                f"{variant} compression of {t.name} saves {format_bytes(est)} "
+                f"(expected error {err:.2g})",
                 details,
+                expected_error=err,
             )
         return self.refuse(tables[0].name, "; ".join(reasons))
 

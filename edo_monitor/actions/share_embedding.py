@@ -24,6 +24,10 @@ and tables the sizes would not make smaller. The recorded error compares the row
 computes with the rows before: :func:`edo_monitor.nn.row_error` over every row, and
 ``lookup_relative_error`` = Σ c_i ‖w_i − w'_i‖² / Σ c_i ‖w_i‖² over the counted lookups (``c_i``
 the counts), which is what the next batches will feel; without counts it is the same over rows.
+The plan's :attr:`~edo_monitor.plans.Plan.expected_error` estimates that same quantity before
+converting, from bounded samples of rows
+(:func:`~edo_monitor.actions.expected_error.share_expected_error`: the cold lookups' share times
+the error of replacing a row by its bucket's mean).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from torch import nn
 
 from edo_monitor.accounting import tensor_bytes
 from edo_monitor.actions.base import Action, ActionContext, Plan, Refusal, find_wrapped_parallel
+from edo_monitor.actions.expected_error import share_expected_error, table_distribution
 from edo_monitor.actions.tables import (
     TableCandidate,
     device_tables,
@@ -123,7 +128,9 @@ class ShareEmbedding(Action):
         return params + grads + state
 
     def plan(self, ctx: ActionContext) -> Plan | Refusal:
-        """Pick the largest table that sharing makes smaller; estimate = bytes saved right after."""
+        """Pick the largest table that sharing makes smaller; estimate = bytes saved right after;
+        ``expected_error`` from :func:`~edo_monitor.actions.expected_error.share_expected_error`
+        (only the chosen table's rows are read, a bounded sample of them)."""
         wrapper = find_wrapped_parallel(ctx.model)
         if wrapper:
             return self.refuse("", f"model is wrapped in {wrapper}; sharing a shard is unsupported")
@@ -139,15 +146,21 @@ class ShareEmbedding(Action):
                 continue
             est = t.total_bytes - self._new_bytes(ctx, t, k, b)
             details: dict[str, Any] = {"hot_ids": k, "buckets": b, "seed": 0}
+            hot = torch.zeros(0, dtype=torch.long)
             if ctx.lookup_counter is not None and t.name in ctx.lookup_counter.tables:
                 freq = ctx.lookup_counter.frequency(t.name, k)
                 details["hot_share_fraction"] = freq.top_share_fraction
+                hot = torch.tensor(freq.top_ids, dtype=torch.long)
+            dist = table_distribution(ctx.lookup_counter, t.name, int(t.module.num_embeddings))
+            err = share_expected_error(t.weight, hot, b, dist, t.module.padding_idx)
             return Plan(
                 self.name,
                 t.name,
                 est,
-                f"sharing {t.name} ({k} hot rows, {b} buckets) saves {format_bytes(est)}",
+                f"sharing {t.name} ({k} hot rows, {b} buckets) saves {format_bytes(est)} "
+                f"(expected error {err:.2g})",
                 details,
+                expected_error=err,
             )
         return self.refuse(tables[0].name, "; ".join(reasons))
 
