@@ -17,6 +17,7 @@ from edo_monitor.actions.expected_error import (
     PLAN_SAMPLE_ROWS,
     LookupDistribution,
     int8_rowwise_expected_error,
+    lowrank_expected_error,
     sample_lookups,
     share_expected_error,
 )
@@ -252,6 +253,12 @@ def test_large_tables_are_sampled_deterministically_and_stay_close() -> None:
     assert est == int8_rowwise_expected_error(weight, uniform, None)
     deq = dequantize_int8_rowwise(*quantize_int8_rowwise(weight))
     assert est == pytest.approx(_relative_error(weight, deq, _uniform(n)), rel=0.05)
+    # low rank on isotropic rows (the worst case for a sampled basis): 20,000 x 32 at rank 16
+    iso = torch.randn(20_000, 32)
+    s = torch.linalg.svdvals(iso.double())
+    truth = float(s[16:].pow(2).sum() / s.pow(2).sum())
+    est = lowrank_expected_error(iso, 16, LookupDistribution.uniform(20_000), None)
+    assert est == pytest.approx(truth, rel=0.03)
     # sharing with counts on ids 0..9999 (zipf), a table of 50,000 rows, 500 buckets
     probs = torch.zeros(n, dtype=torch.float64)
     probs[:10_000] = _zipf(10_000)
