@@ -384,21 +384,25 @@ class Policy:
     def _choose(self, reading: Reading, planner: Planner) -> tuple[Decision | None, list[Refusal]]:
         """The decision for a reading under pressure (lock held), or ``None`` and the refusals.
 
-        Lossless rungs in ladder order, the first that plans and passes :meth:`_filter` wins.
-        Only when they all refuse: every lossy rung is planned and the passing plans ranked by
+        Lossless rungs in ladder order: the first whose plan passes :meth:`_plan`'s filters wins
+        (a lossy rung listed before a lossless one is not planned before it). Only when they are
+        all skipped: every lossy rung is planned and the passing plans ranked by
         :func:`rank_lossy_plans`.
         """
         refusals: list[Refusal] = []
         _, lossy_names = _known_actions()
+        for name in self.ladder:
+            if name in lossy_names:
+                continue
+            plan = self._plan(name, reading, planner, refusals)
+            if plan is not None:
+                return self._decision(reading, plan, plan.reason), refusals
         lossy: list[Plan] = []
         for name in self.ladder:
-            plan = self._plan(name, reading, planner, refusals)
-            if plan is None:
-                continue
             if name in lossy_names:
-                lossy.append(plan)  # ranked once every lossy rung has planned
-                continue
-            return self._decision(reading, plan, plan.reason), refusals
+                plan = self._plan(name, reading, planner, refusals)
+                if plan is not None:
+                    lossy.append(plan)
         if not lossy:
             return None, refusals
         ranked = rank_lossy_plans(lossy)
