@@ -11,9 +11,10 @@ samples of at most :data:`PLAN_SAMPLE_ROWS` rows each, chosen by :func:`sample_l
 distribution has at most that many rows they are all read, each weighted by its probability (the
 estimate is then exact, up to the modelling assumptions each function states); else a draw in
 proportion to the probabilities, with a fixed seed, so the same table and counts give the same
-estimate (the policy stays deterministic). Work and temporaries: the sampled rows in float64, one
-pass over the ``N`` counts, and arrays the size of the ids counted so far; never a pass over the
-``N × D`` table.
+estimate (the policy stays deterministic). Work and temporaries: the sampled rows in float64, a
+few passes over ``(N,)`` host arrays (the counts, 1-byte masks) and arrays the size of the ids
+counted so far; never a pass over the ``N × D`` table. On CUDA the sampled rows are gathered on
+the device, from the thread that plans (the sampler's); unmeasured on a GPU.
 
 * bf16 / fp16: :func:`edo_monitor.plans.rounding_expected_error` (needs no rows).
 * int8 row-wise: :func:`int8_rowwise_expected_error`.
