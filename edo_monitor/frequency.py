@@ -156,9 +156,9 @@ class LookupCounter:
     def _ranked(self, name: str, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, counts) of the ``k`` most looked-up ids seen, by count desc, then id asc."""
         counts = self._counts[name]
-        seen = int((counts > 0).sum())
+        seen = torch.nonzero(counts, as_tuple=True)[0]  # ascending ids: only these are sorted
         # a stable sort of the negated counts orders ties by id (topk would order them arbitrarily)
-        order = torch.sort(-counts, stable=True).indices[: max(0, min(k, seen))]
+        order = seen[torch.sort(-counts[seen], stable=True).indices[: max(0, k)]]
         return order, counts[order]
 
     def frequency(self, name: str, k: int = 10) -> TableFrequency:
