@@ -1,8 +1,9 @@
 """Steady growth of one memory category over many steps: a suspected leak (issue 14, item 2).
 
-Pure arithmetic, fed once per step. A category is suspected when, over the last ``window_steps``
-steps, its bytes never fell and rose in at least ``min_rising_fraction`` of the steps, by at least
-``min_growth_bytes_per_step`` on average. Each category is reported once per run.
+Pure arithmetic, fed once per step (one value per step: :class:`edo_monitor.trend.StepSeries`,
+the window the policy's forecast uses too). A category is suspected when, over the last
+``window_steps`` steps, its bytes never fell and rose in at least ``min_rising_fraction`` of the
+steps, by at least ``min_growth_bytes_per_step`` on average. Each category is reported once per run.
 
 The agent feeds it the saved-for-backward bytes still alive at each step boundary (category
 ``activations``): after ``backward()`` they are normally back to what they were, so growth there
@@ -13,10 +14,10 @@ means tensors kept alive across steps (a list of losses with their graphs, a
 from __future__ import annotations
 
 import itertools
-from collections import deque
 from dataclasses import dataclass
 
 from edo_monitor.errors import ConfigError
+from edo_monitor.trend import StepSeries
 
 __all__ = ["GrowthDetector", "LeakSuspicion"]
 
@@ -66,16 +67,19 @@ class GrowthDetector:
         self.window_steps = window_steps
         self.min_rising_fraction = min_rising_fraction
         self.min_growth_bytes_per_step = min_growth_bytes_per_step
-        self._values: dict[str, deque[tuple[int, int]]] = {}
+        self._values: dict[str, StepSeries] = {}
         self._reported: set[str] = set()
 
     def add(self, step: int, category: str, nbytes: int) -> LeakSuspicion | None:
         """Record ``category``'s bytes at ``step``; returns a suspicion the first time the last
         ``window_steps`` steps show steady growth, else ``None``."""
-        values = self._values.setdefault(category, deque(maxlen=self.window_steps + 1))
-        values.append((step, int(nbytes)))
-        if category in self._reported or len(values) <= self.window_steps:
+        series = self._values.get(category)
+        if series is None:
+            series = self._values[category] = StepSeries(self.window_steps)
+        series.add(step, int(nbytes))
+        if category in self._reported or len(series) <= self.window_steps:
             return None
+        values = series.points()
         diffs = [b - a for (_, a), (_, b) in itertools.pairwise(values)]
         if min(diffs) < 0:
             return None
@@ -85,4 +89,4 @@ class GrowthDetector:
         if rising < self.min_rising_fraction or growth < self.min_growth_bytes_per_step:
             return None
         self._reported.add(category)
-        return LeakSuspicion(category, growth, first_step, last_step, last)
+        return LeakSuspicion(category, growth, first_step, last_step, int(last))
