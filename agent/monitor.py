@@ -60,7 +60,14 @@ from edo_monitor.metrics import (
     start_for_monitor,
 )
 from edo_monitor.nn.cached import CachedTable
-from edo_monitor.policy import Decision, Policy, ThresholdCrossing, make_planner
+from edo_monitor.policy import (
+    Decision,
+    Forecast,
+    ForecastOutcome,
+    Policy,
+    ThresholdCrossing,
+    make_planner,
+)
 from edo_monitor.probes.host import HostProbe
 from edo_monitor.readings import Reading
 from edo_monitor.store.engine import check_writable, open_engine, resolve_db_url
@@ -539,7 +546,11 @@ class Monitor:
             self._tracker.__exit__(None, None, None)
         if self.status == "running":
             try:
-                self._sample_once()  # the last reading, after the last step
+                last = self._sample_once()  # the last reading, after the last step
+                if self.policy is not None:  # a forecast the run ended too soon to judge
+                    outcome = self.policy.end_forecast(last.step, last.time_s)
+                    if outcome is not None:
+                        self._emit_forecast_outcome(outcome)
             except Exception:
                 logger.debug("final sample failed", exc_info=True)
         if isinstance(exc, KeyboardInterrupt):
@@ -849,33 +860,90 @@ class Monitor:
                 self._pressure_queue.append(event)
             elif isinstance(event, Decision):
                 err = event.expected_error
+                data = {
+                    "action": event.action,
+                    "target": event.target,
+                    "estimated_saving_bytes": event.estimated_saving_bytes,
+                    "expected_error": err,
+                    "reason": event.reason,
+                    "mode": event.mode,
+                    "free_fraction": event.free_fraction,
+                }
+                if event.forecast is not None:
+                    data["forecast"] = event.forecast.index
+                if event.planning_in_use_bytes is not None:
+                    data["planning_in_use_bytes"] = event.planning_in_use_bytes
                 self._emit(
                     "decision",
                     f"{'advise' if event.advisory else 'decide'}: {event.action} on "
                     f"{event.target or '-'} (est. {format_bytes(event.estimated_saving_bytes)}"
-                    + (f", expected error {err:.2g})" if err is not None else ")"),
-                    {
-                        "action": event.action,
-                        "target": event.target,
-                        "estimated_saving_bytes": event.estimated_saving_bytes,
-                        "expected_error": err,
-                        "reason": event.reason,
-                        "mode": event.mode,
-                        "free_fraction": event.free_fraction,
-                    },
+                    + (f", expected error {err:.2g})" if err is not None else ")")
+                    + (" ahead of a forecast crossing" if event.forecast is not None else ""),
+                    data,
                 )
+            elif isinstance(event, Forecast):
+                self._emit_forecast(event)
+            elif isinstance(event, ForecastOutcome):
+                self._emit_forecast_outcome(event)
             else:
                 self._emit(
                     "no_action",
-                    "under pressure, but no action on the ladder applies",
+                    ("a crossing is forecast" if event.forecast else "under pressure")
+                    + ", but no action on the ladder applies",
                     {
                         "free_fraction": event.free_fraction,
                         "refusals": [
                             {"action": r.action, "target": r.target, "reason": r.reason}
                             for r in event.refusals
                         ],
+                        **({"forecast": True} if event.forecast else {}),
                     },
                 )
+
+    def _emit_forecast(self, forecast: Forecast) -> None:
+        """A ``forecast`` event: the prediction, as :meth:`Forecast.as_dict` gives it."""
+        driver = next(iter(forecast.category_slopes), None)
+        self._emit(
+            "forecast",
+            f"free {forecast.free_fraction:.1%} now, predicted below the "
+            f"{forecast.floor_fraction:.0%} floor in {forecast.steps_ahead} steps (step "
+            f"{forecast.predicted_step}) at +{format_bytes(round(forecast.slope_bytes_per_step))}"
+            "/step"
+            + (
+                f", mostly {driver[0].removesuffix('_bytes')}"
+                if driver is not None and driver[1] > 0
+                else ""
+            ),
+            {**forecast.as_dict(), "forecast": forecast.index},
+        )
+
+    def _emit_forecast_outcome(self, outcome: ForecastOutcome) -> None:
+        """A ``forecast_outcome`` event: whether forecast ``forecast`` (its index) came true."""
+        fc = outcome.forecast
+        if outcome.came_true:
+            verdict = (
+                f"came true: free below the floor at step {outcome.crossing_step}"
+                + (" without the actions taken since" if outcome.saved_bytes else "")
+                + f", {outcome.lead_steps} steps after the warning"
+            )
+        elif outcome.came_true is None:
+            verdict = f"not judged: the run ended at step {outcome.step}"
+        else:
+            verdict = f"did not come true: free stayed above the floor to step {outcome.step}"
+        self._emit(
+            "forecast_outcome",
+            f"forecast {fc.index} (step {fc.step}, predicted step {fc.predicted_step}) {verdict}",
+            {
+                "forecast": fc.index,
+                "forecast_step": fc.step,
+                "predicted_step": fc.predicted_step,
+                "came_true": outcome.came_true,
+                "crossing_step": outcome.crossing_step,
+                "lead_steps": outcome.lead_steps,
+                "judged_at_step": outcome.step,
+                "saved_bytes": outcome.saved_bytes,
+            },
+        )
 
     def _deliver_pressure_hooks(self) -> None:
         while self._pressure_queue:
@@ -890,10 +958,11 @@ class Monitor:
         decision = self.policy.pending
         if decision is None or decision.advisory:
             return
+        ctx = self._action_context(self.latest)
+        if decision.planning_in_use_bytes is not None:  # sized for the in-use forecast ahead
+            ctx.in_use_bytes = max(ctx.in_use_bytes or 0, decision.planning_in_use_bytes)
         try:
-            result = ACTIONS[decision.action].apply(
-                self._action_context(self.latest), decision.plan
-            )
+            result = ACTIONS[decision.action].apply(ctx, decision.plan)
         except Exception as exc:  # Action.apply raised (e.g. its plan() at apply time): failed
             logger.warning("action %s raised at apply time: %r", decision.action, exc)
             result = ActionResult(

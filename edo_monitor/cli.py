@@ -1205,7 +1205,8 @@ def replay_cmd(
         typer.Option(
             help="Policy settings KEY=VALUE,... (min_free_fraction, rearm_free_fraction, "
             "cooldown_steps, mode, allow_lossy, ladder=a+b, release_cache_min_bytes, "
-            "grow_margin_fraction, grow_after_readings); default: the default policy."
+            "grow_margin_fraction, grow_after_readings, forecast_steps, "
+            "forecast_window_steps); default: the default policy."
         ),
     ] = "",
     as_json: JsonOpt = False,
@@ -1251,6 +1252,17 @@ def replay_cmd(
         if not rows:
             table.add_row(label, "-", "(no decision)", "", "", "", "")
     _c.out.print(table)
+    for f in result.forecasts:
+        verdict = {
+            True: f"came true at step {f.crossing_step}",
+            False: "did not come true",
+            None: "not judged (the run ended first)",
+        }[f.came_true]
+        _c.out.print(
+            f"replay: forecast at step {f.step} (free {_pct(f.free_fraction)}, "
+            f"+{_bytes(round(f.slope_bytes_per_step))}/step): below the floor at step "
+            f"{f.predicted_step}; {verdict}"
+        )
     for step, refused in result.refusals:
         _c.out.print(f"replay: step {step}: no action applies")
         for action, reason in refused:

@@ -36,7 +36,10 @@ not in the trace) and ``share_embedding`` (needs the ids' frequencies per row). 
 carry the expected error the live action would estimate where the trace allows it: bf16 / fp16
 :func:`edo_monitor.plans.rounding_expected_error` (it needs no row values); int8 and low-rank
 ``None`` (they need the rows, which the trace does not hold), so the replayed policy ranks them
-after a bf16 / fp16 plan (:func:`edo_monitor.policy.rank_lossy_plans`).
+after a bf16 / fp16 plan (:func:`edo_monitor.policy.rank_lossy_plans`). With ``forecast_steps``
+the replayed policy forecasts from the modelled in-use as it would live (its forecast decisions
+sized for the in-use predicted ahead, through :meth:`_Model.at_in_use`); each forecast and its
+outcome is in :attr:`ReplayResult.forecasts`.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ __all__ = [
     "Incident",
     "Remedy",
     "ReplayDecision",
+    "ReplayForecast",
     "ReplayResult",
     "explain",
     "parse_policy",
@@ -545,6 +549,8 @@ _POLICY_KEYS = {
     "release_cache_min_bytes": str,
     "grow_margin_fraction": float,
     "grow_after_readings": int,
+    "forecast_steps": int,
+    "forecast_window_steps": int,
 }
 
 
@@ -613,6 +619,28 @@ class ReplayDecision:
 
 
 @dataclass(frozen=True)
+class ReplayForecast:
+    """A forecast of the replayed policy (``forecast_steps``) and its outcome.
+
+    Attributes:
+        step: the reading it was made on; ``predicted_step``: the crossing it predicted.
+        free_fraction: modelled free fraction at ``step``.
+        slope_bytes_per_step: the in-use trend (savings added back).
+        came_true: ``True``/``False`` as :class:`edo_monitor.policy.ForecastOutcome` judges it;
+            ``None`` when the trace ended first.
+        crossing_step: the step free memory (without the replayed actions taken since) was first
+            below the floor, when it came true.
+    """
+
+    step: int
+    predicted_step: int
+    free_fraction: float
+    slope_bytes_per_step: float
+    came_true: bool | None
+    crossing_step: int | None
+
+
+@dataclass(frozen=True)
 class ReplayResult:
     """:func:`replay`'s answer: the replayed decisions beside the recorded ones.
 
@@ -630,6 +658,7 @@ class ReplayResult:
         oom_steps: steps of the live run's OOM events; ``oom_avoided``: for each, whether the
             modelled savings in force by then cover its shortfall.
         duration_s: wall time of the replay loop (reading the samples included).
+        forecasts: the replayed policy's forecasts with their outcomes (``forecast_steps`` set).
     """
 
     run_id: int
@@ -645,6 +674,7 @@ class ReplayResult:
     oom_steps: tuple[int, ...]
     oom_avoided: tuple[bool, ...]
     duration_s: float
+    forecasts: tuple[ReplayForecast, ...] = ()
 
     @property
     def samples_per_s(self) -> float | None:
@@ -802,6 +832,11 @@ class _Model:
             {"model": "checkpoint", "blocks": [m for m, _ in chosen]},
         )
 
+    def at_in_use(self, in_use_bytes: int) -> _Model:
+        """The planner for another in-use (a forecast decision's); the state is shared, so a
+        plan it makes is committed on this model."""
+        return dataclasses.replace(self, in_use_bytes=in_use_bytes)
+
     def commit(self, plan: Plan) -> None:
         """Change the modelled state as the applied action would."""
         kind = plan.details.get("model")
@@ -841,7 +876,14 @@ def replay(db: Any, run: Any, policy: Any = None) -> ReplayResult:
     Raises:
         RunNotFoundError: no such run. StoreError: no usable database. ConfigError: a bad policy.
     """
-    from edo_monitor.policy import Decision, NoActionAvailable, Policy, ThresholdCrossing
+    from edo_monitor.policy import (
+        Decision,
+        Forecast,
+        ForecastOutcome,
+        NoActionAvailable,
+        Policy,
+        ThresholdCrossing,
+    )
     from edo_monitor.readings import Reading
 
     if policy is None:
@@ -880,6 +922,9 @@ def replay(db: Any, run: Any, policy: Any = None) -> ReplayResult:
             oom_need.append((e.time_s, max(0, int(req or 0) - int(free or 0))))
 
         decisions: list[ReplayDecision] = []
+        forecasts: list[ReplayForecast] = []
+        open_forecast: dict[int, int] = {}  # forecast index -> its position in forecasts
+        last_step, last_time = 0, 0.0
         refusals: list[tuple[int, tuple[tuple[str, str], ...]]] = []
         crossings: list[tuple[int, str, float]] = []
         pending: list[tuple[int, int]] = []  # (decision step, saving): in force at a later step
@@ -934,8 +979,23 @@ def replay(db: Any, run: Any, policy: Any = None) -> ReplayResult:
                         in_use_bytes=now,
                         free_fraction=free,
                     )
+                    last_step, last_time = step, time_s
                     for ev in evaluate(reading, model):
-                        if isinstance(ev, ThresholdCrossing):
+                        if isinstance(ev, Forecast):
+                            open_forecast[ev.index] = len(forecasts)
+                            forecasts.append(
+                                ReplayForecast(
+                                    ev.step,
+                                    ev.predicted_step,
+                                    ev.free_fraction,
+                                    ev.slope_bytes_per_step,
+                                    None,
+                                    None,
+                                )
+                            )
+                        elif isinstance(ev, ForecastOutcome):
+                            _judge(forecasts, open_forecast, ev)
+                        elif isinstance(ev, ThresholdCrossing):
                             crossings.append((ev.step, ev.kind, ev.free_fraction))
                         elif isinstance(ev, NoActionAvailable):
                             refusals.append(
@@ -962,6 +1022,9 @@ def replay(db: Any, run: Any, policy: Any = None) -> ReplayResult:
         while oi < len(oom_need):
             saved_at_oom.append(applied)
             oi += 1
+        ended = policy.end_forecast(last_step, last_time)
+        if ended is not None:
+            _judge(forecasts, open_forecast, ended)
         duration = time.perf_counter() - t0
         return ReplayResult(
             info.id,
@@ -977,10 +1040,20 @@ def replay(db: Any, run: Any, policy: Any = None) -> ReplayResult:
             tuple(e.step for e in ooms),
             tuple(s >= need for s, (_, need) in zip(saved_at_oom, oom_need, strict=True)),
             duration,
+            tuple(forecasts),
         )
     finally:
         if owned:
             history.close()
+
+
+def _judge(forecasts: list[ReplayForecast], open_: dict[int, int], outcome: Any) -> None:
+    """Write a :class:`~edo_monitor.policy.ForecastOutcome` into its forecast's row."""
+    i = open_.pop(outcome.forecast.index, None)
+    if i is not None:
+        forecasts[i] = dataclasses.replace(
+            forecasts[i], came_true=outcome.came_true, crossing_step=outcome.crossing_step
+        )
 
 
 def _recorded(events: Sequence[Any]) -> list[ReplayDecision]:

@@ -24,14 +24,36 @@ Growing back: in ``"auto"`` mode, when not under pressure and ``free_fraction`` 
 above ``rearm_free_fraction + grow_margin_fraction`` for ``grow_after_readings`` readings in a row,
 the policy decides ``grow_cache`` (a row cache takes rows back, up to the whole table) if it plans.
 
+Forecasting (``forecast_steps=N``; off by default): each reading's in-use bytes, with the savings
+of the actions applied so far added back (the workload's own growth, not the policy's
+interventions), feed a :class:`~edo_monitor.trend.StepSeries` (one value per step, the step's
+highest; from step 1 on: step 0 has no gradients or optimizer state yet) over the last
+``forecast_window_steps`` steps. When the least-squares line through it is
+steady growth (:meth:`~edo_monitor.trend.Trend.is_growth`: at least :data:`FORECAST_MIN_STEPS`
+steps, slope t statistic >= :data:`FORECAST_MIN_T`, a better fit than any single level shift) and
+predicts free memory below ``min_free_fraction`` within ``N`` steps (and no farther ahead than the
+steps it was fitted over), the policy, not under
+pressure, emits a :class:`Forecast` (one open at a time) and decides as under pressure (same
+ladder, filters, single pending decision and cooldown) with plans sized for the in-use predicted
+``N`` steps ahead (a planner with an ``at_in_use(bytes)`` method is asked for such plans; see
+:func:`make_planner`). While a forecast is open it does not grow a row cache back, and while the
+trend is growth, growing back is judged (and sized) on the in-use predicted ``N`` steps ahead. The
+open forecast is judged by a :class:`ForecastOutcome`: true as soon as free memory **without the
+actions applied since the forecast** is below the floor (a real crossing included), false once a
+reading's step is past the predicted step + :data:`FORECAST_GRACE_STEPS` without that (the series
+then starts afresh, so the same misleading window cannot forecast again at once);
+:meth:`Policy.end_forecast` closes one still open when the run ends (``came_true=None``).
+
 Modes: ``"auto"`` decides and expects the agent to apply; ``"advise"`` emits decisions marked
-advisory (each ``(action, target)`` once per pressure episode) that are recorded, not applied;
-``"observe"`` emits crossings only.
+advisory (each ``(action, target)`` once per pressure episode or forecast) that are recorded, not
+applied; ``"observe"`` emits crossings (and forecasts) only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -48,6 +70,7 @@ from edo_monitor.plans import (
     Refusal,
 )
 from edo_monitor.readings import Reading
+from edo_monitor.trend import StepSeries, Trend, fit_trend
 from edo_monitor.units import format_bytes, parse_bytes
 
 if TYPE_CHECKING:  # the policy itself needs no torch (edo_monitor.hindsight replays offline)
@@ -55,9 +78,14 @@ if TYPE_CHECKING:  # the policy itself needs no torch (edo_monitor.hindsight rep
 
 __all__ = [
     "EXPECTED_ERROR_FLOOR",
+    "FORECAST_GRACE_STEPS",
+    "FORECAST_MIN_STEPS",
+    "FORECAST_MIN_T",
     "INEFFECTIVE_BELOW_FRACTION",
     "MODES",
     "Decision",
+    "Forecast",
+    "ForecastOutcome",
     "NoActionAvailable",
     "Policy",
     "PolicyEvent",
@@ -73,6 +101,15 @@ logger = logging.getLogger(__name__)
 MODES: tuple[str, ...] = ("auto", "advise", "observe")
 
 Planner = Callable[[str], Plan | Refusal] | Mapping[str, Plan | Refusal]
+
+#: Steps with readings the forecast's window must hold before any forecast.
+FORECAST_MIN_STEPS = 8
+#: Least t statistic (slope / its standard error) of the in-use trend for a forecast.
+FORECAST_MIN_T = 4.0
+#: A forecast is judged false once a reading's step is past its predicted step + this many.
+FORECAST_GRACE_STEPS = 2
+#: Reading fields whose per-step trends a forecast reports (bytes per step), besides the total.
+FORECAST_CATEGORIES = ("params_bytes", "grads_bytes", "optimizer_state_bytes", "activations_bytes")
 
 
 @dataclass(frozen=True)
@@ -95,8 +132,12 @@ class Decision:
     """The action the policy chose. ``mode`` ``"advise"`` means record only, do not apply.
 
     ``plan`` is what :meth:`edo_monitor.actions.Action.apply` takes. ``reason`` says why: the
-    pressure, the plan's reason, and for a lossy decision how it ranked against the other lossy
-    plans.
+    pressure (or the forecast), the plan's reason, and for a lossy decision how it ranked against
+    the other lossy plans. ``forecast``: the open :class:`Forecast` a forecast decision acts on
+    (``None`` for one taken under pressure or to grow back). ``planning_in_use_bytes``: the in-use
+    bytes the plan was sized for when that is not the reading's (the in-use predicted
+    ``forecast_steps`` ahead); the agent sizes the action for the larger of it and the latest
+    reading's when it applies it.
     """
 
     action: str
@@ -108,6 +149,8 @@ class Decision:
     free_fraction: float
     mode: Literal["auto", "advise"]
     plan: Plan = field(compare=False, repr=False)
+    forecast: Forecast | None = field(default=None, compare=False, repr=False)
+    planning_in_use_bytes: int | None = field(default=None, compare=False)
 
     @property
     def advisory(self) -> bool:
@@ -122,15 +165,103 @@ class Decision:
 
 @dataclass(frozen=True)
 class NoActionAvailable:
-    """Under pressure but nothing on the ladder applies; once per pressure episode."""
+    """Under pressure (or, with ``forecast=True``, a crossing forecast) but nothing on the ladder
+    applies; once per pressure episode (or forecast)."""
 
     step: int
     time_s: float
     free_fraction: float
     refusals: tuple[Refusal, ...]
+    forecast: bool = False
 
 
-PolicyEvent = ThresholdCrossing | Decision | NoActionAvailable
+@dataclass(frozen=True)
+class Forecast:
+    """Free memory is predicted below the floor within ``forecast_steps`` steps.
+
+    Attributes:
+        index: 1 for the policy's first forecast, 2 for the next...; its :class:`ForecastOutcome`
+            carries the same forecast.
+        step, time_s, free_fraction, in_use_bytes, budget_bytes: the reading it was made on.
+        predicted_step: the first step at which the trend puts free memory below
+            ``floor_fraction`` (``steps_ahead`` = ``predicted_step - step``, 1 at least).
+        slope_bytes_per_step: the least-squares slope of the per-step highest in-use bytes
+            (savings of applied actions added back) over the window.
+        horizon_in_use_bytes: in-use bytes predicted ``forecast_steps`` ahead, net of the savings
+            in force (decisions are sized for it; never below ``in_use_bytes``).
+        window_first_step, window_points: the window's first step and how many steps it holds.
+        category_slopes: ``(field, bytes per step)`` of each category with a trend over the same
+            window (``params_bytes``, ``grads_bytes``, ``optimizer_state_bytes``,
+            ``activations_bytes``, as recorded: an action's drop shows as a fall), largest first.
+    """
+
+    index: int
+    step: int
+    time_s: float
+    free_fraction: float
+    predicted_step: int
+    slope_bytes_per_step: float
+    in_use_bytes: int
+    budget_bytes: int
+    floor_fraction: float
+    horizon_in_use_bytes: int
+    window_first_step: int
+    window_points: int
+    category_slopes: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def steps_ahead(self) -> int:
+        """Steps from the reading to the predicted crossing."""
+        return self.predicted_step - self.step
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready values (``category_slopes`` as a mapping, ``steps_ahead`` included)."""
+        d = dataclasses.asdict(self)
+        d["category_slopes"] = dict(self.category_slopes)
+        d["steps_ahead"] = self.steps_ahead
+        return d
+
+
+@dataclass(frozen=True)
+class ForecastOutcome:
+    """Whether a :class:`Forecast` came true.
+
+    Attributes:
+        forecast: the forecast judged.
+        came_true: ``True`` when free memory, without the actions applied since the forecast
+            (``saved_bytes`` added back), went below the floor by the predicted step +
+            :data:`FORECAST_GRACE_STEPS` (an earlier crossing counts); ``False`` when a reading
+            past that step found it had not; ``None`` when the run ended first
+            (:meth:`Policy.end_forecast`).
+        step, time_s: the reading it was judged on.
+        crossing_step: the step of the first reading with that free memory below the floor
+            (``None`` unless it came true).
+        saved_bytes: savings of the actions in force since the forecast (what was added back).
+    """
+
+    forecast: Forecast
+    came_true: bool | None
+    step: int
+    time_s: float
+    crossing_step: int | None
+    saved_bytes: int
+
+    @property
+    def lead_steps(self) -> int | None:
+        """Steps of warning: ``crossing_step - forecast.step`` (``None`` unless it came true)."""
+        return None if self.crossing_step is None else self.crossing_step - self.forecast.step
+
+
+PolicyEvent = ThresholdCrossing | Decision | NoActionAvailable | Forecast | ForecastOutcome
+
+
+@dataclass
+class _Prediction:
+    """The forecast's view of one reading (lock held)."""
+
+    trend: Trend
+    predicted_step: int | None
+    horizon_in_use_bytes: int
 
 
 def _fraction(name: str, value: Any) -> float:
@@ -161,6 +292,11 @@ class Policy:
         grow_margin_fraction: free fraction above the re-arm level a row cache leaves when it
             grows back (in [0, 1)).
         grow_after_readings: consecutive readings above ``rearm + margin`` before it grows (>= 1).
+        forecast_steps: act when the in-use trend predicts free memory below the floor within
+            this many optimizer steps (int >= 1; see the module docstring); ``None`` (default):
+            no forecasting, the policy acts only under pressure.
+        forecast_window_steps: how many recent steps the trend is fitted over (int >=
+            :data:`FORECAST_MIN_STEPS`; default 20).
 
     Raises:
         ConfigError: (a ``ValueError``) for any value out of its allowed set; the message names
@@ -180,6 +316,8 @@ class Policy:
         release_cache_min_bytes: int | str = 64 * 1024 * 1024,
         grow_margin_fraction: float = 0.05,
         grow_after_readings: int = 3,
+        forecast_steps: int | None = None,
+        forecast_window_steps: int = 20,
     ) -> None:
         self.min_free_fraction = _fraction("min_free_fraction", min_free_fraction)
         self.rearm_free_fraction = _fraction("rearm_free_fraction", rearm_free_fraction)
@@ -231,6 +369,37 @@ class Policy:
                 f"grow_after_readings={grow_after_readings!r} is not allowed; expected an int >= 1"
             )
         self.grow_after_readings = grow_after_readings
+        if forecast_steps is not None and (
+            isinstance(forecast_steps, bool)
+            or not isinstance(forecast_steps, int)
+            or forecast_steps < 1
+        ):
+            raise ConfigError(
+                f"forecast_steps={forecast_steps!r} is not allowed; expected an int >= 1 or None"
+            )
+        self.forecast_steps = forecast_steps
+        if (
+            isinstance(forecast_window_steps, bool)
+            or not isinstance(forecast_window_steps, int)
+            or forecast_window_steps < FORECAST_MIN_STEPS
+        ):
+            raise ConfigError(
+                f"forecast_window_steps={forecast_window_steps!r} is not allowed; expected an int "
+                f">= {FORECAST_MIN_STEPS}"
+            )
+        self.forecast_window_steps = forecast_window_steps
+        # forecasting state (used only with forecast_steps): the in-use series with savings added
+        # back, per-category series, savings of applied decisions not yet / already in force
+        self._series = StepSeries(forecast_window_steps)
+        self._category_series = {c: StepSeries(forecast_window_steps) for c in FORECAST_CATEGORIES}
+        self._trend: Trend | None = None
+        self._trend_version = -1
+        self._saved_pending: list[tuple[int, int]] = []  # (decision step, saving), in force later
+        self._saved_in_force = 0
+        self._forecast: Forecast | None = None  # the open forecast
+        self._forecast_saved_from = 0  # _saved_in_force when it opened
+        self._forecast_none_reported = False
+        self._forecasts = 0
         self._calm_readings = 0
         self._lock = threading.Lock()
         self.under_pressure = False
@@ -263,11 +432,18 @@ class Policy:
         return tuple(ladder)
 
     def __repr__(self) -> str:
+        forecast = (
+            ""
+            if self.forecast_steps is None
+            else f", forecast_steps={self.forecast_steps}, "
+            f"forecast_window_steps={self.forecast_window_steps}"
+        )
         return (
             f"Policy(min_free_fraction={self.min_free_fraction}, "
             f"rearm_free_fraction={self.rearm_free_fraction}, "
             f"cooldown_steps={self.cooldown_steps}, "
-            f"mode={self.mode!r}, allow_lossy={self.allow_lossy}, ladder={list(self.ladder)})"
+            f"mode={self.mode!r}, allow_lossy={self.allow_lossy}, ladder={list(self.ladder)}"
+            f"{forecast})"
         )
 
     def evaluate(self, reading: Reading, planner: Planner | None = None) -> list[PolicyEvent]:
@@ -282,8 +458,10 @@ class Policy:
                 every lossy rung. ``None`` = no decisions.
 
         Returns:
-            A list of :class:`ThresholdCrossing`, :class:`Decision` and
-            :class:`NoActionAvailable` events, in order.
+            A list of :class:`ThresholdCrossing`, :class:`ForecastOutcome`, :class:`Forecast`,
+            :class:`Decision` and :class:`NoActionAvailable` events, in that order (the forecast
+            kinds only with ``forecast_steps``; they also use ``in_use_bytes``,
+            ``budget_bytes`` and the category fields).
         """
         free = reading.free_fraction
         if free is None:
@@ -307,8 +485,18 @@ class Policy:
                         "above_rearm", reading.step, reading.time_s, free, self.rearm_free_fraction
                     )
                 )
+            prediction = None
+            if self.forecast_steps is not None:
+                prediction = self._observe_trend(reading, events)
             if not self.under_pressure:
-                grow = self._maybe_grow(reading, planner)
+                if prediction is not None and self._crossing_soon(reading, prediction):
+                    self._calm_readings = 0
+                    events.extend(self._act_on_forecast(reading, planner, prediction))
+                    return events
+                if self._forecast is not None:  # never grow back into a forecast crossing
+                    self._calm_readings = 0
+                    return events
+                grow = self._maybe_grow(reading, planner, prediction)
                 if grow is not None:
                     events.append(grow)
                 return events
@@ -338,9 +526,180 @@ class Policy:
                 )
         return events
 
-    def _maybe_grow(self, reading: Reading, planner: Planner | None) -> Decision | None:
-        """A ``grow_cache`` decision after enough calm readings (auto mode, lock held)."""
+    # ------------------------------------------------------------------ forecasting
+    def _observe_trend(self, reading: Reading, events: list[PolicyEvent]) -> _Prediction | None:
+        """Feed the reading to the series, judge the open forecast (its outcome appended to
+        ``events``) and predict; ``None`` when the trend is not steady growth (lock held)."""
+        in_use, budget = reading.in_use_bytes, reading.budget_bytes
+        step = reading.step
+        # step 0 is before the first optimizer step: no gradients or optimizer state yet, a level
+        # of its own that would only hide the trend
+        if in_use is None or not budget or step < 1:
+            return None
+        pending = self._saved_pending
+        while pending and pending[0][0] < step:  # applied at the boundary after its step
+            self._saved_in_force += pending.pop(0)[1]
+        self._series.add(step, in_use + self._saved_in_force)
+        for name, series in self._category_series.items():
+            value = getattr(reading, name)
+            if value is not None:
+                series.add(step, value)
+        if self._forecast is not None:
+            saved = self._saved_in_force - self._forecast_saved_from
+            if (budget - in_use - saved) / budget < self.min_free_fraction:
+                events.append(self._close_forecast(True, reading, saved))
+            elif step > self._forecast.predicted_step + FORECAST_GRACE_STEPS:
+                events.append(self._close_forecast(False, reading, saved))
+                # the window that misled it would forecast again at once: start afresh
+                self._series.clear()
+        if self._trend_version != self._series.version:
+            self._trend_version = self._series.version
+            self._trend = fit_trend(self._series.points())
+        trend = self._trend
+        if trend is None or not trend.is_growth(
+            min_points=FORECAST_MIN_STEPS, min_t=FORECAST_MIN_T
+        ):
+            return None
+        # the series holds in-use + savings in force: so does the floor it is compared with
+        floor_bytes = (1 - self.min_free_fraction) * budget + self._saved_in_force
+        horizon = trend.at(step + (self.forecast_steps or 0)) - self._saved_in_force
+        return _Prediction(
+            trend, trend.first_step_above(floor_bytes, step), max(in_use, math.ceil(horizon))
+        )
+
+    def _crossing_soon(self, reading: Reading, prediction: _Prediction) -> bool:
+        """The predicted crossing is within ``forecast_steps``, and no farther ahead than the
+        steps the trend was fitted over (a line is not extrapolated beyond what it saw)."""
+        predicted = prediction.predicted_step
+        if predicted is None:
+            return False
+        ahead = predicted - reading.step
+        trend = prediction.trend
+        return ahead <= min(self.forecast_steps or 0, trend.last_step - trend.first_step)
+
+    def _close_forecast(
+        self, came_true: bool, reading: Reading, saved_bytes: int
+    ) -> ForecastOutcome:
+        assert self._forecast is not None
+        forecast, self._forecast = self._forecast, None
+        return ForecastOutcome(
+            forecast,
+            came_true,
+            reading.step,
+            reading.time_s,
+            reading.step if came_true else None,
+            saved_bytes,
+        )
+
+    def _act_on_forecast(
+        self, reading: Reading, planner: Planner | None, prediction: _Prediction
+    ) -> list[PolicyEvent]:
+        """The forecast (when none is open) and at most one decision for it (lock held)."""
+        events: list[PolicyEvent] = []
         free = float(reading.free_fraction or 0.0)
+        predicted = prediction.predicted_step
+        assert predicted is not None
+        forecast = self._forecast
+        if forecast is None:
+            self._forecasts += 1
+            forecast = Forecast(
+                index=self._forecasts,
+                step=reading.step,
+                time_s=reading.time_s,
+                free_fraction=free,
+                predicted_step=predicted,
+                slope_bytes_per_step=prediction.trend.slope_per_step,
+                in_use_bytes=int(reading.in_use_bytes or 0),
+                budget_bytes=int(reading.budget_bytes or 0),
+                floor_fraction=self.min_free_fraction,
+                horizon_in_use_bytes=prediction.horizon_in_use_bytes,
+                window_first_step=prediction.trend.first_step,
+                window_points=prediction.trend.points,
+                category_slopes=self._category_slopes(),
+            )
+            self._forecast = forecast
+            self._forecast_saved_from = self._saved_in_force
+            self._forecast_none_reported = False
+            self._advised.clear()  # a forecast is an episode of its own for these filters
+            self._ineffective.clear()
+            events.append(forecast)
+        if self.mode == "observe" or planner is None or self.pending is not None:
+            return events
+        if (
+            self.mode == "auto"
+            and self.last_decision_step is not None
+            and reading.step - self.last_decision_step < self.cooldown_steps
+        ):
+            return events
+        decision, refusals = self._choose(
+            reading, _at_in_use(planner, prediction.horizon_in_use_bytes)
+        )
+        if decision is None:
+            if not self._forecast_none_reported:
+                self._forecast_none_reported = True
+                events.append(
+                    NoActionAvailable(
+                        reading.step, reading.time_s, free, tuple(refusals), forecast=True
+                    )
+                )
+            return events
+        decision = dataclasses.replace(
+            decision,
+            reason=(
+                f"free {free:.1%} now, predicted below the {self.min_free_fraction:.0%} floor in "
+                f"{predicted - reading.step} steps (step {predicted}) at "
+                f"+{format_bytes(round(prediction.trend.slope_per_step))}/step: "
+                # what _decision wrote after its "free x below floor y: " (a lossy plan's
+                # ranking included)
+                f"{decision.reason.partition(': ')[2] or decision.plan.reason}"
+            ),
+            forecast=forecast,
+            planning_in_use_bytes=prediction.horizon_in_use_bytes,
+        )
+        events.append(decision)
+        if self.mode == "auto":
+            self.pending = decision
+            self.last_decision_step = reading.step
+        else:
+            self._advised.add((decision.action, decision.target))
+        return events
+
+    def _category_slopes(self) -> tuple[tuple[str, float], ...]:
+        slopes = []
+        for name, series in self._category_series.items():
+            trend = fit_trend(series.points())
+            if trend is not None:
+                slopes.append((name, trend.slope_per_step))
+        return tuple(sorted(slopes, key=lambda ns: -ns[1]))
+
+    def end_forecast(self, step: int, time_s: float) -> ForecastOutcome | None:
+        """Close the open forecast, if any, when the run ends before it could be judged.
+
+        Returns:
+            A :class:`ForecastOutcome` with ``came_true=None`` (the agent records it as a
+            ``forecast_outcome`` event), or ``None`` when no forecast is open.
+        """
+        with self._lock:
+            if self._forecast is None:
+                return None
+            forecast, self._forecast = self._forecast, None
+            saved = self._saved_in_force - self._forecast_saved_from
+        return ForecastOutcome(forecast, None, step, time_s, None, saved)
+
+    # ------------------------------------------------------------------ growing back
+    def _maybe_grow(
+        self, reading: Reading, planner: Planner | None, prediction: _Prediction | None = None
+    ) -> Decision | None:
+        """A ``grow_cache`` decision after enough calm readings (auto mode, lock held).
+
+        With a growth ``prediction`` (forecasting), the calm test and the plan use the in-use
+        predicted ``forecast_steps`` ahead, so a cache shrunk ahead of a crossing is not grown
+        back into it."""
+        free = now = float(reading.free_fraction or 0.0)
+        planning = None
+        if prediction is not None and reading.budget_bytes:
+            planning = prediction.horizon_in_use_bytes
+            free = min(free, (reading.budget_bytes - planning) / reading.budget_bytes)
         if free < self.rearm_free_fraction + self.grow_margin_fraction:
             self._calm_readings = 0
             return None
@@ -357,6 +716,8 @@ class Policy:
         ):
             return None
         self._calm_readings = 0
+        if planning is not None:
+            planner = _at_in_use(planner, planning)
         if isinstance(planner, Mapping):
             plan = planner.get("grow_cache", Refusal("grow_cache", "", "not planned"))
         else:
@@ -368,14 +729,17 @@ class Policy:
             target=plan.target,
             estimated_saving_bytes=plan.estimated_saving_bytes,
             reason=(
-                f"free {free:.1%} above re-arm {self.rearm_free_fraction:.0%} + margin "
+                f"free {free:.1%}"
+                + ("" if planning is None else f" in {self.forecast_steps} steps (trend)")
+                + f" above re-arm {self.rearm_free_fraction:.0%} + margin "
                 f"{self.grow_margin_fraction:.0%}: {plan.reason}"
             ),
             step=reading.step,
             time_s=reading.time_s,
-            free_fraction=free,
+            free_fraction=now,
             mode="auto",
             plan=plan,
+            planning_in_use_bytes=planning,
         )
         self.pending = decision
         self.last_decision_step = reading.step
@@ -477,7 +841,8 @@ class Policy:
 
         Args:
             decision: the :class:`Decision` returned by :meth:`evaluate`.
-            status: the :class:`~edo_monitor.actions.ActionResult` (or only its ``status``):
+            status: the :class:`~edo_monitor.actions.ActionResult` (or only its ``status``, when
+                the estimate stands for the saving, as in a replay):
                 ``"applied"`` (the cooldown starts at the decision's step), ``"refused"`` (no
                 cooldown charged; the next reading may try the next rung) or ``"failed"`` (also
                 never tried on the same target again). An applied result whose measured saving
@@ -503,6 +868,12 @@ class Policy:
                 self._failed.add((decision.action, decision.target))
             if why is not None:
                 self._ineffective[(decision.action, decision.target)] = why
+            if state == "applied" and self.forecast_steps is not None:
+                # in force from the readings of the next step on (applied at the step boundary)
+                saved = (
+                    result.saved_bytes if result is not None else decision.estimated_saving_bytes
+                )
+                self._saved_pending.append((decision.step, int(saved)))
         if why is not None:
             logger.info("%s on %s was ineffective: %s", decision.action, decision.target, why)
         return why
@@ -616,20 +987,41 @@ def _known_actions() -> tuple[tuple[str, ...], frozenset[str]]:
     return ACTION_NAMES + extra, frozenset(lossy)
 
 
-def make_planner(ctx: ActionContext) -> Callable[[str], Plan | Refusal]:
-    """A planner for :meth:`Policy.evaluate` that asks ``ACTIONS[name].plan(ctx)``.
+def _at_in_use(planner: Planner, in_use_bytes: int) -> Planner:
+    """``planner.at_in_use(in_use_bytes)`` when it has that method (plans sized for that in-use),
+    else ``planner`` itself (a mapping's plans are what they are)."""
+    at = getattr(planner, "at_in_use", None)
+    return at(in_use_bytes) if callable(at) else planner
 
-    An exception while planning becomes a :class:`~edo_monitor.actions.Refusal` whose reason names
-    it (the agent must never fail training because of a plan).
-    """
 
-    from edo_monitor.actions.registry import ACTIONS
+class ContextPlanner:
+    """A planner for :meth:`Policy.evaluate` that asks ``ACTIONS[name].plan(ctx)`` (see
+    :func:`make_planner`)."""
 
-    def planner(name: str) -> Plan | Refusal:
+    def __init__(self, ctx: ActionContext) -> None:
+        self.ctx = ctx
+
+    def __call__(self, name: str) -> Plan | Refusal:
+        """The action's plan, or a :class:`Refusal` (an exception while planning included)."""
+        from edo_monitor.actions.registry import ACTIONS
+
         try:
-            return ACTIONS[name].plan(ctx)
+            return ACTIONS[name].plan(self.ctx)
         except Exception as exc:
             logger.exception("planning %s failed", name)
             return Refusal(name, "", f"planning failed: {type(exc).__name__}: {exc}")
 
-    return planner
+    def at_in_use(self, in_use_bytes: int) -> ContextPlanner:
+        """The same planner with the context's ``in_use_bytes`` replaced (forecast decisions are
+        sized for the in-use predicted ``forecast_steps`` ahead)."""
+        return ContextPlanner(dataclasses.replace(self.ctx, in_use_bytes=in_use_bytes))
+
+
+def make_planner(ctx: ActionContext) -> ContextPlanner:
+    """A planner for :meth:`Policy.evaluate` that asks ``ACTIONS[name].plan(ctx)``.
+
+    An exception while planning becomes a :class:`~edo_monitor.actions.Refusal` whose reason names
+    it (the agent must never fail training because of a plan). Its ``at_in_use(bytes)`` gives the
+    same planner for another in-use (what a forecast decision is sized for).
+    """
+    return ContextPlanner(ctx)

@@ -70,6 +70,8 @@ _EVENT_STYLES = {
     "oom_unrecovered": "bold red",
     "micro_batches_merged": "cyan",
     "leak_suspected": "yellow",
+    "forecast": "yellow",
+    "forecast_outcome": "cyan",
     "probe_unavailable": "grey62",
     "samples_dropped": "yellow",
     "agent_error": "red",
