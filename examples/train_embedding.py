@@ -15,8 +15,14 @@ stops with an out-of-memory error, as it would on a GPU.
 Text: any file with ``--text PATH`` (e.g. ../shared/data/tinyshakespeare/input.txt); by default the
 Python standard library's own source files, which every Python installation carries.
 
+With ``--ramp linear --forecast 10`` the batch grows by the same amount every step and the policy
+forecasts the crossing from the trend of in-use bytes: it caches the table (and shrinks the cache
+later) ahead of the crossing, and free memory never goes below the floor. (The default doubling
+ramp is a staircase: each jump is a level shift, not a trend, and is not forecast.)
+
     python examples/train_embedding.py                # the pressure demo, exit 0
     python examples/train_embedding.py --no-tune      # same budget, no tuner: out of memory, exit 1
+    python examples/train_embedding.py --ramp linear --forecast 10   # acts before the crossing
 """
 
 from __future__ import annotations
@@ -93,8 +99,11 @@ class HashedWordModel(nn.Module):
         return self.classifier(self.features(features))
 
 
-def batch_size_at(step: int, steps: int) -> int:
-    """Batch-size ramp: 512, 1,024, 2,048, 4,096, 8,192 over five equal phases."""
+def batch_size_at(step: int, steps: int, ramp: str = "doubling") -> int:
+    """Batch-size ramp from 512 to 8,192: ``"doubling"`` in five equal phases (512, 1,024, 2,048,
+    4,096, 8,192), ``"linear"`` in equal increments every step (a batch-size warm-up)."""
+    if ramp == "linear":
+        return 512 + (8192 - 512) * step // max(1, steps - 1)
     phase = min(4, step * 5 // max(1, steps))
     return 512 << phase
 
@@ -106,6 +115,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", default="158MiB", help="memory budget (default: 158MiB)")
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps (default: 100)")
     parser.add_argument("--no-tune", action="store_true", help="observe only (policy 'observe')")
+    parser.add_argument(
+        "--ramp",
+        choices=("doubling", "linear"),
+        default="doubling",
+        help="batch-size ramp 512 -> 8,192: doubling in five phases (default) or linear",
+    )
+    parser.add_argument(
+        "--forecast",
+        type=int,
+        default=None,
+        metavar="N",
+        help="act when free memory is forecast below the floor within N steps (Policy "
+        "forecast_steps; default: off)",
+    )
     parser.add_argument("--interval", type=float, default=0.25, help="seconds between samples")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
@@ -120,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     model = HashedWordModel().to(device)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    policy = edo_monitor.Policy(mode="observe" if args.no_tune else "auto")
+    policy = edo_monitor.Policy(
+        mode="observe" if args.no_tune else "auto", forecast_steps=args.forecast
+    )
     print(f"training on {len(targets):,} positions of {source}; table {BUCKETS:,} x 64")
 
     losses: list[float] = []
@@ -135,11 +160,12 @@ def main(argv: list[str] | None = None) -> int:
             enforce=device.type == "cpu",
             interval_s=args.interval,
             run_name="train_embedding" + ("-no-tune" if args.no_tune else ""),
+            config={"ramp": args.ramp},
         ) as monitor:
             gen = torch.Generator().manual_seed(1)
             for step in range(args.steps):
                 idx = torch.randint(
-                    0, len(targets), (batch_size_at(step, args.steps),), generator=gen
+                    0, len(targets), (batch_size_at(step, args.steps, args.ramp),), generator=gen
                 )
                 x, y = features[idx].to(device), targets[idx].to(device)
                 loss = nn.functional.cross_entropy(model(x), y)

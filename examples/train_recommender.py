@@ -133,6 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-compare", action="store_true", help="with --budget: skip the uncached twin run"
     )
+    parser.add_argument(
+        "--forecast",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --budget: also act when free memory is forecast below the floor within N "
+        "steps (Policy forecast_steps)",
+    )
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=1024)
@@ -147,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(ratings):,} ratings, {num_users:,} users x {num_items:,} items, dim {args.dim}")
     data = (users, items, ratings, train_idx, test_idx)
     dims = (num_users, num_items, args.dim, float(ratings[train_idx].mean()))
-    policy = edo_monitor.Policy() if args.budget else None
+    policy = edo_monitor.Policy(forecast_steps=args.forecast) if args.budget else None
     model, test_rmse, mon = train(data, dims, args, policy=policy, watched=True)
     s = mon.summary()
     print(

@@ -104,3 +104,41 @@ def test_the_example_says_what_it_does_before_importing_torch(tmp_path: Path) ->
     torch_at = [i for i, line in enumerate(lines) if line.startswith("import 'torch'")]
     assert torch_at, "torch was never imported"
     assert said and said[0] < torch_at[0]
+
+
+@pytest.mark.timeout(1200)
+def test_forecasting_acts_before_the_crossing_and_free_memory_never_goes_below_the_floor(
+    tmp_path: Path,
+) -> None:
+    """The demo with a linear batch ramp and ``--forecast 10`` (issue 14, item 2): the policy
+    caches the table (and shrinks the cache later) ahead of each forecast crossing."""
+    db = tmp_path / "forecast.db"
+    run = run_example(db, "--ramp", "linear", "--forecast", "10", "--interval", "0.1")
+    assert run.returncode == 0, run.stderr
+    con = sqlite3.connect(db)
+    (run_id,) = con.execute("SELECT id FROM runs WHERE status='finished'").fetchone()
+    (min_free,) = con.execute(
+        "SELECT min(free_fraction) FROM samples WHERE run_id=?", (run_id,)
+    ).fetchone()
+    assert min_free >= 0.20
+    events = [
+        (kind, step, json.loads(data))
+        for kind, step, data in con.execute(
+            "SELECT kind, step, data FROM events WHERE run_id=? ORDER BY id", (run_id,)
+        )
+    ]
+    kinds = [k for k, _, _ in events]
+    assert "threshold_crossed" not in kinds
+    forecast = next(d for k, _, d in events if k == "forecast")
+    outcome = next(d for k, _, d in events if k == "forecast_outcome")
+    action_step, action = next((s, d) for k, s, d in events if k == "action")
+    assert forecast["forecast"] == outcome["forecast"] == 1
+    assert forecast["category_slopes"]["activations_bytes"] > 0  # the batch grows
+    # without the actions taken since, free memory would have crossed the floor: it came true,
+    # after some steps of warning, and the first action came before that crossing
+    assert outcome["came_true"] is True and outcome["lead_steps"] >= 1
+    assert action["action"] == "cache_embedding" and action_step < outcome["crossing_step"]
+    assert all("forecast" in d for k, _, d in events if k == "decision")
+    # judged outcomes all came true (the last forecast may be open when the run ends)
+    judged = [d["came_true"] for k, _, d in events if k == "forecast_outcome"]
+    assert all(j is True for j in judged[:-1]) and judged[-1] in (True, None)
