@@ -30,7 +30,8 @@ interventions), feed a :class:`~edo_monitor.trend.StepSeries` (one value per ste
 highest; from step 1 on: step 0 has no gradients or optimizer state yet) over the last
 ``forecast_window_steps`` steps. When the least-squares line through it is
 steady growth (:meth:`~edo_monitor.trend.Trend.is_growth`: at least :data:`FORECAST_MIN_STEPS`
-steps, slope t statistic >= :data:`FORECAST_MIN_T`, a better fit than any single level shift) and
+steps, a slope whose p-value is at most :data:`FORECAST_MAX_P_VALUE`, a better fit than any single
+level shift) and
 predicts free memory below ``min_free_fraction`` within ``N`` steps (and no farther ahead than the
 steps it was fitted over), the policy, not under
 pressure, emits a :class:`Forecast` (one open at a time) and decides as under pressure (same
@@ -79,8 +80,8 @@ if TYPE_CHECKING:  # the policy itself needs no torch (edo_monitor.hindsight rep
 __all__ = [
     "EXPECTED_ERROR_FLOOR",
     "FORECAST_GRACE_STEPS",
+    "FORECAST_MAX_P_VALUE",
     "FORECAST_MIN_STEPS",
-    "FORECAST_MIN_T",
     "INEFFECTIVE_BELOW_FRACTION",
     "MODES",
     "Decision",
@@ -104,8 +105,9 @@ Planner = Callable[[str], Plan | Refusal] | Mapping[str, Plan | Refusal]
 
 #: Steps with readings the forecast's window must hold before any forecast.
 FORECAST_MIN_STEPS = 8
-#: Least t statistic (slope / its standard error) of the in-use trend for a forecast.
-FORECAST_MIN_T = 4.0
+#: Largest one-sided p-value of the in-use trend's slope for a forecast (Student's t): the
+#: chance a flat, noisy window shows such a slope, paid at every step of every run.
+FORECAST_MAX_P_VALUE = 1e-6
 #: A forecast is judged false once a reading's step is past its predicted step + this many.
 FORECAST_GRACE_STEPS = 2
 #: Reading fields whose per-step trends a forecast reports (bytes per step), besides the total.
@@ -557,7 +559,7 @@ class Policy:
             self._trend = fit_trend(self._series.points())
         trend = self._trend
         if trend is None or not trend.is_growth(
-            min_points=FORECAST_MIN_STEPS, min_t=FORECAST_MIN_T
+            min_points=FORECAST_MIN_STEPS, max_p_value=FORECAST_MAX_P_VALUE
         ):
             return None
         # the series holds in-use + savings in force: so does the floor it is compared with

@@ -9,7 +9,10 @@ never shows as a trend and a step without readings is simply a gap.
 :func:`fit_trend` fits a least-squares line through those points (x: step, y: value) and measures
 what tells a trend from noise or from a one-off jump (:meth:`Trend.is_growth`):
 
-* the slope's t statistic, ``slope / standard error`` (infinite for points exactly on a line);
+* the slope's t statistic, ``slope / standard error`` (infinite for points exactly on a line),
+  and its one-sided p-value under Student's t with ``points - 2`` degrees of freedom (the chance
+  that noise around a flat level gives a slope this steep): a fixed t threshold lets short
+  windows, whose t has heavy tails, through far more often than long ones;
 * the residual sum of squares of the line against that of the best **level shift** (two flat
   levels with one change point between two steps). A jump followed by a flat stretch (optimizer
   state created on the first step, a bigger batch bucket, a row cache that grew once) is fitted
@@ -30,7 +33,7 @@ from dataclasses import dataclass
 
 from edo_monitor.errors import ConfigError
 
-__all__ = ["StepSeries", "Trend", "fit_trend"]
+__all__ = ["StepSeries", "Trend", "fit_trend", "student_t_tail"]
 
 
 class StepSeries:
@@ -111,6 +114,13 @@ class Trend:
         return self.intercept + self.slope_per_step * step
 
     @property
+    def p_value(self) -> float:
+        """One-sided p-value of the slope (Student's t, ``points - 2`` degrees of freedom):
+        ``P(T >= t_statistic)``; 0 for points exactly on a rising line, 1 for a flat or falling
+        one."""
+        return student_t_tail(self.t_statistic, self.points - 2)
+
+    @property
     def t_statistic(self) -> float:
         """``slope / standard error``; ``inf`` (or ``-inf``, ``0``) when the error is 0."""
         if self.slope_stderr > 0:
@@ -119,14 +129,14 @@ class Trend:
             return 0.0
         return math.copysign(math.inf, self.slope_per_step)
 
-    def is_growth(self, *, min_points: int, min_t: float) -> bool:
+    def is_growth(self, *, min_points: int, max_p_value: float) -> bool:
         """Steady growth worth extrapolating: at least ``min_points`` points, a positive slope
-        with ``t_statistic >= min_t``, and a line that fits better than any level shift."""
+        with ``p_value <= max_p_value``, and a line that fits better than any level shift."""
         return (
             self.points >= min_points
             and self.slope_per_step > 0
-            and self.t_statistic >= min_t
             and self.line_sse < self.shift_sse
+            and self.p_value <= max_p_value
         )
 
     def first_step_above(self, limit: float, after_step: int) -> int | None:
@@ -138,6 +148,63 @@ class Trend:
         if self.slope_per_step <= 0:
             return None
         return after_step + math.floor((limit - now) / self.slope_per_step) + 1
+
+
+def student_t_tail(t: float, df: int) -> float:
+    """``P(T >= t)`` for Student's t with ``df`` (>= 1) degrees of freedom.
+
+    Through the regularized incomplete beta function, ``P(T >= t) = I_x(df/2, 1/2) / 2`` with
+    ``x = df / (df + t^2)`` for ``t > 0`` (its continued fraction as in Numerical Recipes,
+    ``betacf``). Exact to about 1e-14 relative for the degrees of freedom a window has.
+
+    Raises:
+        ValueError: ``df < 1``.
+    """
+    if df < 1:
+        raise ValueError(f"df={df!r}: Student's t needs at least 1 degree of freedom")
+    if math.isnan(t):
+        return 1.0
+    if t == math.inf:
+        return 0.0
+    if t <= 0:
+        return 1.0 - student_t_tail(-t, df) if t < 0 else 0.5
+    x = df / (df + t * t)
+    return 0.5 * _incomplete_beta(df / 2, 0.5, x)
+
+
+def _incomplete_beta(a: float, b: float, x: float) -> float:
+    """The regularized incomplete beta function ``I_x(a, b)`` for ``0 <= x <= 1``."""
+    if x <= 0:
+        return 0.0
+    if x >= 1:
+        return 1.0
+    front = math.exp(
+        math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    )
+    if x < (a + 1) / (a + b + 2):
+        return front * _beta_continued_fraction(a, b, x) / a
+    return 1.0 - front * _beta_continued_fraction(b, a, 1 - x) / b
+
+
+def _beta_continued_fraction(a: float, b: float, x: float) -> float:
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 300):
+        m2 = 2 * m
+        for numerator in (
+            m * (b - m) * x / ((a - 1 + m2) * (a + m2)),
+            -(a + m) * (a + b + m) * x / ((a + m2) * (a + 1 + m2)),
+        ):
+            d = 1.0 + numerator * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-15:
+            break
+    return h
 
 
 def fit_trend(points: Sequence[tuple[int, float]]) -> Trend | None:

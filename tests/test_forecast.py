@@ -31,7 +31,7 @@ from edo_monitor.policy import (
 )
 from edo_monitor.readings import Reading
 from edo_monitor.store.history import History
-from edo_monitor.trend import StepSeries, fit_trend
+from edo_monitor.trend import StepSeries, fit_trend, student_t_tail
 
 MiB = 1 << 20
 BUDGET = 100 * MiB
@@ -84,15 +84,28 @@ def test_fit_trend_of_a_line_a_level_shift_and_too_few_points() -> None:
     assert line.at(40) == pytest.approx(11_000)
     assert line.t_statistic > 1e9 and line.line_sse < line.shift_sse
     assert line.first_step_above(11_000, 24) == 41  # 11,000 at step 40 is not above it
-    assert line.is_growth(min_points=8, min_t=4)
+    assert line.is_growth(min_points=8, max_p_value=1e-6) and line.p_value == 0
     # a jump then flat: a level shift fits exactly, the line does not: not growth
-    shift = fit_trend([(s, 1000 if s < 12 else 5000) for s in range(20)])
-    assert shift is not None and shift.slope_per_step > 0 and shift.t_statistic > 4
+    shift = fit_trend([(s, 1000 if s < 18 else 5000) for s in range(30)])
+    # as a line, a "significant" slope: only the level-shift comparison turns it down
+    assert shift is not None and shift.slope_per_step > 0 and shift.p_value < 1e-6
     assert shift.shift_sse == pytest.approx(0, abs=1e-6)
     assert shift.line_sse > 1e6
-    assert not shift.is_growth(min_points=8, min_t=4)
+    assert not shift.is_growth(min_points=8, max_p_value=1e-6)
     assert fit_trend([(1, 5), (2, 6)]) is None
     assert fit_trend([]) is None
+
+
+def test_student_t_tail_matches_closed_forms() -> None:
+    for t in (0.3, 1.0, 2.5, 10.0, 100.0):
+        # one degree of freedom: Cauchy; two: a closed form; many: the normal distribution
+        assert student_t_tail(t, 1) == pytest.approx(0.5 - math.atan(t) / math.pi, rel=1e-12)
+        assert student_t_tail(t, 2) == pytest.approx(0.5 * (1 - t / math.sqrt(2 + t * t)))
+    assert student_t_tail(3.0, 10**6) == pytest.approx(0.5 * math.erfc(3 / math.sqrt(2)), 1e-4)
+    assert student_t_tail(0.0, 7) == 0.5 and student_t_tail(-2.0, 7) > 0.5
+    assert student_t_tail(math.inf, 7) == 0.0
+    # the heavy tail of a short window: t >= 5 is 30 times likelier with 6 degrees than 19
+    assert student_t_tail(5.0, 6) > 30 * student_t_tail(5.0, 19)
 
 
 # ---------------------------------------------------------------- forecasting on readings
