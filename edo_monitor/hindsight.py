@@ -970,7 +970,7 @@ def replay(db: Any, run: Any, policy: Any = None) -> ReplayResult:
                         min_free = free
                     model.in_use_bytes = now
                     model.budget_bytes = budget
-                    reading = Reading(
+                    reading = Reading.of(
                         time_s,
                         step,
                         kind,

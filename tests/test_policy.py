@@ -424,3 +424,23 @@ def test_loop_reacts_within_one_step_and_free_memory_returns_above_the_floor() -
     assert log[2] == (2, "above_rearm")
     assert min(frees[1:]) > 0.25
     assert isinstance(model.emb, nn.Module) and model.emb.edo_placement == "cached"
+
+
+def test_reading_of_equals_the_constructor() -> None:
+    """``Reading.of`` (replay's bulk constructor) builds the same value as ``Reading(...)``,
+    defaults included, and refuses a name that is not a field."""
+    from edo_monitor.readings import SAMPLE_FIELDS
+
+    fast = Reading.of(1.5, 7, "cuda", in_use_bytes=10, free_fraction=0.25, cache_rows=3)
+    slow = Reading(1.5, 7, "cuda", in_use_bytes=10, free_fraction=0.25, cache_rows=3)
+    assert fast == slow and fast.as_dict() == slow.as_dict() and hash(fast) == hash(slow)
+    assert [f for f in SAMPLE_FIELDS if getattr(fast, f) is not None] == [
+        "time_s",
+        "step",
+        "device_kind",
+        "in_use_bytes",
+        "free_fraction",
+        "cache_rows",
+    ]
+    with pytest.raises(TypeError, match="in_use"):
+        Reading.of(1.5, 7, "cuda", in_use=10)
