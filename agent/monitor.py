@@ -29,7 +29,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from sqlalchemy import insert, update
@@ -75,6 +75,9 @@ from edo_monitor.store.models import Run
 from edo_monitor.store.schema import CACHE_FIELDS
 from edo_monitor.store.writer import Writer
 from edo_monitor.units import format_bytes, parse_bytes
+
+if TYPE_CHECKING:
+    from edo_monitor.integrations.tensorboard import TensorBoardSink
 
 __all__ = ["DEFAULT_INTERVAL_S", "Monitor", "RunSummary", "watch"]
 
@@ -224,6 +227,7 @@ class Monitor:
         profile_interval_s: float = 30.0,
         metrics_port: int | None = None,
         metrics_host: str = DEFAULT_METRICS_HOST,
+        tensorboard: Any = None,
     ) -> None:
         if model is not None and not isinstance(model, nn.Module):
             raise ConfigError(f"model={type(model).__name__} is not a torch.nn.Module (or None)")
@@ -342,6 +346,15 @@ class Monitor:
         self._host_probe: Any = None
         self._leaks = GrowthDetector()  # steady growth of saved tensors across steps
         self._recovery: StepRecovery | None = None  # run_step's split state, made on first use
+        #: readings as TensorBoard scalars, events as text (``tensorboard=``); ConfigError here
+        #: for a bad value or without the package, the writer opened on entering
+        self._tensorboard: TensorBoardSink | None = None
+        if tensorboard is not None:
+            from edo_monitor.integrations.tensorboard import TensorBoardSink
+
+            self._tensorboard = TensorBoardSink(
+                tensorboard, on_error=lambda exc: self._agent_error("tensorboard", exc)
+            )
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> Monitor:
@@ -369,6 +382,39 @@ class Monitor:
             self._unregister_model()
         if exc is None and self.strict and self._pending_error is not None:
             raise self._pending_error
+
+    def start(self) -> Monitor:
+        """Start the run without a ``with`` block (what entering it does); end it with
+        :meth:`stop`. For frameworks that call back at the start and end of training
+        (:mod:`edo_monitor.integrations`).
+
+        Returns:
+            This monitor.
+
+        Raises:
+            RuntimeError: it was started (or entered) before.
+            AlreadyWatchedError, StoreError: as entering does.
+        """
+        return self.__enter__()
+
+    def stop(self, exc: BaseException | None = None) -> None:
+        """End the run started by :meth:`start` (or by entering), as leaving the ``with`` block
+        does: ``exc=None`` records it ``finished``; an exception records it ``failed`` with that
+        error (a ``KeyboardInterrupt``: ``interrupted``; an out-of-memory error also as an ``oom``
+        event). ``exc`` is not raised. A no-op when the run is not running (never started, or
+        stopped already), so a framework's several end hooks may each call it.
+
+        Raises:
+            Exception: with ``strict=True``, a failure inside the agent held back until now, as
+                leaving the block raises it.
+        """
+        if not self._entered or self.status != "running":
+            return
+        self.__exit__(
+            None if exc is None else type(exc),
+            exc,
+            None if exc is None else exc.__traceback__,
+        )
 
     # ------------------------------------------------------------------ lifecycle
     def _register_model(self) -> None:
@@ -473,6 +519,8 @@ class Monitor:
             on_problem=lambda message: self._emit("store_error", message, {"error": message}),
         )
         self._writer.start()
+        if self._tensorboard is not None:
+            self._tensorboard.open()  # a log dir that cannot be written: one agent_error
         self._start_hooks()
 
     def _insert_run(
@@ -615,6 +663,8 @@ class Monitor:
             self.metrics_server.close()
         if self._sampler is not None and self._sampler.is_alive():
             self._sampler.join()
+        if self._tensorboard is not None:
+            self._tensorboard.close()  # the events still waiting, flushed (after the sampler)
         if self._hook_handle is not None:
             self._hook_handle.remove()
             self._hook_handle = None
@@ -643,6 +693,8 @@ class Monitor:
             self._actions.append(dict(data or {}))
         if self._writer is not None:
             self._writer.put_event(kind, message, step=self.steps, data=data)
+        if self._tensorboard is not None:
+            self._tensorboard.add_event(kind, message, self.steps)  # written by the sampler
 
     def _agent_error(self, where: str, exc: BaseException) -> None:
         """Count a failure inside the agent; the first of each kind is logged with its traceback
@@ -1117,6 +1169,8 @@ class Monitor:
             self._writer.put_sample(reading)
             self._write_changed_tables(acc, now)
             self._write_cache_rows(cache_tables, now)
+        if self._tensorboard is not None:
+            self._tensorboard.add_reading(reading)
         if self.policy is not None:
             self._evaluate_policy(reading)
         return reading
@@ -1399,6 +1453,7 @@ def watch(
     profile_interval_s: float = 30.0,
     metrics_port: int | None = None,
     metrics_host: str = DEFAULT_METRICS_HOST,
+    tensorboard: Any = None,
 ) -> Monitor:
     """Watch a training run; use as ``with edo_monitor.watch(model) as monitor:``.
 
@@ -1434,12 +1489,19 @@ def watch(
             ``monitor.metrics_server.port``); needs the ``[prometheus]`` extra. Names:
             ``docs/metrics.md``. A port that cannot be bound is a warning, not an error.
         metrics_host: the address the endpoint binds (default ``127.0.0.1``, loopback only).
+        tensorboard: a ``torch.utils.tensorboard.SummaryWriter``, or a log folder (str or path)
+            to open one in: each reading's main numbers become scalars ``edo/<column>`` at the
+            reading's step, each event (decision, action, crossing, OOM ...) text
+            ``edo/events/<kind>``; written by the sampler thread, flushed when the run ends (a
+            writer made from a folder is closed, one passed in is not). Needs the
+            ``[tensorboard]`` extra. A failing write is an ``agent_error``, never the training's.
 
     Returns:
         A :class:`Monitor` (entering it starts the run).
 
     Raises:
-        ConfigError: (a ``ValueError``) for a bad argument, naming the value.
+        ConfigError: (a ``ValueError``) for a bad argument, naming the value; ``tensorboard``
+            without the ``tensorboard`` package.
         AlreadyWatchedError: on entering, when ``model`` is already watched.
         StoreError: on entering, when the database cannot be opened.
     """
@@ -1461,4 +1523,5 @@ def watch(
         profile_interval_s=profile_interval_s,
         metrics_port=metrics_port,
         metrics_host=metrics_host,
+        tensorboard=tensorboard,
     )
