@@ -1,0 +1,56 @@
+"""What the framework callbacks share: checking the ``watch()`` options they pass on, and
+finding the torch optimizers inside a framework's wrappers."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from edo_monitor.agent.monitor import Monitor
+from edo_monitor.errors import ConfigError
+
+__all__ = ["check_watch_kwargs", "torch_optimizers", "unwrap_optimizer"]
+
+#: what a callback sets itself from the framework (the model, its optimizers)
+_SET_BY_CALLBACK = frozenset({"self", "model", "optimizer"})
+
+
+def check_watch_kwargs(kwargs: Mapping[str, Any], owner: str) -> None:
+    """Refuse, when the callback is made, an option ``watch()`` does not take.
+
+    Raises:
+        ConfigError: naming the options, and which are allowed.
+    """
+    allowed = set(inspect.signature(Monitor.__init__).parameters) - _SET_BY_CALLBACK
+    unknown = sorted(set(kwargs) - allowed)
+    if unknown:
+        raise ConfigError(
+            f"{owner}({', '.join(f'{k}=...' for k in unknown)}): not an option of "
+            f"edo_monitor.watch(); expected some of {sorted(allowed)} (the model and optimizer "
+            "come from the trainer)"
+        )
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer whose ``step()`` runs last inside framework wrappers (accelerate's
+    ``AcceleratedOptimizer``, any wrapper that keeps the real one as ``.optimizer``): the one
+    PyTorch's global optimizer step hooks report, so the one the monitor counts steps of."""
+    seen = 0
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer) and seen < 8:
+        optimizer = optimizer.optimizer
+        seen += 1
+    return optimizer
+
+
+def torch_optimizers(optimizers: Iterable[Any]) -> list[torch.optim.Optimizer]:
+    """The torch optimizers among ``optimizers``, unwrapped (others, e.g. a DeepSpeed engine's,
+    are left out: the monitor then finds the model's optimizer through PyTorch's hooks)."""
+    found = []
+    for opt in optimizers:
+        inner = unwrap_optimizer(opt)
+        if isinstance(inner, torch.optim.Optimizer) and inner not in found:
+            found.append(inner)
+    return found

@@ -1,0 +1,130 @@
+"""The Lightning callback's body, shared by the ``lightning.pytorch`` and ``pytorch_lightning``
+flavours (each module subclasses its own package's ``Callback`` with this mixin first).
+
+No Lightning import here: the trainer and module are used through the attributes both packages
+have (``trainer.optimizers``, ``trainer.logger``, ``trainer.loggers``, ``trainer.global_rank``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from edo_monitor.agent.monitor import Monitor
+from edo_monitor.errors import ConfigError
+from edo_monitor.integrations._common import check_watch_kwargs, torch_optimizers
+
+__all__ = ["LightningCallbackMixin", "lightning_run_name"]
+
+logger = logging.getLogger(__name__)
+
+
+def lightning_run_name(trainer: Any, module: Any) -> str:
+    """The run's name: ``"<logger name>/<version>"`` of the trainer's (first) logger, e.g.
+    ``"lightning_logs/version_3"`` for a ``CSVLogger`` or ``TensorBoardLogger`` (an int version
+    is written ``version_N``, as their folders are); the logger's name alone when it has no
+    version; the LightningModule's class name without a logger, or when the logger cannot say
+    (an error reading it is logged at debug level)."""
+    lg = getattr(trainer, "logger", None)
+    if lg is not None:
+        try:
+            name, version = lg.name, lg.version
+        except Exception:
+            logger.debug("the logger's name/version could not be read", exc_info=True)
+            name = version = None
+        if name:
+            if version is None or version == "":
+                return str(name)
+            v = f"version_{version}" if isinstance(version, int) else str(version)
+            return f"{name}/{v}"
+    return type(module).__name__
+
+
+class LightningCallbackMixin:
+    """Watches the LightningModule for the fit; see ``EdoMonitorCallback`` in
+    :mod:`edo_monitor.integrations.lightning` for the user-facing description."""
+
+    def __init__(
+        self,
+        *,
+        policy: Any = None,
+        budget: int | str | None = None,
+        db: Any = None,
+        tensorboard: Any = None,
+        **watch_kwargs: Any,
+    ) -> None:
+        super().__init__()
+        check_watch_kwargs(watch_kwargs, "EdoMonitorCallback")
+        self._watch_kwargs: dict[str, Any] = {
+            "policy": policy,
+            "budget": budget,
+            "db": db,
+            **watch_kwargs,
+        }
+        self._tensorboard = tensorboard
+        #: the current (or last) fit's :class:`~edo_monitor.Monitor`; ``None`` before a fit
+        self.monitor: Monitor | None = None
+
+    # ------------------------------------------------------------------ Lightning hooks
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        """Start the run: the module (on its device by now) and the trainer's optimizers."""
+        if self.monitor is not None:
+            self.monitor.stop()  # a fit whose end never came (no-op when it ended)
+        kwargs = dict(self._watch_kwargs)
+        if kwargs.get("run_name") is None:
+            kwargs["run_name"] = lightning_run_name(trainer, pl_module)
+        kwargs["config"] = {
+            "integration": "lightning",
+            "lightning_package": type(trainer).__module__.split(".")[0],
+            "max_steps": getattr(trainer, "max_steps", None),
+            "accumulate_grad_batches": getattr(trainer, "accumulate_grad_batches", None),
+            **(kwargs.get("config") or {}),
+        }
+        optimizers = torch_optimizers(getattr(trainer, "optimizers", None) or [])
+        self.monitor = Monitor(
+            pl_module,
+            optimizers or None,
+            tensorboard=self._resolve_tensorboard(trainer),
+            **kwargs,
+        )
+        self.monitor.start()
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        """The fit loop is done: the run is ``finished`` (before the strategy's teardown moves
+        the module off the device, so the last reading still sees it there)."""
+        self._stop(None)
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        """A fit that never ran its training loop ends here."""
+        self._stop(None)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """The last hook of a fit: whatever is still running ends ``finished``."""
+        if str(getattr(stage, "value", stage)) == "fit":
+            self._stop(None)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        """The fit raised: the run is ``failed`` with ``exception`` (``interrupted`` for Ctrl-C,
+        which Lightning turns into a graceful shutdown)."""
+        self._stop(exception)
+
+    # ------------------------------------------------------------------ helpers
+    def _stop(self, exc: BaseException | None) -> None:
+        if self.monitor is not None:
+            self.monitor.stop(exc)
+
+    def _resolve_tensorboard(self, trainer: Any) -> Any:
+        """``tensorboard=True``: the ``SummaryWriter`` of the trainer's ``TensorBoardLogger``
+        (the scalars land in the logger's own run); off on ranks other than 0, where Lightning
+        gives loggers no writer."""
+        if self._tensorboard is not True:
+            return self._tensorboard
+        if getattr(trainer, "global_rank", 0) != 0:
+            return None
+        for lg in getattr(trainer, "loggers", None) or []:
+            if type(lg).__name__ == "TensorBoardLogger":
+                return lg.experiment
+        raise ConfigError(
+            "EdoMonitorCallback(tensorboard=True) needs a TensorBoardLogger on the Trainer; "
+            "pass a log folder or a SummaryWriter instead"
+        )

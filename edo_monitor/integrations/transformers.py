@@ -1,0 +1,220 @@
+"""Hugging Face ``Trainer``: ``EdoMonitorCallback`` watches the model for ``trainer.train()``.
+
+.. code-block:: python
+
+    from transformers import Trainer
+    from edo_monitor.integrations.transformers import EdoMonitorCallback
+
+    trainer = Trainer(model=model, args=args, train_dataset=ds,
+                      callbacks=[EdoMonitorCallback(budget="12GiB")])
+    trainer.train()
+
+How a failed ``train()`` is recorded: the ``Trainer`` has no exception callback — an exception
+leaves ``train()`` without any callback being called — so the callback finds out afterwards:
+
+1. at process exit (``atexit``) a run still open is ended; when Python is exiting because of an
+   uncaught exception that came out of the ``Trainer`` this callback belongs to (the
+   interpreter sets ``sys.last_exc`` / ``sys.last_value`` before ``atexit`` runs; its traceback
+   holds ``Trainer.train``'s frame), the run is ``failed`` with that exception (``interrupted``
+   for Ctrl-C); otherwise ``failed`` with :class:`TrainingDidNotEnd`;
+2. the next ``train()`` with the same callback ends the open run first, the same way (in a
+   notebook the interpreter sets ``sys.last_value`` for the failed cell);
+3. or say it yourself, at once: ``except Exception as exc: callback.close(exc); raise``.
+
+Until then the run stays ``running`` and the monitor's hooks stay on (they are cheap and touch
+nothing outside the model's optimizer steps). Needs the ``[transformers]`` extra (``transformers``
+with ``accelerate``, which the ``Trainer`` needs).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import sys
+import threading
+from typing import Any
+
+try:
+    from transformers import TrainerCallback
+except ImportError as exc:
+    raise ImportError(
+        "edo_monitor.integrations.transformers needs transformers: "
+        f"pip install 'edo-monitor[transformers]' ({exc})"
+    ) from None
+
+from edo_monitor.agent.monitor import Monitor
+from edo_monitor.integrations._common import check_watch_kwargs, torch_optimizers
+
+__all__ = ["EdoMonitorCallback", "TrainingDidNotEnd"]
+
+logger = logging.getLogger(__name__)
+
+
+class TrainingDidNotEnd(RuntimeError):  # noqa: N818 (it is recorded as the run's error)
+    """The error recorded for a run whose ``Trainer.train()`` never reached ``on_train_end``
+    and whose exception could not be seen (caught by the caller, or the process ended some other
+    way: ``sys.exit`` in a callback, a signal)."""
+
+
+#: callbacks whose run is open: their runs are ended at process exit
+_open_lock = threading.Lock()
+_open: list[EdoMonitorCallback] = []
+_atexit_registered = False
+
+
+def _track(callback: EdoMonitorCallback) -> None:
+    global _atexit_registered
+    with _open_lock:
+        if callback not in _open:
+            _open.append(callback)
+        if not _atexit_registered:
+            atexit.register(_end_open_runs)
+            _atexit_registered = True
+
+
+def _untrack(callback: EdoMonitorCallback) -> None:
+    with _open_lock:
+        if callback in _open:
+            _open.remove(callback)
+
+
+def _trainer_exception(callback: EdoMonitorCallback) -> BaseException | None:
+    """The exception the interpreter last reported as uncaught (``sys.last_exc``, or
+    ``sys.last_value`` before Python 3.12), when it came out of a ``Trainer`` that calls
+    ``callback``: a frame of ``transformers/trainer.py`` in its traceback whose ``self`` is that
+    trainer. Else ``None`` (no such exception, or another trainer's)."""
+    exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    if not isinstance(exc, BaseException):
+        return None
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_filename.replace("\\", "/").endswith("transformers/trainer.py"):
+            handler = getattr(frame.f_locals.get("self"), "callback_handler", None)
+            if any(cb is callback for cb in getattr(handler, "callbacks", ())):
+                return exc
+        tb = tb.tb_next
+    return None
+
+
+def _end_open_runs() -> None:
+    """``atexit``: end every run a callback started and nothing ended."""
+    with _open_lock:
+        callbacks = list(_open)
+    for callback in callbacks:
+        try:
+            callback._end(callback._unfinished_error())
+        except Exception:
+            logger.exception("edo-monitor: could not end a run at exit")
+
+
+class EdoMonitorCallback(TrainerCallback):
+    """Watch the ``Trainer``'s model with :func:`edo_monitor.watch` for ``trainer.train()``.
+
+    * **Start**: ``on_train_begin``, with the model and optimizer the ``Trainer`` passes (the
+      optimizer unwrapped from accelerate's ``AcceleratedOptimizer``; when it passes none, the
+      monitor finds the one that steps the model on its first step). One run per ``train()``.
+    * **Steps**: counted at the optimizer step (PyTorch's optimizer step post-hook), once per
+      optimizer step — ``state.global_step`` — not per gradient-accumulation micro-batch; a step
+      fp16's grad scaler skips (inf/NaN gradients) is not counted. Without a torch optimizer
+      (a DeepSpeed engine), ``on_step_end`` counts the step instead.
+    * **Actions**: applied at the optimizer step boundary, on the training thread.
+    * **Name**: ``run_name=`` when given, else ``args.run_name``, else the model's class name.
+      The run's config records ``integration="transformers"``.
+    * **End**: ``on_train_end`` records it ``finished``; a failure as the module docstring says
+      (process exit, the next ``train()``, or :meth:`close` with the exception).
+
+    Args:
+        policy: an :class:`edo_monitor.Policy` (the auto-tuner); ``None`` records only.
+        budget: the memory budget (bytes, or ``"12GiB"``), as in ``watch()``.
+        db: the history database (path or SQLAlchemy URL), as in ``watch()``.
+        tensorboard: a ``SummaryWriter`` or a log folder, as ``watch(tensorboard=)``
+            (``args.logging_dir`` puts the scalars beside the Trainer's own TensorBoard logs).
+        **watch_kwargs: any other option of :func:`edo_monitor.watch`.
+
+    Attributes:
+        monitor: the current (or last) ``train()``'s :class:`edo_monitor.Monitor`.
+
+    Raises:
+        ConfigError: an option ``watch()`` does not take (here), or a bad value (in
+            ``on_train_begin``, failing ``train()`` before it trains).
+    """
+
+    def __init__(
+        self,
+        *,
+        policy: Any = None,
+        budget: int | str | None = None,
+        db: Any = None,
+        tensorboard: Any = None,
+        **watch_kwargs: Any,
+    ) -> None:
+        check_watch_kwargs(watch_kwargs, "EdoMonitorCallback")
+        self._watch_kwargs: dict[str, Any] = {
+            "policy": policy,
+            "budget": budget,
+            "db": db,
+            **watch_kwargs,
+        }
+        self._tensorboard = tensorboard
+        self.monitor: Monitor | None = None
+
+    def on_train_begin(
+        self,
+        args: Any,
+        state: Any,
+        control: Any,
+        model: Any = None,
+        optimizer: Any = None,
+        **_: Any,
+    ) -> None:
+        """Start the run (ending one a previous ``train()`` left open, as failed)."""
+        self._end(self._unfinished_error())
+        if model is None:
+            logger.warning(
+                "edo-monitor: the Trainer passed no model to on_train_begin; not watching"
+            )
+            return
+        kwargs = dict(self._watch_kwargs)
+        if kwargs.get("run_name") is None:
+            kwargs["run_name"] = getattr(args, "run_name", None) or type(model).__name__
+        kwargs["config"] = {
+            "integration": "transformers",
+            "max_steps": getattr(state, "max_steps", None),
+            "start_global_step": getattr(state, "global_step", None),
+            "gradient_accumulation_steps": getattr(args, "gradient_accumulation_steps", None),
+            **(kwargs.get("config") or {}),
+        }
+        optimizers = torch_optimizers([optimizer] if optimizer is not None else [])
+        monitor = Monitor(model, optimizers or None, tensorboard=self._tensorboard, **kwargs)
+        monitor.start()
+        self.monitor = monitor
+        _track(self)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+        """A step boundary for a loop whose optimizer the monitor cannot hook (no torch
+        optimizer found); otherwise the optimizer step has been its boundary already."""
+        monitor = self.monitor
+        if monitor is not None and monitor.status == "running" and not monitor.optimizers:
+            monitor.step()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+        """``train()`` is done: the run is ``finished``."""
+        self._end(None)
+
+    def close(self, exc: BaseException | None = None) -> None:
+        """End the open run now: ``failed`` with ``exc`` (``interrupted`` for a
+        ``KeyboardInterrupt``), or ``finished`` without one. A no-op when none is open."""
+        self._end(exc)
+
+    def _unfinished_error(self) -> BaseException:
+        """What a run whose ``train()`` never reached ``on_train_end`` failed with."""
+        return _trainer_exception(self) or TrainingDidNotEnd(
+            "Trainer.train() did not reach on_train_end: an exception left it (the Trainer tells "
+            "callbacks nothing of it) or the process ended during training"
+        )
+
+    def _end(self, exc: BaseException | None) -> None:
+        _untrack(self)
+        if self.monitor is not None:
+            self.monitor.stop(exc)

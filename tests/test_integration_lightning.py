@@ -1,0 +1,232 @@
+"""EdoMonitorCallback in real Lightning fits on a CPU, into real SQLite histories."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+pl = pytest.importorskip("lightning.pytorch", reason="needs lightning: pip install '.[lightning]'")
+loggers = pytest.importorskip("lightning.pytorch.loggers")
+
+from readme_blocks import readme_python_blocks  # noqa: E402
+
+import edo_monitor  # noqa: E402
+from edo_monitor.errors import ConfigError  # noqa: E402
+from edo_monitor.integrations.lightning import EdoMonitorCallback  # noqa: E402
+from edo_monitor.store.history import History  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:.*does not have many workers:UserWarning",  # Lightning's advice on DataLoaders
+    "ignore:.*smaller than the logging interval:UserWarning",
+    "ignore:.*LeafSpec",  # Lightning 2.6 on torch 2.13's pytree
+)
+
+ROWS, DIM, BATCH = 20_000, 32, 64
+
+
+class BagOfWords(pl.LightningModule):
+    """A bag-of-words classifier whose embedding table (20,000 x 32) dominates memory."""
+
+    def __init__(self, fail_at_batch: int | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(ROWS, DIM)
+        self.head = nn.Linear(DIM, 2)
+        self.fail_at_batch = fail_at_batch
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if batch_idx == self.fail_at_batch:
+            raise RuntimeError(f"boom at batch {batch_idx}")
+        ids, labels = batch
+        return nn.functional.cross_entropy(self.head(self.emb(ids).mean(1)), labels)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+def loader(batches: int = 40) -> torch.utils.data.DataLoader:
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, ROWS, (batches * BATCH, 8), generator=gen)
+    labels = torch.randint(0, 2, (batches * BATCH,), generator=gen)
+    data = torch.utils.data.TensorDataset(ids, labels)
+    return torch.utils.data.DataLoader(data, batch_size=BATCH)
+
+
+def trainer(callback: EdoMonitorCallback, max_steps: int, logger: Any) -> Any:
+    return pl.Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        logger=logger,
+        callbacks=[callback],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+
+def rows(db: Path, sql: str) -> list[dict]:
+    con = sqlite3.connect(db)
+    con.row_factory = sqlite3.Row
+    try:
+        return [dict(r) for r in con.execute(sql)]
+    finally:
+        con.close()
+
+
+def runs(db: Path) -> list[dict]:
+    return rows(db, "SELECT * FROM runs ORDER BY id")
+
+
+def agent_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("edo-")]
+
+
+def test_a_fit_is_one_run_named_after_the_logger(db_path: Path, tmp_path: Path) -> None:
+    callback = EdoMonitorCallback(db=db_path, interval_s=0.02)
+    t = trainer(callback, 6, loggers.CSVLogger(tmp_path / "logs", name="csv"))
+    t.fit(BagOfWords(), loader())
+    (run,) = runs(db_path)
+    assert run["name"] == "csv/version_0"  # the logger's name and version, as its folder
+    assert run["status"] == "finished" and run["error"] is None
+    assert run["steps"] == 6 == t.global_step  # one per optimizer step
+    assert run["device_kind"] == "cpu-budget"
+    with History(db_path) as h:
+        config = h.run(run["id"]).config
+    steps = [r["step"] for r in rows(db_path, "SELECT step FROM samples ORDER BY id")]
+    assert config["integration"] == "lightning" and config["max_steps"] == 6
+    # the last reading is taken after the last step; every one is in the history
+    assert steps[-1] == 6 and len(steps) == callback.monitor.summary().samples >= 2
+    assert callback.monitor.summary().status == "finished"
+    assert agent_threads() == []  # the sampler, writer and host threads are gone
+
+
+def test_without_a_logger_the_run_is_named_after_the_module(db_path: Path) -> None:
+    callback = EdoMonitorCallback(db=db_path, interval_s=0.05)
+    trainer(callback, 2, False).fit(BagOfWords(), loader(2))
+    (run,) = runs(db_path)
+    assert (run["name"], run["status"], run["steps"]) == ("BagOfWords", "finished", 2)
+
+
+def test_an_exception_in_training_step_fails_the_run(db_path: Path) -> None:
+    callback = EdoMonitorCallback(db=db_path, interval_s=0.02)
+    with pytest.raises(RuntimeError, match="boom at batch 3"):
+        trainer(callback, 10, False).fit(BagOfWords(fail_at_batch=3), loader())
+    (run,) = runs(db_path)
+    assert run["status"] == "failed"
+    assert run["error"] == "RuntimeError: boom at batch 3"
+    assert run["steps"] == 3  # batches 0-2 stepped the optimizer
+    assert agent_threads() == []
+    # the model is no longer watched: watching it again works
+    model = BagOfWords()
+    with edo_monitor.watch(model, db=db_path, interval_s=1):
+        pass
+
+
+def test_the_policy_acts_inside_lightnings_optimizer_step(db_path: Path, tmp_path: Path) -> None:
+    """With a budget the table does not fit in, the policy's action is applied on the training
+    thread inside LightningOptimizer.step (after the step's closure), and the fit completes;
+    tensorboard=True puts the readings into the TensorBoardLogger's own run."""
+    seen: list[tuple[str, list[str]]] = []
+
+    def on_action(result: Any) -> None:
+        files = [f.filename.replace("\\", "/") for f in traceback.extract_stack()]
+        seen.append((threading.current_thread().name, files))
+
+    # params + grads + Adam's two states of the table: 4 x 2.56 MB = 10.24 MB of a 12 MB budget
+    # leaves ~15 % free after the first step, below the 20 % floor
+    policy = edo_monitor.Policy(on_action=on_action)
+    callback = EdoMonitorCallback(
+        db=db_path, budget=12_000_000, policy=policy, interval_s=0.01, tensorboard=True
+    )
+    tb_logger = loggers.TensorBoardLogger(tmp_path / "tb", name="tiny")
+    t = trainer(callback, 30, tb_logger)
+    t.fit(BagOfWords(), loader())
+    (run,) = runs(db_path)
+    assert (run["name"], run["status"], run["steps"]) == ("tiny/version_0", "finished", 30)
+    actions = callback.monitor.summary().actions
+    assert actions and actions[0]["status"] == "applied", callback.monitor.summary()
+    assert actions[0]["action"] == "cache_embedding" and actions[0]["target"] == "emb"
+    thread, files = seen[0]
+    assert thread == threading.main_thread().name
+    assert any(f.endswith("lightning/pytorch/core/optimizer.py") for f in files)  # .step()
+    assert any(f.endswith("torch/optim/optimizer.py") for f in files)  # its post-hook
+    assert not any("training_step" in f for f in files)  # not inside the closure's forward
+    # the TensorBoard event files are in the logger's folder, beside Lightning's own
+    from tensorboard.backend.event_processing.event_accumulator import TENSORS, EventAccumulator
+
+    acc = EventAccumulator(tb_logger.log_dir, size_guidance={TENSORS: 0})
+    acc.Reload()
+    assert "edo/in_use_bytes" in acc.Tags()["tensors"]
+    assert "edo/events/action/text_summary" in acc.Tags()["tensors"]
+
+
+def test_an_option_watch_does_not_take_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"\(intervl_s=\.\.\.\): not an option"):
+        EdoMonitorCallback(intervl_s=0.1)
+    with pytest.raises(ConfigError, match=r"\(model=\.\.\.\): not an option"):
+        EdoMonitorCallback(model=nn.Linear(1, 1))
+
+
+def test_tensorboard_true_without_a_tensorboard_logger_fails_the_fit_at_start(
+    db_path: Path, tmp_path: Path
+) -> None:
+    callback = EdoMonitorCallback(db=db_path, tensorboard=True)
+    with pytest.raises(ConfigError, match="needs a TensorBoardLogger"):
+        trainer(callback, 2, loggers.CSVLogger(tmp_path)).fit(BagOfWords(), loader(2))
+    assert not db_path.exists() or runs(db_path) == []  # nothing started
+
+
+@pytest.mark.slow
+def test_the_pytorch_lightning_package_takes_its_own_flavour(db_path: Path) -> None:
+    ptl = pytest.importorskip("pytorch_lightning", reason="needs the pytorch_lightning package")
+    from edo_monitor.integrations.pytorch_lightning import EdoMonitorCallback as PtlCallback
+
+    class Module(ptl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(100, 4)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.emb(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.TensorDataset(torch.randint(0, 100, (32, 3)))
+    callback = PtlCallback(db=db_path, interval_s=0.05)
+    assert isinstance(callback, ptl.Callback)
+    t = ptl.Trainer(
+        max_steps=3,
+        accelerator="cpu",
+        logger=False,
+        callbacks=[callback],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    t.fit(Module(), torch.utils.data.DataLoader(data, batch_size=8))
+    (run,) = runs(db_path)
+    assert (run["name"], run["status"], run["steps"]) == ("Module", "finished", 3)
+    assert run["config"] and '"lightning_package": "pytorch_lightning"' in run["config"]
+
+
+def test_the_readme_lightning_section_runs_as_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (code,) = readme_python_blocks("Lightning")
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, Any] = {"__name__": "readme"}
+    exec(compile(code, "README.md (Lightning)", "exec"), namespace)
+    summary = namespace["callback"].monitor.summary()
+    assert summary.status == "finished" and summary.steps == 30
+    assert summary.run_name == "lightning_logs/version_0"
+    assert [a["action"] for a in summary.actions][:1] == ["cache_embedding"], summary
+    (run,) = runs(tmp_path / "edo-history.db")
+    assert run["status"] == "finished"
