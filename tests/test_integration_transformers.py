@@ -1,0 +1,226 @@
+"""EdoMonitorCallback in real Hugging Face Trainer runs on a CPU (models built from tiny configs:
+nothing downloaded), into real SQLite histories."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip(
+    "transformers", reason="needs transformers: pip install '.[transformers]'"
+)
+pytest.importorskip(
+    "accelerate", reason="the Trainer needs accelerate: pip install '.[transformers]'"
+)
+
+from readme_blocks import readme_python_blocks  # noqa: E402
+
+from edo_monitor.errors import ConfigError  # noqa: E402
+from edo_monitor.integrations.transformers import (  # noqa: E402
+    EdoMonitorCallback,
+    TrainingDidNotEnd,
+)
+
+VOCAB, SEQ = 1_000, 16
+
+
+class TinyBert(transformers.BertForMaskedLM):
+    """BertForMaskedLM that raises in its forward once ``fail_at_call`` forwards have run."""
+
+    fail_at_call: int | None = None
+    calls = 0
+
+    def forward(self, input_ids: Any = None, labels: Any = None, **kwargs: Any) -> Any:
+        if self.fail_at_call is not None and self.calls == self.fail_at_call:
+            raise RuntimeError(f"boom in forward {self.calls}")
+        self.calls += 1
+        return super().forward(input_ids=input_ids, labels=labels, **kwargs)
+
+
+def tiny_bert() -> TinyBert:
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=SEQ,
+    )
+    return TinyBert(config)
+
+
+def dataset(n: int = 64) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    for _ in range(n):
+        ids = torch.randint(0, VOCAB, (SEQ,), generator=gen)
+        rows.append({"input_ids": ids, "labels": ids.clone()})
+    return rows
+
+
+def make_trainer(
+    model: Any, callback: EdoMonitorCallback, out: Path, max_steps: int, **args: Any
+) -> Any:
+    training_args = transformers.TrainingArguments(
+        output_dir=str(out),
+        max_steps=max_steps,
+        per_device_train_batch_size=8,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        **args,
+    )
+    return transformers.Trainer(
+        model=model, args=training_args, train_dataset=dataset(), callbacks=[callback]
+    )
+
+
+def runs(db: Path) -> list[dict]:
+    con = sqlite3.connect(db)
+    con.row_factory = sqlite3.Row
+    try:
+        return [dict(r) for r in con.execute("SELECT * FROM runs ORDER BY id")]
+    finally:
+        con.close()
+
+
+def count(db: Path, sql: str) -> int:
+    con = sqlite3.connect(db)
+    try:
+        return con.execute(sql).fetchone()[0]
+    finally:
+        con.close()
+
+
+def test_a_train_is_one_finished_run(db_path: Path, tmp_path: Path) -> None:
+    callback = EdoMonitorCallback(db=db_path, interval_s=0.05)
+    trainer = make_trainer(tiny_bert(), callback, tmp_path / "out", 4, run_name="tiny-bert")
+    trainer.train()
+    (run,) = runs(db_path)
+    assert (run["name"], run["status"], run["error"]) == ("tiny-bert", "finished", None)
+    assert run["steps"] == 4 == trainer.state.global_step  # optimizer steps
+    assert '"integration": "transformers"' in run["config"]
+    samples = count(db_path, "SELECT count(*) FROM samples")
+    assert samples == callback.monitor.summary().samples >= 1
+    assert count(db_path, "SELECT max(step) FROM samples") == 4  # the last reading, after step 4
+    # accelerate wraps the optimizer: the monitor counts (and acts at) the AdamW inside
+    (opt,) = callback.monitor.optimizers
+    assert type(opt) is torch.optim.AdamW
+    assert not [t for t in threading.enumerate() if t.name.startswith("edo-")]
+
+
+def test_a_failed_train_is_recorded_by_the_next_one(
+    db_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Trainer tells callbacks nothing when train() raises: the run stays open until the next
+    train() (or the process's exit) ends it with the exception the interpreter reported."""
+    model = tiny_bert()
+    model.fail_at_call = 2
+    callback = EdoMonitorCallback(db=db_path, interval_s=0.05)
+    trainer = make_trainer(model, callback, tmp_path / "out", 4)
+    with pytest.raises(RuntimeError, match="boom in forward 2") as raised:
+        trainer.train()
+    assert callback.monitor is not None and callback.monitor.status == "running"
+    # what the interpreter does with an error it reports as uncaught (a notebook cell's)
+    monkeypatch.setattr(sys, "last_value", raised.value, raising=False)
+    monkeypatch.setattr(sys, "last_exc", raised.value, raising=False)
+    model.fail_at_call = None
+    trainer.train()
+    first, second = runs(db_path)
+    assert first["status"] == "failed" and first["error"] == "RuntimeError: boom in forward 2"
+    assert first["steps"] == 2  # two forwards, two optimizer steps
+    assert (second["status"], second["steps"]) == ("finished", 4)
+
+
+def test_close_records_the_error_at_once(db_path: Path, tmp_path: Path) -> None:
+    model = tiny_bert()
+    model.fail_at_call = 1
+    callback = EdoMonitorCallback(db=db_path, interval_s=0.05)
+    try:
+        make_trainer(model, callback, tmp_path / "out", 4).train()
+    except RuntimeError as exc:
+        callback.close(exc)
+    (run,) = runs(db_path)
+    assert (run["status"], run["error"], run["steps"]) == (
+        "failed",
+        "RuntimeError: boom in forward 1",
+        1,
+    )
+    callback.close()  # nothing open: a no-op
+    assert runs(db_path)[0]["status"] == "failed"
+
+
+@pytest.mark.slow
+def test_at_exit_an_open_run_fails_with_its_own_trainers_exception(tmp_path: Path) -> None:
+    """A real interpreter exit: run 1's train() raised and the script caught it (TrainingDidNotEnd
+    at exit); run 2's train() raised uncaught (failed with that exception, not run 1's)."""
+    db = tmp_path / "history.db"
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_integration_transformers import EdoMonitorCallback, make_trainer, tiny_bert
+
+        first = tiny_bert()
+        first.fail_at_call = 1
+        cb1 = EdoMonitorCallback(db={str(db)!r}, interval_s=0.05)
+        try:
+            make_trainer(first, cb1, {str(tmp_path / "o1")!r}, 3).train()
+        except RuntimeError:
+            pass  # caught, never closed
+        second = tiny_bert()
+        second.fail_at_call = 2
+        cb2 = EdoMonitorCallback(db={str(db)!r}, interval_s=0.05)
+        make_trainer(second, cb2, {str(tmp_path / "o2")!r}, 3).train()
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "boom in forward 2" in proc.stderr
+    first, second = runs(db)
+    assert first["status"] == "failed"
+    assert first["error"].startswith(f"{TrainingDidNotEnd.__name__}: Trainer.train() did not")
+    assert (second["status"], second["error"], second["steps"]) == (
+        "failed",
+        "RuntimeError: boom in forward 2",
+        2,
+    )
+
+
+def test_an_option_watch_does_not_take_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"\(optimizer=\.\.\.\): not an option"):
+        EdoMonitorCallback(optimizer=None)
+
+
+def test_the_readme_trainer_section_runs_as_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (code,) = readme_python_blocks("Hugging Face Trainer")
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, Any] = {"__name__": "readme"}
+    exec(compile(code, "README.md (Hugging Face Trainer)", "exec"), namespace)
+    summary = namespace["callback"].monitor.summary()
+    assert (summary.status, summary.steps) == ("finished", 8)
+    assert summary.run_name == "BertForSequenceClassification"
+    (run,) = runs(tmp_path / "edo-history.db")
+    assert (run["status"], run["budget_bytes"]) == ("finished", 4_000_000)
