@@ -1492,8 +1492,8 @@ def watch(
         tensorboard: a ``torch.utils.tensorboard.SummaryWriter``, or a log folder (str or path)
             to open one in: each reading's main numbers become scalars ``edo/<column>`` at the
             reading's step, each event (decision, action, crossing, OOM ...) text
-            ``edo/events/<kind>``; written by the sampler thread, flushed when the run ends (a
-            writer made from a folder is closed, one passed in is not). Needs the
+            ``edo/events/<kind>/text_summary``; written by the sampler thread, flushed when the
+            run ends (a writer made from a folder is closed, one passed in is not). Needs the
             ``[tensorboard]`` extra. A failing write is an ``agent_error``, never the training's.
 
     Returns:

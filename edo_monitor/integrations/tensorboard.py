@@ -10,7 +10,8 @@ to one :class:`~edo_monitor.Monitor`:
   double_precision=True)``): a float32 ``simple_value`` would round byte counts above 16 MiB.
   TensorBoard's scalars dashboard shows them; ``EventAccumulator.Tensors(tag)`` reads them back;
 * each event (``decision``, ``action``, ``threshold_crossed``, ``oom`` ...) becomes text tagged
-  ``edo/events/<kind>`` at the step it was recorded at: its message as inline code (TensorBoard
+  ``edo/events/<kind>`` (torch's ``add_text`` stores it as ``edo/events/<kind>/text_summary``)
+  at the step it was recorded at: its message as inline code (TensorBoard
   renders text as Markdown, and ``cache_embedding`` would turn italic).
 
 Threads: the training thread only appends events to a bounded queue (never waits on I/O); the
@@ -39,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 #: every tag starts with this: one section in TensorBoard
 TAG_PREFIX = "edo/"
-#: events: ``edo/events/<kind>``
+#: events: ``edo/events/<kind>`` (``add_text`` appends ``/text_summary``)
 EVENT_TAG_PREFIX = "edo/events/"
 #: the reading fields written as scalars (``edo/<field>``), when not ``None``
 SCALAR_FIELDS: tuple[str, ...] = (
