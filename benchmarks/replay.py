@@ -23,10 +23,9 @@ import time
 import uuid
 from pathlib import Path
 
-from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-from edo_monitor.hindsight import replay
+from edo_monitor.hindsight import replay, replay_samples
 from edo_monitor.readings import SAMPLE_FIELDS
 from edo_monitor.store.engine import open_engine, write_samples
 from edo_monitor.store.history import History
@@ -111,18 +110,11 @@ def build(path: Path, samples: int) -> int:
 
 
 def read_only(path: Path, run_id: int) -> float:
-    """Seconds to read and unpack the columns replay reads."""
+    """Seconds to read and unpack the columns replay reads, the way it reads them."""
     t0 = time.perf_counter()
     with History(str(path)) as h, h._read() as conn:
-        result = conn.execute(
-            text(
-                "SELECT time_s, step, device_kind, in_use_bytes, budget_bytes, free_fraction, "
-                "reserved_unallocated_bytes FROM samples WHERE run_id = :r ORDER BY time_s, id"
-            ),
-            {"r": run_id},
-        )
         n = 0
-        while chunk := result.fetchmany(65536):
+        for chunk in replay_samples(conn, run_id):
             for _t, _s, _k, _u, _b, _f, _r in chunk:
                 n += 1
     return time.perf_counter() - t0
