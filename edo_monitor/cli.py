@@ -153,10 +153,21 @@ def _handle_errors(func: F) -> F:
 
 
 @app.callback()
-def _global(db: DbOpt = None) -> None:
+def _global(ctx: typer.Context, db: DbOpt = None) -> None:
     """Questions about recorded edo-monitor runs (history database); exit codes: see --help."""
     if db is not None:  # `edo-monitor --db X cmd`: the command's own --db/EDO_DB default
+        before = os.environ.get("EDO_DB")
         os.environ["EDO_DB"] = db
+        ctx.call_on_close(functools.partial(_restore_env, "EDO_DB", before))
+
+
+def _restore_env(name: str, value: str | None) -> None:
+    """Put an environment variable back as it was (the global ``--db`` sets ``EDO_DB`` for one
+    command only: an in-process caller, a test or a notebook, keeps its own environment)."""
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 # -- formatting helpers ------------------------------------------------------------------------

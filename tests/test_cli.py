@@ -6,6 +6,7 @@ import csv
 import inspect
 import io
 import json
+import os
 import sqlite3
 import subprocess
 import sys
@@ -50,11 +51,19 @@ def test_runs_table_and_json(db: Path) -> None:
     assert [r["name"] for r in crashed] == ["dead"]
 
 
-def test_db_from_env_and_global_option(db: Path) -> None:
+def test_db_from_env_and_global_option(db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     res = runner.invoke(app, ["runs", "--json"], env={"EDO_DB": str(db)})
     assert res.exit_code == 0 and len(json.loads(res.stdout)) == 5
+    monkeypatch.delenv("EDO_DB", raising=False)
     res = runner.invoke(app, ["--db", str(db), "runs", "--json"])
     assert res.exit_code == 0 and len(json.loads(res.stdout)) == 5
+    # the global option is for that command only: the caller's environment is left as it was
+    # (it leaked into every later in-process watch() of the test session)
+    assert "EDO_DB" not in os.environ
+    monkeypatch.setenv("EDO_DB", "elsewhere.db")
+    res = runner.invoke(app, ["--db", str(db), "runs", "--json"])
+    assert res.exit_code == 0 and len(json.loads(res.stdout)) == 5
+    assert os.environ["EDO_DB"] == "elsewhere.db"
 
 
 def test_show_events_compare(db: Path) -> None:

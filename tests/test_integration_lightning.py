@@ -222,6 +222,7 @@ def test_the_readme_lightning_section_runs_as_written(
 ) -> None:
     (code,) = readme_python_blocks("Lightning")
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("EDO_DB", raising=False)  # the README writes ./edo-history.db
     namespace: dict[str, Any] = {"__name__": "readme"}
     exec(compile(code, "README.md (Lightning)", "exec"), namespace)
     summary = namespace["callback"].monitor.summary()

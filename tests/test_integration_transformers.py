@@ -217,6 +217,7 @@ def test_the_readme_trainer_section_runs_as_written(
 ) -> None:
     (code,) = readme_python_blocks("Hugging Face Trainer")
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("EDO_DB", raising=False)  # the README writes ./edo-history.db
     namespace: dict[str, Any] = {"__name__": "readme"}
     exec(compile(code, "README.md (Hugging Face Trainer)", "exec"), namespace)
     summary = namespace["callback"].monitor.summary()

@@ -147,6 +147,7 @@ def test_the_readme_tensorboard_section_runs_as_written(
 ) -> None:
     (code,) = readme_python_blocks("TensorBoard")
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("EDO_DB", raising=False)  # the README writes ./edo-history.db
     exec(compile(code, "README.md (TensorBoard)", "exec"), {"__name__": "readme"})
     acc = read_events(tmp_path / "runs" / "edo")
     steps = [step for step, _ in series(acc, "edo/in_use_bytes")]
