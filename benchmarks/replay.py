@@ -109,6 +109,15 @@ def build(path: Path, samples: int) -> int:
     return run_id
 
 
+def _existing(path: Path, samples: int) -> int | None:
+    """The id of the benchmark's run in ``path`` when it holds ``samples`` samples, else None."""
+    if not path.exists():
+        return None
+    with History(str(path)) as h:
+        runs = [r for r in h.runs() if r.name == "replay-bench"]
+        return runs[0].id if runs and runs[0].sample_count == samples else None
+
+
 def read_only(path: Path, run_id: int) -> float:
     """Seconds to read and unpack the columns replay reads, the way it reads them."""
     t0 = time.perf_counter()
@@ -125,11 +134,19 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=1_000_000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", type=Path, default=Path("/tmp/edo-bench"))
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="replay the run already in --dir when it has --samples samples (no rebuild)",
+    )
     args = parser.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     path = args.dir / "replay-bench.db"
     t0 = time.perf_counter()
-    run_id = build(path, args.samples)
+    run_id = _existing(path, args.samples) if args.reuse else None
+    reused = run_id is not None
+    if run_id is None:
+        run_id = build(path, args.samples)
     build_s = time.perf_counter() - t0
     reads, replays = [], []
     result = None
@@ -144,7 +161,8 @@ def main() -> None:
         f"# replay benchmark, {datetime.date.today()}, {platform.machine()}, "
         f"{os.cpu_count()} CPUs, Python {platform.python_version()}"
     )
-    print(f"synthetic run: {result.samples:,} samples, written in {build_s:.1f} s")
+    made = "reused" if reused else f"written in {build_s:.1f} s"
+    print(f"synthetic run: {result.samples:,} samples, {made}")
     print(
         f"replayed decisions: {len(result.decisions):,} "
         f"(first: {result.decisions[0].action if result.decisions else '-'}), "
