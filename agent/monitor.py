@@ -1210,20 +1210,12 @@ class Monitor:
         for name, module in self.model.named_modules():
             if not isinstance(module, CachedTable):
                 continue
-            st = module.stats()
-            totals = {
-                "cache_rows": st.cache_rows,
-                "cache_lookups": st.lookups,
-                "cache_lookup_hits": st.lookup_hits,
-                "cache_rows_loaded": st.misses,
-                "cache_rows_evicted": st.evicted,
-                "cache_moved_bytes": st.h2d_bytes + st.d2h_bytes,
-            }
+            totals = module.stats().history_totals()
             key = (name, id(module))
             seen.add(key)
             prev = self._cache_prev.get(key, {})
             increments = {k: max(0, v - prev.get(k, 0)) for k, v in totals.items()}
-            increments["cache_rows"] = st.cache_rows
+            increments["cache_rows"] = totals["cache_rows"]
             self._cache_prev[key] = totals
             out[name] = (totals, increments)
         for key in [k for k in self._cache_prev if k not in seen]:  # grown back, or replaced

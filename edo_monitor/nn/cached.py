@@ -395,6 +395,19 @@ class CacheStats:
         """Fraction of all looked-up ids (repeats counted) whose row was already cached."""
         return self.lookup_hits / self.lookups if self.lookups else None
 
+    def history_totals(self) -> dict[str, int]:
+        """The totals as the history's ``cache_*`` columns name them
+        (:data:`edo_monitor.store.schema.CACHE_FIELDS`): rows now, lookups, lookup hits, rows
+        loaded (misses), rows evicted, bytes moved either way (``h2d_bytes + d2h_bytes``)."""
+        return {
+            "cache_rows": self.cache_rows,
+            "cache_lookups": self.lookups,
+            "cache_lookup_hits": self.lookup_hits,
+            "cache_rows_loaded": self.misses,
+            "cache_rows_evicted": self.evicted,
+            "cache_moved_bytes": self.h2d_bytes + self.d2h_bytes,
+        }
+
 
 def rebind_data(param: nn.Parameter, data: torch.Tensor) -> None:
     """``param.data = data`` for a new shape, also when a live graph still holds ``param``.
