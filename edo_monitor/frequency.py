@@ -3,7 +3,9 @@
 A :class:`LookupCounter` installs a forward pre-hook on each table it watches and, on every
 ``sample_every``-th forward of that table, adds the batch's ids to a per-table ``(N,)`` int64 count
 tensor in host memory (``index_add_`` of the unique ids with their multiplicities: work in the batch
-size, never in the table size). ``N`` int64 counts are 8 bytes a row on the host, against
+size, never in the table size). A table that computes its batch's unique ids itself (a
+:class:`~edo_monitor.nn.CachedTable`, through ``add_lookup_listener``) hands them over instead of
+the hook computing them a second time. ``N`` int64 counts are 8 bytes a row on the host, against
 ``4 × D × 4`` bytes a row on the device for a float32 table trained with Adam (weight, gradient,
 two moments): for ``D = 64`` that is 0.8 %, and none of it on the device.
 
@@ -99,26 +101,48 @@ class LookupCounter:
         counts = self._counts.setdefault(name, torch.zeros(num, dtype=torch.long))
         self._calls.setdefault(name, 0)
 
+        def add(uniq: torch.Tensor, mult: torch.Tensor) -> None:
+            if pad is not None:
+                keep = uniq != pad
+                uniq, mult = uniq[keep], mult[keep]
+            counts.index_add_(0, uniq.cpu(), mult.cpu())
+            if uniq.numel() > self._peak_unique.get(name, 0):
+                self._peak_unique[name] = int(uniq.numel())
+
+        def stop(exc: Exception) -> None:
+            logger.warning("lookup counting stopped for %s: %s", name, exc)
+            handle = self._handles.pop(name, None)
+            if handle is not None:
+                handle.remove()
+
+        def sampled() -> bool:
+            self._calls[name] += 1
+            return (self._calls[name] - 1) % self.sample_every == 0
+
+        add_listener = getattr(module, "add_lookup_listener", None)
+        if callable(add_listener):
+            # a row cache computes the batch's unique ids anyway: count from those
+
+            def listener(uniq: torch.Tensor, mult: torch.Tensor) -> None:
+                try:
+                    if sampled():
+                        add(uniq, mult)
+                except Exception as exc:  # never fail the user's forward
+                    stop(exc)
+
+            self._handles[name] = add_listener(listener)
+            return
+
         def hook(_module: nn.Module, args: tuple[Any, ...]) -> None:
             try:
-                self._calls[name] += 1
-                if (self._calls[name] - 1) % self.sample_every or not args:
+                if not sampled() or not args:
                     return
                 ids = args[0]
                 if not isinstance(ids, torch.Tensor):
                     return
-                ids = ids.detach().reshape(-1)
-                if pad is not None:
-                    ids = ids[ids != pad]
-                uniq, mult = torch.unique(ids, return_counts=True)
-                counts.index_add_(0, uniq.cpu(), mult.cpu())
-                if uniq.numel() > self._peak_unique.get(name, 0):
-                    self._peak_unique[name] = int(uniq.numel())
+                add(*torch.unique(ids.detach().reshape(-1), return_counts=True))
             except Exception as exc:  # never fail the user's forward
-                logger.warning("lookup counting stopped for %s: %s", name, exc)
-                handle = self._handles.pop(name, None)
-                if handle is not None:
-                    handle.remove()
+                stop(exc)
 
         self._handles[name] = module.register_forward_pre_hook(hook)
 

@@ -45,7 +45,8 @@ from __future__ import annotations
 import logging
 import math
 import weakref
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 from edo_monitor.nn.embedding import BAG_MODES, EmbeddingOptions, _EdoEmbedding
 
@@ -522,6 +524,10 @@ class CachedTable(_EdoEmbedding):
         )
         self._step_counters = dict(self._counters)
         self.peak_unique_ids = 0
+        # an OrderedDict: RemovableHandle holds a weak reference to it
+        self._lookup_listeners: OrderedDict[int, Callable[[torch.Tensor, torch.Tensor], None]] = (
+            OrderedDict()
+        )
         self.register_state_dict_post_hook(_module_state_dict_hook)
         self.register_load_state_dict_pre_hook(_module_load_pre_hook)
         if id_frequencies is not None:
@@ -535,6 +541,10 @@ class CachedTable(_EdoEmbedding):
         self.slot_to_block = torch.full((slots,), -1, dtype=torch.int64)
         self.slot_last_use = torch.zeros(slots, dtype=torch.int64)
         self.slot_pinned = torch.zeros(slots, dtype=torch.bool)
+        # slots pinned since the last optimizer step, so the step clears them in O(batch), not in
+        # O(cache); None: too many listed (or the slots were renumbered), clear them all
+        self._pinned_since_step: list[torch.Tensor] | None = []
+        self._pinned_listed = 0
         rows = slots * self.block_rows
         self.weight = nn.Parameter(
             torch.zeros(rows, self.embedding_dim, dtype=dtype, device=device),
@@ -742,8 +752,29 @@ class CachedTable(_EdoEmbedding):
             self.t += 1
             self._rule.record(float(_group_of(optimizer, self.weight)["lr"]))
         self._had_grad = False
-        self.slot_pinned.zero_()
+        self._clear_pins()
         self.reset_step_stats()
+
+    def _pin_slots(self, slots: torch.Tensor) -> None:
+        """Pin ``slots`` (their gradient is pending) until the next optimizer step."""
+        self.slot_pinned[slots] = True
+        if self._pinned_since_step is None:
+            return
+        self._pinned_listed += slots.numel()
+        if self._pinned_listed > self.slot_pinned.numel():  # forwards without steps: stop listing
+            self._pinned_since_step = None
+        else:
+            self._pinned_since_step.append(slots)
+
+    def _clear_pins(self) -> None:
+        """Unpin every slot (after an optimizer step): the listed ones, or all when unlisted."""
+        listed = self._pinned_since_step
+        if listed is None:
+            self.slot_pinned.zero_()
+        elif listed:
+            self.slot_pinned[torch.cat(listed)] = False
+        self._pinned_since_step = []
+        self._pinned_listed = 0
 
     # ------------------------------------------------------------------ moving rows
     def _block_rows_of(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -859,9 +890,15 @@ class CachedTable(_EdoEmbedding):
         self._count(evicted=int(victims.numel()))
         return torch.cat([free, victims])
 
-    def _ensure(self, blocks: torch.Tensor, *, count: bool) -> torch.Tensor:
-        """Make unique ``blocks`` resident; returns their slots. Grows or raises when too many."""
-        slots = self.block_to_slot[blocks]
+    def _ensure(
+        self, blocks: torch.Tensor, *, count: bool, slots: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Make unique ``blocks`` resident; returns their slots. Grows or raises when too many.
+
+        ``slots``: ``block_to_slot[blocks]`` when the caller has it already.
+        """
+        if slots is None:
+            slots = self.block_to_slot[blocks]
         hit = slots >= 0
         miss = blocks[~hit]
         if count:
@@ -898,25 +935,33 @@ class CachedTable(_EdoEmbedding):
         if flat.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"input must be an integer tensor (int64/int32), got {flat.dtype}")
         ids = flat.to("cpu", torch.int64)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
-            raise IndexError(
-                f"index out of range: ids must be in [0, {self.num_embeddings}), got "
-                f"[{int(ids.min())}, {int(ids.max())}]"
-            )
+        if ids.numel():
+            lo, hi = (int(v) for v in torch.aminmax(ids))
+            if lo < 0 or hi >= self.num_embeddings:
+                raise IndexError(
+                    f"index out of range: ids must be in [0, {self.num_embeddings}), got "
+                    f"[{lo}, {hi}]"
+                )
         r = self.block_rows
         blocks = ids // r if r > 1 else ids
         uniq, inverse, counts = torch.unique(blocks, return_inverse=True, return_counts=True)
-        present = self.block_to_slot[uniq] >= 0
+        if r == 1:
+            uniq_ids, id_counts = uniq, counts
+        else:
+            uniq_ids, id_counts = torch.unique(ids, return_counts=True)
+        for listener in tuple(self._lookup_listeners.values()):
+            listener(uniq_ids, id_counts)
+        slots = self.block_to_slot[uniq]
+        present = slots >= 0
         self._count(lookups=int(ids.numel()), lookup_hits=int(counts[present].sum()))
-        n_unique = uniq.numel() if r == 1 else int(torch.unique(ids).numel())
-        self.peak_unique_ids = max(self.peak_unique_ids, n_unique)
+        self.peak_unique_ids = max(self.peak_unique_ids, int(uniq_ids.numel()))
         self._tick += 1
         with torch.no_grad():
-            slots = self._ensure(uniq, count=True)
+            slots = self._ensure(uniq, count=True, slots=slots)
         self.block_freq[uniq] += 1
         self.slot_last_use[slots] = self._tick
         if torch.is_grad_enabled() and self.weight.requires_grad:
-            self.slot_pinned[slots] = True  # its gradient is pending until the optimizer step
+            self._pin_slots(slots)  # its gradient is pending until the optimizer step
         row_slots = slots[inverse] * r + (ids % r if r > 1 else 0)
         pad_slot = None
         pad = self.padding_idx
@@ -925,6 +970,21 @@ class CachedTable(_EdoEmbedding):
             if s >= 0:
                 pad_slot = s * r + pad % r
         return row_slots.reshape(input.shape).to(self.device), pad_slot
+
+    def add_lookup_listener(
+        self, listener: Callable[[torch.Tensor, torch.Tensor], None]
+    ) -> RemovableHandle:
+        """Call ``listener(ids, counts)`` at every forward with the batch's distinct ids and how
+        often each occurs (two ``(U,)`` int64 host tensors, ids ascending, ``padding_idx``
+        included), before any row moves: the unique the cache computes anyway, shared (the agent's
+        :class:`~edo_monitor.frequency.LookupCounter` counts through it instead of a second
+        ``torch.unique`` in a forward pre-hook). The listener must not modify the tensors; an
+        exception it raises propagates into the forward. Returns a handle whose ``remove()``
+        unregisters it.
+        """
+        handle = RemovableHandle(self._lookup_listeners)
+        self._lookup_listeners[handle.id] = listener
+        return handle
 
     def prefetch(self, next_ids: torch.Tensor) -> None:
         """Load the rows of ``next_ids`` now (before the next forward needs them).
@@ -1086,6 +1146,7 @@ class CachedTable(_EdoEmbedding):
         self.slot_last_use[new_index] = last_use
         self.slot_pinned = torch.zeros(new_slots, dtype=torch.bool)
         self.slot_pinned[new_index] = pinned
+        self._pinned_since_step = None  # slots renumbered: the next step clears every pin
         logger.info("cached table resized: %d -> %d rows", old_slots * self.block_rows, rows)
 
     @torch.no_grad()
