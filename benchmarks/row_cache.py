@@ -1,19 +1,31 @@
-"""Row cache figures: hit rates, step time against table size, 100 %-hit overhead, exactness.
+"""Row cache figures: hit rates and their bounds, step time against table size, 100 %-hit overhead.
 
     python benchmarks/row_cache.py --data ../shared/data/movielens-small
 
-Prints four tables (each measured side by side in one run):
+Prints five tables (each measured side by side in one run; ``--skip`` leaves tables out):
 
-1. hit rate of :class:`edo_monitor.nn.CachedTable` (LFU / LRU, row by row / 512-row chunks) at
-   caches of 1, 5, 10 and 25 % of the rows, on MovieLens item ids in rating-time order (batches of
-   at most 1,024 ratings) and on a Zipf(1.05) stream of ``--zipf-ids`` ids over ``--zipf-rows``
-   rows (batches of at most 8,192), each batch at most half the cache (one batch's rows must fit);
-   the time per forward of the cache bookkeeping;
+1. hit rate of :class:`edo_monitor.nn.CachedTable` at caches of 1, 5, 10 and 25 % of the rows, on
+   MovieLens item ids in rating-time order (batches of at most 1,024 ratings) and on a Zipf(1.05)
+   stream of ``--zipf-ids`` ids over ``--zipf-rows`` rows (batches of ``--zipf-batch``), each batch
+   at most half the cache (one batch's rows must fit). The stream goes through the real module
+   (``no_grad`` forwards of a 1-column table: the replacement logic a training step runs, without
+   the row arithmetic). Rows: LFU and LRU moving row by row; LFU moving aligned 512- and 2048-row
+   chunks, with the ids as they are and renumbered by frequency rank in hindsight (the best layout
+   chunks can have); ms per forward of the bookkeeping;
 2. Adam step time (forward, backward, step) at a fixed batch against table size, ``--sizes`` rows
-   x 64: resident ``nn.EmbeddingBag``, cached at 10 %, and offloaded (``OffloadedEmbedding``);
-3. step time of a cache holding the whole table (100 % hits after the first step) over resident;
+   x 64: resident ``nn.EmbeddingBag``, cached at 10 % of the table, cached at a fixed
+   ``--cache-rows``, offloaded (``OffloadedEmbedding``); cached variants warm up ``--warmup`` steps
+   first (the cache fills and evicts: steady state); misses per timed step;
+3. a cache holding the whole table (100 % hits) against resident, stepped alternately on the same
+   batches (bare, and with the agent's ``LookupCounter`` on both tables as ``watch()`` installs
+   it): medians of forward, backward, step; ratio;
 4. max relative difference (max |cached - twin| / max |twin|) of the table after 200 steps
-   against a resident twin, per optimizer, in float32 and float64.
+   against a resident twin, per optimizer, in float32 and float64;
+5. upper bounds on the hit rate of any cache of that size on the table 1 streams, same batching:
+   a static cache of the most frequent rows in hindsight (share of lookups / of a batch's unique
+   ids going to them), Belady's furthest-next-use eviction (the optimal replacement for the unique
+   ids hit rate: no policy does better), and a cache of every row (only first uses miss).
+   ``--bounds-zipf`` adds the Zipf stream (Belady runs in Python: about a minute a size).
 """
 
 from __future__ import annotations
@@ -21,6 +33,8 @@ from __future__ import annotations
 import argparse
 import csv
 import gc
+import heapq
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -29,9 +43,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from edo_monitor.nn import CachedEmbedding, CachedEmbeddingBag, EmbeddingOptions, OffloadedEmbedding
+from edo_monitor.frequency import LookupCounter
+from edo_monitor.nn import (
+    CachedEmbedding,
+    CachedEmbeddingBag,
+    CachedTable,
+    EmbeddingOptions,
+    OffloadedEmbedding,
+)
 
 DIM = 64
+VARIANTS = ("resident", "cached10", "cached", "offloaded")
 
 
 def movielens_items(data_dir: Path) -> tuple[torch.Tensor, int]:
@@ -50,39 +72,149 @@ def zipf_stream(rows: int, count: int, seed: int = 0) -> torch.Tensor:
     """``count`` ids in ``[0, rows)`` with P(id = k) ∝ (k + 1) ** -1.05, ids shuffled."""
     gen = torch.Generator().manual_seed(seed)
     probs = 1.0 / torch.arange(1, rows + 1, dtype=torch.float64) ** 1.05
-    ranks = torch.multinomial(probs, count, replacement=True, generator=gen)
+    ranks = torch.empty(count, dtype=torch.int64)
+    for start in range(0, count, 1 << 22):  # multinomial draws at most 2**24 samples a call
+        part = ranks[start : start + (1 << 22)]
+        part.copy_(torch.multinomial(probs, part.numel(), replacement=True, generator=gen))
     return torch.randperm(rows, generator=gen)[ranks]  # hot ids spread over the table
 
 
+def by_rank(stream: torch.Tensor, rows: int) -> torch.Tensor:
+    """``stream`` with every id renumbered by its frequency rank in the stream (0 = most
+    frequent; ties by id): the hot rows become contiguous, the best case for chunked moves."""
+    counts = torch.bincount(stream, minlength=rows)
+    order = torch.sort(-counts, stable=True).indices
+    rank_of = torch.empty(rows, dtype=torch.int64)
+    rank_of[order] = torch.arange(rows)
+    return rank_of[stream]
+
+
+def batch_for(rows: int, fraction: float, max_batch: int) -> int:
+    """Ids per batch for a cache of ``fraction`` of ``rows``: at most half the cache."""
+    return max(16, min(max_batch, int(rows * fraction) // 2))
+
+
 def hit_rates(stream: torch.Tensor, rows: int, max_batch: int) -> list[tuple]:
-    """Per cache size, LFU/LRU, row/chunk: (fraction, policy, block, batch, unique-id hit rate,
-    lookup hit rate, ms per forward); batches are at most half the cache (a batch must fit)."""
+    """Per cache size, policy and moves: (fraction, policy, moves, batch, unique-id hit rate,
+    lookup hit rate, ms per forward or the failure); see the module docstring."""
+    ranked: torch.Tensor | None = None
     out = []
     for fraction in (0.01, 0.05, 0.10, 0.25):
-        batch = max(16, min(max_batch, int(rows * fraction) // 2))
-        for policy in ("lfu", "lru"):
-            for block in (1, 512):
-                table = CachedEmbedding(
-                    rows, 1, max(block, int(rows * fraction)), policy=policy, block_rows=block,
-                    _freeze=True, overflow="error",
-                )  # fmt: skip
-                t0 = time.perf_counter()
-                try:
-                    with torch.no_grad():
-                        for start in range(0, len(stream), batch):
-                            table(stream[start : start + batch])
-                except RuntimeError as exc:  # one batch's blocks do not fit in the cache
-                    msg = str(exc).split(" (")[0]
-                    out.append((fraction, policy, block, batch, None, None, msg))
-                    continue
-                ms_fwd = (time.perf_counter() - t0) / -(-len(stream) // batch) * 1e3
-                st = table.stats()
-                out.append(
-                    (fraction, policy, block, batch, st.hit_rate, st.lookup_hit_rate, ms_fwd)
-                )
+        batch = batch_for(rows, fraction, max_batch)
+        runs = [("lfu", 1, False), ("lru", 1, False)]
+        runs += [("lfu", block, rank) for block in (512, 2048) for rank in (False, True)]
+        for policy, block, rank in runs:
+            if rank and ranked is None:
+                ranked = by_rank(stream, rows)
+            ids = ranked if rank else stream
+            moves = "row" if block == 1 else f"chunk {block}" + (", ids by rank" if rank else "")
+            table = CachedEmbedding(
+                rows, 1, max(block, int(rows * fraction)), policy=policy, block_rows=block,
+                _freeze=True, overflow="error",
+            )  # fmt: skip
+            t0 = time.perf_counter()
+            try:
+                with torch.no_grad():
+                    for start in range(0, len(ids), batch):
+                        table(ids[start : start + batch])
+            except RuntimeError as exc:  # one batch's blocks do not fit in the cache
+                msg = str(exc).split(" (")[0]
+                out.append((fraction, policy, moves, batch, None, None, msg))
+                continue
+            ms_fwd = (time.perf_counter() - t0) / -(-len(ids) // batch) * 1e3
+            st = table.stats()
+            out.append((fraction, policy, moves, batch, st.hit_rate, st.lookup_hit_rate, ms_fwd))
     return out
 
 
+# ----------------------------------------------------------------------------- upper bounds
+def _batch_uniques(stream: torch.Tensor, batch: int) -> tuple[torch.Tensor, ...]:
+    """Per batch its distinct ids: (batch index, id, count in the batch), each ``(M,)``, sorted by
+    batch then id, and the ``(batches + 1,)`` start of each batch in them."""
+    rows = int(stream.max()) + 1
+    key = (torch.arange(stream.numel()) // batch) * rows + stream
+    keys, counts = torch.unique(key, return_counts=True)
+    b_of, id_of = keys // rows, keys % rows
+    batches = -(-stream.numel() // batch)
+    starts = torch.searchsorted(b_of, torch.arange(batches + 1))
+    return b_of, id_of, counts, starts
+
+
+def belady_hit_rates(stream: torch.Tensor, cache_rows: int, batch: int) -> tuple[float, float]:
+    """Hit rates (unique ids per batch, lookups) of Belady's eviction on ``stream`` in batches of
+    ``batch`` ids into a cache of ``cache_rows`` rows.
+
+    A batch's distinct ids must all be in the cache (as in :class:`CachedTable`); on misses the
+    rows evicted are those, outside the batch, whose next use is furthest ahead (never used again
+    first). With demand loading this is optimal for the unique-ids hit rate (the exchange argument
+    of Belady's MIN holds with a batch's rows protected); the lookup hit rate it reaches is that of
+    the same schedule (weighted by repeats, no bound of its own). Python loop: ~1 µs a row access.
+
+    Raises:
+        ValueError: a batch has more distinct ids than ``cache_rows``.
+    """
+    b_of, id_of, counts, starts = _batch_uniques(stream, batch)
+    never = int(b_of[-1]) + 1
+    order = torch.sort(id_of, stable=True).indices  # by id, batches ascending within an id
+    nxt = torch.full_like(b_of, never)
+    same = id_of[order[1:]] == id_of[order[:-1]]
+    nxt[order[:-1][same]] = b_of[order[1:][same]]
+    cached: dict[int, int] = {}  # id -> its next use (batch index)
+    heap: list[tuple[int, int]] = []  # (-next use, id); entries with another next use are stale
+    uniq_hits = lookup_hits = 0
+    bounds = starts.tolist()
+    for lo, hi in itertools.pairwise(bounds):
+        ids = id_of[lo:hi].tolist()
+        if len(ids) > cache_rows:
+            raise ValueError(f"a batch has {len(ids)} distinct ids; the cache holds {cache_rows}")
+        for i, nu, c in zip(ids, nxt[lo:hi].tolist(), counts[lo:hi].tolist(), strict=True):
+            if i in cached:
+                uniq_hits += 1
+                lookup_hits += c
+            cached[i] = nu
+            heapq.heappush(heap, (-nu, i))
+        excess = len(cached) - cache_rows
+        if excess > 0:
+            current, aside = set(ids), []
+            while excess:
+                neg, i = heapq.heappop(heap)
+                if cached.get(i) != -neg:
+                    continue
+                if i in current:  # needed now: kept
+                    aside.append((neg, i))
+                    continue
+                del cached[i]
+                excess -= 1
+            for entry in aside:
+                heapq.heappush(heap, entry)
+        if len(heap) > 4 * (cache_rows + batch):  # drop the stale entries
+            heap = [(-nu, i) for i, nu in cached.items()]
+            heapq.heapify(heap)
+    return uniq_hits / id_of.numel(), lookup_hits / stream.numel()
+
+
+def static_bounds(stream: torch.Tensor, cache_rows: int, batch: int) -> dict[str, float]:
+    """Shares a static cache of the ``cache_rows`` most frequent rows (in hindsight) would hit,
+    and the hit rates of a cache holding every row (only each row's first use misses).
+
+    Keys: ``static_lookups`` (share of all lookups going to the top rows by lookups),
+    ``static_unique`` (share of the batches' distinct ids going to the top rows by batches seen),
+    ``every_row_unique``, ``every_row_lookups``.
+    """
+    _, id_of, _, _ = _batch_uniques(stream, batch)
+    lookups = torch.bincount(stream)
+    per_batch = torch.bincount(id_of)
+    distinct = int((lookups > 0).sum())
+    k = min(cache_rows, lookups.numel())
+    return {
+        "static_lookups": float(torch.topk(lookups, k).values.sum()) / stream.numel(),
+        "static_unique": float(torch.topk(per_batch, k).values.sum()) / id_of.numel(),
+        "every_row_unique": 1 - distinct / id_of.numel(),
+        "every_row_lookups": 1 - distinct / stream.numel(),
+    }
+
+
+# ----------------------------------------------------------------------------- step time
 def _zipf_batch(rows: int, batch: int, gen: torch.Generator) -> torch.Tensor:
     # zipf by rank, ranks scattered by a fixed hash so hot rows are not contiguous
     u = torch.rand(batch, generator=gen, dtype=torch.float64)
@@ -91,13 +223,19 @@ def _zipf_batch(rows: int, batch: int, gen: torch.Generator) -> torch.Tensor:
     return (ranks * 2_654_435_761) % rows
 
 
-def step_time(make: Callable[[], nn.Module], rows: int, batch: int, steps: int) -> float:
-    """Median seconds of forward + backward + Adam step over ``steps`` steps (after 2 warm-up)."""
+def step_time(
+    make: Callable[[], nn.Module], rows: int, batch: int, steps: int, warmup: int = 2
+) -> tuple[float, float | None]:
+    """Median seconds of forward + backward + Adam step over ``steps`` steps after ``warmup``
+    steps, and the misses (unique rows loaded) per timed step of a cached table (else None)."""
     module = make()
     opt = torch.optim.Adam(module.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(0)
     times = []
-    for i in range(steps + 2):
+    misses0 = 0
+    for i in range(warmup + steps):
+        if i == warmup and isinstance(module, CachedTable):
+            misses0 = module.stats().misses
         ids = _zipf_batch(rows, batch, gen)
         offsets = torch.arange(0, batch, 8)
         t0 = time.perf_counter()
@@ -105,11 +243,14 @@ def step_time(make: Callable[[], nn.Module], rows: int, batch: int, steps: int) 
         loss.backward()
         opt.step()
         opt.zero_grad()
-        if i >= 2:
+        if i >= warmup:
             times.append(time.perf_counter() - t0)
+    misses = None
+    if isinstance(module, CachedTable):
+        misses = (module.stats().misses - misses0) / steps
     del module, opt
     gc.collect()
-    return statistics.median(times)
+    return statistics.median(times), misses
 
 
 def _bag(rows: int) -> nn.EmbeddingBag:
@@ -124,15 +265,62 @@ def _offloaded(rows: int) -> nn.Module:
     return OffloadedEmbedding(w, EmbeddingOptions.from_module(src), "cpu")
 
 
-def _cached(rows: int, fraction: float) -> nn.Module:
+def _cached(rows: int, cache_rows: int) -> nn.Module:
     torch.manual_seed(0)
-    # the whole table: warm start with every row, so every lookup hits
-    freq = torch.ones(rows, dtype=torch.int64) if fraction >= 1 else None
-    return CachedEmbeddingBag(
-        rows, DIM, max(1, int(rows * fraction)), mode="sum", id_frequencies=freq
+    return CachedEmbeddingBag(rows, DIM, cache_rows, mode="sum")
+
+
+def full_cache_overhead(rows: int, batch: int, steps: int, counter: bool) -> dict[str, float]:
+    """A cache of every row (warm-started: 100 % hits) and a resident twin, stepped alternately
+    (Adam, the same batches; which goes first alternates too). Medians in seconds: ``{variant}``
+    (whole step), ``{variant}_fwd/_bwd/_step``; ``ratio`` (of the medians), ``ratio_paired``
+    (median of the per-step ratios), ``max_diff`` (max |cached - resident| after the run: 0 when
+    the cache does the same arithmetic)."""
+    resident = _bag(rows)
+    cached = CachedEmbeddingBag(
+        rows, DIM, rows, mode="sum", _weight=resident.weight.detach().clone(),
+        id_frequencies=torch.ones(rows, dtype=torch.int64),
+    )  # fmt: skip
+    modules = {"resident": resident, "cached": cached}
+    counters = []
+    if counter:
+        for m in modules.values():
+            counters.append(LookupCounter())
+            counters[-1].watch("table", m)
+    opts = {k: torch.optim.Adam(m.parameters(), lr=1e-3) for k, m in modules.items()}
+    gen = torch.Generator().manual_seed(0)
+    offsets = torch.arange(0, batch, 8)
+    parts: dict[str, list[tuple[float, float, float]]] = {k: [] for k in modules}
+    for i in range(steps + 3):
+        ids = _zipf_batch(rows, batch, gen)
+        names = list(modules) if i % 2 else list(reversed(modules))
+        for name in names:
+            t0 = time.perf_counter()
+            out = modules[name](ids, offsets)
+            t1 = time.perf_counter()
+            out.pow(2).mean().backward()
+            t2 = time.perf_counter()
+            opts[name].step()
+            opts[name].zero_grad()
+            t3 = time.perf_counter()
+            if i >= 3:
+                parts[name].append((t1 - t0, t2 - t1, t3 - t2))
+    res: dict[str, float] = {}
+    for name, p in parts.items():
+        res[name] = statistics.median(sum(x) for x in p)
+        for j, part in enumerate(("fwd", "bwd", "step")):
+            res[f"{name}_{part}"] = statistics.median(x[j] for x in p)
+    res["ratio"] = res["cached"] / res["resident"]
+    res["ratio_paired"] = statistics.median(
+        sum(c) / sum(r) for c, r in zip(parts["cached"], parts["resident"], strict=True)
     )
+    res["max_diff"] = float((cached.full_weight() - resident.weight.detach()).abs().max())
+    for c in counters:
+        c.close()
+    return res
 
 
+# ----------------------------------------------------------------------------- exactness
 OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
     "SGD": lambda p: torch.optim.SGD(p, lr=0.05),
     "SGD weight_decay=0.01": lambda p: torch.optim.SGD(p, lr=0.05, weight_decay=0.01),
@@ -172,28 +360,44 @@ def exactness(make_opt: Callable, dtype: torch.dtype, steps: int = 200) -> float
     return float((cached.full_weight() - ref).abs().max() / ref.abs().max())
 
 
+# ----------------------------------------------------------------------------- main
+def _streams(args: argparse.Namespace) -> list[tuple[str, torch.Tensor, int, int]]:
+    streams = []
+    if (args.data / "ratings.csv").is_file():
+        items, n_items = movielens_items(args.data)
+        streams.append(("MovieLens items, time order", items, n_items, 1024))
+    else:
+        print(f"(MovieLens not found at {args.data}: its rows are left out)")
+    z = zipf_stream(args.zipf_rows, args.zipf_ids)
+    streams.append((f"Zipf(1.05), {args.zipf_ids:,} ids", z, args.zipf_rows, args.zipf_batch))
+    return streams
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", type=Path, default=Path("../shared/data/movielens-small"))
     parser.add_argument("--zipf-ids", type=int, default=10_000_000)
     parser.add_argument("--zipf-rows", type=int, default=1_000_000)
+    parser.add_argument("--zipf-batch", type=int, default=4096, help="ids per Zipf batch (1, 5)")
     parser.add_argument("--sizes", default="1000000,4000000,8000000")
-    parser.add_argument("--batch", type=int, default=4096, help="ids per step in table 2")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per configuration")
-    parser.add_argument("--skip", default="", help="comma list of tables to skip (1,2,3,4)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="table 2 columns")
+    parser.add_argument("--cache-rows", type=int, default=100_000, help="fixed cache, table 2")
+    parser.add_argument("--batch", type=int, default=4096, help="ids per step in tables 2 and 3")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
+    parser.add_argument("--warmup", type=int, default=60, help="warm-up steps of cached tables")
+    parser.add_argument("--hit-steps", type=int, default=40, help="timed steps per table 3 row")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--bounds-zipf", action="store_true", help="table 5 for Zipf too")
+    parser.add_argument("--skip", default="", help="comma list of tables to skip (1,...,5)")
     args = parser.parse_args()
     skip = set(args.skip.split(",")) if args.skip else set()
-    torch.set_num_threads(2)
+    variants = args.variants.split(",")
+    if unknown := set(variants) - set(VARIANTS):
+        parser.error(f"--variants: unknown {sorted(unknown)}; expected some of {VARIANTS}")
+    torch.set_num_threads(args.threads)
+    streams = _streams(args) if not {"1", "5"} <= skip else []
 
     if "1" not in skip:
-        streams = []
-        if (args.data / "ratings.csv").is_file():
-            items, n_items = movielens_items(args.data)
-            streams.append(("MovieLens items, time order", items, n_items, 1024))
-        else:
-            print(f"(MovieLens not found at {args.data}: its rows are left out)")
-        z = zipf_stream(args.zipf_rows, args.zipf_ids)
-        streams.append((f"Zipf(1.05), {args.zipf_ids:,} ids", z, args.zipf_rows, 8192))
         print("\n## 1. Hit rate (unique ids per batch found in the cache)\n")
         print(
             "| stream | rows | cache | batch | policy | moves | hit rate (unique ids) | "
@@ -201,41 +405,72 @@ def main() -> None:
         )
         print("|---|---:|---:|---:|---|---|---:|---:|---:|")
         for name, stream, rows, max_batch in streams:
-            for fraction, policy, block, batch, rate, lookup_rate, ms in hit_rates(
+            for fraction, policy, moves, batch, rate, lookup_rate, ms in hit_rates(
                 stream, rows, max_batch
             ):
-                moves = "row" if block == 1 else f"chunk {block}"
                 head = (
                     f"| {name} | {rows:,} | {fraction:.0%} | {batch} | {policy.upper()} | {moves} |"
                 )
                 if rate is None:
-                    print(f"{head} fails: {ms} | | |")
+                    print(f"{head} fails: {ms} | | |", flush=True)
                 else:
-                    print(f"{head} {rate:.1%} | {lookup_rate:.1%} | {ms:.2f} |")
+                    print(f"{head} {rate:.1%} | {lookup_rate:.1%} | {ms:.2f} |", flush=True)
 
     if "2" not in skip:
         print(f"\n## 2. Adam step time (s), batch {args.batch} ids in bags of 8, dim {DIM}\n")
-        print("| rows | resident | cached 10 % | offloaded | cached / cached at smallest |")
-        print("|---:|---:|---:|---:|---:|")
-        first_cached = None
+        names = {
+            "resident": "resident",
+            "cached10": "cached 10 %",
+            "cached": f"cached {args.cache_rows:,} rows",
+            "offloaded": "offloaded",
+        }
+        cols = [names[v] for v in variants]
+        extra = [f"{names[v]} / at smallest" for v in variants if v.startswith("cached")]
+        misses = [f"misses / step, {names[v]}" for v in variants if v.startswith("cached")]
+        print("| rows | " + " | ".join(cols + extra + misses) + " |")
+        print("|---:|" + "---:|" * len(cols + extra + misses))
+        first: dict[str, float] = {}
         for rows in (int(s) for s in args.sizes.split(",")):
-            resident = step_time(lambda rows=rows: _bag(rows), rows, args.batch, args.steps)
-            cached = step_time(lambda rows=rows: _cached(rows, 0.10), rows, args.batch, args.steps)
-            offloaded = step_time(lambda rows=rows: _offloaded(rows), rows, args.batch, args.steps)
-            first_cached = first_cached or cached
-            print(
-                f"| {rows:,} | {resident:.3f} | {cached:.3f} | {offloaded:.3f} | "
-                f"{cached / first_cached:.2f} |"
-            )
+            makers = {
+                "resident": lambda rows=rows: _bag(rows),
+                "cached10": lambda rows=rows: _cached(rows, max(1, rows // 10)),
+                "cached": lambda rows=rows: _cached(rows, min(rows, args.cache_rows)),
+                "offloaded": lambda rows=rows: _offloaded(rows),
+            }
+            times, ratios, miss = [], [], []
+            for v in variants:
+                warm = args.warmup if v.startswith("cached") else 2
+                t, m = step_time(makers[v], rows, args.batch, args.steps, warm)
+                times.append(f"{t:.3f}")
+                if v.startswith("cached"):
+                    first.setdefault(v, t)
+                    ratios.append(f"{t / first[v]:.2f}")
+                    miss.append(f"{m:,.0f}")
+            print(f"| {rows:,} | " + " | ".join(times + ratios + miss) + " |", flush=True)
 
     if "3" not in skip:
         rows = 100_000
-        resident = step_time(lambda: _bag(rows), rows, args.batch, 20)
-        full = step_time(lambda: _cached(rows, 1.0), rows, args.batch, 20)
-        print(f"\n## 3. Whole table cached (100 % hits) vs resident, {rows:,} x {DIM}, Adam\n")
-        print("| resident s | cached 100 % s | ratio |")
-        print("|---:|---:|---:|")
-        print(f"| {resident:.4f} | {full:.4f} | {full / resident:.2f} |")
+        print(
+            f"\n## 3. Whole table cached (100 % hits) vs resident, {rows:,} x {DIM}, Adam, "
+            f"batch {args.batch}, stepped alternately, medians of {args.hit_steps} steps (ms)\n"
+        )
+        print(
+            "| lookup counter | resident fwd / bwd / step | cached fwd / bwd / step | resident | "
+            "cached | ratio | ratio, paired | max abs diff |"
+        )
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        for counter in (False, True):
+            r = full_cache_overhead(rows, args.batch, args.hit_steps, counter)
+
+            def parts(name: str, r: dict[str, float] = r) -> str:
+                return " / ".join(f"{r[f'{name}_{p}'] * 1e3:.1f}" for p in ("fwd", "bwd", "step"))
+
+            print(
+                f"| {'on both' if counter else 'none'} | {parts('resident')} | {parts('cached')} "
+                f"| {r['resident'] * 1e3:.1f} | {r['cached'] * 1e3:.1f} | {r['ratio']:.2f} | "
+                f"{r['ratio_paired']:.2f} | {r['max_diff']:.1e} |",
+                flush=True,
+            )
 
     if "4" not in skip:
         print("\n## 4. Exactness after 200 steps (max |cached - twin| / max |twin|)\n")
@@ -244,7 +479,30 @@ def main() -> None:
         for name, make in OPTIMIZERS.items():
             f32 = exactness(make, torch.float32)
             f64 = exactness(make, torch.float64)
-            print(f"| {name} | {f32:.1e} | {f64:.1e} |")
+            print(f"| {name} | {f32:.1e} | {f64:.1e} |", flush=True)
+
+    if "5" not in skip:
+        print("\n## 5. Upper bounds on the hit rate (same streams and batches as table 1)\n")
+        print(
+            "| stream | cache | batch | static top rows: lookups | static top rows: unique ids "
+            "| Belady: unique ids | Belady: lookups | every row cached: unique ids | "
+            "every row cached: lookups |"
+        )
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for name, stream, rows, max_batch in streams:
+            if name.startswith("Zipf") and not args.bounds_zipf:
+                continue
+            for fraction in (0.01, 0.05, 0.10, 0.25):
+                batch = batch_for(rows, fraction, max_batch)
+                cache_rows = int(rows * fraction)
+                s = static_bounds(stream, cache_rows, batch)
+                b_unique, b_lookups = belady_hit_rates(stream, cache_rows, batch)
+                print(
+                    f"| {name} | {fraction:.0%} | {batch} | {s['static_lookups']:.1%} | "
+                    f"{s['static_unique']:.1%} | {b_unique:.1%} | {b_lookups:.1%} | "
+                    f"{s['every_row_unique']:.1%} | {s['every_row_lookups']:.1%} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":
