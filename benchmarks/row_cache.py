@@ -2,16 +2,15 @@
 
     python benchmarks/row_cache.py --data ../shared/data/movielens-small
 
-Prints five tables (each measured side by side in one run; ``--skip`` leaves tables out):
+Prints six tables (each measured side by side in one run; ``--skip`` leaves tables out):
 
-1. hit rate of :class:`edo_monitor.nn.CachedTable` at caches of 1, 5, 10 and 25 % of the rows, on
-   MovieLens item ids in rating-time order (batches of at most 1,024 ratings) and on a Zipf(1.05)
-   stream of ``--zipf-ids`` ids over ``--zipf-rows`` rows (batches of ``--zipf-batch``), each batch
-   at most half the cache (one batch's rows must fit). The stream goes through the real module
-   (``no_grad`` forwards of a 1-column table: the replacement logic a training step runs, without
-   the row arithmetic). Rows: LFU and LRU moving row by row; LFU moving aligned 512- and 2048-row
-   chunks, with the ids as they are and renumbered by frequency rank in hindsight (the best layout
-   chunks can have); ms per forward of the bookkeeping;
+1. hit rate of :class:`edo_monitor.nn.CachedTable` (LFU, LRU; rows moved one by one) at caches
+   of 1, 5, 10 and 25 % of the rows, on MovieLens item ids in rating-time order (batches of at most
+   1,024 ratings) and on a Zipf(1.05) stream of ``--zipf-ids`` ids over ``--zipf-rows`` rows
+   (batches of ``--zipf-batch``), each batch at most half the cache (one batch's rows must fit).
+   The stream goes through the real module (``no_grad`` forwards of a 1-column table: the
+   replacement logic a training step runs, without the row arithmetic); ms per forward of the
+   bookkeeping;
 2. Adam step time (forward, backward, step) at a fixed batch against table size, ``--sizes`` rows
    x 64: resident ``nn.EmbeddingBag``, cached at 10 % of the table, cached at a fixed
    ``--cache-rows``, offloaded (``OffloadedEmbedding``); cached variants warm up ``--warmup`` steps
@@ -25,7 +24,11 @@ Prints five tables (each measured side by side in one run; ``--skip`` leaves tab
    a static cache of the most frequent rows in hindsight (share of lookups / of a batch's unique
    ids going to them), Belady's furthest-next-use eviction (the optimal replacement for the unique
    ids hit rate: no policy does better), and a cache of every row (only first uses miss).
-   ``--bounds-zipf`` adds the Zipf stream (Belady runs in Python: about a minute a size).
+   ``--bounds-zipf`` adds the Zipf stream (Belady runs in Python: about a minute a size);
+6. chunked moves (aligned 512- and 2048-row chunks, LFU; ids as they are and renumbered by
+   frequency rank in hindsight, the best layout chunks can have) from a 10 % cache that grows
+   until one batch's chunks fit, against rows moved one by one in a cache of the size the chunks
+   needed: cache size, hit rates, rows loaded.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import csv
 import gc
 import heapq
 import itertools
+import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -94,36 +98,62 @@ def batch_for(rows: int, fraction: float, max_batch: int) -> int:
     return max(16, min(max_batch, int(rows * fraction) // 2))
 
 
+def _run_stream(table: CachedTable, ids: torch.Tensor, batch: int) -> float:
+    """Feeds ``ids`` in batches through ``table`` (``no_grad``); ms per forward."""
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for start in range(0, len(ids), batch):
+            table(ids[start : start + batch])
+    return (time.perf_counter() - t0) / -(-len(ids) // batch) * 1e3
+
+
 def hit_rates(stream: torch.Tensor, rows: int, max_batch: int) -> list[tuple]:
-    """Per cache size, policy and moves: (fraction, policy, moves, batch, unique-id hit rate,
-    lookup hit rate, ms per forward or the failure); see the module docstring."""
-    ranked: torch.Tensor | None = None
+    """Per cache size and policy (LFU, LRU; row by row): (fraction, policy, batch, unique-id hit
+    rate, lookup hit rate, ms per forward)."""
     out = []
     for fraction in (0.01, 0.05, 0.10, 0.25):
         batch = batch_for(rows, fraction, max_batch)
-        runs = [("lfu", 1, False), ("lru", 1, False)]
-        runs += [("lfu", block, rank) for block in (512, 2048) for rank in (False, True)]
-        for policy, block, rank in runs:
-            if rank and ranked is None:
-                ranked = by_rank(stream, rows)
-            ids = ranked if rank else stream
-            moves = "row" if block == 1 else f"chunk {block}" + (", ids by rank" if rank else "")
+        for policy in ("lfu", "lru"):
             table = CachedEmbedding(
-                rows, 1, max(block, int(rows * fraction)), policy=policy, block_rows=block,
-                _freeze=True, overflow="error",
-            )  # fmt: skip
-            t0 = time.perf_counter()
-            try:
-                with torch.no_grad():
-                    for start in range(0, len(ids), batch):
-                        table(ids[start : start + batch])
-            except RuntimeError as exc:  # one batch's blocks do not fit in the cache
-                msg = str(exc).split(" (")[0]
-                out.append((fraction, policy, moves, batch, None, None, msg))
-                continue
-            ms_fwd = (time.perf_counter() - t0) / -(-len(ids) // batch) * 1e3
+                rows, 1, int(rows * fraction), policy=policy, _freeze=True, overflow="error"
+            )
+            ms = _run_stream(table, stream, batch)
             st = table.stats()
-            out.append((fraction, policy, moves, batch, st.hit_rate, st.lookup_hit_rate, ms_fwd))
+            out.append((fraction, policy, batch, st.hit_rate, st.lookup_hit_rate, ms))
+    return out
+
+
+def chunk_rates(stream: torch.Tensor, rows: int, max_batch: int) -> list[tuple]:
+    """Chunked moves (LFU, aligned 512- and 2048-row chunks; ids as they are and renumbered by
+    frequency rank) from a 10 % cache that grows whenever a batch's chunks do not fit, then rows
+    (LFU) in a cache of the size the chunks grew to, same batches (the 10 % batch of table 1).
+    Per run: (moves, ids, batch, cache rows at the end, hit rate of unique ids (of chunks when
+    chunked), lookup hit rate, rows loaded, ms per forward)."""
+    batch = batch_for(rows, 0.10, max_batch)
+    ranked = by_rank(stream, rows)
+    logger = logging.getLogger("edo_monitor.nn.cached")
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # one growth warning a batch otherwise
+    out = []
+
+    def run(block: int, ids: torch.Tensor, cache_rows: int, name: str) -> int:
+        table = CachedEmbedding(
+            rows, 1, cache_rows, block_rows=block, _freeze=True, overflow="grow"
+        )
+        ms = _run_stream(table, ids, batch)
+        st = table.stats()
+        moved = st.h2d_bytes // table.weight.element_size()  # 1 column, no optimizer state
+        moves = "row" if block == 1 else f"chunk {block}"
+        out.append((moves, name, batch, st.cache_rows, st.hit_rate, st.lookup_hit_rate, moved, ms))
+        return st.cache_rows
+
+    try:
+        for block in (512, 2048):
+            for name, ids in (("as stored", stream), ("by rank", ranked)):
+                grown = run(block, ids, max(block, rows // 10), name)
+                run(1, ids, grown, name)  # rows in a cache of the size the chunks needed
+    finally:
+        logger.setLevel(level)
     return out
 
 
@@ -388,33 +418,31 @@ def main() -> None:
     parser.add_argument("--hit-steps", type=int, default=40, help="timed steps per table 3 row")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--bounds-zipf", action="store_true", help="table 5 for Zipf too")
-    parser.add_argument("--skip", default="", help="comma list of tables to skip (1,...,5)")
+    parser.add_argument("--skip", default="", help="comma list of tables to skip (1,...,6)")
     args = parser.parse_args()
     skip = set(args.skip.split(",")) if args.skip else set()
     variants = args.variants.split(",")
     if unknown := set(variants) - set(VARIANTS):
         parser.error(f"--variants: unknown {sorted(unknown)}; expected some of {VARIANTS}")
     torch.set_num_threads(args.threads)
-    streams = _streams(args) if not {"1", "5"} <= skip else []
+    streams = _streams(args) if not {"1", "5", "6"} <= skip else []
 
     if "1" not in skip:
-        print("\n## 1. Hit rate (unique ids per batch found in the cache)\n")
+        print("\n## 1. Hit rate (unique ids per batch found in the cache), rows moved one by one\n")
         print(
-            "| stream | rows | cache | batch | policy | moves | hit rate (unique ids) | "
+            "| stream | rows | cache | batch | policy | hit rate (unique ids) | "
             "hit rate (lookups) | ms / forward |"
         )
-        print("|---|---:|---:|---:|---|---|---:|---:|---:|")
+        print("|---|---:|---:|---:|---|---:|---:|---:|")
         for name, stream, rows, max_batch in streams:
-            for fraction, policy, moves, batch, rate, lookup_rate, ms in hit_rates(
+            for fraction, policy, batch, rate, lookup_rate, ms in hit_rates(
                 stream, rows, max_batch
             ):
-                head = (
-                    f"| {name} | {rows:,} | {fraction:.0%} | {batch} | {policy.upper()} | {moves} |"
+                print(
+                    f"| {name} | {rows:,} | {fraction:.0%} | {batch} | {policy.upper()} | "
+                    f"{rate:.1%} | {lookup_rate:.1%} | {ms:.2f} |",
+                    flush=True,
                 )
-                if rate is None:
-                    print(f"{head} fails: {ms} | | |", flush=True)
-                else:
-                    print(f"{head} {rate:.1%} | {lookup_rate:.1%} | {ms:.2f} |", flush=True)
 
     if "2" not in skip:
         print(f"\n## 2. Adam step time (s), batch {args.batch} ids in bags of 8, dim {DIM}\n")
@@ -501,6 +529,27 @@ def main() -> None:
                     f"| {name} | {fraction:.0%} | {batch} | {s['static_lookups']:.1%} | "
                     f"{s['static_unique']:.1%} | {b_unique:.1%} | {b_lookups:.1%} | "
                     f"{s['every_row_unique']:.1%} | {s['every_row_lookups']:.1%} |",
+                    flush=True,
+                )
+
+    if "6" not in skip:
+        print(
+            "\n## 6. Chunked moves against rows (LFU; a 10 % cache that grows until a batch's "
+            "chunks fit, then rows in a cache of that size)\n"
+        )
+        print(
+            "| stream | ids | batch | moves | cache rows at the end | % of the table | "
+            "hit rate (unique ids / chunks) | hit rate (lookups) | rows loaded | ms / forward |"
+        )
+        print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|")
+        for name, stream, rows, max_batch in streams:
+            for moves, ids, batch, cache_rows, rate, lookup_rate, moved, ms in chunk_rates(
+                stream, rows, max_batch
+            ):
+                print(
+                    f"| {name} | {ids} | {batch} | {moves} | {cache_rows:,} | "
+                    f"{cache_rows / rows:.0%} | {rate:.1%} | {lookup_rate:.1%} | {moved:,} | "
+                    f"{ms:.2f} |",
                     flush=True,
                 )
 
