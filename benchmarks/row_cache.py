@@ -2,7 +2,7 @@
 
     python benchmarks/row_cache.py --data ../shared/data/movielens-small
 
-Prints six tables (each measured side by side in one run; ``--skip`` leaves tables out):
+Prints seven tables (each measured side by side in one run; ``--skip`` leaves tables out):
 
 1. hit rate of :class:`edo_monitor.nn.CachedTable` (LFU, LRU; rows moved one by one) at caches
    of 1, 5, 10 and 25 % of the rows, on MovieLens item ids in rating-time order (batches of at most
@@ -13,8 +13,9 @@ Prints six tables (each measured side by side in one run; ``--skip`` leaves tabl
    bookkeeping;
 2. Adam step time (forward, backward, step) at a fixed batch against table size, ``--sizes`` rows
    x 64: resident ``nn.EmbeddingBag``, cached at 10 % of the table, cached at a fixed
-   ``--cache-rows``, offloaded (``OffloadedEmbedding``); cached variants warm up ``--warmup`` steps
-   first (the cache fills and evicts: steady state); misses per timed step;
+   ``--cache-rows``, offloaded (``OffloadedEmbedding``), one after the other; cached variants
+   warm up ``--warmup`` steps first (not always enough to fill the cache: table 7 measures the
+   fixed cache at steady state); misses per timed step;
 3. a cache holding the whole table (100 % hits) against resident, stepped alternately on the same
    batches (bare, and with the agent's ``LookupCounter`` on both tables as ``watch()`` installs
    it): medians of forward, backward, step; ratio;
@@ -28,7 +29,10 @@ Prints six tables (each measured side by side in one run; ``--skip`` leaves tabl
 6. chunked moves (aligned 512- and 2048-row chunks, LFU; ids as they are and renumbered by
    frequency rank in hindsight, the best layout chunks can have) from a 10 % cache that grows
    until one batch's chunks fit, against rows moved one by one in a cache of the size the chunks
-   needed: cache size, hit rates, rows loaded.
+   needed: cache size, hit rates, rows loaded;
+7. the step time of a cache of a fixed ``--cache-rows`` rows over tables of ``--sizes`` rows, all
+   in memory at once and stepped alternately, each at steady state (cache full, then
+   ``--fixed-warmup`` steps); the goal's figure for "the step does not depend on the table".
 """
 
 from __future__ import annotations
@@ -300,6 +304,67 @@ def _cached(rows: int, cache_rows: int) -> nn.Module:
     return CachedEmbeddingBag(rows, DIM, cache_rows, mode="sum")
 
 
+def fixed_cache_scaling(
+    sizes: list[int], cache_rows: int, batch: int, warmup: int, steps: int
+) -> list[dict[str, float]]:
+    """One cached table of ``cache_rows`` rows per size in ``sizes`` (all in memory at once),
+    stepped alternately (Adam; which goes first rotates) so load on the machine hits every size
+    alike. Each is stepped until its cache is full (no free slot) and ``warmup`` steps more (Adam's
+    catch-up window is 286 steps: rows coming back then have missed up to that many), then
+    ``steps`` timed rounds. Per size: ``rows``, ``median_s`` (whole step), ``fwd_s`` (forward:
+    the cache's bookkeeping and row moves), ``misses``, ``evicted`` (per timed step),
+    ``ratio`` (median over the smallest size's) and ``ratio_paired`` (median of the per-round
+    ratios to the smallest size)."""
+    tables, opts, gens = [], [], []
+    for rows in sizes:
+        tables.append(_cached(rows, min(rows, cache_rows)))
+        opts.append(torch.optim.Adam(tables[-1].parameters(), lr=1e-3))
+        gens.append(torch.Generator().manual_seed(0))
+    offsets = torch.arange(0, batch, 8)
+
+    def step(k: int) -> tuple[float, float]:
+        ids = _zipf_batch(sizes[k], batch, gens[k])
+        t0 = time.perf_counter()
+        out = tables[k](ids, offsets)
+        t1 = time.perf_counter()
+        out.pow(2).mean().backward()
+        opts[k].step()
+        opts[k].zero_grad()
+        return time.perf_counter() - t0, t1 - t0
+
+    for k, table in enumerate(tables):
+        while bool((table.slot_to_block < 0).any()):
+            step(k)
+    for _ in range(warmup):
+        for k in range(len(tables)):
+            step(k)
+    before = [t.stats() for t in tables]
+    times: list[list[tuple[float, float]]] = [[] for _ in tables]
+    for i in range(steps):
+        order = list(range(len(tables)))
+        order = order[i % len(order) :] + order[: i % len(order)]
+        for k in order:
+            times[k].append(step(k))
+    out = []
+    for k, rows in enumerate(sizes):
+        st = tables[k].stats()
+        out.append(
+            {
+                "rows": rows,
+                "median_s": statistics.median(t for t, _ in times[k]),
+                "fwd_s": statistics.median(f for _, f in times[k]),
+                "misses": (st.misses - before[k].misses) / steps,
+                "evicted": (st.evicted - before[k].evicted) / steps,
+            }
+        )
+    for k, res in enumerate(out):
+        res["ratio"] = res["median_s"] / out[0]["median_s"]
+        res["ratio_paired"] = statistics.median(
+            a / b for (a, _), (b, _) in zip(times[k], times[0], strict=True)
+        )
+    return out
+
+
 def full_cache_overhead(rows: int, batch: int, steps: int, counter: bool) -> dict[str, float]:
     """A cache of every row (warm-started: 100 % hits) and a resident twin, stepped alternately
     (Adam, the same batches; which goes first alternates too). Medians in seconds: ``{variant}``
@@ -415,10 +480,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4096, help="ids per step in tables 2 and 3")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=60, help="warm-up steps of cached tables")
+    parser.add_argument("--fixed-warmup", type=int, default=300, help="table 7 warm-up steps")
+    parser.add_argument("--fixed-steps", type=int, default=20, help="table 7 timed rounds")
     parser.add_argument("--hit-steps", type=int, default=40, help="timed steps per table 3 row")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--bounds-zipf", action="store_true", help="table 5 for Zipf too")
-    parser.add_argument("--skip", default="", help="comma list of tables to skip (1,...,6)")
+    parser.add_argument("--skip", default="", help="comma list of tables to skip (1,...,7)")
     args = parser.parse_args()
     skip = set(args.skip.split(",")) if args.skip else set()
     variants = args.variants.split(",")
@@ -475,6 +542,27 @@ def main() -> None:
                     ratios.append(f"{t / first[v]:.2f}")
                     miss.append(f"{m:,.0f}")
             print(f"| {rows:,} | " + " | ".join(times + ratios + miss) + " |", flush=True)
+
+    if "7" not in skip:
+        sizes = [int(x) for x in args.sizes.split(",")]
+        print(
+            f"\n## 7. A cache of {args.cache_rows:,} rows against table size, stepped alternately "
+            f"(Adam, batch {args.batch} ids in bags of 8, dim {DIM}; each cache full, then "
+            f"{args.fixed_warmup} steps more; medians of {args.fixed_steps} rounds)\n"
+        )
+        print(
+            "| rows | step s | forward s | misses / step | evicted / step | ratio to smallest | "
+            "ratio to smallest, paired |"
+        )
+        print("|---:|---:|---:|---:|---:|---:|---:|")
+        for r in fixed_cache_scaling(
+            sizes, args.cache_rows, args.batch, args.fixed_warmup, args.fixed_steps
+        ):
+            print(
+                f"| {r['rows']:,} | {r['median_s']:.3f} | {r['fwd_s']:.3f} | {r['misses']:,.0f} | "
+                f"{r['evicted']:,.0f} | {r['ratio']:.2f} | {r['ratio_paired']:.2f} |",
+                flush=True,
+            )
 
     if "3" not in skip:
         rows = 100_000
