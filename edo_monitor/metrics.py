@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socketserver
 import sys
 import threading
@@ -417,22 +418,54 @@ def serve_history(
     on_ready: Callable[[MetricsServer], None] | None = None,
     stop: threading.Event | None = None,
 ) -> None:
-    """Serve the latest readings of every running run of ``db`` until ``stop`` is set (or Ctrl-C).
+    """Serve the latest readings of every running run of ``db`` until ``stop`` is set, SIGTERM
+    (returns) or Ctrl-C (raises ``KeyboardInterrupt`` once the server is closed).
+
+    Called from the main thread, it handles SIGINT and SIGTERM itself for as long as it serves
+    (unblocking them, and replacing an inherited "ignore"), so a service manager's SIGTERM and a
+    Ctrl-C both stop it cleanly; the previous handlers are put back.
 
     Raises:
         ConfigError: ``prometheus_client`` missing, bad ``db``. StoreError: unusable database.
-        OSError: the address cannot be bound.
+        OSError: the address cannot be bound. KeyboardInterrupt: after Ctrl-C (SIGINT).
     """
     from edo_monitor.store.history import History
 
     require_prometheus()
+    stop = stop or threading.Event()
+    received: list[int] = []
+    restore = _stop_on_signals(stop, received)
     history = History(db, readonly=True)
     try:
         with MetricsServer(HistoryCollector(history), host, port) as server:
             if on_ready is not None:
                 on_ready(server)
-            stop = stop or threading.Event()
             while not stop.wait(1.0):
                 pass
     finally:
+        restore()
         history.close()
+    if signal.SIGINT in received:
+        raise KeyboardInterrupt
+
+
+def _stop_on_signals(stop: threading.Event, received: list[int]) -> Callable[[], None]:
+    """Make SIGINT and SIGTERM set ``stop`` (main thread only; elsewhere nothing changes).
+    Returns what puts the previous handlers and signal mask back."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    wanted = (signal.SIGINT, signal.SIGTERM)
+
+    def handler(signum: int, _frame: Any) -> None:
+        received.append(signum)
+        stop.set()
+
+    previous = {s: signal.signal(s, handler) for s in wanted}
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, wanted)
+
+    def restore() -> None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+    return restore

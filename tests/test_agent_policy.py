@@ -72,7 +72,10 @@ def test_auto_mode_offloads_and_hooks_run_on_the_training_thread(db_path: Path) 
     assert mon.latest.free_fraction == pytest.approx((BUDGET - in_use) / BUDGET)
     with History(db_path) as history:
         kinds = [e.kind for e in history.events("latest")]
-    assert kinds[:3] == ["threshold_crossed", "decision", "action"]
+    # a crossing may be recorded between a decision and its action (the sampler keeps reading
+    # while the decision waits for the step boundary)
+    acting = [k for k in kinds if k != "threshold_crossed"]
+    assert kinds[0] == "threshold_crossed" and acting[:2] == ["decision", "action"]
 
 
 def test_advise_mode_records_without_changing_the_model(db_path: Path) -> None:

@@ -15,7 +15,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -266,13 +266,16 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "edo_monitor.cli", *args]
 
 
-def start_central(db_path: Path) -> tuple[subprocess.Popen[str], str]:
+def start_central(
+    db_path: Path, preexec_fn: Callable[[], None] | None = None
+) -> tuple[subprocess.Popen[str], str]:
     """``edo-monitor metrics --db DB --port 0`` in a subprocess, and the URL it printed."""
     proc = subprocess.Popen(
         _cli("metrics", "--db", str(db_path), "--port", "0"),
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
+        preexec_fn=preexec_fn,
     )
     line = proc.stdout.readline()  # type: ignore[union-attr]
     if not line.startswith("serving http://127.0.0.1:"):
@@ -329,6 +332,30 @@ def test_central_metrics_serve_running_runs_from_the_database(db_path: Path) -> 
         poll(lambda: not values(scrape(url), "edo_params_bytes"), "the finished run to go")
     finally:
         assert stop(server) == 130  # the documented Ctrl-C exit code
+
+
+def _ignore_and_block_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+
+def test_central_metrics_stop_on_sigterm_and_on_ctrl_c_even_if_inherited_ignored(
+    db_path: Path,
+) -> None:
+    """A service manager's SIGTERM stops ``edo-monitor metrics`` cleanly (exit 0); Ctrl-C gives
+    130 even when the server was started with SIGINT ignored and blocked (both are inherited
+    through exec, as from a shell's background job or a parent that blocked them)."""
+    model, opt = linear_and_opt()
+    with edo_monitor.watch(model, opt, db=db_path, interval_s=0.01):  # creates the file
+        train(model, opt, 2)
+    server, url = start_central(db_path)
+    assert not values(scrape(url), "edo_params_bytes")  # no running run
+    server.send_signal(signal.SIGTERM)
+    assert server.wait(timeout=60) == 0
+    server.stdout.close()  # type: ignore[union-attr]
+    server, url = start_central(db_path, preexec_fn=_ignore_and_block_sigint)
+    scrape(url)
+    assert stop(server) == 130
 
 
 def test_central_metrics_errors_follow_the_exit_codes(tmp_path: Path) -> None:

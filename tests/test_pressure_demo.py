@@ -46,16 +46,21 @@ def test_tuned_run_survives_and_untuned_run_runs_out_of_memory(tmp_path: Path) -
         "SELECT kind, step, data FROM events WHERE run_id=? ORDER BY id", (run_id,)
     ).fetchall()
     kinds = [k for k, _, _ in events]
-    assert kinds[:3] == ["threshold_crossed", "decision", "action"]
+    # the sampler keeps reading while a decision waits for the step boundary, so a crossing may
+    # be recorded between a decision and its action (it was, once, in a loaded CI run)
+    acting = [k for k in kinds if k != "threshold_crossed"]
+    assert kinds[0] == "threshold_crossed" and acting[:2] == ["decision", "action"]
     crossed_below = json.loads(events[0][2])
     assert crossed_below["direction"] == "below" and crossed_below["free_fraction"] < 0.20
-    action = json.loads(events[2][2])
+    i_action = kinds.index("action")
+    action = json.loads(events[i_action][2])
     # rows that left the device x (weight + grad + Adam's two states) x dim x 4 bytes
     rows_left = 100_003 - action["details"]["cache_rows"]
     assert action["saved_bytes"] == rows_left * 64 * 4 * 4 == action["estimated_saving_bytes"]
     # applied at most one step after the reading that crossed the floor
-    assert events[2][1] - action["decided_at_step"] <= 1
-    assert "threshold_crossed" in kinds[3:]  # back above the re-arm level
+    assert events[i_action][1] - action["decided_at_step"] <= 1
+    back_above = [json.loads(d)["direction"] for k, _, d in events[1:] if k == "threshold_crossed"]
+    assert "above" in back_above  # back above the re-arm level
     last = con.execute(
         "SELECT free_fraction FROM samples WHERE run_id=? ORDER BY id DESC LIMIT 1", (run_id,)
     ).fetchone()[0]
