@@ -99,6 +99,7 @@ import edo_monitor
 from edo_monitor.actions.checkpoint_activations import ActivationRecorder
 from edo_monitor.agent.activations import ActivationTracker, _Saved
 from edo_monitor.agent.monitor import DEFAULT_INTERVAL_S, Monitor
+from edo_monitor.agent.safe_point import SafePoint
 from edo_monitor.readings import Reading
 from edo_monitor.store.engine import open_engine
 from edo_monitor.store.models import Run, Sample
@@ -180,10 +181,10 @@ class AgentTimer:
     """
 
     PARTS: tuple[tuple[str, type, str], ...] = (
-        ("step hook (safe point), total", Monitor, "_on_optimizer_step"),
+        ("step hook (safe point), total", SafePoint, "on_optimizer_step"),
         ("  of which accounting", Monitor, "_account"),
-        ("  of which profile arm", Monitor, "_arm_activation_profile"),
-        ("  of which profile collect", Monitor, "_collect_activation_profile"),
+        ("  of which profile arm", SafePoint, "arm_activation_profile"),
+        ("  of which profile collect", SafePoint, "collect_activation_profile"),
         ("saved-tensor pack hook (tracker)", ActivationTracker, "pack"),
         ("saved-tensor unpack hook (tracker)", ActivationTracker, "unpack"),
         ("saved-tensor holder release (tracker)", _Saved, "__del__"),

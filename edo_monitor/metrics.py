@@ -232,12 +232,12 @@ class MonitorCollector:
         fields = reading.as_dict() if reading is not None else {}
         actions = Counter(
             str(a.get("action"))
-            for a in list(m._actions)
+            for a in list(m._log.actions)
             if a.get("status", "applied") == "applied"
         )
         counters = {
             "steps": m.steps,
-            "ooms": m._events.get("oom", 0),
+            "ooms": m._log.counts.get("oom", 0),
             "alloc_retries": fields.get("num_alloc_retries"),
             "actions": actions,
         }

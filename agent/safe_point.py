@@ -1,0 +1,281 @@
+"""The step boundary on the training thread: :class:`SafePoint`.
+
+The only place the model or optimizer changes (DESIGN.md §3 rule 1). It runs in the global
+optimizer step post-hook of the primary optimizer (the first one found stepping the watched
+model's parameters, or the one passed), or in ``Monitor.step()`` for loops without one, and in
+that order:
+
+1. the per-module activation profile of the step just recorded (table actions need one);
+2. the accounting while gradients and optimizer state are all alive (the step's peak of static
+   memory; asked for by the sampler after each reading, or every step when enforcing);
+3. the CPU budget enforced against this step's peak (``enforce=True``);
+4. the policy's ``on_pressure`` hooks, then its pending decision applied (the tuner);
+5. closing the step (in ``finally``): count it, reset the activation peak, check for steady
+   growth, arm the next profile.
+
+Between a failed attempt of ``Monitor.run_step`` and its retry, :meth:`SafePoint.recovery_point`
+runs step 4 only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from edo_monitor.accounting import Accounting
+from edo_monitor.actions.checkpoint_activations import ActivationRecorder
+from edo_monitor.actions.enforce import enforce_budget
+from edo_monitor.errors import BudgetOutOfMemoryError
+from edo_monitor.leaks import GrowthDetector
+from edo_monitor.units import format_bytes
+
+if TYPE_CHECKING:
+    from edo_monitor.agent.monitor import Monitor
+
+__all__ = ["SafePoint"]
+
+
+class SafePoint:
+    """Step counting, measurement and the application of decisions at each step boundary.
+
+    Args:
+        monitor: the run (read: model, optimizers, policy, tracker, budget; written: ``steps``,
+            ``optimizers``, ``activation_profile``).
+
+    Attributes:
+        enforcing: the CPU budget is enforced (``enforce=True`` in CPU-budget mode).
+        step_accounting: the accounting of the last step boundary (``None`` before one); the
+            readings use it.
+        want_accounting: the sampler has taken a reading since: account at the next boundary.
+        primary: the optimizer whose steps are counted (``None`` until found).
+    """
+
+    def __init__(self, monitor: Monitor) -> None:
+        self.m = monitor
+        self.enforcing = False
+        self.step_accounting: Accounting | None = None
+        self.want_accounting = False
+        self.primary: torch.optim.Optimizer | None = (
+            monitor.optimizers[0] if monitor.optimizers else None
+        )
+        self._explicit_optimizers = bool(monitor.optimizers)
+        self._classified: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._hook_handle: Any = None
+        self._last_static_bytes = 0
+        self._recorder: ActivationRecorder | None = None
+        self._profiled_at_s = -float("inf")
+        self._leaks = GrowthDetector()  # steady growth of saved tensors across steps
+
+    # ------------------------------------------------------------------ hooks
+    def install(self) -> None:
+        """Register the global optimizer step post-hook."""
+        self._last_static_bytes = self.m.accounting.total_bytes
+        self._hook_handle = register_optimizer_step_post_hook(self.on_optimizer_step)
+
+    def remove(self) -> None:
+        """Remove the step hook (idempotent)."""
+        if self._hook_handle is not None:
+            self._hook_handle.remove()
+            self._hook_handle = None
+
+    def _inactive(self) -> bool:
+        """A forked child, or a block that is closing."""
+        return os.getpid() != self.m._pid or self.m._stop.is_set()
+
+    def on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """PyTorch's global optimizer step post-hook: the safe point of the primary optimizer."""
+        if self._inactive():
+            return
+        try:
+            if optimizer is not self.primary and not self._classify(optimizer):
+                return
+            if optimizer is self.primary:
+                self.run(count=True)
+        except BudgetOutOfMemoryError:
+            raise  # enforce=True: the budget's out-of-memory error is the user's to see
+        except Exception as exc:
+            self.m._agent_error("step hook", exc)
+
+    def _classify(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer`` steps the watched model (remembered per optimizer)."""
+        known = self._classified.get(optimizer)
+        if known is not None:
+            return known
+        m = self.m
+        if self._explicit_optimizers:
+            steps_model = optimizer in m.optimizers
+        elif m.model is None:
+            steps_model = self.primary is None
+        else:
+            ids = {id(p) for p in m.model.parameters()}
+            steps_model = any(id(p) in ids for g in optimizer.param_groups for p in g["params"])
+        self._classified[optimizer] = steps_model
+        if steps_model:
+            if optimizer not in m.optimizers:
+                m.optimizers.append(optimizer)
+            if self.primary is None:
+                self.primary = optimizer
+        return steps_model
+
+    def step(self) -> None:
+        """``Monitor.step()``: a safe point that counts a step only while no optimizer of the
+        model has been found."""
+        if self._inactive() or self.m.status != "running":
+            return  # a forked child, a closed block, or a Monitor never entered
+        try:
+            self.run(count=self.primary is None)
+        except BudgetOutOfMemoryError:
+            raise  # enforce=True: the budget's out-of-memory error is the user's to see
+        except Exception as exc:
+            self.m._agent_error("step", exc)
+
+    def recovery_point(self) -> None:
+        """Between a failed attempt and its retry (``run_step``): pressure hooks, then the
+        pending policy action (no step is counted, nothing is measured). Never raises."""
+        if self._inactive() or self.m.status != "running":
+            return
+        try:
+            self.m._tuner.deliver_pressure_hooks()
+            self.m._tuner.apply_pending_decision()
+        except Exception as exc:
+            self.m._agent_error("recovery point", exc)
+
+    # ------------------------------------------------------------------ the boundary
+    def run(self, *, count: bool) -> None:
+        """The step boundary, on the training thread: the only place the model may change.
+
+        Order: measure the step (accounting while gradients live; the activation profile), enforce
+        the CPU budget against this step's peak, apply the pending decision, then close the step.
+        Closing the step (count, activation peak, next profile) runs in ``finally``: an exception
+        anywhere before it (the budget's out-of-memory error included: the optimizer step has run)
+        never leaves the count behind or merges two steps.
+
+        Raises:
+            BudgetOutOfMemoryError: ``enforce=True`` and this step's peak exceeds the budget.
+            Exception: with ``strict=True``, a failure inside the agent held back until now.
+        """
+        m = self.m
+        tracker = m._tracker
+        try:
+            # the profile first: the readings that see this step's accounting see its profile
+            # too (table actions need one; recording starts on entering, so step 1 has it)
+            self.collect_activation_profile()
+            if self.want_accounting or self.enforcing:
+                # between optimizer step and zero_grad, gradients and optimizer state are all
+                # alive: the step's peak of static memory (the sampler may land anywhere)
+                self.want_accounting = False
+                self.step_accounting = m._account()
+            if self.enforcing and self.step_accounting is not None:
+                static = self.step_accounting.total_bytes
+                if tracker is not None:
+                    tracker.static_bytes = static
+                # the highest saved bytes alive at once during this step (retained ones included)
+                activations = tracker.step_peak_bytes if tracker is not None else 0
+                last_static, self._last_static_bytes = self._last_static_bytes, static
+                if static + activations > (m.budget_bytes or 0):
+                    self.budget_exceeded(static - last_static, static + activations)
+            m._tuner.deliver_pressure_hooks()
+            m._tuner.apply_pending_decision()
+        finally:
+            self._close_step(count)
+        if m.strict:
+            err = m._log.take_pending_error()
+            if err is not None:
+                raise err
+
+    def _close_step(self, count: bool) -> None:
+        """Step bookkeeping; each part guarded so one failure cannot skip the others."""
+        m = self.m
+        if count:
+            m.steps += 1
+            writer = m._run.writer
+            if writer is not None:
+                writer.run_values["steps"] = m.steps
+            if m._tracker is not None:
+                try:
+                    m._tracker.end_step()
+                    self._check_growth(m._tracker.live_bytes)
+                except Exception as exc:
+                    m._agent_error("closing the step", exc)
+        try:
+            self.arm_activation_profile()
+        except Exception as exc:
+            m._agent_error("activation profile", exc)
+
+    def _check_growth(self, activations_bytes: int) -> None:
+        """Saved tensors alive at the step boundary: steady growth is a ``leak_suspected``."""
+        suspicion = self._leaks.add(self.m.steps, "activations", activations_bytes)
+        if suspicion is not None:
+            self.m._emit(
+                "leak_suspected",
+                f"{suspicion.category} grow by {format_bytes(int(suspicion.growth_bytes_per_step))}"
+                f" per step (steps {suspicion.first_step}-{suspicion.last_step})",
+                dataclasses.asdict(suspicion),
+            )
+
+    def budget_exceeded(self, requested_bytes: int, in_use_bytes: int) -> None:
+        """Raise the CPU-budget out-of-memory error, recorded as an ``oom`` event first (so it is
+        in the history even when the user catches it).
+
+        Raises:
+            BudgetOutOfMemoryError: always.
+        """
+        budget = self.m.budget_bytes
+        assert budget is not None
+        try:
+            # at least the excess, as enforce_budget reports it; "accounted" is what was in use
+            # before the request that failed
+            requested = max(1, requested_bytes, in_use_bytes - budget)
+            enforce_budget(
+                budget,
+                in_use_bytes,
+                accounted_bytes=in_use_bytes - requested,  # in use before the failed request
+                requested_bytes=requested,
+            )
+        except BudgetOutOfMemoryError as exc:
+            self.m._record_oom(exc)
+            exc._edo_recorded = True  # type: ignore[attr-defined]
+            raise
+
+    # ------------------------------------------------------------------ activation profile
+    def arm_activation_profile(self) -> None:
+        """Every ``profile_interval_s``, record the next step's forward per module."""
+        m = self.m
+        if (
+            not m.track_activations
+            or m.model is None
+            or self._recorder is not None
+            or time.monotonic() - self._profiled_at_s < m.profile_interval_s
+        ):
+            return
+        tracker = m._tracker
+        chain = (tracker.pack, tracker.unpack) if tracker is not None else None
+        self._recorder = ActivationRecorder(m.model, chain=chain).__enter__()
+
+    def collect_activation_profile(self) -> None:
+        """End the recording armed at the previous boundary: its profile becomes
+        ``Monitor.activation_profile`` and each module's activation bytes go to its row."""
+        if self._recorder is None:
+            return
+        recorder, self._recorder = self._recorder, None
+        recorder.__exit__(None, None, None)
+        self._profiled_at_s = time.monotonic()
+        for err in recorder.errors:  # its hooks caught them; the forward went on
+            self.m._agent_error("activation profile hook", err)
+        profile = recorder.profile()
+        self.m.activation_profile = profile
+        self.m._module_rows.write_activations(profile.exclusive_bytes, time.time())
+
+    def close_recorder(self) -> None:
+        """Stop a recording still armed (the run is ending)."""
+        if self._recorder is not None:
+            self._recorder.__exit__(None, None, None)
+            self._recorder = None

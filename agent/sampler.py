@@ -1,0 +1,202 @@
+"""The sampler thread (``edo-sampler``): probes -> :class:`Reading` -> history, TensorBoard and
+the tuner.
+
+Every ``interval_s`` it reads the host probe, on CUDA NVML and the caching allocator, takes the
+accounting of the last step boundary (it never reads ``.grad`` itself: autograd writes gradients
+from C++ without the GIL), the activation tracker's peak and the row caches' counters, and builds
+one :class:`Reading`. The reading goes to the writer's queue with the module rows that changed,
+to the TensorBoard sink, and to the tuner (:class:`edo_monitor.agent.tuner.Tuner`), which
+evaluates the policy. Nothing here changes the model.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from edo_monitor.nn.cached import CachedTable
+from edo_monitor.readings import Reading
+from edo_monitor.store.schema import CACHE_FIELDS
+
+if TYPE_CHECKING:
+    from edo_monitor.agent.monitor import Monitor
+
+__all__ = ["Sampler"]
+
+PEAK_FIELDS = ("in_use_bytes", "allocated_bytes", "reserved_bytes", "activations_bytes")
+
+
+def _sum_cache_counters(
+    tables: Mapping[str, tuple[dict[str, int], dict[str, int]]],
+) -> dict[str, int | None]:
+    """The sample's ``cache_*`` fields: the tables' increments (and rows now) summed; none when
+    the model has no cached table."""
+    if not tables:
+        return {}
+    return {f: sum(inc[f] for _, inc in tables.values()) for f in CACHE_FIELDS}
+
+
+def _max(a: int | None, b: int | None) -> int | None:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return max(a, b)
+
+
+class Sampler:
+    """Takes the run's readings, on its own thread and once more after it has stopped.
+
+    Args:
+        monitor: the run (read: its device and probes, budget, step count, tracker, the safe
+            point's step accounting, writer, TensorBoard sink, tuner; written: ``latest``,
+            ``accounting``).
+
+    Attributes:
+        samples: readings taken.
+        peaks: the highest ``in_use_bytes``, ``allocated_bytes``, ``reserved_bytes`` and
+            ``activations_bytes`` seen (``None`` where the source never gave a value).
+        min_free_fraction: the lowest ``free_fraction`` seen.
+        stop_event: the monitor's: set when the run is ending (the thread stops).
+    """
+
+    def __init__(self, monitor: Monitor) -> None:
+        self.m = monitor
+        self.interval_s = monitor.interval_s
+        self.stop_event: threading.Event = monitor._stop
+        self.thread: threading.Thread | None = None
+        self.samples = 0
+        self.peaks: dict[str, int | None] = dict.fromkeys(PEAK_FIELDS)
+        self.min_free_fraction: float | None = None
+        #: each cached table's counters at the previous sample, by (module name, object id)
+        self._cache_prev: dict[tuple[str, int], dict[str, int]] = {}
+
+    def start(self) -> None:
+        """Start the ``edo-sampler`` daemon thread."""
+        self.thread = threading.Thread(target=self._loop, name="edo-sampler", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread and wait for it (safe when it never started)."""
+        self.stop_event.set()
+        if self.thread is not None and self.thread.is_alive():
+            self.thread.join()
+
+    def _loop(self) -> None:
+        next_t = time.monotonic()
+        while not self.stop_event.is_set():
+            try:
+                self.sample_once()
+            except Exception as exc:
+                self.m._agent_error("sampler", exc)
+            next_t += self.interval_s
+            delay = next_t - time.monotonic()
+            if delay < 0:  # we fell behind: skip the missed ticks rather than burst
+                next_t = time.monotonic()
+                delay = 0.0
+            if self.stop_event.wait(delay):
+                break
+
+    def sample_once(self) -> Reading:
+        """One reading: the sampler thread's tick, and the last one after it has stopped."""
+        m = self.m
+        device = m._device
+        now = time.time()
+        values: dict[str, Any] = {}
+        values.update(device.probes["host"].read())
+        # the last step boundary's accounting (gradients alive) is the step's peak; between
+        # boundaries gradients may be gone, so a reading taken there would flap around the floor
+        safe_point = m._safe_point
+        acc = safe_point.step_accounting
+        if acc is None:  # no step boundary yet: sizes only (this thread must not read .grad)
+            acc = m._account(include_grads=False)
+        safe_point.want_accounting = True
+        m.accounting = acc
+        # the highest saved-for-backward bytes alive at once since the previous sample, and at
+        # least the peak of the current step so far and of the last finished step: a sample
+        # taken between a backward() and the next forward still counts what the step saved
+        # (else readings swing with the moment they land in the step, and the policy decides on
+        # one reading and applies on another)
+        tracker = m._tracker
+        activations = (
+            max(tracker.take_peak(), tracker.step_peak_bytes, tracker.last_step_bytes)
+            if tracker is not None
+            else None
+        )
+        values.update(
+            params_bytes=acc.params_bytes,
+            grads_bytes=acc.grads_bytes,
+            optimizer_state_bytes=acc.optimizer_state_bytes,
+            host_tier_bytes=acc.host_bytes,
+            activations_bytes=activations,
+        )
+        cache_tables = self._cache_counters()
+        values.update(_sum_cache_counters(cache_tables))
+        budget = device.budget_bytes
+        if device.kind == "cuda":
+            nvml = device.probes["nvml"]
+            values.update(nvml.read())
+            values.update(device.probes["cuda"].read(with_device_info=not nvml.available))
+            if device.budget_bytes_requested is not None:
+                in_use = values.get("reserved_bytes")
+            else:
+                in_use = values.get("device_used_bytes")
+        else:
+            in_use = acc.total_bytes + (activations or 0)
+        free_fraction = None
+        if budget and in_use is not None:
+            free_fraction = (budget - in_use) / budget
+        reading = Reading(
+            time_s=now,
+            step=m.steps,
+            device_kind=device.kind,
+            budget_bytes=budget,
+            in_use_bytes=in_use,
+            free_fraction=free_fraction,
+            **values,
+        )
+        m.latest = reading
+        self.samples += 1
+        self._update_peaks(reading)
+        writer = m._run.writer
+        if writer is not None:
+            writer.put_sample(reading)
+            m._module_rows.write_accounting(acc, now)
+            m._module_rows.write_cache_totals(cache_tables, now)
+        if m._tensorboard is not None:
+            m._tensorboard.add_reading(reading)
+        if m.policy is not None:
+            m._tuner.evaluate(reading)
+        return reading
+
+    def _update_peaks(self, r: Reading) -> None:
+        for key in self.peaks:
+            self.peaks[key] = _max(self.peaks[key], getattr(r, key))
+        f = r.free_fraction
+        if f is not None and (self.min_free_fraction is None or f < self.min_free_fraction):
+            self.min_free_fraction = f
+
+    def _cache_counters(self) -> dict[str, tuple[dict[str, int], dict[str, int]]]:
+        """Each cached table's counters (``CachedTable.stats()``): ``name -> (totals since it
+        was cached, increments since the previous sample)``."""
+        model = self.m.model
+        if model is None:
+            return {}
+        out = {}
+        seen = set()
+        for name, module in model.named_modules():
+            if not isinstance(module, CachedTable):
+                continue
+            totals = module.stats().history_totals()
+            key = (name, id(module))
+            seen.add(key)
+            prev = self._cache_prev.get(key, {})
+            increments = {k: max(0, v - prev.get(k, 0)) for k, v in totals.items()}
+            increments["cache_rows"] = totals["cache_rows"]
+            self._cache_prev[key] = totals
+            out[name] = (totals, increments)
+        for key in [k for k in self._cache_prev if k not in seen]:  # grown back, or replaced
+            del self._cache_prev[key]
+        return out

@@ -1,0 +1,279 @@
+"""The tuner's bridge between the policy and the actions: :class:`Tuner`.
+
+On the sampler thread each reading goes through :meth:`Policy.evaluate` with a planner over the
+live model (:func:`edo_monitor.policy.make_planner`); what comes back — threshold crossings,
+forecasts and their outcomes, at most one pending :class:`Decision`, or "no action available" —
+becomes events, and crossings wait for the training thread's ``on_pressure`` hooks. At the safe
+point, on the training thread, the pending decision is applied (``Action.apply`` inside its
+``Transaction``), resolved with the policy (``Policy.resolve``: ineffective actions are skipped
+until the pressure episode ends) and recorded as ``action`` / ``action_refused`` /
+``action_failed``; the model is accounted again right away, so the next readings see it as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from edo_monitor.actions.base import ActionContext, ActionResult
+from edo_monitor.actions.registry import ACTIONS
+from edo_monitor.policy import (
+    Decision,
+    Forecast,
+    ForecastOutcome,
+    Policy,
+    ThresholdCrossing,
+    make_planner,
+)
+from edo_monitor.readings import Reading
+from edo_monitor.units import format_bytes
+
+if TYPE_CHECKING:
+    from edo_monitor.agent.monitor import Monitor
+
+__all__ = ["Tuner"]
+
+logger = logging.getLogger(__name__)
+
+
+class Tuner:
+    """Policy evaluation (sampler thread) and decisions applied (training thread).
+
+    Args:
+        monitor: the run (read: model, optimizers, policy, latest reading, activation profile,
+            lookup counter; after an applied action: the tracker and the safe point's
+            accounting are refreshed).
+
+    Attributes:
+        pressure_queue: crossings waiting for the ``on_pressure`` hooks.
+    """
+
+    def __init__(self, monitor: Monitor) -> None:
+        self.m = monitor
+        self.pressure_queue: list[ThresholdCrossing] = []
+
+    @property
+    def _policy(self) -> Policy:
+        policy = self.m.policy
+        assert policy is not None
+        return policy
+
+    def action_context(self, reading: Reading | None = None) -> ActionContext:
+        """What actions plan and apply from: the model and optimizers, the policy's levels and
+        ``reading``'s numbers (``None``: none known)."""
+        m = self.m
+        policy = self._policy
+        assert m.model is not None
+        return ActionContext(
+            m.model,
+            m.optimizers,
+            cuda_mode=m.device_kind == "cuda",
+            reserved_unallocated_bytes=reading.reserved_unallocated_bytes if reading else None,
+            release_cache_min_bytes=policy.release_cache_min_bytes,
+            activation_profile=m.activation_profile,
+            lookup_counter=m._lookups,
+            budget_bytes=reading.budget_bytes if reading else None,
+            in_use_bytes=reading.in_use_bytes if reading else None,
+            rearm_free_fraction=policy.rearm_free_fraction,
+            grow_margin_fraction=policy.grow_margin_fraction,
+            host_available_bytes=reading.host_available_bytes if reading else None,
+        )
+
+    def evaluate(self, reading: Reading) -> None:
+        """Sampler thread: crossings and at most one decision per reading (applied later)."""
+        m = self.m
+        policy = self._policy
+        planner = make_planner(self.action_context(reading)) if m.model is not None else None
+        for event in policy.evaluate(reading, planner):
+            if isinstance(event, ThresholdCrossing):
+                below = event.kind == "below_floor"
+                self.m._emit(
+                    "threshold_crossed",
+                    f"free {event.free_fraction:.1%} "
+                    + ("below the floor" if below else "back above the re-arm level")
+                    + f" {event.threshold_fraction:.0%}",
+                    {
+                        "direction": "below" if below else "above",
+                        "free_fraction": event.free_fraction,
+                        "floor": policy.min_free_fraction,
+                        "threshold": event.threshold_fraction,
+                        "in_use_bytes": reading.in_use_bytes,
+                        "budget_bytes": reading.budget_bytes,
+                    },
+                )
+                self.pressure_queue.append(event)
+            elif isinstance(event, Decision):
+                err = event.expected_error
+                data = {
+                    "action": event.action,
+                    "target": event.target,
+                    "estimated_saving_bytes": event.estimated_saving_bytes,
+                    "expected_error": err,
+                    "reason": event.reason,
+                    "mode": event.mode,
+                    "free_fraction": event.free_fraction,
+                }
+                if event.forecast is not None:
+                    data["forecast"] = event.forecast.index
+                if event.planning_in_use_bytes is not None:
+                    data["planning_in_use_bytes"] = event.planning_in_use_bytes
+                self.m._emit(
+                    "decision",
+                    f"{'advise' if event.advisory else 'decide'}: {event.action} on "
+                    f"{event.target or '-'} (est. {format_bytes(event.estimated_saving_bytes)}"
+                    + (f", expected error {err:.2g})" if err is not None else ")")
+                    + (" ahead of a forecast crossing" if event.forecast is not None else ""),
+                    data,
+                )
+            elif isinstance(event, Forecast):
+                self.emit_forecast(event)
+            elif isinstance(event, ForecastOutcome):
+                self.emit_forecast_outcome(event)
+            else:
+                self.m._emit(
+                    "no_action",
+                    ("a crossing is forecast" if event.forecast else "under pressure")
+                    + ", but no action on the ladder applies",
+                    {
+                        "free_fraction": event.free_fraction,
+                        "refusals": [
+                            {"action": r.action, "target": r.target, "reason": r.reason}
+                            for r in event.refusals
+                        ],
+                        **({"forecast": True} if event.forecast else {}),
+                    },
+                )
+
+    def emit_forecast(self, forecast: Forecast) -> None:
+        """A ``forecast`` event: the prediction, as :meth:`Forecast.as_dict` gives it."""
+        driver = next(iter(forecast.category_slopes), None)
+        self.m._emit(
+            "forecast",
+            f"free {forecast.free_fraction:.1%} now, predicted below the "
+            f"{forecast.floor_fraction:.0%} floor in {forecast.steps_ahead} steps (step "
+            f"{forecast.predicted_step}) at +{format_bytes(round(forecast.slope_bytes_per_step))}"
+            "/step"
+            + (
+                f", mostly {driver[0].removesuffix('_bytes')}"
+                if driver is not None and driver[1] > 0
+                else ""
+            ),
+            {**forecast.as_dict(), "forecast": forecast.index},
+        )
+
+    def emit_forecast_outcome(self, outcome: ForecastOutcome) -> None:
+        """A ``forecast_outcome`` event: whether forecast ``forecast`` (its index) came true."""
+        fc = outcome.forecast
+        if outcome.came_true:
+            verdict = (
+                f"came true: free below the floor at step {outcome.crossing_step}"
+                + (" without the actions taken since" if outcome.saved_bytes else "")
+                + f", {outcome.lead_steps} steps after the warning"
+            )
+        elif outcome.came_true is None:
+            verdict = f"not judged: the run ended at step {outcome.step}"
+        else:
+            verdict = f"did not come true: free stayed above the floor to step {outcome.step}"
+        self.m._emit(
+            "forecast_outcome",
+            f"forecast {fc.index} (step {fc.step}, predicted step {fc.predicted_step}) {verdict}",
+            {
+                "forecast": fc.index,
+                "forecast_step": fc.step,
+                "predicted_step": fc.predicted_step,
+                "came_true": outcome.came_true,
+                "crossing_step": outcome.crossing_step,
+                "lead_steps": outcome.lead_steps,
+                "judged_at_step": outcome.step,
+                "saved_bytes": outcome.saved_bytes,
+            },
+        )
+
+    def deliver_pressure_hooks(self) -> None:
+        """Training thread: the policy's ``on_pressure`` hooks, one call per crossing seen."""
+        while self.pressure_queue:
+            crossing = self.pressure_queue.pop(0)
+            err = self._policy.call_on_pressure(crossing)
+            if err is not None:
+                self.m._agent_error("on_pressure hook", err)
+
+    def apply_pending_decision(self) -> None:
+        """Training thread, at the safe point: apply the policy's pending decision (not an
+        advisory one), resolve it, and record what happened.
+
+        Raises:
+            Exception: with ``strict=True``, the exception of an action that failed.
+        """
+        m = self.m
+        policy = m.policy
+        if policy is None or m.model is None:
+            return
+        decision = policy.pending
+        if decision is None or decision.advisory:
+            return
+        ctx = self.action_context(m.latest)
+        if decision.planning_in_use_bytes is not None:  # sized for the in-use forecast ahead
+            ctx.in_use_bytes = max(ctx.in_use_bytes or 0, decision.planning_in_use_bytes)
+        try:
+            result = ACTIONS[decision.action].apply(ctx, decision.plan)
+        except Exception as exc:  # Action.apply raised (e.g. its plan() at apply time): failed
+            logger.warning("action %s raised at apply time: %r", decision.action, exc)
+            result = ActionResult(
+                decision.action,
+                decision.target,
+                "failed",
+                estimated_saving_bytes=decision.estimated_saving_bytes,
+                reason=f"{type(exc).__name__}: {exc}",
+                exception=exc,
+            )
+        # resolved once: a failed decision is never retried on the same target
+        ineffective = policy.resolve(decision, result)
+        kind = {"applied": "action", "refused": "action_refused"}.get(
+            result.status, "action_failed"
+        )
+        data = {
+            "action": result.action,
+            "target": result.target,
+            "status": result.status,
+            "estimated_saving_bytes": result.estimated_saving_bytes,
+            "bytes_before": result.bytes_before,
+            "bytes_after": result.bytes_after,
+            "saved_bytes": result.saved_bytes if result.status == "applied" else 0,
+            "duration_s": result.duration_s,
+            "lossy": result.lossy,
+            "expected_error": decision.expected_error,
+            "error": result.error,
+            "reason": result.reason,
+            "details": result.details,
+            "decided_at_step": decision.step,
+        }
+        if result.status == "applied":
+            message = (
+                f"{result.action} on {result.target}: saved {format_bytes(result.saved_bytes)} "
+                f"in {result.duration_s:.3f} s"
+            )
+            # the accounting after the action, taken here on the training thread at the step
+            # boundary, gradients alive: the next readings see the model as it is now (without
+            # it they fell back to an accounting without gradients until the next boundary, and
+            # a brief jump of free memory could end a pressure episode falsely)
+            acc = m._account()
+            if m._tracker is not None:
+                m._tracker.set_params(m._model_tensors())
+                m._tracker.static_bytes = acc.total_bytes
+            m._safe_point.step_accounting = acc
+            if m._lookups is not None:  # the action may have swapped a table: count the new one
+                m._lookups.watch_tables(m.model)
+        else:
+            message = f"{result.action} on {result.target or '-'} {result.status}: {result.reason}"
+        self.m._emit(kind, message, data)
+        if ineffective is not None:  # the ladder moves on from this (action, target)
+            self.m._emit(
+                "action_ineffective",
+                f"{result.action} on {result.target} ineffective: {ineffective}",
+                {"action": result.action, "target": result.target, "reason": ineffective},
+            )
+        err = policy.call_on_action(result)
+        if err is not None:
+            m._agent_error("on_action hook", err)
+        if result.status == "failed" and m.strict and result.exception is not None:
+            raise result.exception
