@@ -43,6 +43,7 @@ from edo_monitor.agent.device import Device
 from edo_monitor.agent.events import EventLog
 from edo_monitor.agent.module_rows import ModuleRows
 from edo_monitor.agent.oom_capture import record_oom
+from edo_monitor.agent.ranks import RankInfo, detect_ranks
 from edo_monitor.agent.recovery import StepRecovery
 from edo_monitor.agent.run import RunRecord, RunSummary, claim_model, release_model
 from edo_monitor.agent.safe_point import SafePoint
@@ -190,6 +191,8 @@ class Monitor:
         self.accounting = Accounting()
         #: the last per-module activation profile (``ActivationProfile``), ``None`` before one
         self.activation_profile: ActivationProfile | None = None
+        #: the run's place in a multi-rank job (decided on entering; ``None``: no process group)
+        self.ranks: RankInfo | None = None
 
         self._pid = os.getpid()
         self._stop = threading.Event()  # set when the run ends: hooks and sampler stand down
@@ -242,6 +245,26 @@ class Monitor:
         """The capacity the policy measures against: ``min(device total, budget=)`` on CUDA,
         ``budget=`` on a CPU (``None``: no budget on a CPU)."""
         return self._device.budget_bytes
+
+    @property
+    def job_id(self) -> str | None:
+        """The multi-rank job's id, shared by its ranks (``None``: no process group)."""
+        return self.ranks.job_id if self.ranks is not None else None
+
+    @property
+    def rank(self) -> int | None:
+        """This process's rank in the job (``torch.distributed.get_rank()``), else ``None``."""
+        return self.ranks.rank if self.ranks is not None else None
+
+    @property
+    def world_size(self) -> int | None:
+        """The job's number of ranks (``get_world_size()``), else ``None``."""
+        return self.ranks.world_size if self.ranks is not None else None
+
+    @property
+    def local_rank(self) -> int | None:
+        """The rank among the job's ranks on this host (``LOCAL_RANK``), else ``None``."""
+        return self.ranks.local_rank if self.ranks is not None else None
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> Monitor:
@@ -305,6 +328,11 @@ class Monitor:
 
     # ------------------------------------------------------------------ lifecycle
     def _start(self) -> None:
+        rank_error: BaseException | None = None
+        try:
+            self.ranks = detect_ranks()  # a collective on the group without a launcher job id
+        except Exception as exc:  # recorded once the writer runs; the run is then no job's
+            rank_error = exc
         device = self._device
         device.detect(self.model)
         device.open_probes()
@@ -332,15 +360,34 @@ class Monitor:
                 "interval_s": self.interval_s,
                 "config": config,
                 "tags": self.tags,
+                "job_id": self.job_id,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "local_rank": self.local_rank,
             },
             on_problem=lambda message: self._emit("store_error", message, {"error": message}),
+            job=self._job_row(),
         )
         self.status = "running"
         self._log.writer = self._run.writer
         self._module_rows.writer = self._run.writer
+        if rank_error is not None:
+            self._agent_error("rank detection", rank_error)
         if self._tensorboard is not None:
             self._tensorboard.open()  # a log dir that cannot be written: one agent_error
         self._start_hooks()
+
+    def _job_row(self) -> dict[str, Any] | None:
+        """The ``jobs`` row this rank's run belongs to (``None`` outside a process group)."""
+        if self.ranks is None:
+            return None
+        return {
+            "id": self.ranks.job_id,
+            "name": self.run_name,
+            "world_size": self.ranks.world_size,
+            "backend": self.ranks.backend,
+            "id_source": self.ranks.id_source,
+        }
 
     def _start_hooks(self) -> None:
         self._safe_point.install()
@@ -556,6 +603,9 @@ class Monitor:
             events=dict(self._log.counts),
             actions=tuple(self._log.actions),
             agent_errors=dict(self._log.agent_errors),
+            job_id=self.job_id,
+            rank=self.rank,
+            world_size=self.world_size,
         )
 
 

@@ -25,7 +25,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from torch import nn
 
 from edo_monitor.errors import AlreadyWatchedError, StoreError
-from edo_monitor.store.engine import open_engine
+from edo_monitor.store.engine import insert_job, open_engine
 from edo_monitor.store.models import Run
 from edo_monitor.store.writer import Writer
 from edo_monitor.units import format_bytes
@@ -90,6 +90,8 @@ class RunSummary:
         events: count of events by kind. actions: the ``action`` events' data, in order.
         agent_errors: failures inside the agent by ``"where:ExceptionType"`` (the hooks, the
             sampler ...), every occurrence counted; each kind is one ``agent_error`` event.
+        job_id, rank, world_size: the run's place in a multi-rank job (``None`` outside an
+            initialised process group).
     """
 
     run_id: int
@@ -114,13 +116,21 @@ class RunSummary:
     rows_not_written: dict[str, int] = field(default_factory=dict)
     recorded_status: str | None = None
     store_problem: str | None = None
+    job_id: str | None = None
+    rank: int | None = None
+    world_size: int | None = None
 
     def __str__(self) -> str:
         """A readable multi-line summary (what ``print(monitor.summary())`` shows)."""
         mff = self.min_free_fraction
         lines = [
             f"run {self.run_id} ({self.run_name}): {self.status}, {self.device_kind}, "
-            f"budget {format_bytes(self.budget_bytes)}",
+            f"budget {format_bytes(self.budget_bytes)}"
+            + (
+                f", rank {self.rank} of {self.world_size} in job {self.job_id}"
+                if self.job_id is not None
+                else ""
+            ),
             f"steps {self.steps}, samples {self.samples} ({self.samples_written} written, "
             f"{self.samples_dropped} row(s) not written)",
             f"peak in use {format_bytes(self.peak_in_use_bytes)}, allocated "
@@ -177,10 +187,17 @@ class RunRecord:
         self.writer: Writer | None = None
         self.recorded_status: str | None = None
 
-    def open(self, values: dict[str, Any], on_problem: Callable[[str], None]) -> int:
+    def open(
+        self,
+        values: dict[str, Any],
+        on_problem: Callable[[str], None],
+        job: dict[str, Any] | None = None,
+    ) -> int:
         """Open the engine (creating or upgrading the schema), insert the ``runs`` row with
         ``values`` (the ``Run`` columns besides uuid, host, times, status, torch version and
-        counters) and start the writer thread.
+        counters) and start the writer thread. With ``job`` (the ``jobs`` columns but
+        ``created_at_s``), the job's row is inserted first unless another rank did, in the same
+        transaction.
 
         Returns:
             The new ``runs.id``.
@@ -192,6 +209,8 @@ class RunRecord:
         now = time.time()
         try:
             with self.engine.begin() as conn:
+                if job is not None:
+                    insert_job(conn, {**job, "created_at_s": now})
                 result = conn.execute(
                     insert(Run).values(
                         uuid=self.run_uuid,

@@ -14,6 +14,7 @@ __all__ = [
     "BudgetOutOfMemoryError",
     "ConfigError",
     "EdoMonitorError",
+    "JobNotFoundError",
     "RunNotFoundError",
     "StoreError",
 ]
@@ -37,6 +38,10 @@ class StoreError(EdoMonitorError):
 
 class RunNotFoundError(EdoMonitorError, LookupError):
     """A run reference (id, uuid prefix or ``latest``) matched no run, or several."""
+
+
+class JobNotFoundError(EdoMonitorError, LookupError):
+    """A job reference (id, id prefix or ``latest``) matched no multi-rank job, or several."""
 
 
 if TYPE_CHECKING:  # for type checkers; at run time the class is made on first access

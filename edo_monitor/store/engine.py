@@ -53,6 +53,7 @@ __all__ = [
     "alembic_config",
     "check_writable",
     "database_file",
+    "insert_job",
     "insert_samples",
     "is_postgres",
     "maintains_rollups",
@@ -517,6 +518,27 @@ def insert_samples(conn: Connection, rows: Sequence[Mapping[str, Any]]) -> None:
             _pg_fold_run(conn, run_id)
         return
     conn.exec_driver_sql(sql, [tuple(map(r.get, _SAMPLE_COLS)) for r in rows])
+
+
+def insert_job(conn: Connection, values: Mapping[str, Any]) -> bool:
+    """Insert a ``jobs`` row unless one with its ``id`` exists (every rank of a job calls this,
+    at once: ``INSERT ... ON CONFLICT (id) DO NOTHING`` on SQLite and PostgreSQL).
+
+    Args:
+        values: the ``jobs`` columns (``id``, ``name``, ``world_size``, ``backend``,
+            ``id_source``, ``created_at_s``).
+
+    Returns:
+        Whether this call inserted it (``False``: another rank was first).
+    """
+    from edo_monitor.store.schema import jobs_table
+
+    if is_postgres(conn):
+        from sqlalchemy.dialects.postgresql import insert as dialect_insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert as dialect_insert
+    stmt = dialect_insert(jobs_table).values(**values).on_conflict_do_nothing(index_elements=["id"])
+    return conn.execute(stmt).rowcount == 1
 
 
 def maintains_rollups(engine: Engine) -> bool:

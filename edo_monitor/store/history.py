@@ -32,7 +32,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, inspect, select, text
 from sqlalchemy.engine import URL
 
-from edo_monitor.errors import ConfigError, RunNotFoundError
+from edo_monitor.errors import ConfigError, JobNotFoundError, RunNotFoundError
 from edo_monitor.readings import SAMPLE_FIELDS
 from edo_monitor.store.engine import (
     is_postgres,
@@ -47,6 +47,7 @@ from edo_monitor.store.schema import (
     ROLLUP_LEVEL_WIDTHS_S,
     SCHEMA_VERSION,
     events_table,
+    jobs_table,
     runs_table,
 )
 from edo_monitor.store.status import effective_status
@@ -57,6 +58,7 @@ __all__ = [
     "CacheSummary",
     "EventInfo",
     "History",
+    "JobInfo",
     "MetricComparison",
     "ModuleInfo",
     "Peak",
@@ -87,6 +89,8 @@ _PEAK_COLUMNS = (
 )
 _RUN_COLUMNS = [c.name for c in runs_table.columns]
 RunRef = int | str
+#: The ``runs`` columns of schema 6 (a multi-rank job); a reader of an older file reads them NULL.
+_RANK_COLUMNS = ("job_id", "rank", "world_size", "local_rank")
 #: Shortest uuid prefix the CLI prints as a run reference (8 hex digits, the dash, 4 more).
 UUID_REF_LEN = 13
 
@@ -159,11 +163,46 @@ class RunInfo:
     event_count: int = 0
     action_count: int = 0
     oom_count: int = 0
+    #: the multi-rank job this run is one rank of (``None``: not in a process group)
+    job_id: str | None = None
+    #: the rank in the job's process group, its size, and the rank on this host
+    rank: int | None = None
+    world_size: int | None = None
+    local_rank: int | None = None
 
     @property
     def steps_per_s(self) -> float | None:
         """Optimizer steps per second of run time (``None`` for a zero-length run)."""
         return self.steps / self.duration_s if self.duration_s > 0 else None
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """One multi-rank job: its stored row and a summary of its ranks' runs.
+
+    ``status`` sums up the ranks' effective statuses: ``running`` while any rank runs, else
+    ``crashed`` / ``failed`` / ``interrupted`` when any rank ended so (in that order), else
+    ``finished``; ``None`` when no run of the job is recorded.
+    """
+
+    id: str
+    name: str
+    world_size: int
+    backend: str | None
+    #: ``"torchelastic"`` (torchrun's TORCHELASTIC_RUN_ID) or ``"process_group"`` (rank 0's
+    #: UUID, broadcast to the other ranks when ``watch()`` was entered)
+    id_source: str
+    created_at_s: float
+    #: runs recorded for the job (one per rank; more after an elastic restart)
+    run_count: int = 0
+    #: the recorded runs' ranks, ascending (a rank that never entered ``watch()`` is missing)
+    ranks: tuple[int, ...] = ()
+    hosts: tuple[str, ...] = ()
+    status: str | None = None
+    started_at_s: float | None = None
+    ended_at_s: float | None = None
+    #: the fewest steps any rank recorded (ranks of a synchronous job step together)
+    min_steps: int | None = None
 
 
 @dataclass(frozen=True)
@@ -431,6 +470,14 @@ class History:
                 if "samples" in tables
                 else set(SAMPLE_FIELDS)
             )
+            run_present = (
+                {c["name"] for c in inspector.get_columns("runs")}
+                if "runs" in tables
+                else {c.name for c in runs_table.columns}
+            )
+        #: the ``runs`` columns this file has (a file of an older schema lacks the rank ones)
+        self._run_cols = [c for c in runs_table.columns if c.name in run_present]
+        self._has_jobs = "jobs" in tables
         #: the sample columns a default read returns: those of ROLLUP_FIELDS this file has (a
         #: file of an older schema lacks the newer ones)
         self._default_columns = tuple(f for f in ROLLUP_FIELDS if f in present)
@@ -506,7 +553,7 @@ class History:
         since_s = _to_epoch(since, "since")
         if self._empty:
             return []
-        stmt = select(*runs_table.columns).order_by(
+        stmt = select(*self._run_cols).order_by(
             runs_table.c.started_at_s.desc(), runs_table.c.id.desc()
         )
         if since_s is not None:
@@ -580,7 +627,7 @@ class History:
     def _find(self, ref: RunRef) -> dict[str, Any]:
         if self._empty:
             raise RunNotFoundError(f"no run {ref!r}: the history database has no runs")
-        cols = runs_table.columns
+        cols = self._run_cols
         with self._read() as conn:
             if isinstance(ref, bool):
                 raise RunNotFoundError(f"{ref!r} is not a run reference")
@@ -653,6 +700,7 @@ class History:
             tags=list(r["tags"] or []),
             steps=r["steps"],
             samples_dropped=r["samples_dropped"],
+            **{c: r.get(c) for c in _RANK_COLUMNS},
         )
 
     def _with_stats(self, infos: list[RunInfo]) -> list[RunInfo]:
@@ -784,6 +832,161 @@ class History:
         if top - mark > _MAX_TAIL_ROWS:
             return None  # rollups far behind (e.g. rows written by another tool): read raw
         return mark
+
+    # -- jobs --------------------------------------------------------------------------------
+    def jobs(
+        self,
+        *,
+        status: str | Sequence[str] | None = None,
+        since: float | datetime | None = None,
+        limit: int | None = None,
+    ) -> list[JobInfo]:
+        """Multi-rank jobs (``torch.distributed``), newest first (by ``created_at_s``).
+
+        Args:
+            status: keep jobs with this summed-up status (or any of these): ``running``,
+                ``finished``, ``failed``, ``interrupted``, ``crashed`` (see :class:`JobInfo`).
+            since: keep jobs created at or after this time (Unix seconds or datetime).
+            limit: at most this many jobs (after filtering).
+
+        Returns:
+            One :class:`JobInfo` per job (``[]`` for a database of schema < 6).
+
+        Raises:
+            ConfigError: an unknown status or a bad ``since``.
+        """
+        wanted = {status} if isinstance(status, str) else set(status or ())
+        allowed = {"running", "finished", "failed", "interrupted", "crashed"}
+        if wanted - allowed:
+            raise ConfigError(
+                f"status={status!r} is not a job status; expected one of {sorted(allowed)}"
+            )
+        since_s = _to_epoch(since, "since")
+        if self._empty or not self._has_jobs:
+            return []
+        stmt = select(*jobs_table.columns).order_by(
+            jobs_table.c.created_at_s.desc(), jobs_table.c.id.desc()
+        )
+        if since_s is not None:
+            stmt = stmt.where(jobs_table.c.created_at_s >= since_s)
+        with self._read() as conn:
+            rows = [dict(r._mapping) for r in conn.execute(stmt)]
+        infos = self._job_infos(rows)
+        if wanted:
+            infos = [i for i in infos if i.status in wanted]
+        return infos if limit is None else infos[:limit]
+
+    def job(self, ref: str) -> JobInfo:
+        """One job by its id, a prefix of it that matches one job, or ``"latest"`` (most
+        recently created).
+
+        Raises:
+            JobNotFoundError: no job matches, or a prefix matches several.
+        """
+        return self._job_infos([self._find_job(ref)])[0]
+
+    def job_runs(self, ref: str, *, stats: bool = True) -> list[RunInfo]:
+        """The runs of job ``ref`` (as :meth:`job` takes it), one per rank, by rank (then by
+        start, for an elastic restart's second run of a rank).
+
+        Args:
+            ref: the job reference.
+            stats: summarise each run's samples and events as :meth:`run` does (peaks, minimum
+                free fraction, action and OOM counts); ``False``: the stored rows only.
+
+        Raises:
+            JobNotFoundError: no job matches, or a prefix matches several.
+        """
+        job_id = self._find_job(ref)["id"]
+        stmt = (
+            select(*self._run_cols)
+            .where(runs_table.c.job_id == job_id)
+            .order_by(runs_table.c.rank, runs_table.c.started_at_s, runs_table.c.id)
+        )
+        with self._read() as conn:
+            rows = [dict(r._mapping) for r in conn.execute(stmt)]
+        infos = [self._base_info(r) for r in rows]
+        return self._with_stats(infos) if stats else infos
+
+    def _find_job(self, ref: str) -> dict[str, Any]:
+        if self._empty or not self._has_jobs:
+            raise JobNotFoundError(f"no job {ref!r}: the history database has no jobs")
+        if not isinstance(ref, str) or not ref.strip():
+            raise JobNotFoundError(f"{ref!r} is not a job reference; expected a job id or prefix")
+        ref_s = ref.strip()
+        cols = jobs_table.columns
+        with self._read() as conn:
+            row = conn.execute(select(*cols).where(jobs_table.c.id == ref_s)).first()
+            if row is not None:
+                return dict(row._mapping)
+            if ref_s.lower() == "latest":
+                row = conn.execute(
+                    select(*cols)
+                    .order_by(jobs_table.c.created_at_s.desc(), jobs_table.c.id.desc())
+                    .limit(1)
+                ).first()
+                if row is None:
+                    raise JobNotFoundError("no job 'latest': the history database has no jobs")
+                return dict(row._mapping)
+            escaped = ref_s.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+            found = conn.execute(
+                select(*cols).where(jobs_table.c.id.like(escaped + "%", escape="\\")).limit(6)
+            ).all()
+        if not found:
+            raise JobNotFoundError(f"no job with id or id prefix {ref_s!r}")
+        if len(found) > 1:
+            shown = ", ".join(str(r.id) for r in found[:5])
+            raise JobNotFoundError(
+                f"job id prefix {ref_s!r} matches several jobs: {shown}; give more characters"
+            )
+        return dict(found[0]._mapping)
+
+    def _job_infos(self, rows: list[dict[str, Any]]) -> list[JobInfo]:
+        """Each job row with the summary of its runs (one read of their rows)."""
+        if not rows:
+            return []
+        ids = [r["id"] for r in rows]
+        with self._read() as conn:
+            runs = [
+                dict(r._mapping)
+                for r in conn.execute(select(*self._run_cols).where(runs_table.c.job_id.in_(ids)))
+            ]
+        by_job: dict[str, list[RunInfo]] = {}
+        for r in runs:
+            by_job.setdefault(r["job_id"], []).append(self._base_info(r))
+        out = []
+        for row in rows:
+            members = by_job.get(row["id"], [])
+            statuses = {m.status for m in members}
+            status = None
+            if members:
+                status = next(
+                    (s for s in ("running", "crashed", "failed", "interrupted") if s in statuses),
+                    "finished",
+                )
+            ends = [m.ended_at_s for m in members]
+            out.append(
+                JobInfo(
+                    id=row["id"],
+                    name=row["name"],
+                    world_size=int(row["world_size"]),
+                    backend=row["backend"],
+                    id_source=row["id_source"],
+                    created_at_s=row["created_at_s"],
+                    run_count=len(members),
+                    ranks=tuple(sorted(m.rank for m in members if m.rank is not None)),
+                    hosts=tuple(sorted({m.host for m in members})),
+                    status=status,
+                    started_at_s=min((m.started_at_s for m in members), default=None),
+                    ended_at_s=(
+                        None
+                        if not members or status == "running" or None in ends
+                        else max(e for e in ends if e is not None)
+                    ),
+                    min_steps=min((m.steps for m in members), default=None),
+                )
+            )
+        return out
 
     # -- samples -----------------------------------------------------------------------------
     def samples(
@@ -1364,6 +1567,13 @@ def prune(
             if res.rowcount:
                 report["samples_deleted"] += res.rowcount
                 report["runs_downsampled"] += 1
+        if doomed and history._has_jobs:  # jobs none of whose runs is left
+            conn.execute(
+                text(
+                    "DELETE FROM jobs WHERE NOT EXISTS "
+                    "(SELECT 1 FROM runs WHERE runs.job_id = jobs.id)"
+                )
+            )
         if history._pg:  # the deleted runs' rollup marks
             for run_id in sorted(doomed):
                 conn.execute(text("DELETE FROM meta WHERE key = :k"), {"k": run_mark_key(run_id)})

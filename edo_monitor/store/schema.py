@@ -36,6 +36,7 @@ __all__ = [
     "ROLLUP_LEVEL_WIDTHS_S",
     "SCHEMA_VERSION",
     "events_table",
+    "jobs_table",
     "meta_table",
     "metadata",
     "module_stats_table",
@@ -45,7 +46,7 @@ __all__ = [
 ]
 
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 6
 
 #: Run statuses written by the agent. ``crashed`` is never written: readers derive it from a
 #: ``running`` run whose process is gone or whose heartbeat is stale.
@@ -101,6 +102,30 @@ runs_table = Table(
     Column("tags", JSON, nullable=False, default=list),
     Column("steps", _INT, nullable=False, default=0),
     Column("samples_dropped", _INT, nullable=False, default=0),
+    # schema 6: the run's place in a multi-rank job (NULL: not in an initialised process group).
+    # No foreign key to ``jobs``: on SQLite adding one would rebuild ``runs``, and dropping the
+    # old table with foreign keys on cascades into every sample. Each rank writes its job row
+    # (insert-or-ignore) in the transaction that inserts its run.
+    Column("job_id", String(100), index=True),
+    Column("rank", _INT),
+    Column("world_size", _INT),
+    Column("local_rank", _INT),
+)
+
+#: Schema 6: one multi-rank job (a ``torch.distributed`` process group); its ranks' runs carry
+#: its ``id`` in ``runs.job_id``, one run per rank.
+jobs_table = Table(
+    "jobs",
+    metadata,
+    # TORCHELASTIC_RUN_ID (torchrun), or rank 0's UUID agreed through the process group
+    Column("id", String(100), primary_key=True),
+    Column("name", String(200), nullable=False),
+    Column("world_size", _INT, nullable=False),
+    Column("backend", String(32)),
+    # "torchelastic" or "process_group": where the id came from
+    Column("id_source", String(32), nullable=False),
+    # when the first rank recorded the job
+    Column("created_at_s", Float, nullable=False, index=True),
 )
 
 _FLOAT_FIELDS = {"time_s", "fragmentation", "free_fraction"}
