@@ -8,7 +8,8 @@ Exit codes (:data:`EXIT_CODES`, also in ``edo-monitor --help``):
     0    success
     1    runtime or data error: no such run, no database (missing file or folder), a database
          that cannot be used (not a database, newer schema, unreadable), a write refused by
-         ``sql``, ``sql`` ran past its ``--timeout``, ``doctor`` found a problem
+         ``sql``, ``sql`` ran past its ``--timeout``, ``doctor`` found a problem, no NVML for
+         ``daemon``
     2    usage: unknown option, bad value (a size, a duration, a format, a column name); checked
          before anything is opened
     3    unexpected internal error (reported in one line; set ``EDO_DEBUG=1`` for the traceback)
@@ -27,6 +28,7 @@ import logging
 import math
 import os
 import re
+import signal
 import sqlite3
 import sys
 import time
@@ -50,7 +52,7 @@ EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 1
 EXIT_CODES = {
     EXIT_OK: "ok",
     EXIT_ERROR: "runtime or data error (no such run or database, unusable database, refused "
-    "write, sql timeout, doctor problem)",
+    "write, sql timeout, doctor problem, no NVML for daemon)",
     EXIT_USAGE: "usage error (bad option or value; nothing was opened)",
     EXIT_INTERNAL: "internal error",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
@@ -1345,6 +1347,50 @@ def metrics_cmd(
         sys.stdout.flush()
 
     serve_history(db, host, port, on_ready=ready)
+
+
+@app.command("daemon")
+@_handle_errors
+def daemon_cmd(
+    db: DbOpt = None,
+    interval: Annotated[
+        float,
+        typer.Option("--interval", help="Seconds between samples.", min=0.01, max=3600.0),
+    ] = 1.0,
+) -> None:
+    """Record every GPU and every process on it (NVML) into the history, until SIGTERM/Ctrl-C.
+
+    Each sample writes one row per GPU (used/total/free bytes, utilisation) and one per process
+    on it (PID, name, bytes, and the run id when it is a watched run of this host); GPUs that
+    appear or are lost are device events. Runs in the foreground (for a service manager: see
+    docs/edo-monitor-daemon.service). SIGTERM stops it after writing everything (exit 0),
+    Ctrl-C too (exit 130). No NVML: one line and exit code 1, nothing created."""
+    from edo_monitor.daemon import run_daemon
+
+    def ready(daemon: Any) -> None:
+        devices = ", ".join(f"{i}:{u}" for u, i in sorted(daemon.devices.items(), key=_second))
+        _c.err.print(
+            f"edo-monitor daemon: recording {len(daemon.devices)} GPU(s) [{devices}] every "
+            f"{daemon.interval_s:g} s into {_shown_db(db)}"
+        )
+
+    result = run_daemon(db, interval_s=interval, on_ready=ready)
+    _c.err.print(f"edo-monitor daemon: stopped; {result.summary()}")
+    if result.signal == signal.SIGINT:
+        raise KeyboardInterrupt
+
+
+def _second(item: tuple[Any, Any]) -> Any:
+    return item[1]
+
+
+def _shown_db(db: str | None) -> str:
+    from edo_monitor.store.engine import resolve_db_url
+
+    url = resolve_db_url(db)
+    if url.get_backend_name() == "sqlite" and url.database:
+        return url.database
+    return url.render_as_string(hide_password=True)
 
 
 def main() -> None:

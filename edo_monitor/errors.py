@@ -15,6 +15,7 @@ __all__ = [
     "ConfigError",
     "EdoMonitorError",
     "JobNotFoundError",
+    "NvmlUnavailableError",
     "RunNotFoundError",
     "StoreError",
 ]
@@ -42,6 +43,12 @@ class RunNotFoundError(EdoMonitorError, LookupError):
 
 class JobNotFoundError(EdoMonitorError, LookupError):
     """A job reference (id, id prefix or ``latest``) matched no multi-rank job, or several."""
+
+
+class NvmlUnavailableError(EdoMonitorError):
+    """NVML cannot be used (``nvidia-ml-py`` missing, or ``nvmlInit`` failed: no driver or
+    library, driver and library versions differ …); the message names the cause. Raised by the
+    system-wide daemon, which has nothing to sample without it (the agent goes on without NVML)."""
 
 
 if TYPE_CHECKING:  # for type checkers; at run time the class is made on first access

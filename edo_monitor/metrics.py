@@ -29,6 +29,7 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from edo_monitor.errors import ConfigError
+from edo_monitor.signals import stop_on_signals
 
 logger = logging.getLogger(__name__)
 
@@ -434,7 +435,7 @@ def serve_history(
     require_prometheus()
     stop = stop or threading.Event()
     received: list[int] = []
-    restore = _stop_on_signals(stop, received)
+    restore = stop_on_signals(stop, received)
     history = History(db, readonly=True)
     try:
         with MetricsServer(HistoryCollector(history), host, port) as server:
@@ -447,25 +448,3 @@ def serve_history(
         history.close()
     if signal.SIGINT in received:
         raise KeyboardInterrupt
-
-
-def _stop_on_signals(stop: threading.Event, received: list[int]) -> Callable[[], None]:
-    """Make SIGINT and SIGTERM set ``stop`` (main thread only; elsewhere nothing changes).
-    Returns what puts the previous handlers and signal mask back."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    wanted = (signal.SIGINT, signal.SIGTERM)
-
-    def handler(signum: int, _frame: Any) -> None:
-        received.append(signum)
-        stop.set()
-
-    previous = {s: signal.signal(s, handler) for s in wanted}
-    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, wanted)
-
-    def restore() -> None:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        for s, h in previous.items():
-            signal.signal(s, h)
-
-    return restore

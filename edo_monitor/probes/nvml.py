@@ -1,10 +1,17 @@
-"""NVML probe: whole-device memory and this process's share, through ``pynvml`` (nvidia-ml-py).
+"""NVML probe: whole-device memory, utilisation and processes, through ``pynvml`` (nvidia-ml-py).
+
+Two layers. :class:`NvmlDevice` reads one device handle and owns every piece of fault handling
+below; the agent's :class:`NvmlProbe` (one torch device: its memory and this process's share)
+and the system-wide daemon (:mod:`edo_monitor.daemon`: every device and every process) both
+read through it.
 
 Calls: ``nvmlInit``; ``nvmlDeviceGetHandleByIndex`` / ``nvmlDeviceGetHandleByUUID`` and
 ``nvmlDeviceGetUUID`` to find the device; ``nvmlDeviceGetName``; ``nvmlDeviceGetMemoryInfo`` with
 ``version=nvmlMemory_v2`` (total, reserved, free, used; ``used`` excludes the driver's reserved
 memory, as ``nvidia-smi`` shows it), falling back to v1 (``used = total - free``) when the driver
-or binding lacks v2; ``nvmlDeviceGetComputeRunningProcesses`` for ``process_device_bytes``.
+or binding lacks v2; ``nvmlDeviceGetComputeRunningProcesses`` (and, for the daemon,
+``nvmlDeviceGetGraphicsRunningProcesses``) for per-process bytes; ``nvmlDeviceGetUtilizationRates``
+(the daemon) for busy fractions.
 
 Device mapping: the torch device index counts the devices CUDA makes visible, in
 ``CUDA_VISIBLE_DEVICES`` order (entries are NVML indices, full UUIDs or unique UUID prefixes,
@@ -15,9 +22,12 @@ order when ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or the GPUs are all the same model.
 
 Failures: a missing library or driver, a driver/library mismatch, an unknown device make the whole
 source unavailable. ``NotSupported`` (MIG devices, some process queries) makes that one field
-``None``. ``GPU is lost`` mid-run marks the device unavailable for the rest of the run. Errors the
-binding raises that are not ``NVMLError`` (``NVMLLibraryMismatchError`` for a missing versioned
-function, ``AttributeError`` …) are handled like the rest. Every change is reported once, with
+``None`` (an optional query, processes or utilisation, is then not asked again); any other error
+of an optional query makes this reading's value ``None`` and it is asked again next time.
+``GPU is lost`` mid-run marks the device unavailable for the rest of the run
+(:attr:`NvmlDevice.lost`). Errors the binding raises that are not ``NVMLError``
+(``NVMLLibraryMismatchError`` for a missing versioned function, ``AttributeError`` …) are handled
+like the rest. Every change is reported once, with
 its real cause: when the v2 memory query fails, v1 is tried before v2 is blamed, so a driver that
 stopped answering (library/driver version mismatch after an upgrade, driver unloaded) is reported
 as that, once, and not first as "memory info v2 unavailable".
@@ -39,7 +49,14 @@ from typing import Any
 
 from edo_monitor.probes import EventCallback, ignore_event
 
-__all__ = ["NvmlProbe", "parse_visible_devices", "resolve_nvml_uuid"]
+__all__ = [
+    "NvmlDevice",
+    "NvmlProbe",
+    "NvmlProcess",
+    "nvml_module",
+    "parse_visible_devices",
+    "resolve_nvml_uuid",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -155,16 +172,334 @@ def resolve_nvml_uuid(
     return matches[0]
 
 
-@dataclass
-class _State:
-    available: bool = False
-    reason: str | None = None
-    memory_info_version: int = 2
-    process_supported: bool = True
+@dataclass(frozen=True)
+class NvmlProcess:
+    """One process on a device, as NVML lists it.
+
+    Attributes:
+        pid: the process id NVML reports (the host's PID namespace).
+        process_device_bytes: its memory on the device, CUDA context included (``usedGpuMemory``
+            of ``nvmlDeviceGetComputeRunningProcesses`` / ``…GraphicsRunningProcesses``);
+            ``None`` when the driver gives N/A or an impossible value.
+        kind: ``"compute"``, ``"graphics"`` or ``"compute+graphics"`` (listed by both calls;
+            the larger of the two byte counts is kept).
+        driver_na: the driver itself said N/A for the memory (pynvml gives ``None``), as opposed
+            to a value found impossible here.
+    """
+
+    pid: int
+    process_device_bytes: int | None
+    kind: str
+    driver_na: bool = False
+
+
+#: process-list calls by kind: (pynvml function, report key, what the report calls it)
+_PROCESS_CALLS = {
+    "compute": ("nvmlDeviceGetComputeRunningProcesses", "procs", "process list"),
+    "graphics": (
+        "nvmlDeviceGetGraphicsRunningProcesses",
+        "graphics-procs",
+        "graphics process list",
+    ),
+}
+
+
+class NvmlDevice:
+    """One NVML device handle, read with every fault handled: the one place that does it (the
+    agent's :class:`NvmlProbe` and the system-wide daemon, :mod:`edo_monitor.daemon`, both read
+    through it).
+
+    What each fault does (module docstring): a lost GPU (``NVMLError_GpuIsLost``) or NVML
+    stopping as a whole (driver/library mismatch, driver unloaded …) makes the device
+    unavailable for good (:attr:`available` False, :attr:`reason`, :attr:`lost`); ``NotSupported``
+    on one query makes that query's value ``None`` and the query is not asked again; any other
+    error on an optional query (processes, utilisation) makes this reading's value ``None``, and
+    the query is asked again next time. Each change is reported once (log warning and
+    ``on_event("probe_unavailable", message, data)``). No method raises.
+
+    Args:
+        nvml: the ``pynvml`` module (or a fake with its functions and exception classes),
+            initialised.
+        handle: the device's handle (``nvmlDeviceGetHandleByIndex`` / ``…ByUUID``).
+        uuid: the device's UUID, for reports. index: its NVML index, for reports.
+        on_event: callback for ``probe_unavailable`` events.
+        fallback_name: the name to use when NVML's cannot be read (e.g. torch's).
+    """
+
+    def __init__(
+        self,
+        nvml: ModuleType | Any,
+        handle: Any,
+        *,
+        uuid: str | None = None,
+        index: int | None = None,
+        on_event: EventCallback = ignore_event,
+        fallback_name: str | None = None,
+    ) -> None:
+        self._nvml = nvml
+        self.handle = handle
+        self.uuid = uuid
+        self.index = index
+        self._on_event = on_event
+        self._fallback_name = fallback_name
+        self._available = True
+        self._reason: str | None = None
+        self._lost = False
+        self._memory_info_version = 2
+        self._not_supported: set[str] = set()
+        self._reported: set[str] = set()
+        #: the device's total memory from the last good reading (bytes), bounds other values
+        self.device_total_bytes: int | None = None
+
+    @property
+    def available(self) -> bool:
+        """Whether NVML still answers for this device."""
+        return self._available
+
+    @property
+    def reason(self) -> str | None:
+        """Why the device is unavailable (``None`` while available)."""
+        return self._reason
+
+    @property
+    def lost(self) -> bool:
+        """Whether the device was lost (``NVMLError_GpuIsLost``: fell off the bus, reset)."""
+        return self._lost
+
+    def report(self, key: str, message: str, **data: Any) -> None:
+        """Log ``message`` and emit a ``probe_unavailable`` event, once per ``key``."""
+        if key in self._reported:
+            return
+        self._reported.add(key)
+        logger.warning("NVML: %s", message)
+        self._on_event("probe_unavailable", f"NVML: {message}", {"source": "nvml", **data})
+
+    def _unavailable(self, message: str, *, lost: bool = False) -> None:
+        self._available = False
+        self._reason = message
+        self._lost = self._lost or lost
+        self.report("source", message, **({"lost": True} if lost else {}))
+
+    def _is(self, exc: BaseException, name: str) -> bool:
+        cls = getattr(self._nvml, name, None)
+        return cls is not None and isinstance(exc, cls)
+
+    def _fatal(self, exc: BaseException) -> bool:
+        """Mark the device unavailable when ``exc`` means it is lost or NVML stopped; whether
+        it did."""
+        if self._is(exc, "NVMLError_GpuIsLost"):
+            self._unavailable(f"device lost: {exc}", lost=True)
+            return True
+        cause = _cause(exc)
+        if cause is not None:
+            self._unavailable(cause)
+            return True
+        return False
+
+    def _optional(self, key: str, field: str, what: str, call: str) -> tuple[bool, Any]:
+        """Ask one optional query; ``(True, value)``, or ``(False, None)`` after handling its
+        fault (see the class docstring)."""
+        if not self._available or key in self._not_supported:
+            return False, None
+        try:
+            return True, getattr(self._nvml, call)(self.handle)
+        except Exception as exc:
+            if self._fatal(exc):
+                return False, None
+            if self._is(exc, "NVMLError_NotSupported"):
+                self._not_supported.add(key)
+            self.report(key, f"{what} unavailable ({type(exc).__name__}: {exc})", field=field)
+            return False, None
+
+    def read_name(self) -> str | None:
+        """The device name (``nvmlDeviceGetName``); never makes the device unavailable (pynvml
+        decodes the C string strictly and raises ``UnicodeDecodeError`` on bytes that are not
+        UTF-8): the fallback name is used instead, reported once."""
+        try:
+            return _decode(self._nvml.nvmlDeviceGetName(self.handle))
+        except Exception as exc:
+            name = self._fallback_name
+            self.report(
+                "name",
+                f"device name unreadable ({type(exc).__name__}: {exc}); using "
+                + (f"torch's {name!r}" if name else "none"),
+                field="name",
+            )
+            return name
+
+    def checked(self, field: str, value: Any, limit: int | None) -> int | None:
+        """``value`` as an int, or ``None`` (reported once per field) when it is impossible:
+        NVML's N/A value, 2**63 or more, negative, or above ``limit`` (the device total)."""
+        if value is None:
+            return None
+        number = int(value)
+        if 0 <= number < _INT64_LIMIT and (limit is None or number <= limit):
+            return number
+        what = (
+            "NVML_VALUE_NOT_AVAILABLE (2**64-1)"
+            if number == NVML_VALUE_NOT_AVAILABLE
+            else f"{number}"
+            + (f" > device total {limit}" if limit is not None and 0 <= number < _INT64_LIMIT
+               else " (outside 0 .. 2**63-1)")
+        )  # fmt: skip
+        self.report(
+            f"impossible:{field}",
+            f"{field} reported as {what}; recorded as unknown",
+            field=field,
+            value=str(number),
+        )
+        return None
+
+    def read_memory(self) -> dict[str, Any]:
+        """Whole-device memory: ``device_total_bytes``, ``device_used_bytes``,
+        ``device_free_bytes`` (bytes) and ``nvml_memory_info_version`` (2 or 1), ``None`` where
+        unavailable.
+
+        From ``nvmlDeviceGetMemoryInfo(version=nvmlMemory_v2)`` (``used`` excludes the driver's
+        reserved memory, as ``nvidia-smi`` shows it), else v1 (``used = total - free``): v1 is
+        tried before v2 is blamed, so a driver that stopped answering is reported as that."""
+        out: dict[str, Any] = dict.fromkeys(_MEMORY_FIELDS)
+        if not self._available:
+            return out
+        nvml, handle = self._nvml, self.handle
+        try:
+            info = None
+            if self._memory_info_version == 2:
+                try:
+                    info = nvml.nvmlDeviceGetMemoryInfo(handle, version=nvml.nvmlMemory_v2)
+                except Exception as exc:
+                    if self._is(exc, "NVMLError_GpuIsLost") or _cause(exc):
+                        raise
+                    # blame v2 only when v1 answers: an error that v1 shares is the real cause
+                    info = nvml.nvmlDeviceGetMemoryInfo(handle)
+                    self._memory_info_version = 1
+                    self.report(
+                        "v2",
+                        f"memory info v2 unavailable ({type(exc).__name__}: {exc}); using v1",
+                        field="memory_info_v2",
+                    )
+            if info is None:
+                info = nvml.nvmlDeviceGetMemoryInfo(handle)
+            total = self.checked("device_total_bytes", info.total, None)
+            free = self.checked("device_free_bytes", info.free, total)
+            if self._memory_info_version == 2:
+                used = self.checked("device_used_bytes", info.used, total)
+            else:
+                used = None if total is None or free is None else total - free
+        except Exception as exc:
+            if self._fatal(exc):
+                return out
+            if self._is(exc, "NVMLError_NotSupported"):
+                self.report("meminfo-ns", f"memory info not supported: {exc}", field="memory")
+            else:
+                self._unavailable(f"memory info failed: {type(exc).__name__}: {exc}")
+            return out
+        out.update(
+            device_total_bytes=total,
+            device_used_bytes=used,
+            device_free_bytes=free,
+            nvml_memory_info_version=self._memory_info_version,
+        )
+        if total is not None:
+            self.device_total_bytes = total
+        return out
+
+    def read_processes(
+        self, kinds: tuple[str, ...] = ("compute",), *, pid: int | None = None
+    ) -> list[NvmlProcess] | None:
+        """The processes on the device, by ``kinds`` (``"compute"``:
+        ``nvmlDeviceGetComputeRunningProcesses``, ``"graphics"``:
+        ``nvmlDeviceGetGraphicsRunningProcesses``), one entry per PID (only ``pid``'s when
+        given); ``None`` when no asked list could be read. Byte counts above the device's total
+        memory are impossible (``None``, reported once)."""
+        by_pid: dict[int, NvmlProcess] = {}
+        answered = False
+        for kind in kinds:
+            call, key, what = _PROCESS_CALLS[kind]
+            field = "process" if kind == "compute" else f"{kind}_process"
+            ok, procs = self._optional(key, field, what, call)
+            if not ok:
+                continue
+            answered = True
+            for proc in procs:
+                proc_pid = int(proc.pid)
+                if pid is not None and proc_pid != pid:
+                    continue
+                raw = getattr(proc, "usedGpuMemory", None)
+                used = self.checked("process_device_bytes", raw, self.device_total_bytes)
+                seen = by_pid.get(proc_pid)
+                if seen is None:
+                    by_pid[proc_pid] = NvmlProcess(proc_pid, used, kind, raw is None)
+                elif seen.kind != kind:
+                    best = used if seen.process_device_bytes is None else seen.process_device_bytes
+                    if used is not None and best is not None:
+                        best = max(best, used)
+                    by_pid[proc_pid] = NvmlProcess(
+                        proc_pid, best, f"{seen.kind}+{kind}", seen.driver_na and raw is None
+                    )
+        return list(by_pid.values()) if answered else None
+
+    def read_utilization(self) -> tuple[float | None, float | None]:
+        """``(gpu, memory)`` busy fractions in [0, 1] over NVML's last sample period
+        (``nvmlDeviceGetUtilizationRates``: the share of time a kernel ran, and the share of
+        time device memory was read or written); ``None`` where unavailable (MIG devices and
+        some boards do not support it)."""
+        ok, rates = self._optional("utilization", "utilization", "utilization", _UTIL_CALL)
+        if not ok:
+            return None, None
+        out: list[float | None] = []
+        for name in ("gpu", "memory"):
+            value = getattr(rates, name, None)
+            if value is None or not 0 <= int(value) <= 100:
+                if value is not None:
+                    self.report(
+                        f"impossible:utilization_{name}",
+                        f"utilization.{name} reported as {value}%; recorded as unknown",
+                        field=f"utilization_{name}",
+                        value=str(value),
+                    )
+                out.append(None)
+            else:
+                out.append(int(value) / 100.0)
+        return out[0], out[1]
+
+    def close(self) -> None:
+        """Stop reading the device (nothing is asked of NVML after this)."""
+        self._available = False
+        self._reason = self._reason or "closed"
+
+
+_UTIL_CALL = "nvmlDeviceGetUtilizationRates"
+_MEMORY_FIELDS = (
+    "device_total_bytes",
+    "device_used_bytes",
+    "device_free_bytes",
+    "nvml_memory_info_version",
+)
+
+
+def nvml_module(nvml: ModuleType | Any | None = None) -> tuple[Any, str | None]:
+    """``(pynvml, None)`` initialised, or ``(None, reason)`` when NVML cannot be used: the
+    binding is not importable, or ``nvmlInit`` fails (library or driver missing, driver and
+    library versions differ …), the reason naming the real cause.
+
+    Args:
+        nvml: the module (or a fake) to initialise; ``None`` imports ``pynvml``.
+    """
+    if nvml is None:
+        try:
+            import pynvml as nvml
+        except ImportError as exc:
+            return None, f"nvidia-ml-py is not importable ({exc})"
+    try:
+        nvml.nvmlInit()
+    except Exception as exc:
+        return None, _cause(exc) or f"nvmlInit failed: {exc} ({type(exc).__name__})"
+    return nvml, None
 
 
 class NvmlProbe:
-    """Reads device memory through NVML for one torch device.
+    """Reads device memory through NVML for one torch device (the agent's probe).
 
     Args:
         torch_index: torch's device index.
@@ -200,199 +535,97 @@ class NvmlProbe:
         self._torch_uuid = torch_uuid
         self._pid = os.getpid() if pid is None else pid
         self._on_event = on_event
-        self._handle: Any = None
-        self._state = _State()
+        self._device: NvmlDevice | None = None
+        self._reason: str | None = None
         self._reported: set[str] = set()
+        self._started = False
         self.device_name: str | None = None
         self.device_uuid: str | None = None
-        self.device_total_bytes: int | None = None
 
     @property
     def available(self) -> bool:
         """Whether NVML answers for this device."""
-        return self._state.available
+        return self._device is not None and self._device.available
 
     @property
     def reason(self) -> str | None:
         """Why the source is unavailable (``None`` when available)."""
-        return self._state.reason
+        return self._device.reason if self._device is not None else self._reason
 
-    def _report(self, key: str, message: str, **data: Any) -> None:
-        if key in self._reported:
-            return
-        self._reported.add(key)
-        logger.warning("NVML: %s", message)
-        self._on_event("probe_unavailable", f"NVML: {message}", {"source": "nvml", **data})
+    @property
+    def device_total_bytes(self) -> int | None:
+        """The device's total memory from the last good reading (bytes)."""
+        return self._device.device_total_bytes if self._device is not None else None
 
     def _unavailable(self, message: str) -> None:
-        self._state.available = False
-        self._state.reason = message
-        self._report("source", message)
+        self._reason = message
+        if "source" not in self._reported:
+            self._reported.add("source")
+            logger.warning("NVML: %s", message)
+            self._on_event("probe_unavailable", f"NVML: {message}", {"source": "nvml"})
 
     def start(self) -> bool:
         """Initialise NVML and find the device. Returns whether the source is available."""
-        nvml = self._nvml
+        nvml, reason = nvml_module(self._nvml)
         if nvml is None:
-            try:
-                import pynvml as nvml
-            except ImportError as exc:
-                self._unavailable(f"nvidia-ml-py is not importable ({exc})")
-                return False
-            self._nvml = nvml
-        try:
-            nvml.nvmlInit()
-        except Exception as exc:
-            self._unavailable(_cause(exc) or f"nvmlInit failed: {exc} ({type(exc).__name__})")
+            self._unavailable(reason or "NVML unavailable")
             return False
+        self._nvml = nvml
+        self._started = True
         try:
             uuid = resolve_nvml_uuid(nvml, self.torch_index, self._visible, self._torch_uuid)
-            self._handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
-            self.device_uuid = uuid
+            handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
         except Exception as exc:
             cause = _cause(exc)
             self._unavailable(cause or f"cannot find torch device {self.torch_index}: {exc}")
             return False
-        self._state.available = True
-        self.device_name = self._read_name()
-        return True
-
-    def _read_name(self) -> str | None:
-        """The device name; never makes the source unavailable (pynvml decodes the C string
-        strictly and raises ``UnicodeDecodeError`` on bytes that are not UTF-8)."""
-        try:
-            return _decode(self._nvml.nvmlDeviceGetName(self._handle))
-        except Exception as exc:
-            name = self._fallback_name
-            self._report(
-                "name",
-                f"device name unreadable ({type(exc).__name__}: {exc}); using "
-                + (f"torch's {name!r}" if name else "none"),
-                field="name",
-            )
-            return name
-
-    def _checked(self, field: str, value: Any, limit: int | None) -> int | None:
-        """``value`` as an int, or ``None`` (reported once per field) when it is impossible:
-        NVML's N/A value, 2**63 or more, negative, or above ``limit`` (the device total)."""
-        if value is None:
-            return None
-        number = int(value)
-        if 0 <= number < _INT64_LIMIT and (limit is None or number <= limit):
-            return number
-        what = (
-            "NVML_VALUE_NOT_AVAILABLE (2**64-1)"
-            if number == NVML_VALUE_NOT_AVAILABLE
-            else f"{number}"
-            + (f" > device total {limit}" if limit is not None and 0 <= number < _INT64_LIMIT
-               else " (outside 0 .. 2**63-1)")
-        )  # fmt: skip
-        self._report(
-            f"impossible:{field}",
-            f"{field} reported as {what}; recorded as unknown",
-            field=field,
-            value=str(number),
+        self.device_uuid = uuid
+        self._device = NvmlDevice(
+            nvml,
+            handle,
+            uuid=uuid,
+            on_event=self._on_event,
+            fallback_name=self._fallback_name,
         )
-        return None
+        self.device_name = self._device.read_name()
+        return True
 
     def close(self) -> None:
         """Shut NVML down (when it was started)."""
-        if self._nvml is not None and self._handle is not None:
+        if self._started:
             try:
                 self._nvml.nvmlShutdown()
             except Exception:
                 logger.debug("nvmlShutdown failed", exc_info=True)
-        self._handle = None
-        self._state.available = False
-
-    def _is_lost(self, exc: BaseException) -> bool:
-        lost = getattr(self._nvml, "NVMLError_GpuIsLost", None)
-        return lost is not None and isinstance(exc, lost)
-
-    def _not_supported(self, exc: BaseException) -> bool:
-        ns = getattr(self._nvml, "NVMLError_NotSupported", None)
-        return ns is not None and isinstance(exc, ns)
+            self._started = False
+        if self._device is not None:
+            self._device.close()
 
     def read(self) -> dict[str, Any]:
         """One reading: the keys of ``_NVML_FIELDS``, ``None`` where unavailable. Never raises."""
         out: dict[str, Any] = dict.fromkeys(_NVML_FIELDS)
-        if not self._state.available:
+        device = self._device
+        if device is None or not device.available:
             return out
-        nvml, handle = self._nvml, self._handle
-        try:
-            info = None
-            if self._state.memory_info_version == 2:
-                try:
-                    info = nvml.nvmlDeviceGetMemoryInfo(handle, version=nvml.nvmlMemory_v2)
-                except Exception as exc:
-                    if self._is_lost(exc) or _cause(exc):
-                        raise
-                    # blame v2 only when v1 answers: an error that v1 shares is the real cause
-                    info = nvml.nvmlDeviceGetMemoryInfo(handle)
-                    self._state.memory_info_version = 1
-                    self._report(
-                        "v2",
-                        f"memory info v2 unavailable ({type(exc).__name__}: {exc}); using v1",
-                        field="memory_info_v2",
-                    )
-            if info is None:
-                info = nvml.nvmlDeviceGetMemoryInfo(handle)
-            total = self._checked("device_total_bytes", info.total, None)
-            free = self._checked("device_free_bytes", info.free, total)
-            if self._state.memory_info_version == 2:
-                used = self._checked("device_used_bytes", info.used, total)
-            else:
-                used = None if total is None or free is None else total - free
-            out.update(
-                device_total_bytes=total,
-                device_used_bytes=used,
-                device_free_bytes=free,
-                nvml_memory_info_version=self._state.memory_info_version,
-            )
-            if total is not None:
-                self.device_total_bytes = total
-        except Exception as exc:
-            cause = _cause(exc)
-            if self._is_lost(exc):
-                self._unavailable(f"device lost: {exc}")
-            elif cause is not None:
-                self._unavailable(cause)
-            elif self._not_supported(exc):
-                self._report("meminfo-ns", f"memory info not supported: {exc}", field="memory")
-            else:
-                self._unavailable(f"memory info failed: {type(exc).__name__}: {exc}")
-            return out
-        if self._state.process_supported:
-            out["process_device_bytes"] = self._process_bytes()
+        out.update(device.read_memory())
+        if device.available and out["nvml_memory_info_version"] is not None:  # memory answered
+            out["process_device_bytes"] = self._process_bytes(device)
         return out
 
-    def _process_bytes(self) -> int | None:
-        try:
-            procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)
-        except Exception as exc:
-            if self._is_lost(exc):
-                self._unavailable(f"device lost: {exc}")
-                return None
-            cause = _cause(exc)
-            if cause is not None:
-                self._unavailable(cause)
-                return None
-            self._state.process_supported = False
-            self._report(
-                "procs", f"process list unavailable ({type(exc).__name__}: {exc})", field="process"
-            )
+    def _process_bytes(self, device: NvmlDevice) -> int | None:
+        procs = device.read_processes(("compute",), pid=self._pid)
+        if procs is None:
             return None
         for proc in procs:
-            if int(proc.pid) == self._pid:
-                used = getattr(proc, "usedGpuMemory", None)
-                if used is None:
-                    self._report(
+            if proc.pid == self._pid:
+                if proc.driver_na:
+                    device.report(
                         "proc-mem",
                         "per-process memory not available from the driver",
                         field="process",
                     )
-                    return None
-                return self._checked("process_device_bytes", used, self.device_total_bytes)
-        self._report(
+                return proc.process_device_bytes
+        device.report(
             "proc-pid",
             f"pid {self._pid} not in the device's process list (container PID namespace?)",
             field="process",

@@ -10,7 +10,17 @@ from sqlalchemy.orm import DeclarativeBase
 
 from edo_monitor.store import schema
 
-__all__ = ["Base", "Event", "Meta", "ModuleStat", "Run", "Sample"]
+__all__ = [
+    "Base",
+    "DeviceEvent",
+    "DeviceSample",
+    "Event",
+    "Meta",
+    "ModuleStat",
+    "ProcessSample",
+    "Run",
+    "Sample",
+]
 
 
 class Base(DeclarativeBase):
@@ -47,3 +57,21 @@ class ModuleStat(Base):
     """A row of ``module_stats``: the bytes of one module at one moment."""
 
     __table__ = schema.module_stats_table
+
+
+class DeviceSample(Base):
+    """A row of ``device_samples``: one GPU at one daemon sample."""
+
+    __table__ = schema.device_samples_table
+
+
+class ProcessSample(Base):
+    """A row of ``process_samples``: one process on one GPU at one daemon sample."""
+
+    __table__ = schema.process_samples_table
+
+
+class DeviceEvent(Base):
+    """A row of ``device_events``: a GPU appeared or was lost, NVML stopped, the daemon …"""
+
+    __table__ = schema.device_events_table

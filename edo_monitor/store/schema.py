@@ -32,21 +32,25 @@ from edo_monitor.readings import SAMPLE_FIELDS
 
 __all__ = [
     "CACHE_FIELDS",
+    "DEVICE_EVENT_KINDS",
     "ROLLUP_FIELDS",
     "ROLLUP_LEVEL_WIDTHS_S",
     "SCHEMA_VERSION",
+    "device_events_table",
+    "device_samples_table",
     "events_table",
     "jobs_table",
     "meta_table",
     "metadata",
     "module_stats_table",
+    "process_samples_table",
     "runs_table",
     "sample_rollups",
     "samples_table",
 ]
 
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 #: Run statuses written by the agent. ``crashed`` is never written: readers derive it from a
 #: ``running`` run whose process is gone or whose heartbeat is stale.
@@ -266,4 +270,82 @@ sample_rollups = Table(
     *_rollup_columns(),
     PrimaryKeyConstraint("run_id", "level", "block", name="pk_sample_rollups"),
     sqlite_with_rowid=False,
+)
+
+
+# -- schema version 7: the system-wide daemon (``edo-monitor daemon``, edo_monitor/daemon.py) ----
+
+#: One GPU at one daemon sample: every device of a sample shares its ``time_s``. ``device_index``
+#: is NVML's (PCI bus order, not ``CUDA_VISIBLE_DEVICES``'); ``device_uuid`` identifies the GPU.
+#: Bytes from ``nvmlDeviceGetMemoryInfo`` (v2: ``used`` excludes the driver's reserved memory);
+#: ``utilization_*_fraction`` from ``nvmlDeviceGetUtilizationRates`` (share of NVML's last sample
+#: period a kernel ran / device memory was read or written), ``NULL`` where not supported;
+#: ``process_count``: processes listed (``NULL``: the lists could not be read).
+device_samples_table = Table(
+    "device_samples",
+    metadata,
+    Column("id", _INT, primary_key=True, autoincrement=True),
+    Column("time_s", Float, nullable=False, index=True),
+    Column("host", String(255), nullable=False),
+    Column("device_index", Integer, nullable=False),
+    Column("device_uuid", String(100), nullable=False),
+    Column("device_name", String(200)),
+    Column("device_total_bytes", _INT),
+    Column("device_used_bytes", _INT),
+    Column("device_free_bytes", _INT),
+    Column("nvml_memory_info_version", Integer),
+    Column("utilization_gpu_fraction", Float),
+    Column("utilization_memory_fraction", Float),
+    Column("process_count", Integer),
+)
+
+#: One process on one GPU at one daemon sample (same ``time_s`` as its device's row).
+#: ``process_device_bytes``: its memory on the device, CUDA context included (``usedGpuMemory``;
+#: ``NULL`` when the driver gives N/A). ``kind``: ``compute``, ``graphics`` or
+#: ``compute+graphics``. ``process_name`` from psutil (``NULL`` when the PID is not visible here:
+#: NVML lists host PIDs). ``run_id``: the watched run this process is (same host and PID, the run
+#: running at ``time_s``), else ``NULL``.
+process_samples_table = Table(
+    "process_samples",
+    metadata,
+    Column("id", _INT, primary_key=True, autoincrement=True),
+    Column("time_s", Float, nullable=False, index=True),
+    Column("host", String(255), nullable=False),
+    Column("device_index", Integer, nullable=False),
+    Column("device_uuid", String(100), nullable=False),
+    Column("pid", _INT, nullable=False),
+    Column("process_name", String(255)),
+    Column("kind", String(32), nullable=False),
+    Column("process_device_bytes", _INT),
+    Column("run_id", _INT, ForeignKey("runs.id", ondelete="SET NULL"), index=True),
+)
+
+#: What the daemon noticed: :data:`DEVICE_EVENT_KINDS`. ``device_uuid`` / ``device_index``
+#: are ``NULL`` for events of NVML as a whole or of the daemon itself.
+device_events_table = Table(
+    "device_events",
+    metadata,
+    Column("id", _INT, primary_key=True, autoincrement=True),
+    Column("time_s", Float, nullable=False, index=True),
+    Column("host", String(255), nullable=False),
+    Column("device_index", Integer),
+    Column("device_uuid", String(100)),
+    Column("kind", String(32), nullable=False),
+    Column("message", Text, nullable=False),
+    Column("data", JSON, nullable=False, default=dict),
+)
+
+#: ``device_events.kind`` values: the daemon started / stopped, a GPU appeared (at start or
+#: later) or was lost (``NVMLError_GpuIsLost``, or gone from NVML's list), a device or NVML as a
+#: whole stopped answering (driver/library mismatch …), one query of a device failed
+#: (``probe_unavailable``, as the agent's), rows dropped (queue full or unwritable).
+DEVICE_EVENT_KINDS = (
+    "daemon_started",
+    "daemon_stopped",
+    "device_appeared",
+    "device_lost",
+    "device_unavailable",
+    "nvml_unavailable",
+    "probe_unavailable",
+    "samples_dropped",
 )

@@ -45,9 +45,16 @@ from sqlalchemy.exc import OperationalError
 
 from edo_monitor.readings import SAMPLE_FIELDS, Reading
 from edo_monitor.store.engine import database_file, write_samples
-from edo_monitor.store.models import Event, ModuleStat, Run
+from edo_monitor.store.models import (
+    DeviceEvent,
+    DeviceSample,
+    Event,
+    ModuleStat,
+    ProcessSample,
+    Run,
+)
 
-__all__ = ["Writer"]
+__all__ = ["DeviceWriter", "Writer"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +72,8 @@ class Writer:
 
     Args:
         engine: an engine from :func:`edo_monitor.store.engine.open_engine` (read-write).
-        run_id: ``runs.id`` every row belongs to.
+        run_id: ``runs.id`` every row belongs to (``None`` in :class:`DeviceWriter`: rows of no
+            run).
         queue_size: capacity of the bounded queue (items: samples, events, module rows).
         flush_interval_s: longest time an item waits before it is written; also the heartbeat
             period.
@@ -78,10 +86,13 @@ class Writer:
     writer thread is woken only when a batch is ready (else it wakes at the flush interval).
     """
 
+    #: tables whose rows wait as dicts and are inserted with Core executemany: (name, ORM class)
+    ROW_TABLES: tuple[tuple[str, Any], ...] = _TABLES
+
     def __init__(
         self,
         engine: Engine,
-        run_id: int,
+        run_id: int | None,
         *,
         queue_size: int = 10_000,
         flush_interval_s: float = 1.0,
@@ -105,13 +116,14 @@ class Writer:
         self._error_logged = False
         self._last_error = ""
         self._closed = False
+        self._names = ("samples", *(name for name, _ in self.ROW_TABLES))
         #: rows written so far, by table name (read by tests and benchmarks)
-        self.written: dict[str, int] = {"samples": 0, "events": 0, "module_stats": 0}
+        self.written: dict[str, int] = dict.fromkeys(self._names, 0)
         self.flushes = 0
         #: extra ``runs`` columns written with each heartbeat (e.g. ``{"steps": 12}``)
         self.run_values: dict[str, Any] = {}
         #: rows not written, by table (queue full, refused, unwritable at close, file gone)
-        self.not_written: dict[str, int] = {"samples": 0, "events": 0, "module_stats": 0}
+        self.not_written: dict[str, int] = dict.fromkeys(self._names, 0)
         #: values replaced by NULL because SQLite cannot store them (integers beyond 64 bits)
         self.values_nulled = 0
         #: why rows are not being written (``None`` while all is well)
@@ -238,12 +250,9 @@ class Writer:
         """Log what was not written (always, when anything was)."""
         if not self._dropped:
             return
-        nw = self.not_written
         logger.warning(
-            "history: %d sample(s), %d event(s), %d module row(s) not written to %s%s",
-            nw["samples"],
-            nw["events"],
-            nw["module_stats"],
+            "history: %s not written to %s%s",
+            ", ".join(f"{n} {table} row(s)" for table, n in self.not_written.items() if n),
             self.engine.url.render_as_string(hide_password=True),
             f" ({self.problem})" if self.problem else "",
         )
@@ -291,8 +300,11 @@ class Writer:
             self._closed = True  # from now on a put is counted, not queued
             self._release()
 
+    def _pending(self) -> dict[str, list[Any]]:
+        return {name: [] for name in self._names}
+
     def _run(self) -> None:
-        pending: dict[str, list[Any]] = {"samples": [], "events": [], "module_stats": []}
+        pending = self._pending()
         count = 0
         failed = False
         tries_left = _CLOSE_TRIES
@@ -316,7 +328,7 @@ class Writer:
                     time.sleep(min(self.flush_interval_s, 1.0))
                     continue
                 if not failed:
-                    pending = {"samples": [], "events": [], "module_stats": []}
+                    pending = self._pending()
                     count = 0
                 if last:
                     return
@@ -345,7 +357,7 @@ class Writer:
             return self._write(pending)
         except OverflowError as exc:  # an integer SQLite cannot store: NULL it, try again
             self._release()
-            nulled = _null_out_of_range(pending)
+            nulled = _null_out_of_range(pending, [name for name, _ in self.ROW_TABLES])
             self.values_nulled += nulled
             logger.warning(
                 "history writer: %d value(s) beyond SQLite's 64-bit integers written as NULL (%s)",
@@ -363,44 +375,57 @@ class Writer:
                     self._count(table, len(rows))
                 return True
 
+    # -- what differs between the run's writer and the daemon's (overridden by DeviceWriter) --
+    def _drop_row(self, now: float, new_drops: int, total: int) -> tuple[str, dict[str, Any]]:
+        """The row recording ``new_drops`` more dropped items: ``(table, row)``."""
+        return "events", {
+            "time_s": now,
+            "step": -1,
+            "kind": "samples_dropped",
+            "message": f"{new_drops} item(s) dropped (queue full or rows unwritable)",
+            "data": {"count": new_drops, "total": total},
+        }
+
+    def _prepare(self, conn: Connection, table: str, rows: list[dict[str, Any]]) -> None:
+        """Complete ``rows`` of ``table`` before their insert (inside the flush's transaction)."""
+        for r in rows:
+            r["run_id"] = self.run_id
+
+    def _after_rows(self, conn: Connection, now: float, new_drops: int, total: int) -> None:
+        """Last statement of a flush's transaction: the run's heartbeat (and drop count)."""
+        values: dict[str, Any] = {**self.run_values, "heartbeat_at_s": now}
+        if new_drops:
+            values["samples_dropped"] = total
+        conn.execute(_heartbeat(tuple(values)), {**values, "edo_run_id": self.run_id})
+
     def _write(self, pending: dict[str, list[Any]]) -> bool:
         dropped = self._dropped
         new_drops = dropped - self._dropped_recorded
         now = time.time()
+        drop_table = None
         if new_drops:
-            pending["events"].append(
-                {
-                    "time_s": now,
-                    "step": -1,
-                    "kind": "samples_dropped",
-                    "message": f"{new_drops} item(s) dropped (queue full or rows unwritable)",
-                    "data": {"count": new_drops, "total": dropped},
-                }
-            )
+            drop_table, drop_row = self._drop_row(now, new_drops, dropped)
+            pending[drop_table].append(drop_row)
         try:
             conn = self._connection()
             with conn.begin():
                 if pending["samples"]:
                     tuples = list(map(_SAMPLE_VALUES, pending["samples"]))
-                    write_samples(conn, self.run_id, tuples)
-                for table, model in _TABLES:
+                    write_samples(conn, self.run_id, tuples)  # type: ignore[arg-type]
+                for table, model in self.ROW_TABLES:
                     for rows in _same_keys(pending[table]):
-                        for r in rows:
-                            r["run_id"] = self.run_id
+                        self._prepare(conn, table, rows)
                         conn.execute(insert(model), rows)
-                values: dict[str, Any] = {**self.run_values, "heartbeat_at_s": now}
-                if new_drops:
-                    values["samples_dropped"] = dropped
-                conn.execute(_heartbeat(tuple(values)), {**values, "edo_run_id": self.run_id})
+                self._after_rows(conn, now, new_drops, dropped)
         except OverflowError:
-            if new_drops:
-                pending["events"].pop()
+            if drop_table is not None:
+                pending[drop_table].pop()
             raise
         except Exception as exc:  # the database must never take the training down
             self._last_error = f"{type(exc).__name__}: {getattr(exc, 'orig', None) or exc}"
             self._release()  # the next try starts on a fresh connection
-            if new_drops:
-                pending["events"].pop()
+            if drop_table is not None:
+                pending[drop_table].pop()
             retry = isinstance(exc, OperationalError)  # locked, I/O, server gone: try again
             if not self._error_logged:
                 logger.exception(
@@ -449,8 +474,9 @@ def _fits(value: Any) -> bool:
     return not isinstance(value, int) or _INT64_MIN <= value <= _INT64_MAX
 
 
-def _null_out_of_range(pending: dict[str, list[Any]]) -> int:
-    """Replace integers SQLite cannot store by ``None`` in the pending rows; how many."""
+def _null_out_of_range(pending: dict[str, list[Any]], tables: list[str]) -> int:
+    """Replace integers SQLite cannot store by ``None`` in the pending rows (samples and the
+    dict rows of ``tables``); how many."""
     nulled = 0
     samples = pending["samples"]
     for i, reading in enumerate(samples):
@@ -458,7 +484,7 @@ def _null_out_of_range(pending: dict[str, list[Any]]) -> int:
         if bad:
             samples[i] = dataclasses.replace(reading, **bad)
             nulled += len(bad)
-    for table in ("events", "module_stats"):
+    for table in tables:
         for row in pending[table]:
             for key, value in row.items():
                 if not _fits(value):
@@ -473,3 +499,116 @@ def _same_keys(rows: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     for row in rows:
         groups.setdefault(frozenset(row), []).append(row)
     return list(groups.values())
+
+
+class DeviceWriter(Writer):
+    """The daemon's background writer (``edo-monitor daemon``): rows of ``device_samples``,
+    ``process_samples`` and ``device_events``, with the run writer's bounded queue, batches,
+    retries, give-up and accounting (:attr:`written`, :attr:`not_written` by table); there is no
+    run, so no heartbeat, and dropped rows are recorded as a ``samples_dropped`` device event.
+
+    Process rows are linked to watched runs at the flush, inside its transaction: a row gets the
+    id of the run with the same host and PID that was running at the row's ``time_s`` (started at
+    or before it, not ended before it, and, while it has not ended, its heartbeat no staler than
+    :func:`edo_monitor.store.status.stale_after_s`, so a crashed run's PID reused by another
+    process is not linked); the latest started when several qualify.
+
+    Args:
+        engine: a read-write engine (:func:`edo_monitor.store.engine.open_engine`).
+        host: the host the rows are from (``runs.host`` of the runs it links).
+        **kwargs: ``queue_size``, ``flush_interval_s``, ``batch_size``, ``on_problem``
+            (see :class:`Writer`).
+    """
+
+    ROW_TABLES = (
+        ("device_samples", DeviceSample),
+        ("process_samples", ProcessSample),
+        ("device_events", DeviceEvent),
+    )
+
+    def __init__(self, engine: Engine, *, host: str, **kwargs: Any) -> None:
+        super().__init__(engine, None, **kwargs)
+        self.host = host
+        self._thread.name = "edo-daemon-writer"
+
+    def put_row(self, table: str, row: dict[str, Any]) -> bool:
+        """Queue one row of ``table`` (its columns but ``id``; ``run_id`` of process rows is
+        filled in at the flush); False (and counted) when the queue is full.
+
+        Raises:
+            ValueError: ``table`` is not one of the daemon's tables.
+        """
+        if table not in self.not_written or table == "samples":
+            raise ValueError(
+                f"table={table!r} is not a daemon table; expected one of "
+                f"{[name for name, _ in self.ROW_TABLES]}"
+            )
+        return self._put((table, row))
+
+    def _drop_row(self, now: float, new_drops: int, total: int) -> tuple[str, dict[str, Any]]:
+        return "device_events", {
+            "time_s": now,
+            "host": self.host,
+            "device_index": None,
+            "device_uuid": None,
+            "kind": "samples_dropped",
+            "message": f"{new_drops} row(s) dropped (queue full or rows unwritable)",
+            "data": {"count": new_drops, "total": total},
+        }
+
+    def _prepare(self, conn: Connection, table: str, rows: list[dict[str, Any]]) -> None:
+        if table == "process_samples":
+            _link_runs(conn, self.host, rows)
+
+    def _after_rows(self, conn: Connection, now: float, new_drops: int, total: int) -> None:
+        return None
+
+
+def _link_runs(conn: Connection, host: str, rows: list[dict[str, Any]]) -> None:
+    """Set each process row's ``run_id`` (see :class:`DeviceWriter`); one indexed query."""
+    from sqlalchemy import or_, select
+
+    from edo_monitor.store.schema import runs_table as runs
+    from edo_monitor.store.status import stale_after_s
+
+    for r in rows:
+        r["run_id"] = None
+    if not rows:
+        return
+    pids = sorted({r["pid"] for r in rows})
+    times = [r["time_s"] for r in rows]
+    stmt = select(
+        runs.c.id,
+        runs.c.pid,
+        runs.c.started_at_s,
+        runs.c.ended_at_s,
+        runs.c.heartbeat_at_s,
+        runs.c.interval_s,
+    ).where(
+        runs.c.host == host,
+        runs.c.pid.in_(pids),
+        runs.c.started_at_s <= max(times),
+        or_(runs.c.ended_at_s.is_(None), runs.c.ended_at_s >= min(times)),
+    )
+    by_pid: dict[int, list[Any]] = {}
+    for run in conn.execute(stmt):
+        by_pid.setdefault(int(run.pid), []).append(run)
+    if not by_pid:
+        return
+    for r in rows:
+        best = None
+        t = r["time_s"]
+        for run in by_pid.get(r["pid"], ()):
+            if run.started_at_s > t:
+                continue
+            if run.ended_at_s is not None:
+                if run.ended_at_s < t:
+                    continue
+            elif run.heartbeat_at_s is not None and t - run.heartbeat_at_s > stale_after_s(
+                run.interval_s
+            ):
+                continue
+            if best is None or run.started_at_s > best.started_at_s:
+                best = run
+        if best is not None:
+            r["run_id"] = int(best.id)

@@ -20,7 +20,14 @@ class FakeGpu:
     UTF-8 make ``nvmlDeviceGetName`` raise ``UnicodeDecodeError`` as pynvml's strict
     ``.decode()`` does. ``processes`` are ``(pid, usedGpuMemory)``: ``None`` is what pynvml gives
     for ``NVML_VALUE_NOT_AVAILABLE``; a raw ``2**64 - 1`` models a binding that passes the
-    driver's value through."""
+    driver's value through. ``graphics_processes`` are the same for
+    ``nvmlDeviceGetGraphicsRunningProcesses``. ``utilization`` is ``(gpu %, memory %)`` for
+    ``nvmlDeviceGetUtilizationRates``, ``None`` where the board does not support it
+    (``NVMLError_NotSupported``, as MIG devices). ``process_error`` / ``utilization_error``: an
+    NVML error code both process-list calls / the utilisation call raise (e.g.
+    ``NVML_ERROR_NO_PERMISSION``, ``NVML_ERROR_UNKNOWN``). A lost device
+    (``lost_after_reads`` reached) raises ``NVMLError_GpuIsLost`` from every query, the handle and
+    UUID lookups included, as a GPU that fell off the bus does."""
 
     uuid: str
     name: str | bytes = "NVIDIA H200"
@@ -32,6 +39,15 @@ class FakeGpu:
     memory_not_supported: bool = False
     lost_after_reads: int | None = None
     reads: int = 0
+    graphics_processes: list[tuple[int, int | None]] = field(default_factory=list)
+    utilization: tuple[int, int] | None = (50, 20)
+    process_error: int | None = None
+    utilization_error: int | None = None
+
+    @property
+    def lost(self) -> bool:
+        """Whether the device has been lost (after ``lost_after_reads`` memory reads)."""
+        return self.lost_after_reads is not None and self.reads >= self.lost_after_reads
 
 
 class FakeNvml:
@@ -106,6 +122,7 @@ class FakeNvml:
         self._check()
         if not 0 <= index < len(self.gpus):
             raise self._err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        self._maybe_lost(self.gpus[index])
         return self.gpus[index]
 
     def nvmlDeviceGetHandleByUUID(self, uuid: str) -> FakeGpu:
@@ -116,6 +133,7 @@ class FakeNvml:
         raise self._err(pynvml.NVML_ERROR_NOT_FOUND)
 
     def nvmlDeviceGetUUID(self, handle: FakeGpu) -> str:
+        self._maybe_lost(handle)
         return handle.uuid
 
     def nvmlDeviceGetName(self, handle: FakeGpu) -> str:
@@ -124,7 +142,7 @@ class FakeNvml:
         return name.decode() if isinstance(name, bytes) else name  # pynvml's convertStrBytes
 
     def _maybe_lost(self, gpu: FakeGpu) -> None:
-        if gpu.lost_after_reads is not None and gpu.reads >= gpu.lost_after_reads:
+        if gpu.lost:
             raise self._err(pynvml.NVML_ERROR_GPU_IS_LOST)
 
     def nvmlDeviceGetMemoryInfo(self, handle: FakeGpu, version: int | None = None) -> Any:
@@ -149,10 +167,29 @@ class FakeNvml:
             total=handle.total, free=handle.total - handle.used, used=handle.used
         )
 
-    def nvmlDeviceGetComputeRunningProcesses(self, handle: FakeGpu) -> list[Any]:
+    def _process_list(self, handle: FakeGpu, processes: list[tuple[int, int | None]]) -> list[Any]:
         self._check()
         self._check_driver()
         self._maybe_lost(handle)
         if handle.mig:
             raise self._err(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        return [SimpleNamespace(pid=pid, usedGpuMemory=mem) for pid, mem in handle.processes]
+        if handle.process_error is not None:
+            raise self._err(handle.process_error)
+        return [SimpleNamespace(pid=pid, usedGpuMemory=mem) for pid, mem in processes]
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: FakeGpu) -> list[Any]:
+        return self._process_list(handle, handle.processes)
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, handle: FakeGpu) -> list[Any]:
+        return self._process_list(handle, handle.graphics_processes)
+
+    def nvmlDeviceGetUtilizationRates(self, handle: FakeGpu) -> Any:
+        self._check()
+        self._check_driver()
+        self._maybe_lost(handle)
+        if handle.utilization_error is not None:
+            raise self._err(handle.utilization_error)
+        if handle.mig or handle.utilization is None:
+            raise self._err(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        gpu, memory = handle.utilization
+        return SimpleNamespace(gpu=gpu, memory=memory)
