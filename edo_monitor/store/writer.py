@@ -38,7 +38,7 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from operator import attrgetter
-from typing import Any
+from typing import Any, ClassVar
 
 from sqlalchemy import Connection, Engine, bindparam, insert, update
 from sqlalchemy.exc import OperationalError
@@ -88,6 +88,12 @@ class Writer:
 
     #: tables whose rows wait as dicts and are inserted with Core executemany: (name, ORM class)
     ROW_TABLES: tuple[tuple[str, Any], ...] = _TABLES
+    #: how the log names each table's rows
+    LABELS: ClassVar[dict[str, str]] = {
+        "samples": "sample(s)",
+        "events": "event(s)",
+        "module_stats": "module row(s)",
+    }
 
     def __init__(
         self,
@@ -252,7 +258,7 @@ class Writer:
             return
         logger.warning(
             "history: %s not written to %s%s",
-            ", ".join(f"{n} {table} row(s)" for table, n in self.not_written.items() if n),
+            ", ".join(f"{self.not_written[t]} {what}" for t, what in self.LABELS.items()),
             self.engine.url.render_as_string(hide_password=True),
             f" ({self.problem})" if self.problem else "",
         )
@@ -525,6 +531,11 @@ class DeviceWriter(Writer):
         ("process_samples", ProcessSample),
         ("device_events", DeviceEvent),
     )
+    LABELS: ClassVar[dict[str, str]] = {
+        "device_samples": "device row(s)",
+        "process_samples": "process row(s)",
+        "device_events": "device event(s)",
+    }
 
     def __init__(self, engine: Engine, *, host: str, **kwargs: Any) -> None:
         super().__init__(engine, None, **kwargs)

@@ -51,7 +51,9 @@ class FakeGpu:
 
 
 class FakeNvml:
-    """Implements the pynvml calls the probe uses, over a list of :class:`FakeGpu`.
+    """Implements the pynvml calls the probe and the daemon use, over a list of :class:`FakeGpu`
+    (``gpus`` may change while it is used: a GPU appended appears, one removed is no longer
+    enumerated).
 
     Args:
         gpus: devices in NVML (PCI bus) order.
@@ -64,8 +66,8 @@ class FakeNvml:
             wrapper does.
         mismatch_after_reads: after this many memory reads (all devices), every device query
             raises ``NVMLError_LibRmVersionMismatch``: the kernel driver was replaced under a
-            running process (an upgrade without a reboot). ``0``: from the first query, with
-            ``nvmlInit`` succeeding.
+            running process (an upgrade without a reboot); ``nvmlDeviceGetCount`` fails the same
+            way. ``0``: from the first query, with ``nvmlInit`` succeeding.
     """
 
     NVMLError = pynvml.NVMLError
@@ -116,6 +118,7 @@ class FakeNvml:
 
     def nvmlDeviceGetCount(self) -> int:
         self._check()
+        self._check_driver()
         return len(self.gpus)
 
     def nvmlDeviceGetHandleByIndex(self, index: int) -> FakeGpu:
