@@ -32,6 +32,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
@@ -144,11 +145,34 @@ def _empty_size(path: Path) -> int:
     return _size(path)
 
 
+def _fresh_schema(url_text: str) -> tuple[str, Any]:
+    """A URL whose tables live in a new schema of the server's database, and what drops it."""
+    import uuid
+
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    url = make_url(url_text)
+    schema = f"edo_daemon_bench_{uuid.uuid4().hex[:8]}"
+    dsn = url.set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f'CREATE SCHEMA "{schema}"')
+
+    def drop() -> None:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+    full = url.update_query_dict({"options": f"-csearch_path={schema}"})
+    return full.render_as_string(hide_password=False), drop
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=30.0, help="per configuration")
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between samples")
-    parser.add_argument("--pg", default=None, help="also on this PostgreSQL URL (a fresh schema)")
+    parser.add_argument(
+        "--pg", default=None, help="also on this PostgreSQL URL (in a fresh schema, dropped after)"
+    )
     args = parser.parse_args()
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
@@ -165,7 +189,11 @@ def main() -> None:
             db = str(Path(tmp) / f"d{n_gpus}x{per_gpu}.db")
             out.append(("sqlite", measure(n_gpus, per_gpu, args.seconds, args.interval, db)))
         if args.pg:
-            out.append(("postgres", measure(8, 8, args.seconds, args.interval, args.pg)))
+            url, drop = _fresh_schema(args.pg)
+            try:
+                out.append(("postgres", measure(8, 8, args.seconds, args.interval, url)))
+            finally:
+                drop()
     print()
     print(
         "| database | config | samples | CPU / sample (ms) | of which sample() (ms) | "

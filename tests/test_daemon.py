@@ -487,3 +487,54 @@ def test_command_on_this_machine_without_a_driver(db_path: Path) -> None:
     )
     assert done.returncode == 1 and len(done.stderr.splitlines()) == 1
     assert "NVML is not available" in done.stderr and not db_path.exists()
+
+
+# -- the README's section, as written ----------------------------------------------------------
+
+
+def _readme_daemon_command() -> list[str]:
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    section = text[text.index("## Every GPU of the machine: `edo-monitor daemon`") :]
+    line = next(ln for ln in section.splitlines() if "edo-monitor daemon --db" in ln)
+    args = line.split("#")[0].split()
+    assert args[0] == ".venv/bin/edo-monitor"
+    return args[1:]
+
+
+@pytest.mark.slow
+def test_readme_section_runs_as_written(tmp_path: Path) -> None:
+    """The README's command (the fake NVML for the hardware), stopped by SIGTERM, then its
+    Python block over what it wrote."""
+    from readme_blocks import readme_python_blocks
+
+    args = _readme_daemon_command()
+    assert args[:3] == ["daemon", "--db", "edo-history.db"]
+    spec = _spec([{"uuid": U0, "processes": [[ME, 700]]}, {"uuid": U1, "name": "NVIDIA A100"}])
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("EDO_DB", None)
+    proc = subprocess.Popen(
+        [sys.executable, str(LAUNCHER), spec, *args],
+        cwd=tmp_path,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    _wait_rows(tmp_path / "edo-history.db", 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    (block,) = readme_python_blocks("Every GPU of the machine: `edo-monitor daemon`")
+    done = subprocess.run(
+        [sys.executable, "-c", block],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=True,
+    )
+    assert done.stdout.splitlines() == [
+        "0 NVIDIA H200 10000000000 150000000000",
+        f"   {ME} {psutil.Process().name()} 700 None",
+        "1 NVIDIA A100 10000000000 150000000000",
+    ]

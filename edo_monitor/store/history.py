@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, Engine, inspect, select, text
+from sqlalchemy import Connection, Engine, func, inspect, select, text
 from sqlalchemy.engine import URL
 
 from edo_monitor.errors import ConfigError, JobNotFoundError, RunNotFoundError
@@ -46,8 +46,11 @@ from edo_monitor.store.schema import (
     ROLLUP_FIELDS,
     ROLLUP_LEVEL_WIDTHS_S,
     SCHEMA_VERSION,
+    device_events_table,
+    device_samples_table,
     events_table,
     jobs_table,
+    process_samples_table,
     runs_table,
 )
 from edo_monitor.store.status import effective_status
@@ -56,12 +59,15 @@ __all__ = [
     "NUMERIC_SAMPLE_COLUMNS",
     "UUID_REF_LEN",
     "CacheSummary",
+    "DeviceEventInfo",
+    "DeviceInfo",
     "EventInfo",
     "History",
     "JobInfo",
     "MetricComparison",
     "ModuleInfo",
     "Peak",
+    "ProcessInfo",
     "RunComparison",
     "RunInfo",
     "SampleRow",
@@ -263,6 +269,62 @@ class ModuleInfo:
             + self.optimizer_state_bytes
             + self.activations_bytes
         )
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """One process on a GPU at a daemon sample (a ``process_samples`` row), with the name of
+    the watched run it is (``run_id``/``run_name``; ``None``: not a watched run)."""
+
+    pid: int
+    process_name: str | None
+    kind: str
+    process_device_bytes: int | None
+    run_id: int | None
+    run_name: str | None
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """One GPU at a daemon sample (a ``device_samples`` row) and its processes, largest first.
+
+    Bytes from ``nvmlDeviceGetMemoryInfo``, fractions in [0, 1] from
+    ``nvmlDeviceGetUtilizationRates``; ``None``: not available from NVML.
+    """
+
+    time_s: float
+    host: str
+    device_index: int
+    device_uuid: str
+    device_name: str | None
+    device_total_bytes: int | None
+    device_used_bytes: int | None
+    device_free_bytes: int | None
+    utilization_gpu_fraction: float | None
+    utilization_memory_fraction: float | None
+    process_count: int | None
+    processes: tuple[ProcessInfo, ...] = ()
+
+    @property
+    def used_fraction(self) -> float | None:
+        """``device_used_bytes / device_total_bytes`` (``None`` when either is unknown)."""
+        if not self.device_total_bytes or self.device_used_bytes is None:
+            return None
+        return self.device_used_bytes / self.device_total_bytes
+
+
+@dataclass(frozen=True)
+class DeviceEventInfo:
+    """One row of ``device_events`` (kinds: :data:`edo_monitor.store.schema.DEVICE_EVENT_KINDS`)."""
+
+    id: int
+    time_s: float
+    host: str
+    device_index: int | None
+    device_uuid: str | None
+    kind: str
+    message: str
+    data: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -483,6 +545,7 @@ class History:
         self._default_columns = tuple(f for f in ROLLUP_FIELDS if f in present)
         self._empty = "runs" not in tables
         self._has_rollups = "sample_rollups" in tables
+        self._has_devices = "device_samples" in tables  # schema 7: the daemon's tables
         self._pg = is_postgres(self.engine)
         self._sql = sql_dialect(self.engine)
 
@@ -1320,6 +1383,110 @@ class History:
                 EventInfo(r.id, r.run_id, r.time_s, r.step, r.kind, r.message, dict(r.data or {}))
                 for r in conn.execute(stmt)
             ]
+
+    # -- the daemon's rows (edo-monitor daemon) -----------------------------------------------
+    def devices(self, *, within_s: float = 300.0, host: str | None = None) -> list[DeviceInfo]:
+        """Every GPU at the latest daemon sample of each host, with its processes.
+
+        Args:
+            within_s: hosts whose latest sample is at most this many seconds older than the
+                newest sample of any host (a daemon stopped long ago is not shown).
+            host: only this host.
+
+        Returns:
+            By host, then NVML index; each device's processes largest first. ``[]`` when no
+            daemon has written (or the file predates schema 7).
+        """
+        if not self._has_devices:
+            return []
+        ds, ps, runs = device_samples_table, process_samples_table, runs_table
+        with self._read() as conn:
+            newest = conn.execute(select(func.max(ds.c.time_s))).scalar()
+            if newest is None:
+                return []
+            stmt = (
+                select(ds.c.host, func.max(ds.c.time_s))
+                .where(ds.c.time_s >= newest - within_s)
+                .group_by(ds.c.host)
+                .order_by(ds.c.host)
+            )
+            if host is not None:
+                stmt = stmt.where(ds.c.host == host)
+            out: list[DeviceInfo] = []
+            for h, t in conn.execute(stmt).all():
+                procs: dict[str, list[ProcessInfo]] = {}
+                rows = conn.execute(
+                    select(
+                        ps.c.device_uuid,
+                        ps.c.pid,
+                        ps.c.process_name,
+                        ps.c.kind,
+                        ps.c.process_device_bytes,
+                        ps.c.run_id,
+                        runs.c.name,
+                    )
+                    .select_from(ps.outerjoin(runs, runs.c.id == ps.c.run_id))
+                    .where(ps.c.time_s == t, ps.c.host == h)
+                    .order_by(ps.c.id)
+                )
+                for r in rows:
+                    procs.setdefault(r[0], []).append(ProcessInfo(*r[1:]))
+                devs = conn.execute(
+                    select(*ds.columns)
+                    .where(ds.c.time_s == t, ds.c.host == h)
+                    .order_by(ds.c.device_index, ds.c.id)
+                )
+                for d in devs:
+                    mine = sorted(
+                        procs.get(d.device_uuid, ()),
+                        key=lambda p: -(p.process_device_bytes or 0),
+                    )
+                    out.append(
+                        DeviceInfo(
+                            d.time_s,
+                            d.host,
+                            d.device_index,
+                            d.device_uuid,
+                            d.device_name,
+                            d.device_total_bytes,
+                            d.device_used_bytes,
+                            d.device_free_bytes,
+                            d.utilization_gpu_fraction,
+                            d.utilization_memory_fraction,
+                            d.process_count,
+                            tuple(mine),
+                        )
+                    )
+        return out
+
+    def device_events(
+        self, *, limit: int | None = 100, kind: str | Sequence[str] | None = None
+    ) -> list[DeviceEventInfo]:
+        """The daemon's events (GPUs appearing or lost, NVML faults, starts and stops), the
+        newest ``limit`` in time order; ``[]`` before schema 7."""
+        if not self._has_devices:
+            return []
+        de = device_events_table
+        stmt = select(*de.columns).order_by(de.c.time_s.desc(), de.c.id.desc())
+        if kind is not None:
+            stmt = stmt.where(de.c.kind.in_([kind] if isinstance(kind, str) else list(kind)))
+        if limit is not None:
+            stmt = stmt.limit(limit)
+        with self._read() as conn:
+            found = [
+                DeviceEventInfo(
+                    r.id,
+                    r.time_s,
+                    r.host,
+                    r.device_index,
+                    r.device_uuid,
+                    r.kind,
+                    r.message,
+                    dict(r.data or {}),
+                )
+                for r in conn.execute(stmt)
+            ]
+        return found[::-1]
 
     def cache_summary(self, run: RunRef) -> CacheSummary | None:
         """The run's row caches summed over its samples; ``None`` when no sample had a cache

@@ -5,12 +5,13 @@
 #      the wheels prepare.sh downloaded (--no-index --find-links), checked against the checkout;
 #   2. pytest -m gpu tests/gpu (junit xml);
 #   3. the main example (examples/train_embedding.py) on CUDA with its default budget;
-#   4. the overhead benchmark (benchmarks/overhead.py) on CUDA, shortened.
+#   4. the overhead benchmark (benchmarks/overhead.py) on CUDA, shortened;
+#   5. edo-monitor daemon for a few seconds, stopped by SIGTERM, its rows beside nvidia-smi.
 #
 #   tests/gpu/run.sh [RESULTS_DIR]      # default: $OUT, else <checkout>/gpu-results
 #
 # Everything goes to RESULTS_DIR, flat (the device tool returns at most 8 files, 2 folders deep):
-# summary.txt, setup.log, env.txt, pytest.log, junit.xml, example.log, overhead.log.
+# summary.txt, setup.log, env.txt, pytest.log, junit.xml, example.log, overhead.log, daemon.log.
 # Environment: PYTHON (default python3: the interpreter that has torch), WHEEL_DIR (default
 # <checkout>/.gpu-wheels), VENV (default a fresh temporary folder), BUDGET_S (total seconds,
 # default 460), SETUP_S, PYTEST_S, EXAMPLE_S, BENCH_S (each part's limit: 120, 240, 90, 150).
@@ -23,6 +24,7 @@ PYTHON=${PYTHON:-python3}
 WHEEL_DIR=${WHEEL_DIR:-$ROOT/.gpu-wheels}
 BUDGET_S=${BUDGET_S:-460}
 SETUP_S=${SETUP_S:-120} PYTEST_S=${PYTEST_S:-240} EXAMPLE_S=${EXAMPLE_S:-90} BENCH_S=${BENCH_S:-150}
+DAEMON_S=${DAEMON_S:-30}
 case $WHEEL_DIR in /*) ;; *) WHEEL_DIR=$ROOT/$WHEEL_DIR ;; esac
 mkdir -p "$RESULTS"
 RESULTS=$(cd "$RESULTS" && pwd)
@@ -167,6 +169,32 @@ part overhead "$BENCH_S" "$RESULTS/overhead.log" "${PY[@]}" benchmarks/overhead.
     $BENCH_ARGS --block-s 1.5 --enqueue-calls 20000 --dir "$WORK/overhead"
 sed -n '/^| *mode/,/^$/p' "$RESULTS/overhead.log" | head -12 | sed 's/^/          /' \
     | tee -a "$SUMMARY"
+
+# ---------------------------------------------------------------- 5. the system-wide daemon
+daemon_check() {
+    local db=$WORK/daemon.db rc=0
+    "$VENV/bin/edo-monitor" daemon --db "$db" --interval 0.5 &
+    local pid=$!
+    sleep 5
+    kill -TERM "$pid"
+    wait "$pid" || rc=$?
+    echo "== edo-monitor daemon exit status $rc (0: stopped cleanly by SIGTERM)"
+    echo "== its last sample (device_samples), then nvidia-smi"
+    "$VENV/bin/edo-monitor" sql --db "$db" "SELECT device_index, device_uuid, \
+device_total_bytes, device_used_bytes, utilization_gpu_fraction, process_count FROM \
+device_samples WHERE time_s = (SELECT max(time_s) FROM device_samples) ORDER BY device_index" \
+        </dev/null || rc=1
+    timeout 20 nvidia-smi --query-gpu=index,uuid,memory.total,memory.used,utilization.gpu \
+        --format=csv || true
+    return "$rc"
+}
+export -f daemon_check
+if ((CUDA)); then
+    part daemon "$DAEMON_S" "$RESULTS/daemon.log" bash -c daemon_check
+    grep -E 'exit status|GPU\(s\)' "$RESULTS/daemon.log" | sed 's/^/          /' | tee -a "$SUMMARY"
+else
+    say "daemon    SKIPPED  (no CUDA device: a dry run)"
+fi
 
 say "total $(($(date +%s) - T0)) s of $BUDGET_S; $([[ $FAILED == 0 ]] && echo ALL OK || echo FAILURES)"
 rm -rf "$WORK"
