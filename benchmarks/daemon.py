@@ -2,9 +2,10 @@
 
     .venv/bin/python benchmarks/daemon.py [--seconds 30] [--interval 1.0] [--pg URL]
 
-Each configuration (GPUs × processes per GPU) runs the real daemon (:func:`run_daemon`: the
-sampling loop on the main thread, the :class:`DeviceWriter` thread writing to a fresh SQLite
-file, or PostgreSQL with ``--pg``) for ``--seconds`` at ``--interval``, and measures the process's
+After a short warm-up run (not shown), each configuration (GPUs × processes per GPU) runs the
+real daemon (:func:`run_daemon`: the sampling loop on the main thread, the
+:class:`DeviceWriter` thread writing to a fresh SQLite file, or PostgreSQL with ``--pg``) for
+``--seconds`` at ``--interval``, and measures the process's
 CPU time (user + system, every thread: ``resource.getrusage(RUSAGE_SELF)``).
 The fake NVML answers at once, so the figure is the daemon's own cost (Python, psutil, SQLite),
 not the driver's; a real driver adds its query time (docs/benchmarks.md). Processes are real
@@ -185,6 +186,8 @@ def main() -> None:
     configs = [(1, 8), (8, 8)]
     out = []
     with tempfile.TemporaryDirectory() as tmp:
+        # warm-up, not shown: first imports, SQLAlchemy's statement compilation, psutil
+        measure(1, 8, min(3.0, args.seconds), args.interval, str(Path(tmp) / "warm.db"))
         for n_gpus, per_gpu in configs:
             db = str(Path(tmp) / f"d{n_gpus}x{per_gpu}.db")
             out.append(("sqlite", measure(n_gpus, per_gpu, args.seconds, args.interval, db)))
