@@ -35,7 +35,14 @@ from edo_monitor.errors import ConfigError
 from edo_monitor.store.engine import resolve_db_url
 
 from .data import DataSource, RunInfo
-from .screens import READ_ERRORS, ExplainScreen, HelpScreen, RunScreen, RunsScreen
+from .screens import (
+    READ_ERRORS,
+    DevicesScreen,
+    ExplainScreen,
+    HelpScreen,
+    RunScreen,
+    RunsScreen,
+)
 
 __all__ = [
     "EXIT_INTERNAL",
@@ -70,6 +77,7 @@ class EdoTui(App[None]):
     BINDINGS = [  # noqa: RUF012
         Binding("l", "live", "live"),
         Binding("r", "runs", "runs"),
+        Binding("d", "devices", "devices"),
         Binding("slash", "filter", "filter"),
         Binding("e", "export", "export CSV"),
         Binding("x", "explain", "explain"),
@@ -110,6 +118,7 @@ class EdoTui(App[None]):
         """Install both views and show the run view."""
         self.install_screen(RunScreen(self.initial_run), "live")
         self.install_screen(RunsScreen(), "runs")
+        self.install_screen(DevicesScreen(), "devices")
         self.push_screen("live")
 
     def exit(
@@ -139,7 +148,9 @@ class EdoTui(App[None]):
         return self._shown_error_code()
 
     def _shown_error_code(self) -> int:
-        shown = [s for s in self.screen_stack if isinstance(s, (RunScreen, RunsScreen))]
+        shown = [
+            s for s in self.screen_stack if isinstance(s, (RunScreen, RunsScreen, DevicesScreen))
+        ]
         for screen in reversed(shown):
             if screen.error_code is not None:
                 return screen.error_code
@@ -176,6 +187,15 @@ class EdoTui(App[None]):
     def action_runs(self) -> None:
         """``r``: the runs table."""
         self._show("runs")
+
+    @property
+    def devices_screen(self) -> DevicesScreen:
+        """The devices view."""
+        return self.get_screen("devices")  # type: ignore[return-value]
+
+    def action_devices(self) -> None:
+        """``d``: every GPU and process, from the daemon's latest sample."""
+        self._show("devices")
 
     def action_filter(self) -> None:
         """``/``: filter the runs table."""

@@ -27,6 +27,8 @@ from edo_monitor.errors import ConfigError, StoreError
 from edo_monitor.store.engine import resolve_db_url
 from edo_monitor.store.history import (
     NUMERIC_SAMPLE_COLUMNS,
+    DeviceEventInfo,
+    DeviceInfo,
     EventInfo,
     History,
     ModuleInfo,
@@ -39,6 +41,9 @@ __all__ = [
     "SERIES_COLUMNS",
     "TERMINAL_STATUSES",
     "DataSource",
+    "DeviceEventInfo",
+    "DeviceInfo",
+    "Devices",
     "EventInfo",
     "Latest",
     "ModuleInfo",
@@ -189,6 +194,16 @@ def _max(a: int | None, b: int | None) -> int | None:
     return a if a >= b else b
 
 
+@dataclass(frozen=True)
+class Devices:
+    """What the devices view shows: every GPU at the daemon's latest sample of each host (with
+    its processes and their runs), and the daemon's latest events."""
+
+    devices: list[DeviceInfo]
+    events: list[DeviceEventInfo]
+    read_at_s: float
+
+
 @dataclass
 class Poll:
     """What one refresh read: the run, its newest sample, new samples and events, and its
@@ -331,6 +346,14 @@ class DataSource:
         # module rows are written with samples (or events): nothing new, nothing to re-read
         modules = history.modules(run_id) if rows or new_events else None
         return Poll(run, latest, new_samples, new_events, modules)
+
+    # -- the daemon's rows -------------------------------------------------------------------
+
+    def devices(self, events: int = 6) -> Devices:
+        """Every GPU at the daemon's latest sample (``History.devices``) and its ``events``
+        latest events (``History.device_events``)."""
+        history = self.open()
+        return Devices(history.devices(), history.device_events(limit=events), time.time())
 
     def export_csv(self, run: RunInfo, directory: str | os.PathLike[str] = ".") -> Path:
         """Write the run's samples (every column, in id order) to ``edo-run-<id>-<name>.csv``.
