@@ -43,7 +43,12 @@ from edo_monitor.agent.device import Device
 from edo_monitor.agent.events import EventLog
 from edo_monitor.agent.module_rows import ModuleRows
 from edo_monitor.agent.oom_capture import record_oom
-from edo_monitor.agent.ranks import RankInfo, detect_ranks
+from edo_monitor.agent.ranks import (
+    DEFAULT_SYNC_EVERY_STEPS,
+    Coordinator,
+    RankInfo,
+    detect_ranks,
+)
 from edo_monitor.agent.recovery import StepRecovery
 from edo_monitor.agent.run import RunRecord, RunSummary, claim_model, release_model
 from edo_monitor.agent.safe_point import SafePoint
@@ -121,6 +126,7 @@ class Monitor:
         metrics_port: int | None = None,
         metrics_host: str = DEFAULT_METRICS_HOST,
         tensorboard: Any = None,
+        sync_every_steps: int = DEFAULT_SYNC_EVERY_STEPS,
     ) -> None:
         if model is not None and not isinstance(model, nn.Module):
             raise ConfigError(f"model={type(model).__name__} is not a torch.nn.Module (or None)")
@@ -148,6 +154,14 @@ class Monitor:
             raise ConfigError(f"profile_interval_s={profile_interval_s!r} must be > 0")
         if enforce and budget is None:
             raise ConfigError("enforce=True needs a budget= to enforce")
+        if (
+            isinstance(sync_every_steps, bool)
+            or not isinstance(sync_every_steps, int)
+            or sync_every_steps < 1
+        ):
+            raise ConfigError(f"sync_every_steps={sync_every_steps!r} must be an int >= 1")
+        #: steps between the ranks' agreements on a decision (multi-rank jobs)
+        self.sync_every_steps = sync_every_steps
         #: base port of the Prometheus endpoint (+ LOCAL_RANK), ``None`` = no endpoint
         self.metrics_port = resolve_metrics_port(metrics_port)
         if self.metrics_port is not None:
@@ -193,6 +207,8 @@ class Monitor:
         self.activation_profile: ActivationProfile | None = None
         #: the run's place in a multi-rank job (decided on entering; ``None``: no process group)
         self.ranks: RankInfo | None = None
+        #: the ranks' agreement (a multi-rank job with a policy), made on entering
+        self._coordinator: Coordinator | None = None
 
         self._pid = os.getpid()
         self._stop = threading.Event()  # set when the run ends: hooks and sampler stand down
@@ -333,6 +349,8 @@ class Monitor:
             self.ranks = detect_ranks()  # a collective on the group without a launcher job id
         except Exception as exc:  # recorded once the writer runs; the run is then no job's
             rank_error = exc
+        if self.ranks is not None:
+            self._coordinator = Coordinator(self, self.sync_every_steps)
         device = self._device
         device.detect(self.model)
         device.open_probes()
@@ -346,6 +364,7 @@ class Monitor:
             "policy": repr(self.policy) if self.policy is not None else None,
             "floor": self.policy.min_free_fraction if self.policy is not None else None,
             "model": type(self.model).__name__ if self.model is not None else None,
+            **({"sync_every_steps": self.sync_every_steps} if self.ranks is not None else {}),
             **self.user_config,
         }
         self._run.open(
@@ -438,6 +457,15 @@ class Monitor:
         else:
             status, error = "finished", None
         self._record_lookup_frequency()
+        if self._coordinator is not None and self._coordinator.syncs:
+            stats = self._coordinator.stats()
+            self._emit(
+                "rank_sync",
+                f"{stats['syncs']} agreements of the ranks every {self.sync_every_steps} steps, "
+                f"{stats['collectives']} collectives, mean {stats['mean_sync_s'] * 1e3:.3f} ms "
+                f"per agreement",
+                stats,
+            )
         self._teardown()
         self._run.record_end(status, error, self.steps)
         self.status = status
@@ -514,6 +542,14 @@ class Monitor:
         a safe point (no double counting).
         """
         self._safe_point.step()
+
+    def sync_stats(self) -> dict[str, Any] | None:
+        """The ranks' agreement on this rank so far (multi-rank jobs; ``None`` otherwise):
+        ``sync_every_steps``, ``syncs``, ``collectives``, ``mean_sync_s``, ``median_sync_s``,
+        ``max_sync_s`` (wall seconds of one agreement: its collectives and local checks) and
+        ``disabled`` (why agreement stopped, else ``None``). Also recorded at the end of the run
+        as a ``rank_sync`` event."""
+        return self._coordinator.stats() if self._coordinator is not None else None
 
     def breakdown(self) -> list[dict[str, Any]]:
         """Module × category attribution, largest first: one dict per module with ``module``,
@@ -629,6 +665,7 @@ def watch(
     metrics_port: int | None = None,
     metrics_host: str = DEFAULT_METRICS_HOST,
     tensorboard: Any = None,
+    sync_every_steps: int = DEFAULT_SYNC_EVERY_STEPS,
 ) -> Monitor:
     """Watch a training run; use as ``with edo_monitor.watch(model) as monitor:``.
 
@@ -670,6 +707,10 @@ def watch(
             ``edo/events/<kind>/text_summary``; written by the sampler thread, flushed when the
             run ends (a writer made from a folder is closed, one passed in is not). Needs the
             ``[tensorboard]`` extra. A failing write is an ``agent_error``, never the training's.
+        sync_every_steps: in a multi-rank job (an initialised ``torch.distributed`` process
+            group), the ranks agree on one decision every this many optimizer steps (one small
+            collective; a second when a decision is taken), and every rank applies it at that
+            step, or none does (default 4). Every rank must step the same number of times.
 
     Returns:
         A :class:`Monitor` (entering it starts the run).
@@ -699,4 +740,5 @@ def watch(
         metrics_port=metrics_port,
         metrics_host=metrics_host,
         tensorboard=tensorboard,
+        sync_every_steps=sync_every_steps,
     )

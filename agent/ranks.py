@@ -11,17 +11,28 @@ no ``LOCAL_RANK``. Every rank must then enter ``watch()``, as with any collectiv
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
 import socket
+import time
 import uuid as uuidlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["JOB_ID_MAX_CHARS", "RankInfo", "collective_device", "detect_ranks"]
+__all__ = [
+    "DDP_SAFE_ACTIONS",
+    "DEFAULT_SYNC_EVERY_STEPS",
+    "JOB_ID_MAX_CHARS",
+    "Coordinator",
+    "RankInfo",
+    "collective_device",
+    "ddp_blocker",
+    "detect_ranks",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -142,3 +153,243 @@ def detect_ranks() -> RankInfo | None:
         host=host,
         backend=backend,
     )
+
+
+# ---------------------------------------------------------------------------- coordination
+
+#: Actions that keep every parameter DDP registered (its device, dtype and shape): the only ones
+#: a ``DistributedDataParallel`` model may take. ``release_cache`` touches the allocator only;
+#: ``checkpoint_activations`` wraps blocks' forwards (non-reentrant checkpoint, which DDP
+#: supports); the table actions move, convert or resize a table's weight.
+DDP_SAFE_ACTIONS = frozenset({"release_cache", "checkpoint_activations"})
+
+#: ``sync_every_steps`` default: the ranks agree every this many steps.
+DEFAULT_SYNC_EVERY_STEPS = 4
+
+_NO_FREE = 10**9  # a rank without a reading yet: "all free" (parts per billion)
+_PPB = 10**9
+
+
+def _target_hash(target: str) -> int:
+    return int.from_bytes(hashlib.sha1(target.encode()).digest()[:8], "big", signed=True)
+
+
+def ddp_blocker(model: Any, action: str) -> str | None:
+    """Why ``action`` must not run on ``model`` under DDP (``None``: it may).
+
+    A ``DistributedDataParallel`` reducer holds each registered parameter's gradient hooks and
+    buckets, sized by device, dtype and shape; an action that changes any of them leaves the
+    reducer invalid (the next backward fails or silently reduces wrong tensors).
+    """
+    from edo_monitor.actions.base import find_wrapped_parallel
+
+    wrapper = find_wrapped_parallel(model) if model is not None else None
+    if wrapper is None or action in DDP_SAFE_ACTIONS:
+        return None
+    return (
+        f"model is wrapped in {wrapper}: {action} would change a registered parameter's device, "
+        f"dtype or shape, and {wrapper}'s reducer would be invalid"
+    )
+
+
+class Coordinator:
+    """The ranks' agreement on one decision at a safe point, every ``sync_every_steps`` steps.
+
+    At a sync every rank contributes its latest free fraction and its pending decision (action
+    and a hash of its target) to one ``all_gather`` of four int64 per rank. The decision of the
+    rank with the lowest free fraction among those proposing one (the worst rank; the lowest rank
+    on a tie) is the job's. When there is one, every rank checks it can apply it — its own plan
+    for that action picks the same target, and no DDP wrapper forbids it — and a second
+    ``all_gather`` of that flag decides: all apply it at this step, or, when any rank cannot, all
+    refuse it (the reasons of the ranks that cannot come through ``all_gather_object``, so every
+    rank records them in its ``action_refused`` event).
+
+    Args:
+        monitor: the run (its tuner applies the decision).
+        sync_every_steps: steps between agreements (every rank must count the same steps).
+
+    Attributes:
+        syncs: agreements run. collectives: collectives they used.
+        sync_s: seconds each agreement took on this rank (its collectives and the local checks),
+            the newest 10,000.
+        disabled: why coordination stopped (a collective failed: no rank can know what the others
+            did, so no action is applied for the rest of the run), else ``None``.
+    """
+
+    def __init__(self, monitor: Any, sync_every_steps: int) -> None:
+        self.m = monitor
+        self.sync_every_steps = sync_every_steps
+        self.syncs = 0
+        self.collectives = 0
+        self.sync_s: list[float] = []
+        self.disabled: str | None = None
+        self._dist = _dist()
+        self._device = collective_device(self._dist) if self._dist is not None else None
+        from edo_monitor.actions.registry import ACTIONS
+
+        self._names = sorted(ACTIONS)
+
+    def due(self, closing_step: int) -> bool:
+        """Whether the boundary closing step ``closing_step`` (1-based) is a sync."""
+        return (
+            self.disabled is None
+            and self._dist is not None
+            and closing_step % self.sync_every_steps == 0
+        )
+
+    def _gather(self, values: list[int]) -> list[list[int]]:
+        dist = self._dist
+        mine = torch.tensor(values, dtype=torch.int64, device=self._device)
+        out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(out, mine)
+        self.collectives += 1
+        return [[int(v) for v in t.cpu().tolist()] for t in out]
+
+    def sync(self) -> None:
+        """Agree and apply (training thread, at the safe point; every rank calls it at the same
+        step). A failing collective disables coordination: one ``agent_error``."""
+        t0 = time.perf_counter()
+        try:
+            self._sync()
+        except Exception as exc:
+            self.disabled = f"{type(exc).__name__}: {exc}"
+            self.m._agent_error("rank agreement", exc)
+        finally:
+            self.syncs += 1
+            self.sync_s.append(time.perf_counter() - t0)
+            if len(self.sync_s) > 10_000:
+                del self.sync_s[:5_000]
+
+    def _sync(self) -> None:
+        m = self.m
+        policy = m.policy
+        latest = m.latest
+        free = latest.free_fraction if latest is not None else None
+        pending = policy.pending if policy is not None and m.model is not None else None
+        if pending is not None and pending.advisory:
+            pending = None
+        mine = [
+            _NO_FREE if free is None else round(free * _PPB),
+            self._names.index(pending.action) if pending is not None else -1,
+            _target_hash(pending.target) if pending is not None else 0,
+            pending.step if pending is not None else -1,
+        ]
+        rows = self._gather(mine)
+        proposals = [(r[0], rank) for rank, r in enumerate(rows) if r[1] >= 0]
+        if not proposals:
+            return
+        worst_free, worst = min(proposals)
+        action = self._names[rows[worst][1]]
+        target_hash = rows[worst][2]
+        decision = self._local_decision(pending, action, target_hash, rows[worst][3], worst_free)
+        reason = decision[1]
+        flags = self._gather([1 if reason is None else 0])
+        agreed = {
+            "coordinated": True,
+            "proposed_by_rank": worst,
+            "worst_free_fraction": worst_free / _PPB,
+            "ranks_free_fraction": [r[0] / _PPB if r[0] != _NO_FREE else None for r in rows],
+            "sync_every_steps": self.sync_every_steps,
+        }
+        local = decision[0]
+        if all(f[0] == 1 for f in flags):
+            assert local is not None
+            m._tuner.apply_decision(local, extra=agreed)
+            return
+        own_target = pending.target if pending is not None and pending.action == action else None
+        answers: list[Any] = [None] * len(rows)  # (why not, the target this rank proposed)
+        self._dist.all_gather_object(answers, (reason, own_target))
+        self.collectives += 1
+        refusals = [
+            {"rank": rank, "reason": why}
+            for rank, (why, _) in enumerate(answers)
+            if why is not None
+        ]
+        text = "; ".join(f"rank {r['rank']} cannot apply it: {r['reason']}" for r in refusals)
+        from edo_monitor.actions.base import ActionResult
+
+        if local is None:  # this rank could not even plan it: a stand-in for the record
+            local = self._stand_in(action, None, rows[worst][3], worst_free)
+        if local.target != answers[worst][1] and answers[worst][1] is not None:
+            local = dataclasses.replace(local, target=answers[worst][1])  # the proposer's
+        refused = ActionResult(
+            action,
+            local.target,
+            "refused",
+            estimated_saving_bytes=local.estimated_saving_bytes,
+            reason=f"the ranks did not all agree: {text}",
+        )
+        m._tuner.apply_decision(local, refused=refused, extra={**agreed, "refusals": refusals})
+
+    def _local_decision(
+        self,
+        pending: Any,
+        action: str,
+        target_hash: int,
+        decided_step: int,
+        worst_free: int,
+    ) -> tuple[Any, str | None]:
+        """This rank's decision for the agreed ``action`` (its own pending one when it is that
+        action on that target; else a fresh plan) and why it cannot apply it (``None``: it can).
+        """
+        from edo_monitor.actions.registry import ACTIONS
+        from edo_monitor.plans import Refusal
+
+        m = self.m
+        blocker = ddp_blocker(m.model, action)
+        if (
+            pending is not None
+            and pending.action == action
+            and _target_hash(pending.target) == target_hash
+        ):
+            return pending, blocker
+        if m.model is None or m.policy is None:
+            return None, "this rank watches no model with a policy"
+        stand_in = self._stand_in(action, None, decided_step, worst_free)
+        plan = ACTIONS[action].plan(m._tuner.decision_context(stand_in))
+        if isinstance(plan, Refusal):
+            return None, blocker or plan.reason
+        if _target_hash(plan.target) != target_hash:
+            return None, blocker or (
+                f"its own plan for {action} is on {plan.target!r}, not the proposing rank's target"
+            )
+        return dataclasses.replace(
+            stand_in,
+            target=plan.target,
+            estimated_saving_bytes=plan.estimated_saving_bytes,
+            plan=plan,
+        ), blocker
+
+    def _stand_in(self, action: str, pending: Any, decided_step: int, worst_free: int) -> Any:
+        """A :class:`Decision` for an agreed action this rank's policy did not decide."""
+        from edo_monitor.plans import Plan
+        from edo_monitor.policy import Decision
+
+        return Decision(
+            action=action,
+            target=pending.target if pending is not None else "",
+            estimated_saving_bytes=0,
+            reason="agreed by the ranks (the worst rank's decision)",
+            step=decided_step,
+            time_s=time.time(),
+            free_fraction=worst_free / _PPB,
+            mode="auto",
+            plan=Plan(
+                action=action, target="", estimated_saving_bytes=0, reason="agreed by the ranks"
+            ),
+        )
+
+    def stats(self) -> dict[str, Any]:
+        """The agreement's cost on this rank: syncs, collectives, seconds per sync (mean,
+        median, max)."""
+        times = sorted(self.sync_s)
+        n = len(times)
+        return {
+            "sync_every_steps": self.sync_every_steps,
+            "syncs": self.syncs,
+            "collectives": self.collectives,
+            "mean_sync_s": sum(times) / n if n else None,
+            "median_sync_s": times[n // 2] if n else None,
+            "max_sync_s": times[-1] if n else None,
+            "disabled": self.disabled,
+        }

@@ -9,7 +9,9 @@ that order:
 2. the accounting while gradients and optimizer state are all alive (the step's peak of static
    memory; asked for by the sampler after each reading, or every step when enforcing);
 3. the CPU budget enforced against this step's peak (``enforce=True``);
-4. the policy's ``on_pressure`` hooks, then its pending decision applied (the tuner);
+4. the policy's ``on_pressure`` hooks, then its pending decision applied (the tuner); in a
+   multi-rank job only every ``sync_every_steps`` counted steps, after the ranks agreed on one
+   decision (:class:`edo_monitor.agent.ranks.Coordinator`);
 5. closing the step (in ``finally``): count it, reset the activation peak, check for steady
    growth, arm the next profile.
 
@@ -144,7 +146,8 @@ class SafePoint:
             return
         try:
             self.m._tuner.deliver_pressure_hooks()
-            self.m._tuner.apply_pending_decision()
+            if self.m._coordinator is None:  # ranks apply only together, at a sync step
+                self.m._tuner.apply_pending_decision()
         except Exception as exc:
             self.m._agent_error("recovery point", exc)
 
@@ -183,7 +186,11 @@ class SafePoint:
                 if static + activations > (m.budget_bytes or 0):
                     self.budget_exceeded(static - last_static, static + activations)
             m._tuner.deliver_pressure_hooks()
-            m._tuner.apply_pending_decision()
+            coordinator = m._coordinator
+            if coordinator is None:
+                m._tuner.apply_pending_decision()
+            elif count and coordinator.due(m.steps + 1):
+                coordinator.sync()  # the ranks agree; all apply the same decision, or none
         finally:
             self._close_step(count)
         if m.strict:

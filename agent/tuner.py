@@ -13,7 +13,7 @@ until the pressure episode ends) and recorded as ``action`` / ``action_refused``
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from edo_monitor.actions.base import ActionContext, ActionResult
 from edo_monitor.actions.registry import ACTIONS
@@ -211,14 +211,59 @@ class Tuner:
         decision = policy.pending
         if decision is None or decision.advisory:
             return
-        ctx = self.action_context(m.latest)
+        self.apply_decision(decision)
+
+    def decision_context(self, decision: Decision) -> ActionContext:
+        """The context ``decision`` is planned and applied in: the latest reading's, sized for
+        the decision's in-use forecast ahead when it has one."""
+        ctx = self.action_context(self.m.latest)
         if decision.planning_in_use_bytes is not None:  # sized for the in-use forecast ahead
             ctx.in_use_bytes = max(ctx.in_use_bytes or 0, decision.planning_in_use_bytes)
+        return ctx
+
+    def apply_decision(
+        self,
+        decision: Decision,
+        *,
+        refused: ActionResult | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> ActionResult:
+        """Apply ``decision`` (training thread, at a safe point), resolve it with the policy and
+        record an ``action`` / ``action_refused`` / ``action_failed`` event.
+
+        Args:
+            decision: the policy's pending decision, or (multi-rank) the one the ranks agreed on.
+            refused: a refusal decided before applying (the ranks did not all agree): recorded
+                as it is, nothing applied, and the policy told the decision failed (that
+                ``(action, target)`` is not proposed again).
+            extra: more event data (the ranks' agreement).
+
+        Returns:
+            The :class:`ActionResult` recorded.
+
+        Raises:
+            Exception: with ``strict=True``, the exception of an action that failed.
+        """
+        m = self.m
+        policy = self._policy
+        ctx = self.decision_context(decision)
+        result = refused if refused is not None else self._apply(ctx, decision)
+        # resolved once: a failed decision is never retried on the same target
+        ineffective = policy.resolve(decision, "failed" if refused is not None else result)
+        self._record(decision, result, ineffective, extra)
+        err = policy.call_on_action(result)
+        if err is not None:
+            m._agent_error("on_action hook", err)
+        if result.status == "failed" and m.strict and result.exception is not None:
+            raise result.exception
+        return result
+
+    def _apply(self, ctx: ActionContext, decision: Decision) -> ActionResult:
         try:
-            result = ACTIONS[decision.action].apply(ctx, decision.plan)
+            return ACTIONS[decision.action].apply(ctx, decision.plan)
         except Exception as exc:  # Action.apply raised (e.g. its plan() at apply time): failed
             logger.warning("action %s raised at apply time: %r", decision.action, exc)
-            result = ActionResult(
+            return ActionResult(
                 decision.action,
                 decision.target,
                 "failed",
@@ -226,8 +271,15 @@ class Tuner:
                 reason=f"{type(exc).__name__}: {exc}",
                 exception=exc,
             )
-        # resolved once: a failed decision is never retried on the same target
-        ineffective = policy.resolve(decision, result)
+
+    def _record(
+        self,
+        decision: Decision,
+        result: ActionResult,
+        ineffective: str | None,
+        extra: dict[str, Any] | None,
+    ) -> None:
+        m = self.m
         kind = {"applied": "action", "refused": "action_refused"}.get(
             result.status, "action_failed"
         )
@@ -246,6 +298,7 @@ class Tuner:
             "reason": result.reason,
             "details": result.details,
             "decided_at_step": decision.step,
+            **(extra or {}),
         }
         if result.status == "applied":
             message = (
@@ -272,8 +325,3 @@ class Tuner:
                 f"{result.action} on {result.target} ineffective: {ineffective}",
                 {"action": result.action, "target": result.target, "reason": ineffective},
             )
-        err = policy.call_on_action(result)
-        if err is not None:
-            m._agent_error("on_action hook", err)
-        if result.status == "failed" and m.strict and result.exception is not None:
-            raise result.exception

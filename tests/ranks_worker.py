@@ -8,6 +8,11 @@ summary, its job and rank, and what the scenario measured.
 Scenarios:
 
 * ``jobs``: a plain training loop (the job and rank columns).
+* ``pressure``: CPU-budget mode (``budget=``) with a policy; rank ``heavy_rank`` trains on
+  larger batches, so only its free fraction falls below the floor. Options: ``ladder`` (comma
+  separated), ``ddp=1`` (wrap in ``DistributedDataParallel``), ``tie_rank`` (that rank's table
+  is tied to an unused output layer: table actions refuse there), ``sync`` (sync_every_steps),
+  ``steps``, ``budget``, ``heavy_batch``.
 """
 
 from __future__ import annotations
@@ -54,7 +59,80 @@ def scenario_jobs(db: str, rank: int, opts: dict[str, str]) -> dict[str, Any]:
     }
 
 
-SCENARIOS = {"jobs": scenario_jobs}
+ROWS, DIM = 20_000, 32
+
+
+class Block(nn.Module):
+    """A residual MLP block: its hidden activations are its own (checkpointing drops them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(DIM, 128)
+        self.fc2 = nn.Linear(128, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+class Net(nn.Module):
+    """An embedding table (params + grads + Adam state ~10.2 MB) and two blocks and a head."""
+
+    def __init__(self, tie: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(ROWS, DIM)
+        self.head = nn.Sequential(Block(), Block(), nn.Linear(DIM, 4))
+        if tie:  # an output layer sharing the table's weight (never called)
+            self.tied = nn.Linear(DIM, ROWS, bias=False)
+            self.tied.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(x))
+
+
+def scenario_pressure(db: str, rank: int, opts: dict[str, str]) -> dict[str, Any]:
+    torch.manual_seed(0)  # the same initial model on every rank (DDP broadcasts it anyway)
+    model: nn.Module = Net(tie=rank == int(opts.get("tie_rank", "-1")))
+    if opts.get("ddp") == "1":
+        model = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    ladder = opts.get("ladder")
+    policy = edo_monitor.Policy(ladder=ladder.split(",")) if ladder else edo_monitor.Policy()
+    heavy = rank == int(opts.get("heavy_rank", "1"))
+    batch = int(opts.get("heavy_batch", "8192")) if heavy else 64
+    gen = torch.Generator().manual_seed(100 + rank)
+    steps = int(opts.get("steps", "40"))
+    with edo_monitor.watch(
+        model,
+        db=db,
+        budget=int(opts.get("budget", "14000000")),
+        policy=policy,
+        interval_s=0.005,
+        sync_every_steps=int(opts.get("sync", "4")),
+        run_name="pressure",
+    ) as m:
+        for _ in range(steps):
+            ids = torch.randint(0, ROWS, (batch,), generator=gen)
+            loss = model(ids).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            time.sleep(0.01)  # readings between steps
+    s = m.summary()
+    checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
+    return {
+        "run_id": s.run_id,
+        "status": s.recorded_status,
+        "steps": s.steps,
+        "errors": s.agent_errors,
+        "events": s.events,
+        "min_free_fraction": s.min_free_fraction,
+        "sync": m.sync_stats(),
+        "checksum": checksum,
+        "job_id": m.job_id,
+    }
+
+
+SCENARIOS = {"jobs": scenario_jobs, "pressure": scenario_pressure}
 
 
 def main() -> None:

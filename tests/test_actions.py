@@ -490,6 +490,8 @@ def test_refuses_ddp_and_fsdp_wrapped_models(name: str, gloo_group: None) -> Non
         ),
     }
     for cls, wrap in wrappers.items():
+        if name == "checkpoint_activations" and cls is DistributedDataParallel:
+            continue  # changes no parameter: applies under DDP (the test after this one)
         model, _ = make()
         wrapped = wrap(model)
         opt = torch.optim.Adam(wrapped.parameters())
@@ -507,6 +509,33 @@ def test_refuses_ddp_and_fsdp_wrapped_models(name: str, gloo_group: None) -> Non
         after = list(wrapped.parameters())
         assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
         train(wrapped, opt, [(x, y)])  # and the wrapped model still trains
+
+
+def test_checkpoint_activations_under_ddp_is_lossless(gloo_group: None) -> None:
+    """Under DistributedDataParallel checkpointing changes no registered parameter: it applies,
+    and the wrapped model trains on bit-identically to an untouched DDP twin."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model, _ = make()
+    twin, _ = make()
+    ddp, ddp_twin = DistributedDataParallel(model), DistributedDataParallel(twin)
+    opt = torch.optim.Adam(ddp.parameters())
+    opt_twin = torch.optim.Adam(ddp_twin.parameters())
+    data = batches(4)
+    for m, o in ((ddp, opt), (ddp_twin, opt_twin)):
+        torch.manual_seed(1)  # the same dropout masks for both
+        train(m, o, data[:1])
+    profile = profile_of(ddp, data[1][0])
+    opt.zero_grad()
+    result = ACTIONS["checkpoint_activations"].apply(ctx_of(ddp, opt, activation_profile=profile))
+    assert result.status == "applied", result.reason
+    assert result.target.startswith("module.") and isinstance(ddp, DistributedDataParallel)
+    torch.manual_seed(2)
+    got = train(ddp, opt, data[1:])
+    torch.manual_seed(2)
+    assert_rel_equal(got, train(ddp_twin, opt_twin, data[1:]))
+    for a, b in zip(ddp.parameters(), ddp_twin.parameters(), strict=True):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("name", TABLE_ACTIONS)

@@ -252,3 +252,131 @@ def test_two_ranks_are_one_job_in_one_sqlite_file(tmp_path: Path) -> None:
 @pytest.mark.postgres
 def test_two_ranks_are_one_job_in_postgres(pg_url: str, tmp_path: Path) -> None:
     _check_two_rank_job(pg_url, run_ranks("jobs", pg_url, 2, tmp_path))
+
+
+# -- coordinated actions (issue 13, item 2) -----------------------------------------------------
+
+
+def _events(db: str, run_id: int, kinds: tuple[str, ...]) -> list[Any]:
+    with History(db) as h:
+        return [e for e in h.events(run_id) if e.kind in kinds]
+
+
+def test_ddp_allows_only_actions_that_keep_its_parameters(gloo_group: None) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from edo_monitor.agent.ranks import DDP_SAFE_ACTIONS, ddp_blocker
+
+    plain = make_model()
+    ddp = DistributedDataParallel(make_model())
+    assert {"release_cache", "checkpoint_activations"} == DDP_SAFE_ACTIONS
+    for action in ("release_cache", "checkpoint_activations"):
+        assert ddp_blocker(ddp, action) is None
+    for action in ("offload_embedding", "cache_embedding", "compress_embedding"):
+        assert ddp_blocker(plain, action) is None
+        why = ddp_blocker(ddp, action)
+        assert why is not None and "registered parameter's device, dtype or shape" in why
+        assert "DistributedDataParallel's reducer would be invalid" in why
+
+
+def test_one_rank_applies_its_decision_only_at_a_sync_step(db_path: Path, gloo_group: None) -> None:
+    """World size 1: the decision waits for the next step that is a multiple of
+    sync_every_steps, and its event says it was agreed."""
+    model = torch.nn.Sequential(torch.nn.Embedding(20_000, 32), torch.nn.Linear(32, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    policy = edo_monitor.Policy(ladder=["offload_embedding"])
+    with edo_monitor.watch(
+        model, db=db_path, budget=12_000_000, policy=policy, interval_s=0.005, sync_every_steps=5
+    ) as mon:
+        for _ in range(20):
+            model(torch.randint(0, 20_000, (64,))).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            time.sleep(0.01)
+    [action] = _events(str(db_path), mon.run_id, ("action",))
+    assert action.step % 5 == 4  # recorded before the step it closes is counted
+    assert action.data["coordinated"] is True and action.data["proposed_by_rank"] == 0
+    assert action.data["action"] == "offload_embedding" and action.data["saved_bytes"] > 0
+    stats = mon.sync_stats()
+    assert stats is not None and stats["syncs"] == 4 and stats["collectives"] == 4 + 1
+    [sync] = _events(str(db_path), mon.run_id, ("rank_sync",))
+    assert sync.data["syncs"] == 4 and sync.data["mean_sync_s"] > 0
+
+
+def _actions_by_rank(db: str, results: list[dict[str, Any]]) -> list[list[Any]]:
+    return [
+        _events(db, res["run_id"], ("action", "action_refused", "action_failed")) for res in results
+    ]
+
+
+@pytest.mark.slow
+def test_every_rank_applies_the_worst_ranks_decision_at_the_same_step(tmp_path: Path) -> None:
+    """Only rank 1 (larger batches) falls below the floor; both ranks move the table to the
+    host at the same step."""
+    db = str(tmp_path / "history.db")
+    results = run_ranks("pressure", db, 2, tmp_path, "ladder=offload_embedding", "sync=4")
+    assert results[0]["min_free_fraction"] > 0.2 > results[1]["min_free_fraction"]
+    assert results[0]["events"].get("decision") is None  # rank 0 decided nothing itself
+    per_rank = _actions_by_rank(db, results)
+    assert [len(a) for a in per_rank] == [1, 1], per_rank
+    (a0,), (a1,) = per_rank
+    assert a0.kind == a1.kind == "action" and a0.step == a1.step and a0.step % 4 == 3
+    for e in (a0, a1):
+        assert (e.data["action"], e.data["target"], e.data["proposed_by_rank"]) == (
+            "offload_embedding",
+            "emb",
+            1,
+        )
+        assert e.data["saved_bytes"] == 4 * 20_000 * 32 * 4 + 4  # weight, grad, Adam's states
+        assert e.data["ranks_free_fraction"][0] > 0.2 > e.data["ranks_free_fraction"][1]
+    for res in results:
+        assert res["status"] == "finished" and res["errors"] == {} and res["steps"] == 40
+        assert res["sync"]["syncs"] == 10 and res["sync"]["collectives"] == 11
+
+
+@pytest.mark.slow
+def test_a_rank_that_cannot_apply_makes_every_rank_refuse(tmp_path: Path) -> None:
+    """Rank 0's table is tied to another layer: it cannot offload it, so neither rank does,
+    and both record why."""
+    db = str(tmp_path / "history.db")
+    results = run_ranks(
+        "pressure", db, 2, tmp_path, "ladder=offload_embedding", "tie_rank=0", "sync=4"
+    )
+    per_rank = _actions_by_rank(db, results)
+    assert [len(a) for a in per_rank] == [1, 1], per_rank
+    (r0,), (r1,) = per_rank
+    assert r0.kind == r1.kind == "action_refused" and r0.step == r1.step
+    for e in (r0, r1):
+        assert (e.data["action"], e.data["target"], e.data["status"]) == (
+            "offload_embedding",
+            "emb",
+            "refused",
+        )
+        assert e.data["refusals"] == [{"rank": 0, "reason": "emb: weight is tied to tied (Linear)"}]
+        assert "rank 0 cannot apply it: emb: weight is tied to tied (Linear)" in e.data["reason"]
+    for res in results:  # nothing was offloaded: the job went on without it
+        assert res["status"] == "finished" and res["errors"] == {}
+        assert res["sync"]["collectives"] == 10 + 1 + 1  # one agreement with a decision
+
+
+@pytest.mark.slow
+def test_checkpoint_activations_under_ddp_on_every_rank(tmp_path: Path) -> None:
+    """A real two-rank gloo DDP job: the table actions refuse (DDP), checkpointing applies on
+    both ranks at the same step, and the replicas stay identical."""
+    db = str(tmp_path / "history.db")
+    results = run_ranks("pressure", db, 2, tmp_path, "ddp=1", "sync=4")
+    per_rank = _actions_by_rank(db, results)
+    assert [len(a) for a in per_rank] == [1, 1], per_rank
+    (a0,), (a1,) = per_rank
+    assert a0.kind == a1.kind == "action" and a0.step == a1.step
+    assert a0.data["action"] == a1.data["action"] == "checkpoint_activations"
+    assert a0.data["target"] == a1.data["target"] == "module.head.0,module.head.1"
+    assert a0.data["proposed_by_rank"] == a1.data["proposed_by_rank"] == 1
+    assert results[0]["checksum"] == results[1]["checksum"]  # DDP kept the replicas equal
+    [no_action] = _events(db, results[1]["run_id"], ("no_action",))
+    refusals = {r["action"]: r["reason"] for r in no_action.data["refusals"]}
+    assert "DistributedDataParallel" in refusals["offload_embedding"]
+    assert "DistributedDataParallel" in refusals["cache_embedding"]
+    assert "CPU-budget" in refusals["release_cache"]  # refused for the CPU, not for DDP
+    for res in results:
+        assert res["status"] == "finished" and res["errors"] == {} and res["steps"] == 40

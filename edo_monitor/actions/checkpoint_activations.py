@@ -476,7 +476,10 @@ class CheckpointActivations(Action):
     def plan(self, ctx: ActionContext) -> Plan | Refusal:
         """Choose up to ``ctx.max_checkpoint_blocks`` blocks by exclusive saved bytes."""
         wrapper = find_wrapped_parallel(ctx.model)
-        if wrapper:
+        # DistributedDataParallel is fine: non-reentrant checkpointing changes no parameter (the
+        # reducer's hooks fire once per parameter, in the recomputing backward); FSDP's
+        # unsharding around a block's forward is not, it has its own checkpoint wrapper
+        if wrapper and wrapper != "DistributedDataParallel":
             return self.refuse("", f"model is wrapped in {wrapper}; wrap blocks before {wrapper}")
         profile = ctx.activation_profile
         if not isinstance(profile, ActivationProfile):
