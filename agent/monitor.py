@@ -448,6 +448,10 @@ class Monitor:
                         self._tuner.emit_forecast_outcome(outcome)
             except Exception:
                 logger.debug("final sample failed", exc_info=True)
+            try:
+                self._tuner.expire_pending_decision()
+            except Exception as exc:
+                self._agent_error("end of run", exc)
         if isinstance(exc, KeyboardInterrupt):
             status, error = "interrupted", "KeyboardInterrupt"
         elif exc is not None:

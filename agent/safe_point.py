@@ -7,7 +7,8 @@ that order:
 
 1. the per-module activation profile of the step just recorded (table actions need one);
 2. the accounting while gradients and optimizer state are all alive (the step's peak of static
-   memory; asked for by the sampler after each reading, or every step when enforcing);
+   memory; asked for by the sampler after each reading, or every step when enforcing or
+   forecasting: the step's peak then goes to ``Policy.observe_step``);
 3. the CPU budget enforced against this step's peak (``enforce=True``);
 4. the policy's ``on_pressure`` hooks, then its pending decision applied (the tuner); in a
    multi-rank job only every ``sync_every_steps`` counted steps, after the ranks agreed on one
@@ -167,11 +168,19 @@ class SafePoint:
         """
         m = self.m
         tracker = m._tracker
+        # forecasting needs one value per step, not per reading: where the step's peak can be
+        # measured here (CPU-budget mode: the accounting plus the step's saved-tensor peak, the
+        # sum a reading's in-use is) it is fed to the policy at every boundary
+        forecasting = (
+            m.policy is not None
+            and m.policy.forecast_steps is not None
+            and m._device.kind != "cuda"
+        )
         try:
             # the profile first: the readings that see this step's accounting see its profile
             # too (table actions need one; recording starts on entering, so step 1 has it)
             self.collect_activation_profile()
-            if self.want_accounting or self.enforcing:
+            if self.want_accounting or self.enforcing or forecasting:
                 # between optimizer step and zero_grad, gradients and optimizer state are all
                 # alive: the step's peak of static memory (the sampler may land anywhere)
                 self.want_accounting = False
@@ -185,6 +194,19 @@ class SafePoint:
                 last_static, self._last_static_bytes = self._last_static_bytes, static
                 if static + activations > (m.budget_bytes or 0):
                     self.budget_exceeded(static - last_static, static + activations)
+            if forecasting and self.step_accounting is not None:
+                acc = self.step_accounting
+                activations = tracker.step_peak_bytes if tracker is not None else 0
+                m.policy.observe_step(
+                    m.steps,
+                    acc.total_bytes + activations,
+                    {
+                        "params_bytes": acc.params_bytes,
+                        "grads_bytes": acc.grads_bytes,
+                        "optimizer_state_bytes": acc.optimizer_state_bytes,
+                        "activations_bytes": activations,
+                    },
+                )
             m._tuner.deliver_pressure_hooks()
             coordinator = m._coordinator
             if coordinator is None:

@@ -8,6 +8,7 @@ point, on the training thread, the pending decision is applied (``Action.apply``
 ``Transaction``), resolved with the policy (``Policy.resolve``: ineffective actions are skipped
 until the pressure episode ends) and recorded as ``action`` / ``action_refused`` /
 ``action_failed``; the model is accounted again right away, so the next readings see it as it is.
+A decision the run ends before applying is recorded as ``decision_expired``.
 """
 
 from __future__ import annotations
@@ -196,6 +197,29 @@ class Tuner:
             err = self._policy.call_on_pressure(crossing)
             if err is not None:
                 self.m._agent_error("on_pressure hook", err)
+
+    def expire_pending_decision(self) -> None:
+        """At the end of the run: a decision still pending (made by a reading after the last step
+        boundary) can no longer be applied; resolve it as ``"expired"`` and record a
+        ``decision_expired`` event, so no decision is left without an outcome."""
+        policy = self.m.policy
+        decision = policy.pending if policy is not None else None
+        if decision is None or decision.advisory:
+            return
+        policy.resolve(decision, "expired")
+        self.m._emit(
+            "decision_expired",
+            f"{decision.action} on {decision.target or '-'} not applied: the run ended before "
+            "the next step boundary",
+            {
+                "action": decision.action,
+                "target": decision.target,
+                "status": "expired",
+                "estimated_saving_bytes": decision.estimated_saving_bytes,
+                "decided_at_step": decision.step,
+                "reason": "the run ended before the next step boundary",
+            },
+        )
 
     def apply_pending_decision(self) -> None:
         """Training thread, at the safe point: apply the policy's pending decision (not an

@@ -603,7 +603,8 @@ class ReplayDecision:
             the live decision was not applied).
         free_fraction: free fraction of the reading (modelled in a replay).
         status: ``"modelled"``, ``"advised"`` (replay in advise mode); live: ``"applied"``,
-            ``"refused"``, ``"failed"``, ``"advised"`` or ``"pending"``.
+            ``"refused"``, ``"failed"``, ``"expired"`` (the run ended first), ``"advised"`` or
+            ``"pending"`` (no outcome recorded).
         reason: the decision's reason.
         expected_error: the plan's expected relative squared error (lossy actions; ``None``
             when lossless or not known, e.g. a run recorded before it was recorded).
@@ -1087,6 +1088,7 @@ def _recorded(events: Sequence[Any]) -> list[ReplayDecision]:
         "action": "applied",
         "action_refused": "refused",
         "action_failed": "failed",
+        "decision_expired": "expired",
     }
     out: list[ReplayDecision] = []
     open_: list[int] = []

@@ -24,8 +24,9 @@ Growing back: in ``"auto"`` mode, when not under pressure and ``free_fraction`` 
 above ``rearm_free_fraction + grow_margin_fraction`` for ``grow_after_readings`` readings in a row,
 the policy decides ``grow_cache`` (a row cache takes rows back, up to the whole table) if it plans.
 
-Forecasting (``forecast_steps=N``; off by default): each reading's in-use bytes, with the savings
-of the actions applied so far added back (the workload's own growth, not the policy's
+Forecasting (``forecast_steps=N``; off by default): each reading's in-use bytes, and each step's
+peak where the agent measures it at the step boundary (:meth:`Policy.observe_step`), with the
+savings of the actions applied so far added back (the workload's own growth, not the policy's
 interventions), feed a :class:`~edo_monitor.trend.StepSeries` (one value per step, the step's
 highest; from step 1 on: step 0 has no gradients or optimizer state yet) over the last
 ``forecast_window_steps`` steps. When the least-squares line through it is
@@ -538,14 +539,7 @@ class Policy:
         # of its own that would only hide the trend
         if in_use is None or not budget or step < 1:
             return None
-        pending = self._saved_pending
-        while pending and pending[0][0] < step:  # applied at the boundary after its step
-            self._saved_in_force += pending.pop(0)[1]
-        self._series.add(step, in_use + self._saved_in_force)
-        for name, series in self._category_series.items():
-            value = getattr(reading, name)
-            if value is not None:
-                series.add(step, value)
+        self._feed(step, in_use, {name: getattr(reading, name) for name in FORECAST_CATEGORIES})
         if self._forecast is not None:
             saved = self._saved_in_force - self._forecast_saved_from
             if (budget - in_use - saved) / budget < self.min_free_fraction:
@@ -568,6 +562,42 @@ class Policy:
         return _Prediction(
             trend, trend.first_step_above(floor_bytes, step), max(in_use, math.ceil(horizon))
         )
+
+    def _feed(self, step: int, in_use_bytes: int, categories: Mapping[str, int | None]) -> None:
+        """One value of ``step`` into the forecast's series, with the savings in force added back
+        (lock held)."""
+        pending = self._saved_pending
+        while pending and pending[0][0] < step:  # applied at the boundary after its step
+            self._saved_in_force += pending.pop(0)[1]
+        self._series.add(step, in_use_bytes + self._saved_in_force)
+        for name, series in self._category_series.items():
+            value = categories.get(name)
+            if value is not None:
+                series.add(step, value)
+
+    def observe_step(
+        self, step: int, in_use_bytes: int, categories: Mapping[str, int | None] | None = None
+    ) -> None:
+        """A step's peak in-use bytes, measured at its boundary, for the forecast's trend.
+
+        The agent calls it at every step boundary (training thread) where it can measure the
+        step's peak there (CPU-budget mode: the accounting with gradients alive plus the step's
+        peak of saved-tensor bytes, the same sum a reading's ``in_use_bytes`` is), so the trend
+        has one value per step however many readings land in a step: with steps faster than the
+        sampling interval the readings alone leave steps out, and a window of
+        ``forecast_window_steps`` steps could hold fewer than :data:`FORECAST_MIN_STEPS` points.
+        Nothing is evaluated here: forecasts and decisions come with the next reading
+        (:meth:`evaluate`). Without ``forecast_steps``, and for step 0, it does nothing.
+
+        Args:
+            step: the reading's step numbering (steps completed before this boundary counts it).
+            in_use_bytes: the step's peak in-use bytes.
+            categories: per-category bytes of the step (keys of :data:`FORECAST_CATEGORIES`).
+        """
+        if self.forecast_steps is None or step < 1:
+            return
+        with self._lock:
+            self._feed(step, in_use_bytes, categories or {})
 
     def _crossing_soon(self, reading: Reading, prediction: _Prediction) -> bool:
         """The predicted crossing is within ``forecast_steps``, and no farther ahead than the
@@ -851,6 +881,7 @@ class Policy:
                 is below :data:`INEFFECTIVE_BELOW_FRACTION` of its estimate is *ineffective*:
                 that ``(action, target)`` is skipped until the pressure episode ends, and no
                 cooldown is charged, so the next reading climbs to the next rung.
+                ``"expired"``: never applied, the run ended before a step boundary (no cooldown).
 
         Returns:
             For an ineffective result, one line saying why (the agent records it as an

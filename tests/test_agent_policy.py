@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import edo_monitor
+from edo_monitor.hindsight import replay
 from edo_monitor.store.history import History
 
 ROWS, DIM = 20_000, 32
@@ -76,6 +77,34 @@ def test_auto_mode_offloads_and_hooks_run_on_the_training_thread(db_path: Path) 
     # while the decision waits for the step boundary)
     acting = [k for k in kinds if k != "threshold_crossed"]
     assert kinds[0] == "threshold_crossed" and acting[:2] == ["decision", "action"]
+
+
+def test_a_decision_the_run_ends_before_applying_is_recorded_as_expired(db_path: Path) -> None:
+    """No reading comes during the loop (interval 1 h): the run's last reading, after its last
+    step, is the first under the floor; its decision has no step boundary left to be applied at
+    and is recorded as expired (it was left pending, with no outcome)."""
+    model, opt = model_and_opt()
+    train(model, opt, 1)  # Adam's state exists before the block
+    policy = edo_monitor.Policy(ladder=OFFLOAD_LADDER)
+    with edo_monitor.watch(model, db=db_path, budget=BUDGET, policy=policy, interval_s=3600) as mon:
+        train(model, opt, 2)
+    assert type(model[0]) is nn.Embedding  # nothing applied
+    assert policy.pending is None
+    summary = mon.summary()
+    assert summary.events["decision"] == summary.events["decision_expired"] == 1
+    assert "action" not in summary.events and summary.actions == ()
+    with History(db_path) as history:
+        (decision,) = history.events("latest", kind="decision")
+        (expired,) = history.events("latest", kind="decision_expired")
+    assert expired.id > decision.id
+    assert (expired.data["action"], expired.data["target"]) == ("offload_embedding", "0")
+    assert expired.data["decided_at_step"] == decision.step == 2
+    assert expired.data["estimated_saving_bytes"] == decision.data["estimated_saving_bytes"]
+    assert expired.message == (
+        "offload_embedding on 0 not applied: the run ended before the next step boundary"
+    )
+    (recorded,) = replay(db_path, "latest").recorded
+    assert recorded.status == "expired"
 
 
 def test_advise_mode_records_without_changing_the_model(db_path: Path) -> None:

@@ -192,6 +192,28 @@ def test_no_forecast_before_enough_steps_nor_without_forecast_steps() -> None:
     assert [e.kind for e in of(ThresholdCrossing, default)] == ["below_floor"]
 
 
+def test_step_values_between_sparse_readings_let_the_trend_forecast() -> None:
+    """Steps faster than the sampling interval: a reading every 4th step only. The readings
+    alone leave at most 6 points in the 20-step window (fewer than FORECAST_MIN_STEPS: never a
+    forecast, the crossing comes unannounced); with each step's value observed at its boundary
+    the trend is whole and the forecast comes at the first reading that sees the crossing
+    within forecast_steps."""
+    line = {s: (40 + 2 * s) * MiB for s in range(1, 40)}  # crosses the 20 % floor at step 21
+    sparse = [reading(s, line[s]) for s in range(4, 40, 4)]
+    assert first_step_below_floor(sparse) == 24  # the first reading below it
+    alone = run(Policy(forecast_steps=10, mode="observe"), sparse)
+    assert of(Forecast, alone) == []
+    policy = Policy(forecast_steps=10, mode="observe")
+    events = []
+    for r in sparse:
+        for s in range(r.step - 3, r.step + 1):
+            policy.observe_step(s, line[s])
+        events += policy.evaluate(r)
+    (forecast,) = of(Forecast, events)
+    assert (forecast.step, forecast.predicted_step) == (12, 21)
+    assert forecast.slope_bytes_per_step == pytest.approx(2 * MiB)
+
+
 def test_a_forecast_that_does_not_come_true_is_judged_false() -> None:
     # growth that levels off just above the floor
     readings = [reading(s, min(60 + 1.0 * s, 79.5) * MiB) for s in range(1, 80)]
@@ -337,16 +359,19 @@ class TinyModel(nn.Module):
         return self.head(self.features(x))
 
 
-def leaky_run(db: Path, policy: Policy, steps: int = 40) -> int:
+def leaky_run(
+    db: Path, policy: Policy, steps: int = 40, interval_s: float = 0.02, sleep_s: float = 0.03
+) -> int:
     """A real loop that keeps every step's loss with its graph (its saved tensors stay alive:
-    about 41 KB more in use per step), CPU budget; returns the run id."""
+    about 41 KB more in use per step), CPU budget; returns the run id. The defaults give a
+    reading or two a step (the sampler runs every 20 ms, a step sleeps 30 ms)."""
     torch.manual_seed(0)
     model = TinyModel()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(1)
     kept = []
     with edo_monitor.watch(
-        model, opt, db=str(db), budget=LEAK_BUDGET, policy=policy, interval_s=0.02
+        model, opt, db=str(db), budget=LEAK_BUDGET, policy=policy, interval_s=interval_s
     ) as monitor:
         for _ in range(steps):
             x = torch.randint(0, ROWS, (256, 4), generator=gen)
@@ -355,7 +380,7 @@ def leaky_run(db: Path, policy: Policy, steps: int = 40) -> int:
             kept.append(loss)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            time.sleep(0.03)  # a reading or two a step (the sampler runs every 20 ms)
+            time.sleep(sleep_s)
     return monitor.run_id
 
 
@@ -404,6 +429,33 @@ def test_a_real_leak_is_forecast_and_acted_on_before_the_crossing(
     assert abs(outcome.data["crossing_step"] - crossing.step) <= 2
     assert outcome.data["lead_steps"] == outcome.data["crossing_step"] - forecast.step > 0
     assert outcome.data["saved_bytes"] == TABLE_BYTES
+
+
+def test_steps_faster_than_the_sampling_interval_are_still_forecast(
+    tmp_path: Path, leaky: tuple[Path, int, int]
+) -> None:
+    """A reading every 0.3 s and steps of at least 30 ms: up to 10 steps between readings. On a
+    quiet machine the readings alone put 2 or 3 points in the 20-step window, and a forecast
+    never came before the agent fed each step's peak to the policy at its boundary. The
+    forecast must come before the crossing the same loop has without the tuner (the `leaky`
+    fixture's observed run)."""
+    db, _, observed_run = leaky
+    with History(db) as h:
+        crossing = h.events(observed_run, kind="threshold_crossed")[0]
+    fast = tmp_path / "fast.db"
+    run_id = leaky_run(
+        fast,
+        Policy(ladder=["offload_embedding"], forecast_steps=20),
+        interval_s=0.3,
+        sleep_s=0.03,
+    )
+    with History(fast) as h:
+        kinds = [e.kind for e in h.events(run_id)]
+        forecast = h.events(run_id, kind="forecast")[0]
+        action = h.events(run_id, kind="action")[0]
+    assert "threshold_crossed" not in kinds
+    assert forecast.step < crossing.step and action.step < crossing.step
+    assert action.data["saved_bytes"] == TABLE_BYTES
 
 
 def test_replay_with_forecast_acts_before_the_crossing_the_run_had(

@@ -62,6 +62,11 @@ def _train(db: Path, mode: str, *, until: str) -> int:
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            # readings every 10 ms, steps of 30 ms and more: the first reading after a step
+            # boundary lands in the next step in both runs (with steps faster than the sampler
+            # each run's crossing came at whichever step its first reading happened to see, and
+            # the two runs' decision steps could differ by more than one)
+            time.sleep(0.03)
             if extra is None and monitor.summary().events.get(until):
                 extra = 5
             if extra is not None:

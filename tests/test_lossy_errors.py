@@ -332,8 +332,16 @@ def test_watch_records_the_expected_error_in_decision_and_action_events(tmp_path
     # the table with Adam: 1,024,000 bytes; a 1.2 MB budget leaves ~14 % free after one step
     policy = edo_monitor.Policy(allow_lossy=True, ladder=["compress_embedding", "share_embedding"])
     gen = torch.Generator().manual_seed(0)
-    with edo_monitor.watch(model, db=db, budget=1_200_000, policy=policy, interval_s=0.01):
-        _train(model, opt, 30, _zipf(), gen)
+    probs = _zipf()
+    with edo_monitor.watch(
+        model, db=db, budget=1_200_000, policy=policy, interval_s=0.01
+    ) as monitor:
+        # step until the decision is applied (a decision needs a reading after a recorded step,
+        # and the reading may land after any step: a fixed step count raced the sampler)
+        for _ in range(2_000):
+            _train(model, opt, 1, probs, gen)
+            if monitor.summary().actions:
+                break
     with History(db) as h:
         (decision,) = h.events("latest", kind="decision")
         (action,) = h.events("latest", kind="action")

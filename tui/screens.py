@@ -65,6 +65,7 @@ _EVENT_STYLES = {
     "threshold_crossed": "yellow",
     "action": "green",
     "action_refused": "magenta",
+    "decision_expired": "grey62",
     "action_failed": "red",
     "oom": "bold red",
     "oom_recovered": "green",
