@@ -344,10 +344,17 @@ def _agent(mode: Mode, trainer: Trainer, db: Path) -> Iterator[Any]:
         yield mon
 
 
+#: the global optimizer step post-hooks registered at import (edo_monitor.actions'
+#: checkpoint_activations keeps one for the life of the process: it counts optimizer steps so
+#: that an optimizer's reads of a weight are not taken for a forward's); an agent adds its own
+_IMPORT_HOOKS = frozenset(getattr(torch_optimizer, "_global_optimizer_post_hooks", {}))
+
+
 def _assert_no_agent() -> None:
-    """Nothing of an agent is left: no agent thread, no global optimizer step hook."""
+    """Nothing of an agent is left: no agent thread, no global optimizer step hook beyond the
+    ones registered at import."""
     alive = [t.name for t in threading.enumerate() if t.name.startswith("edo-")]
-    hooks = getattr(torch_optimizer, "_global_optimizer_post_hooks", {})
+    hooks = set(getattr(torch_optimizer, "_global_optimizer_post_hooks", {})) - _IMPORT_HOOKS
     assert not alive and not hooks, f"agent left behind: threads {alive}, {len(hooks)} step hooks"
 
 
