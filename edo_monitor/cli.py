@@ -257,8 +257,6 @@ def _history(db: str | None, *, readonly: bool = True) -> Any:
 
 # -- commands ----------------------------------------------------------------------------------
 
-_STATUSES = ("running", "finished", "failed", "interrupted", "crashed")
-
 
 @app.command("runs")
 @_handle_errors
@@ -279,8 +277,10 @@ def runs_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """List runs, newest first. The id and the uuid column are references that open the run."""
-    if status is not None and status not in _STATUSES:
-        raise ConfigError(f"--status {status!r} is not a run status; expected one of {_STATUSES}")
+    from edo_monitor.store.history import STATUSES
+
+    if status is not None and status not in STATUSES:
+        raise ConfigError(f"--status {status!r} is not a run status; expected one of {STATUSES}")
     since_s = None if since is None else time.time() - _parse_duration(since, "--since")
     with _history(db) as h:
         runs = h.runs(status=status, since=since_s, name=name, tag=tag, limit=limit)

@@ -434,6 +434,24 @@ class RunComparison:
 # -- helpers -----------------------------------------------------------------------------------
 
 
+#: The statuses a run (or a job, summed up over its runs) can have.
+STATUSES = ("running", "finished", "failed", "interrupted", "crashed")
+
+
+def _statuses(status: str | Iterable[str] | None, what: str) -> set[str]:
+    """The statuses asked for, as a set (empty: any).
+
+    Raises:
+        ConfigError: a status not in :data:`STATUSES`.
+    """
+    wanted = {status} if isinstance(status, str) else set(status or ())
+    if wanted - set(STATUSES):
+        raise ConfigError(
+            f"status={status!r} is not a {what} status; expected one of {sorted(STATUSES)}"
+        )
+    return wanted
+
+
 def _to_epoch(value: float | datetime | None, name: str) -> float | None:
     if value is None:
         return None
@@ -607,12 +625,7 @@ class History:
         Raises:
             ConfigError: an unknown status or a bad ``since``.
         """
-        wanted = {status} if isinstance(status, str) else set(status or ())
-        allowed = {"running", "finished", "failed", "interrupted", "crashed"}
-        if wanted - allowed:
-            raise ConfigError(
-                f"status={status!r} is not a run status; expected one of {sorted(allowed)}"
-            )
+        wanted = _statuses(status, "run")
         since_s = _to_epoch(since, "since")
         if self._empty:
             return []
@@ -918,12 +931,7 @@ class History:
         Raises:
             ConfigError: an unknown status or a bad ``since``.
         """
-        wanted = {status} if isinstance(status, str) else set(status or ())
-        allowed = {"running", "finished", "failed", "interrupted", "crashed"}
-        if wanted - allowed:
-            raise ConfigError(
-                f"status={status!r} is not a job status; expected one of {sorted(allowed)}"
-            )
+        wanted = _statuses(status, "job")
         since_s = _to_epoch(since, "since")
         if self._empty or not self._has_jobs:
             return []
