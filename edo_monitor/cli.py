@@ -3,10 +3,12 @@
 Every command takes ``--db PATH|URL`` (default: ``$EDO_DB``, else ``./edo-history.db``). Listing
 commands take ``--json`` for scripts. A run is named by its id, a uuid prefix of at least one
 non-digit character (``runs`` prints prefixes that always open their run), or ``latest``.
+A multi-rank job is named by its id (as ``jobs`` prints it), a unique prefix of it, or
+``latest``: ``edo-monitor job JOB`` (a separate command, so a job id is never read as a run).
 
 Exit codes (:data:`EXIT_CODES`, also in ``edo-monitor --help``):
     0    success
-    1    runtime or data error: no such run, no database (missing file or folder), a database
+    1    runtime or data error: no such run or job, no database (missing file or folder), a database
          that cannot be used (not a database, newer schema, unreadable), a write refused by
          ``sql``, ``sql`` ran past its ``--timeout``, ``doctor`` found a problem, no NVML for
          ``daemon``
@@ -51,7 +53,7 @@ EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 1
 #: The exit codes of every command (``edo-monitor --help`` lists them).
 EXIT_CODES = {
     EXIT_OK: "ok",
-    EXIT_ERROR: "runtime or data error (no such run or database, unusable database, refused "
+    EXIT_ERROR: "runtime or data error (no such run, job or database, unusable database, refused "
     "write, sql timeout, doctor problem, no NVML for daemon)",
     EXIT_USAGE: "usage error (bad option or value; nothing was opened)",
     EXIT_INTERNAL: "internal error",
@@ -63,7 +65,9 @@ app = typer.Typer(
     name="edo-monitor",
     help=(
         "Questions about recorded edo-monitor runs (history database). RUN is a run id, a uuid "
-        f"prefix as 'runs' prints it, or 'latest'. Exit codes: {_EXIT_HELP}."
+        "prefix as 'runs' prints it, or 'latest'. A multi-rank job (torch.distributed) is one run "
+        "per rank: 'jobs' lists jobs, 'job JOB' shows one (JOB: a job id as 'jobs' prints it, a "
+        f"unique prefix of it, or 'latest'). Exit codes: {_EXIT_HELP}."
     ),
     no_args_is_help=True,
     add_completion=False,
@@ -458,6 +462,13 @@ def show_cmd(
         ),
         ("error", info.error or "-"),
         ("host / pid", f"{info.host} / {info.pid}"),
+        (
+            "job",
+            "-"
+            if info.job_id is None
+            else f"{info.job_id} (rank {info.rank} of {info.world_size}; edo-monitor job "
+            f"{info.job_id})",
+        ),
         ("started", _when(info.started_at_s)),
         ("ended", _when(info.ended_at_s)),
         ("duration", _dur(info.duration_s)),
@@ -503,6 +514,124 @@ def show_cmd(
     caches = _cache_table(mods, cache)
     if caches is not None:
         _c.out.print(caches)
+
+
+# -- multi-rank jobs ---------------------------------------------------------------------------
+
+JobArg = Annotated[
+    str,
+    typer.Argument(
+        help="Job id (as 'jobs' prints it: torchrun's run id or a uuid), a prefix of it that "
+        "matches one job, or 'latest'."
+    ),
+]
+
+
+@app.command("jobs")
+@_handle_errors
+def jobs_cmd(
+    db: DbOpt = None,
+    status: Annotated[
+        str | None,
+        typer.Option(
+            help="Only jobs with this status (running/finished/failed/interrupted/crashed: "
+            "running while any rank runs, else the worst rank's)."
+        ),
+    ] = None,
+    since: Annotated[
+        str | None, typer.Option(help="Only jobs created within this long ago, e.g. 7d, 12h.")
+    ] = None,
+    limit: Annotated[int | None, typer.Option(help="At most this many jobs.", min=1)] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """List multi-rank jobs (torch.distributed), newest first; 'job JOB' shows one."""
+    if status is not None and status not in _STATUSES:
+        raise ConfigError(f"--status {status!r} is not a job status; expected one of {_STATUSES}")
+    since_s = None if since is None else time.time() - _parse_duration(since, "--since")
+    with _history(db) as h:
+        jobs = h.jobs(status=status, since=since_s, limit=limit)
+        members = {j.id: h.job_runs(j.id) for j in jobs}
+    rows = []
+    for j in jobs:
+        runs = members[j.id]
+        frees = [(r.min_free_fraction, r.rank) for r in runs if r.min_free_fraction is not None]
+        lowest = min(frees, key=_first) if frees else None
+        rows.append(
+            {
+                **_info_dict(j),
+                "min_free_fraction": None if lowest is None else lowest[0],
+                "min_free_rank": None if lowest is None else lowest[1],
+                "action_count": sum(r.action_count for r in runs),
+                "oom_count": sum(r.oom_count for r in runs),
+            }
+        )
+    if as_json:
+        _print_json(rows)
+        return
+    if not rows:
+        _c.out.print(
+            "no jobs recorded (a job is the runs of the ranks of one torch.distributed job)"
+        )
+        return
+    table = Table()
+    for col, just in (
+        ("job", "left"),
+        ("name", "left"),
+        ("status", "left"),
+        ("ranks", "right"),
+        ("backend", "left"),
+        ("hosts", "left"),
+        ("started (UTC)", "left"),
+        ("duration", "right"),
+        ("steps", "right"),
+        ("min free (rank)", "right"),
+        ("actions", "right"),
+        ("OOMs", "right"),
+    ):
+        table.add_column(col, justify=just)  # type: ignore[arg-type]
+    for j, row in zip(jobs, rows, strict=True):
+        end = j.ended_at_s if j.ended_at_s is not None else time.time()
+        duration = None if j.started_at_s is None else max(0.0, end - j.started_at_s)
+        lowest = (
+            "-"
+            if row["min_free_fraction"] is None
+            else f"{_pct(row['min_free_fraction'])} ({row['min_free_rank']})"
+        )
+        table.add_row(
+            j.id,
+            j.name,
+            j.status or "-",
+            f"{len(set(j.ranks))}/{j.world_size}",
+            j.backend or "-",
+            ", ".join(j.hosts) or "-",
+            _when(j.started_at_s),
+            _dur(duration),
+            "-" if j.min_steps is None else str(j.min_steps),
+            lowest,
+            str(row["action_count"]),
+            str(row["oom_count"]),
+        )
+    _c.out.print(table)
+
+
+def _first(item: tuple[Any, Any]) -> Any:
+    return item[0]
+
+
+@app.command("job")
+@_handle_errors
+def job_cmd(job: JobArg, db: DbOpt = None, as_json: JsonOpt = False) -> None:
+    """One multi-rank job: its ranks (free fraction now and at its lowest, the tightest rank
+    marked) and every rank's actions by step. ('show' is for one run: 'show RUN'.)"""
+    from edo_monitor.job_view import job_renderables, job_report
+
+    with _history(db) as h:
+        report = job_report(h, job)
+    if as_json:
+        _print_json(report.as_dict())
+        return
+    for renderable in job_renderables(report):
+        _c.out.print(renderable)
 
 
 @app.command("events")

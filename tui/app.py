@@ -40,6 +40,7 @@ from .screens import (
     DevicesScreen,
     ExplainScreen,
     HelpScreen,
+    JobScreen,
     RunScreen,
     RunsScreen,
 )
@@ -78,6 +79,7 @@ class EdoTui(App[None]):
         Binding("l", "live", "live"),
         Binding("r", "runs", "runs"),
         Binding("d", "devices", "devices"),
+        Binding("j", "jobs", "jobs"),
         Binding("slash", "filter", "filter"),
         Binding("e", "export", "export CSV"),
         Binding("x", "explain", "explain"),
@@ -119,6 +121,7 @@ class EdoTui(App[None]):
         self.install_screen(RunScreen(self.initial_run), "live")
         self.install_screen(RunsScreen(), "runs")
         self.install_screen(DevicesScreen(), "devices")
+        self.install_screen(JobScreen(), "jobs")
         self.push_screen("live")
 
     def exit(
@@ -149,7 +152,9 @@ class EdoTui(App[None]):
 
     def _shown_error_code(self) -> int:
         shown = [
-            s for s in self.screen_stack if isinstance(s, (RunScreen, RunsScreen, DevicesScreen))
+            s
+            for s in self.screen_stack
+            if isinstance(s, (RunScreen, RunsScreen, DevicesScreen, JobScreen))
         ]
         for screen in reversed(shown):
             if screen.error_code is not None:
@@ -196,6 +201,19 @@ class EdoTui(App[None]):
     def action_devices(self) -> None:
         """``d``: every GPU and process, from the daemon's latest sample."""
         self._show("devices")
+
+    @property
+    def job_screen(self) -> JobScreen:
+        """The job view."""
+        return self.get_screen("jobs")  # type: ignore[return-value]
+
+    def action_jobs(self) -> None:
+        """``j``: multi-rank jobs; the open run's job when it is a rank of one, else the job
+        the view showed last (the newest at first)."""
+        run = self.run_screen.run_info
+        if self.screen is self.run_screen and run is not None and run.job_id is not None:
+            self.job_screen.chosen = run.job_id
+        self._show("jobs")
 
     def action_filter(self) -> None:
         """``/``: filter the runs table."""

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from edo_monitor.errors import ConfigError, StoreError
+from edo_monitor.job_view import JobReport, job_report
 from edo_monitor.store.engine import resolve_db_url
 from edo_monitor.store.history import (
     NUMERIC_SAMPLE_COLUMNS,
@@ -31,6 +32,7 @@ from edo_monitor.store.history import (
     DeviceInfo,
     EventInfo,
     History,
+    JobInfo,
     ModuleInfo,
     RunInfo,
 )
@@ -45,6 +47,9 @@ __all__ = [
     "DeviceInfo",
     "Devices",
     "EventInfo",
+    "JobInfo",
+    "JobReport",
+    "Jobs",
     "Latest",
     "ModuleInfo",
     "Poll",
@@ -204,6 +209,16 @@ class Devices:
     read_at_s: float
 
 
+@dataclass(frozen=True)
+class Jobs:
+    """What the job view shows: every job (newest first) and the chosen one's ranks."""
+
+    jobs: list[JobInfo]
+    #: the chosen job's report (``None``: no jobs recorded)
+    report: JobReport | None
+    read_at_s: float
+
+
 @dataclass
 class Poll:
     """What one refresh read: the run, its newest sample, new samples and events, and its
@@ -354,6 +369,20 @@ class DataSource:
         latest events (``History.device_events``)."""
         history = self.open()
         return Devices(history.devices(), history.device_events(limit=events), time.time())
+
+    # -- multi-rank jobs --------------------------------------------------------------------
+
+    def jobs(self, chosen: str | None = None) -> Jobs:
+        """Every job, newest first (``History.jobs``), and the report of job ``chosen`` (a job
+        id; ``None``, or an id no longer listed: the newest job) with its ranks' free fraction
+        now and lowest and their actions (:func:`edo_monitor.job_view.job_report`)."""
+        history = self.open()
+        jobs = history.jobs()
+        if not jobs:
+            return Jobs([], None, time.time())
+        ids = {j.id for j in jobs}
+        ref = chosen if chosen in ids else jobs[0].id
+        return Jobs(jobs, job_report(history, ref), time.time())
 
     def export_csv(self, run: RunInfo, directory: str | os.PathLike[str] = ".") -> Path:
         """Write the run's samples (every column, in id order) to ``edo-run-<id>-<name>.csv``.
