@@ -545,8 +545,10 @@ def jobs_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """List multi-rank jobs (torch.distributed), newest first; 'job JOB' shows one."""
-    if status is not None and status not in _STATUSES:
-        raise ConfigError(f"--status {status!r} is not a job status; expected one of {_STATUSES}")
+    from edo_monitor.store.history import STATUSES
+
+    if status is not None and status not in STATUSES:
+        raise ConfigError(f"--status {status!r} is not a job status; expected one of {STATUSES}")
     since_s = None if since is None else time.time() - _parse_duration(since, "--since")
     with _history(db) as h:
         jobs = h.jobs(status=status, since=since_s, limit=limit)
