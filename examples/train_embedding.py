@@ -23,6 +23,17 @@ ramp is a staircase: each jump is a level shift, not a trend, and is not forecas
     python examples/train_embedding.py                # the pressure demo, exit 0
     python examples/train_embedding.py --no-tune      # same budget, no tuner: out of memory, exit 1
     python examples/train_embedding.py --ramp linear --forecast 10   # acts before the crossing
+
+With ``--ddp``, under ``torchrun`` (one process a rank, CPU and gloo), the model is wrapped in
+``DistributedDataParallel`` and gets two residual MLP blocks (64 -> 2,048 -> 64) between the
+table and the classifier. The last rank trains on the full batch ramp, the others on a quarter
+of it, so only the last rank crosses the floor (budget 236 MiB). Under DDP only actions that
+leave every registered parameter's device, dtype and shape alone are allowed (``release_cache``,
+``checkpoint_activations``); on a CPU that leaves checkpointing, which drops the blocks'
+hidden activations: the ranks agree every 4 steps and every rank checkpoints the same blocks at
+the same step, so the replicas stay identical, and the job finishes.
+
+    torchrun --nproc-per-node 2 examples/train_embedding.py --ddp
 """
 
 from __future__ import annotations
@@ -31,13 +42,16 @@ if __name__ == "__main__":  # say what is happening at once: importing PyTorch t
     print("train_embedding: loading PyTorch and edo-monitor…", flush=True)
 
 import argparse
+import functools
 import logging
+import os
 import re
 import sys
 import sysconfig
 import time
 import zlib
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -90,13 +104,40 @@ def build_dataset(text: str) -> tuple[torch.Tensor, torch.Tensor]:
 class HashedWordModel(nn.Module):
     """EmbeddingBag over hashed n-gram features -> linear next-word classifier."""
 
-    def __init__(self, buckets: int = BUCKETS, dim: int = 64, classes: int = CLASSES) -> None:
+    def __init__(
+        self,
+        buckets: int = BUCKETS,
+        dim: int = 64,
+        classes: int = CLASSES,
+        blocks: int = 0,
+        hidden: int = 2_048,
+    ) -> None:
         super().__init__()
         self.features = nn.EmbeddingBag(buckets, dim, mode="mean")
+        #: ``blocks`` residual MLP blocks (dim -> hidden -> dim) between table and classifier
+        self.blocks = (
+            nn.Sequential(*(Block(dim, hidden) for _ in range(blocks))) if blocks else None
+        )
         self.classifier = nn.Linear(dim, classes)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.features(features))
+        h = self.features(features)
+        if self.blocks is not None:
+            h = self.blocks(h)
+        return self.classifier(h)
+
+
+class Block(nn.Module):
+    """``x + fc2(relu(fc1(x)))``: its hidden activations (batch x hidden) are its own, so
+    checkpointing it frees them."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(x)))
 
 
 def batch_size_at(step: int, steps: int, ramp: str = "doubling") -> int:
@@ -112,8 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--text", type=Path, help="text file to train on (default: Python stdlib)")
     parser.add_argument("--db", default=None, help="history database (default: ./edo-history.db)")
-    parser.add_argument("--budget", default="158MiB", help="memory budget (default: 158MiB)")
-    parser.add_argument("--steps", type=int, default=100, help="optimizer steps (default: 100)")
+    parser.add_argument(
+        "--budget", default=None, help="memory budget (default: 158MiB; 236MiB with --ddp)"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=None, help="optimizer steps (default: 100; 40 with --ddp)"
+    )
     parser.add_argument("--no-tune", action="store_true", help="observe only (policy 'observe')")
     parser.add_argument(
         "--ramp",
@@ -131,22 +176,44 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--interval", type=float, default=0.25, help="seconds between samples")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--ddp",
+        action="store_true",
+        help="one rank of a DistributedDataParallel job (start with torchrun; CPU: gloo); "
+        "the last rank's batches are 4x the others'",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    budget = args.budget or ("236MiB" if args.ddp else "158MiB")
+    steps = args.steps if args.steps is not None else (40 if args.ddp else 100)
+    rank, world_size, say = 0, 1, print
+    if args.ddp:
+        rank, world_size = start_ddp(args.device)
+        say = functools.partial(print, f"[rank {rank}]", flush=True)
 
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # the same initial model on every rank (DDP broadcasts rank 0's too)
     source = str(args.text) if args.text else "the Python standard library"
-    print(f"reading the text of {source}…", flush=True)
+    say(f"reading the text of {source}…", flush=True)
     text = args.text.read_text(encoding="utf-8", errors="replace") if args.text else default_text()
-    print(f"building the dataset from {len(text):,} characters…", flush=True)
+    say(f"building the dataset from {len(text):,} characters…", flush=True)
     features, targets = build_dataset(text)
     device = torch.device(args.device)
-    model = HashedWordModel().to(device)
+    if args.ddp and device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    model: nn.Module = HashedWordModel(blocks=2 if args.ddp else 0).to(device)
+    if args.ddp:
+        model = nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     policy = edo_monitor.Policy(
         mode="observe" if args.no_tune else "auto", forecast_steps=args.forecast
     )
-    print(f"training on {len(targets):,} positions of {source}; table {BUCKETS:,} x 64")
+    # under --ddp the last rank trains on the whole ramp, the others on a quarter of it
+    share = 1 if rank == world_size - 1 else 4
+    say(f"training on {len(targets):,} positions of {source}; table {BUCKETS:,} x 64")
+    if args.ddp:
+        say(f"rank {rank} of {world_size}: batches 1/{share} of the ramp")
 
     losses: list[float] = []
     t0 = time.monotonic()
@@ -155,62 +222,83 @@ def main(argv: list[str] | None = None) -> int:
             model,
             opt,
             db=args.db,
-            budget=args.budget,
+            budget=budget,
             policy=policy,
             enforce=device.type == "cpu",
             interval_s=args.interval,
-            run_name="train_embedding" + ("-no-tune" if args.no_tune else ""),
+            run_name="train_embedding"
+            + ("-ddp" if args.ddp else "")
+            + ("-no-tune" if args.no_tune else ""),
             config={"ramp": args.ramp},
         ) as monitor:
-            gen = torch.Generator().manual_seed(1)
-            for step in range(args.steps):
-                idx = torch.randint(
-                    0, len(targets), (batch_size_at(step, args.steps, args.ramp),), generator=gen
-                )
+            gen = torch.Generator().manual_seed(1 + rank)  # each rank its own batches
+            for step in range(steps):
+                batch = batch_size_at(step, steps, args.ramp) // share
+                idx = torch.randint(0, len(targets), (batch,), generator=gen)
                 x, y = features[idx].to(device), targets[idx].to(device)
                 loss = nn.functional.cross_entropy(model(x), y)
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 losses.append(loss.item())
-                if step % 10 == 0 or step == args.steps - 1:
+                if step % 10 == 0 or step == steps - 1:
                     latest = monitor.latest
                     free = (
                         f"{latest.free_fraction:.1%}"
                         if latest and latest.free_fraction is not None
                         else "N/A"
                     )
-                    print(
-                        f"step {step:4d}  batch {len(idx):5d}  loss {loss.item():.3f}  free {free}"
-                    )
+                    say(f"step {step:4d}  batch {len(idx):5d}  loss {loss.item():.3f}  free {free}")
     except torch.OutOfMemoryError as exc:
-        print(f"\nout of memory at step {len(losses)}: {exc}", file=sys.stderr)
-        print_summary(monitor.summary(), losses, time.monotonic() - t0)
-        return 1
-    print_summary(monitor.summary(), losses, time.monotonic() - t0)
+        say(f"\nout of memory at step {len(losses)}: {exc}", file=sys.stderr)
+        print_summary(monitor.summary(), losses, time.monotonic() - t0, say)
+        return 1  # under torchrun the launcher stops the other ranks
+    print_summary(monitor.summary(), losses, time.monotonic() - t0, say)
+    if args.ddp:
+        torch.distributed.destroy_process_group()
     return 0
 
 
-def print_summary(summary: edo_monitor.RunSummary, losses: list[float], elapsed_s: float) -> None:
-    """Print what the run did: steps, peaks, minimum free fraction, events and actions."""
+def start_ddp(device: str) -> tuple[int, int]:
+    """Join the process group ``torchrun`` describes (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``
+    ...; gloo on a CPU, NCCL on CUDA) and return (rank, world size)."""
+    if "RANK" not in os.environ:
+        raise SystemExit(
+            "--ddp needs the variables torchrun sets; start it with "
+            "torchrun --nproc-per-node 2 examples/train_embedding.py --ddp"
+        )
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    torch.distributed.init_process_group(backend)
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def print_summary(
+    summary: edo_monitor.RunSummary,
+    losses: list[float],
+    elapsed_s: float,
+    say: Callable[..., None] = print,
+) -> None:
+    """Print what the run did: steps, peaks, minimum free fraction, events and actions
+    (through ``say``: under --ddp each line starts with the rank)."""
     first = sum(losses[:10]) / max(1, len(losses[:10]))
     last = sum(losses[-10:]) / max(1, len(losses[-10:]))
     mff = summary.min_free_fraction
-    print("\n== edo-monitor summary ==")
-    print(f"run              {summary.run_id} ({summary.run_name}), status {summary.status}")
-    print(f"device           {summary.device_kind}, budget {format_bytes(summary.budget_bytes)}")
-    print(f"steps            {summary.steps} in {elapsed_s:.1f} s")
-    print(f"loss             {first:.3f} (first 10 steps) -> {last:.3f} (last 10)")
-    print(f"peak in use      {format_bytes(summary.peak_in_use_bytes)}")
-    print(f"peak activations {format_bytes(summary.peak_activations_bytes)}")
-    print(f"min free         {'N/A' if mff is None else f'{mff:.1%}'}")
-    print(f"events           {summary.events or 'none'}")
+    say("")
+    say("== edo-monitor summary ==")
+    say(f"run              {summary.run_id} ({summary.run_name}), status {summary.status}")
+    say(f"device           {summary.device_kind}, budget {format_bytes(summary.budget_bytes)}")
+    say(f"steps            {summary.steps} in {elapsed_s:.1f} s")
+    say(f"loss             {first:.3f} (first 10 steps) -> {last:.3f} (last 10)")
+    say(f"peak in use      {format_bytes(summary.peak_in_use_bytes)}")
+    say(f"peak activations {format_bytes(summary.peak_activations_bytes)}")
+    say(f"min free         {'N/A' if mff is None else f'{mff:.1%}'}")
+    say(f"events           {summary.events or 'none'}")
     for action in summary.actions:
-        print(
+        say(
             f"action           {action.get('action')} on {action.get('target')}: saved "
             f"{format_bytes(action.get('saved_bytes'))} in {action.get('duration_s', 0):.3f} s"
         )
-    print(f"database         {summary.db_url}")
+    say(f"database         {summary.db_url}")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,16 @@ def readme_python_blocks(heading: str) -> list[str]:
     Raises:
         LookupError: no such heading.
     """
+    return readme_blocks(heading, "python")
+
+
+def readme_blocks(heading: str, language: str) -> list[str]:
+    """The fenced blocks of ``language`` (```` ```bash ````, ...) of the README section whose
+    heading (any level) is ``heading``, as :func:`readme_python_blocks` finds them.
+
+    Raises:
+        LookupError: no such heading.
+    """
     lines = README.read_text(encoding="utf-8").splitlines()
     start = level = None
     for i, line in enumerate(lines):
@@ -35,7 +45,7 @@ def readme_python_blocks(heading: str) -> list[str]:
             if line.startswith("```"):
                 fence, current = line[3:].strip(), []
         elif line.strip() == "```":
-            if fence == "python":
+            if fence == language:
                 blocks.append("\n".join(current) + "\n")
             fence = None
         else:
