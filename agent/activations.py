@@ -4,8 +4,8 @@ The pack hook sees every tensor autograd saves during forward (in the training t
 ``watch()`` block). Instead of the tensor it hands autograd a small holder (:class:`_Saved`) that
 keeps the tensor and a key of its storage; autograd keeps the holder exactly as long as it keeps
 the saved tensor (until ``backward()`` frees the graph, or for as long as a retained graph lives),
-and the unpack hook gives the tensor back. When autograd drops the holder, its ``__del__`` hands
-the key back. So the tracker knows, at any moment, the bytes of saved tensors that are alive:
+and the unpack hook gives the tensor back. When autograd drops the holder, a weak reference's
+callback hands it back. So the tracker knows, at any moment, the bytes of saved tensors alive:
 
 * each storage counts once while any holder of it is alive (many saved tensors are views of one
   storage: a reference count per storage, keyed by its ``data_ptr`` — unique while the holder
@@ -27,10 +27,15 @@ the bytes alive *at once* (each micro-batch's graph is freed by its ``backward()
 micro-batches; saved tensors that outlive their step (``backward(retain_graph=True)`` and a loss
 kept in a running total) stay counted, so a leak shows as growth.
 
-Thread safety: holders may be freed on any thread (autograd's device threads on CUDA). ``__del__``
-only appends the key to a ``collections.deque`` (atomic, never blocks, so it cannot deadlock with a
-collection that runs inside the hook); the counters are changed under one lock by whoever reads or
-packs next.
+Thread safety and signals: holders may be freed on any thread (autograd's device threads on
+CUDA). The release runs no Python code: the holder's weak reference has the deque's own C method
+``collections.deque.append`` as its callback, which appends the dead reference (atomic, never
+blocks, so it cannot deadlock with a collection that runs inside the hook); the counters are
+changed under one lock by whoever reads or packs next, which maps the reference back to its key.
+A ``__del__`` method did this before, and it ran as the first Python code after ``backward()``
+freed the graph: a Ctrl-C arriving during ``backward()`` was raised inside it and, as every
+exception in ``__del__``, printed and ignored — training went on (2 of 5 tries of the demo).
+Without Python code in the release, a pending Ctrl-C is raised in the training loop.
 
 Failures: an error inside the pack hook (a tensor whose storage cannot be read, e.g. a wrapper
 tensor subclass) is counted in :attr:`ActivationTracker.errors` and passed to ``on_error``; the
@@ -43,6 +48,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -56,21 +62,13 @@ _STRIDED = torch.strided
 
 
 class _Saved:
-    """What autograd keeps instead of a saved tensor: the tensor and its storage key.
+    """What autograd keeps instead of a counted saved tensor: the tensor, and a slot for the
+    weak reference whose callback reports the holder's release (see the module docstring)."""
 
-    ``key`` is ``None`` for a tensor that is not counted (a parameter, an empty storage).
-    """
+    __slots__ = ("__weakref__", "tensor")
 
-    __slots__ = ("key", "released", "tensor")
-
-    def __init__(self, tensor: torch.Tensor, key: int | None, released: collections.deque) -> None:
+    def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
-        self.key = key
-        self.released = released
-
-    def __del__(self) -> None:
-        if self.key is not None:
-            self.released.append(self.key)
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
@@ -116,7 +114,10 @@ class ActivationTracker:
     ) -> None:
         self._param_keys = self._keys(params)
         self._lock = threading.Lock()
-        self._released: collections.deque[int] = collections.deque()
+        # weak references of released holders (appended by their callback: C, any thread), and
+        # each live holder's reference with its storage key, by the reference's id
+        self._released: collections.deque[weakref.ref[_Saved]] = collections.deque()
+        self._holders: dict[int, tuple[weakref.ref[_Saved], int]] = {}
         self._refs: dict[int, int] = {}
         self._sizes: dict[int, int] = {}
         self._live = 0
@@ -168,19 +169,26 @@ class ActivationTracker:
                 refs = self._refs.get(key)
                 if refs is not None:
                     self._refs[key] = refs + 1
-                    return _Saved(tensor, key, self._released)
+                    return self._holder(tensor, key)
                 limit = self.limit_bytes
                 in_use = self.static_bytes + self._live + nbytes
                 if limit is None or in_use <= limit or self.on_exceed is None:
                     self._count(key, nbytes)
-                    return _Saved(tensor, key, self._released)
+                    return self._holder(tensor, key)
         except Exception as exc:
             self._failed(exc)
             return tensor
         self.on_exceed(nbytes, in_use)  # raises: the allocation failed, nothing was counted
         with self._lock:  # an on_exceed that returns lets the storage be counted
             self._count(key, nbytes)
-        return _Saved(tensor, key, self._released)
+            return self._holder(tensor, key)
+
+    def _holder(self, tensor: torch.Tensor, key: int) -> _Saved:
+        """A holder of ``tensor`` whose release hands ``key`` back (lock held)."""
+        saved = _Saved(tensor)
+        ref = weakref.ref(saved, self._released.append)
+        self._holders[id(ref)] = (ref, key)
+        return saved
 
     @staticmethod
     def unpack(packed: Any) -> torch.Tensor:
@@ -203,9 +211,13 @@ class ActivationTracker:
     def _drain(self) -> None:
         """Apply the holders freed since the last call (lock held)."""
         released = self._released
+        holders = self._holders
         refs = self._refs
         while released:
-            key = released.popleft()
+            entry = holders.pop(id(released.popleft()), None)
+            if entry is None:
+                continue
+            key = entry[1]
             n = refs.get(key, 1) - 1
             if n > 0:
                 refs[key] = n

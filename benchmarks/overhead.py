@@ -97,7 +97,7 @@ from torch.optim import optimizer as torch_optimizer
 
 import edo_monitor
 from edo_monitor.actions.checkpoint_activations import ActivationRecorder
-from edo_monitor.agent.activations import ActivationTracker, _Saved
+from edo_monitor.agent.activations import ActivationTracker
 from edo_monitor.agent.monitor import DEFAULT_INTERVAL_S, Monitor
 from edo_monitor.agent.safe_point import SafePoint
 from edo_monitor.readings import Reading
@@ -187,7 +187,6 @@ class AgentTimer:
         ("  of which profile collect", SafePoint, "collect_activation_profile"),
         ("saved-tensor pack hook (tracker)", ActivationTracker, "pack"),
         ("saved-tensor unpack hook (tracker)", ActivationTracker, "unpack"),
-        ("saved-tensor holder release (tracker)", _Saved, "__del__"),
         ("profile module hooks", ActivationRecorder, "_pre"),
         ("profile module hooks", ActivationRecorder, "_post"),
         ("profile pack hook", ActivationRecorder, "_pack"),

@@ -72,6 +72,35 @@ def test_bytes_alive_now_fall_when_backward_frees_the_graph() -> None:
         assert tracker.end_step() == SMALL_STEP_BYTES
 
 
+def test_freeing_the_graph_runs_no_python_code_of_the_tracker() -> None:
+    """Ctrl-C during backward(): Python runs a pending signal handler at the first Python code it
+    executes, and a KeyboardInterrupt raised inside a ``__del__`` is printed and ignored. The
+    holders' release used to be a ``__del__``, the first Python code after backward() freed the
+    graph, so Ctrl-C was often lost and training went on. Inside backward() only the unpack hook
+    (whose exceptions propagate) may run Python code of the tracker; the release runs none."""
+    model = small_mlp()
+    gen = torch.Generator().manual_seed(0)
+    called: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if (
+            event == "call"
+            and frame.f_code.co_filename == ActivationTracker.pack.__code__.co_filename
+        ):
+            called.append(frame.f_code.co_name)
+
+    with ActivationTracker([*model.parameters()]) as tracker:
+        loss = small_loss(model, gen)
+        sys.setprofile(profile)
+        try:
+            loss.backward()
+            del loss  # the graph, and every holder with it
+        finally:
+            sys.setprofile(None)
+        assert set(called) == {"unpack"}
+        assert tracker.live_bytes == 0  # released all the same
+
+
 def test_retained_graphs_stay_counted_until_dropped() -> None:
     model = small_mlp()
     gen = torch.Generator().manual_seed(0)
