@@ -296,6 +296,10 @@ def test_run_references(seeded: tuple[Path, dict[str, Any]]) -> None:
         with pytest.raises(RunNotFoundError, match=r"no run with id 90455722$"):
             h.run("90455722")
         assert h.run("90455722-7c1e-4c").id == 1
+        # ids beyond SQL's int64 name no run (they raised OverflowError from the driver)
+        for huge in ("99999999999999999999999", 2**63, -1):
+            with pytest.raises(RunNotFoundError, match=rf"^no run with id {huge}$"):
+                h.run(huge)
 
 
 def test_uuid_references_always_open_their_run(seeded: tuple[Path, dict[str, Any]]) -> None:

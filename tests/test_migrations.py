@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import re
 import sqlite3
 from pathlib import Path
 
@@ -158,3 +159,44 @@ def test_not_a_database_refused(tmp_path: Path) -> None:
     for readonly in (True, False):
         with pytest.raises(StoreError, match="not an edo-monitor history database"):
             open_engine(other, readonly=readonly)
+
+
+def test_a_database_missing_a_table_is_refused_by_readers_and_writers(tmp_path: Path) -> None:
+    """A history whose ``events`` table was dropped: every command failed with a multi-line
+    SQLAlchemy error, ``doctor`` said ok, and a training run into it lost every event and still
+    ended "finished". Now readers, writers and ``watch()`` refuse it, naming the table."""
+    import torch
+
+    import edo_monitor
+
+    path = tmp_path / "damaged.db"
+    open_engine(path).dispose()
+    conn = sqlite3.connect(path)
+    conn.execute("DROP TABLE events")
+    conn.execute("DROP TABLE jobs")
+    conn.commit()
+    conn.close()
+    message = (
+        rf"history database '{re.escape(str(path))}' is damaged: it has schema version "
+        rf"{SCHEMA_VERSION} but not the tables events, jobs;"
+    )
+    for readonly in (True, False):
+        with pytest.raises(StoreError, match=f"^{message}"):
+            open_engine(path, readonly=readonly)
+    with pytest.raises(StoreError, match=message):
+        History(path)
+    with (
+        pytest.raises(StoreError, match=message),
+        edo_monitor.watch(torch.nn.Linear(2, 2), db=path),
+    ):
+        pass
+    # an older schema is read as it is: only the tables every version has are required
+    old = tmp_path / "old.db"
+    open_engine(old).dispose()
+    conn = sqlite3.connect(old)
+    conn.execute("DROP TABLE jobs")
+    conn.execute("UPDATE meta SET value = '4' WHERE key = 'schema_version'")
+    conn.execute("UPDATE alembic_version SET version_num = '0004'")
+    conn.commit()
+    conn.close()
+    open_engine(old, readonly=True).dispose()

@@ -43,7 +43,12 @@ from sqlalchemy.exc import DBAPIError as SADBAPIError
 
 from edo_monitor.errors import ConfigError, StoreError
 from edo_monitor.readings import SAMPLE_FIELDS
-from edo_monitor.store.schema import ROLLUP_FIELDS, ROLLUP_LEVEL_WIDTHS_S, SCHEMA_VERSION
+from edo_monitor.store.schema import (
+    ROLLUP_FIELDS,
+    ROLLUP_LEVEL_WIDTHS_S,
+    SCHEMA_VERSION,
+    metadata,
+)
 
 __all__ = [
     "BUSY_TIMEOUT_S",
@@ -427,11 +432,27 @@ def _refuse_newer(version: int | None, revision: str | None, shown: str) -> None
         )
 
 
+#: Tables every schema version has (a database without one of them is damaged).
+_CORE_TABLES = frozenset({"meta", "runs", "samples", "events", "module_stats"})
+
+
 def _check_schema(engine: Engine, *, readonly: bool, shown: str) -> None:
     with engine.connect() as conn:
         version = schema_version(conn)
         revision = _alembic_revision(conn) if version is not None else None
+        tables = set(inspect(conn).get_table_names()) if version is not None else set()
     _refuse_newer(version, revision, shown)
+    if version is not None:
+        # all of this version's tables when it is ours, the ones every version has otherwise
+        wanted = set(metadata.tables) if version == SCHEMA_VERSION else _CORE_TABLES
+        missing = sorted(wanted - tables)
+        if missing:
+            raise StoreError(
+                f"history database {shown!r} is damaged: it has schema version {version} but "
+                f"not the table{'s' if len(missing) > 1 else ''} {', '.join(missing)}; "
+                "edo-monitor neither reads nor writes it (copy out what you need with sqlite3, "
+                "or start a new database)"
+            )
     if version == SCHEMA_VERSION:
         return
     if readonly:
