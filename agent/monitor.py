@@ -65,6 +65,7 @@ from edo_monitor.metrics import (
 )
 from edo_monitor.policy import Policy
 from edo_monitor.readings import Reading
+from edo_monitor.signals import Terminated, terminate_on_sigterm
 from edo_monitor.store.engine import check_writable, resolve_db_url
 from edo_monitor.units import parse_bytes
 
@@ -216,6 +217,7 @@ class Monitor:
         self._tracker: ActivationTracker | None = None
         #: lookups per id of the model's tables (hot ids for share_embedding, history events)
         self._lookups: LookupCounter | None = None
+        self._restore_sigterm: Callable[[], None] = lambda: None
         self._recovery: StepRecovery | None = None  # run_step's split state, made on first use
         # the parts (module docstring); each holds a reference back to this facade
         self._log = EventLog(lambda: self.steps, strict=strict)
@@ -410,6 +412,10 @@ class Monitor:
 
     def _start_hooks(self) -> None:
         self._safe_point.install()
+        # SIGTERM's default action kills the process without running Python: the run would read
+        # "crashed"; while the block lasts it raises Terminated instead (no handler of the user's
+        # is replaced)
+        self._restore_sigterm = terminate_on_sigterm()
         if self.track_activations:
             self._tracker = ActivationTracker(
                 self._model_tensors(),
@@ -454,6 +460,8 @@ class Monitor:
                 self._agent_error("end of run", exc)
         if isinstance(exc, KeyboardInterrupt):
             status, error = "interrupted", "KeyboardInterrupt"
+        elif isinstance(exc, Terminated):
+            status, error = "interrupted", "SIGTERM"
         elif exc is not None:
             status, error = "failed", f"{type(exc).__name__}: {exc}"[:2000]
             if not getattr(exc, "_edo_recorded", False):
@@ -492,6 +500,7 @@ class Monitor:
     def _teardown(self) -> None:
         """Stop threads and remove hooks; safe to call on a half-started monitor."""
         self._stop.set()
+        self._restore_sigterm()
         if self.metrics_server is not None:
             self.metrics_server.close()
         self._sampler.stop()

@@ -1,5 +1,6 @@
-"""Stopping a foreground command cleanly on SIGINT and SIGTERM (``edo-monitor metrics``,
-``edo-monitor daemon``)."""
+"""Signals: stopping a foreground command cleanly on SIGINT and SIGTERM (``edo-monitor metrics``,
+``edo-monitor daemon``), and ending a watched run cleanly on SIGTERM (:func:`terminate_on_sigterm`).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["stop_on_signals"]
+__all__ = ["Terminated", "stop_on_signals", "terminate_on_sigterm"]
 
 
 def stop_on_signals(stop: threading.Event, received: list[int]) -> Callable[[], None]:
@@ -34,5 +35,45 @@ def stop_on_signals(stop: threading.Event, received: list[int]) -> Callable[[], 
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         for s, h in previous.items():
             signal.signal(s, h)
+
+    return restore
+
+
+class Terminated(SystemExit):
+    """SIGTERM arrived during a ``watch()`` block (a scheduler, ``timeout``, ``torchrun``
+    stopping its workers). A :class:`SystemExit` with code 143 (128 + SIGTERM, what the shell
+    reports for a process SIGTERM killed): ``finally`` blocks and the block's exit run, the run is
+    recorded ``interrupted`` (not ``crashed``, as a process killed outright reads), and the
+    process ends with the same exit status as before if nothing catches it."""
+
+    def __init__(self) -> None:
+        super().__init__(128 + signal.SIGTERM)
+
+    def __str__(self) -> str:
+        return "SIGTERM"
+
+
+def terminate_on_sigterm() -> Callable[[], None]:
+    """While a watched run lasts, turn SIGTERM into :class:`Terminated` raised in the main thread
+    — only when the process has no SIGTERM handler of its own (the default action, which kills
+    the process without running any Python: the run would read ``crashed``) and this is the main
+    thread. A handler the user or a framework installed (Lightning's, say) is left alone.
+
+    Returns:
+        What puts the default action back (only if the handler is still this one).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return lambda: None
+
+    def handler(signum: int, _frame: Any) -> None:
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, handler)
+
+    def restore() -> None:
+        if signal.getsignal(signal.SIGTERM) is handler:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     return restore

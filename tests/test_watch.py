@@ -179,6 +179,63 @@ def test_killed_process_reads_as_crashed(db_path: Path, tmp_path: Path) -> None:
     )
 
 
+def test_sigterm_ends_the_run_interrupted_with_the_exit_status_of_sigterm(
+    db_path: Path, tmp_path: Path
+) -> None:
+    """A scheduler's (or timeout's, or torchrun's) SIGTERM killed the process without running any
+    Python: exit 143, no summary, and the run read "crashed" like a kill -9. While the block runs
+    SIGTERM now raises Terminated: the block records the run interrupted, "finally" runs, and the
+    process still exits 143."""
+    script = tmp_path / "child.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import signal, time, torch, edo_monitor
+            m = torch.nn.Linear(4, 4)
+            assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+            try:
+                with edo_monitor.watch(m, db={str(db_path)!r}, interval_s=0.05):
+                    print("started", flush=True)
+                    time.sleep(60)
+            finally:
+                print("finally ran", flush=True)
+            """
+        )
+    )
+    child = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "started"
+        wait_for(lambda: count(db_path, "SELECT count(*) FROM samples") > 0, "a written sample")
+        child.send_signal(signal.SIGTERM)
+        out, err = child.communicate(timeout=60)
+    finally:
+        child.kill()
+    assert child.returncode == 143, err
+    assert out.strip() == "finally ran"
+    run = run_row(db_path)
+    assert (run["status"], run["error"]) == ("interrupted", "SIGTERM")
+
+
+def test_a_sigterm_handler_of_the_users_is_left_alone(db_path: Path) -> None:
+    def mine(signum: int, frame: object) -> None:
+        pass
+
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        with edo_monitor.watch(make_model(), db=db_path):
+            assert signal.getsignal(signal.SIGTERM) is mine
+        assert signal.getsignal(signal.SIGTERM) is mine
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        with edo_monitor.watch(make_model(), db=db_path):  # the default action: replaced ...
+            assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # ... and put back
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_watching_a_watched_model_is_an_error(db_path: Path) -> None:
     model = make_model()
     with (
