@@ -78,10 +78,15 @@ class ModuleRows:
             return "module"
 
     def write_accounting(self, acc: Accounting, now: float) -> None:
-        """Each table's and module's bytes from an accounting; a gradient's peak is kept
-        (gradients come and go with ``zero_grad(set_to_none=True)``)."""
+        """Each table's and module's bytes from the accounting the sample's totals come from.
+
+        The numbers are the accounting's as they are, no peak kept: the sampler passes the last
+        step boundary's accounting (gradients alive), and the rows of one accounting add up to its
+        totals (:class:`~edo_monitor.accounting.Accounting`). A peak kept per module name
+        outlived the tensors it measured: a table converted to a row cache kept reporting the
+        full table's gradient.
+        """
         for t in acc.tables + acc.modules:
-            old = self.rows.get(t.module, {})
             self.update(
                 t.module,
                 now,
@@ -92,7 +97,7 @@ class ModuleRows:
                 device=t.device,
                 placement=t.placement,
                 params_bytes=t.params_bytes,
-                grads_bytes=max(t.grads_bytes, old.get("grads_bytes", 0)),
+                grads_bytes=t.grads_bytes,
                 optimizer_state_bytes=t.optimizer_state_bytes,
             )
 

@@ -67,7 +67,7 @@ from edo_monitor.policy import Policy
 from edo_monitor.readings import Reading
 from edo_monitor.signals import Terminated, terminate_on_sigterm
 from edo_monitor.store.engine import check_writable, resolve_db_url
-from edo_monitor.units import parse_bytes
+from edo_monitor.units import format_bytes, parse_bytes
 
 if TYPE_CHECKING:
     from edo_monitor.integrations.tensorboard import TensorBoardSink
@@ -358,6 +358,7 @@ class Monitor:
         device.open_probes()
         self.accounting = self._account()
         self._safe_point.enforcing = self.enforce and device.kind == "cpu-budget"
+        self._check_budget_fits(device.budget_bytes)
         config = {
             "interval_s": self.interval_s,
             "snapshot_interval_s": self.snapshot_interval_s,
@@ -397,6 +398,37 @@ class Monitor:
         if self._tensorboard is not None:
             self._tensorboard.open()  # a log dir that cannot be written: one agent_error
         self._start_hooks()
+
+    def _check_budget_fits(self, budget_bytes: int | None) -> None:
+        """Refuse an enforced CPU budget that the model's device-tier bytes already exceed.
+
+        With ``enforce=True`` such a run cannot make a single step: the first saved tensor of
+        the first forward (or the first step boundary) goes over the budget, before the tuner
+        could move anything off the device tier (actions apply only at step boundaries). Not
+        enforced (``enforce=False``), the run goes on and a warning is logged: the readings show
+        it over budget and a policy may offload tables.
+
+        Raises:
+            ConfigError: ``enforce=True`` in CPU-budget mode and the accounting at entry (params,
+                buffers, gradients and optimizer state on the device tier) exceeds
+                ``budget_bytes``; the message names both numbers.
+        """
+        acc = self.accounting
+        if budget_bytes is None or acc.total_bytes <= budget_bytes:
+            return
+        held = (
+            f"the watched model already holds {acc.total_bytes} bytes "
+            f"({format_bytes(acc.total_bytes)}: params {acc.params_bytes}, grads "
+            f"{acc.grads_bytes}, optimizer state {acc.optimizer_state_bytes}) on the device tier"
+        )
+        budget = f"budget={budget_bytes} bytes ({format_bytes(budget_bytes)})"
+        if self._safe_point.enforcing:
+            raise ConfigError(
+                f"{budget} is smaller than the model: {held}; with enforce=True the first "
+                f"forward would run out of memory. Give a budget above {acc.total_bytes} bytes, "
+                "or enforce=False to watch it over budget (a policy may then offload tables)"
+            )
+        logger.warning("edo-monitor: %s is smaller than the model: %s", budget, held)
 
     def _job_row(self) -> dict[str, Any] | None:
         """The ``jobs`` row this rank's run belongs to (``None`` outside a process group)."""
@@ -566,7 +598,8 @@ class Monitor:
 
     def breakdown(self) -> list[dict[str, Any]]:
         """Module × category attribution, largest first: one dict per module with ``module``,
-        ``kind``, ``params_bytes``, ``grads_bytes`` (peak seen), ``optimizer_state_bytes``,
+        ``kind``, ``params_bytes``, ``grads_bytes``, ``optimizer_state_bytes`` (device tier, from
+        the accounting of the latest reading: its totals are these rows' sums),
         ``activations_bytes`` (from the last per-module profile) and ``total_bytes``.
 
         On CUDA a last row ``module="other"`` holds ``allocated_bytes`` (``memory_stats``) minus
@@ -730,7 +763,8 @@ def watch(
 
     Raises:
         ConfigError: (a ``ValueError``) for a bad argument, naming the value; ``tensorboard``
-            without the ``tensorboard`` package.
+            without the ``tensorboard`` package; on entering, ``enforce=True`` with a CPU budget
+            below the bytes the model already holds (naming both).
         AlreadyWatchedError: on entering, when ``model`` is already watched.
         StoreError: on entering, when the database cannot be opened.
     """

@@ -9,6 +9,11 @@ mode; in CPU-budget mode every tensor is on the device tier unless an action mar
 the host (``tensor._edo_host = True``, set by the offload actions on a parameter; its gradient and
 optimizer state follow it). Only device-tier bytes count against the budget.
 
+Rows: every parameter and buffer belongs to one row, an embedding table's (its whole subtree) or
+the module that holds it directly; a row gives its device-tier bytes by category and its host-tier
+bytes. The category totals are the sums over the rows: one walk, so the totals of a sample and the
+module rows recorded with it cannot disagree.
+
 A module is reported as an embedding table when it is an ``nn.Embedding`` or ``nn.EmbeddingBag``
 or any module with an ``edo_placement`` attribute (the EDO modules of :mod:`edo_monitor.nn`).
 """
@@ -104,8 +109,11 @@ class TableStats:
         num_embeddings: rows. embedding_dim: columns.
         dtype: element type of the weight (``"torch.float32"``). device: the weight's device.
         placement: ``"device"``, ``"host"`` or ``"cached"`` (device row cache over a host table).
-        params_bytes, grads_bytes, optimizer_state_bytes: bytes of the module's own parameters and
-            buffers, their gradients and their optimizer state.
+        params_bytes, grads_bytes, optimizer_state_bytes: device-tier bytes of the module's own
+            parameters and buffers, their gradients and their optimizer state (a row cache: its
+            device cache ``(C, D)``, its gradient and state).
+        host_bytes: the module's bytes on the host tier, all categories together (an offloaded
+            table's weight, gradient and state; a row cache's host table and host state).
     """
 
     module: str
@@ -118,10 +126,11 @@ class TableStats:
     params_bytes: int
     grads_bytes: int
     optimizer_state_bytes: int
+    host_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
-        """params + grads + optimizer state."""
+        """Device-tier params + grads + optimizer state."""
         return self.params_bytes + self.grads_bytes + self.optimizer_state_bytes
 
 
@@ -129,7 +138,10 @@ class TableStats:
 class Accounting:
     """Bytes by category for a model and its optimizers (device tier only, see module doc).
 
-    ``host_bytes`` is what actions moved to the host tier (all categories together).
+    ``host_bytes`` is what actions moved to the host tier (all categories together). One walk
+    gives both views: each category's total is the sum of that category over ``tables`` and
+    ``modules`` (each tensor counted once, in the row of the first module that owns it), so
+    a sample's totals and the module rows of the same accounting agree to the byte.
     """
 
     params_bytes: int = 0
@@ -171,54 +183,63 @@ def account(
     if model is None:
         return Accounting()
     seen: set[int] = set()
-    cats = {"params": 0, "grads": 0, "optim": 0}
-    host = 0
 
-    def add(cat: str, tensor: torch.Tensor, owner: torch.Tensor) -> int:
-        nonlocal host
-        key = id(tensor)
-        if key in seen:
-            return 0
-        seen.add(key)
-        n = tensor_bytes(tensor)
-        if _on_device_tier(tensor, owner, cuda_mode):
-            cats[cat] += n
-        else:
-            host += n
-        return n
+    class _Row:
+        """One module's bytes: device tier by category, and the host tier."""
 
-    def add_param(p: torch.Tensor) -> tuple[int, int, int]:
-        pb = add("params", p, p)
-        grad = p.grad if include_grads else None
-        gb = add("grads", grad, p) if grad is not None else 0
-        ob = 0
-        for opt in optimizers:
-            state = opt.state.get(p)
-            if state:
-                for v in list(state.values()):
-                    if isinstance(v, torch.Tensor):
-                        ob += add("optim", v, p)
-        return pb, gb, ob
+        def __init__(self) -> None:
+            self.params = self.grads = self.optim = self.host = 0
+
+        def add(self, cat: str, tensor: torch.Tensor, owner: torch.Tensor) -> None:
+            key = id(tensor)
+            if key in seen:  # a tied or shared tensor belongs to the first module that has it
+                return
+            seen.add(key)
+            n = tensor_bytes(tensor)
+            if not _on_device_tier(tensor, owner, cuda_mode):
+                self.host += n
+            else:
+                setattr(self, cat, getattr(self, cat) + n)
+
+        def add_param(self, p: torch.Tensor) -> None:
+            self.add("params", p, p)
+            grad = p.grad if include_grads else None
+            if grad is not None:
+                self.add("grads", grad, p)
+            for opt in optimizers:
+                state = opt.state.get(p)
+                if state:
+                    for v in list(state.values()):
+                        if isinstance(v, torch.Tensor):
+                            self.add("optim", v, p)
+
+        def stats(self, **fields: object) -> TableStats:
+            return TableStats(
+                params_bytes=self.params,
+                grads_bytes=self.grads,
+                optimizer_state_bytes=self.optim,
+                host_bytes=self.host,
+                **fields,  # type: ignore[arg-type]
+            )
 
     tables: list[TableStats] = []
     for name, module in model.named_modules():
         if not is_table_module(module):
             continue
-        pb = gb = ob = 0
+        row = _Row()
         for t in module.parameters(recurse=True):
-            p_, g_, o_ = add_param(t)
-            pb, gb, ob = pb + p_, gb + g_, ob + o_
+            row.add_param(t)
         for b in module.buffers(recurse=True):
-            pb += add("params", b, b)
+            row.add("params", b, b)
         if callable(getattr(module, "host_bytes", None)):  # a row cache's host table and state
-            host += int(module.host_bytes())
+            row.host += int(module.host_bytes())
         weight = _table_weight(module)
         placement = getattr(module, "edo_placement", None)
         if placement is None:
             on_device = weight is not None and (weight.is_cuda or not cuda_mode)
             placement = "device" if on_device else "host"
         tables.append(
-            TableStats(
+            row.stats(
                 module=name or "<model>",
                 kind=type(module).__name__,
                 num_embeddings=int(getattr(module, "num_embeddings", 0)),
@@ -226,44 +247,40 @@ def account(
                 dtype=str(weight.dtype) if weight is not None else "",
                 device=str(weight.device) if weight is not None else "",
                 placement=str(placement),
-                params_bytes=pb,
-                grads_bytes=gb,
-                optimizer_state_bytes=ob,
             )
         )
     table_names = [name for name, module in model.named_modules() if is_table_module(module)]
     others: list[TableStats] = []
     for name, module in model.named_modules():
         own = [p for p in module._parameters.values() if p is not None]
-        if not own or any(_within(name, t) for t in table_names):
+        buffers = [b for b in module._buffers.values() if b is not None]
+        if not (own or buffers) or any(_within(name, t) for t in table_names):
             continue
-        pb = gb = ob = 0
+        row = _Row()
         for p in own:
-            p_, g_, o_ = add_param(p)
-            pb, gb, ob = pb + p_, gb + g_, ob + o_
+            row.add_param(p)
+        for b in buffers:
+            row.add("params", b, b)
+        first = own[0] if own else buffers[0]
         others.append(
-            TableStats(
+            row.stats(
                 module=name or "<model>",
                 kind=type(module).__name__,
                 num_embeddings=0,
                 embedding_dim=0,
-                dtype=str(own[0].dtype),
-                device=str(own[0].device),
-                placement="device" if _on_device_tier(own[0], own[0], cuda_mode) else "host",
-                params_bytes=pb,
-                grads_bytes=gb,
-                optimizer_state_bytes=ob,
+                dtype=str(first.dtype),
+                device=str(first.device),
+                placement="device" if _on_device_tier(first, first, cuda_mode) else "host",
             )
         )
-    for p in model.parameters():
-        add_param(p)
-    for b in model.buffers():
-        add("params", b, b)
+    # every parameter and buffer is some module's own, inside a table or not: the rows hold every
+    # tensor once, and the totals are their sums (the samples and the module rows agree)
+    rows = tables + others
     return Accounting(
-        params_bytes=cats["params"],
-        grads_bytes=cats["grads"],
-        optimizer_state_bytes=cats["optim"],
-        host_bytes=host,
+        params_bytes=sum(r.params_bytes for r in rows),
+        grads_bytes=sum(r.grads_bytes for r in rows),
+        optimizer_state_bytes=sum(r.optimizer_state_bytes for r in rows),
+        host_bytes=sum(r.host_bytes for r in rows),
         tables=tuple(tables),
         modules=tuple(others),
     )

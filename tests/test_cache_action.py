@@ -7,6 +7,8 @@ Adam; twins are trained on the same batches without the action.
 from __future__ import annotations
 
 import copy
+import sqlite3
+import time
 from pathlib import Path
 
 import pytest
@@ -287,3 +289,57 @@ def test_policy_decides_grow_after_calm_readings_only() -> None:
     assert policy.evaluate(reading(10, 0.31), planner) == []
     observe = edo_monitor.Policy(mode="observe")
     assert all(observe.evaluate(reading(s, 0.9), planner) == [] for s in range(5))
+
+
+def test_module_rows_of_a_converted_table_are_cache_sized_and_add_up_to_the_samples(
+    db_path: Path,
+) -> None:
+    """After cache_embedding the table's row holds its (C, D) cache, gradient and Adam state, not
+    the full table's gradient seen before the conversion; and the latest module rows of a moment
+    add up, category by category, to the sample recorded with them (one accounting, two views)."""
+    torch.manual_seed(0)
+    model = Recommender()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    batches = _batches(10)
+    f64 = 8
+    with edo_monitor.watch(model, opt, db=db_path, interval_s=0.01, track_activations=False) as m:
+        for b in batches[:4]:
+            _step(model, opt, b)
+            time.sleep(0.03)  # readings land: the full table's gradient is recorded
+        # between two steps, on the training thread (as the safe point would)
+        result = ACTIONS["cache_embedding"].apply(_ctx(model, opt))
+        assert result.status == "applied"
+        rows = model.items.cache_rows
+        assert 0 < rows < ITEMS
+        for b in batches[4:]:
+            _step(model, opt, b)
+            time.sleep(0.03)
+        run_id = m.run_id
+    con = sqlite3.connect(db_path)
+    cats = ("params_bytes", "grads_bytes", "optimizer_state_bytes")
+    items_rows = con.execute(
+        "SELECT kind, " + ", ".join(cats) + " FROM module_stats WHERE run_id = ? AND module = "
+        "'items' ORDER BY id",
+        (run_id,),
+    ).fetchall()
+    latest = {
+        r[0]: r[1:]
+        for r in con.execute(
+            "SELECT module, " + ", ".join(cats) + " FROM module_stats WHERE run_id = ? ORDER BY id",
+            (run_id,),
+        )
+    }
+    sample = con.execute(
+        "SELECT " + ", ".join(cats) + " FROM samples WHERE run_id = ? ORDER BY id DESC LIMIT 1",
+        (run_id,),
+    ).fetchone()
+    con.close()
+    # before: the whole table, 4,000 x 16 float64 = 512,000 bytes each, Adam: two moments + step
+    assert ("Embedding", 512_000, 512_000, 2 * 512_000 + 4) in items_rows
+    # after: C rows of 16 float64 for the weight, the gradient and each moment (+ Adam's step)
+    cache = rows * DIM * f64
+    assert items_rows[-1] == ("CachedTable", cache, cache, 2 * cache + 4)
+    users = USERS * DIM * f64  # 6,400 bytes
+    assert latest["users"] == (users, users, 2 * users + 4)
+    assert set(latest) == {"items", "users"}
+    assert sample == tuple(latest["items"][i] + latest["users"][i] for i in range(3))

@@ -243,3 +243,35 @@ def test_offloaded_module_reads_like_the_table_it_replaced() -> None:
     off = OffloadedEmbedding(bag.weight, EmbeddingOptions.from_module(bag), "cpu")
     assert (off.max_norm, off.sparse, off.mode, off.padding_idx) == (1.5, True, "max", 2)
     assert off.norm_type == 2.0 and off.scale_grad_by_freq is False
+
+
+def test_module_rows_hold_every_device_tier_byte_once_and_add_up_to_the_totals() -> None:
+    """One walk gives both views: each row's device-tier bytes by category sum to the totals (an
+    offloaded table's bytes are its row's host bytes; a BatchNorm's buffers are its own row's)."""
+    model = nn.Sequential(nn.Embedding(N, D), nn.Linear(D, 2), nn.BatchNorm1d(2))
+    weight = model[0].weight
+    model[0] = OffloadedEmbedding(weight, EmbeddingOptions.from_module(model[0]), "cpu")
+    OffloadedEmbedding.offload_parameter(weight)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.tensor([1, 2, 3])).sum().backward()
+    opt.step()
+    acc = account(model, [opt])
+    rows = {r.module: r for r in acc.tables + acc.modules}
+    table = N * D * 4
+    offloaded = rows["0"]
+    assert (offloaded.params_bytes, offloaded.grads_bytes, offloaded.host_bytes) == (
+        0,
+        0,
+        3 * table,
+    )
+    lin = (D * 2 + 2) * 4
+    assert (rows["1"].params_bytes, rows["1"].grads_bytes) == (lin, lin)
+    assert rows["1"].optimizer_state_bytes == lin  # the momentum buffers
+    # BatchNorm1d(2): weight and bias (grads and momentum too), running mean and var, and the
+    # int64 num_batches_tracked
+    bn = 2 * 2 * 4
+    assert rows["2"].params_bytes == bn + 2 * 2 * 4 + 8
+    for cat in ("params_bytes", "grads_bytes", "optimizer_state_bytes", "host_bytes"):
+        assert getattr(acc, cat) == sum(getattr(r, cat) for r in rows.values())
+    assert acc.params_bytes == lin + bn + 2 * 2 * 4 + 8
+    assert acc.host_bytes == 3 * table
