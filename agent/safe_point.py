@@ -254,19 +254,26 @@ class SafePoint:
         """Raise the CPU-budget out-of-memory error, recorded as an ``oom`` event first (so it is
         in the history even when the user catches it).
 
+        Args:
+            requested_bytes: the request that failed (a saved tensor's storage from the tracker's
+                pack hook; the growth of static bytes since the last boundary from :meth:`run`).
+            in_use_bytes: device-tier bytes in use with it; the message's accounted bytes are
+                ``in_use_bytes - requested_bytes`` and its free bytes ``max(0, budget - that)``.
+
         Raises:
             BudgetOutOfMemoryError: always.
         """
         budget = self.m.budget_bytes
         assert budget is not None
         try:
-            # at least the excess, as enforce_budget reports it; "accounted" is what was in use
-            # before the request that failed
-            requested = max(1, requested_bytes, in_use_bytes - budget)
+            # the request as it was (a saved storage, or the static growth since the last
+            # boundary): "accounted" is what was in use before it, even when that alone is over
+            # the budget (a request stretched to the excess made it read "budget, 0 free")
+            requested = min(max(1, requested_bytes), in_use_bytes)
             enforce_budget(
                 budget,
                 in_use_bytes,
-                accounted_bytes=in_use_bytes - requested,  # in use before the failed request
+                accounted_bytes=in_use_bytes - requested,
                 requested_bytes=requested,
             )
         except BudgetOutOfMemoryError as exc:

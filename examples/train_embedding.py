@@ -249,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
                         else "N/A"
                     )
                     say(f"step {step:4d}  batch {len(idx):5d}  loss {loss.item():.3f}  free {free}")
+    except edo_monitor.ConfigError as exc:  # e.g. a budget the model cannot fit in
+        say(f"train_embedding: {exc}", file=sys.stderr)
+        return 2
     except torch.OutOfMemoryError as exc:
         say(f"\nout of memory at step {len(losses)}: {exc}", file=sys.stderr)
         print_summary(monitor.summary(), losses, time.monotonic() - t0, say)

@@ -603,19 +603,33 @@ def test_apply_refuses_a_stale_plan() -> None:
 def test_enforce_budget_raises_pytorch_style_oom() -> None:
     enforce_budget(1000, 1000)  # at the budget: fine
     with pytest.raises(BudgetOutOfMemoryError) as info:
-        enforce_budget(
-            2 * 1024 * 1024, 2 * 1024 * 1024 + 1536, accounted_bytes=3 << 20, requested_bytes=4096
-        )
+        # 4 KiB requested with 2 MiB - 2.5 KiB in use before it: 2.5 KiB free
+        enforce_budget(2 * 1024 * 1024, 2 * 1024 * 1024 + 1536, requested_bytes=4096)
     assert isinstance(info.value, torch.OutOfMemoryError)
     msg = str(info.value)
     assert msg.startswith("CPU-budget out of memory. Tried to allocate 4.00 KiB.")
     assert "Budget of 2.00 MiB of which 2.50 KiB is free." in msg
-    assert "3.00 MiB is accounted to the watched model." in msg
+    assert "2.00 MiB is accounted to the watched model." in msg  # 2,094,592 bytes
     parsed = parse_oom_message(msg)
     assert parsed is not None and parsed.backend == "cpu-budget"
-    # what the message prints, read back: 4.00 KiB, 2.00 MiB, 2.50 KiB, 3.00 MiB
+    # what the message prints, read back: 4.00 KiB, 2.00 MiB, 2.50 KiB, 2.00 MiB
     assert (parsed.requested_bytes, parsed.total_bytes, parsed.free_bytes) == (4096, 2 << 20, 2560)
-    assert parsed.allocated_bytes == 3 << 20
+    assert parsed.allocated_bytes == 2 << 20
+
+
+def test_enforce_budget_states_accounted_bytes_over_the_budget_and_zero_free() -> None:
+    """Already over the budget before the request: the true accounted bytes, free 0 (the request
+    is not stretched to the excess, which made the message read "budget accounted, 0 free")."""
+    with pytest.raises(BudgetOutOfMemoryError) as info:
+        enforce_budget(1024, 26_131_000 + 160, requested_bytes=160)
+    msg = str(info.value)
+    assert msg == (
+        "CPU-budget out of memory. Tried to allocate 160 bytes. Budget of 1024 bytes of which "
+        "0 bytes is free. 24.92 MiB is accounted to the watched model."
+    )
+    with pytest.raises(BudgetOutOfMemoryError) as info:
+        enforce_budget(3 << 20, 4 << 20, accounted_bytes=3 << 20 | 512, requested_bytes=4096)
+    assert "of which 0 bytes is free. 3.00 MiB is accounted" in str(info.value)
 
 
 def test_budget_enforcement_fails_untuned_run_and_offload_saves_it() -> None:

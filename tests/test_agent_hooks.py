@@ -317,6 +317,60 @@ def test_a_budget_error_at_the_step_boundary_still_counts_the_step(db_path: Path
     assert mon.summary().events["oom"] == 1
 
 
+def test_budget_error_messages_state_the_accounted_bytes_and_what_is_free(db_path: Path) -> None:
+    """The message's numbers, by hand: Linear(10, 10) holds 110 floats (440 bytes); SGD with
+    momentum adds a gradient and a momentum buffer of the same size at the first step."""
+    torch.manual_seed(0)
+    model = nn.Linear(10, 10)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    with edo_monitor.watch(model, db=db_path, budget=1_000, enforce=True):
+        # forward saves the input [1, 10] (40 bytes): 440 + 40 fit; at the boundary params +
+        # grads + momentum (1,320) + the step's 40 saved bytes do not. The request is the growth
+        # since entering (880); before it 480 bytes were accounted, 520 free
+        model(torch.randn(1, 10)).sum().backward()
+        with pytest.raises(edo_monitor.BudgetOutOfMemoryError) as boundary:
+            opt.step()
+        assert str(boundary.value) == (
+            "CPU-budget out of memory. Tried to allocate 880 bytes. Budget of 1000 bytes of which "
+            "520 bytes is free. 480 bytes is accounted to the watched model."
+        )
+        # caught, training goes on with the gradients kept (zeroed in place): 1,320 bytes are
+        # accounted before the next input is saved, more than the budget: 0 free (the message
+        # used to stretch the request to the excess and say "1000 bytes is accounted")
+        opt.zero_grad(set_to_none=False)
+        with pytest.raises(edo_monitor.BudgetOutOfMemoryError) as forward:
+            model(torch.randn(1, 10))
+        assert str(forward.value) == (
+            "CPU-budget out of memory. Tried to allocate 40 bytes. Budget of 1000 bytes of which "
+            "0 bytes is free. 1.29 KiB is accounted to the watched model."  # 1,320 bytes
+        )
+
+
+def test_an_enforced_budget_below_the_model_is_refused_on_entering(
+    db_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """440 bytes of parameters cannot fit in 400: with enforce=True the first forward would fail,
+    before any action could move memory, so entering refuses, naming both numbers."""
+    model = nn.Linear(10, 10)
+    with (
+        pytest.raises(edo_monitor.ConfigError) as caught,
+        edo_monitor.watch(model, db=db_path, budget=400, enforce=True),
+    ):
+        pytest.fail("entered")  # pragma: no cover
+    message = str(caught.value)
+    assert "budget=400 bytes" in message
+    assert "already holds 440 bytes" in message and "params 440" in message
+    # not enforced, the run goes on over budget (a policy may offload tables): a warning only
+    with (
+        caplog.at_level("WARNING", logger="edo_monitor.agent.monitor"),
+        edo_monitor.watch(model, db=db_path, budget=400) as mon,
+    ):
+        model(torch.randn(1, 10)).sum().backward()
+        mon.step()
+    assert mon.summary().status == "finished"
+    assert any("budget=400 bytes" in r.getMessage() for r in caplog.records)
+
+
 # ----------------------------------------------------------------------------- item 6
 MICRO_BATCH = 512
 # Linear(256, 1024) saves its input [512, 256]; each ReLU saves its output [512, 1024] (the next

@@ -27,13 +27,19 @@ def enforce_budget(
 ) -> None:
     """Raise when ``in_use_bytes`` exceeds ``budget_bytes``; return ``None`` otherwise.
 
+    The message states what was in use before the request that failed, as PyTorch's does: "Tried
+    to allocate ``requested``", "``accounted`` is accounted to the watched model" (in use before
+    the request), and "``max(0, budget - accounted)`` is free". Neither number is bent to make
+    the other fit: a model already over its budget says so (its true bytes, 0 free).
+
     Args:
         budget_bytes: the budget (> 0).
-        in_use_bytes: device-tier bytes in use now (what counts against the budget).
-        accounted_bytes: bytes accounted to the watched model (default ``in_use_bytes``).
-        requested_bytes: the growth that crossed the budget, e.g. the increase since the last
-            check; default the excess ``in_use_bytes - budget_bytes``. "Free" in the message is
-            the budget minus what was in use before that growth.
+        in_use_bytes: device-tier bytes in use with the request (what counts against the budget).
+        accounted_bytes: bytes accounted to the watched model before the request (default
+            ``in_use_bytes - requested_bytes``).
+        requested_bytes: the growth that crossed the budget, e.g. a new saved tensor's storage or
+            the increase since the last check (at least 1 and at most ``in_use_bytes``); default
+            the excess ``in_use_bytes - budget_bytes``.
 
     Raises:
         BudgetOutOfMemoryError: ``in_use_bytes > budget_bytes``.
@@ -44,9 +50,10 @@ def enforce_budget(
     if in_use_bytes <= budget_bytes:
         return
     excess = in_use_bytes - budget_bytes
-    requested = excess if requested_bytes is None else max(int(requested_bytes), excess)
-    free = budget_bytes - (in_use_bytes - requested)
-    accounted = in_use_bytes if accounted_bytes is None else accounted_bytes
+    requested = excess if requested_bytes is None else int(requested_bytes)
+    requested = min(max(1, requested), in_use_bytes)
+    accounted = in_use_bytes - requested if accounted_bytes is None else int(accounted_bytes)
+    free = max(0, budget_bytes - accounted)
     message = format_cpu_budget_oom_message(requested, budget_bytes, free, accounted)
     logger.debug("%s", message)
     raise BudgetOutOfMemoryError(message)
