@@ -6,9 +6,14 @@ to one :class:`~edo_monitor.Monitor`:
 * each reading's main numbers (:data:`SCALAR_FIELDS`, those the reading has: allocator fields
   only on CUDA, ``free_fraction`` only with a budget) become scalars tagged ``edo/<column>`` —
   the ``samples`` table's column names — at the reading's ``step`` with its ``time_s`` as wall
-  time. They are written as double-precision tensors (``add_scalar(new_style=True,
-  double_precision=True)``): a float32 ``simple_value`` would round byte counts above 16 MiB.
-  TensorBoard's scalars dashboard shows them; ``EventAccumulator.Tensors(tag)`` reads them back;
+  time. They are written as rank-0 float32 tensors (``add_scalar(new_style=True)``:
+  ``DT_FLOAT``, one ``float_val``), the one tensor form TensorBoard's default fast loader
+  (tensorboard-data-server, ``data_compat.rs``) reads as a scalar besides ``simple_value`` —
+  it drops double-precision ones, which only ``--load_fast=false`` shows. float32 holds integers
+  exactly up to 2^24 (16 MiB as a byte count); above that a value is rounded to within a
+  relative 6e-8 (2^-24: at most 8 bytes at 158 MiB, 512 bytes at 8 GiB). The history keeps the
+  exact ints. TensorBoard's scalars dashboard shows them; ``EventAccumulator.Tensors(tag)``
+  reads them back;
 * each event (``decision``, ``action``, ``threshold_crossed``, ``oom`` ...) becomes text tagged
   ``edo/events/<kind>`` (torch's ``add_text`` stores it as ``edo/events/<kind>/text_summary``)
   at the step it was recorded at: its message as inline code (TensorBoard
@@ -155,8 +160,7 @@ class TensorBoardSink:
                         float(value),
                         global_step=reading.step,
                         walltime=reading.time_s,
-                        new_style=True,
-                        double_precision=True,
+                        new_style=True,  # DT_FLOAT: the fast loader drops DT_DOUBLE
                     )
             except Exception as exc:
                 self._on_error(exc)
