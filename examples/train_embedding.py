@@ -41,7 +41,6 @@ from __future__ import annotations
 if __name__ == "__main__":  # say what is happening at once: importing PyTorch takes seconds
     print("train_embedding: loading PyTorch and edo-monitor…", flush=True)
 
-import argparse
 import functools
 import logging
 import os
@@ -58,6 +57,7 @@ import torch
 from torch import nn
 
 import edo_monitor
+from edo_monitor import scripting
 from edo_monitor.units import format_bytes
 
 BUCKETS = 100_003  # hashed unigram + bigram features: the embedding table's rows
@@ -150,14 +150,29 @@ def batch_size_at(step: int, steps: int, ramp: str = "doubling") -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--text", type=Path, help="text file to train on (default: Python stdlib)")
-    parser.add_argument("--db", default=None, help="history database (default: ./edo-history.db)")
+    parser = scripting.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--budget", default=None, help="memory budget (default: 158MiB; 236MiB with --ddp)"
+        "--text",
+        type=scripting.readable_file,
+        help="text file to train on (default: Python stdlib)",
     )
     parser.add_argument(
-        "--steps", type=int, default=None, help="optimizer steps (default: 100; 40 with --ddp)"
+        "--db",
+        type=scripting.history_db,
+        default=None,
+        help="history database (default: ./edo-history.db)",
+    )
+    parser.add_argument(
+        "--budget",
+        type=scripting.byte_size,
+        default=None,
+        help="memory budget (default: 158MiB; 236MiB with --ddp)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=scripting.positive_int,
+        default=None,
+        help="optimizer steps (default: 100; 40 with --ddp)",
     )
     parser.add_argument("--no-tune", action="store_true", help="observe only (policy 'observe')")
     parser.add_argument(
@@ -174,8 +189,18 @@ def main(argv: list[str] | None = None) -> int:
         help="act when free memory is forecast below the floor within N steps (Policy "
         "forecast_steps; default: off)",
     )
-    parser.add_argument("--interval", type=float, default=0.25, help="seconds between samples")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--interval",
+        type=scripting.positive_float,
+        default=0.25,
+        help="seconds between samples (default: 0.25)",
+    )
+    parser.add_argument(
+        "--device",
+        type=scripting.torch_device,
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cpu, cuda or cuda:N (default: cuda when available)",
+    )
     parser.add_argument(
         "--ddp",
         action="store_true",
@@ -184,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    scripting.check_history_db(args.db)  # unusable: one line, exit 1, before the slow work
     budget = args.budget or ("236MiB" if args.ddp else "158MiB")
     steps = args.steps if args.steps is not None else (40 if args.ddp else 100)
     rank, world_size, say = 0, 1, print
@@ -304,5 +330,5 @@ def print_summary(
     say(f"database         {summary.db_url}")
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # bad arguments: exit 2; an unusable database: 1; Ctrl-C: 130
+    sys.exit(scripting.run_main(main))

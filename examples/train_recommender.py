@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 import edo_monitor
+from edo_monitor import scripting
 from edo_monitor.nn import CachedTable
 from edo_monitor.units import format_bytes
 
@@ -53,6 +54,17 @@ def load_ratings(data_dir: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
         len(user_ids),
         len(item_ids),
     )
+
+
+def ratings_folder(text: str) -> Path:
+    """``--data``: a folder holding a readable ``ratings.csv`` (argparse ``type=``)."""
+    folder = Path(text).expanduser()
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a folder; expected the MovieLens folder with ratings.csv"
+        )
+    scripting.readable_file(str(folder / "ratings.csv"))
+    return folder
 
 
 class MatrixFactorization(nn.Module):
@@ -124,28 +136,39 @@ def train(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", type=Path, required=True, help="folder with ratings.csv")
-    parser.add_argument("--db", default=None, help="history database (default: ./edo-history.db)")
+    parser = scripting.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--budget", default=None, help="memory budget, e.g. 8MiB: turns the auto-tuner on"
+        "--data", type=ratings_folder, required=True, help="folder with ratings.csv"
+    )
+    parser.add_argument(
+        "--db",
+        type=scripting.history_db,
+        default=None,
+        help="history database (default: ./edo-history.db)",
+    )
+    parser.add_argument(
+        "--budget",
+        type=scripting.byte_size,
+        default=None,
+        help="memory budget, e.g. 8MiB: turns the auto-tuner on",
     )
     parser.add_argument(
         "--no-compare", action="store_true", help="with --budget: skip the uncached twin run"
     )
     parser.add_argument(
         "--forecast",
-        type=int,
+        type=scripting.positive_int,
         default=None,
         metavar="N",
         help="with --budget: also act when free memory is forecast below the floor within N "
         "steps (Policy forecast_steps)",
     )
-    parser.add_argument("--epochs", type=int, default=5)
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--batch-size", type=int, default=1024)
+    parser.add_argument("--epochs", type=scripting.positive_int, default=5)
+    parser.add_argument("--dim", type=scripting.positive_int, default=64)
+    parser.add_argument("--batch-size", type=scripting.positive_int, default=1024)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    scripting.check_history_db(args.db)  # unusable: one line, exit 1, before the slow work
 
     torch.manual_seed(0)
     users, items, ratings, num_users, num_items = load_ratings(args.data)
@@ -185,5 +208,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # bad arguments: exit 2; an unusable database: 1; Ctrl-C: 130
+    sys.exit(scripting.run_main(main))

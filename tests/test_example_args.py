@@ -1,0 +1,208 @@
+"""The examples' command lines, run as a user runs them (subprocesses): a bad argument is one
+line on stderr naming the value, exit code 2, before anything is read or opened; a history
+database that cannot be used is one line, exit code 1, before training; Ctrl-C during training
+is one line, exit code 130, and the run is recorded as interrupted. Nothing prints a traceback."""
+
+from __future__ import annotations
+
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from edo_monitor.store.engine import SCHEMA_VERSION, open_engine
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+SCRIPTS = ("train_embedding.py", "train_recommender.py")
+pytestmark = pytest.mark.slow  # each case starts Python and imports torch: seconds
+
+EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+
+
+def example(name: str) -> Path:
+    script = EXAMPLES / name
+    if not script.is_file():
+        pytest.skip(f"{script} not found (tests run from a checkout)")
+    return script
+
+
+def run(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(example(name)), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+    )
+
+
+def assert_one_line(done: subprocess.CompletedProcess[str], code: int, *names: str) -> str:
+    """Exit code ``code``, and stderr one line, no traceback, naming each of ``names``."""
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert done.returncode == code, (done.returncode, done.stderr)
+    for name in names:
+        assert name in lines[0], (name, lines[0])
+    return lines[0]
+
+
+@pytest.fixture
+def movielens(tmp_path: Path) -> Path:
+    """A tiny ratings.csv: the recommender's bad arguments fail before it reads it anyway."""
+    folder = tmp_path / "ml"
+    folder.mkdir()
+    rows = [f"{u},{m},{(u + m) % 5 + 1}.0,0" for u in range(4) for m in range(3)]
+    (folder / "ratings.csv").write_text("userId,movieId,rating,timestamp\n" + "\n".join(rows))
+    return folder
+
+
+def base_args(name: str, movielens: Path) -> list[str]:
+    return ["--data", str(movielens)] if name == "train_recommender.py" else []
+
+
+# (arguments, the text the line must hold besides the value, allowed values named)
+BAD_ARGUMENTS = [
+    (["--budget", "abc"], ["--budget", "'abc'", "positive size"]),
+    (["--budget", "0"], ["--budget", "'0'", "positive size"]),
+    (["--forecast", "0"], ["--forecast", "'0'", "1 or more"]),
+    (["--db", "{tmp}/nodir/x.db"], ["--db", "nodir", "does not exist"]),
+    (["--db", "{tmp}"], ["--db", "is a directory"]),
+]
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+@pytest.mark.parametrize(("args", "names"), BAD_ARGUMENTS, ids=lambda v: " ".join(v))
+def test_bad_arguments_of_both_examples(
+    name: str, args: list[str], names: list[str], tmp_path: Path, movielens: Path
+) -> None:
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    done = run(name, *base_args(name, movielens), *args, cwd=tmp_path)
+    assert_one_line(done, EXIT_USAGE, *names)
+    assert list(tmp_path.glob("*.db")) == []  # checked before anything was opened
+
+
+EMBEDDING_BAD_ARGUMENTS = [
+    (["--interval", "0"], ["--interval", "'0'", "> 0"]),
+    (["--interval", "-1"], ["--interval", "'-1'", "> 0"]),
+    (["--interval", "nan"], ["--interval", "'nan'", "> 0"]),
+    (["--steps", "0"], ["--steps", "'0'", "1 or more"]),
+    (["--steps", "-1"], ["--steps", "'-1'", "1 or more"]),
+    (["--steps", "ten"], ["--steps", "'ten'", "1 or more"]),
+    (["--text", "/nonexistent.txt"], ["--text", "'/nonexistent.txt'", "does not exist"]),
+    (["--text", "{tmp}"], ["--text", "is a folder"]),
+    (["--device", "tpu"], ["--device", "'tpu'", "cpu, cuda or cuda:N"]),
+    (["--ramp", "steep"], ["--ramp", "'steep'", "doubling", "linear"]),
+]
+
+
+@pytest.mark.parametrize(("args", "names"), EMBEDDING_BAD_ARGUMENTS, ids=lambda v: " ".join(v))
+def test_bad_arguments_of_the_main_example(
+    args: list[str], names: list[str], tmp_path: Path
+) -> None:
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    done = run("train_embedding.py", *args, cwd=tmp_path)
+    assert_one_line(done, EXIT_USAGE, *names)
+    assert not (tmp_path / "edo-history.db").exists()
+
+
+def test_cuda_without_cuda_is_a_bad_argument(tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    done = run("train_embedding.py", "--device", "cuda", cwd=tmp_path)
+    line = assert_one_line(done, EXIT_USAGE, "--device", "'cuda'", "--device cpu")
+    assert "without CUDA" in line or "no CUDA device" in line
+
+
+@pytest.mark.parametrize(
+    ("args", "names"),
+    [
+        (["--epochs", "0"], ["--epochs", "'0'", "1 or more"]),
+        (["--batch-size", "-5"], ["--batch-size", "'-5'", "1 or more"]),
+        (["--data", "/nonexistent"], ["--data", "'/nonexistent'", "ratings.csv"]),
+    ],
+    ids=lambda v: " ".join(v),
+)
+def test_bad_arguments_of_the_recommender(
+    args: list[str], names: list[str], tmp_path: Path, movielens: Path
+) -> None:
+    done = run("train_recommender.py", "--data", str(movielens), *args, cwd=tmp_path)
+    assert_one_line(done, EXIT_USAGE, *names)
+
+
+def newer_database(path: Path) -> Path:
+    open_engine(path).dispose()
+    with sqlite3.connect(path) as con:
+        con.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
+    con.close()
+    return path
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+@pytest.mark.parametrize("kind", ["not a database", "newer schema"])
+def test_a_database_that_cannot_be_used_is_one_line_exit_1(
+    name: str, kind: str, tmp_path: Path, movielens: Path
+) -> None:
+    if kind == "not a database":
+        db = tmp_path / "notes.db"
+        db.write_text("not a database, " * 100)
+        reason = "not an SQLite database"
+    else:
+        db = newer_database(tmp_path / "future.db")
+        reason = f"schema version 99 (meta table) and Alembic revision '{SCHEMA_VERSION:04d}'"
+    before = db.read_bytes()
+    done = run(name, *base_args(name, movielens), "--db", str(db), cwd=tmp_path)
+    line = assert_one_line(done, EXIT_ERROR, str(db), reason)
+    assert line.startswith(f"{name}: error: ")
+    assert "training on" not in done.stdout  # stopped before the slow work
+    assert db.read_bytes() == before  # refused, not changed
+
+
+def test_ctrl_c_during_training_is_one_line_exit_130_and_the_run_interrupted(
+    tmp_path: Path,
+) -> None:
+    text = tmp_path / "words.txt"
+    text.write_text(" ".join(f"word{i % 97} next{i % 13}" for i in range(5_000)))
+    db = tmp_path / "h.db"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(example("train_embedding.py")),
+            "--text",
+            str(text),
+            "--db",
+            str(db),
+            "--steps",
+            "1000000",
+            "--budget",
+            "1GiB",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+    )
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 240
+        for line in proc.stdout:  # training has started when the first step is printed
+            if line.startswith("step ") or time.monotonic() > deadline:
+                break
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert "Traceback" not in err, err
+    assert err.strip().splitlines() == ["train_embedding.py: interrupted"], err
+    assert proc.returncode == EXIT_INTERRUPTED
+    with sqlite3.connect(db) as con:
+        assert con.execute("SELECT status FROM runs").fetchall() == [("interrupted",)]
+    con.close()
