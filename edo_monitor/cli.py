@@ -17,8 +17,9 @@ Exit codes (:data:`EXIT_CODES`, also in ``edo-monitor --help``):
     3    unexpected internal error (reported in one line; set ``EDO_DEBUG=1`` for the traceback)
     130  interrupted (Ctrl-C)
 
-No command creates a file it was not asked to write: readers open the database read-only, and a
-command that fails creates nothing.
+No command creates a file it was not asked to write: readers open the database read-only (SQLite
+itself adds the ``-wal``/``-shm`` companions of a WAL database whose folder is writable), and a
+command that fails creates no database.
 """
 
 from __future__ import annotations
