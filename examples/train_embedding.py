@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--forecast",
-        type=int,
+        type=scripting.positive_int,
         default=None,
         metavar="N",
         help="act when free memory is forecast below the floor within N steps (Policy "
@@ -208,6 +208,11 @@ def main(argv: list[str] | None = None) -> int:
         "the last rank's batches are 4x the others'",
     )
     args = parser.parse_args(argv)
+    if args.ddp and "RANK" not in os.environ:
+        parser.error(
+            "--ddp needs the variables torchrun sets (RANK, WORLD_SIZE …); start it with "
+            "torchrun --nproc-per-node 2 examples/train_embedding.py --ddp"
+        )
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     scripting.check_history_db(args.db)  # unusable: one line, exit 1, before the slow work
     budget = args.budget or ("236MiB" if args.ddp else "158MiB")

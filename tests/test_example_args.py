@@ -97,6 +97,7 @@ EMBEDDING_BAD_ARGUMENTS = [
     (["--text", "{tmp}"], ["--text", "is a folder"]),
     (["--device", "tpu"], ["--device", "'tpu'", "cpu, cuda or cuda:N"]),
     (["--ramp", "steep"], ["--ramp", "'steep'", "doubling", "linear"]),
+    (["--ddp"], ["--ddp", "torchrun"]),  # not started by torchrun (no RANK)
 ]
 
 
