@@ -366,9 +366,13 @@ class MetricsServer:
         self.registry = prometheus_client.CollectorRegistry(auto_describe=False)
         self.registry.register(collector)
         app = prometheus_client.make_wsgi_app(self.registry)
-        self._httpd = make_server(
-            host, port, app, server_class=_Server, handler_class=_QuietHandler
-        )
+        try:
+            self._httpd = make_server(
+                host, port, app, server_class=_Server, handler_class=_QuietHandler
+            )
+        except OSError as exc:  # name the address (a resolver error names nothing)
+            reason = exc.strerror or str(exc)
+            raise OSError(exc.errno, f"cannot serve metrics on {host}:{port}: {reason}") from None
         self.host = host
         self.port: int = int(self._httpd.server_port)
         self._thread = threading.Thread(

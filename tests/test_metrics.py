@@ -494,3 +494,20 @@ def test_a_real_prometheus_scrapes_a_watch_and_the_central_endpoint(
     assert c["metric"]["job"] == mon.run_uuid and c["metric"]["run_name"] == "Linear"
     assert float(c["value"][1]) == LINEAR_PARAMS_BYTES
     assert [float(s["value"][1]) for s in steps] == [6.0]
+
+
+def test_an_address_that_cannot_be_served_is_named() -> None:
+    """A resolver error said only "Name or service not known"; the error names the address."""
+    from edo_monitor.metrics import MetricsServer
+
+    class Empty:
+        def collect(self) -> Iterator[Any]:
+            return iter(())
+
+    with pytest.raises(OSError, match=r"^\[Errno -?\d+\] cannot serve metrics on 256\.1\.1\.1:0: "):
+        MetricsServer(Empty(), "256.1.1.1", 0)
+    with (
+        MetricsServer(Empty(), "127.0.0.1", 0) as taken,
+        pytest.raises(OSError, match=rf"cannot serve metrics on 127\.0\.0\.1:{taken.port}: "),
+    ):
+        MetricsServer(Empty(), "127.0.0.1", taken.port)
