@@ -785,7 +785,62 @@ def _matches(run: RunInfo, needle: str) -> bool:
     return all(word in haystack for word in needle.lower().split())
 
 
-class RunsScreen(Screen[None]):
+class _PolledScreen(Screen[None]):
+    """A view that reads the database in a worker thread when shown, when it comes back and on
+    its refresh timer, and draws on the UI thread: subclasses give :meth:`read` (worker thread)
+    and ``_apply(request, result)`` / ``_show_error(message, code)`` (UI thread), and may give
+    :meth:`read_request` (what the next read needs, taken on the UI thread)."""
+
+    def __init__(self, screen_id: str) -> None:
+        super().__init__(id=screen_id)
+        #: a read is in flight
+        self.busy = False
+        #: completed reads
+        self.loads = 0
+        #: exit code of the error shown (``None``: none)
+        self.error_code: int | None = None
+
+    @property
+    def tui(self) -> EdoTui:
+        """The app, typed."""
+        return self.app  # type: ignore[return-value]
+
+    def on_screen_resume(self) -> None:
+        """Read again when the view comes back."""
+        self.reload()
+
+    def reload(self) -> None:
+        """Read again (in a worker), unless a read is in flight or the view is hidden."""
+        if self.busy or not self.is_current:
+            return
+        self.busy = True
+        self._read(self.read_request())
+
+    def read_request(self) -> Any:
+        """What the next read needs (UI thread); ``None`` by default."""
+        return None
+
+    def read(self, request: Any) -> Any:
+        """The read (worker thread); raises one of ``READ_ERRORS`` when it cannot be done."""
+        raise NotImplementedError
+
+    @work(thread=True, group="view-read", exclusive=True)
+    def _read(self, request: Any) -> None:
+        try:
+            result = self.read(request)
+        except READ_ERRORS as exc:
+            self.app.call_from_thread(self._show_error, _message_for(exc), _code_for(exc))
+            return
+        self.app.call_from_thread(self._apply, request, result)
+
+    def _show_error(self, message: str, code: int) -> None:
+        raise NotImplementedError
+
+    def _apply(self, request: Any, result: Any) -> None:
+        raise NotImplementedError
+
+
+class RunsScreen(_PolledScreen):
     """Every run in the database: sortable (click a header, or ``s``), filterable (``/``)."""
 
     #: the table, not the (hidden) filter box: a key typed before the view is shown must reach
@@ -798,20 +853,11 @@ class RunsScreen(Screen[None]):
 
     def __init__(self) -> None:
         """Create the (empty) runs view."""
-        super().__init__(id="runs-screen")
+        super().__init__("runs-screen")
         self.run_list: list[RunInfo] = []
         self.sort_key = "started"
         self.sort_reverse = True
         self.filter_text = ""
-        self.busy = False
-        self.loads = 0
-        #: exit code of the error shown (``None``: none)
-        self.error_code: int | None = None
-
-    @property
-    def tui(self) -> EdoTui:
-        """The app, typed."""
-        return self.app  # type: ignore[return-value]
 
     def compose(self) -> ComposeResult:
         """Lay out the view."""
@@ -836,25 +882,13 @@ class RunsScreen(Screen[None]):
 
     def on_screen_resume(self) -> None:
         """Reload when the view comes back."""
-        self.reload()
+        super().on_screen_resume()
         if not self.query_one("#filter", Input).display:
             self.query_one("#runs", DataTable).focus()
 
-    def reload(self) -> None:
-        """Read the runs again (in a worker), unless a read is in flight or the view is hidden."""
-        if self.busy or not self.is_current:
-            return
-        self.busy = True
-        self._read()
-
-    @work(thread=True, group="runs-read")
-    def _read(self) -> None:
-        try:
-            run_list = self.tui.source.runs()
-        except READ_ERRORS as exc:
-            self.app.call_from_thread(self._show_error, _message_for(exc), _code_for(exc))
-            return
-        self.app.call_from_thread(self._apply, run_list)
+    def read(self, request: None) -> list[RunInfo]:
+        """Every run (worker thread)."""
+        return self.tui.source.runs()
 
     @_while_shown
     def _show_error(self, message: str, code: int) -> None:
@@ -867,7 +901,7 @@ class RunsScreen(Screen[None]):
         box.display = True
 
     @_while_shown
-    def _apply(self, run_list: list[RunInfo]) -> None:
+    def _apply(self, request: None, run_list: list[RunInfo]) -> None:
         self.busy = False
         if not self.is_mounted:
             return
@@ -1052,24 +1086,15 @@ _DEVICE_EVENT_STYLES = {
 }
 
 
-class DevicesScreen(Screen[None]):
+class DevicesScreen(_PolledScreen):
     """Every GPU of the machine(s) and every process on it, from the latest sample of
     ``edo-monitor daemon`` (``d``): used/total bar, utilisation, and per process its memory
     and, for watched runs, the run. Read in a worker every refresh; the UI thread only draws."""
 
     def __init__(self) -> None:
         """Create the (empty) devices view."""
-        super().__init__(id="devices-screen")
+        super().__init__("devices-screen")
         self.data: Devices | None = None
-        self.busy = False
-        self.loads = 0
-        #: exit code of the error shown (``None``: none)
-        self.error_code: int | None = None
-
-    @property
-    def tui(self) -> EdoTui:
-        """The app, typed."""
-        return self.app  # type: ignore[return-value]
 
     def compose(self) -> ComposeResult:
         """Lay out the view."""
@@ -1083,26 +1108,9 @@ class DevicesScreen(Screen[None]):
         self.set_interval(self.tui.refresh_s, self.reload, name="devices-refresh")
         self.reload()
 
-    def on_screen_resume(self) -> None:
-        """Read again when the view comes back."""
-        self.reload()
-
-    def reload(self) -> None:
-        """Read the daemon's latest rows (in a worker), unless a read is in flight or the view
-        is hidden."""
-        if self.busy or not self.is_current:
-            return
-        self.busy = True
-        self._read()
-
-    @work(thread=True, group="devices-read")
-    def _read(self) -> None:
-        try:
-            data = self.tui.source.devices()
-        except READ_ERRORS as exc:
-            self.app.call_from_thread(self._show_error, _message_for(exc), _code_for(exc))
-            return
-        self.app.call_from_thread(self._apply, data)
+    def read(self, request: None) -> Devices:
+        """The daemon's latest rows (worker thread)."""
+        return self.tui.source.devices()
 
     @_while_shown
     def _show_error(self, message: str, code: int) -> None:
@@ -1112,7 +1120,7 @@ class DevicesScreen(Screen[None]):
         self.query_one("#devices-body", Static).update(Text(message, style="bold red"))
 
     @_while_shown
-    def _apply(self, data: Devices) -> None:
+    def _apply(self, request: None, data: Devices) -> None:
         self.busy = False
         self.loads += 1
         self.error_code = None
@@ -1209,7 +1217,7 @@ JOB_COLUMNS: tuple[tuple[str, str], ...] = (
 )
 
 
-class JobScreen(Screen[None]):
+class JobScreen(_PolledScreen):
     """Multi-rank jobs (``j``): the jobs table (Enter or click chooses one) and the chosen job's
     ranks side by side — free fraction now and at its lowest, the tightest rank highlighted,
     the actions of each rank. Read in a worker every refresh; the UI thread only draws."""
@@ -1218,20 +1226,11 @@ class JobScreen(Screen[None]):
 
     def __init__(self) -> None:
         """Create the (empty) job view."""
-        super().__init__(id="job-screen")
+        super().__init__("job-screen")
         #: the job shown (an id; ``None``: the newest)
         self.chosen: str | None = None
         self.data: Jobs | None = None
-        self.busy = False
-        self.loads = 0
         self._rows: tuple[Any, ...] = ()
-        #: exit code of the error shown (``None``: none)
-        self.error_code: int | None = None
-
-    @property
-    def tui(self) -> EdoTui:
-        """The app, typed."""
-        return self.app  # type: ignore[return-value]
 
     def compose(self) -> ComposeResult:
         """Lay out the view."""
@@ -1249,32 +1248,19 @@ class JobScreen(Screen[None]):
         self.set_interval(self.tui.refresh_s, self.reload, name="job-refresh")
         self.reload()
 
-    def on_screen_resume(self) -> None:
-        """Read again when the view comes back."""
-        self.reload()
-
     def choose(self, job_id: str | None) -> None:
         """Show job ``job_id`` (``None``: the newest) from the next read on."""
         self.chosen = job_id
         self.busy = False  # a read in flight for another job is superseded
         self.reload()
 
-    def reload(self) -> None:
-        """Read the jobs and the chosen job (in a worker), unless a read is in flight or the
-        view is hidden."""
-        if self.busy or not self.is_current:
-            return
-        self.busy = True
-        self._read(self.chosen)
+    def read_request(self) -> str | None:
+        """The job chosen when the read starts."""
+        return self.chosen
 
-    @work(thread=True, group="job-read", exclusive=True)
-    def _read(self, chosen: str | None) -> None:
-        try:
-            data = self.tui.source.jobs(chosen)
-        except READ_ERRORS as exc:
-            self.app.call_from_thread(self._show_error, _message_for(exc), _code_for(exc))
-            return
-        self.app.call_from_thread(self._apply, chosen, data)
+    def read(self, request: str | None) -> Jobs:
+        """The jobs and the chosen job (worker thread)."""
+        return self.tui.source.jobs(request)
 
     @_while_shown
     def _show_error(self, message: str, code: int) -> None:
