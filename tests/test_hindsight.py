@@ -258,13 +258,13 @@ def test_replay_of_the_pressure_demo_without_tuner_decides_as_the_tuned_demo(
     replayed on the --no-tune run decides the live run's first action within one step, with its
     estimate (the live run's own plan, made from the same kind of reading)."""
     db = tmp_path / "demo.db"
+    base = [sys.executable, str(EXAMPLE), "--steps", "30", "--interval", "0.02", "--db", str(db)]
     for extra in ([], ["--no-tune"]):
         subprocess.run(
             # readings every 20 ms, several a step: each run records the crossing in the step it
             # happens (at the default 0.25 s a reading could come 2 steps later in one run than
             # in the other, and the live and replayed decisions were 2 steps apart)
-            [sys.executable, str(EXAMPLE), "--steps", "30", "--interval", "0.02"]
-            + ["--db", str(db), *extra],
+            [*base, *extra],
             capture_output=True,
             text=True,
             timeout=900,
