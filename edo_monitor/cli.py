@@ -1468,11 +1468,11 @@ def metrics_cmd(
 
     One central scrape for many runs: each scrape reads the latest sample of each running run
     (read-only). Labels: job, rank, device, run_id, run_name. Needs the [prometheus] extra.
-    Prints the URL it serves on one line; Ctrl-C stops it (exit code 130)."""
+    A database file that does not exist yet is waited for (never created), so it can start
+    before the runs. Prints the URL it serves on one line; Ctrl-C stops it (exit code 130)."""
     from edo_monitor.metrics import require_prometheus, serve_history
 
     require_prometheus()  # exit 2 with the extra's name before anything is opened
-    _require_database(db)
 
     def ready(server: Any) -> None:
         _c.out.print(f"serving {server.url}")

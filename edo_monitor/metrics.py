@@ -256,8 +256,21 @@ class HistoryCollector:
         history: an open :class:`edo_monitor.store.history.History` (read-only).
     """
 
-    def __init__(self, history: Any) -> None:
+    def __init__(self, history: Any, opener: Callable[[], Any] | None = None) -> None:
         self.history = history
+        self._opener = opener
+
+    def _history(self) -> Any:
+        """The history, opened on first use when it was not there yet (``None``: still not)."""
+        if self.history is None and self._opener is not None:
+            from edo_monitor.errors import StoreError
+
+            try:
+                self.history = self._opener()
+            except StoreError:  # not created yet, or created but not written yet
+                return None
+            logger.info("edo-monitor metrics: the history database is there now")
+        return self.history
 
     def entries(self) -> list[tuple[tuple[str, ...], dict[str, Any], dict[str, Any]]]:
         """``(labels, latest sample fields, counters)`` of each running run."""
@@ -267,7 +280,10 @@ class HistoryCollector:
         from edo_monitor.store.status import effective_status
 
         out = []
-        with self.history._read() as conn:
+        history = self._history()
+        if history is None:
+            return []
+        with history._read() as conn:
             if not inspect(conn).has_table("runs"):  # a database no run has written to yet
                 return []
             runs = [
@@ -430,25 +446,39 @@ def serve_history(
     (unblocking them, and replacing an inherited "ignore"), so a service manager's SIGTERM and a
     Ctrl-C both stop it cleanly; the previous handlers are put back.
 
+    An SQLite file that does not exist yet (in a folder that does) is waited for: the server
+    serves no runs until a run creates it, so it can be started before the jobs it serves; it
+    never creates the file.
+
     Raises:
-        ConfigError: ``prometheus_client`` missing, bad ``db``. StoreError: unusable database.
+        ConfigError: ``prometheus_client`` missing, bad ``db``. StoreError: unusable database
+            (its folder missing, not a database ...).
         OSError: the address cannot be bound. KeyboardInterrupt: after Ctrl-C (SIGINT).
     """
+    from edo_monitor.store.engine import resolve_db_url
     from edo_monitor.store.history import History
 
     require_prometheus()
+    url = resolve_db_url(db, readonly=True)  # StoreError: the folder is missing
+    path = url.database if url.get_backend_name() == "sqlite" else None
+    history = None
+    if path is None or path == ":memory:" or os.path.exists(path):
+        history = History(db, readonly=True)
+    else:
+        logger.warning("no history database at %r yet: no runs served until one creates it", path)
     stop = stop or threading.Event()
     received: list[int] = []
     restore = stop_on_signals(stop, received)
-    history = History(db, readonly=True)
+    collector = HistoryCollector(history, opener=lambda: History(db, readonly=True))
     try:
-        with MetricsServer(HistoryCollector(history), host, port) as server:
+        with MetricsServer(collector, host, port) as server:
             if on_ready is not None:
                 on_ready(server)
             while not stop.wait(1.0):
                 pass
     finally:
         restore()
-        history.close()
+        if collector.history is not None:
+            collector.history.close()
     if signal.SIGINT in received:
         raise KeyboardInterrupt

@@ -358,15 +358,36 @@ def test_central_metrics_stop_on_sigterm_and_on_ctrl_c_even_if_inherited_ignored
     assert stop(server) == 130
 
 
+def test_central_metrics_wait_for_a_database_the_runs_have_not_created_yet(
+    tmp_path: Path,
+) -> None:
+    """Started before any run (a central scrape set up ahead of the jobs): it used to exit 1.
+    It serves no runs, never creates the file, and serves the first run once it writes."""
+    db_path = tmp_path / "later.db"
+    server, url = start_central(db_path)
+    try:
+        assert not values(scrape(url), "edo_params_bytes")
+        assert not db_path.exists()
+        model, opt = linear_and_opt()
+        with edo_monitor.watch(model, opt, db=db_path, interval_s=0.01) as mon:
+            train(model, opt, 4)
+            with History(db_path) as h:
+                poll(lambda: h.samples_since(mon.run_id, columns=["step"]), "a stored sample")
+            got = values(scrape(url), "edo_params_bytes")
+        assert list(got.values()) == [LINEAR_PARAMS_BYTES]
+    finally:
+        assert stop(server) == 130
+
+
 def test_central_metrics_errors_follow_the_exit_codes(tmp_path: Path) -> None:
     missing = subprocess.run(
-        _cli("metrics", "--db", str(tmp_path / "none.db"), "--port", "0"),
+        _cli("metrics", "--db", str(tmp_path / "no-folder" / "none.db"), "--port", "0"),
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert missing.returncode == 1 and "no history database" in missing.stderr
-    assert not (tmp_path / "none.db").exists()
+    assert not (tmp_path / "no-folder").exists()
     bad = subprocess.run(
         _cli("metrics", "--port", "70000"), capture_output=True, text=True, timeout=120
     )
