@@ -188,6 +188,9 @@ def test_ctrl_c_during_training_is_one_line_exit_130_and_the_run_interrupted(
         stderr=subprocess.PIPE,
         text=True,
         cwd=tmp_path,
+        # as from a terminal: a test run started in the background (CI's, a `cmd &`) passes
+        # SIGINT on ignored, and Python then never raises KeyboardInterrupt for it
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         assert proc.stdout is not None
