@@ -178,7 +178,13 @@ def test_job_view_shows_ranks_side_by_side(
         # a second job appears live; Enter on it shows it
         solo = _add_one_rank_job(db, tmp_path)
         await wait_for(pilot, lambda: table.row_count == 2)
-        table.move_cursor(row=table.get_row_index(solo))
+        row = table.get_row_index(solo)
+        await pilot.press("down" if row == 1 else "up")
+        # the cursor stays where the user put it across refreshes (it snapped back to the job
+        # shown at every refresh, so another job could not be chosen)
+        loads = screen.loads
+        await wait_for(pilot, lambda: screen.loads >= loads + 2)
+        assert table.cursor_row == row
         await pilot.press("enter")
         await wait_for(
             pilot,

@@ -1231,6 +1231,8 @@ class JobScreen(_PolledScreen):
         self.chosen: str | None = None
         self.data: Jobs | None = None
         self._rows: tuple[Any, ...] = ()
+        #: the job the table's cursor was last put on for the user (``None``: not yet)
+        self._cursor_job: str | None = None
 
     def compose(self) -> ComposeResult:
         """Lay out the view."""
@@ -1288,6 +1290,9 @@ class JobScreen(_PolledScreen):
         )
         if rows != self._rows:  # refill only on a change, so the cursor stays put
             self._rows = rows
+            at = None  # the job under the cursor, kept across the refill
+            if 0 <= table.cursor_row < table.row_count:
+                at = table.coordinate_to_cell_key((table.cursor_row, 0)).row_key.value
             table.clear()
             for j in data.jobs:
                 table.add_row(
@@ -1300,6 +1305,8 @@ class JobScreen(_PolledScreen):
                     plain("-" if j.min_steps is None else j.min_steps),
                     key=j.id,
                 )
+            if at in table.rows:
+                table.move_cursor(row=table.get_row_index(at))
         report = data.report
         if report is None:
             header.update(Text(f"jobs in {self.tui.source.label}", style="bold"))
@@ -1312,10 +1319,11 @@ class JobScreen(_PolledScreen):
                 )
             )
             return
-        if report.job.id in table.rows:
-            index = table.get_row_index(report.job.id)
-            if table.cursor_row != index:
-                table.move_cursor(row=index)
+        # the cursor goes to the job shown when that job changes (first shown, or chosen), not
+        # at every refresh: the user moves it to choose another (it snapped back within 0.3 s)
+        if report.job.id != self._cursor_job and report.job.id in table.rows:
+            self._cursor_job = report.job.id
+            table.move_cursor(row=table.get_row_index(report.job.id))
         job = report.job
         text = Text(f"job {job.id}", style="bold")
         text.append(f" ({job.name}): ")
