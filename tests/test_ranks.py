@@ -103,6 +103,30 @@ def test_single_process_gloo_records_rank_and_a_job(db_path: Path, gloo_group: N
             h.job("nope")
 
 
+def test_a_job_with_a_crashed_rank_ends_at_its_last_heartbeat(
+    db_path: Path, gloo_group: None
+) -> None:
+    """A rank killed outright writes no end: the job had no end either, and its duration (what
+    `jobs` shows) grew with the clock. It ends where the crashed run's own duration ends: its
+    last heartbeat."""
+    mon = _train_watched(db_path, run_name="killed")
+    con = sqlite3.connect(db_path)
+    started = time.time() - 3600
+    heartbeat = started + 12.5  # as a kill -9 leaves it: running, no end, an old heartbeat
+    con.execute(
+        "UPDATE runs SET status = 'running', started_at_s = ?, ended_at_s = NULL, "
+        "heartbeat_at_s = ?, host = 'elsewhere' WHERE id = ?",
+        (started, heartbeat, mon.run_id),
+    )
+    con.commit()
+    con.close()
+    with History(db_path) as h:
+        [job] = h.jobs()
+        assert job.status == "crashed"
+        assert job.ended_at_s == pytest.approx(heartbeat)
+        assert job.ended_at_s - job.started_at_s == pytest.approx(h.run(mon.run_id).duration_s)
+
+
 def test_torchrun_run_id_is_the_job_id(
     db_path: Path, gloo_group: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -206,6 +206,7 @@ class JobInfo:
     hosts: tuple[str, ...] = ()
     status: str | None = None
     started_at_s: float | None = None
+    #: when the last run ended (a crashed run: its last heartbeat); ``None`` while one runs
     ended_at_s: float | None = None
     #: the fewest steps any rank recorded (ranks of a synchronous job step together)
     min_steps: int | None = None
@@ -1037,7 +1038,17 @@ class History:
                     (s for s in ("running", "crashed", "failed", "interrupted") if s in statuses),
                     "finished",
                 )
-            ends = [m.ended_at_s for m in members]
+            # where each run ended: its recorded end, else (crashed: nothing wrote one) its
+            # last heartbeat, as the run's own duration counts it; a crashed rank's job used to
+            # have no end, and its duration grew with the clock
+            ends = [
+                None
+                if m.status == "running"
+                else m.ended_at_s
+                if m.ended_at_s is not None
+                else m.started_at_s + m.duration_s
+                for m in members
+            ]
             out.append(
                 JobInfo(
                     id=row["id"],
