@@ -14,6 +14,7 @@ __all__ = [
     "BudgetOutOfMemoryError",
     "ConfigError",
     "EdoMonitorError",
+    "EventNotFoundError",
     "JobNotFoundError",
     "NvmlUnavailableError",
     "RunNotFoundError",
@@ -39,6 +40,11 @@ class StoreError(EdoMonitorError):
 
 class RunNotFoundError(EdoMonitorError, LookupError):
     """A run reference (id, uuid prefix or ``latest``) matched no run, or several."""
+
+
+class EventNotFoundError(EdoMonitorError, LookupError):
+    """An event id names no incident of the run (no such event, or not an OOM or a below-floor
+    crossing): the data has no such thing, as a missing run (exit 1 in the CLI)."""
 
 
 class JobNotFoundError(EdoMonitorError, LookupError):

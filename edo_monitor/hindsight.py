@@ -52,7 +52,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from edo_monitor.errors import ConfigError
+from edo_monitor.errors import ConfigError, EventNotFoundError
 from edo_monitor.plans import Plan, Refusal, rounding_expected_error
 from edo_monitor.units import format_bytes
 
@@ -446,8 +446,8 @@ def explain(db: Any, run: Any, *, event: int | None = None) -> Explanation:
         An :class:`Explanation` (no incidents when the run had none).
 
     Raises:
-        RunNotFoundError: no such run. StoreError: no usable database. ConfigError: ``event``
-        is not an OOM or below-floor crossing of the run.
+        RunNotFoundError: no such run. StoreError: no usable database. EventNotFoundError:
+        ``event`` is not an OOM or below-floor crossing of the run.
     """
     history, owned = _open(db)
     try:
@@ -529,7 +529,7 @@ def explain(db: Any, run: Any, *, event: int | None = None) -> Explanation:
                     )
                 )
         if event is not None and not incidents:
-            raise ConfigError(
+            raise EventNotFoundError(
                 f"event={event!r} is not an OOM or a below-floor crossing of run {info.id}; "
                 f"see edo-monitor events {info.id} --kind oom --kind threshold_crossed"
             )

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 import edo_monitor
 from edo_monitor.actions import ACTIONS, LOSSY_ACTIONS
 from edo_monitor.cli import app
-from edo_monitor.errors import ConfigError
+from edo_monitor.errors import ConfigError, EventNotFoundError
 from edo_monitor.hindsight import explain, parse_policy, replay
 from edo_monitor.plans import ACTION_NAMES, LOSSY_ACTION_NAMES, rounding_expected_error
 from edo_monitor.policy import Policy
@@ -173,7 +173,7 @@ def test_explain_the_crossing(runs: tuple[Path, int, int]) -> None:
     bf16 = by_action[("compress_embedding_bf16", "features")]
     assert bf16.saving_bytes == ROWS * DIM * 4 * 2  # four tensors, 2 bytes an element less
     assert inc.remedies[0].enough and not inc.remedies[0].lossy  # enough and lossless first
-    with pytest.raises(ConfigError, match="not an OOM or a below-floor crossing"):
+    with pytest.raises(EventNotFoundError, match="not an OOM or a below-floor crossing"):
         explain(db, observed, event=10**9)
 
 
@@ -208,6 +208,9 @@ def test_cli_explain_and_replay(runs: tuple[Path, int, int]) -> None:
     assert bad.exit_code == 2 and "floor=0.3" in bad.stderr
     bad = runner.invoke(app, ["replay", "1", "--db", str(db), "--policy", "min_free_fraction=2"])
     assert bad.exit_code == 2 and "min_free_fraction=2.0" in bad.stderr
+    # an event the run does not have is missing data (1), as a missing run, not a usage error
+    missing = runner.invoke(app, ["explain", str(observed), "--db", str(db), "--event", "999999"])
+    assert missing.exit_code == 1 and "event=999999 is not an OOM" in missing.stderr
 
 
 def test_parse_policy() -> None:
