@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import socket
 import sqlite3
 import subprocess
@@ -151,12 +152,13 @@ def test_a_writer_passed_in_is_flushed_and_left_open(db_path: Path, tmp_path: Pa
 
 
 def test_a_log_dir_that_cannot_be_made_never_fails_training(db_path: Path, tmp_path: Path) -> None:
+    """A folder that became impossible between watch() and the start (checked at watch(): see
+    the next test): the run goes on without TensorBoard, one agent error."""
     blocker = tmp_path / "a-file"
-    blocker.write_text("not a folder")
     model, opt = model_and_opt()
-    with edo_monitor.watch(
-        model, db=db_path, interval_s=0.02, tensorboard=blocker / "tb"
-    ) as monitor:
+    monitor = edo_monitor.watch(model, db=db_path, interval_s=0.02, tensorboard=blocker / "tb")
+    blocker.write_text("not a folder")
+    with monitor:
         train(model, opt, 5)
     summary = monitor.summary()
     assert summary.status == "finished" and summary.steps == 5
@@ -173,6 +175,16 @@ def test_bad_values_and_a_missing_package_are_config_errors(
         edo_monitor.watch(model, db=db_path, tensorboard=42)
     with pytest.raises(ConfigError, match="tensorboard='' is not a folder"):
         edo_monitor.watch(model, db=db_path, tensorboard="")
+    # a folder under a file: refused before the run (it failed at the start with a traceback
+    # from inside TensorBoard), nothing created
+    blocker = db_path.parent / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(
+        ConfigError,
+        match=rf"^tensorboard='{re.escape(str(blocker))}/tb/x' cannot be a log folder: "
+        rf"'{re.escape(str(blocker))}' is a file",
+    ):
+        edo_monitor.watch(model, db=db_path, tensorboard=str(blocker / "tb" / "x"))
     # as if the package were not installed: the import fails
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     with pytest.raises(ConfigError, match=r"pip install 'edo-monitor\[tensorboard\]'"):

@@ -34,6 +34,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from edo_monitor.errors import ConfigError
@@ -82,6 +83,29 @@ def summary_writer() -> type:
     return SummaryWriter
 
 
+def _check_log_dir(log_dir: str) -> None:
+    """Refuse, before the run starts, a log folder that cannot be made: under a file, or in a
+    read-only folder (the writer made later failed with a traceback from inside TensorBoard).
+    Creates nothing.
+
+    Raises:
+        ConfigError: naming the path in the way.
+    """
+    probe = Path(log_dir).expanduser()
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(
+            f"tensorboard={log_dir!r} cannot be a log folder: {str(probe)!r} is a file; "
+            "expected a folder path"
+        )
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"tensorboard={log_dir!r} cannot be written: the folder {str(probe)!r} is read-only "
+            "for this process"
+        )
+
+
 class TensorBoardSink:
     """Writes one run's readings (scalars) and events (text) to a TensorBoard ``SummaryWriter``.
 
@@ -103,6 +127,7 @@ class TensorBoardSink:
             self._log_dir = os.fspath(target)
             if not self._log_dir:
                 raise ConfigError("tensorboard='' is not a folder; expected a log folder path")
+            _check_log_dir(self._log_dir)
         elif isinstance(target, writer_cls):
             self.writer = target
         else:
