@@ -313,3 +313,38 @@ def test_writer_retries_after_an_operational_error(
     assert con.execute("SELECT count(*), max(step) FROM samples").fetchone() == (50, 49)
     con.close()
     engine.dispose()
+
+
+@pytest.mark.slow
+def test_writers_opening_a_new_file_at_the_same_moment_all_start(tmp_path: Path) -> None:
+    """The ranks of a job open one new SQLite file at the same instant. Switching it to WAL
+    answered "database is locked" at once (no busy handler) to every writer but the first, and
+    their runs failed to start (10 of 10 tries with six processes). Six real processes, released
+    together once all have imported the store, three rounds on fresh files: every one opens it."""
+    code = textwrap.dedent(
+        """
+        import sys, time
+        from edo_monitor.store.engine import open_engine
+        path, ready = sys.argv[1], sys.argv[2]
+        open(ready + "." + sys.argv[3], "w").close()
+        while len(__import__("glob").glob(ready + ".*")) < 6:
+            time.sleep(0.001)
+        open_engine(path).dispose()
+        print("ok")
+        """
+    )
+    for round_ in range(3):
+        path = tmp_path / f"fresh-{round_}.db"
+        ready = tmp_path / f"ready-{round_}"  # each process marks itself ready; all go at six
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", code, str(path), str(ready), str(i)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for i in range(6)
+        ]
+        results = [p.communicate(timeout=120) for p in procs]
+        assert [p.returncode for p in procs] == [0] * 6, [err[-500:] for _, err in results]
+        assert [out.strip() for out, _ in results] == ["ok"] * 6

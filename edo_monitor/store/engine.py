@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
+import time
 from bisect import bisect_left
 from collections.abc import Mapping, Sequence
 from itertools import chain, pairwise
@@ -272,9 +273,31 @@ def _sqlite_pragmas_rw(dbapi_conn: sqlite3.Connection, record: object) -> None:
     dbapi_conn.isolation_level = None
     _sqlite_pragmas(dbapi_conn, record)
     cur = dbapi_conn.cursor()
-    cur.execute("PRAGMA journal_mode = WAL")
+    _journal_mode_wal(cur)
     cur.execute("PRAGMA synchronous = NORMAL")
     cur.close()
+
+
+def _journal_mode_wal(cur: sqlite3.Cursor) -> None:
+    """``PRAGMA journal_mode = WAL``, retried while the database is locked.
+
+    Changing the journal mode needs the database to itself, and SQLite answers "database is
+    locked" at once, without its busy handler, while another connection holds a lock: writers
+    opening a new file at the same moment (the ranks of a job) failed to start, 10 of 10 times
+    with six processes here. Retried with a growing pause for up to ``BUSY_TIMEOUT_S``, like any
+    other lock wait; a file already in WAL mode answers at once.
+    """
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    pause_s = 0.002
+    while True:
+        try:
+            cur.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+        time.sleep(pause_s)
+        pause_s = min(2 * pause_s, 0.1)
 
 
 def _begin_immediate(conn: Connection) -> None:
