@@ -12,10 +12,23 @@ import torch
 from edo_monitor.agent.monitor import Monitor
 from edo_monitor.errors import ConfigError
 
-__all__ = ["check_watch_kwargs", "torch_optimizers", "unwrap_optimizer"]
+__all__ = ["check_watch_kwargs", "torch_optimizers", "unwrap_optimizer", "watch_options"]
 
 #: what a callback sets itself from the framework (the model, its optimizers)
 _SET_BY_CALLBACK = frozenset({"self", "model", "optimizer"})
+
+
+def watch_options(
+    owner: str, policy: Any, budget: Any, db: Any, kwargs: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The ``watch()`` options a callback was made with (its named ones and the rest), checked
+    when the callback is made: an option ``watch()`` does not take is refused.
+
+    Raises:
+        ConfigError: naming the options, and which are allowed.
+    """
+    check_watch_kwargs(kwargs, owner)
+    return {"policy": policy, "budget": budget, "db": db, **kwargs}
 
 
 def check_watch_kwargs(kwargs: Mapping[str, Any], owner: str) -> None:

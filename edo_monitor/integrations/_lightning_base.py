@@ -12,7 +12,7 @@ from typing import Any
 
 from edo_monitor.agent.monitor import Monitor
 from edo_monitor.errors import ConfigError
-from edo_monitor.integrations._common import check_watch_kwargs, torch_optimizers
+from edo_monitor.integrations._common import torch_optimizers, watch_options
 
 __all__ = ["LightningCallbackMixin", "lightning_run_name"]
 
@@ -54,13 +54,7 @@ class LightningCallbackMixin:
         **watch_kwargs: Any,
     ) -> None:
         super().__init__()
-        check_watch_kwargs(watch_kwargs, "EdoMonitorCallback")
-        self._watch_kwargs: dict[str, Any] = {
-            "policy": policy,
-            "budget": budget,
-            "db": db,
-            **watch_kwargs,
-        }
+        self._watch_kwargs = watch_options("EdoMonitorCallback", policy, budget, db, watch_kwargs)
         self._tensorboard = tensorboard
         #: the current (or last) fit's :class:`~edo_monitor.Monitor`; ``None`` before a fit
         self.monitor: Monitor | None = None

@@ -43,7 +43,7 @@ except ImportError as exc:
     ) from None
 
 from edo_monitor.agent.monitor import Monitor
-from edo_monitor.integrations._common import check_watch_kwargs, torch_optimizers
+from edo_monitor.integrations._common import torch_optimizers, watch_options
 
 __all__ = ["EdoMonitorCallback", "TrainingDidNotEnd"]
 
@@ -149,13 +149,7 @@ class EdoMonitorCallback(TrainerCallback):
         tensorboard: Any = None,
         **watch_kwargs: Any,
     ) -> None:
-        check_watch_kwargs(watch_kwargs, "EdoMonitorCallback")
-        self._watch_kwargs: dict[str, Any] = {
-            "policy": policy,
-            "budget": budget,
-            "db": db,
-            **watch_kwargs,
-        }
+        self._watch_kwargs = watch_options("EdoMonitorCallback", policy, budget, db, watch_kwargs)
         self._tensorboard = tensorboard
         self.monitor: Monitor | None = None
 
