@@ -413,13 +413,17 @@ def open_engine(
     return engine
 
 
-def schema_version(conn: Connection) -> int | None:
+def schema_version(conn: Connection, tables: set[str] | None = None) -> int | None:
     """The database's schema version (``meta.schema_version``); ``None`` for an empty database.
+
+    Args:
+        tables: the database's table names when the caller has listed them already.
 
     Raises:
         StoreError: tables exist but this is not an edo-monitor history database.
     """
-    tables = set(inspect(conn).get_table_names())
+    if tables is None:
+        tables = set(inspect(conn).get_table_names())
     if not tables:
         return None
     if "runs" not in tables or "meta" not in tables:
@@ -431,9 +435,9 @@ def schema_version(conn: Connection) -> int | None:
     return int(row) if row is not None else 1
 
 
-def _alembic_revision(conn: Connection) -> str | None:
+def _alembic_revision(conn: Connection, tables: set[str]) -> str | None:
     """``alembic_version.version_num`` (``None`` when the table or its row is missing)."""
-    if "alembic_version" not in inspect(conn).get_table_names():
+    if "alembic_version" not in tables:
         return None
     row = conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
     return None if row is None else str(row)
@@ -461,9 +465,9 @@ _CORE_TABLES = frozenset({"meta", "runs", "samples", "events", "module_stats"})
 
 def _check_schema(engine: Engine, *, readonly: bool, shown: str) -> None:
     with engine.connect() as conn:
-        version = schema_version(conn)
-        revision = _alembic_revision(conn) if version is not None else None
-        tables = set(inspect(conn).get_table_names()) if version is not None else set()
+        tables = set(inspect(conn).get_table_names())  # listed once for the three checks
+        version = schema_version(conn, tables)
+        revision = _alembic_revision(conn, tables) if version is not None else None
     _refuse_newer(version, revision, shown)
     if version is not None:
         # all of this version's tables when it is ours, the ones every version has otherwise
@@ -497,13 +501,14 @@ def _upgrade(engine: Engine, shown: str) -> None:
     with engine.begin() as conn:  # BEGIN IMMEDIATE on SQLite: one upgrader at a time
         if is_postgres(conn):  # PostgreSQL: a transaction-scoped advisory lock does the same
             conn.exec_driver_sql("SELECT pg_advisory_xact_lock(%(k)s, 0)", {"k": _LOCK_CLASS + 1})
-        version = schema_version(conn)  # again, under the lock: another writer may have done it
-        revision = _alembic_revision(conn) if version is not None else None
+        # again, under the lock: another writer may have done it
+        tables = set(inspect(conn).get_table_names())
+        version = schema_version(conn, tables)
+        revision = _alembic_revision(conn, tables) if version is not None else None
         _refuse_newer(version, revision, shown)
         if version == SCHEMA_VERSION:
             return
         cfg = alembic_config(connection=conn)
-        tables = set(inspect(conn).get_table_names())
         if version is not None and "alembic_version" not in tables:
             # written before migrations existed: its schema is exactly revision 000<version>
             command.stamp(cfg, f"{version:04d}")
