@@ -34,6 +34,8 @@ __all__ = ["LookupCounter", "TableFrequency"]
 
 logger = logging.getLogger(__name__)
 
+_ONE = torch.ones(1, dtype=torch.long)  # expanded to a batch's length: one lookup per id
+
 
 @dataclass(frozen=True)
 class TableFrequency:
@@ -141,9 +143,10 @@ class LookupCounter:
         # index back are one per distinct id. O(batch); int32 positions, 4 bytes a row on the
         # host beside the counts' 8.
         stamp = torch.empty(0, dtype=torch.int32)
+        positions = torch.empty(0, dtype=torch.int32)
 
         def hook(_module: nn.Module, args: tuple[Any, ...]) -> None:
-            nonlocal stamp
+            nonlocal stamp, positions
             try:
                 if not sampled() or not args:
                     return
@@ -158,10 +161,12 @@ class LookupCounter:
                     return
                 if stamp.numel() != num:
                     stamp = torch.zeros(num, dtype=torch.int32)
-                counts.index_add_(0, flat, torch.ones(1, dtype=torch.long).expand(n))
-                positions = torch.arange(n, dtype=torch.int32)
-                stamp.index_put_((flat,), positions)
-                distinct = int((stamp[flat] == positions).sum())
+                if positions.numel() < n:
+                    positions = torch.arange(max(n, 2 * positions.numel()), dtype=torch.int32)
+                counts.index_add_(0, flat, _ONE.expand(n))
+                own = positions[:n]
+                stamp.scatter_(0, flat, own)  # index_select/scatter_: the fast kernels on CPU
+                distinct = int(stamp.index_select(0, flat).eq_(own).sum())
                 if distinct > self._peak_unique.get(name, 0):
                     self._peak_unique[name] = distinct
             except Exception as exc:  # never fail the user's forward
