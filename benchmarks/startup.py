@@ -11,12 +11,16 @@ hits them alike; the table shows medians and ratios to the baseline
 
     baseline = ``python -c "import sqlalchemy, typer, rich"``
 
-(the libraries every history command needs). The "library floor" is what those libraries cost a
-command beyond their import: a one-command typer app that parses two options (typer 0.2x builds
-pydantic adapters for them) and prints a 12-column rich table of ``--runs`` rows; the last column
-is each command's ratio to it. ``import cost`` subtracts a bare interpreter
-(``python -c pass``). The database is a temporary SQLite file with ``--runs`` finished runs of
-100 samples each, written with the project's writer engine.
+(the libraries every history command needs). The "floor" is ``edo-monitor runs``'s job written
+directly on the same libraries (:data:`DIRECT_RUNS`: a typer command that opens the same SQLite
+file read-only with SQLAlchemy, selects the runs with their peaks and event counts and prints the
+same 12-column rich table); the last two columns are each command's ratio to it by wall and CPU
+time, and the lines under the table give the median and range of the per-round ratio of ``runs``
+and ``show latest`` to the floor (each round runs them back to back, so a ratio of one round sees
+one machine state). Goal: ``runs`` ≤ 1.10x the floor. ``import cost`` subtracts a bare
+interpreter (``python -c pass``). The database is a temporary SQLite file with ``--runs``
+finished runs of 100 samples each, written with the project's writer engine. ``--torch`` adds
+``import torch`` and ``edo_monitor.watch`` (seconds each).
 """
 
 from __future__ import annotations
@@ -80,21 +84,54 @@ def _seed(path: Path, runs: int) -> None:
 
 BASELINE = "import sqlalchemy, typer, rich"
 WATCH = "import edo_monitor; edo_monitor.watch"
-#: What any typer + rich command does besides importing: parse an option (typer builds pydantic
-#: adapters for it) and print a 12-column table of --runs rows; sqlalchemy imported as well.
-LIBRARY_FLOOR = (
-    "import sqlalchemy, typer, rich.console, rich.table\n"
-    "app = typer.Typer()\n"
-    "@app.command()\n"
-    "def runs(db: str = '', limit: int = 20) -> None:\n"
-    "    t = rich.table.Table()\n"
-    "    for c in range(12):\n"
-    "        t.add_column(f'column {c}')\n"
-    "    for r in range(limit):\n"
-    "        t.add_row(*[f'value {r}.{c}' for c in range(12)])\n"
-    "    rich.console.Console().print(t)\n"
-    "app(['--db', 'x', '--limit', '{runs}'], standalone_mode=False)\n"
+#: The floor: the job of ``edo-monitor runs`` written directly on the same libraries. A typer
+#: command that parses ``--db``, opens the SQLite file read-only with SQLAlchemy, selects the
+#: runs newest first with each run's peak in-use bytes and minimum free fraction (from
+#: ``samples``) and its action and OOM counts (from ``events``), and prints them as a 12-column
+#: rich table (the columns of ``runs``). What edo-monitor adds beyond this is its own cost.
+DIRECT_RUNS = """\
+import datetime, sys
+import typer
+from rich.console import Console
+from rich.table import Table
+from sqlalchemy import create_engine, text
+
+app = typer.Typer(add_completion=False)
+
+SQL = text(
+    "SELECT r.id, r.uuid, r.name, r.status, r.started_at_s, "
+    "coalesce(r.ended_at_s, r.heartbeat_at_s), r.steps, r.device_kind, "
+    "(SELECT max(in_use_bytes) FROM samples s WHERE s.run_id = r.id), "
+    "(SELECT min(free_fraction) FROM samples s WHERE s.run_id = r.id), "
+    "(SELECT count(*) FROM events e WHERE e.run_id = r.id AND e.kind = 'action'), "
+    "(SELECT count(*) FROM events e WHERE e.run_id = r.id AND e.kind = 'oom') "
+    "FROM runs r ORDER BY r.started_at_s DESC, r.id DESC"
 )
+
+
+@app.command()
+def runs(db: str = typer.Option(..., envvar="EDO_DB")) -> None:
+    engine = create_engine(f"sqlite:///file:{db}?mode=ro&uri=true")
+    with engine.connect() as conn:
+        rows = conn.execute(SQL).all()
+    engine.dispose()
+    table = Table()
+    for c in ("id", "uuid", "name", "status", "started (UTC)", "duration", "steps", "device",
+              "peak in use", "min free", "actions", "OOMs"):
+        table.add_column(c)
+    for r in rows:
+        start = datetime.datetime.fromtimestamp(r[4], tz=datetime.timezone.utc)
+        table.add_row(
+            str(r[0]), r[1][:13], r[2], r[3], f"{start:%Y-%m-%d %H:%M:%S}",
+            f"{(r[5] or r[4]) - r[4]:.1f}s", str(r[6]), r[7],
+            "-" if r[8] is None else f"{r[8] / 2**20:.2f} MiB",
+            "-" if r[9] is None else f"{100 * r[9]:.1f}%", str(r[10]), str(r[11]),
+        )
+    Console(width=200 if not sys.stdout.isatty() else None).print(table)
+
+
+app()
+"""
 
 
 def _time(cmd: list[str], env: dict[str, str]) -> tuple[float, float, float]:
@@ -117,6 +154,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument(
+        "--torch", action="store_true", help="also time `import torch` and `edo_monitor.watch`"
+    )
     ap.add_argument("--seed-only", metavar="PATH", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.seed_only:
@@ -136,18 +176,18 @@ def main() -> None:
         variants = [
             ("bare interpreter: python -c pass", [py, "-c", "pass"]),
             ("baseline: import sqlalchemy, typer, rich", [py, "-c", BASELINE]),
-            (
-                "library floor: a typer command printing a rich table",
-                [py, "-c", LIBRARY_FLOOR.replace("{runs}", str(args.runs))],
-            ),
+            ("floor: the same job written on typer + SQLAlchemy + rich", [py, "-c", DIRECT_RUNS]),
             ("import edo_monitor", [py, "-c", "import edo_monitor"]),
             ("import edo_monitor.cli", [py, "-c", "import edo_monitor.cli"]),
             ("edo-monitor --help", [exe, "--help"]),
             (f"edo-monitor runs ({args.runs} runs)", [exe, "runs"]),
             ("edo-monitor show latest", [exe, "show", "latest"]),
-            ("import torch (what watch() needs)", [py, "-c", "import torch"]),
-            ("import edo_monitor; edo_monitor.watch", [py, "-c", WATCH]),
         ]
+        if args.torch:
+            variants += [
+                ("import torch (what watch() needs)", [py, "-c", "import torch"]),
+                ("import edo_monitor; edo_monitor.watch", [py, "-c", WATCH]),
+            ]
         # bytecode for the project's own modules, as `pip install` writes it (an editable
         # install, or PYTHONDONTWRITEBYTECODE, would otherwise compile them in every run)
         for pkg in ("edo_monitor", "tui"):
@@ -172,6 +212,7 @@ def main() -> None:
     base = med[variants[1][0]]
     base_cpu = cpu[variants[1][0]]
     floor = med[variants[2][0]]
+    floor_cpu = cpu[variants[2][0]]
     print(
         f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
@@ -181,9 +222,9 @@ def main() -> None:
     print()
     print(
         "| command | wall | ratio to baseline | import cost | ratio (import cost) | CPU time "
-        "| ratio (CPU) | peak RSS | ratio to library floor |"
+        "| ratio (CPU) | peak RSS | ratio to floor | ratio to floor (CPU) |"
     )
-    print("|---|--:|--:|--:|--:|--:|--:|--:|--:|")
+    print("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
     for name, _ in variants:
         m = med[name]
         cost = m - bare
@@ -191,8 +232,21 @@ def main() -> None:
         print(
             f"| {name} | {1000 * m:.0f} ms | {m / base:.2f}x | {1000 * cost:.0f} ms | "
             f"{ratio_cost} | {1000 * cpu[name]:.0f} ms | {cpu[name] / base_cpu:.2f}x | "
-            f"{statistics.median(rss[name]):.0f} MiB | {m / floor:.2f}x |"
+            f"{statistics.median(rss[name]):.0f} MiB | {m / floor:.2f}x | "
+            f"{cpu[name] / floor_cpu:.2f}x |"
         )
+    print()
+    floor_name = variants[2][0]
+    for name, _ in variants:
+        if not name.startswith("edo-monitor ") or name == "edo-monitor --help":
+            continue
+        for what, series in (("wall", walls), ("CPU", cpus)):
+            per_round = [a / b for a, b in zip(series[name], series[floor_name], strict=True)]
+            mid = statistics.median(per_round)
+            print(
+                f"{name} / floor, {what} time, per round: median {mid:.3f}x "
+                f"(range {min(per_round):.3f}-{max(per_round):.3f}x)"
+            )
 
 
 if __name__ == "__main__":

@@ -1529,7 +1529,9 @@ def main() -> None:
     """Console-script entry point (``edo-monitor``)."""
     logging.basicConfig(level=logging.WARNING, format="edo-monitor: %(message)s")
     logging.getLogger("alembic").setLevel(logging.WARNING)
-    app()
+    from edo_monitor.cli_dispatch import app_for
+
+    app_for(app, sys.argv[1:])()  # only the command asked for is built (start-up)
 
 
 if __name__ == "__main__":  # pragma: no cover

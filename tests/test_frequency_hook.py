@@ -1,0 +1,47 @@
+"""The LookupCounter's forward pre-hook counts ids and the batch's distinct ids without sorting
+the batch: its counts and its distinct-id peak equal ``torch.unique``'s on the same batches."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from edo_monitor.frequency import LookupCounter
+
+
+def test_counts_and_distinct_peak_equal_unique() -> None:
+    gen = torch.Generator().manual_seed(0)
+    emb = nn.Embedding(50, 4, padding_idx=0)
+    bag = nn.EmbeddingBag(30, 4, mode="mean")
+    counter = LookupCounter()
+    counter.watch("emb", emb)
+    counter.watch("bag", bag)
+    want = {"emb": torch.zeros(50, dtype=torch.long), "bag": torch.zeros(30, dtype=torch.long)}
+    peaks = {"emb": 0, "bag": 0}
+    for batch in (7, 64, 3, 200, 1):
+        ids = torch.randint(0, 50, (batch, 5), generator=gen)  # many repeats, padding 0 too
+        emb(ids)
+        kept = ids.reshape(-1)[ids.reshape(-1) != 0]
+        uniq, mult = torch.unique(kept, return_counts=True)
+        want["emb"].index_add_(0, uniq, mult)
+        peaks["emb"] = max(peaks["emb"], uniq.numel())
+        flat = torch.randint(0, 30, (batch * 3,), generator=gen)
+        bag(flat, torch.arange(0, batch * 3, 3))
+        uniq, mult = torch.unique(flat, return_counts=True)
+        want["bag"].index_add_(0, uniq, mult)
+        peaks["bag"] = max(peaks["bag"], uniq.numel())
+    for name in ("emb", "bag"):
+        assert torch.equal(counter.counts(name), want[name])
+        assert counter.peak_unique_ids(name) == peaks[name]
+    counter.close()
+
+
+def test_a_batch_of_padding_counts_nothing() -> None:
+    emb = nn.Embedding(10, 2, padding_idx=3)
+    counter = LookupCounter()
+    counter.watch("emb", emb)
+    emb(torch.full((4, 2), 3))
+    assert int(counter.counts("emb").sum()) == 0 and counter.peak_unique_ids("emb") is None
+    emb(torch.tensor([3, 5, 5, 9]))
+    assert counter.counts("emb").tolist() == [0, 0, 0, 0, 0, 2, 0, 0, 0, 1]
+    assert counter.peak_unique_ids("emb") == 2
