@@ -167,6 +167,48 @@ def test_the_policy_acts_inside_lightnings_optimizer_step(db_path: Path, tmp_pat
     assert "edo/events/action/text_summary" in acc.Tags()["tensors"]
 
 
+def test_an_epoch_shorter_than_the_accumulation_steps_once_at_its_end(db_path: Path) -> None:
+    """``limit_train_batches=3, accumulate_grad_batches=4``: Lightning 2.6 steps the optimizer
+    at each epoch's last batch (3 of the 4 accumulated), once per epoch. The run's steps, its
+    safe points (where the policy's action lands) and the optimizer steps that really happen are
+    the same: 3 in 3 epochs, the action inside one of them."""
+    stepped: list[int] = []
+    acted: list[tuple[int, int, list[str]]] = []
+
+    class Counted(BagOfWords):
+        def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+            stepped.append(self.trainer.global_step)
+            super().optimizer_step(*args, **kwargs)
+
+    def on_action(result: Any) -> None:
+        files = [f.filename.replace("\\", "/") for f in traceback.extract_stack()]
+        acted.append((callback.monitor.steps, len(stepped), files))
+
+    callback = EdoMonitorCallback(
+        db=db_path, budget=12_000_000, policy=edo_monitor.Policy(on_action=on_action)
+    )
+    t = pl.Trainer(
+        max_epochs=3,
+        limit_train_batches=3,
+        accumulate_grad_batches=4,
+        accelerator="cpu",
+        logger=False,
+        callbacks=[callback],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    t.fit(Counted(), loader(3))
+    assert stepped == [0, 1, 2] and t.global_step == 3
+    (run,) = runs(db_path)
+    assert (run["status"], run["steps"]) == ("finished", 3)
+    assert callback.monitor.summary().steps == 3
+    assert acted, callback.monitor.summary()  # the table does not fit: the policy acts
+    steps_then, optimizer_steps_then, files = acted[0]
+    assert steps_then == optimizer_steps_then - 1  # inside the step being taken, not a batch's
+    assert any(f.endswith("torch/optim/optimizer.py") for f in files)  # its post-hook
+
+
 def test_an_option_watch_does_not_take_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"\(intervl_s=\.\.\.\): not an option"):
         EdoMonitorCallback(intervl_s=0.1)
