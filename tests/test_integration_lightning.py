@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -167,15 +168,20 @@ def test_the_policy_acts_inside_lightnings_optimizer_step(db_path: Path, tmp_pat
     assert "edo/events/action/text_summary" in acc.Tags()["tensors"]
 
 
+@pytest.mark.slow
 def test_an_epoch_shorter_than_the_accumulation_steps_once_at_its_end(db_path: Path) -> None:
     """``limit_train_batches=3, accumulate_grad_batches=4``: Lightning 2.6 steps the optimizer
     at each epoch's last batch (3 of the 4 accumulated), once per epoch. The run's steps, its
     safe points (where the policy's action lands) and the optimizer steps that really happen are
-    the same: 3 in 3 epochs, the action inside one of them."""
+    the same: 4 in 4 epochs, the action inside one of them."""
     stepped: list[int] = []
     acted: list[tuple[int, int, list[str]]] = []
 
     class Counted(BagOfWords):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            time.sleep(0.02)  # the sampler reads the pressure between batches
+            return super().training_step(batch, batch_idx)
+
         def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
             stepped.append(self.trainer.global_step)
             super().optimizer_step(*args, **kwargs)
@@ -185,10 +191,13 @@ def test_an_epoch_shorter_than_the_accumulation_steps_once_at_its_end(db_path: P
         acted.append((callback.monitor.steps, len(stepped), files))
 
     callback = EdoMonitorCallback(
-        db=db_path, budget=12_000_000, policy=edo_monitor.Policy(on_action=on_action)
+        db=db_path,
+        budget=12_000_000,
+        policy=edo_monitor.Policy(on_action=on_action),
+        interval_s=0.005,
     )
     t = pl.Trainer(
-        max_epochs=3,
+        max_epochs=4,
         limit_train_batches=3,
         accumulate_grad_batches=4,
         accelerator="cpu",
@@ -199,16 +208,17 @@ def test_an_epoch_shorter_than_the_accumulation_steps_once_at_its_end(db_path: P
         enable_model_summary=False,
     )
     t.fit(Counted(), loader(3))
-    assert stepped == [0, 1, 2] and t.global_step == 3
+    assert stepped == [0, 1, 2, 3] and t.global_step == 4
     (run,) = runs(db_path)
-    assert (run["status"], run["steps"]) == ("finished", 3)
-    assert callback.monitor.summary().steps == 3
+    assert (run["status"], run["steps"]) == ("finished", 4)
+    assert callback.monitor.summary().steps == 4
     assert acted, callback.monitor.summary()  # the table does not fit: the policy acts
     steps_then, optimizer_steps_then, files = acted[0]
     assert steps_then == optimizer_steps_then - 1  # inside the step being taken, not a batch's
     assert any(f.endswith("torch/optim/optimizer.py") for f in files)  # its post-hook
 
 
+@pytest.mark.slow
 def test_a_fit_resumed_after_a_conversion_trains_as_its_twin_and_names_its_run(
     db_path: Path, tmp_path: Path
 ) -> None:
