@@ -7,28 +7,40 @@ rank 0's UUID, agreed when ``watch()`` is entered through one small collective o
 ``all_gather`` of three int64 per rank (its UUID as two words, a hash of its host name), which
 also gives the local rank (the rank's place among the ranks on its host) where the launcher set
 no ``LOCAL_RANK``. Every rank must then enter ``watch()``, as with any collective.
+
+Every collective of the agreements (this one and :class:`Coordinator`'s) waits at most
+:func:`agreement_timeout_s` (``AGREEMENT_TIMEOUT_S``, 60 s; ``EDO_AGREEMENT_TIMEOUT_S``
+overrides it) for the other ranks: it runs with ``async_op=True`` and ``Work.wait(timeout=)``,
+because a rank that died or hangs before it may leave the others waiting for the group's own
+timeout (30 min by default; gloo's lazy connect ignores even that). Past the bound the agreement
+fails (:class:`AgreementTimeoutError`): no job id, or no coordination, and the training goes on.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import os
 import socket
 import time
 import uuid as uuidlib
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 
 __all__ = [
+    "AGREEMENT_TIMEOUT_S",
     "DDP_SAFE_ACTIONS",
     "DEFAULT_SYNC_EVERY_STEPS",
     "JOB_ID_MAX_CHARS",
+    "AgreementTimeoutError",
     "Coordinator",
     "RankInfo",
+    "agreement_timeout_s",
     "collective_device",
     "ddp_blocker",
     "detect_ranks",
@@ -81,6 +93,57 @@ def collective_device(dist: Any, group: Any = None) -> torch.device:
     return torch.device("cpu")
 
 
+#: seconds one collective of an agreement waits for the other ranks (see the module docstring)
+AGREEMENT_TIMEOUT_S = 60.0
+
+
+class AgreementTimeoutError(RuntimeError):
+    """A collective of the ranks' agreement did not complete within :func:`agreement_timeout_s`
+    (a rank died or hangs before it)."""
+
+
+def agreement_timeout_s() -> float:
+    """The bound on each agreement collective, in seconds: ``EDO_AGREEMENT_TIMEOUT_S`` when it
+    is a positive number, else :data:`AGREEMENT_TIMEOUT_S` (a bad value is logged, not used)."""
+    raw = os.environ.get("EDO_AGREEMENT_TIMEOUT_S")
+    if raw:
+        try:
+            value = float(raw)
+        except ValueError:
+            value = float("nan")
+        if value > 0 and value != float("inf"):
+            return value
+        logger.warning(
+            "EDO_AGREEMENT_TIMEOUT_S=%r is not a positive number of seconds; using %.0f s",
+            raw,
+            AGREEMENT_TIMEOUT_S,
+        )
+    return AGREEMENT_TIMEOUT_S
+
+
+def _all_gather(dist: Any, out: list[torch.Tensor], mine: torch.Tensor) -> None:
+    """``dist.all_gather(out, mine)`` that waits at most :func:`agreement_timeout_s`.
+
+    Raises:
+        AgreementTimeoutError: the other ranks did not all take part in time.
+        RuntimeError: (and whatever the backend raises) the collective failed.
+    """
+    bound_s = agreement_timeout_s()
+    t0 = time.monotonic()
+    work = dist.all_gather(out, mine, async_op=True)
+    try:
+        done = work.wait(timeout=timedelta(seconds=bound_s))
+    except RuntimeError as exc:
+        if time.monotonic() - t0 < bound_s * 0.99 and "timed out" not in str(exc).lower():
+            raise
+        done = False
+    if done is False:
+        raise AgreementTimeoutError(
+            f"the ranks' agreement waited {bound_s:g} s (EDO_AGREEMENT_TIMEOUT_S) for the other "
+            f"ranks' all_gather: a rank died or hangs"
+        )
+
+
 def _signed64(value: int) -> int:
     value &= (1 << 64) - 1
     return value - (1 << 64) if value >= 1 << 63 else value
@@ -115,6 +178,7 @@ def detect_ranks() -> RankInfo | None:
     the default group (every rank must call it).
 
     Raises:
+        AgreementTimeoutError: a rank did not take part within :func:`agreement_timeout_s`.
         RuntimeError: (and whatever the backend raises) when the collective fails.
     """
     dist = _dist()
@@ -136,7 +200,7 @@ def detect_ranks() -> RankInfo | None:
             device=device,
         )
         gathered = [torch.empty_like(words) for _ in range(world_size)]
-        dist.all_gather(gathered, words)
+        _all_gather(dist, gathered, words)
         rows = [[int(v) for v in t.cpu().tolist()] for t in gathered]
         if job_id is None:
             hi, lo = rows[0][0] & ((1 << 64) - 1), rows[0][1] & ((1 << 64) - 1)
@@ -241,9 +305,26 @@ class Coordinator:
         dist = self._dist
         mine = torch.tensor(values, dtype=torch.int64, device=self._device)
         out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(out, mine)
+        _all_gather(dist, out, mine)
         self.collectives += 1
         return [[int(v) for v in t.cpu().tolist()] for t in out]
+
+    def _gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's JSON-able ``obj``, by rank: its UTF-8 length, then the bytes padded to
+        the longest (two bounded all_gathers; ``all_gather_object`` has no timeout)."""
+        data = json.dumps(obj).encode()
+        sizes = self._gather([len(data)])
+        longest = max(size for (size,) in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8, device=self._device)
+        if data:
+            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = [torch.empty_like(mine) for _ in sizes]
+        _all_gather(self._dist, out, mine)
+        self.collectives += 1
+        return [
+            json.loads(bytes(t.cpu().tolist()[:size]).decode())
+            for t, (size,) in zip(out, sizes, strict=True)
+        ]
 
     def sync(self) -> None:
         """Agree and apply (training thread, at the safe point; every rank calls it at the same
@@ -297,9 +378,7 @@ class Coordinator:
             m._tuner.apply_decision(local, extra=agreed)
             return
         own_target = pending.target if pending is not None and pending.action == action else None
-        answers: list[Any] = [None] * len(rows)  # (why not, the target this rank proposed)
-        self._dist.all_gather_object(answers, (reason, own_target))
-        self.collectives += 1
+        answers = self._gather_objects([reason, own_target])  # why not, the target it proposed
         refusals = [
             {"rank": rank, "reason": why}
             for rank, (why, _) in enumerate(answers)

@@ -59,13 +59,6 @@ def db_path(tmp_path: Path) -> Path:
 
 # -- PostgreSQL --------------------------------------------------------------------------------
 
-#: The server the ``postgres`` tests use (trust auth); ``EDO_TEST_PG_URL`` overrides it.
-PG_SERVER_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-
-
-def _pg_server_url() -> str:
-    return os.environ.get("EDO_TEST_PG_URL") or PG_SERVER_URL
-
 
 @pytest.fixture(scope="session")
 def pg_database() -> Iterator[str]:
@@ -75,21 +68,17 @@ def pg_database() -> Iterator[str]:
         import psycopg
     except ImportError:
         pytest.skip("psycopg is not installed (pip install 'edo-monitor[postgres]')")
+    from pg_admin import AdminConnection, fresh_database, server_url
     from sqlalchemy.engine import make_url
 
-    server = make_url(_pg_server_url())
+    server = make_url(server_url())
     dsn = server.set(drivername="postgresql").render_as_string(hide_password=False)
     try:
-        admin = psycopg.connect(dsn, autocommit=True, connect_timeout=3)
+        admin = AdminConnection(dsn)
     except psycopg.Error as exc:
         pytest.skip(f"no PostgreSQL server reachable at {server!r}: {exc}".strip())
-    name = f"edo_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
-    with admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-        try:
-            yield server.set(database=name).render_as_string(hide_password=False)
-        finally:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with fresh_database(admin) as name:  # dropped even if the admin connection was terminated
+        yield server.set(database=name).render_as_string(hide_password=False)
 
 
 @pytest.fixture

@@ -7,7 +7,9 @@ summary, its job and rank, and what the scenario measured.
 
 Scenarios:
 
-* ``jobs``: a plain training loop (the job and rank columns).
+* ``jobs``: a plain training loop (the job and rank columns). ``die_rank``: that rank ends
+  with ``os._exit(3)`` right after joining the group, before any collective (after ``hang_s``
+  seconds of sleep: alive but never taking part); ``strict=0``: the agent's errors are logged.
 * ``pressure``: CPU-budget mode (``budget=``) with a policy; rank ``heavy_rank`` trains on
   larger batches, so only its free fraction falls below the floor. Options: ``ladder`` (comma
   separated), ``ddp=1`` (wrap in ``DistributedDataParallel``), ``tie_rank`` (that rank's table
@@ -18,6 +20,7 @@ Scenarios:
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -34,11 +37,19 @@ def _options(argv: list[str]) -> dict[str, str]:
 
 
 def scenario_jobs(db: str, rank: int, opts: dict[str, str]) -> dict[str, Any]:
+    if rank == int(opts.get("die_rank", "-1")):  # gone before the first collective
+        time.sleep(float(opts.get("hang_s", "0")))  # (alive but never taking part, first)
+        os._exit(3)
     torch.manual_seed(rank)
     model = nn.Sequential(nn.Embedding(2_000, 16), nn.Linear(16, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     steps = int(opts.get("steps", "10"))
-    with edo_monitor.watch(model, db=db, interval_s=0.01, run_name="ranks-test", strict=True) as m:
+    strict = opts.get("strict", "1") == "1"
+    t0 = time.monotonic()
+    with edo_monitor.watch(
+        model, db=db, interval_s=0.01, run_name="ranks-test", strict=strict
+    ) as m:
+        enter_s = time.monotonic() - t0
         for _ in range(steps):
             x = torch.randint(0, 2_000, (64,))
             model(x).logsumexp(-1).mean().backward()
@@ -56,6 +67,7 @@ def scenario_jobs(db: str, rank: int, opts: dict[str, str]) -> dict[str, Any]:
         "world_size": m.world_size,
         "local_rank": m.local_rank,
         "summary_job_id": s.job_id,
+        "enter_s": enter_s,
     }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -165,6 +166,108 @@ def test_the_policy_acts_inside_lightnings_optimizer_step(db_path: Path, tmp_pat
     acc.Reload()
     assert "edo/in_use_bytes" in acc.Tags()["tensors"]
     assert "edo/events/action/text_summary" in acc.Tags()["tensors"]
+
+
+@pytest.mark.slow
+def test_an_epoch_shorter_than_the_accumulation_steps_once_at_its_end(db_path: Path) -> None:
+    """``limit_train_batches=3, accumulate_grad_batches=4``: Lightning 2.6 steps the optimizer
+    at each epoch's last batch (3 of the 4 accumulated), once per epoch. The run's steps, its
+    safe points (where the policy's action lands) and the optimizer steps that really happen are
+    the same: 4 in 4 epochs, the action inside one of them."""
+    stepped: list[int] = []
+    acted: list[tuple[int, int, list[str]]] = []
+
+    class Counted(BagOfWords):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            time.sleep(0.02)  # the sampler reads the pressure between batches
+            return super().training_step(batch, batch_idx)
+
+        def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+            stepped.append(self.trainer.global_step)
+            super().optimizer_step(*args, **kwargs)
+
+    def on_action(result: Any) -> None:
+        files = [f.filename.replace("\\", "/") for f in traceback.extract_stack()]
+        acted.append((callback.monitor.steps, len(stepped), files))
+
+    callback = EdoMonitorCallback(
+        db=db_path,
+        budget=12_000_000,
+        policy=edo_monitor.Policy(on_action=on_action),
+        interval_s=0.005,
+    )
+    t = pl.Trainer(
+        max_epochs=4,
+        limit_train_batches=3,
+        accumulate_grad_batches=4,
+        accelerator="cpu",
+        logger=False,
+        callbacks=[callback],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    t.fit(Counted(), loader(3))
+    assert stepped == [0, 1, 2, 3] and t.global_step == 4
+    (run,) = runs(db_path)
+    assert (run["status"], run["steps"]) == ("finished", 4)
+    assert callback.monitor.summary().steps == 4
+    assert acted, callback.monitor.summary()  # the table does not fit: the policy acts
+    steps_then, optimizer_steps_then, files = acted[0]
+    assert steps_then == optimizer_steps_then - 1  # inside the step being taken, not a batch's
+    assert any(f.endswith("torch/optim/optimizer.py") for f in files)  # its post-hook
+
+
+@pytest.mark.slow
+def test_a_fit_resumed_after_a_conversion_trains_as_its_twin_and_names_its_run(
+    db_path: Path, tmp_path: Path
+) -> None:
+    """The policy caches the table in a first fit of 6 steps, saved; ``fit(ckpt_path=)`` to 12
+    steps loads it, trains equal to an untouched twin resumed from the same checkpoint (the
+    agent caches the table again), and is a new run that names the first one
+    (``config["resumed_from"]``, from the callback's checkpoint state, and a ``resumed_from``
+    event)."""
+
+    def fit(callback: Any, steps: int, ckpt: Path | None, save: Path | None) -> BagOfWords:
+        t = pl.Trainer(
+            max_steps=steps,
+            accelerator="cpu",
+            logger=False,
+            callbacks=[callback] if callback else [],
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        module = BagOfWords()
+        t.fit(module, loader(), ckpt_path=str(ckpt) if ckpt else None)
+        if save is not None:
+            t.save_checkpoint(save)
+        return module
+
+    def watched() -> EdoMonitorCallback:
+        return EdoMonitorCallback(db=db_path, budget=12_000_000, policy=edo_monitor.Policy())
+
+    first = watched()
+    fit(first, 6, None, tmp_path / "watched.ckpt")
+    assert [a["action"] for a in first.monitor.summary().actions] == ["cache_embedding"]
+    resumed = watched()
+    mine = fit(resumed, 12, tmp_path / "watched.ckpt", None)
+    assert [a["action"] for a in resumed.monitor.summary().actions] == ["cache_embedding"]
+    twin = fit(None, 12, tmp_path / "watched.ckpt", None)  # the same checkpoint, no agent
+    for (name, a), (_, b) in zip(
+        mine.state_dict().items(), twin.state_dict().items(), strict=True
+    ):  # the cache's host-side Adam differs from the eager one by ~5e-7 in 6 steps
+        assert a.shape == b.shape and torch.allclose(a, b, rtol=0, atol=1e-5), name
+    old_id, new_id = first.monitor.run_id, resumed.monitor.run_id
+    assert new_id != old_id
+    with History(db_path) as h:
+        run = h.run(new_id)
+        assert (run.status, run.steps) == ("finished", 6)
+        origin = run.config["resumed_from"]
+        assert (origin["run_id"], origin["run_uuid"]) == (old_id, first.monitor.run_uuid)
+        assert origin["step"] == 6 and origin["checkpoint"].endswith("watched.ckpt")
+        (event,) = h.events(new_id, kind="resumed_from")
+        assert event.data == origin
 
 
 def test_an_option_watch_does_not_take_is_refused() -> None:

@@ -225,3 +225,88 @@ def test_the_readme_trainer_section_runs_as_written(
     assert summary.run_name == "BertForSequenceClassification"
     (run,) = runs(tmp_path / "edo-history.db")
     assert (run["status"], run["budget_bytes"]) == ("finished", 4_000_000)
+
+
+class BagOfIds(torch.nn.Module):
+    """A 20,000 x 32 table (with Adam: ~10.2 MB) and a head; the Trainer's loss in a dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(20_000, 32)
+        self.head = torch.nn.Linear(32, 2)
+
+    def forward(self, input_ids: Any = None, labels: Any = None, **_: Any) -> dict[str, Any]:
+        logits = self.head(self.emb(input_ids).mean(1))
+        return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+def ids_dataset(n: int = 512) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 20_000, (n, 8), generator=gen)
+    labels = torch.randint(0, 2, (n,), generator=gen)
+    return [{"input_ids": ids[i], "labels": labels[i]} for i in range(n)]
+
+
+@pytest.mark.slow
+def test_a_resumed_train_after_a_conversion_trains_as_its_twin_and_names_its_run(
+    db_path: Path, tmp_path: Path
+) -> None:
+    """The policy caches the table in a first ``train()`` of 6 steps, checkpointed;
+    ``train(resume_from_checkpoint=)`` to 12 loads it, trains equal to an untouched twin
+    resumed from the same checkpoint, and is a new run naming the first one."""
+    import edo_monitor
+    from edo_monitor.store.history import History
+
+    def train(callback: Any, steps: int, resume: str | None) -> Any:
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / "out"),
+            max_steps=steps,
+            per_device_train_batch_size=64,
+            use_cpu=True,
+            report_to=[],
+            save_strategy="steps" if resume is None else "no",
+            save_steps=6,
+            logging_strategy="no",
+            disable_tqdm=True,
+            dataloader_drop_last=True,
+            optim="adamw_torch",  # the row cache refuses fused AdamW, the Trainer's default
+        )
+        model = BagOfIds()
+        trainer = transformers.Trainer(
+            model=model,
+            args=args,
+            train_dataset=ids_dataset(),
+            callbacks=[callback] if callback else [],
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        return model
+
+    def watched() -> EdoMonitorCallback:
+        return EdoMonitorCallback(db=db_path, budget=12_000_000, policy=edo_monitor.Policy())
+
+    first = watched()
+    train(first, 6, None)
+    assert [a["action"] for a in first.monitor.summary().actions] == ["cache_embedding"]
+    ckpt = str(tmp_path / "out" / "checkpoint-6")
+    resumed = watched()
+    mine = train(resumed, 12, ckpt)
+    twin = train(None, 12, ckpt)
+    for (name, a), (_, b) in zip(
+        mine.state_dict().items(), twin.state_dict().items(), strict=True
+    ):  # the cache's host-side Adam differs from the eager one by ~5e-7 in 6 steps
+        assert a.shape == b.shape and torch.allclose(a, b, rtol=0, atol=1e-5), name
+    old_id, new_id = first.monitor.run_id, resumed.monitor.run_id
+    assert new_id != old_id
+    with History(db_path) as h:
+        run = h.run(new_id)
+        assert (run.status, run.steps) == ("finished", 6)
+        origin = run.config["resumed_from"]
+        assert origin == {
+            "run_id": old_id,
+            "run_uuid": first.monitor.run_uuid,
+            "step": 6,
+            "checkpoint": ckpt,
+        }
+        (event,) = h.events(new_id, kind="resumed_from")
+        assert event.data == origin

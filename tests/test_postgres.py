@@ -318,3 +318,79 @@ def test_replay_reads_postgres_as_sqlite(pg_seeded: str, tmp_path: Path) -> None
     assert [r[0] for r in pg_rows] == sorted(r[0] for r in pg_rows)  # time order
     assert pg.samples == lt.samples == N_SAMPLES
     assert pg.min_free_fraction == lt.min_free_fraction and pg.crossings == lt.crossings
+
+
+def _terminate(dsn: str, where: str, *args: Any) -> int:
+    """``pg_terminate_backend`` every server process matching ``where`` (never this one's)."""
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            f"WHERE pid <> pg_backend_pid() AND {where}",
+            args,
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def test_a_terminated_writer_connection_is_one_warning_and_an_event(
+    pg_url: str, caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """An administrator terminates the run's connections mid-run (``pg_terminate_backend``):
+    the writer reconnects and loses nothing, says so in one warning line (no traceback, from
+    the writer, SQLAlchemy or psycopg) and records a ``store_reconnected`` event."""
+    import logging
+
+    from sqlalchemy.engine import make_url
+
+    url = make_url(pg_url)
+    dsn = url.set(drivername="postgresql", query={}).render_as_string(hide_password=False)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    terminated, flushes_then = 0, 0
+    with caplog.at_level(logging.INFO), edo_monitor.watch(model, db=pg_url, interval_s=0.02) as mon:
+        writer = mon._run.writer
+        assert writer is not None
+        deadline = time.monotonic() + 30  # two flushes after the cut (1 s apart)
+        while time.monotonic() < deadline and writer.flushes < flushes_then + 2:
+            train(model, opt, 2, sleep_s=0.01)
+            if not terminated and writer.flushes >= 1:
+                terminated = _terminate(dsn, "datname = %s", url.database)
+                flushes_then = writer.flushes
+    assert terminated >= 1 and writer.flushes >= flushes_then + 2
+    summary = mon.summary()
+    assert summary.samples_dropped == 0 and not any(summary.rows_not_written.values())
+    assert summary.samples_written == summary.samples > 0 and summary.store_problem is None
+    ours = [
+        r
+        for r in caplog.records
+        if r.name.split(".")[0] in ("edo_monitor", "sqlalchemy", "psycopg")
+        and r.levelno >= logging.WARNING
+    ]
+    assert len(ours) == 1, [r.getMessage() for r in ours]
+    assert ours[0].levelname == "WARNING" and "AdminShutdown" in ours[0].getMessage()
+    assert all(r.exc_info is None and not r.exc_text for r in caplog.records)
+    assert "Traceback" not in capfd.readouterr().err
+    with History(pg_url) as h:
+        (event,) = h.events(summary.run_id, kind="store_reconnected")
+        assert event.data["tries"] >= 1 and "AdminShutdown" in event.data["error"]
+        assert h.run(summary.run_id).sample_count == summary.samples
+
+
+def test_the_session_database_is_dropped_after_its_admin_connection_was_terminated(
+    pg_database: str,
+) -> None:
+    """The fixture's idle admin connection is terminated by an administrator: it is re-made
+    and ``DROP DATABASE`` still runs (the suite ended with an ERROR and left the database)."""
+    import psycopg
+    from pg_admin import AdminConnection, fresh_database, server_url
+    from sqlalchemy.engine import make_url
+
+    dsn = make_url(server_url()).set(drivername="postgresql").render_as_string(False)
+    admin = AdminConnection(dsn)
+    with fresh_database(admin) as name:
+        assert _terminate(dsn, "pid = %s", admin.backend_pid) == 1
+    assert admin.reconnects == 1
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        left = conn.execute("SELECT count(*) FROM pg_database WHERE datname = %s", (name,))
+        assert left.fetchone() == (0,)

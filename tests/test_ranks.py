@@ -197,9 +197,11 @@ def run_ranks(
     *options: str,
     env: dict[str, str] | None = None,
     timeout_s: float = 240,
+    dying: int | None = None,
 ) -> list[dict[str, Any]]:
     """Start ``world_size`` ranks of tests/ranks_worker.py (gloo over a FileStore in
-    ``folder``) and return each rank's JSON line, by rank."""
+    ``folder``) and return each rank's JSON line, by rank (for rank ``dying``, which is to die,
+    its exit status instead: ``{"returncode": N}``)."""
     store = folder / f"store-{uuid.uuid4().hex[:8]}"
     base = {
         k: v
@@ -234,7 +236,7 @@ def run_ranks(
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    if any(p.returncode != 0 for p in procs):  # every rank's own error, untruncated by pytest
+    if any(p.returncode != 0 for r, p in enumerate(procs) if r != dying):  # each rank's error
         pytest.fail(
             "\n".join(
                 f"rank {r} exited {p.returncode}; its stderr ends:\n{err[-2500:]}"
@@ -242,7 +244,10 @@ def run_ranks(
             ),
             pytrace=False,
         )
-    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    return [
+        {"returncode": p.returncode} if r == dying else json.loads(out.strip().splitlines()[-1])
+        for r, (p, (out, _)) in enumerate(zip(procs, outs, strict=True))
+    ]
 
 
 def _check_two_rank_job(db: str, results: list[dict[str, Any]]) -> None:
@@ -387,7 +392,8 @@ def test_a_rank_that_cannot_apply_makes_every_rank_refuse(tmp_path: Path) -> Non
         assert "rank 0 cannot apply it: emb: weight is tied to tied (Linear)" in e.data["reason"]
     for res in results:  # nothing was offloaded: the job went on without it
         assert res["status"] == "finished" and res["errors"] == {}
-        assert res["sync"]["collectives"] == 10 + 1 + 1  # one agreement with a decision
+        # one agreement with a decision; the refusals' reasons: their lengths, then the bytes
+        assert res["sync"]["collectives"] == 10 + 1 + 2
 
 
 @pytest.mark.slow
@@ -411,3 +417,34 @@ def test_checkpoint_activations_under_ddp_on_every_rank(tmp_path: Path) -> None:
     assert "CPU-budget" in refusals["release_cache"]  # refused for the CPU, not for DDP
     for res in results:
         assert res["status"] == "finished" and res["errors"] == {} and res["steps"] == 40
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hang_s", [0, 30], ids=["exits", "hangs"])
+def test_a_rank_gone_before_the_first_agreement_leaves_the_others_training(
+    tmp_path: Path, hang_s: int
+) -> None:
+    """Rank 1 ends with ``os._exit`` right after joining the group (or first sleeps 30 s, alive
+    but never taking part): rank 0's agreement at ``watch()`` ends within the agreement bound
+    (``EDO_AGREEMENT_TIMEOUT_S``, 3 s here) and it trains every step; nothing hangs (rank 0
+    waited for the group's own 30-minute timeout)."""
+    db = str(tmp_path / "history.db")
+    started = time.monotonic()
+    results = run_ranks(
+        "jobs",
+        db,
+        2,
+        tmp_path,
+        "die_rank=1",
+        f"hang_s={hang_s}",
+        "strict=0",
+        env={"EDO_AGREEMENT_TIMEOUT_S": "3"},
+        timeout_s=150,
+        dying=1,
+    )
+    rank0, gone = results
+    assert gone == {"returncode": 3}
+    assert rank0["enter_s"] < 3 + 12  # the bound and a loaded machine's slack (not 30 s)
+    assert rank0["status"] == "finished" and rank0["steps"] == 10
+    assert rank0["job_id"] is None  # no agreement, so no job: a plain run
+    assert time.monotonic() - started < 150

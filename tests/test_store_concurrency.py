@@ -7,6 +7,7 @@ batches, rows SQLite refuses, and retries.
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import subprocess
 import sys
@@ -278,7 +279,7 @@ def test_writer_retries_after_an_operational_error(
         writer.put_sample(_reading(i))
 
     def refused() -> bool:
-        return any("database is locked" in (r.exc_text or "") for r in caplog.records)
+        return any("database is locked" in r.getMessage() for r in caplog.records)
 
     closing = None
     if when == "closing":
@@ -309,8 +310,13 @@ def test_writer_retries_after_an_operational_error(
     assert writer.dropped == 0 and writer.written["samples"] == 50
     errors = [r for r in caplog.records if "cannot write" in r.getMessage()]
     assert len(errors) == 1 and "retrying" in errors[0].getMessage()  # logged once
+    # recovered, nothing lost: one warning line, no traceback, and the event in the history
+    assert errors[0].levelname == "WARNING" and errors[0].exc_info is None
+    assert writer.reconnects == 1
     con = sqlite3.connect(tmp_path / "w.db")
     assert con.execute("SELECT count(*), max(step) FROM samples").fetchone() == (50, 49)
+    (data,) = con.execute("SELECT data FROM events WHERE kind = 'store_reconnected'").fetchone()
+    assert json.loads(data)["tries"] >= 1 and "database is locked" in json.loads(data)["error"]
     con.close()
     engine.dispose()
 

@@ -12,7 +12,13 @@ import torch
 from edo_monitor.agent.monitor import Monitor
 from edo_monitor.errors import ConfigError
 
-__all__ = ["check_watch_kwargs", "torch_optimizers", "unwrap_optimizer", "watch_options"]
+__all__ = [
+    "check_watch_kwargs",
+    "record_resume",
+    "torch_optimizers",
+    "unwrap_optimizer",
+    "watch_options",
+]
 
 #: what a callback sets itself from the framework (the model, its optimizers)
 _SET_BY_CALLBACK = frozenset({"self", "model", "optimizer"})
@@ -67,3 +73,15 @@ def torch_optimizers(optimizers: Iterable[Any]) -> list[torch.optim.Optimizer]:
         if isinstance(inner, torch.optim.Optimizer) and inner not in found:
             found.append(inner)
     return found
+
+
+def record_resume(monitor: Any, resumed: dict[str, Any]) -> None:
+    """Record, as a ``resumed_from`` event of ``monitor``'s new run, the run a resumed
+    checkpoint was saved from (``resumed``: ``run_id``, ``run_uuid``, ``step`` and
+    ``checkpoint``; also in the run's ``config["resumed_from"]``)."""
+    monitor._log.emit(
+        "resumed_from",
+        f"resumes run {resumed.get('run_id')} ({resumed.get('run_uuid')}) from step "
+        f"{resumed.get('step')} of checkpoint {resumed.get('checkpoint')}",
+        resumed,
+    )

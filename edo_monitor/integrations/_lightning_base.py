@@ -12,7 +12,7 @@ from typing import Any
 
 from edo_monitor.agent.monitor import Monitor
 from edo_monitor.errors import ConfigError
-from edo_monitor.integrations._common import torch_optimizers, watch_options
+from edo_monitor.integrations._common import record_resume, torch_optimizers, watch_options
 
 __all__ = ["LightningCallbackMixin", "lightning_run_name"]
 
@@ -58,6 +58,21 @@ class LightningCallbackMixin:
         self._tensorboard = tensorboard
         #: the current (or last) fit's :class:`~edo_monitor.Monitor`; ``None`` before a fit
         self.monitor: Monitor | None = None
+        #: the run a checkpoint being resumed was saved from (its :meth:`state_dict`)
+        self._resumed_from: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ checkpoint state
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the callback: the run it was saved from (``run_id``,
+        ``run_uuid``, ``step``), so that a fit resumed from it names that run."""
+        m = self.monitor
+        if m is None or not m.run_uuid:
+            return {}
+        return {"run_id": m.run_id, "run_uuid": str(m.run_uuid), "step": m.steps}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Lightning restores a checkpoint (``fit(ckpt_path=)``, before ``on_fit_start``)."""
+        self._resumed_from = dict(state_dict) if state_dict.get("run_uuid") else None
 
     # ------------------------------------------------------------------ Lightning hooks
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
@@ -74,6 +89,11 @@ class LightningCallbackMixin:
             "accumulate_grad_batches": getattr(trainer, "accumulate_grad_batches", None),
             **(kwargs.get("config") or {}),
         }
+        resumed = self._resumed_from
+        self._resumed_from = None
+        if resumed is not None:
+            resumed = {**resumed, "checkpoint": str(getattr(trainer, "ckpt_path", None))}
+            kwargs["config"]["resumed_from"] = resumed
         optimizers = torch_optimizers(getattr(trainer, "optimizers", None) or [])
         self.monitor = Monitor(
             pl_module,
@@ -82,6 +102,8 @@ class LightningCallbackMixin:
             **kwargs,
         )
         self.monitor.start()
+        if resumed is not None:
+            record_resume(self.monitor, resumed)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         """The fit loop is done: the run is ``finished`` (before the strategy's teardown moves

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import sys
 import threading
 from typing import Any
@@ -43,7 +44,7 @@ except ImportError as exc:
     ) from None
 
 from edo_monitor.agent.monitor import Monitor
-from edo_monitor.integrations._common import torch_optimizers, watch_options
+from edo_monitor.integrations._common import record_resume, torch_optimizers, watch_options
 
 __all__ = ["EdoMonitorCallback", "TrainingDidNotEnd"]
 
@@ -108,6 +109,29 @@ def _end_open_runs() -> None:
             logger.exception("edo-monitor: could not end a run at exit")
 
 
+#: the key of ``TrainerState.stateful_callbacks`` (in each checkpoint's ``trainer_state.json``)
+#: holding the run a checkpoint was saved from
+STATE_KEY = "edo_monitor"
+
+
+def _resumed_from(state: Any, args: Any) -> dict[str, Any] | None:
+    """The run a resumed ``train(resume_from_checkpoint=)`` continues (``run_id``,
+    ``run_uuid``, ``step``, ``checkpoint``), read from the loaded ``trainer_state.json``; ``None``
+    for a fresh ``train()`` (global step 0) or a checkpoint saved without the callback."""
+    step = getattr(state, "global_step", 0) or 0
+    saved = getattr(state, "stateful_callbacks", None)
+    prior = saved.get(STATE_KEY) if isinstance(saved, dict) and step > 0 else None
+    if not isinstance(prior, dict) or not prior.get("run_uuid"):
+        return None
+    folder = os.path.join(str(getattr(args, "output_dir", "") or ""), f"checkpoint-{step}")
+    return {
+        "run_id": prior.get("run_id"),
+        "run_uuid": str(prior["run_uuid"]),
+        "step": int(step),
+        "checkpoint": folder if os.path.isdir(folder) else None,
+    }
+
+
 class EdoMonitorCallback(TrainerCallback):
     """Watch the ``Trainer``'s model with :func:`edo_monitor.watch` for ``trainer.train()``.
 
@@ -123,6 +147,10 @@ class EdoMonitorCallback(TrainerCallback):
       The run's config records ``integration="transformers"``.
     * **End**: ``on_train_end`` records it ``finished``; a failure as the module docstring says
       (process exit, the next ``train()``, or :meth:`close` with the exception).
+    * **Resume**: the run's id and UUID are kept in every checkpoint's ``trainer_state.json``
+      (``stateful_callbacks["edo_monitor"]``); ``train(resume_from_checkpoint=)`` is a new run
+      whose ``config["resumed_from"]`` and ``resumed_from`` event name that run, the step and
+      the checkpoint folder.
 
     Args:
         policy: an :class:`edo_monitor.Policy` (the auto-tuner); ``None`` records only.
@@ -179,11 +207,19 @@ class EdoMonitorCallback(TrainerCallback):
             "gradient_accumulation_steps": getattr(args, "gradient_accumulation_steps", None),
             **(kwargs.get("config") or {}),
         }
+        resumed = _resumed_from(state, args)
+        if resumed is not None:
+            kwargs["config"]["resumed_from"] = resumed
         optimizers = torch_optimizers([optimizer] if optimizer is not None else [])
         monitor = Monitor(model, optimizers or None, tensorboard=self._tensorboard, **kwargs)
         monitor.start()
         self.monitor = monitor
         _track(self)
+        saved = getattr(state, "stateful_callbacks", None)
+        if isinstance(saved, dict):  # saved with every checkpoint's trainer_state.json
+            saved[STATE_KEY] = {"run_id": monitor.run_id, "run_uuid": str(monitor.run_uuid)}
+        if resumed is not None:
+            record_resume(monitor, resumed)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
         """A step boundary for a loop whose optimizer the monitor cannot hook (no torch

@@ -338,7 +338,8 @@ device_events_table = Table(
 #: ``device_events.kind`` values: the daemon started / stopped, a GPU appeared (at start or
 #: later) or was lost (``NVMLError_GpuIsLost``, or gone from NVML's list), a device or NVML as a
 #: whole stopped answering (driver/library mismatch …), one query of a device failed
-#: (``probe_unavailable``, as the agent's), rows dropped (queue full or unwritable).
+#: (``probe_unavailable``, as the agent's), rows dropped (queue full or unwritable), the
+#: database working again after failed writes (``store_reconnected``, nothing lost).
 DEVICE_EVENT_KINDS = (
     "daemon_started",
     "daemon_stopped",
@@ -348,4 +349,5 @@ DEVICE_EVENT_KINDS = (
     "nvml_unavailable",
     "probe_unavailable",
     "samples_dropped",
+    "store_reconnected",
 )

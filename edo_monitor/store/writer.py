@@ -22,6 +22,13 @@ into a deleted or replaced file would "succeed" into a file nobody can read, so 
 are counted, not written, and the problem is logged once (:attr:`Writer.problem`). The count goes
 into ``runs.samples_dropped`` whenever a flush succeeds and into the log at ``close()``.
 
+A database that fails and then works again (a PostgreSQL connection terminated by an
+administrator or a failover, an SQLite file locked for a while) loses nothing: the batch is kept,
+the writer logs one warning line (no traceback: nothing was lost) and, in the first transaction
+that succeeds again, writes a ``store_reconnected`` event (``data``: the failed tries, the
+seconds without the database, the first error). A traceback is logged only where rows are lost
+(a batch the database refuses).
+
 An integer that SQLite cannot store (2**63 or more, a driver's "not available" marker that got
 through) makes the flush fail with ``OverflowError``: such values are replaced by ``NULL`` (each
 counted in :attr:`Writer.values_nulled`, logged once) and the flush is tried again, so one bad
@@ -121,6 +128,10 @@ class Writer:
         self._thread = threading.Thread(target=self._loop, name="edo-writer", daemon=True)
         self._error_logged = False
         self._last_error = ""
+        #: the outage in progress: (first error, monotonic time of the first failed try, tries)
+        self._outage: tuple[str, float, int] | None = None
+        #: outages the writer recovered from without losing rows (a ``store_reconnected`` each)
+        self.reconnects = 0
         self._closed = False
         self._names = ("samples", *(name for name, _ in self.ROW_TABLES))
         #: rows written so far, by table name (read by tests and benchmarks)
@@ -392,6 +403,17 @@ class Writer:
             "data": {"count": new_drops, "total": total},
         }
 
+    def _reconnect_row(self, now: float, data: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        """The row recording that the database works again after failed tries: ``(table,
+        row)``; ``data`` holds ``tries``, ``outage_s`` and ``error``."""
+        return "events", {
+            "time_s": now,
+            "step": -1,
+            "kind": "store_reconnected",
+            "message": _reconnect_message(data),
+            "data": data,
+        }
+
     def _prepare(self, conn: Connection, table: str, rows: list[dict[str, Any]]) -> None:
         """Complete ``rows`` of ``table`` before their insert (inside the flush's transaction)."""
         for r in rows:
@@ -412,6 +434,17 @@ class Writer:
         if new_drops:
             drop_table, drop_row = self._drop_row(now, new_drops, dropped)
             pending[drop_table].append(drop_row)
+        outage = self._outage
+        back_table = None
+        if outage is not None:  # written in the transaction that shows the database works again
+            first_error, since, tries = outage
+            back = {
+                "tries": tries,
+                "outage_s": round(time.monotonic() - since, 3),
+                "error": first_error,
+            }
+            back_table, back_row = self._reconnect_row(now, back)
+            pending[back_table].append(back_row)
         try:
             conn = self._connection()
             with conn.begin():
@@ -424,26 +457,32 @@ class Writer:
                         conn.execute(insert(model), rows)
                 self._after_rows(conn, now, new_drops, dropped)
         except OverflowError:
-            if drop_table is not None:
-                pending[drop_table].pop()
+            _unappend(pending, back_table, drop_table)
             raise
         except Exception as exc:  # the database must never take the training down
-            self._last_error = f"{type(exc).__name__}: {getattr(exc, 'orig', None) or exc}"
+            self._last_error = _describe(exc)
             self._release()  # the next try starts on a fresh connection
-            if drop_table is not None:
-                pending[drop_table].pop()
+            _unappend(pending, back_table, drop_table)
             retry = isinstance(exc, OperationalError)  # locked, I/O, server gone: try again
-            if not self._error_logged:
-                logger.exception(
-                    "history writer cannot write to %s; %s",
-                    self.engine.url,
-                    "retrying" if retry else "dropping the batch",
-                )
-                self._error_logged = True
             if not retry:  # bad rows never get better: drop them (counted) instead of looping
+                if not self._error_logged:  # rows are lost: the whole story, once
+                    logger.exception(
+                        "history writer cannot write to %s; dropping the batch", self.engine.url
+                    )
+                    self._error_logged = True
                 for table, rows in pending.items():
                     self._count(table, len(rows))
                 return True
+            if self._outage is None:  # one line per outage; nothing is lost yet
+                self._outage = (self._last_error, time.monotonic(), 1)
+                logger.warning(
+                    "history writer cannot write to %s (%s); keeping the rows and retrying",
+                    self.engine.url,
+                    self._last_error,
+                )
+            else:
+                first, since, tries = self._outage
+                self._outage = (first, since, tries + 1)
             # keep the batch for the next try, but bounded: beyond 100k rows, drop the oldest
             for table, rows in pending.items():
                 if len(rows) > 100_000:
@@ -455,7 +494,33 @@ class Writer:
             self.written[table] += len(rows)
         self._dropped_recorded = dropped
         self.flushes += 1
+        if outage is not None:
+            self._outage = None
+            self.reconnects += 1
+            logger.info("history writer: %s", _reconnect_message(back))
         return True
+
+
+def _describe(exc: BaseException) -> str:
+    """One line naming a database error: the driver's exception and its first line."""
+    orig = getattr(exc, "orig", None) or exc
+    first = (str(orig).strip().splitlines() or [""])[0]
+    return f"{type(orig).__name__}: {first}" if first else type(orig).__name__
+
+
+def _reconnect_message(data: Mapping[str, Any]) -> str:
+    return (
+        f"the history database works again after {data['tries']} failed write(s) in "
+        f"{data['outage_s']:.1f} s ({data['error']}); nothing was lost"
+    )
+
+
+def _unappend(pending: dict[str, list[Any]], *tables: str | None) -> None:
+    """Take back the rows a failed flush appended (last first: the reconnect row, the drop
+    row)."""
+    for table in tables:
+        if table is not None:
+            pending[table].pop()
 
 
 def _heartbeat(columns: tuple[str, ...]) -> Any:
@@ -565,6 +630,17 @@ class DeviceWriter(Writer):
             "kind": "samples_dropped",
             "message": f"{new_drops} row(s) dropped (queue full or rows unwritable)",
             "data": {"count": new_drops, "total": total},
+        }
+
+    def _reconnect_row(self, now: float, data: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        return "device_events", {
+            "time_s": now,
+            "host": self.host,
+            "device_index": None,
+            "device_uuid": None,
+            "kind": "store_reconnected",
+            "message": _reconnect_message(data),
+            "data": data,
         }
 
     def _prepare(self, conn: Connection, table: str, rows: list[dict[str, Any]]) -> None:
