@@ -147,7 +147,7 @@ def test_errors_are_one_line_with_exit_codes(db: Path, tmp_path: Path) -> None:
 
 def test_doctor(db: Path, tmp_path: Path) -> None:
     data = json.loads(run("doctor", "--json", db=db).stdout)
-    assert data["ok"] and data["schema_version"] == SCHEMA_VERSION == 7
+    assert data["ok"] and data["schema_version"] == SCHEMA_VERSION == 8
     assert data["quick_check"] == ["ok"]
     assert data["rows"]["samples"] == N_SAMPLES + 300 and data["bytes_per_sample"] > 0
     assert run("doctor", "--full", db=db).exit_code == 0
