@@ -229,7 +229,7 @@ def test_history_commands_import_no_torch(db: Path) -> None:
         "from edo_monitor.cli import app\n"
         "for argv in (['runs'], ['show', '1'], ['events', '1'], ['compare', '1', '2'],\n"
         "             ['export', '1'], ['sql', 'SELECT 1'], ['doctor'], ['explain', '1'],\n"
-        "             ['replay', '1'], ['--help']):\n"
+        "             ['replay', '1'], ['snapshot', '1'], ['--help']):\n"
         "    try:\n"
         "        app([*argv, *(['--db', sys.argv[1]] if argv != ['--help'] else [])])\n"
         "    except SystemExit:\n"
