@@ -276,3 +276,39 @@ def test_dashboard_m_shows_the_selected_events_snapshot(run_db: tuple[Path, int]
             assert not isinstance(app.screen, SnapshotScreen)
 
     asyncio.run(asyncio.wait_for(go(), 60))
+
+
+def test_explain_shows_the_oom_snapshot_by_frame_and_its_fragmentation(tmp_path: Path) -> None:
+    """An enforced CPU budget's OOM: the snapshot holds the request that failed; ``explain``
+    lists the largest blocks by frame and says the request did not fit in the largest free
+    block."""
+    from edo_monitor.hindsight import explain
+
+    db = tmp_path / "h.db"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(ROWS, DIM), nn.Linear(DIM, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.arange(8)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    with edo_monitor.watch(model, opt, db=db, budget=BUDGET, enforce=True, strict=True) as mon:
+        for _ in range(2):  # small batches fit (the first step is profiled)
+            model(torch.randint(0, ROWS, (64,))).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        with pytest.raises(edo_monitor.BudgetOutOfMemoryError):
+            model(torch.randint(0, ROWS, (20_000,))).pow(2).mean().backward()
+    with History(db) as h:
+        (oom,) = h.events(mon.run_id, kind="oom")
+        result = explain(h, mon.run_id, event=oom.id)
+    facts = result.incidents[0].snapshot
+    assert facts is not None and facts["source"] == "cpu-budget"
+    frag = facts["fragmentation"]
+    # the request as the OOM's message states it (2.44 MiB: two decimals)
+    assert frag["request_bytes"] == oom.data["parsed"]["requested_bytes"] == round(2.44 * 2**20)
+    assert frag["fits_in_largest_free_block"] is False
+    assert frag["largest_free_block_bytes"] == BUDGET - facts["allocated_bytes"]
+    assert facts["top_frames"][0]["frame"] == "0 (optimizer_state)"
+    res = _cli("explain", str(mon.run_id), "--db", str(db))
+    assert res.returncode == 0, res.stderr
+    assert "it does not fit in any free block" in res.stdout
