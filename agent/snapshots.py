@@ -239,11 +239,11 @@ class SnapshotRecorder:
 
     def _take(self, why: str, data: Mapping[str, Any] | None) -> dict[str, Any]:
         """A snapshot of this moment: the allocator's on CUDA, else one built."""
-        if self._cuda:
-            snap = self._cuda_snapshot()
-            snap.setdefault("edo", {})["why"] = why
-            return snap
-        return self._cpu_snapshot(why, data)
+        t0 = time.perf_counter()
+        snap = self._cuda_snapshot() if self._cuda else self._cpu_snapshot(why, data)
+        # what taking it cost the thread it ran on (benchmarks/snapshots.py reads it)
+        snap.setdefault("edo", {}).update(why=why, take_s=time.perf_counter() - t0)
+        return snap
 
     def _cpu_snapshot(self, why: str, data: Mapping[str, Any] | None) -> dict[str, Any]:
         m = self.m
