@@ -30,25 +30,28 @@ __all__ = [
 
 
 def link_events(conn: Connection, run_id: int | None, rows: list[dict[str, Any]]) -> None:
-    """Writer side, inside the flush: set each pending row's ``event_id`` from its ``_event``
-    key (``(kind, time_s)`` of the event it was queued after), then drop that key. An event not
-    found (its row was dropped) leaves ``event_id`` ``NULL``."""
-    for r in rows:
-        key = r.pop("_event", None)
-        if "event_id" in r or key is None:  # linked on an earlier try of this flush
-            r.setdefault("event_id", None)
-            continue
-        kind, time_s = key
-        r["event_id"] = conn.execute(
-            select(events_table.c.id)
-            .where(
-                events_table.c.run_id == run_id,
-                events_table.c.kind == kind,
-                events_table.c.time_s == time_s,
-            )
-            .order_by(events_table.c.id.desc())
-            .limit(1)
-        ).scalar()
+    """Writer side, inside the flush: replace each row of ``rows`` by a copy without its
+    ``_event`` key (``(kind, time_s)`` of the event it was queued after) and with ``event_id``
+    set to that event's id. The pending row keeps ``_event``, so a flush tried again after a
+    rollback looks the event up again (its id may differ then). An event not found (its row was
+    dropped) leaves ``event_id`` ``NULL``."""
+    for i, r in enumerate(rows):
+        row = {k: v for k, v in r.items() if k != "_event"}
+        key = r.get("_event")
+        row["event_id"] = None
+        if key is not None:
+            kind, time_s = key
+            row["event_id"] = conn.execute(
+                select(events_table.c.id)
+                .where(
+                    events_table.c.run_id == run_id,
+                    events_table.c.kind == kind,
+                    events_table.c.time_s == time_s,
+                )
+                .order_by(events_table.c.id.desc())
+                .limit(1)
+            ).scalar()
+        rows[i] = row
 
 
 @dataclass(frozen=True)
