@@ -312,3 +312,17 @@ def test_explain_shows_the_oom_snapshot_by_frame_and_its_fragmentation(tmp_path:
     res = _cli("explain", str(mon.run_id), "--db", str(db))
     assert res.returncode == 0, res.stderr
     assert "it does not fit in any free block" in res.stdout
+
+
+@pytest.mark.postgres
+def test_snapshots_round_trip_in_postgresql(pg_url: str) -> None:
+    """BYTEA blobs, the event link by (kind, time_s) on double precision, and the cascade."""
+    mon = _train(pg_url, steps=4)  # type: ignore[arg-type]
+    with History(pg_url) as h:
+        crossing = h.events(mon.run_id, kind="threshold_crossed")[0]
+        info = find_snapshot(h, mon.run_id, crossing.id)
+        snap = load_snapshot(h, info)
+    assert totals(snap).allocated_bytes == crossing.data["in_use_bytes"]
+    with History(pg_url, readonly=False) as h:
+        prune(h, keep_last=0)
+        assert snapshot_infos(h, mon.run_id) == []
