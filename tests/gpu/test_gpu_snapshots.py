@@ -35,7 +35,8 @@ def test_oom_snapshot_is_taken_before_the_tensors_are_freed(tmp_path: Path) -> N
     the request in its trace, and the blocks carry this file's frame (snapshots=True)."""
     db = tmp_path / "h.db"
     held: list[torch.Tensor] = []
-    with edo_monitor.watch(None, db=db, budget="512MiB", snapshots=True, interval_s=10) as mon:
+    model = nn.Linear(4, 4).to(CUDA0)  # a CUDA model: watch(None) would be CPU-budget
+    with edo_monitor.watch(model, db=db, budget="512MiB", snapshots=True, interval_s=10) as mon:
         assert mon.device_kind == "cuda"
         for _ in range(48):
             held.append(torch.empty(8 * MiB, dtype=torch.uint8, device=CUDA0))
@@ -60,7 +61,8 @@ def test_oom_snapshot_is_taken_before_the_tensors_are_freed(tmp_path: Path) -> N
 def test_snapshot_command_on_a_cuda_run(tmp_path: Path) -> None:
     """``edo-monitor snapshot --out`` writes the allocator's pickle of an OOM run."""
     db = tmp_path / "h.db"
-    with edo_monitor.watch(None, db=db, budget="256MiB", interval_s=10) as mon:
+    model = nn.Linear(4, 4).to(CUDA0)
+    with edo_monitor.watch(model, db=db, budget="256MiB", interval_s=10) as mon:
         keep = torch.empty(128 * MiB, dtype=torch.uint8, device=CUDA0)
         with pytest.raises(torch.OutOfMemoryError) as caught:
             torch.empty(200 * MiB, dtype=torch.uint8, device=CUDA0)
