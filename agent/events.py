@@ -11,11 +11,13 @@ point (DESIGN.md §3, rule 3).
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from edo_monitor.agent.snapshots import SnapshotRecorder
     from edo_monitor.integrations.tensorboard import TensorBoardSink
     from edo_monitor.store.writer import Writer
 
@@ -45,6 +47,8 @@ class EventLog:
         self.strict = strict
         self.writer: Writer | None = None
         self.tensorboard: TensorBoardSink | None = None
+        #: the incident snapshots (``watch(snapshots=)``), else ``None``
+        self.snapshots: SnapshotRecorder | None = None
         self.counts: Counter[str] = Counter()
         self.actions: list[dict[str, Any]] = []
         self.agent_errors: Counter[str] = Counter()
@@ -57,8 +61,11 @@ class EventLog:
         if kind == "action":
             self.actions.append(dict(data or {}))
         step = self._step()
+        time_s = time.time()
         if self.writer is not None:
-            self.writer.put_event(kind, message, step=step, data=data)
+            self.writer.put_event(kind, message, step=step, data=data, time_s=time_s)
+            if self.snapshots is not None:  # an incident's snapshot, linked to this event
+                self.snapshots.on_event(kind, data, step, time_s)
         if self.tensorboard is not None:
             self.tensorboard.add_event(kind, message, step)  # written by the sampler
 

@@ -53,6 +53,7 @@ from edo_monitor.agent.recovery import StepRecovery
 from edo_monitor.agent.run import RunRecord, RunSummary, claim_model, release_model
 from edo_monitor.agent.safe_point import SafePoint
 from edo_monitor.agent.sampler import Sampler
+from edo_monitor.agent.snapshots import DEFAULT_CAP_BYTES, SnapshotRecorder
 from edo_monitor.agent.tuner import Tuner
 from edo_monitor.errors import ConfigError
 from edo_monitor.frequency import LookupCounter
@@ -128,6 +129,8 @@ class Monitor:
         metrics_host: str = DEFAULT_METRICS_HOST,
         tensorboard: Any = None,
         sync_every_steps: int = DEFAULT_SYNC_EVERY_STEPS,
+        snapshots: bool | None = None,
+        snapshot_cap: int | str = DEFAULT_CAP_BYTES,
     ) -> None:
         if model is not None and not isinstance(model, nn.Module):
             raise ConfigError(f"model={type(model).__name__} is not a torch.nn.Module (or None)")
@@ -161,6 +164,11 @@ class Monitor:
             or sync_every_steps < 1
         ):
             raise ConfigError(f"sync_every_steps={sync_every_steps!r} must be an int >= 1")
+        if snapshots not in (None, True, False):
+            raise ConfigError(f"snapshots={snapshots!r} must be None (auto), True or False")
+        #: ``watch(snapshots=)``: None = at incidents, no allocator history; True = with it
+        self.snapshots = snapshots
+        self.snapshot_cap_bytes = parse_bytes(snapshot_cap, name="snapshot_cap")
         #: steps between the ranks' agreements on a decision (multi-rank jobs)
         self.sync_every_steps = sync_every_steps
         #: base port of the Prometheus endpoint (+ LOCAL_RANK), ``None`` = no endpoint
@@ -231,6 +239,11 @@ class Monitor:
         self._sampler = Sampler(self)
         self._safe_point = SafePoint(self)
         self._tuner = Tuner(self)
+        self._snapshots: SnapshotRecorder | None = None
+        if snapshots is not False:
+            self._snapshots = SnapshotRecorder(
+                self, history=snapshots is True, cap_bytes=self.snapshot_cap_bytes
+            )
         #: readings as TensorBoard scalars, events as text (``tensorboard=``); ConfigError here
         #: for a bad value or without the package, the writer opened on entering
         self._tensorboard: TensorBoardSink | None = None
@@ -367,6 +380,7 @@ class Monitor:
             "policy": repr(self.policy) if self.policy is not None else None,
             "floor": self.policy.min_free_fraction if self.policy is not None else None,
             "model": type(self.model).__name__ if self.model is not None else None,
+            "snapshots": self.snapshots,
             **({"sync_every_steps": self.sync_every_steps} if self.ranks is not None else {}),
             **self.user_config,
         }
@@ -393,6 +407,9 @@ class Monitor:
         self.status = "running"
         self._log.writer = self._run.writer
         self._module_rows.writer = self._run.writer
+        if self._snapshots is not None:
+            self._snapshots.start()  # CUDA: the OOM observer (and the allocator's history)
+            self._log.snapshots = self._snapshots
         if rank_error is not None:
             self._agent_error("rank detection", rank_error)
         if self._tensorboard is not None:
@@ -541,6 +558,8 @@ class Monitor:
         self._safe_point.remove()
         if self._lookups is not None:
             self._lookups.close()
+        if self._snapshots is not None:
+            self._snapshots.stop()
         self._device.reset_fraction()
         self._run.close_writer(self.steps)
         self._device.close_probes()
@@ -712,6 +731,8 @@ def watch(
     metrics_host: str = DEFAULT_METRICS_HOST,
     tensorboard: Any = None,
     sync_every_steps: int = DEFAULT_SYNC_EVERY_STEPS,
+    snapshots: bool | None = None,
+    snapshot_cap: int | str = DEFAULT_CAP_BYTES,
 ) -> Monitor:
     """Watch a training run; use as ``with edo_monitor.watch(model) as monitor:``.
 
@@ -757,6 +778,15 @@ def watch(
             group), the ranks agree on one decision every this many optimizer steps (one small
             collective; a second when a decision is taken), and every rank applies it at that
             step, or none does (default 4). Every rank must step the same number of times.
+        snapshots: a memory snapshot in the format of ``torch.cuda.memory._snapshot()`` at each
+            incident (OOM, crossing below the floor, before/after an action), stored linked to
+            its event (``edo-monitor snapshot``). ``None`` (default): at incidents only, nothing
+            runs before one (on CUDA the allocator's snapshot, its blocks without frames; in
+            CPU-budget mode one built from the accounting). ``True``: on CUDA also record the
+            allocator's history (Python frames of every block, the last 20,000 allocator actions;
+            costs a stack capture per allocation). ``False``: none.
+        snapshot_cap: compressed snapshot bytes stored per run (bytes or ``"64MiB"``); beyond
+            it snapshots are dropped and one ``snapshot_cap_reached`` event says so.
 
     Returns:
         A :class:`Monitor` (entering it starts the run).
@@ -788,4 +818,6 @@ def watch(
         metrics_host=metrics_host,
         tensorboard=tensorboard,
         sync_every_steps=sync_every_steps,
+        snapshots=snapshots,
+        snapshot_cap=snapshot_cap,
     )

@@ -271,6 +271,8 @@ class Tuner:
         m = self.m
         policy = self._policy
         ctx = self.decision_context(decision)
+        if refused is None and m._log.snapshots is not None:
+            m._log.snapshots.before_action()  # the "before" snapshot of the action's event
         result = refused if refused is not None else self._apply(ctx, decision)
         # resolved once: a failed decision is never retried on the same target
         ineffective = policy.resolve(decision, "failed" if refused is not None else result)

@@ -11,7 +11,7 @@ What is measured, and how (issues 2 and 3, "Done when"):
    ``--batch`` positions, forward, cross-entropy, backward, ``opt.step()``,
    ``opt.zero_grad(set_to_none=True)``, ``loss.item()`` (which waits for the device, so a step's
    wall time includes its CUDA kernels with ``--device cuda``: model and data on the GPU, the
-   agent then reads NVML and the CUDA allocator). No policy, no budget. Five modes:
+   agent then reads NVML and the CUDA allocator). No policy, no budget. Six modes:
 
    - ``off``: no agent at all (no ``watch()`` block, no hooks, no threads);
    - ``off-control``: the same again, an A/A control: its ratio to ``off`` is the method's noise;
@@ -19,7 +19,9 @@ What is measured, and how (issues 2 and 3, "Done when"):
      activation tracking on, per-module activation profile every 30 s);
    - ``no-activations``: ``watch(model, track_activations=False)``;
    - ``profile-every-step``: ``watch(model, profile_interval_s=1e-6)``: the per-module activation
-     profile (forward hooks on every module) recorded on every step instead of every 30 s.
+     profile (forward hooks on every module) recorded on every step instead of every 30 s;
+   - ``snapshots-off``: ``watch(model, snapshots=False)``: no incident snapshots (the default
+     takes them, built only at an incident: ``default`` / ``snapshots-off`` is their cost).
 
    All modes run in one process, interleaved: each round runs one block of each mode, in an order
    rotated from round to round, until ``--seconds`` are spent. A block is a fresh ``watch()`` (or
@@ -163,6 +165,9 @@ MODES = (
         "watch(model, profile_interval_s=1e-6)",
         {"profile_interval_s": 1e-6},
     ),
+    # issue 25: the default takes incident snapshots (built only at an incident); off, the cost
+    # of having them on is default / snapshots-off
+    Mode("snapshots-off", "watch(model, snapshots=False)", {"snapshots": False}),
 )
 
 

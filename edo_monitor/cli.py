@@ -1333,6 +1333,38 @@ def explain_cmd(
         _c.out.print(renderable)
 
 
+@app.command("snapshot")
+@_handle_errors
+def snapshot_cmd(
+    run: RunArg,
+    db: DbOpt = None,
+    event: Annotated[
+        int | None, typer.Option("--event", help="The event id (default: the latest snapshot).")
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Write the pickle PyTorch's memory viewer opens.")
+    ] = None,
+    html: Annotated[
+        Path | None, typer.Option("--html", help="Write torch.cuda._memory_viz's page.")
+    ] = None,
+    html_kind: Annotated[str, typer.Option(help="trace (trace_plot) or segments.")] = "trace",
+    top: Annotated[
+        int | None, typer.Option(help="Print the K largest live blocks by frame (module).")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """An incident's memory snapshot (OOM, crossing, action) for PyTorch's memory viewer."""
+    from edo_monitor.cli_snapshot import snapshot_command
+
+    _require_database(db)
+    with _history(db) as h:
+        printed = snapshot_command(
+            h, run, event=event, out=out, html=html, html_kind=html_kind, top=top, as_json=as_json
+        )
+    for renderable in printed:
+        _c.out.print(renderable)
+
+
 def _signed_bytes(value: int | None) -> str:
     """``-14.75 MiB`` for a negative count (a cache growing back uses bytes)."""
     if value is not None and value < 0:

@@ -235,6 +235,9 @@ class Incident:
             sample); ``peak_in_use_bytes``: the episode's highest in-use (crossings).
         shortfall_bytes: bytes that had to go (see the module docstring).
         remedies: ranked, largest saving first.
+        snapshot: from the incident's memory snapshot, when it has one
+            (:func:`edo_monitor.snapshot_explain.memory_at`): largest blocks by frame and the
+            fragmentation then; else ``None``.
     """
 
     event_id: int
@@ -247,6 +250,7 @@ class Incident:
     shortfall_bytes: int
     message: str
     remedies: tuple[Remedy, ...]
+    snapshot: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -533,6 +537,12 @@ def explain(db: Any, run: Any, *, event: int | None = None) -> Explanation:
                 f"event={event!r} is not an OOM or a below-floor crossing of run {info.id}; "
                 f"see edo-monitor events {info.id} --kind oom --kind threshold_crossed"
             )
+        from edo_monitor.snapshot_explain import memory_at
+
+        incidents = [  # schema 8: what the incident's memory snapshot shows
+            dataclasses.replace(i, snapshot=memory_at(history, info.id, i.event_id))
+            for i in incidents
+        ]
         return Explanation(info.id, info.name, info.device_kind, floor, tuple(incidents))
     finally:
         if owned:

@@ -89,4 +89,7 @@ def explain_renderables(result: Explanation, *, top: int = 12) -> list[Renderabl
         out.append(table)
         if len(inc.remedies) > top:
             out.append(Text(f"  … {len(inc.remedies) - top} more (--top, --json)"))
+        from edo_monitor.snapshot_explain import snapshot_renderables
+
+        out.extend(snapshot_renderables(inc.snapshot))
     return out

@@ -147,7 +147,7 @@ def test_errors_are_one_line_with_exit_codes(db: Path, tmp_path: Path) -> None:
 
 def test_doctor(db: Path, tmp_path: Path) -> None:
     data = json.loads(run("doctor", "--json", db=db).stdout)
-    assert data["ok"] and data["schema_version"] == SCHEMA_VERSION == 7
+    assert data["ok"] and data["schema_version"] == SCHEMA_VERSION == 8
     assert data["quick_check"] == ["ok"]
     assert data["rows"]["samples"] == N_SAMPLES + 300 and data["bytes_per_sample"] > 0
     assert run("doctor", "--full", db=db).exit_code == 0
@@ -229,7 +229,7 @@ def test_history_commands_import_no_torch(db: Path) -> None:
         "from edo_monitor.cli import app\n"
         "for argv in (['runs'], ['show', '1'], ['events', '1'], ['compare', '1', '2'],\n"
         "             ['export', '1'], ['sql', 'SELECT 1'], ['doctor'], ['explain', '1'],\n"
-        "             ['replay', '1'], ['--help']):\n"
+        "             ['replay', '1'], ['snapshot', '1'], ['--help']):\n"
         "    try:\n"
         "        app([*argv, *(['--db', sys.argv[1]] if argv != ['--help'] else [])])\n"
         "    except SystemExit:\n"

@@ -102,7 +102,7 @@ def test_rollup_revision_matches_schema_py() -> None:
     """Revisions 0002–0004 keep frozen copies of the rollup columns and level widths; together
     they must be what ``schema.py`` (and so the writers and readers) use (no later revision
     changes the rollups)."""
-    assert SCHEMA_VERSION == 7
+    assert SCHEMA_VERSION == 8
     rev = importlib.import_module("edo_monitor.store.migrations.versions.0002_sample_rollups")
     rev3 = importlib.import_module("edo_monitor.store.migrations.versions.0003_host_tree_and_limit")
     rev4 = importlib.import_module("edo_monitor.store.migrations.versions.0004_row_cache_counters")

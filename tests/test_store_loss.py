@@ -116,12 +116,12 @@ def test_disk_full_counts_every_row_it_could_not_write(
     writer.start()
     with caplog.at_level(logging.WARNING):
         writer.close()
-    assert writer.written == {"samples": 0, "events": 0, "module_stats": 0}
-    assert writer.not_written == {"samples": 123, "events": 4, "module_stats": 3}
+    assert writer.written == {"samples": 0, "events": 0, "module_stats": 0, "snapshots": 0}
+    assert writer.not_written == {"samples": 123, "events": 4, "module_stats": 3, "snapshots": 0}
     assert _count(path, "SELECT samples_dropped FROM runs") == 0  # the heartbeat never fit
     assert writer.dropped == 130
     assert "database or disk is full" in (writer.problem or "")
-    assert "123 sample(s), 4 event(s), 3 module row(s) not written" in caplog.text
+    assert "123 sample(s), 4 event(s), 3 module row(s), 0 snapshot(s) not written" in caplog.text
     assert _count(path, "SELECT count(*) FROM samples") == 0
     engine.dispose()
 

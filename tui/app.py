@@ -83,6 +83,7 @@ class EdoTui(App[None]):
         Binding("slash", "filter", "filter"),
         Binding("e", "export", "export CSV"),
         Binding("x", "explain", "explain"),
+        Binding("m", "snapshot", "snapshot"),
         Binding("question_mark", "help", "help"),
         Binding("q", "quit", "quit"),
     ]
@@ -172,7 +173,9 @@ class EdoTui(App[None]):
         return self.get_screen("runs")  # type: ignore[return-value]
 
     def _close_modal(self) -> None:
-        while isinstance(self.screen, (HelpScreen, ExplainScreen)):
+        from edo_monitor.tui.snapshot_screen import SnapshotScreen
+
+        while isinstance(self.screen, (HelpScreen, ExplainScreen, SnapshotScreen)):
             self.pop_screen()
 
     def _show(self, name: str) -> None:
@@ -238,6 +241,20 @@ class EdoTui(App[None]):
         event = self.run_screen.selected_event
         chosen = event.id if event is not None and event.kind in _INCIDENT_KINDS else None
         self.push_screen(ExplainScreen(run, chosen))
+
+    def action_snapshot(self) -> None:
+        """``m``: the selected event's memory snapshot by frame (else the run's latest)."""
+        from edo_monitor.tui.snapshot_screen import SnapshotScreen
+
+        run = self.run_screen.run_info
+        if run is None:
+            self.notify("no run is open", severity="warning")
+            return
+        if isinstance(self.screen, SnapshotScreen):
+            return
+        self._show("live")
+        event = self.run_screen.selected_event
+        self.push_screen(SnapshotScreen(run, event.id if event is not None else None))
 
     def action_export(self) -> None:
         """``e``: write the open run's samples to a CSV file (name shown in a notification)."""

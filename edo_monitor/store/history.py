@@ -1679,7 +1679,9 @@ def prune(
         now_s: the present (Unix seconds), default ``time.time()``.
 
     Returns:
-        ``{"runs_deleted", "run_ids_deleted", "samples_deleted", "runs_downsampled"}``.
+        ``{"runs_deleted", "run_ids_deleted", "samples_deleted", "runs_downsampled",
+        "snapshots_deleted"}`` (snapshots thinned in downsampled runs: see
+        :func:`edo_monitor.store.snapshot_store.thin_snapshots`).
 
     Raises:
         ConfigError: ``bucket_s <= 0`` or a negative ``keep_last``.
@@ -1687,6 +1689,7 @@ def prune(
     """
     from edo_monitor.errors import StoreError
     from edo_monitor.store.engine import rebuild_rollups, roll_up
+    from edo_monitor.store.snapshot_store import delete_runs_snapshots, thin_snapshots
 
     if bucket_s <= 0:
         raise ConfigError(f"bucket_s={bucket_s!r} must be > 0")
@@ -1707,6 +1710,7 @@ def prune(
         "run_ids_deleted": sorted(doomed),
         "samples_deleted": 0,
         "runs_downsampled": 0,
+        "snapshots_deleted": 0,
     }
     thin = []
     if downsample_older_than_s is not None:
@@ -1728,6 +1732,7 @@ def prune(
         if dry_run:
             report["runs_downsampled"] = len(thin)
             return report
+        delete_runs_snapshots(conn, ids)  # schema 8: before the events they link to
         conn.execute(text(f"DELETE FROM runs WHERE id IN ({ids})"))
         for table in ("samples", "events", "module_stats", "sample_rollups"):
             if table != "sample_rollups" or history._has_rollups:  # FK cascade, made explicit
@@ -1755,6 +1760,8 @@ def prune(
             if res.rowcount:
                 report["samples_deleted"] += res.rowcount
                 report["runs_downsampled"] += 1
+        if thin:  # schema 8: old snapshots thinned with the samples
+            report["snapshots_deleted"] = thin_snapshots(conn, thin, cut)
         if doomed and history._has_jobs:  # jobs none of whose runs is left
             conn.execute(
                 text(

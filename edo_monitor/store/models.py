@@ -20,6 +20,7 @@ __all__ = [
     "ProcessSample",
     "Run",
     "Sample",
+    "Snapshot",
 ]
 
 
@@ -75,3 +76,9 @@ class DeviceEvent(Base):
     """A row of ``device_events``: a GPU appeared or was lost, NVML stopped, the daemon …"""
 
     __table__ = schema.device_events_table
+
+
+class Snapshot(Base):
+    """A row of ``snapshots``: one incident's memory snapshot (compressed pickle)."""
+
+    __table__ = schema.snapshots_table

@@ -21,6 +21,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     PrimaryKeyConstraint,
     String,
@@ -47,10 +48,11 @@ __all__ = [
     "runs_table",
     "sample_rollups",
     "samples_table",
+    "snapshots_table",
 ]
 
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 #: Run statuses written by the agent. ``crashed`` is never written: readers derive it from a
 #: ``running`` run whose process is gone or whose heartbeat is stale.
@@ -350,4 +352,30 @@ DEVICE_EVENT_KINDS = (
     "probe_unavailable",
     "samples_dropped",
     "store_reconnected",
+)
+
+
+# -- schema version 8: memory snapshots of incidents (edo_monitor/snapshots.py) ----------------
+
+#: One memory snapshot in the format of ``torch.cuda.memory._snapshot()`` (a dict with
+#: ``segments`` and ``device_traces``), taken at an incident and linked to its event: an OOM,
+#: a crossing below the floor, before / after an action. ``blob`` is the pickle compressed as
+#: ``encoding`` says (``"pickle+zlib"``); ``raw_bytes`` / ``stored_bytes``: the pickle's size
+#: and the blob's. ``source``: ``"cuda"`` (the allocator's own snapshot) or ``"cpu-budget"``
+#: (built from what the agent accounts). ``phase``: ``"at"`` the event, ``"before"`` /
+#: ``"after"`` an action. ``allocated_bytes``: the active blocks' bytes; ``reserved_bytes``:
+#: the segments' bytes. ``event_id`` is ``NULL`` when the event row could not be written.
+snapshots_table = Table(
+    "snapshots",
+    metadata,
+    *_run_row_columns(run_index=True),
+    Column("event_id", _INT, ForeignKey("events.id", ondelete="CASCADE"), index=True),
+    Column("phase", String(16), nullable=False),
+    Column("source", String(16), nullable=False),
+    Column("encoding", String(32), nullable=False),
+    Column("raw_bytes", _INT, nullable=False),
+    Column("stored_bytes", _INT, nullable=False),
+    Column("allocated_bytes", _INT),
+    Column("reserved_bytes", _INT),
+    Column("blob", LargeBinary, nullable=False),
 )

@@ -59,13 +59,14 @@ from edo_monitor.store.models import (
     ModuleStat,
     ProcessSample,
     Run,
+    Snapshot,
 )
 
 __all__ = ["DeviceWriter", "Writer"]
 
 logger = logging.getLogger(__name__)
 
-_TABLES = (("events", Event), ("module_stats", ModuleStat))
+_TABLES = (("events", Event), ("module_stats", ModuleStat), ("snapshots", Snapshot))
 #: flushes tried after close() while the database keeps failing (OperationalError)
 _CLOSE_TRIES = 3
 #: a Reading's values in ``SAMPLE_FIELDS`` order, as one tuple (C speed, no dict per sample)
@@ -100,6 +101,7 @@ class Writer:
         "samples": "sample(s)",
         "events": "event(s)",
         "module_stats": "module row(s)",
+        "snapshots": "snapshot(s)",
     }
 
     def __init__(
@@ -240,6 +242,12 @@ class Writer:
             "data": dict(data or {}),
         }
         return self._put(("events", row))
+
+    def put_snapshot(self, row: Mapping[str, Any], *, event_kind: str, event_time_s: float) -> bool:
+        """Queue one ``snapshots`` row (its columns but ``run_id`` and ``event_id``), linked at
+        the flush to the event of ``event_kind`` queued with ``time_s=event_time_s`` (events are
+        inserted before snapshots, in the same or an earlier flush)."""
+        return self._put(("snapshots", {**row, "_event": (event_kind, event_time_s)}))
 
     def put_module_stat(self, row: Mapping[str, Any]) -> bool:
         """Queue one ``module_stats`` row (keys are that table's columns, without run_id)."""
@@ -418,6 +426,10 @@ class Writer:
         """Complete ``rows`` of ``table`` before their insert (inside the flush's transaction)."""
         for r in rows:
             r["run_id"] = self.run_id
+        if table == "snapshots":
+            from edo_monitor.store.snapshot_store import link_events
+
+            link_events(conn, self.run_id, rows)
 
     def _after_rows(self, conn: Connection, now: float, new_drops: int, total: int) -> None:
         """Last statement of a flush's transaction: the run's heartbeat (and drop count)."""

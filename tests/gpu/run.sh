@@ -3,7 +3,8 @@
 #
 #   1. a venv with --system-site-packages (the machine's own torch), the project installed from
 #      the wheels prepare.sh downloaded (--no-index --find-links), checked against the checkout;
-#   2. pytest -m gpu tests/gpu (junit xml);
+#   2. pytest -m gpu tests/gpu (junit xml), incident snapshots included (test_gpu_snapshots.py:
+#      the OOM observer's snapshot, the allocator history's frames and its cost per step);
 #   3. the main example (examples/train_embedding.py) on CUDA with its default budget;
 #   4. the overhead benchmark (benchmarks/overhead.py) on CUDA, shortened;
 #   5. edo-monitor daemon for a few seconds, stopped by SIGTERM, its rows beside nvidia-smi.
@@ -136,6 +137,7 @@ rc=$?
 ((rc == 5)) && say "          pytest collected no test"
 tally=$(grep -E '^=+ .*(passed|failed|skipped|error).* in [0-9.]+s' "$RESULTS/pytest.log" | tail -1)
 say "          ${tally:-no pytest summary line}"
+grep -m1 'allocator history cost' "$RESULTS/pytest.log" | sed 's/^/          /' | tee -a "$SUMMARY"
 grep -E '^(SKIPPED|FAILED|ERROR) ' "$RESULTS/pytest.log" | sed 's/^/          /' | head -40 \
     | tee -a "$SUMMARY"
 

@@ -1,0 +1,110 @@
+"""The memory snapshot of an event: its largest live blocks by frame (``m`` in the run view).
+
+The selected event's snapshot (``edo-monitor snapshot RUN --event N --top 15``), else the open
+run's latest; read in a worker thread. Escape or ``m`` closes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Group
+from rich.text import Text
+from textual import work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Static
+
+from edo_monitor.store.history import RunInfo
+from edo_monitor.tui.screens import READ_ERRORS, _message_for, _while_shown
+
+if TYPE_CHECKING:
+    from edo_monitor.tui.app import EdoTui
+
+__all__ = ["TOP_FRAMES", "SnapshotScreen"]
+
+#: frames shown
+TOP_FRAMES = 15
+
+
+class SnapshotScreen(ModalScreen[None]):
+    """The largest live blocks by frame of one incident's memory snapshot.
+
+    Attributes:
+        rows: the :class:`~edo_monitor.snapshots.FrameRow` rows shown (``None`` until read).
+        error: the one-line reason nothing is shown (no snapshot, damaged blob …).
+    """
+
+    DEFAULT_CSS = """
+    SnapshotScreen { align: center middle; }
+    #snapshot-box {
+        width: 95%; height: 90%; border: round $accent; background: $surface; padding: 0 1;
+    }
+    """
+    BINDINGS = [  # noqa: RUF012
+        Binding("escape", "close", "close"),
+        Binding("m", "close", "close", show=False),
+    ]
+
+    def __init__(self, run: RunInfo, event_id: int | None = None) -> None:
+        """The snapshot of ``event_id`` of ``run`` (``None``: the run's latest)."""
+        super().__init__(id="snapshot-screen")
+        self.run = run
+        self.event_id = event_id
+        self.rows: list[Any] | None = None
+        self.error: str | None = None
+
+    def compose(self) -> ComposeResult:
+        """A title line and the (scrollable) table."""
+        with VerticalScroll(id="snapshot-box"):
+            which = f"event {self.event_id}" if self.event_id is not None else "latest"
+            yield Static(
+                Text(
+                    f"memory snapshot of run #{self.run.id} ({self.run.name}), {which}   "
+                    "Esc closes",
+                    style="bold",
+                ),
+                id="snapshot-title",
+            )
+            yield Static(Text("reading…"), id="snapshot-text")
+
+    def on_mount(self) -> None:
+        """Start reading."""
+        self._read()
+
+    @work(thread=True, group="snapshot")
+    def _read(self) -> None:
+        from edo_monitor.snapshots import top_by_frame, totals
+        from edo_monitor.store.snapshot_store import find_snapshot, load_snapshot
+
+        app: EdoTui = self.app  # type: ignore[assignment]
+        try:
+            history = app.source.open()
+            info = find_snapshot(history, self.run.id, self.event_id)
+            snap = load_snapshot(history, info)
+            rows = top_by_frame(snap, TOP_FRAMES)
+            allocated = totals(snap).allocated_bytes
+        except READ_ERRORS as exc:
+            app.call_from_thread(self._show_error, _message_for(exc))
+            return
+        app.call_from_thread(self._show, info, snap, rows, allocated)
+
+    @_while_shown
+    def _show(self, info: Any, snap: dict[str, Any], rows: list[Any], allocated: int) -> None:
+        from edo_monitor.cli_snapshot import describe, top_table
+
+        self.rows = rows
+        self.query_one("#snapshot-text", Static).update(
+            Group(Text(describe(info, snap)), top_table(rows, allocated))
+        )
+
+    @_while_shown
+    def _show_error(self, message: str) -> None:
+        self.error = message
+        self.query_one("#snapshot-text", Static).update(Text(message, style="bold red"))
+
+    def action_close(self) -> None:
+        """Close the view."""
+        self.dismiss()
