@@ -324,12 +324,45 @@ class _AdamRule(_Rule):
             dev = p.device
             coef, scale = coef.to(dev), scale.expand(coef.shape).to(dev)
             root = torch.sqrt(denom_src[sl])  # (r, D)
-            terms = coef[:, :, None] / (root[:, None, :] * scale[:, :, None] + self.eps)
             total_decay = (incl[:, 0] * tail).to(dev)
-            p[sl] = p[sl] * total_decay[:, None] - m[sl] * terms.sum(dim=1)
+            p[sl] = p[sl] * total_decay[:, None] - m[sl] * self._term_sums(coef, scale, root)
         mf = missed.double()[:, None].to(p.device)
         m.mul_(torch.pow(self.beta1, mf))
         v.mul_(torch.pow(self.beta2, mf))
+
+    def _term_sums(
+        self, coef: torch.Tensor, scale: torch.Tensor, root: torch.Tensor
+    ) -> torch.Tensor:
+        """``sum_j coef_j / (root * scale_j + eps)`` ``(r, D)`` for ``coef``, ``scale`` ``(r, J)``.
+
+        Exact form: ``O(r J D)``. For the elements where ``q = eps / (root * min_j scale_j) <=
+        1/8`` the sum is the convergent series ``(1 / root) sum_k S_k (-eps / root)^k`` with
+        per-row moments ``S_k = sum_j coef_j / scale_j^(k+1)`` (``O(r J K + r D K)``, ``K <= 20``),
+        cut where ``q^K <= 1e-18`` (below float64 rounding); the other elements (``root`` near 0)
+        take the exact form, element by element.
+        """
+        x = self.eps / root  # inf where root is 0
+        sc_min = scale.masked_fill(coef == 0, float("inf")).amin(dim=1)
+        q = x / sc_min[:, None]
+        slow = ~(q <= 0.125)
+        q_max = float(q.masked_fill(slow, 0).max()) if q.numel() else 0.0
+        k_terms = 1 if q_max <= 1e-18 else math.ceil(math.log(1e-18) / math.log(q_max)) + 1
+        inv = 1 / scale.masked_fill(coef == 0, 1.0)
+        moments = []
+        w = coef * inv
+        for _ in range(k_terms):
+            moments.append(w.sum(dim=1))
+            w = w * inv
+        neg_x = -x.masked_fill(slow, 0.0)
+        acc = moments[-1][:, None].expand_as(neg_x)
+        for mk in reversed(moments[:-1]):
+            acc = mk[:, None] + neg_x * acc
+        out = acc / root
+        rr, dd = slow.nonzero(as_tuple=True)
+        if rr.numel():
+            rt = root[rr, dd][:, None]
+            out[rr, dd] = (coef[rr] / (rt * scale[rr] + self.eps)).sum(dim=1)
+        return out
 
 
 class _NoopRule(_Rule):
