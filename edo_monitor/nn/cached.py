@@ -4,7 +4,7 @@
 ``nn.EmbeddingBag``. The full table ``(num_embeddings, embedding_dim)`` and each row's optimizer
 state live in host memory (pinned when the cache is on CUDA); ``cache_rows`` rows live in the
 device cache ``weight`` ``(cache_rows, embedding_dim)``, which is the ``Parameter`` the user's
-optimizer steps. Each forward:
+optimizer holds (it does not step it: see "Every row lazy" below). Each forward:
 
 1. the batch's unique ids are split into hits (already in a cache slot) and misses;
 2. misses get free slots, or slots of evicted rows (LFU by default, LRU selectable; rows used since
@@ -33,6 +33,37 @@ an optimizer step post-hook). How, per optimizer (zero gradient on the missed st
 * Refused by name (``ValueError``): L2 ``weight_decay`` with Adam or Adagrad (the update is
   nonlinear and does not decay: no bounded exact catch-up), ``fused``/``capturable`` groups, other
   optimizer classes, ``sparse=True``.
+
+Every row lazy, the step fused (issue 23). The user's optimizer does not step ``weight``: no
+``(C, D)`` gradient exists. The forward returns the batch's unique rows ``(U, D)`` through
+:class:`~edo_monitor.nn.cache_step.CacheRows`; its backward adds their gradient into
+``batch_rows.grad`` ``(U, D)`` (``U``: the rows touched since the last optimizer step, in the order
+:meth:`CachedTable.dense_grad` gives with their ids). At the optimizer's step (a step pre-hook)
+the cache updates exactly those rows (gather, update, scatter:
+:func:`~edo_monitor.nn.cache_step.fused_update`) with the hyper-parameters of the group holding
+``weight`` at that step, then hides ``batch_rows`` from the optimizer's own step. Each cache row
+records the step it is at (``slot_step``); a row not touched keeps its value and catches up (the
+closed forms below) when it is next looked up, evicted (written back with its own step and
+caught up when loaded again), flushed or checkpointed. Gradients, exactly:
+
+* ``batch_rows`` is a ``Parameter`` of the module (in ``model.parameters()``) and joins the
+  optimizer group of ``weight`` at attach, so ``optimizer.zero_grad()`` / ``model.zero_grad()``
+  clear it (``set_to_none`` either way) and ``clip_grad_norm_(model.parameters())`` sees the
+  touched rows' gradient, whose norm is the resident table's (its other rows' gradient is zero);
+  clipping scales it in place and the step uses the scaled values.
+* Micro-batches before one step accumulate into the same buffer (it grows by the new rows, which
+  stay pinned until the step).
+* The step consumes the gradient: after it ``batch_rows.grad`` is ``None``. A resident table that
+  is not zeroed between steps would sum the old gradient into the next step; the cache does not
+  (every training loop zeroes). A backward of a graph built before the last step raises
+  ``RuntimeError`` naming it. An optimizer step with no backward since the last one (gradient
+  ``None``) is skipped for the table, as torch skips a parameter without a gradient.
+* ``optimizer.state_dict()`` leaves ``batch_rows`` out (ids renumbered) and holds the full
+  caught-up state; it loads into an optimizer over the uncached model and back.
+
+Adam's catch-up sum is evaluated as a convergent series in ``eps / sqrt(v)`` per element where
+that ratio is at most 1/8 of the smallest scale (``O(rows x (missed + dim) x K)``, ``K <= 20``),
+exactly elsewhere.
 
 The optimizer is found through a global optimizer step pre-hook on its first step, or given with
 :meth:`attach`. Checkpoints: ``state_dict()`` holds the full caught-up ``weight`` ``(N, D)`` (an
