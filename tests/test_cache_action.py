@@ -348,3 +348,24 @@ def test_module_rows_of_a_converted_table_are_cache_sized_and_add_up_to_the_samp
     assert latest["users"] == (users, users, 2 * users + 4)
     assert set(latest) == {"items", "users"}
     assert sample == tuple(latest["items"][i] + latest["users"][i] for i in range(3))
+
+
+def test_a_shrink_saving_under_the_minimum_is_not_planned() -> None:
+    """Issue 23 item 3: the demo's second shrink saved 7.5 KiB for a re-layout of the cache; a
+    resize saving less than MIN_RESIZE_BYTES is skipped (the ladder moves on)."""
+    from edo_monitor.actions.cache_embedding import MIN_RESIZE_BYTES
+
+    model, opt, _, _ = _pair()
+    for b in _batches(5):
+        _step(model, opt, b)
+    first = ACTIONS["cache_embedding"].apply(_ctx(model, opt, budget_bytes=None))
+    assert first.status == "applied" and model.items.cache_rows > 400
+    in_use = account(model, [opt]).total_bytes
+    for need, planned in ((10 * 1024, False), (2 * MIN_RESIZE_BYTES, True)):
+        budget = int((in_use - need) / 0.75)
+        ctx = ActionContext(
+            model, [opt], budget_bytes=budget, in_use_bytes=in_use, rearm_free_fraction=0.25
+        )
+        plan = ACTIONS["cache_embedding"].plan(ctx)
+        shrink = not isinstance(plan, Refusal) and plan.details.get("resize") == "shrink"
+        assert shrink is planned, plan

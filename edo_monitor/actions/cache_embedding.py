@@ -75,6 +75,11 @@ def _state_tensors(optimizers: Sequence[torch.optim.Optimizer], param: nn.Parame
     return count
 
 
+MIN_RESIZE_BYTES = 64 * 1024
+"""A resize of a cache that saves (or costs) less than this is not planned: the demo's second
+shrink saved 7.5 KiB for a full re-layout of the cache (issue 23, item 3)."""
+
+
 def _row_bytes(
     param: nn.Parameter, optimizers: Sequence[torch.optim.Optimizer], *, cached: bool = False
 ) -> int:
@@ -134,6 +139,8 @@ class CacheEmbedding(Action):
                 continue  # less than a tenth of what is needed: let the ladder move on
             give = spare_rows if need is None else min(spare_rows, -(-need // row_bytes))
             give = max(module.block_rows, give - give % module.block_rows)
+            if give * row_bytes < MIN_RESIZE_BYTES:
+                continue  # not worth a re-layout: the ladder moves on
             to_rows = module.cache_rows - give
             return Plan(
                 self.name,
@@ -281,6 +288,13 @@ class GrowCache(Action):
         rows -= rows % module.block_rows
         if rows < module.block_rows:
             return self.refuse(name, f"spare {format_bytes(max(0, int(spare)))} is below one block")
+        grow_rows = min(module.num_embeddings, module.cache_rows + rows) - module.cache_rows
+        if grow_rows < module.num_embeddings - module.cache_rows and (
+            grow_rows * row_bytes < MIN_RESIZE_BYTES
+        ):
+            return self.refuse(
+                name, f"growing by {format_bytes(grow_rows * row_bytes)} is under the minimum"
+            )
         to_rows = min(module.num_embeddings, module.cache_rows + rows)
         resident = to_rows >= module.num_embeddings
         cost = (to_rows - module.cache_rows) * row_bytes
