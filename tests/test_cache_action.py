@@ -369,3 +369,26 @@ def test_a_shrink_saving_under_the_minimum_is_not_planned() -> None:
         plan = ACTIONS["cache_embedding"].plan(ctx)
         shrink = not isinstance(plan, Refusal) and plan.details.get("resize") == "shrink"
         assert shrink is planned, plan
+
+
+def test_caching_a_table_that_frees_under_the_minimum_is_refused_naming_it() -> None:
+    """The demo's ladder then cached its 610-row bias table to free 5.23 KiB: refused now."""
+
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.items = nn.Embedding(150, DIM, dtype=torch.float64)  # 76,800 bytes with Adam
+
+        def forward(self, users: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
+            return self.items(items % 150).sum(-1)
+
+    model = Tiny()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    counter = LookupCounter()
+    counter.watch_tables(model)
+    for b in _batches(3):
+        _step(model, opt, b)
+    ctx = _ctx(model, opt, budget_bytes=None, lookup_counter=counter)
+    plan = ACTIONS["cache_embedding"].plan(ctx)
+    counter.close()
+    assert isinstance(plan, Refusal) and "under the minimum" in plan.reason, plan

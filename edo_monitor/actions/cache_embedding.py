@@ -191,6 +191,12 @@ class CacheEmbedding(Action):
                 )
                 continue
             saving = n * row_bytes - rows * cached_bytes
+            if saving < MIN_RESIZE_BYTES:
+                reasons.append(
+                    f"{t.name}: caching it would free {format_bytes(saving)}, under the minimum "
+                    f"{format_bytes(MIN_RESIZE_BYTES)}"
+                )
+                continue
             return Plan(
                 self.name,
                 t.name,
