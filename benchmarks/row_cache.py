@@ -456,6 +456,46 @@ def exactness(make_opt: Callable, dtype: torch.dtype, steps: int = 200) -> float
 
 
 # ----------------------------------------------------------------------------- main
+def sparse_comparison(
+    rows: int, cache_rows: int, batch: int, warmup: int, steps: int, resident: bool
+) -> dict[str, float]:
+    """Issue 23's table: ``nn.Embedding(sparse=True)`` + ``SparseAdam`` against
+    ``CachedEmbedding`` + ``Adam`` (``cache_rows`` rows; and a resident dense ``nn.Embedding`` +
+    ``Adam`` when ``resident``), the same Zipf batches, stepped alternately with the order
+    rotated each round, after ``warmup`` steps (the cache full and Adam's catch-up window of
+    286 steps passed). Medians in seconds per step (forward + backward + step + zero_grad)."""
+    torch.manual_seed(0)
+    made: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {}
+    sparse = nn.Embedding(rows, DIM, sparse=True)
+    made["sparse"] = (sparse, torch.optim.SparseAdam(sparse.parameters(), lr=1e-3))
+    cached = CachedEmbedding(rows, DIM, cache_rows, _weight=sparse.weight.detach().clone())
+    made["cached"] = (cached, torch.optim.Adam(cached.parameters(), lr=1e-3))
+    if resident:
+        dense = nn.Embedding(rows, DIM)
+        made["resident"] = (dense, torch.optim.Adam(dense.parameters(), lr=1e-3))
+    gen = torch.Generator().manual_seed(0)
+
+    def step(name: str, ids: torch.Tensor) -> float:
+        module, opt = made[name]
+        t0 = time.perf_counter()
+        module(ids).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        return time.perf_counter() - t0
+
+    for _ in range(warmup):
+        step("cached", _zipf_batch(rows, batch, gen))
+    times: dict[str, list[float]] = {k: [] for k in made}
+    names = list(made)
+    for i in range(steps):
+        ids = _zipf_batch(rows, batch, gen)
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            times[name].append(step(name, ids))
+    out = {k: statistics.median(v) for k, v in times.items()}
+    out["unique"] = float(torch.unique(ids).numel())
+    return out
+
+
 def _streams(args: argparse.Namespace) -> list[tuple[str, torch.Tensor, int, int]]:
     streams = []
     if (args.data / "ratings.csv").is_file():
@@ -485,7 +525,10 @@ def main() -> None:
     parser.add_argument("--hit-steps", type=int, default=40, help="timed steps per table 3 row")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--bounds-zipf", action="store_true", help="table 5 for Zipf too")
-    parser.add_argument("--skip", default="", help="comma list of tables to skip (1,...,7)")
+    parser.add_argument("--skip", default="", help="comma list of tables to skip (1,...,8)")
+    parser.add_argument("--sparse-sizes", default="1000000,8000000", help="table 8 sizes")
+    parser.add_argument("--sparse-warmup", type=int, default=300, help="table 8 warm-up steps")
+    parser.add_argument("--sparse-steps", type=int, default=15, help="table 8 timed rounds")
     args = parser.parse_args()
     skip = set(args.skip.split(",")) if args.skip else set()
     variants = args.variants.split(",")
@@ -510,6 +553,35 @@ def main() -> None:
                     f"{rate:.1%} | {lookup_rate:.1%} | {ms:.2f} |",
                     flush=True,
                 )
+
+    if "8" not in skip:
+        print(
+            f"\n## 8. Cached (lazy fused step) against sparse Adam, batch {args.batch} Zipf ids, "
+            f"dim {DIM}, {args.cache_rows:,}-row cache, rotated order, medians of "
+            f"{args.sparse_steps} rounds after {args.sparse_warmup} warm-up steps\n"
+        )
+        print(
+            "| rows | sparse Adam s | cached Adam s | cached / sparse | resident Adam s | "
+            "cached / resident | unique ids / batch |"
+        )
+        print("|---:|---:|---:|---:|---:|---:|---:|")
+        first_cached = None
+        for i, rows in enumerate(int(x) for x in args.sparse_sizes.split(",")):
+            r = sparse_comparison(
+                rows, args.cache_rows, args.batch, args.sparse_warmup, args.sparse_steps, i == 0
+            )
+            first_cached = first_cached or r["cached"]
+            res = f"{r['resident']:.4f} | {r['cached'] / r['resident']:.2f}" if i == 0 else "– | –"
+            print(
+                f"| {rows:,} | {r['sparse']:.4f} | {r['cached']:.4f} | "
+                f"{r['cached'] / r['sparse']:.2f} | {res} | {r['unique']:,.0f} |",
+                flush=True,
+            )
+            gc.collect()
+        print(
+            f"\ncached at the largest / at the smallest size: see the rows above "
+            f"(smallest {first_cached:.4f} s)"
+        )
 
     if "2" not in skip:
         print(f"\n## 2. Adam step time (s), batch {args.batch} ids in bags of 8, dim {DIM}\n")

@@ -30,6 +30,7 @@ from edo_monitor.store.history import History
 
 ITEMS, USERS, DIM = 4000, 50, 16
 ROW_BYTES = DIM * 8 * 4  # float64 weight + grad + Adam's two moments
+CACHED_ROW_BYTES = DIM * 8 * 3  # a cache row has no gradient: weight + Adam's two moments
 
 
 class Recommender(nn.Module):
@@ -105,18 +106,21 @@ def test_cache_estimate_equals_measured_and_training_equals_the_twin() -> None:
         loss = _step(model, opt, b)
         _step(twin, twin_opt, b)
     weight = model.items.weight
-    # budget such that in_use is 90 %: need = in_use - 75 % of budget
+    # budget such that in_use is 150 %: need = in_use - 75 % of budget
     in_use = account(model, [opt]).total_bytes
-    budget = int(in_use / 0.9)
+    budget = int(in_use / 1.5)
     ctx = _ctx(model, opt, budget_bytes=budget, rearm_free_fraction=0.25)
     plan = ACTIONS["cache_embedding"].plan(ctx)
     assert plan.target == "items" and plan.details["resize"] == "create"
     need = in_use - 0.75 * budget
     rows = plan.details["to_rows"]
-    assert rows == ITEMS - -(-int(need) // ROW_BYTES)  # frees just enough, in whole rows
+    # frees just enough, in whole rows: the full table (weight, gradient, moments) leaves, the
+    # cache rows (weight, moments; no gradient) stay
+    assert rows == (ITEMS * ROW_BYTES - int(need)) // CACHED_ROW_BYTES
     result = ACTIONS["cache_embedding"].apply(ctx, plan)
     assert result.status == "applied", result.reason
-    assert result.saved_bytes == result.estimated_saving_bytes == (ITEMS - rows) * ROW_BYTES
+    saving = ITEMS * ROW_BYTES - rows * CACHED_ROW_BYTES
+    assert result.saved_bytes == result.estimated_saving_bytes == saving >= need
     assert isinstance(model.items, CachedTable) and model.items.weight is weight
     assert any(p is weight for p in opt.param_groups[0]["params"])
     assert weight.shape == (rows, DIM)
@@ -216,7 +220,7 @@ def test_shrink_then_grow_back_to_resident_stays_exact() -> None:
     # memory is free again: grow by what fits above re-arm + margin
     in_use = account(model, [opt]).total_bytes
     spare_rows = 300
-    budget = int((in_use + spare_rows * ROW_BYTES) / 0.70)  # 25 % re-arm + 5 % margin
+    budget = int((in_use + spare_rows * CACHED_ROW_BYTES) / 0.70)  # 25 % re-arm + 5 % margin
     ctx = ActionContext(
         model, [opt], budget_bytes=budget, in_use_bytes=in_use, rearm_free_fraction=0.25
     )
@@ -294,7 +298,7 @@ def test_policy_decides_grow_after_calm_readings_only() -> None:
 def test_module_rows_of_a_converted_table_are_cache_sized_and_add_up_to_the_samples(
     db_path: Path,
 ) -> None:
-    """After cache_embedding the table's row holds its (C, D) cache, gradient and Adam state, not
+    """After cache_embedding the table's row holds its (C, D) cache and Adam state, not
     the full table's gradient seen before the conversion; and the latest module rows of a moment
     add up, category by category, to the sample recorded with them (one accounting, two views)."""
     torch.manual_seed(0)
@@ -336,10 +340,55 @@ def test_module_rows_of_a_converted_table_are_cache_sized_and_add_up_to_the_samp
     con.close()
     # before: the whole table, 4,000 x 16 float64 = 512,000 bytes each, Adam: two moments + step
     assert ("Embedding", 512_000, 512_000, 2 * 512_000 + 4) in items_rows
-    # after: C rows of 16 float64 for the weight, the gradient and each moment (+ Adam's step)
+    # after: C rows of 16 float64 for the weight and each moment (+ Adam's step); no (C, D)
+    # gradient: the touched rows' gradient was consumed by the last step
     cache = rows * DIM * f64
-    assert items_rows[-1] == ("CachedTable", cache, cache, 2 * cache + 4)
+    assert items_rows[-1] == ("CachedTable", cache, 0, 2 * cache + 4)
     users = USERS * DIM * f64  # 6,400 bytes
     assert latest["users"] == (users, users, 2 * users + 4)
     assert set(latest) == {"items", "users"}
     assert sample == tuple(latest["items"][i] + latest["users"][i] for i in range(3))
+
+
+def test_a_shrink_saving_under_the_minimum_is_not_planned() -> None:
+    """Issue 23 item 3: the demo's second shrink saved 7.5 KiB for a re-layout of the cache; a
+    resize saving less than MIN_RESIZE_BYTES is skipped (the ladder moves on)."""
+    from edo_monitor.actions.cache_embedding import MIN_RESIZE_BYTES
+
+    model, opt, _, _ = _pair()
+    for b in _batches(5):
+        _step(model, opt, b)
+    first = ACTIONS["cache_embedding"].apply(_ctx(model, opt, budget_bytes=None))
+    assert first.status == "applied" and model.items.cache_rows > 400
+    in_use = account(model, [opt]).total_bytes
+    for need, planned in ((10 * 1024, False), (2 * MIN_RESIZE_BYTES, True)):
+        budget = int((in_use - need) / 0.75)
+        ctx = ActionContext(
+            model, [opt], budget_bytes=budget, in_use_bytes=in_use, rearm_free_fraction=0.25
+        )
+        plan = ACTIONS["cache_embedding"].plan(ctx)
+        shrink = not isinstance(plan, Refusal) and plan.details.get("resize") == "shrink"
+        assert shrink is planned, plan
+
+
+def test_caching_a_table_that_frees_under_the_minimum_is_refused_naming_it() -> None:
+    """The demo's ladder then cached its 610-row bias table to free 5.23 KiB: refused now."""
+
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.items = nn.Embedding(150, DIM, dtype=torch.float64)  # 76,800 bytes with Adam
+
+        def forward(self, users: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
+            return self.items(items % 150).sum(-1)
+
+    model = Tiny()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    counter = LookupCounter()
+    counter.watch_tables(model)
+    for b in _batches(3):
+        _step(model, opt, b)
+    ctx = _ctx(model, opt, budget_bytes=None, lookup_counter=counter)
+    plan = ACTIONS["cache_embedding"].plan(ctx)
+    counter.close()
+    assert isinstance(plan, Refusal) and "under the minimum" in plan.reason, plan

@@ -84,6 +84,17 @@ def _train(
             s.step()
 
 
+def _assert_grad_equals_twin(cached: nn.Module, twin: nn.Module) -> None:
+    """The cache's gradient is the twin's on the touched rows, ``(U, D)`` only; none dense."""
+    assert cached.weight.grad is None
+    ids, grad = cached.dense_grad()
+    assert grad.shape == (ids.numel(), D)
+    assert torch.equal(grad, twin.weight.grad[ids])
+    rest = torch.ones(N, dtype=torch.bool)
+    rest[ids] = False
+    assert torch.count_nonzero(twin.weight.grad[rest]) == 0
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| / max |b|."""
     return float((a - b).abs().max() / b.abs().max())
@@ -157,8 +168,7 @@ def test_bag_outputs_and_gradients_match(mode: str, pad: int | None) -> None:
         assert torch.equal(out1, out2)
         out1.pow(2).sum().backward()
         out2.pow(2).sum().backward()
-        slots = cached.block_to_slot[flat]
-        assert torch.equal(cached.weight.grad[slots], twin.weight.grad[flat])
+        _assert_grad_equals_twin(cached, twin)
     twin, cached = _pair(base, 16, bag=mode, padding_idx=pad)
     two_d = torch.tensor([[1, 2, 3], [4, 4, 9]])
     assert torch.equal(twin(two_d), cached(two_d))
@@ -178,9 +188,9 @@ def test_embedding_options_padding_max_norm_and_attributes() -> None:
     assert out2.shape == (2, 4, D) and torch.equal(out1, out2)
     out1.sum().backward()
     out2.sum().backward()
-    slots = cached.block_to_slot[ids]
-    assert torch.equal(cached.weight.grad[slots], twin.weight.grad[ids])
-    assert torch.count_nonzero(cached.weight.grad[cached.block_to_slot[3]]) == 0
+    _assert_grad_equals_twin(cached, twin)
+    held, _ = cached.dense_grad()
+    assert 3 in held.tolist()  # the padding row is touched, with a zero gradient
     assert (cached.num_embeddings, cached.embedding_dim, cached.padding_idx) == (N, D, 3)
     assert cached.max_norm == 1.0 and cached.scale_grad_by_freq is True
     with pytest.raises(IndexError, match=r"\[0, 200\)"):
@@ -369,3 +379,116 @@ def test_lookup_counter_on_a_cached_table_counts_like_on_a_resident_one(block_ro
     assert counters[1].peak_unique_ids("t") == counters[0].peak_unique_ids("t")
     counters[1].close()
     assert len(cached._lookup_listeners) == 0
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd_momentum_dampening_wd", "adagrad"])
+def test_lazy_step_touches_only_the_batch_rows_and_clipping_sees_their_gradient(
+    name: str,
+) -> None:
+    """Issue 23: no (C, D) gradient; a step writes only the rows the batch touched (the others
+    keep their values until they are next touched); clip_grad_norm_ over model.parameters() sees
+    the touched rows' gradient (the twin's norm), and the clipped run stays exact."""
+    torch.manual_seed(0)
+    base = torch.randn(N, D, dtype=torch.float64)
+    twin, cached = _pair(base, 60)
+    o1 = OPTIMIZERS[name](list(twin.parameters()))
+    o2 = OPTIMIZERS[name](list(cached.parameters()))  # the row buffer included, as users do
+    gen = torch.Generator().manual_seed(3)
+    for step in range(30):
+        ids = _zipf_ids(gen, (8,))
+        target = torch.randn(8, D, generator=gen, dtype=torch.float64)
+        norms = []
+        for module, opt in ((twin, o1), (cached, o2)):
+            opt.zero_grad()
+            ((module(ids) - target) ** 2).sum().backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(module.parameters(), 0.5)))
+        assert cached.weight.grad is None
+        held, grad = cached.dense_grad()
+        assert grad.shape == (torch.unique(ids).numel(), D)  # the batch's unique rows only
+        assert norms[1] == pytest.approx(norms[0], rel=1e-12)
+        before = cached.weight.detach().clone()
+        o1.step()
+        o2.step()
+        if step > 0:
+            touched = torch.zeros(cached.cache_rows, dtype=torch.bool)
+            touched[cached.block_to_slot[held]] = True
+            assert torch.equal(cached.weight.detach()[~touched], before[~touched])
+    assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
+
+
+def test_checkpoint_of_an_optimizer_over_model_parameters_loads_into_an_uncached_twin() -> None:
+    """The optimizer built from model.parameters() holds the row buffer; its state_dict() does
+    not (ids renumbered), so it loads into an optimizer over the uncached model and back."""
+    torch.manual_seed(0)
+    base = torch.randn(N, D, dtype=torch.float64)
+
+    def model(table: nn.Module) -> nn.Module:
+        torch.manual_seed(1)
+        return nn.Sequential(table, nn.Linear(D, 1, dtype=torch.float64))
+
+    twin_m, cached_m = (model(t) for t in _pair(base, 30))
+    o1 = torch.optim.Adam(twin_m.parameters(), lr=0.01)
+    o2 = torch.optim.Adam(cached_m.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(20):
+        ids = _zipf_ids(gen, (16,))
+        for m, o in ((twin_m, o1), (cached_m, o2)):
+            o.zero_grad()
+            m(ids).pow(2).sum().backward()
+            o.step()
+    sd = copy.deepcopy(o2.state_dict())  # state_dict() holds the live tensors
+    assert [len(g["params"]) for g in sd["param_groups"]] == [3]  # weight, linear w and b
+    fresh = model(nn.Embedding(N, D, dtype=torch.float64))
+    fresh.load_state_dict(cached_m.state_dict())
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.01)
+    fresh_opt.load_state_dict(sd)
+    o2.load_state_dict(copy.deepcopy(o1.state_dict()))  # and the other way round
+    for _ in range(10):
+        ids = _zipf_ids(gen, (16,))
+        for m, o in ((twin_m, o1), (fresh, fresh_opt), (cached_m, o2)):
+            o.zero_grad()
+            m(ids).pow(2).sum().backward()
+            o.step()
+    assert _rel(fresh[0].weight.detach(), twin_m[0].weight.detach()) < 1e-12
+    assert _rel(cached_m[0].full_weight(), twin_m[0].weight.detach()) < 1e-12
+
+
+@pytest.mark.slow
+def test_torch_compile_compiles_a_bounded_number_of_times_and_stays_exact() -> None:
+    """Issue 21 item 6: the cache's bookkeeping (sizes change every step) runs outside the
+    compiled graph (torch.compiler.disable), so a compiled model compiles at most 2 graphs per
+    input shape (before and after the table), not once per step; and it trains as eager does."""
+    graphs = []
+
+    def counting_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        graphs.append(gm)
+        return gm.forward
+
+    class Model(nn.Module):
+        def __init__(self, table: nn.Module) -> None:
+            super().__init__()
+            torch.manual_seed(5)
+            self.table = table
+            self.head = nn.Linear(D, 1, dtype=torch.float64)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(self.head(self.table(ids))).sum()
+
+    torch.manual_seed(0)
+    base = torch.randn(N, D, dtype=torch.float64)
+    twin, cached = _pair(base, 40)
+    eager, compiled = Model(twin), Model(cached)
+    run = torch.compile(compiled, backend=counting_backend)
+    o1 = torch.optim.Adam(eager.parameters(), lr=0.01)
+    o2 = torch.optim.Adam(compiled.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(6)
+    torch._dynamo.reset()
+    for _ in range(12):
+        ids = _zipf_ids(gen, (16,))
+        for fwd, opt in ((eager, o1), (run, o2)):
+            opt.zero_grad()
+            fwd(ids).backward()
+            opt.step()
+    assert cached.stats().evicted > 0  # hit and slot sizes changed from step to step
+    assert 1 <= len(graphs) <= 2
+    assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12

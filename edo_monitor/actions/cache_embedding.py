@@ -75,10 +75,19 @@ def _state_tensors(optimizers: Sequence[torch.optim.Optimizer], param: nn.Parame
     return count
 
 
-def _row_bytes(param: nn.Parameter, optimizers: Sequence[torch.optim.Optimizer]) -> int:
-    """Device bytes per row: weight + gradient (trainable) + per-element optimizer state."""
+MIN_RESIZE_BYTES = 64 * 1024
+"""A resize of a cache that saves (or costs) less than this is not planned: the demo's second
+shrink saved 7.5 KiB for a full re-layout of the cache (issue 23, item 3)."""
+
+
+def _row_bytes(
+    param: nn.Parameter, optimizers: Sequence[torch.optim.Optimizer], *, cached: bool = False
+) -> int:
+    """Device bytes per row: weight + gradient (a trainable resident table; a cache row has
+    none: only the touched rows' gradient exists) + per-element optimizer state."""
     per = param.shape[1] * param.element_size()
-    return per * (1 + int(param.requires_grad) + _state_tensors(optimizers, param))
+    grad = int(param.requires_grad and not cached)
+    return per * (1 + grad + _state_tensors(optimizers, param))
 
 
 def _need_bytes(ctx: ActionContext) -> int | None:
@@ -122,7 +131,7 @@ class CacheEmbedding(Action):
             if not isinstance(module, CachedTable) or not getattr(module, "edo_action_made", False):
                 continue  # a cache the user built is the user's to size
             floor_rows = max(1, module.peak_unique_ids) + module.block_rows
-            row_bytes = _row_bytes(module.weight, ctx.optimizers)
+            row_bytes = _row_bytes(module.weight, ctx.optimizers, cached=True)
             spare_rows = module.cache_rows - floor_rows
             if spare_rows < module.block_rows:
                 continue
@@ -130,6 +139,8 @@ class CacheEmbedding(Action):
                 continue  # less than a tenth of what is needed: let the ladder move on
             give = spare_rows if need is None else min(spare_rows, -(-need // row_bytes))
             give = max(module.block_rows, give - give % module.block_rows)
+            if give * row_bytes < MIN_RESIZE_BYTES:
+                continue  # not worth a re-layout: the ladder moves on
             to_rows = module.cache_rows - give
             return Plan(
                 self.name,
@@ -166,19 +177,26 @@ class CacheEmbedding(Action):
                 continue
             n = int(weight.shape[0])
             row_bytes = _row_bytes(weight, ctx.optimizers)
+            cached_bytes = _row_bytes(weight, ctx.optimizers, cached=True)
             peak = peak_batch_ids(ctx, t.name, module)
             floor_rows = max(1, peak if peak is not None else min(n, 1024))
             if need is None:
                 rows = max(floor_rows, n // 10)
             else:
-                rows = max(floor_rows, n - -(-need // row_bytes))
+                rows = max(floor_rows, (n * row_bytes - need) // cached_bytes)
             if rows >= n:
                 reasons.append(
                     f"{t.name}: a cache of the peak ids per batch ({floor_rows}) would hold the "
                     f"whole table ({n} rows)"
                 )
                 continue
-            saving = (n - rows) * row_bytes
+            saving = n * row_bytes - rows * cached_bytes
+            if saving < MIN_RESIZE_BYTES:
+                reasons.append(
+                    f"{t.name}: caching it would free {format_bytes(saving)}, under the minimum "
+                    f"{format_bytes(MIN_RESIZE_BYTES)}"
+                )
+                continue
             return Plan(
                 self.name,
                 t.name,
@@ -219,8 +237,8 @@ class CacheEmbedding(Action):
         grad = weight.grad
         weight.grad = None
         rebind_data(weight, cache.data)
-        if grad is not None:
-            weight.grad = torch.zeros_like(cache.data)
+        if grad is not None:  # a zero gradient (as after zero_grad(set_to_none=False))
+            table.batch_rows.grad = torch.zeros_like(table.batch_rows)
         ctx.stage("weight_moved")
         holders = _holders(ctx.optimizers, weight)
         try:
@@ -271,11 +289,18 @@ class GrowCache(Action):
         keep_free = (ctx.rearm_free_fraction + ctx.grow_margin_fraction) * ctx.budget_bytes
         spare = ctx.budget_bytes - ctx.in_use_bytes - keep_free
         name, module = min(caches, key=lambda c: c[1].cache_rows / c[1].num_embeddings)
-        row_bytes = _row_bytes(module.weight, ctx.optimizers)
+        row_bytes = _row_bytes(module.weight, ctx.optimizers, cached=True)
         rows = int(spare // row_bytes)
         rows -= rows % module.block_rows
         if rows < module.block_rows:
             return self.refuse(name, f"spare {format_bytes(max(0, int(spare)))} is below one block")
+        grow_rows = min(module.num_embeddings, module.cache_rows + rows) - module.cache_rows
+        if grow_rows < module.num_embeddings - module.cache_rows and (
+            grow_rows * row_bytes < MIN_RESIZE_BYTES
+        ):
+            return self.refuse(
+                name, f"growing by {format_bytes(grow_rows * row_bytes)} is under the minimum"
+            )
         to_rows = min(module.num_embeddings, module.cache_rows + rows)
         resident = to_rows >= module.num_embeddings
         cost = (to_rows - module.cache_rows) * row_bytes
@@ -312,12 +337,11 @@ def _to_resident(ctx: ActionContext, module: CachedTable) -> nn.Module:
     weight = module.weight
     device = weight.device
     full = module.host_weight.to(device, copy=True)
-    grad = weight.grad
-    if grad is not None:
+    pending = module.dense_grad()  # the touched rows' gradient becomes the table's
+    grad = None if pending is None else pending[1]
+    if pending is not None:
         new_grad = torch.zeros_like(full)
-        used = (module.slot_to_block >= 0).nonzero().reshape(-1)
-        ids, real = module._block_rows_of(module.slot_to_block[used])
-        new_grad[ids[real].to(device)] = grad[module._slot_rows(used)[real].to(device)]
+        new_grad[pending[0].to(device)] = pending[1].to(full.dtype)
     state = module._opt_state()
     new_state = {
         k: module.host_state[k].to(device, copy=True) for k in module._state_keys() if k in state

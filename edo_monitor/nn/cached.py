@@ -4,7 +4,7 @@
 ``nn.EmbeddingBag``. The full table ``(num_embeddings, embedding_dim)`` and each row's optimizer
 state live in host memory (pinned when the cache is on CUDA); ``cache_rows`` rows live in the
 device cache ``weight`` ``(cache_rows, embedding_dim)``, which is the ``Parameter`` the user's
-optimizer steps. Each forward:
+optimizer holds (it does not step it: see "Every row lazy" below). Each forward:
 
 1. the batch's unique ids are split into hits (already in a cache slot) and misses;
 2. misses get free slots, or slots of evicted rows (LFU by default, LRU selectable; rows used since
@@ -34,6 +34,37 @@ an optimizer step post-hook). How, per optimizer (zero gradient on the missed st
   nonlinear and does not decay: no bounded exact catch-up), ``fused``/``capturable`` groups, other
   optimizer classes, ``sparse=True``.
 
+Every row lazy, the step fused (issue 23). The user's optimizer does not step ``weight``: no
+``(C, D)`` gradient exists. The forward returns the batch's unique rows ``(U, D)`` through
+:class:`~edo_monitor.nn.cache_step.CacheRows`; its backward adds their gradient into
+``batch_rows.grad`` ``(U, D)`` (``U``: the rows touched since the last optimizer step, in the order
+:meth:`CachedTable.dense_grad` gives with their ids). At the optimizer's step (a step pre-hook)
+the cache updates exactly those rows (gather, update, scatter:
+:func:`~edo_monitor.nn.cache_step.fused_update`) with the hyper-parameters of the group holding
+``weight`` at that step, then hides ``batch_rows`` from the optimizer's own step. Each cache row
+records the step it is at (``slot_step``); a row not touched keeps its value and catches up (the
+closed forms below) when it is next looked up, evicted (written back with its own step and
+caught up when loaded again), flushed or checkpointed. Gradients, exactly:
+
+* ``batch_rows`` is a ``Parameter`` of the module (in ``model.parameters()``) and joins the
+  optimizer group of ``weight`` at attach, so ``optimizer.zero_grad()`` / ``model.zero_grad()``
+  clear it (``set_to_none`` either way) and ``clip_grad_norm_(model.parameters())`` sees the
+  touched rows' gradient, whose norm is the resident table's (its other rows' gradient is zero);
+  clipping scales it in place and the step uses the scaled values.
+* Micro-batches before one step accumulate into the same buffer (it grows by the new rows, which
+  stay pinned until the step).
+* The step consumes the gradient: after it ``batch_rows.grad`` is ``None``. A resident table that
+  is not zeroed between steps would sum the old gradient into the next step; the cache does not
+  (every training loop zeroes). A backward of a graph built before the last step raises
+  ``RuntimeError`` naming it. An optimizer step with no backward since the last one (gradient
+  ``None``) is skipped for the table, as torch skips a parameter without a gradient.
+* ``optimizer.state_dict()`` leaves ``batch_rows`` out (ids renumbered) and holds the full
+  caught-up state; it loads into an optimizer over the uncached model and back.
+
+Adam's catch-up sum is evaluated as a convergent series in ``eps / sqrt(v)`` per element where
+that ratio is at most 1/8 of the smallest scale (``O(rows x (missed + dim) x K)``, ``K <= 20``),
+exactly elsewhere.
+
 The optimizer is found through a global optimizer step pre-hook on its first step, or given with
 :meth:`attach`. Checkpoints: ``state_dict()`` holds the full caught-up ``weight`` ``(N, D)`` (an
 ``nn.Embedding`` loads it), and the attached optimizer's ``state_dict()`` holds full-table state;
@@ -56,6 +87,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
+from edo_monitor.nn.cache_step import CacheRows, fused_update, optimizer_kind
 from edo_monitor.nn.embedding import BAG_MODES, EmbeddingOptions, _EdoEmbedding
 
 __all__ = [
@@ -221,6 +253,7 @@ class _SGDRule(_Rule):
         if self.trivial or p.shape[0] == 0:
             return
         prod = self.tree.query(s - self.base_step, torch.full_like(s, t - self.base_step))
+        prod = prod.to(p.device)
         a, b = prod[:, 0, 0, None], prod[:, 0, 1, None]
         if self.mu:
             buf = state["momentum_buffer"]
@@ -263,20 +296,24 @@ class _AdamRule(_Rule):
         if p.shape[0] == 0:
             return
         m = state["exp_avg"]
-        moving = (m != 0).any(dim=1)
+        moving = (m != 0).any(dim=1).cpu()
         if not bool(moving.all()):
             # rows whose first moment is zero get no Adam update: only the decoupled decay
+            dev = p.device
             still = (~moving).nonzero().reshape(-1)
-            p[still] *= self._decay(s[still], torch.full_like(s[still], t))[:, None]
+            still_d = still.to(dev)
+            decay = self._decay(s[still], torch.full_like(s[still], t))
+            p[still_d] *= decay[:, None].to(dev)
             idx = moving.nonzero().reshape(-1)
-            sub_p = p[idx]
-            sub_state = {k: v[idx] for k, v in state.items()}
+            idx_d = idx.to(dev)
+            sub_p = p[idx_d]
+            sub_state = {k: v[idx_d] for k, v in state.items()}
             self._catch_up_moving(sub_p, sub_state, s[idx], t)
-            p[idx] = sub_p
+            p[idx_d] = sub_p
             for k, v in sub_state.items():
-                state[k][idx] = v
-            missed = (t - s).double()[:, None]
-            state["exp_avg_sq"][still] *= torch.pow(self.beta2, missed[still])
+                state[k][idx_d] = v
+            missed = (t - s[still]).double()[:, None]
+            state["exp_avg_sq"][still_d] *= torch.pow(self.beta2, missed).to(dev)
             return
         self._catch_up_moving(p, state, s, t)
 
@@ -315,13 +352,48 @@ class _AdamRule(_Rule):
                 scale = 1 / torch.sqrt(bc2)
             else:
                 scale = self.beta2 ** (jf / 2) / torch.sqrt(bc2)
+            dev = p.device
+            coef, scale = coef.to(dev), scale.expand(coef.shape).to(dev)
             root = torch.sqrt(denom_src[sl])  # (r, D)
-            terms = coef[:, :, None] / (root[:, None, :] * scale[:, :, None] + self.eps)
-            total_decay = incl[:, 0] * tail
-            p[sl] = p[sl] * total_decay[:, None] - m[sl] * terms.sum(dim=1)
-        mf = missed.double()[:, None]
+            total_decay = (incl[:, 0] * tail).to(dev)
+            p[sl] = p[sl] * total_decay[:, None] - m[sl] * self._term_sums(coef, scale, root)
+        mf = missed.double()[:, None].to(p.device)
         m.mul_(torch.pow(self.beta1, mf))
         v.mul_(torch.pow(self.beta2, mf))
+
+    def _term_sums(
+        self, coef: torch.Tensor, scale: torch.Tensor, root: torch.Tensor
+    ) -> torch.Tensor:
+        """``sum_j coef_j / (root * scale_j + eps)`` ``(r, D)`` for ``coef``, ``scale`` ``(r, J)``.
+
+        Exact form: ``O(r J D)``. For the elements where ``q = eps / (root * min_j scale_j) <=
+        1/8`` the sum is the convergent series ``(1 / root) sum_k S_k (-eps / root)^k`` with
+        per-row moments ``S_k = sum_j coef_j / scale_j^(k+1)`` (``O(r J K + r D K)``, ``K <= 20``),
+        cut where ``q^K <= 1e-18`` (below float64 rounding); the other elements (``root`` near 0)
+        take the exact form, element by element.
+        """
+        x = self.eps / root  # inf where root is 0
+        sc_min = scale.masked_fill(coef == 0, float("inf")).amin(dim=1)
+        q = x / sc_min[:, None]
+        slow = ~(q <= 0.125)
+        q_max = float(q.masked_fill(slow, 0).max()) if q.numel() else 0.0
+        k_terms = 1 if q_max <= 1e-18 else math.ceil(math.log(1e-18) / math.log(q_max)) + 1
+        inv = 1 / scale.masked_fill(coef == 0, 1.0)
+        moments = []
+        w = coef * inv
+        for _ in range(k_terms):
+            moments.append(w.sum(dim=1))
+            w = w * inv
+        neg_x = -x.masked_fill(slow, 0.0)
+        acc = moments[-1][:, None].expand_as(neg_x)
+        for mk in reversed(moments[:-1]):
+            acc = mk[:, None] + neg_x * acc
+        out = acc / root
+        rr, dd = slow.nonzero(as_tuple=True)
+        if rr.numel():
+            rt = root[rr, dd][:, None]
+            out[rr, dd] = (coef[rr] / (rt * scale[rr] + self.eps)).sum(dim=1)
+        return out
 
 
 class _NoopRule(_Rule):
@@ -426,6 +498,8 @@ def rebind_data(param: nn.Parameter, data: torch.Tensor) -> None:
 
 
 def _pinned_empty(shape: Sequence[int], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """Every host tensor of the cache (table copies, optimizer state) is allocated here, so a
+    tier below host memory (a memory-mapped file) replaces one function."""
     t = torch.empty(tuple(shape), dtype=dtype)
     if pin:
         try:
@@ -511,6 +585,16 @@ class CachedTable(_EdoEmbedding):
             self.block_freq = padded.view(self.num_blocks, block_rows).sum(1)
         slots = min(-(-cache_rows // block_rows), self.num_blocks)
         self._alloc_slots(slots, device, hw.dtype, requires_grad)
+        # the touched rows' gradient (U, D): see "Gradients" in the module docstring
+        self.batch_rows = nn.Parameter(
+            torch.zeros(0, d, dtype=hw.dtype, device=device), requires_grad=requires_grad
+        )
+        self.batch_rows._edo_row_buffer = True  # type: ignore[attr-defined]
+        self._layout_rows = torch.zeros(0, dtype=torch.int64)  # cache rows, in gradient order
+        self._row_pos = torch.full((self.cache_rows,), -1, dtype=torch.int64)
+        self._generation = 0
+        self._stash: torch.Tensor | None = None
+        self._kind = ""
         self.t = 0
         self._tick = 0
         self._optimizer: torch.optim.Optimizer | None = None
@@ -546,6 +630,7 @@ class CachedTable(_EdoEmbedding):
         self._pinned_since_step: list[torch.Tensor] | None = []
         self._pinned_listed = 0
         rows = slots * self.block_rows
+        self.slot_step = torch.zeros(rows, dtype=torch.int64)  # the step each cache row is at
         self.weight = nn.Parameter(
             torch.zeros(rows, self.embedding_dim, dtype=dtype, device=device),
             requires_grad=requires_grad,
@@ -575,9 +660,10 @@ class CachedTable(_EdoEmbedding):
         return n + sum(t.numel() * t.element_size() for t in self.host_state.values())
 
     def row_bytes(self) -> int:
-        """Device bytes per cache row: weight + its gradient + the per-row optimizer state."""
+        """Device bytes per cache row: weight + the per-row optimizer state (no gradient: the
+        gradient exists only for the touched rows, ``batch_rows``)."""
         es = self.weight.element_size() * self.embedding_dim
-        return es * (2 + len(self._state_keys()))
+        return es * (1 + len(self._state_keys()))
 
     def stats(self) -> CacheStats:
         """Current :class:`CacheStats`."""
@@ -643,6 +729,7 @@ class CachedTable(_EdoEmbedding):
         has_buffer = state.get("momentum_buffer") is not None
         t = int(step) if step is not None else (1 if has_buffer else 0)
         rule = _make_rule(optimizer, group, t)
+        kind = optimizer_kind(optimizer)
         n, d = self.num_embeddings, self.embedding_dim
         host_state: dict[str, torch.Tensor] = {}
         new_state: dict[str, torch.Tensor] = {}
@@ -679,8 +766,17 @@ class CachedTable(_EdoEmbedding):
         self.host_state = host_state
         self._optimizer = optimizer
         self._rule = rule
+        self._kind = kind
         self.t = t
         self.last_step.fill_(t)
+        self.slot_step.fill_(t)
+        # the row buffer joins the table's group, so the optimizer's zero_grad clears it; its
+        # step never sees it (hidden at the step) and its state_dict() leaves it out
+        if not any(p is self.batch_rows for g in optimizer.param_groups for p in g["params"]):
+            params = group["params"]
+            at = next(i for i, p in enumerate(params) if p is self.weight)
+            group["params"] = [*params[: at + 1], self.batch_rows, *params[at + 1 :]]
+        optimizer.state.pop(self.batch_rows, None)
         # the auto-attach hook (if any) may be running now, inside torch's loop over the global
         # pre-hooks: it is removed after this step (removing it now would change that dict)
         ref = weakref.ref(self)
@@ -711,10 +807,15 @@ class CachedTable(_EdoEmbedding):
         ]
 
     def detach_optimizer(self) -> None:
-        """Remove the hooks :meth:`attach` registered (the module forgets the optimizer)."""
+        """Remove the hooks :meth:`attach` registered and the row buffer from the optimizer's
+        groups (the module forgets the optimizer)."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self._optimizer is not None:  # the row buffer leaves the optimizer with the hooks
+            for g in self._optimizer.param_groups:
+                if any(p is self.batch_rows for p in g["params"]):
+                    g["params"] = [p for p in g["params"] if p is not self.batch_rows]
         self._optimizer = None
         self._rule = None
 
@@ -740,7 +841,17 @@ class CachedTable(_EdoEmbedding):
             # hyper-parameters changed: every host row catches up under the old ones first
             self.flush()
             self._rule = _make_rule(optimizer, group, self.t)
-        self._had_grad = self.weight.grad is not None
+        grad = self.batch_rows.grad
+        if grad is None:
+            return  # as a resident table with no gradient: the optimizer skips it
+        with torch.no_grad():
+            self._step_rows(group, grad)
+        self.t += 1
+        self._rule.record(float(group["lr"]))
+        if self._kind != "sgd":
+            self._cache_state()["step"] = torch.tensor(float(self.t))
+        # hidden from the optimizer's own step (it skips parameters without a gradient)
+        self._stash, self.batch_rows.grad = grad, None
 
     def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self._auto_hook is not None:
@@ -748,12 +859,122 @@ class CachedTable(_EdoEmbedding):
             self._auto_hook = None
         if optimizer is not self._optimizer or self._rule is None:
             return
-        if self._had_grad:
-            self.t += 1
-            self._rule.record(float(_group_of(optimizer, self.weight)["lr"]))
-        self._had_grad = False
         self._clear_pins()
+        if self._stash is not None:  # the step consumed the gradient: a new layout begins
+            self._stash = None
+            self._generation += 1
+            self._set_layout(torch.zeros(0, dtype=torch.int64), None)
         self.reset_step_stats()
+
+    # ------------------------------------------------------------------ lazy rows, fused step
+    def _cache_state(self) -> dict[str, Any]:
+        """The optimizer's state of the cache ``(C, D)`` per key, made from the host state when
+        absent (before the first step)."""
+        assert self._optimizer is not None
+        state = self._optimizer.state[self.weight]
+        for key in self._state_keys():
+            if key not in state:
+                state[key] = self._gather_rows(self.host_state[key]).to(
+                    self.device, self.weight.dtype
+                )
+        return state
+
+    def _catch_up_rows(self, rows: torch.Tensor) -> None:
+        """Bring cache ``rows`` ``(R,)`` (host int64) behind step ``t`` up to it, in place."""
+        if self._rule is None or rows.numel() == 0:
+            return
+        s = self.slot_step[rows]
+        stale = s < self.t
+        if not bool(stale.any()):
+            return
+        rows, s = rows[stale], s[stale]
+        state = self._cache_state() if self._state_keys() else {}
+        step = max(1, _CHUNK_ELEMENTS // max(1, self.embedding_dim * 4))
+        for start in range(0, rows.numel(), step):
+            r = rows[start : start + step].to(self.device)
+            w64 = self.weight.data[r].double()
+            st64 = {k: state[k][r].double() for k in self._state_keys()}
+            self._rule.catch_up(w64, st64, s[start : start + step], self.t)
+            self.weight.data[r] = w64.to(self.weight.dtype)
+            for k, v in st64.items():
+                state[k][r] = v.to(state[k].dtype)
+        self.slot_step[rows] = self.t
+
+    def _step_rows(self, group: dict[str, Any], grad: torch.Tensor) -> None:
+        """The fused step t -> t+1 of the layout's rows with their gradient ``(U, D)``."""
+        rows = self._layout_rows
+        if rows.numel() == 0:
+            return
+        self._catch_up_rows(rows)  # rows carried from an earlier step
+        r = rows.to(self.device)
+        state = self._cache_state() if self._state_keys() else {}
+        p = self.weight.data[r]
+        st = {k: state[k][r] for k in self._state_keys()}
+        fused_update(self._kind, group, p, grad.to(p.dtype), st, self.t + 1)
+        self.weight.data[r] = p
+        for k, v in st.items():
+            state[k][r] = v
+        self.slot_step[rows] = self.t + 1
+
+    def _set_layout(self, rows: torch.Tensor, grad: torch.Tensor | None) -> None:
+        """The gradient layout becomes ``rows`` (host int64 cache rows) with ``grad``."""
+        old = self._layout_rows
+        if old.numel():
+            self._row_pos[old] = -1
+        self._layout_rows = rows
+        self._row_pos[rows] = torch.arange(rows.numel())
+        self.batch_rows.grad = None
+        self.batch_rows.data = torch.zeros(
+            rows.numel(), self.embedding_dim, dtype=self.weight.dtype, device=self.device
+        )
+        self.batch_rows.grad = grad
+
+    def _layout_slots(self) -> torch.Tensor:
+        """Slots of the rows holding a gradient (never evicted: it would lose it)."""
+        return self._layout_rows // self.block_rows  # repeats allowed: used as an index
+
+    def _layout_add(self, rows: torch.Tensor) -> torch.Tensor:
+        """Positions ``(U,)`` of unique cache ``rows`` in the gradient layout (appended)."""
+        pos = self._row_pos[rows]
+        new = rows[pos < 0]
+        if new.numel():
+            grad = self.batch_rows.grad
+            if grad is not None:
+                pad = grad.new_zeros(new.numel(), self.embedding_dim)
+                grad = torch.cat([grad.detach(), pad])
+            self._set_layout(torch.cat([self._layout_rows, new]), grad)
+            pos = self._row_pos[rows]
+        return pos
+
+    def _accumulate_grad(
+        self, positions: torch.Tensor, generation: int, grad: torch.Tensor
+    ) -> None:
+        """Backward of :class:`CacheRows`: add ``grad`` ``(U, D)`` at ``positions``."""
+        if generation != self._generation:
+            raise RuntimeError(
+                "cached table: a backward ran after the optimizer step that followed its "
+                "forward; run backward before optimizer.step() (the cache's gradient rows of "
+                "that forward are no longer laid out)"
+            )
+        with torch.no_grad():
+            g = self.batch_rows.grad
+            if g is None:
+                g = torch.zeros_like(self.batch_rows)
+                g.index_add_(0, positions.to(g.device), grad.to(g.dtype))
+                self.batch_rows.grad = g
+            else:
+                g.index_add_(0, positions.to(g.device), grad.to(g.dtype))
+
+    def dense_grad(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The cache's pending gradient as ``(ids (U,) int64 host, grad (U, D))``, or ``None``."""
+        g = self.batch_rows.grad
+        if g is None:
+            return None
+        rows = self._layout_rows
+        r = self.block_rows
+        blocks = self.slot_to_block[rows // r]
+        ids = blocks * r + rows % r
+        return ids, g
 
     def _pin_slots(self, slots: torch.Tensor) -> None:
         """Pin ``slots`` (their gradient is pending) until the next optimizer step."""
@@ -808,6 +1029,7 @@ class CachedTable(_EdoEmbedding):
         moved = 0
         w = self.weight.detach()[rows.to(self.device)].to("cpu")
         self.host_weight[ids] = w
+        self.last_step[ids] = self.slot_step[rows]  # lazy: caught up when next loaded
         moved += w.numel() * w.element_size()
         for key in self._state_keys():
             value = state.get(key)
@@ -815,7 +1037,6 @@ class CachedTable(_EdoEmbedding):
                 rows_state = value.detach()[rows.to(value.device)].to("cpu")
                 self.host_state[key][ids] = rows_state.to(self.host_state[key].dtype)
                 moved += rows_state.numel() * rows_state.element_size()
-        self.last_step[ids] = self.t
         self._count(d2h_bytes=moved)
 
     def _load_blocks(self, blocks: torch.Tensor, slots: torch.Tensor | None = None) -> None:
@@ -856,6 +1077,7 @@ class CachedTable(_EdoEmbedding):
                 moved += st[key].numel() * st[key].element_size()
         self.slot_to_block[slots] = blocks
         self.block_to_slot[blocks] = slots
+        self.slot_step[rows] = self.t
         self._count(misses=int(blocks.numel()), h2d_bytes=moved)
 
     def _load_stream(self) -> Any:
@@ -871,6 +1093,10 @@ class CachedTable(_EdoEmbedding):
         if free.numel() >= count:
             return free[:count]
         need = count - free.numel()
+        held = self._layout_slots()
+        if held.numel():
+            protect = protect.clone()
+            protect[held] = True
         candidates = ((self.slot_to_block >= 0) & ~protect).nonzero().reshape(-1)
         if candidates.numel() < need:
             raise _CacheFullError(int(candidates.numel() + free.numel()))
@@ -929,8 +1155,10 @@ class CachedTable(_EdoEmbedding):
         return slots
 
     # ------------------------------------------------------------------ forward
-    def _remap(self, input: torch.Tensor) -> tuple[torch.Tensor, int | None]:
-        """Slots for the ids in ``input`` (same shape, on the cache device) and the padding slot."""
+    def _remap(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+        """The batch's unique cache rows ``(U,)`` (host int64, made resident and current), each
+        id's place among them (``input``'s shape, on the cache device) and the padding row's
+        place (``None`` when the batch has no padding id)."""
         flat = input.reshape(-1)
         if flat.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"input must be an integer tensor (int64/int32), got {flat.dtype}")
@@ -948,7 +1176,9 @@ class CachedTable(_EdoEmbedding):
         if r == 1:
             uniq_ids, id_counts = uniq, counts
         else:
-            uniq_ids, id_counts = torch.unique(ids, return_counts=True)
+            uniq_ids, id_place, id_counts = torch.unique(
+                ids, return_inverse=True, return_counts=True
+            )
         for listener in tuple(self._lookup_listeners.values()):
             listener(uniq_ids, id_counts)
         slots = self.block_to_slot[uniq]
@@ -962,14 +1192,19 @@ class CachedTable(_EdoEmbedding):
         self.slot_last_use[slots] = self._tick
         if torch.is_grad_enabled() and self.weight.requires_grad:
             self._pin_slots(slots)  # its gradient is pending until the optimizer step
-        row_slots = slots[inverse] * r + (ids % r if r > 1 else 0)
-        pad_slot = None
+        if r == 1:
+            urows, place = slots, inverse
+        else:  # the unique ids' rows: distinct, in the unique ids' order
+            urows = self.block_to_slot[uniq_ids // r] * r + uniq_ids % r
+            place = id_place
+        pad_pos = None
         pad = self.padding_idx
-        if pad is not None:
-            s = int(self.block_to_slot[pad // r])
-            if s >= 0:
-                pad_slot = s * r + pad % r
-        return row_slots.reshape(input.shape).to(self.device), pad_slot
+        if pad is not None and uniq_ids.numel():
+            i = int(torch.searchsorted(uniq_ids, pad))
+            if i < uniq_ids.numel() and int(uniq_ids[i]) == pad:
+                pad_pos = i  # urows are in the unique ids' order
+        self._catch_up_rows(urows)
+        return urows, place.reshape(input.shape).to(self.device), pad_pos
 
     def add_lookup_listener(
         self, listener: Callable[[torch.Tensor, torch.Tensor], None]
@@ -1017,31 +1252,59 @@ class CachedTable(_EdoEmbedding):
         offsets: torch.Tensor | None = None,
         per_sample_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Embedding / EmbeddingBag lookup through the cache (shapes as ``nn.Embedding(Bag)``)."""
+        """Embedding / EmbeddingBag lookup through the cache (shapes as ``nn.Embedding(Bag)``).
+
+        The lookup runs on the batch's unique rows ``(U, D)`` (``F.embedding`` /
+        ``F.embedding_bag`` with the ids' places among them, so every option keeps its meaning).
+        Under ``torch.compile`` this forward runs eagerly (``torch.compiler.disable``): the
+        cache's bookkeeping changes sizes every step, and compiling it recompiled at every step;
+        the model around it compiles once per input shape, with one graph break here.
+        """
+        if offsets is not None and self.options.bag_mode is None:
+            raise TypeError("offsets/per_sample_weights are only for bag tables")
+        if per_sample_weights is not None and self.options.bag_mode is None:
+            raise TypeError("offsets/per_sample_weights are only for bag tables")
+        return self._lookup(input, offsets, per_sample_weights)
+
+    @torch.compiler.disable
+    def _lookup(
+        self,
+        input: torch.Tensor,
+        offsets: torch.Tensor | None,
+        per_sample_weights: torch.Tensor | None,
+    ) -> torch.Tensor:
         if self._optimizer is None and self.weight.requires_grad:
             self._auto_attach()
-        slots, pad_slot = self._remap(input)
+        training = torch.is_grad_enabled() and self.weight.requires_grad
+        urows, place, pad_pos = self._remap(input)
+        dev_rows = urows.to(self.device)
+        if training:
+            positions = self._layout_add(urows)
+            rows = CacheRows.apply(self.weight, dev_rows, self, positions, self._generation)
+        else:
+            rows = self.weight.detach().index_select(0, dev_rows)
         o = self.options
         if o.bag_mode is None:
-            if offsets is not None or per_sample_weights is not None:
-                raise TypeError("offsets/per_sample_weights are only for bag tables")
-            return F.embedding(
-                slots, self.weight, pad_slot, o.max_norm, o.norm_type, o.scale_grad_by_freq
+            out = F.embedding(place, rows, pad_pos, o.max_norm, o.norm_type, o.scale_grad_by_freq)
+        else:
+            dev = self.device
+            out = F.embedding_bag(
+                place,
+                rows,
+                offsets.to(dev) if offsets is not None else None,
+                o.max_norm,
+                o.norm_type,
+                o.scale_grad_by_freq,
+                o.bag_mode,
+                False,
+                per_sample_weights.to(dev) if per_sample_weights is not None else None,
+                o.include_last_offset,
+                pad_pos,
             )
-        dev = self.device
-        return F.embedding_bag(
-            slots,
-            self.weight,
-            offsets.to(dev) if offsets is not None else None,
-            o.max_norm,
-            o.norm_type,
-            o.scale_grad_by_freq,
-            o.bag_mode,
-            False,
-            per_sample_weights.to(dev) if per_sample_weights is not None else None,
-            o.include_last_offset,
-            pad_slot,
-        )
+        if o.max_norm is not None:  # the renormalised rows are the table's rows now
+            with torch.no_grad():
+                self.weight.data[dev_rows] = rows.detach()
+        return out
 
     # ------------------------------------------------------------------ flush, resize, resident
     @torch.no_grad()
@@ -1051,6 +1314,10 @@ class CachedTable(_EdoEmbedding):
         After it, ``host_weight`` and ``host_state`` are the full table a resident twin would have
         now. Cost: one catch-up of the rows that missed steps, in chunks.
         """
+        used = (self.slot_to_block >= 0).nonzero().reshape(-1)
+        if used.numel():
+            ids, real = self._block_rows_of(self.slot_to_block[used])
+            self._catch_up_rows(self._slot_rows(used)[real])
         if self._rule is not None:
             behind = (self.last_step < self.t).nonzero().reshape(-1)
             step = max(1, _CHUNK_ELEMENTS // max(1, self.embedding_dim * 4))
@@ -1086,7 +1353,9 @@ class CachedTable(_EdoEmbedding):
             return
         used = (self.slot_to_block >= 0).nonzero().reshape(-1)
         if new_slots < used.numel():
-            pinned = self.slot_pinned[used]
+            held = self.slot_pinned.clone()
+            held[self._layout_slots()] = True
+            pinned = held[used]
             if int(pinned.sum()) > new_slots:
                 raise ValueError(
                     f"cannot shrink to {cache_rows} rows: {int(pinned.sum()) * self.block_rows} "
@@ -1133,6 +1402,12 @@ class CachedTable(_EdoEmbedding):
             new_state["sum"][fresh] = float(group.get("initial_accumulator_value", 0.0))
         blocks = self.slot_to_block[keep]
         last_use, pinned = self.slot_last_use[keep], self.slot_pinned[keep]
+        old_rows_h, new_rows_h = old_rows.cpu(), new_rows.cpu()
+        slot_step = torch.zeros(rows, dtype=torch.int64)
+        slot_step[new_rows_h] = self.slot_step[old_rows_h]
+        row_map = torch.full((old_slots * self.block_rows,), -1, dtype=torch.int64)
+        row_map[old_rows_h] = new_rows_h
+        layout = row_map[self._layout_rows]  # the layout's rows are pinned, so kept
         # commit
         p.grad = None
         rebind_data(p, new_data)
@@ -1146,6 +1421,10 @@ class CachedTable(_EdoEmbedding):
         self.slot_last_use[new_index] = last_use
         self.slot_pinned = torch.zeros(new_slots, dtype=torch.bool)
         self.slot_pinned[new_index] = pinned
+        self.slot_step = slot_step
+        self._layout_rows = layout
+        self._row_pos = torch.full((rows,), -1, dtype=torch.int64)
+        self._row_pos[layout] = torch.arange(layout.numel())
         self._pinned_since_step = None  # slots renumbered: the next step clears every pin
         logger.info("cached table resized: %d -> %d rows", old_slots * self.block_rows, rows)
 
@@ -1156,19 +1435,22 @@ class CachedTable(_EdoEmbedding):
         return self.host_weight
 
     # ------------------------------------------------------------------ checkpoint hooks
-    def _param_index(self, optimizer: torch.optim.Optimizer) -> int | None:
+    def _param_index(self, optimizer: torch.optim.Optimizer, *, buffers: bool) -> int | None:
+        """``weight``'s index in a state dict of ``optimizer`` (row buffers counted or not)."""
         i = 0
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p is self.weight:
                     return i
-                i += 1
+                if buffers or not _is_row_buffer(p):
+                    i += 1
         return None
 
     def _optimizer_state_dict(
         self, optimizer: torch.optim.Optimizer, sd: dict[str, Any]
     ) -> dict[str, Any]:
-        idx = self._param_index(optimizer)
+        sd = _strip_row_buffers(optimizer, sd)
+        idx = self._param_index(optimizer, buffers=False)
         if idx is None or idx not in sd["state"]:
             return sd
         self.flush()
@@ -1184,7 +1466,8 @@ class CachedTable(_EdoEmbedding):
     def _optimizer_load(
         self, optimizer: torch.optim.Optimizer, sd: dict[str, Any]
     ) -> dict[str, Any]:
-        idx = self._param_index(optimizer)
+        sd = _insert_row_buffers(optimizer, sd)
+        idx = self._param_index(optimizer, buffers=True)
         if idx is None or idx not in sd["state"]:
             return sd
         entry = dict(sd["state"][idx])
@@ -1212,9 +1495,64 @@ class CachedTable(_EdoEmbedding):
         """Every row is current at step ``t`` (after loading a checkpoint)."""
         self.t = t
         self.last_step.fill_(t)
+        self.slot_step.fill_(t)
         if self._optimizer is not None:
             group = _group_of(self._optimizer, self.weight)
             self._rule = _make_rule(self._optimizer, group, t)
+
+
+def _is_row_buffer(p: torch.Tensor) -> bool:
+    return bool(getattr(p, "_edo_row_buffer", False))
+
+
+def _strip_row_buffers(optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
+    """``sd`` without the cached tables' row buffers (ids renumbered), as an optimizer over the
+    uncached model would save it; unchanged when already stripped."""
+    live = [g["params"] for g in optimizer.param_groups]
+    groups = sd["param_groups"]
+    if [len(g["params"]) for g in groups] != [len(p) for p in live]:
+        return sd
+    drop = {
+        i
+        for g, ps in zip(groups, live, strict=True)
+        for i, p in zip(g["params"], ps, strict=True)
+        if _is_row_buffer(p)
+    }
+    if not drop:
+        return sd
+    kept = sorted(i for g in groups for i in g["params"] if i not in drop)
+    new_id = {old: new for new, old in enumerate(kept)}
+    out = dict(sd)
+    out["param_groups"] = [
+        {**g, "params": [new_id[i] for i in g["params"] if i not in drop]} for g in groups
+    ]
+    out["state"] = {new_id[k]: v for k, v in sd["state"].items() if k not in drop}
+    return out
+
+
+def _insert_row_buffers(optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`_strip_row_buffers` for ``optimizer.load_state_dict(sd)``."""
+    live = [g["params"] for g in optimizer.param_groups]
+    groups = sd["param_groups"]
+    stripped = [sum(not _is_row_buffer(p) for p in ps) for ps in live]
+    if [len(g["params"]) for g in groups] != stripped or stripped == [len(p) for p in live]:
+        return sd
+    new_id: dict[Any, int] = {}
+    new_groups = []
+    n = 0
+    for g, ps in zip(groups, live, strict=True):
+        old = iter(g["params"])
+        ids = []
+        for p in ps:
+            if not _is_row_buffer(p):
+                new_id[next(old)] = n
+            ids.append(n)
+            n += 1
+        new_groups.append({**g, "params": ids})
+    out = dict(sd)
+    out["param_groups"] = new_groups
+    out["state"] = {new_id[k]: v for k, v in sd["state"].items() if k in new_id}
+    return out
 
 
 class _CacheFullError(Exception):
@@ -1229,6 +1567,7 @@ def _module_state_dict_hook(
     key = prefix + "weight"
     if key in state_dict:
         state_dict[key] = module.full_weight().detach().clone()
+    state_dict.pop(prefix + "batch_rows", None)  # the touched rows' gradient holder: not state
 
 
 def _module_load_pre_hook(
@@ -1241,6 +1580,7 @@ def _module_load_pre_hook(
     unexpected_keys: list[str],
     error_msgs: list[str],
 ) -> None:
+    state_dict[prefix + "batch_rows"] = module.batch_rows.detach().clone()
     key = prefix + "weight"
     value = state_dict.get(key)
     if value is None:
@@ -1256,6 +1596,7 @@ def _module_load_pre_hook(
         module.flush()  # host optimizer state current before every row is declared current
         module.host_weight.copy_(value)
         module.last_step.fill_(module.t)
+        module.slot_step.fill_(module.t)
         rows = module._gather_rows(module.host_weight)
     state_dict[key] = rows.to(module.weight.dtype)
 
