@@ -42,3 +42,26 @@ def test_sigkilled_run_leaves_one_named_file(tmp_path):
     proc.wait(timeout=10)
     left = leftover_spill_files(tmp_path)
     assert [str(p) for p in left] == [path]
+
+
+def test_row_cache_over_the_disk_tier_matches_a_resident_twin(tmp_path):
+    from edo_monitor.nn.cached import CachedEmbedding
+
+    torch.manual_seed(0)
+    w0 = torch.randn(200, 6, dtype=torch.float64)
+    twin = torch.nn.Embedding(200, 6, _weight=w0.clone(), dtype=torch.float64)
+    sf = SpillFile(tmp_path)
+    cached = CachedEmbedding(200, 6, 40, _weight=w0.clone(), dtype=torch.float64,
+                             host_alloc=sf.alloc)  # fmt: skip
+    opts = [torch.optim.Adam(m.parameters(), lr=0.01) for m in (twin, cached)]
+    for _ in range(20):
+        ids = torch.randint(0, 200, (32,))
+        for m, o in zip((twin, cached), opts, strict=True):
+            m(ids).pow(2).sum().backward()
+            o.step()
+            o.zero_grad()
+    cached.flush()
+    assert sf.size_bytes >= 3 * 200 * 6 * 8  # weight, exp_avg, exp_avg_sq all in the file
+    err = (cached.full_weight().detach() - twin.weight.detach()).abs().max().item()
+    assert err <= 1e-12
+    sf.remove()
