@@ -543,8 +543,10 @@ class CachedTable(_EdoEmbedding):
         overflow: str = "grow",
         id_frequencies: torch.Tensor | None = None,
         requires_grad: bool = True,
+        host_alloc: Callable[[Sequence[int], torch.dtype], torch.Tensor] | None = None,
     ) -> None:
         super().__init__(options)
+        self._host_alloc = host_alloc
         if options.sparse:
             raise ValueError("sparse=True is not supported by the row cache (dense grads only)")
         if policy not in CACHE_POLICIES:
@@ -566,6 +568,11 @@ class CachedTable(_EdoEmbedding):
         hw = host_weight.detach()
         if not hw.is_cpu:
             hw = hw.to("cpu")
+        if host_alloc is not None:  # the disk tier (edo_monitor.nn.spill): no pinning
+            self._pin = False
+            spilled = host_alloc(hw.shape, hw.dtype)
+            spilled.copy_(hw)
+            hw = spilled
         if self._pin and not hw.is_pinned():
             pinned = _pinned_empty(hw.shape, hw.dtype, True)
             pinned.copy_(hw)
@@ -618,6 +625,13 @@ class CachedTable(_EdoEmbedding):
             top = torch.argsort(self.block_freq, descending=True, stable=True)[:slots]
             with torch.no_grad():
                 self._load_blocks(top[self.block_freq[top] > 0])
+
+    def _host_empty(self, shape: Sequence[int]) -> torch.Tensor:
+        """A host tensor for full-table state: the disk tier's allocator when given, else pinned
+        (CUDA) or pageable memory."""
+        if self._host_alloc is not None:
+            return self._host_alloc(shape, self.host_weight.dtype)
+        return _pinned_empty(shape, self.host_weight.dtype, self._pin)
 
     def _alloc_slots(
         self, slots: int, device: torch.device, dtype: torch.dtype, requires_grad: bool
@@ -737,17 +751,21 @@ class CachedTable(_EdoEmbedding):
             value = state.get(key)
             init = float(group.get("initial_accumulator_value", 0.0)) if key == "sum" else 0.0
             if value is None:
-                hs = _pinned_empty((n, d), self.host_weight.dtype, self._pin)
+                hs = self._host_empty((n, d))
                 hs.fill_(init)
                 host_state[key] = hs
             elif tuple(value.shape) == (n, d):  # full-table state in id order
                 hs = value.detach()
-                if not hs.is_cpu:
+                if self._host_alloc is not None:
+                    spilled = self._host_alloc(hs.shape, hs.dtype)
+                    spilled.copy_(hs)
+                    hs = spilled
+                elif not hs.is_cpu:
                     hs = hs.to("cpu")
                 host_state[key] = hs
                 new_state[key] = self._gather_rows(hs).to(self.device)
             elif tuple(value.shape) == tuple(self.weight.shape):  # cache layout: scatter to ids
-                hs = _pinned_empty((n, d), self.host_weight.dtype, self._pin)
+                hs = self._host_empty((n, d))
                 hs.fill_(init)  # rows never cached hold the initial state
                 used = (self.slot_to_block >= 0).nonzero().reshape(-1)
                 ids, real = self._block_rows_of(self.slot_to_block[used])

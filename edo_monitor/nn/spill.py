@@ -1,0 +1,87 @@
+"""The disk tier: host tensors backed by one memory-mapped file per run (issue 24, item 4).
+
+A :class:`SpillFile` holds every tensor a run spills (a row cache's host table and its optimizer
+state) in ONE file ``edo-spill-<pid>-<token>.bin`` in a folder the user names
+(``watch(spill_dir=...)``, not wired yet). Each :meth:`SpillFile.alloc` grows the file and maps
+the new range (``numpy.memmap`` ``r+``, viewed through ``torch.from_numpy`` as the wanted dtype):
+the tensor is an ordinary CPU tensor whose pages the kernel writes back to the file, so code that
+works over host memory works over it unchanged. :meth:`SpillFile.remove` deletes the file (the
+mappings stay valid until their tensors are freed: Linux keeps the inode). A process killed before
+``remove`` leaves its named file; :func:`leftover_spill_files` lists those whose process is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import psutil
+import torch
+
+__all__ = ["SPILL_PREFIX", "SpillFile", "leftover_spill_files"]
+
+logger = logging.getLogger(__name__)
+
+SPILL_PREFIX = "edo-spill-"
+_NAME = re.compile(rf"^{SPILL_PREFIX}(\d+)-[0-9a-f]+\.bin$")
+_ALIGN_BYTES = 4096  # each tensor starts on a page
+
+
+class SpillFile:
+    """One run's spill file in ``folder`` (made if missing).
+
+    Raises:
+        ValueError: ``folder`` exists and is not a folder, or cannot be made (naming it).
+    """
+
+    def __init__(self, folder: str | os.PathLike[str]) -> None:
+        self.folder = Path(folder)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"spill_dir={str(folder)!r} cannot be made: {exc}") from None
+        if not self.folder.is_dir():
+            raise ValueError(f"spill_dir={str(folder)!r} is not a folder")
+        self.path = self.folder / f"{SPILL_PREFIX}{os.getpid()}-{secrets.token_hex(4)}.bin"
+        self.path.touch()
+        self.size_bytes = 0
+
+    def alloc(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A zero-filled CPU tensor of ``shape`` and ``dtype`` backed by a new range of the file."""
+        numel = 1
+        for s in shape:
+            numel *= int(s)
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        offset = -(-self.size_bytes // _ALIGN_BYTES) * _ALIGN_BYTES
+        self.size_bytes = offset + nbytes
+        with open(self.path, "r+b") as f:
+            f.truncate(self.size_bytes)
+        if nbytes == 0:
+            return torch.empty(tuple(shape), dtype=dtype)
+        arr = np.memmap(self.path, dtype=np.uint8, mode="r+", offset=offset, shape=(nbytes,))
+        return torch.from_numpy(arr).view(dtype).view(tuple(int(s) for s in shape))
+
+    def remove(self) -> None:
+        """Delete the file (tensors already mapped stay readable until freed)."""
+        try:
+            self.path.unlink(missing_ok=True)
+        except OSError:
+            logger.warning("could not remove spill file %s", self.path, exc_info=True)
+
+
+def leftover_spill_files(folder: str | os.PathLike[str]) -> list[Path]:
+    """Spill files in ``folder`` whose process no longer runs (a crashed run's leftovers)."""
+    p = Path(folder)
+    if not p.is_dir():
+        return []
+    out = []
+    for f in sorted(p.iterdir()):
+        m = _NAME.match(f.name)
+        if m and not psutil.pid_exists(int(m.group(1))):
+            out.append(f)
+    return out
