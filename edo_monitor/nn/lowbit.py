@@ -67,6 +67,7 @@ _POSITION_BITS = 3
 _SCALE_BYTES = 2  # float16 scale
 _ZERO_BYTES = 2  # float16 zero-point
 _FP16_MAX = 65504.0
+_CHUNK_ROWS = 4096  # rows quantised / reconstructed at a time
 
 
 def _check_group(bits: int, group_size: int) -> None:
@@ -189,9 +190,17 @@ def quantize_groupwise(weight: torch.Tensor, bits: int, group_size: int = 64) ->
     """
     _check_group(bits, group_size)
     n, d = weight.shape
-    groups = _grouped(weight, group_size)
-    q, scale, zero = _affine(groups, bits)
-    return GroupQuantized(pack_bits(q.reshape(n, -1), bits), scale, zero, bits, group_size, d)
+    parts = []
+    for start in range(0, n, _CHUNK_ROWS):  # bounded temporaries (the bit planes are int32)
+        groups = _grouped(weight[start : start + _CHUNK_ROWS], group_size)
+        q, scale, zero = _affine(groups, bits)
+        parts.append((pack_bits(q.reshape(q.shape[0], -1), bits), scale, zero))
+    if not parts:  # no rows
+        g = -(-d // group_size)
+        empty = torch.zeros(0, g, dtype=torch.float16)
+        parts.append((torch.zeros(0, g * group_size * bits // 8, dtype=torch.uint8), empty, empty))
+    codes, scale, zero = (torch.cat([p[i] for p in parts]) for i in range(3))
+    return GroupQuantized(codes, scale, zero, bits, group_size, d)
 
 
 def dequantize_groupwise(
@@ -250,6 +259,18 @@ def sparsify_2of8(weight: torch.Tensor, group_size: int = 64) -> SparseQuantized
     """
     _check_group(2, group_size)
     n, d = weight.shape
+    if n > _CHUNK_ROWS:  # bounded temporaries: one chunk of rows at a time
+        chunks = [
+            sparsify_2of8(weight[s : s + _CHUNK_ROWS], group_size) for s in range(0, n, _CHUNK_ROWS)
+        ]
+        return SparseQuantized(
+            torch.cat([c.codes for c in chunks]),
+            torch.cat([c.positions for c in chunks]),
+            torch.cat([c.scale for c in chunks]),
+            torch.cat([c.zero for c in chunks]),
+            group_size,
+            d,
+        )
     groups = _grouped(weight, group_size)  # (N, G, g)
     g = groups.shape[1]
     blocks = groups.reshape(n, g, group_size // SPARSE_BLOCK, SPARSE_BLOCK)
@@ -322,7 +343,7 @@ class _FrozenLowBit(_RowComputedEmbedding):
     def dequantized(self) -> torch.Tensor:
         """The reconstructed table ``(N, D)`` in ``output_dtype`` (padding row exact)."""
         ids = torch.arange(self.options.num_embeddings, device=self.padding_row_device())
-        w = self._rows(ids)
+        w = torch.cat([self._rows(c) for c in ids.split(_CHUNK_ROWS)])
         if self.padding_row is not None:
             w[self.options.padding_idx] = self.padding_row.to(w.dtype)
         return w
