@@ -256,3 +256,41 @@ def test_cli_help_lists_the_new_modes() -> None:
     text = CliRunner().invoke(app, ["estimate", "--help"], env={"COLUMNS": "200"}).output
     for mode in ("int4", "int2", "2of8", "perrow"):
         assert mode in text
+
+
+def test_cold_rule_keeps_the_rarely_looked_up_rows_exact() -> None:
+    from edo_monitor.actions.compress_embedding import CompressEmbedding
+
+    model = _frozen()
+    counter = _counted(model)
+    ctx = _ctx(model, counter)
+    before = model.emb.weight.detach().clone()
+    action = CompressEmbedding("perrow", per_row="cold", cold_below=5, per_row_bits=2)
+    plan = action.plan(ctx)
+    counts = counter.counts("emb")
+    cold = torch.nonzero(counts < 5).flatten()
+    assert plan.details["full_rows"] == cold.numel() and plan.details["cold_below"] == 5
+    assert action.apply(ctx, plan).status == "applied"
+    after = model.emb.dequantized()
+    assert torch.equal(after[cold], before[cold])
+    hot = torch.nonzero(counts >= 5).flatten()
+    assert not torch.equal(after[hot], before[hot])
+
+
+def test_sampled_estimate_of_a_large_table_is_near_the_measured_error() -> None:
+    n = 40_000  # ten samples' worth of rows: the plan reads a draw, not the table
+    model = Model(n=n, d=16)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        model.emb.weight.copy_(torch.randn(n, 16) * torch.rand(n, 1))
+    model.emb.weight.requires_grad_(False)
+    before = model.emb.weight.detach().clone()
+    ctx = _ctx(model)
+    for variant in ("int4", "2of8"):
+        plan = ACTIONS[f"compress_embedding_{variant}"].plan(ctx)
+        trial = copy.deepcopy(model)
+        tctx = _ctx(trial)
+        assert ACTIONS[f"compress_embedding_{variant}"].apply(tctx, plan).status == "applied"
+        after = trial.emb.dequantized().double()
+        measured = float((after - before).pow(2).sum() / before.double().pow(2).sum())
+        assert plan.expected_error == pytest.approx(measured, rel=0.1), variant
