@@ -1465,7 +1465,12 @@ def estimate_cmd(
     ),
     optimizer: Annotated[str, typer.Option(help="sgd, momentum, adam, adamw, adagrad …")] = "adam",
     compression: Annotated[
-        str | None, typer.Option(help="int8, fp16, bf16, lowrank:R, hash:BUCKETS …")
+        str | None,
+        typer.Option(
+            help="fp16, bf16, int8, int4[:G], int2[:G], 2of8[:G] (2 of 8 kept at 2 bits), "
+            "perrow:K[:BITS] (K full rows, the rest int4/int2), lowrank:R, hash:B, hash2:B, "
+            "qr:R, hybrid:K:B (G: group size, default 64)"
+        ),
     ] = None,
     master_weights: Annotated[
         bool, typer.Option(help="Keep fp32 master weights for a low-precision table.")

@@ -53,6 +53,19 @@ device memory. The estimate therefore reports it apart, as ``step_state_bytes``:
   embedding_dim``), and the sorted hot ids as an int64 buffer (``K × 8`` bytes, in
   ``params_bytes``).
 
+* ``"int4"`` / ``"int2"`` (or ``"int4:G"`` / ``"int2:G"``, group size ``G``, a multiple of 8,
+  default 64): group-wise affine codes, ``ceil(D/G)·G`` codes a row packed two int4 / four int2 a
+  byte, plus a float16 scale and a float16 zero-point per group (4 bytes per ``G`` columns).
+  Frozen: no gradients, no optimizer state.
+* ``"2of8"`` (or ``"2of8:G"``): 2 of every 8 values kept, at 2 bits, each with a 3-bit position
+  (10 bits per 8 columns), plus a float16 scale and zero-point per group of ``G`` columns.
+  Frozen.
+* ``"perrow:K"`` (or ``"perrow:K:BITS"``, ``BITS`` 4 or 2, default 4; ``("perrow", K)``): ``K``
+  rows in ``dtype`` with their sorted int64 ids (``K × 8`` bytes) and the other rows group-wise
+  at ``BITS`` bits with ``G = 64``. Frozen.
+
+These are the tables of :mod:`edo_monitor.nn.lowbit`, byte for byte (padding row aside).
+
 The sharing kinds are the tables of :mod:`edo_monitor.nn.sharing`, byte for byte.
 
 Everything here is arithmetic; nothing touches a device, and torch is not imported (a
@@ -113,10 +126,23 @@ _DTYPES: dict[str, tuple[str, int]] = {
 _DTYPES_ALLOWED = "float32, float16, bfloat16, float64 (or fp32, fp16, bf16, fp64, a torch.dtype)"
 _COMPRESSION_ALLOWED = (
     "None, 'fp16', 'bf16', 'int8', 'lowrank:K' / ('lowrank', K), 'hash:B' / ('hash', B), "
-    "'hash2:B' / ('hash2', B), 'qr:R' / ('qr', R), 'hybrid:K:B' / ('hybrid', K, B)"
+    "'hash2:B' / ('hash2', B), 'qr:R' / ('qr', R), 'hybrid:K:B' / ('hybrid', K, B), "
+    "'int4[:G]', 'int2[:G]', '2of8[:G]' (G a multiple of 8), 'perrow:K[:BITS]'"
 )
+_LOWBIT_DEFAULT_GROUP = 64
+_LOWBIT_BITS = {"int4": 4, "int2": 2}
 # compression kinds with integer arguments -> how many
-_COMPRESSION_ARGS = {"lowrank": 1, "hash": 1, "hash2": 1, "qr": 1, "hybrid": 2}
+_COMPRESSION_ARGS = {
+    "lowrank": 1,
+    "hash": 1,
+    "hash2": 1,
+    "qr": 1,
+    "hybrid": 2,
+    "int4": 1,
+    "int2": 1,
+    "2of8": 1,
+    "perrow": 2,
+}
 
 
 @dataclass(frozen=True)
@@ -128,7 +154,8 @@ class Estimate:
         dtype: element type of the uncompressed table (``"float32"`` …).
         optimizer: canonical optimizer name (one of :data:`OPTIMIZERS`).
         compression: canonical compression (``None``, ``"fp16"``, ``"bf16"``, ``"int8"``,
-            ``"lowrank:K"``, ``"hash:B"``, ``"hash2:B"``, ``"qr:R"``, ``"hybrid:K:B"``).
+            ``"lowrank:K"``, ``"hash:B"``, ``"hash2:B"``, ``"qr:R"``, ``"hybrid:K:B"``,
+            ``"int4:G"``, ``"int2:G"``, ``"2of8:G"``, ``"perrow:K:BITS"``).
         master_weights: whether an fp32 master copy is kept for a 16-bit table.
         params_bytes: parameters and buffers (int8 scales included).
         grads_bytes: gradients (0 for a frozen table).
@@ -211,6 +238,8 @@ def _compression(value: object) -> tuple[str | None, tuple[int, ...]]:
             return "bf16", ()
         if text in ("int8", "int8-rowwise", "int8_rowwise"):
             return "int8", ()
+        if text in ("int4", "int2", "2of8"):
+            return text, (_LOWBIT_DEFAULT_GROUP,)
         kind, *parts = (part.strip() for part in text.split(":"))
         try:
             numbers = tuple(int(part) for part in parts)
@@ -223,9 +252,26 @@ def _compression(value: object) -> tuple[str | None, tuple[int, ...]]:
             raise bad
     else:
         raise bad
+    if kind in ("int4", "int2", "2of8") and not numbers:
+        numbers = (_LOWBIT_DEFAULT_GROUP,)
+    if kind == "perrow" and len(numbers) == 1:
+        numbers = (numbers[0], 4)
     if _COMPRESSION_ARGS.get(kind) != len(numbers):
         raise bad
     return kind, numbers
+
+
+def _lowbit_row_bytes(cols: int, bits: int, group: int) -> int:
+    """Bytes of one group-wise row: packed codes + float16 scale and zero-point a group."""
+    groups = -(-cols // group)
+    return -(-groups * group * bits // 8) + groups * 4
+
+
+def _sparse_row_bytes(cols: int, group: int) -> int:
+    """Bytes of one 2:8-sparse 2-bit row: codes, 3-bit positions, scale and zero-point."""
+    groups = -(-cols // group)
+    kept = groups * group // 8 * 2
+    return -(-kept * 2 // 8) + -(-kept * 3 // 8) + groups * 4
 
 
 def estimate(
@@ -251,7 +297,9 @@ def estimate(
             ``("lowrank", K)`` with ``1 <= K <= min(num_embeddings, embedding_dim)``,
             ``"hash:B"`` / ``"hash2:B"`` with ``1 <= B <= num_embeddings``, ``"qr:R"`` with
             ``1 <= R <= num_embeddings``, ``"hybrid:K:B"`` with ``0 <= K < num_embeddings`` and
-            ``1 <= B <= num_embeddings - K`` (tuple forms ``("hash", B)`` … as well).
+            ``1 <= B <= num_embeddings - K`` (tuple forms ``("hash", B)`` … as well), ``"int4"``,
+            ``"int2"``, ``"2of8"`` (``":G"`` for a group size other than 64), ``"perrow:K"`` /
+            ``"perrow:K:BITS"``.
         master_weights: keep an fp32 master copy (and fp32 optimizer state) for a 16-bit
             trainable table; only allowed when the trainable storage is 16-bit.
 
@@ -280,6 +328,26 @@ def estimate(
         trainable = [rows * cols]
     elif kind == "int8":
         params = rows * cols + rows * 4  # int8 weights + one float32 scale per row
+    elif kind in ("int4", "int2", "2of8"):
+        (group,) = args
+        if group < 8 or group % 8:
+            raise ConfigError(
+                f"compression='{kind}:{group}' is not allowed; the group size G must be a "
+                "positive multiple of 8"
+            )
+        if kind == "2of8":
+            params = rows * _sparse_row_bytes(cols, group)
+        else:
+            params = rows * _lowbit_row_bytes(cols, _LOWBIT_BITS[kind], group)
+    elif kind == "perrow":
+        k, bits = args
+        if not 0 <= k <= rows or bits not in (2, 4):
+            raise ConfigError(
+                f"compression='perrow:{k}:{bits}' is not allowed; the full-precision rows K must "
+                f"be between 0 and num_embeddings = {rows}, BITS 4 or 2"
+            )
+        low = (rows - k) * _lowbit_row_bytes(cols, bits, _LOWBIT_DEFAULT_GROUP)
+        params = k * cols * dtype_bytes + k * 8 + low
     elif kind == "lowrank":
         (k,) = args
         if not 1 <= k <= min(rows, cols):

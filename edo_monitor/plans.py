@@ -38,6 +38,10 @@ ACTION_NAMES: tuple[str, ...] = (
     "compress_embedding_fp16",
     "compress_embedding_int8",
     "compress_embedding_lowrank",
+    "compress_embedding_int4",
+    "compress_embedding_int2",
+    "compress_embedding_2of8",
+    "compress_embedding_perrow",
     "share_embedding",
 )
 #: The actions that change numerics (need ``allow_lossy``).
@@ -48,6 +52,10 @@ LOSSY_ACTION_NAMES: frozenset[str] = frozenset(
         "compress_embedding_fp16",
         "compress_embedding_int8",
         "compress_embedding_lowrank",
+        "compress_embedding_int4",
+        "compress_embedding_int2",
+        "compress_embedding_2of8",
+        "compress_embedding_perrow",
         "share_embedding",
     }
 )

@@ -233,7 +233,7 @@ def test_as_dict() -> None:
         ({"embedding_dim": 1.5}, "embedding_dim=1.5"),
         ({"dtype": "int4"}, "dtype='int4'"),
         ({"optimizer": "lion"}, "optimizer='lion'"),
-        ({"compression": "int4"}, "compression='int4'"),
+        ({"compression": "int3"}, "compression='int3'"),
         ({"compression": "lowrank:x"}, "compression='lowrank:x'"),
         ({"compression": "lowrank:0"}, "lowrank:0"),
         ({"compression": ("lowrank", 65)}, "lowrank:65"),

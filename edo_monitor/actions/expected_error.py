@@ -20,6 +20,7 @@ the device, from the thread that plans (the sampler's); unmeasured on a GPU.
 * int8 row-wise: :func:`int8_rowwise_expected_error`.
 * low rank: :func:`lowrank_expected_error`.
 * hot/cold sharing: :func:`share_expected_error`.
+* group-wise int4 / int2, 2:8 sparse int2, per-row precision: :func:`lowbit_expected_error`.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ __all__ = [
     "LookupDistribution",
     "LookupSample",
     "int8_rowwise_expected_error",
+    "lowbit_expected_error",
     "lowrank_expected_error",
     "sample_lookups",
     "share_expected_error",
@@ -398,3 +400,74 @@ def share_expected_error(
     q = 1.0 if lam <= 0 else -math.expm1(-lam) / lam
     cold_error = (1.0 - q) ** 2 * spread_lookups + q * (1.0 - q) * spread
     return cold_share * cold_error / den
+
+
+def lowbit_expected_error(
+    weight: torch.Tensor,
+    dist: LookupDistribution,
+    padding_idx: int | None,
+    *,
+    fmt: str,
+    bits: int = 4,
+    group_size: int = 64,
+    full_ids: torch.Tensor | None = None,
+) -> float:
+    """Expected relative squared error of a group-wise low-bit table (formats of
+    :mod:`edo_monitor.nn.lowbit`).
+
+    These formats are row-local (a row's codes depend on that row only), so the sampled rows are
+    quantised exactly as the action will quantise them and their error measured:
+    ``Σ p ‖r̂ − r‖² / Σ p ‖r‖²`` over :func:`sample_lookups` (exact for a table of at most
+    :data:`PLAN_SAMPLE_ROWS` rows; otherwise a seeded draw). With ``full_ids`` (per-row
+    precision) those rows are exact: the numerator is the low-bit lookups' mean error times
+    their share of the lookups (``mass``), the denominator the mean square over every lookup.
+    Work: the sampled rows, twice at most (never the whole table).
+
+    Args:
+        weight: the ``(N, D)`` table.
+        dist: the lookups' distribution (:func:`table_distribution`).
+        padding_idx: left out (kept exact by the action).
+        fmt: ``"groupwise"`` (``bits`` 4 or 2) or ``"2of8"`` (2:8 sparse + 2 bits).
+        bits, group_size: the format's parameters.
+        full_ids: ``(K,)`` ids kept at full precision (per-row precision), else ``None``.
+
+    Raises:
+        ValueError: for a format or parameters the formats refuse.
+    """
+    from edo_monitor.nn.lowbit import (
+        dequantize_groupwise,
+        dequantize_sparse_2of8,
+        quantize_groupwise,
+        sparsify_2of8,
+    )
+
+    d = int(weight.shape[1])
+
+    def squared_error(rows: torch.Tensor) -> torch.Tensor:
+        if fmt == "groupwise":
+            q = quantize_groupwise(rows, bits, group_size)
+            approx = dequantize_groupwise(q.codes, q.scale, q.zero, bits, group_size, d)
+        elif fmt == "2of8":
+            s = sparsify_2of8(rows, group_size)
+            approx = dequantize_sparse_2of8(s.codes, s.positions, s.scale, s.zero, group_size, d)
+        else:
+            raise ValueError(f"fmt={fmt!r}; expected 'groupwise' or '2of8'")
+        return (approx.double() - rows).pow(2).sum(dim=1)
+
+    pad = _pad(padding_idx)
+    every = sample_lookups(dist, exclude=pad)
+    if every.empty:
+        return 0.0
+    rows, c = _rows(weight, every)
+    den = _weighted_mean(rows.pow(2).sum(dim=1), c)
+    if den <= 0:
+        return 0.0
+    if full_ids is None or not full_ids.numel():
+        return _weighted_mean(squared_error(rows), c) / den
+    full = full_ids.detach().to("cpu", torch.long).reshape(-1)
+    excluded = full if pad is None else torch.cat([full, pad])
+    low = sample_lookups(dist, exclude=excluded, seed=_SEED + 1)
+    if low.empty or every.mass <= 0:
+        return 0.0
+    lrows, lc = _rows(weight, low)
+    return (low.mass / every.mass) * _weighted_mean(squared_error(lrows), lc) / den

@@ -26,6 +26,10 @@ ACTIONS: dict[str, Action] = {
         CompressEmbedding("fp16"),
         CompressEmbedding("int8"),
         CompressEmbedding("lowrank"),
+        CompressEmbedding("int4"),
+        CompressEmbedding("int2"),
+        CompressEmbedding("2of8"),
+        CompressEmbedding("perrow"),
         ShareEmbedding(),
     )
 }
@@ -34,6 +38,8 @@ policy when memory is free again, not on a ladder), ``offload_embedding``,
 ``checkpoint_activations``,
 ``compress_embedding`` (bf16 trainable / int8 frozen), ``compress_embedding_bf16``,
 ``compress_embedding_fp16``, ``compress_embedding_int8``, ``compress_embedding_lowrank``,
+``compress_embedding_int4``, ``compress_embedding_int2``, ``compress_embedding_2of8``,
+``compress_embedding_perrow`` (frozen, group-wise low-bit; see ``compress_embedding``),
 ``share_embedding`` (hot/cold hybrid))."""
 
 LOSSY_ACTIONS: frozenset[str] = frozenset(n for n, a in ACTIONS.items() if a.lossy)
