@@ -99,7 +99,8 @@ class ActivationProfile:
         outside_uses: per embedding-table module name, where its parameters were read outside
             its own forward during the recorded step (``"<innermost module>: <op>"``, or
             ``"<no module>: <op>"`` for the user's code around the model), e.g. an output
-            layer tied by use: ``F.linear(h, self.emb.weight)``. Actions that change such a
+            layer tied by use: ``F.linear(h, self.emb.weight)``, or ``h @ self.emb.weight.T``
+            (``"<model>: matmul (a view of the weight)"``). Actions that change such a
             weight's dtype, shape, storage or device refuse. See :class:`ActivationRecorder`.
     """
 
@@ -155,6 +156,9 @@ class ActivationRecorder:
         self._mutating: set[str] = set()
         # reads of table parameters outside their module's forward (see _UseWatcher)
         self._watched: dict[int, tuple[str, frozenset[str]]] = {}
+        #: the same, keyed by the parameters' storage: a view or ``.data`` of a table weight
+        #: (``self.emb.weight.T``, made before or during the step) reads the weight's values too
+        self._watched_storage: dict[int, tuple[str, frozenset[str]]] = {}
         self._outside: dict[str, set[str]] = {}
         self._use_mode: _UseWatcher | None = None
 
@@ -202,11 +206,37 @@ class ActivationRecorder:
                 continue
             for p in m.parameters():
                 if id(p) not in self._watched:
-                    self._watched[id(p)] = (name, frozenset(holders.get(id(p), {name})))
+                    hit = (name, frozenset(holders.get(id(p), {name})))
+                    self._watched[id(p)] = hit
+                    ptr = _storage_ptr(p)
+                    if ptr:
+                        self._watched_storage.setdefault(ptr, hit)
+
+    def _hit(self, t: torch.Tensor) -> tuple[tuple[str, frozenset[str]] | None, bool]:
+        """``((table, owners), is_alias)`` when ``t`` is a watched weight (``is_alias`` False) or
+        any other tensor on a watched weight's storage (a view, ``.data``: ``is_alias`` True)."""
+        hit = self._watched.get(id(t))
+        if hit is not None:
+            return hit, False
+        if self._watched_storage:
+            ptr = _storage_ptr(t)
+            if ptr:
+                hit = self._watched_storage.get(ptr)
+                if hit is not None:
+                    return hit, True
+        return None, False
 
     def note_use(self, func: Any, args: tuple, kwargs: dict) -> None:
         """Record a read of a table parameter outside the forward of every module holding it
         (called by the recorder's ``TorchFunctionMode`` for each torch function).
+
+        A read is of the parameter itself or of any tensor on its storage: ``self.emb.weight.T``
+        is a property read (``__get__``, metadata-only by name) that hands out a view, and the
+        view's ``matmul`` is the read of the values (recorded as ``"<model>: __matmul__ (a view
+        of the weight)"``); a view made before the recorded step, or ``weight.data``, is caught
+        the same way. Matching by storage is exact: only an alias of the weight shares its
+        storage (its gradient and optimizer state have their own), and the storage pointer is
+        read only during the one recorded step.
 
         Not uses: metadata reads (:data:`_METADATA_OPS`), anything inside an optimizer's
         ``step`` (the actions move or convert the optimizer's state with the weight), and, for
@@ -224,14 +254,19 @@ class ActivationRecorder:
         for i, a in enumerate((*args, *kwargs.values())):
             items = a if isinstance(a, (list, tuple)) else (a,)
             for t in items:
-                hit = self._watched.get(id(t)) if isinstance(t, torch.Tensor) else None
+                if not isinstance(t, torch.Tensor):
+                    continue
+                hit, alias = self._hit(t)
                 if hit is None or (in_place and i == 0):
                     continue  # not watched; or updated in place (an optimizer's step)
                 table, owners = hit
                 if any(o in self._stack for o in owners):
                     continue
                 where = self._stack[-1] if self._stack else "<no module>"
-                self._outside.setdefault(table, set()).add(f"{where or '<model>'}: {name}")
+                what = f"{where or '<model>'}: {name}" + (
+                    " (a view of the weight)" if alias else ""
+                )
+                self._outside.setdefault(table, set()).add(what)
 
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         name = self._names.get(id(module), "")
@@ -393,6 +428,17 @@ class _UseWatcher(TorchFunctionMode):
         except Exception:  # never fail the user's step
             logger.debug("use check of %r failed", func, exc_info=True)
         return func(*args, **kwargs)
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    """Address of ``t``'s storage (shared by all its views), 0 when it has none to compare
+    (sparse, meta, a tensor subclass without storage, an empty storage)."""
+    if t.layout != torch.strided or t.device.type == "meta":
+        return 0
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except Exception:  # a wrapper subclass (FakeTensor, DTensor ...): no storage of its own
+        return 0
 
 
 def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
