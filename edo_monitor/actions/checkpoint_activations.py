@@ -27,6 +27,7 @@ agent records again, the result's ``bytes_after`` is the estimate
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 from collections.abc import Callable, Iterable
@@ -156,9 +157,11 @@ class ActivationRecorder:
         self._mutating: set[str] = set()
         # reads of table parameters outside their module's forward (see _UseWatcher)
         self._watched: dict[int, tuple[str, frozenset[str]]] = {}
-        #: the same, keyed by the parameters' storage: a view or ``.data`` of a table weight
-        #: (``self.emb.weight.T``, made before or during the step) reads the weight's values too
-        self._watched_storage: dict[int, tuple[str, frozenset[str]]] = {}
+        #: the same by the parameters' memory: ``(start, end)`` addresses of each one's elements,
+        #: sorted; a view or ``.data`` of a table weight (``self.emb.weight.T``, made before or
+        #: during the step) starts inside them and reads the weight's values too
+        self._watched_starts: list[int] = []
+        self._watched_spans: list[tuple[int, tuple[str, frozenset[str]]]] = []
         self._outside: dict[str, set[str]] = {}
         self._use_mode: _UseWatcher | None = None
 
@@ -197,6 +200,7 @@ class ActivationRecorder:
     def _watch_table_params(self) -> None:
         """Map each table parameter to (its table's name, the names of modules holding it)."""
         holders: dict[int, set[str]] = {}
+        spans: list[tuple[int, int, tuple[str, frozenset[str]]]] = []
         for name, m in self.model.named_modules(remove_duplicate=False):
             for p in m._parameters.values():
                 if p is not None:
@@ -208,35 +212,42 @@ class ActivationRecorder:
                 if id(p) not in self._watched:
                     hit = (name, frozenset(holders.get(id(p), {name})))
                     self._watched[id(p)] = hit
-                    ptr = _storage_ptr(p)
-                    if ptr:
-                        self._watched_storage.setdefault(ptr, hit)
+                    span = _element_span(p)
+                    if span is not None:
+                        spans.append((*span, hit))
+        spans.sort(key=lambda s: s[0])
+        self._watched_starts = [start for start, _, _ in spans]
+        self._watched_spans = [(end, hit) for _, end, hit in spans]
 
     def _hit(self, t: torch.Tensor) -> tuple[tuple[str, frozenset[str]] | None, bool]:
         """``((table, owners), is_alias)`` when ``t`` is a watched weight (``is_alias`` False) or
-        any other tensor on a watched weight's storage (a view, ``.data``: ``is_alias`` True)."""
+        any other tensor whose first element lies in a watched weight's elements (a view,
+        ``.data``: ``is_alias`` True). ``data_ptr()`` is one C call (no storage object made); live
+        tensors' memory does not overlap unless they alias, so the match is exact."""
         hit = self._watched.get(id(t))
         if hit is not None:
             return hit, False
-        if self._watched_storage:
-            ptr = _storage_ptr(t)
-            if ptr:
-                hit = self._watched_storage.get(ptr)
-                if hit is not None:
-                    return hit, True
+        if self._watched_starts and t.layout == torch.strided:
+            try:
+                ptr = t.data_ptr()
+            except Exception:  # a wrapper subclass (FakeTensor, DTensor ...): no memory of its own
+                return None, False
+            i = bisect.bisect_right(self._watched_starts, ptr) - 1
+            if ptr and i >= 0 and ptr < self._watched_spans[i][0]:
+                return self._watched_spans[i][1], True
         return None, False
 
     def note_use(self, func: Any, args: tuple, kwargs: dict) -> None:
         """Record a read of a table parameter outside the forward of every module holding it
         (called by the recorder's ``TorchFunctionMode`` for each torch function).
 
-        A read is of the parameter itself or of any tensor on its storage: ``self.emb.weight.T``
-        is a property read (``__get__``, metadata-only by name) that hands out a view, and the
-        view's ``matmul`` is the read of the values (recorded as ``"<model>: __matmul__ (a view
-        of the weight)"``); a view made before the recorded step, or ``weight.data``, is caught
-        the same way. Matching by storage is exact: only an alias of the weight shares its
-        storage (its gradient and optimizer state have their own), and the storage pointer is
-        read only during the one recorded step.
+        A read is of the parameter itself or of any tensor starting inside its elements'
+        memory: ``self.emb.weight.T`` is a property read (``__get__``, metadata-only by name)
+        that hands out a view, and the view's ``matmul`` is the read of the values (recorded as
+        ``"<model>: matmul (a view of the weight)"``); a view made before the recorded step, or
+        ``weight.data``, is caught the same way. Matching by address is exact: only an alias of
+        the weight lies in its memory (its gradient and optimizer state have their own), and
+        the address is read only during the one recorded step.
 
         Not uses: metadata reads (:data:`_METADATA_OPS`), anything inside an optimizer's
         ``step`` (the actions move or convert the optimizer's state with the weight), and, for
@@ -430,15 +441,20 @@ class _UseWatcher(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _storage_ptr(t: torch.Tensor) -> int:
-    """Address of ``t``'s storage (shared by all its views), 0 when it has none to compare
-    (sparse, meta, a tensor subclass without storage, an empty storage)."""
-    if t.layout != torch.strided or t.device.type == "meta":
-        return 0
+def _element_span(t: torch.Tensor) -> tuple[int, int] | None:
+    """``(start, end)`` addresses of ``t``'s elements (its own, not its whole storage: parameters
+    that are views of one flat buffer keep apart), ``None`` when there is nothing to compare
+    (sparse, meta, no elements, a tensor subclass without memory of its own)."""
+    if t.layout != torch.strided or t.device.type == "meta" or t.numel() == 0:
+        return None
     try:
-        return int(t.untyped_storage().data_ptr())
-    except Exception:  # a wrapper subclass (FakeTensor, DTensor ...): no storage of its own
-        return 0
+        start = t.data_ptr()
+    except Exception:
+        return None
+    if not start:
+        return None
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+    return start, start + (last + 1) * t.element_size()
 
 
 def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
