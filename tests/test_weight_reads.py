@@ -169,3 +169,24 @@ def test_the_tied_language_model_trains_under_pressure_bit_identical_to_its_twin
     for name in ("cache_embedding", "offload_embedding"):  # the lossless ladder's table actions
         assert f"read outside emb's forward ({read})" in refusals[name]
     assert "checkpoint_activations" in refusals  # the ladder moved on past the tables
+
+
+def test_parameters_sliced_from_one_flat_buffer_are_not_each_others_reads() -> None:
+    """Only a tensor inside the table weight's own elements is its alias, not one elsewhere in
+    the same storage (flat-parameter layouts slice every parameter from one buffer)."""
+    torch.manual_seed(0)
+    flat = torch.randn(N * D + N * D)
+    model = nn.Module()
+    model.emb = nn.Embedding(N, D)
+    model.head = nn.Linear(D, N, bias=False)
+    model.emb.weight = nn.Parameter(flat[: N * D].view(N, D))
+    model.head.weight = nn.Parameter(flat[N * D :].view(N, D))
+    assert model.emb.weight.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    x = torch.randint(0, N, (32,))
+    with ActivationRecorder(model) as rec:
+        F.cross_entropy(model.head(model.emb(x)), x).backward()
+        logits = model.emb(x) @ model.emb.weight[: N // 2].T  # a slice's view: still emb's
+    assert rec.profile().outside_uses == {
+        "emb": ("<no module>: __getitem__", "<no module>: matmul (a view of the weight)")
+    }  # and none for head's own weight, in the same storage
+    assert logits.shape == (32, N // 2)
