@@ -91,7 +91,8 @@ def test_counter_samples_one_forward_in_k() -> None:
 
 def test_share_converts_the_table_keeps_training_and_estimate_equals_saving() -> None:
     model, opt, counter = _setup()
-    old = model.emb.weight.detach().clone()
+    old_weight = model.emb.weight
+    old = old_weight.detach().clone()
     old_state = {k: v.clone() for k, v in opt.state[model.emb.weight].items()}
     ctx = ActionContext(model, [opt], activation_profile=_profile(model), lookup_counter=counter)
     plan = ACTIONS["share_embedding"].plan(ctx)
@@ -119,7 +120,8 @@ def test_share_converts_the_table_keeps_training_and_estimate_equals_saving() ->
     )
     # the old parameter left the optimizer; the new ones are in its group
     group_params = opt.param_groups[0]["params"]
-    assert all(p is not model.emb for p in group_params)
+    assert all(p is not old_weight for g in opt.param_groups for p in g["params"])
+    assert all(p is not old_weight for p in opt.state)
     assert any(p is new.hot_weight for p in group_params)
     assert any(p is new.cold_weight for p in group_params)
     # the frequency-weighted error, recomputed here from its definition

@@ -6,9 +6,11 @@ An :class:`Action` is used in two halves:
   (target and estimated saving) or a :class:`Refusal` (with the reason);
 * :meth:`Action.apply` (training thread, at a step boundary only) re-checks the plan, changes model
   and optimizer inside a :class:`Transaction`, and returns an :class:`ActionResult` with the bytes
-  measured before and after by :func:`edo_monitor.accounting.account`, the duration, and for lossy
-  actions the measured error. ``apply`` never raises for a failure inside the action: the model
-  and optimizer are restored bit-identical and the result says ``status="failed"`` (with the
+  measured before and after by :func:`edo_monitor.accounting.account` (plus what the optimizers
+  hold for parameters no longer the model's), the duration, and for lossy actions the measured
+  error. ``apply`` never raises for a failure inside the action (an optimizer still holding a
+  parameter the action replaced is one, see :mod:`edo_monitor.actions.leftovers`): the model and
+  optimizer are restored bit-identical and the result says ``status="failed"`` (with the
   exception kept for ``strict`` callers).
 """
 
@@ -24,6 +26,7 @@ import torch
 from torch import nn
 
 from edo_monitor.accounting import Accounting, account
+from edo_monitor.actions.leftovers import optimizer_leftovers, optimizer_only_bytes, record_params
 from edo_monitor.plans import Plan, Refusal
 
 __all__ = [
@@ -31,6 +34,7 @@ __all__ = [
     "ActionContext",
     "ActionResult",
     "InjectedFailureError",
+    "OptimizerLeftoverError",
     "Plan",
     "Refusal",
     "Transaction",
@@ -41,6 +45,12 @@ logger = logging.getLogger(__name__)
 
 class InjectedFailureError(RuntimeError):
     """Raised at a named stage of an action when :attr:`ActionContext.fail_at` names it (tests)."""
+
+
+class OptimizerLeftoverError(RuntimeError):
+    """Raised inside an action's transaction when the optimizers still hold a parameter the action
+    replaced, or state a converted parameter outgrew (see :mod:`edo_monitor.actions.leftovers`);
+    the action is rolled back and its result is ``"failed"`` with this message."""
 
 
 @dataclass
@@ -316,7 +326,13 @@ class Action:
         raise NotImplementedError
 
     def _measure(self, ctx: ActionContext) -> int:
-        return ctx.accounting().total_bytes
+        """Device-tier bytes of the model's parameters, gradients and optimizer state, plus
+        whatever the optimizers hold for parameters that are not the model's
+        (:func:`~edo_monitor.actions.leftovers.optimizer_only_bytes`): a replaced weight left in a
+        param group is bytes not saved."""
+        return ctx.accounting().total_bytes + optimizer_only_bytes(
+            ctx.model, ctx.optimizers, cuda_mode=ctx.cuda_mode
+        )
 
     def refuse(self, target: str, reason: str) -> Refusal:
         """A :class:`Refusal` of this action."""
@@ -355,9 +371,13 @@ class Action:
                 reason=f"target changed since the decision: now {fresh.target!r}",
             )
         before = self._measure(ctx)
+        params_before = record_params(ctx.model)
         try:
             with Transaction(ctx.model, ctx.optimizers):
                 details, error = self._apply(ctx, fresh)
+                leftovers = optimizer_leftovers(params_before, ctx.model, ctx.optimizers)
+                if leftovers:  # the transaction rolls the action back
+                    raise OptimizerLeftoverError("; ".join(leftovers))
         except Exception as exc:
             logger.warning(
                 "action %s on %s failed and was rolled back: %s", self.name, fresh.target, exc

@@ -27,6 +27,7 @@ agent records again, the result's ``bytes_after`` is the estimate
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 from collections.abc import Callable, Iterable
@@ -39,7 +40,6 @@ from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
-from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from edo_monitor.accounting import is_table_module, tensor_bytes
@@ -51,6 +51,7 @@ from edo_monitor.actions.base import (
     Refusal,
     find_wrapped_parallel,
 )
+from edo_monitor.actions.use_watch import _METADATA_OPS, _element_span, _UseWatcher
 from edo_monitor.units import format_bytes
 
 __all__ = [
@@ -99,7 +100,8 @@ class ActivationProfile:
         outside_uses: per embedding-table module name, where its parameters were read outside
             its own forward during the recorded step (``"<innermost module>: <op>"``, or
             ``"<no module>: <op>"`` for the user's code around the model), e.g. an output
-            layer tied by use: ``F.linear(h, self.emb.weight)``. Actions that change such a
+            layer tied by use: ``F.linear(h, self.emb.weight)``, or ``h @ self.emb.weight.T``
+            (``"<model>: matmul (a view of the weight)"``). Actions that change such a
             weight's dtype, shape, storage or device refuse. See :class:`ActivationRecorder`.
     """
 
@@ -155,6 +157,11 @@ class ActivationRecorder:
         self._mutating: set[str] = set()
         # reads of table parameters outside their module's forward (see _UseWatcher)
         self._watched: dict[int, tuple[str, frozenset[str]]] = {}
+        #: the same by the parameters' memory: ``(start, end)`` addresses of each one's elements,
+        #: sorted; a view or ``.data`` of a table weight (``self.emb.weight.T``, made before or
+        #: during the step) starts inside them and reads the weight's values too
+        self._watched_starts: list[int] = []
+        self._watched_spans: list[tuple[int, tuple[str, frozenset[str]]]] = []
         self._outside: dict[str, set[str]] = {}
         self._use_mode: _UseWatcher | None = None
 
@@ -193,6 +200,7 @@ class ActivationRecorder:
     def _watch_table_params(self) -> None:
         """Map each table parameter to (its table's name, the names of modules holding it)."""
         holders: dict[int, set[str]] = {}
+        spans: list[tuple[int, int, tuple[str, frozenset[str]]]] = []
         for name, m in self.model.named_modules(remove_duplicate=False):
             for p in m._parameters.values():
                 if p is not None:
@@ -202,11 +210,44 @@ class ActivationRecorder:
                 continue
             for p in m.parameters():
                 if id(p) not in self._watched:
-                    self._watched[id(p)] = (name, frozenset(holders.get(id(p), {name})))
+                    hit = (name, frozenset(holders.get(id(p), {name})))
+                    self._watched[id(p)] = hit
+                    span = _element_span(p)
+                    if span is not None:
+                        spans.append((*span, hit))
+        spans.sort(key=lambda s: s[0])
+        self._watched_starts = [start for start, _, _ in spans]
+        self._watched_spans = [(end, hit) for _, end, hit in spans]
+
+    def _hit(self, t: torch.Tensor) -> tuple[tuple[str, frozenset[str]] | None, bool]:
+        """``((table, owners), is_alias)`` when ``t`` is a watched weight (``is_alias`` False) or
+        any other tensor whose first element lies in a watched weight's elements (a view,
+        ``.data``: ``is_alias`` True). ``data_ptr()`` is one C call (no storage object made); live
+        tensors' memory does not overlap unless they alias, so the match is exact."""
+        hit = self._watched.get(id(t))
+        if hit is not None:
+            return hit, False
+        if self._watched_starts and t.layout == torch.strided:
+            try:
+                ptr = t.data_ptr()
+            except Exception:  # a wrapper subclass (FakeTensor, DTensor ...): no memory of its own
+                return None, False
+            i = bisect.bisect_right(self._watched_starts, ptr) - 1
+            if ptr and i >= 0 and ptr < self._watched_spans[i][0]:
+                return self._watched_spans[i][1], True
+        return None, False
 
     def note_use(self, func: Any, args: tuple, kwargs: dict) -> None:
         """Record a read of a table parameter outside the forward of every module holding it
         (called by the recorder's ``TorchFunctionMode`` for each torch function).
+
+        A read is of the parameter itself or of any tensor starting inside its elements'
+        memory: ``self.emb.weight.T`` is a property read (``__get__``, metadata-only by name)
+        that hands out a view, and the view's ``matmul`` is the read of the values (recorded as
+        ``"<model>: matmul (a view of the weight)"``); a view made before the recorded step, or
+        ``weight.data``, is caught the same way. Matching by address is exact: only an alias of
+        the weight lies in its memory (its gradient and optimizer state have their own), and
+        the address is read only during the one recorded step.
 
         Not uses: metadata reads (:data:`_METADATA_OPS`), anything inside an optimizer's
         ``step`` (the actions move or convert the optimizer's state with the weight), and, for
@@ -224,14 +265,19 @@ class ActivationRecorder:
         for i, a in enumerate((*args, *kwargs.values())):
             items = a if isinstance(a, (list, tuple)) else (a,)
             for t in items:
-                hit = self._watched.get(id(t)) if isinstance(t, torch.Tensor) else None
+                if not isinstance(t, torch.Tensor):
+                    continue
+                hit, alias = self._hit(t)
                 if hit is None or (in_place and i == 0):
                     continue  # not watched; or updated in place (an optimizer's step)
                 table, owners = hit
                 if any(o in self._stack for o in owners):
                     continue
                 where = self._stack[-1] if self._stack else "<no module>"
-                self._outside.setdefault(table, set()).add(f"{where or '<model>'}: {name}")
+                what = f"{where or '<model>'}: {name}" + (
+                    " (a view of the weight)" if alias else ""
+                )
+                self._outside.setdefault(table, set()).add(what)
 
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         name = self._names.get(id(module), "")
@@ -335,64 +381,6 @@ class ActivationRecorder:
             frozenset(self._mutating),
             {k: tuple(sorted(v)) for k, v in self._outside.items()},
         )
-
-
-#: torch functions that read only metadata (shape, dtype, storage pointer ...), never values:
-#: a parameter passed to one of them is not "used" (the agent's own accounting calls them too)
-_METADATA_OPS = frozenset(
-    {
-        "__get__",
-        "__set__",
-        "__len__",
-        "__hash__",
-        "__format__",
-        "__repr__",
-        "dim",
-        "ndimension",
-        "size",
-        "stride",
-        "numel",
-        "nelement",
-        "element_size",
-        "storage_offset",
-        "untyped_storage",
-        "data_ptr",
-        "is_contiguous",
-        "is_floating_point",
-        "is_complex",
-        "is_pinned",
-        "get_device",
-        "_values",
-        "_indices",
-        "is_coalesced",
-        "_is_view",
-    }
-)
-
-
-class _UseWatcher(TorchFunctionMode):
-    """Passes every torch function call of the recorded step to :meth:`ActivationRecorder.note_use`.
-
-    Why a ``TorchFunctionMode`` and not the saved-tensor hooks: a weight read outside its module
-    is not always saved for backward (``F.linear(x, W)`` with ``x`` not requiring grad saves only
-    ``x``; a frozen table saves nothing; a read under ``no_grad`` is invisible to autograd), but
-    every read passes the tensor to a torch function. The mode is active only during the one
-    recorded step every ``profile_interval_s``, and its check is a dict lookup per argument.
-    """
-
-    def __init__(self, recorder: ActivationRecorder) -> None:
-        super().__init__()
-        self._recorder = recorder
-
-    def __torch_function__(
-        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        try:
-            self._recorder.note_use(func, args, kwargs)
-        except Exception:  # never fail the user's step
-            logger.debug("use check of %r failed", func, exc_info=True)
-        return func(*args, **kwargs)
 
 
 def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:

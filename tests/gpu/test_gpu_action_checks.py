@@ -4,7 +4,8 @@
   ``empty_cache()`` really returned;
 * ``offload_embedding`` pins once and records the bytes the caching host allocator pinned, and
   refuses when the host cannot hold the table;
-* a weight read outside its module is refused on CUDA as on a CPU.
+* a weight read outside its module (directly or through a view) is refused on CUDA as on a CPU;
+* offload leaves no optimizer state on the device (issue 21.5).
 """
 
 from __future__ import annotations
@@ -93,3 +94,48 @@ def test_weight_read_outside_its_module_is_refused_on_cuda(name: str) -> None:
     profile = _profile(model, torch.randint(0, 500, (4, 3), device=dev))
     refusal = ACTIONS[name].plan(ActionContext(model, cuda_mode=True, activation_profile=profile))
     assert isinstance(refusal, Refusal) and "read outside emb's forward" in refusal.reason
+
+
+class TiedByTranspose(nn.Module):
+    """Issue 21.1 on CUDA: the read is through the view ``emb.weight.T`` (found by address)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(500, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.emb(x).mean(dim=1) @ self.emb.weight.T
+
+
+@pytest.mark.parametrize("name", ["cache_embedding", "offload_embedding", "share_embedding"])
+def test_weight_read_through_a_view_is_refused_on_cuda(name: str) -> None:
+    dev = torch.device("cuda", torch.cuda.current_device())
+    model = TiedByTranspose().to(dev)
+    profile = _profile(model, torch.randint(0, 500, (4, 3), device=dev))
+    assert profile.outside_uses == {"emb": ("<model>: matmul (a view of the weight)",)}
+    refusal = ACTIONS[name].plan(ActionContext(model, cuda_mode=True, activation_profile=profile))
+    assert isinstance(refusal, Refusal) and "read outside emb's forward" in refusal.reason
+
+
+def test_offload_on_cuda_leaves_no_device_state_and_saves_its_estimate() -> None:
+    """Issue 21.5 on CUDA: the moved weight's Adam state follows it to the host (a moment left on
+    the device would be a leftover: rolled back), and the measured saving is the estimate."""
+    from edo_monitor.actions.leftovers import optimizer_leftovers, record_params
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(3000, 32), nn.Linear(32, 4)).to(dev)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x = torch.randint(0, 3000, (16,), device=dev)
+    profile = _profile(model, x)
+    opt.step()
+    model(x).float().sum().backward()
+    ctx = ActionContext(model, [opt], cuda_mode=True, activation_profile=profile)
+    before = record_params(model)
+    result = ACTIONS["offload_embedding"].apply(ctx)
+    assert result.status == "applied", result.reason
+    assert optimizer_leftovers(before, model, [opt]) == []
+    assert all(not v.is_cuda for v in opt.state[model[0].weight].values() if v.dim())
+    # weight, gradient, exp_avg, exp_avg_sq: 4 x 3000 x 32 x 4 bytes left the device (the
+    # scalar step lives on the host already)
+    assert result.saved_bytes == 4 * 3000 * 32 * 4
