@@ -23,6 +23,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 from rich.console import RenderableType
@@ -43,6 +44,7 @@ from .screens import (
     JobScreen,
     RunScreen,
     RunsScreen,
+    _call_ui,
 )
 
 __all__ = [
@@ -255,10 +257,10 @@ class EdoTui(App[None]):
         try:
             path = self.source.export_csv(run, directory)
         except READ_ERRORS as exc:
-            self.call_from_thread(self.notify, f"export failed: {exc}", severity="error")
+            _call_ui(self, partial(self.notify, f"export failed: {exc}", severity="error"))
             return
         self.last_export = path
-        self.call_from_thread(self.notify, f"exported run #{run_id} to {path}", timeout=8)
+        _call_ui(self, partial(self.notify, f"exported run #{run_id} to {path}", timeout=8))
 
 
 #: Event kinds that :func:`edo_monitor.hindsight.explain` can explain alone.
