@@ -44,6 +44,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from edo_monitor.cli_options import INT64_MAX, CliGroup, Number
 from edo_monitor.errors import ConfigError, EdoMonitorError, RunNotFoundError, StoreError
 
 __all__ = ["app", "main"]
@@ -74,6 +75,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
+    cls=CliGroup,
 )
 
 
@@ -278,7 +280,10 @@ def runs_cmd(
     ] = None,
     name: Annotated[str | None, typer.Option(help="Only runs whose name matches (* ?).")] = None,
     tag: Annotated[str | None, typer.Option(help="Only runs with this tag.")] = None,
-    limit: Annotated[int | None, typer.Option(help="At most this many runs.", min=1)] = None,
+    limit: Annotated[
+        int | None,
+        typer.Option(help="At most this many runs.", parser=Number(int, 1, INT64_MAX)),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """List runs, newest first. The id and the uuid column are references that open the run."""
@@ -413,7 +418,10 @@ def show_cmd(
     modules: Annotated[
         bool, typer.Option("--modules", help="Only the module x category bytes table.")
     ] = False,
-    max_events: Annotated[int, typer.Option(help="Show at most this many events.", min=0)] = 50,
+    max_events: Annotated[
+        int,
+        typer.Option(help="Show at most this many events.", parser=Number(int, 0, INT64_MAX)),
+    ] = 50,
     as_json: JsonOpt = False,
 ) -> None:
     """Summary of one run: status, peaks, events, modules."""
@@ -542,7 +550,10 @@ def jobs_cmd(
     since: Annotated[
         str | None, typer.Option(help="Only jobs created within this long ago, e.g. 7d, 12h.")
     ] = None,
-    limit: Annotated[int | None, typer.Option(help="At most this many jobs.", min=1)] = None,
+    limit: Annotated[
+        int | None,
+        typer.Option(help="At most this many jobs.", parser=Number(int, 1, INT64_MAX)),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """List multi-rank jobs (torch.distributed), newest first; 'job JOB' shows one."""
@@ -1142,7 +1153,10 @@ def prune_cmd(
         str | None, typer.Option(help="Delete runs that started longer ago than this (30d).")
     ] = None,
     keep_last: Annotated[
-        int | None, typer.Option(help="Keep only the N most recently started runs.")
+        int | None,
+        typer.Option(
+            help="Keep only the N most recently started runs.", parser=Number(int, 0, INT64_MAX)
+        ),
     ] = None,
     downsample_older_than: Annotated[
         str | None,
@@ -1313,9 +1327,16 @@ def explain_cmd(
     run: RunArg,
     db: DbOpt = None,
     event: Annotated[
-        int | None, typer.Option("--event", help="Only the incident of this event id.")
+        int | None,
+        typer.Option(
+            "--event",
+            help="Only the incident of this event id.",
+            parser=Number(int, 1, INT64_MAX),
+        ),
     ] = None,
-    top: Annotated[int, typer.Option(help="Remedies shown per incident.", min=1)] = 12,
+    top: Annotated[
+        int, typer.Option(help="Remedies shown per incident.", parser=Number(int, 1, 10_000))
+    ] = 12,
     as_json: JsonOpt = False,
 ) -> None:
     """What would have avoided each OOM and pressure crossing: shortfall and ranked remedies."""
@@ -1426,8 +1447,13 @@ def replay_cmd(
 @app.command("estimate")
 @_handle_errors
 def estimate_cmd(
-    num_embeddings: Annotated[int, typer.Option(help="Rows of the embedding table.")],
-    embedding_dim: Annotated[int, typer.Option(help="Columns of the embedding table.")],
+    num_embeddings: Annotated[
+        int, typer.Option(help="Rows of the embedding table.", parser=Number(int, 1, INT64_MAX))
+    ],
+    embedding_dim: Annotated[
+        int,
+        typer.Option(help="Columns of the embedding table.", parser=Number(int, 1, INT64_MAX)),
+    ],
     dtype: Annotated[str, typer.Option(help="Parameter dtype (float32, float16, bfloat16 …).")] = (
         "float32"
     ),
@@ -1458,7 +1484,10 @@ def metrics_cmd(
     db: DbOpt = None,
     port: Annotated[
         int,
-        typer.Option(help="TCP port to serve /metrics on (0 = any free port).", min=0, max=65535),
+        typer.Option(
+            help="TCP port to serve /metrics on (0 = any free port).",
+            parser=Number(int, 0, 65535),
+        ),
     ] = 9400,
     host: Annotated[
         str, typer.Option(help="Address to bind (default loopback; 0.0.0.0 = every interface).")
@@ -1487,7 +1516,11 @@ def daemon_cmd(
     db: DbOpt = None,
     interval: Annotated[
         float,
-        typer.Option("--interval", help="Seconds between samples.", min=0.01, max=3600.0),
+        typer.Option(
+            "--interval",
+            help="Seconds between samples.",
+            parser=Number(float, 0.01, 3600.0, "s"),
+        ),
     ] = 1.0,
 ) -> None:
     """Record every GPU and every process on it (NVML) into the history, until SIGTERM/Ctrl-C.

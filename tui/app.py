@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -272,6 +273,9 @@ def _positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if math.isnan(value) or math.isinf(value):
+        what = "not a number (nan)" if math.isnan(value) else "infinite"
+        raise argparse.ArgumentTypeError(f"{text!r} is {what}; expected a number of seconds > 0")
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be more than 0 seconds")
     return value
