@@ -45,7 +45,13 @@ from rich.console import Console
 from rich.table import Table
 
 from edo_monitor.cli_options import INT64_MAX, CliGroup, Number
-from edo_monitor.errors import ConfigError, EdoMonitorError, RunNotFoundError, StoreError
+from edo_monitor.errors import (
+    ConfigError,
+    EdoMonitorError,
+    MissingExtraError,
+    RunNotFoundError,
+    StoreError,
+)
 
 __all__ = ["app", "main"]
 
@@ -142,6 +148,8 @@ def _handle_errors(func: F) -> F:
             raise typer.Exit(EXIT_OK) from None
         except (KeyboardInterrupt, _InterruptedError):
             raise _fail("interrupted", EXIT_INTERRUPTED) from None
+        except MissingExtraError as exc:  # the command was right; a package is missing
+            raise _fail(str(exc), EXIT_ERROR) from None
         except ConfigError as exc:
             raise _fail(str(exc), EXIT_USAGE) from None
         except (RunNotFoundError, StoreError, RefusedError) as exc:
@@ -1501,7 +1509,7 @@ def metrics_cmd(
     before the runs. Prints the URL it serves on one line; Ctrl-C stops it (exit code 130)."""
     from edo_monitor.metrics import require_prometheus, serve_history
 
-    require_prometheus()  # exit 2 with the extra's name before anything is opened
+    require_prometheus()  # exit 1 with the install line before anything is opened
 
     def ready(server: Any) -> None:
         _c.out.print(f"serving {server.url}")

@@ -112,3 +112,53 @@ def test_every_bad_option_value_is_one_error_line(
 def test_edo_tui_refuses_a_refresh_that_is_not_finite(value: str, word: str) -> None:
     done = run("edo-tui", "--refresh-s", value)
     assert done.returncode == EXIT_USAGE and word in done.stderr, done.stderr
+
+
+def test_metrics_without_prometheus_client_is_exit_1_with_the_install_line(tmp_path: Path) -> None:
+    code = (
+        "import sys; sys.modules['prometheus_client'] = None\n"
+        "from edo_monitor.cli import main\n"
+        f"sys.argv = ['edo-monitor', 'metrics', '--db', {str(tmp_path / 'h.db')!r}]\n"
+        "main()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    one_line(done, EXIT_ERROR, "edo-monitor: error:", "pip install 'edo-monitor[prometheus]'")
+
+
+#: (the modules made absent, what needs them, the extra named)
+_OPTIONAL = {
+    "prometheus": (
+        ("prometheus_client",),
+        "from edo_monitor.metrics import require_prometheus as f; f()",
+    ),
+    "tensorboard": (
+        ("tensorboard", "torch.utils.tensorboard"),
+        "from edo_monitor.integrations.tensorboard import summary_writer as f; f()",
+    ),
+    "pandas": (("pandas",), "from edo_monitor.store.history import _pandas as f; f()"),
+    "lightning": (
+        ("lightning", "lightning.pytorch", "pytorch_lightning"),
+        "import edo_monitor.integrations.lightning",
+    ),
+    "transformers": (("transformers",), "import edo_monitor.integrations.transformers"),
+}
+
+
+@pytest.mark.parametrize("extra", sorted(_OPTIONAL))
+def test_every_missing_optional_package_is_one_error_with_its_install_line(extra: str) -> None:
+    """Each optional feature, its package absent: one MissingExtraError (a ConfigError and an
+    ImportError) naming ``pip install 'edo-monitor[EXTRA]'``."""
+    modules, use = _OPTIONAL[extra]
+    code = (
+        "import sys\n"
+        + "".join(f"sys.modules[{m!r}] = None\n" for m in modules)
+        + "from edo_monitor.errors import ConfigError, MissingExtraError\n"
+        + "try:\n"
+        + f"    {use}\n"
+        + "except MissingExtraError as exc:\n"
+        + "    assert isinstance(exc, (ConfigError)) and isinstance(exc, ImportError)\n"
+        + "    print(exc)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"pip install 'edo-monitor[{extra}]'" in done.stdout, done.stdout
