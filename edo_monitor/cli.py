@@ -265,10 +265,8 @@ def _require_database(db: str | None) -> None:
 def _history(db: str | None, *, readonly: bool = True) -> Any:
     from edo_monitor.store.history import History
 
-    h = History(db, readonly=readonly)
-    if h.outdated:
-        _c.err.print(f"edo-monitor: note: {h.outdated}")
-    return h
+    # an older schema is said once, by the engine's warning (every reader's; it names the file)
+    return History(db, readonly=readonly)
 
 
 # -- commands ----------------------------------------------------------------------------------
@@ -1321,8 +1319,9 @@ def doctor_cmd(
         if "samples_not_rolled_up" in report:
             table.add_row("samples not rolled up yet", str(report["samples_not_rolled_up"]))
         _c.out.print(table)
-        for p in problems:
-            _c.err.print(f"edo-monitor: {'note' if 'older' in p else 'problem'}: {p}")
+        for p in problems:  # an older schema: the table's row and the engine's warning say it
+            if "older" not in p:
+                _c.err.print(f"edo-monitor: problem: {p}")
     if not report["ok"]:
         raise typer.Exit(EXIT_ERROR)
 

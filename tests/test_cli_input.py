@@ -162,3 +162,22 @@ def test_every_missing_optional_package_is_one_error_with_its_install_line(extra
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert f"pip install 'edo-monitor[{extra}]'" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("command", ["runs", "doctor"])
+def test_an_older_schema_is_said_once(tmp_path: Path, command: str) -> None:
+    """Reading an older-schema history printed its notice twice, in two wordings."""
+    from sqlalchemy.orm import Session
+
+    from edo_monitor.store.models import Meta
+    from edo_monitor.store.schema import SCHEMA_VERSION
+
+    path = tmp_path / "old.db"
+    engine = open_engine(path)
+    with Session(engine) as session, session.begin():
+        session.merge(Meta(key="schema_version", value=str(SCHEMA_VERSION - 1)))
+    engine.dispose()
+    done = run("edo-monitor", command, "--db", str(path))
+    assert done.returncode == 0, done.stderr
+    line = one_line(done, 0, "older than", str(SCHEMA_VERSION - 1))
+    assert "old.db" in line
