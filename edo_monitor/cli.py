@@ -11,9 +11,10 @@ Exit codes (:data:`EXIT_CODES`, also in ``edo-monitor --help``):
     1    runtime or data error: no such run or job, no database (missing file or folder), a database
          that cannot be used (not a database, newer schema, unreadable), a write refused by
          ``sql``, ``sql`` ran past its ``--timeout``, ``doctor`` found a problem, no NVML for
-         ``daemon``
-    2    usage: unknown option, bad value (a size, a duration, a format, a column name); checked
-         before anything is opened
+         ``daemon``, an optional package not installed (the message gives the install line)
+    2    usage: unknown option, bad or out-of-range value (a size, a duration, a format, a column
+         name, nan or an infinity), a db path that is not a regular file or is too long; one
+         ``edo-monitor: error:`` line, checked before anything is opened
     3    unexpected internal error (reported in one line; set ``EDO_DEBUG=1`` for the traceback)
     130  interrupted (Ctrl-C)
 
@@ -44,7 +45,14 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from edo_monitor.errors import ConfigError, EdoMonitorError, RunNotFoundError, StoreError
+from edo_monitor.cli_options import INT64_MAX, CliGroup, Number
+from edo_monitor.errors import (
+    ConfigError,
+    EdoMonitorError,
+    MissingExtraError,
+    RunNotFoundError,
+    StoreError,
+)
 
 __all__ = ["app", "main"]
 
@@ -74,6 +82,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
+    cls=CliGroup,
 )
 
 
@@ -140,6 +149,8 @@ def _handle_errors(func: F) -> F:
             raise typer.Exit(EXIT_OK) from None
         except (KeyboardInterrupt, _InterruptedError):
             raise _fail("interrupted", EXIT_INTERRUPTED) from None
+        except MissingExtraError as exc:  # the command was right; a package is missing
+            raise _fail(str(exc), EXIT_ERROR) from None
         except ConfigError as exc:
             raise _fail(str(exc), EXIT_USAGE) from None
         except (RunNotFoundError, StoreError, RefusedError) as exc:
@@ -254,10 +265,8 @@ def _require_database(db: str | None) -> None:
 def _history(db: str | None, *, readonly: bool = True) -> Any:
     from edo_monitor.store.history import History
 
-    h = History(db, readonly=readonly)
-    if h.outdated:
-        _c.err.print(f"edo-monitor: note: {h.outdated}")
-    return h
+    # an older schema is said once, by the engine's warning (every reader's; it names the file)
+    return History(db, readonly=readonly)
 
 
 # -- commands ----------------------------------------------------------------------------------
@@ -278,7 +287,10 @@ def runs_cmd(
     ] = None,
     name: Annotated[str | None, typer.Option(help="Only runs whose name matches (* ?).")] = None,
     tag: Annotated[str | None, typer.Option(help="Only runs with this tag.")] = None,
-    limit: Annotated[int | None, typer.Option(help="At most this many runs.", min=1)] = None,
+    limit: Annotated[
+        int | None,
+        typer.Option(help="At most this many runs.", parser=Number(int, 1, INT64_MAX)),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """List runs, newest first. The id and the uuid column are references that open the run."""
@@ -413,7 +425,10 @@ def show_cmd(
     modules: Annotated[
         bool, typer.Option("--modules", help="Only the module x category bytes table.")
     ] = False,
-    max_events: Annotated[int, typer.Option(help="Show at most this many events.", min=0)] = 50,
+    max_events: Annotated[
+        int,
+        typer.Option(help="Show at most this many events.", parser=Number(int, 0, INT64_MAX)),
+    ] = 50,
     as_json: JsonOpt = False,
 ) -> None:
     """Summary of one run: status, peaks, events, modules."""
@@ -542,7 +557,10 @@ def jobs_cmd(
     since: Annotated[
         str | None, typer.Option(help="Only jobs created within this long ago, e.g. 7d, 12h.")
     ] = None,
-    limit: Annotated[int | None, typer.Option(help="At most this many jobs.", min=1)] = None,
+    limit: Annotated[
+        int | None,
+        typer.Option(help="At most this many jobs.", parser=Number(int, 1, INT64_MAX)),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """List multi-rank jobs (torch.distributed), newest first; 'job JOB' shows one."""
@@ -1142,7 +1160,10 @@ def prune_cmd(
         str | None, typer.Option(help="Delete runs that started longer ago than this (30d).")
     ] = None,
     keep_last: Annotated[
-        int | None, typer.Option(help="Keep only the N most recently started runs.")
+        int | None,
+        typer.Option(
+            help="Keep only the N most recently started runs.", parser=Number(int, 0, INT64_MAX)
+        ),
     ] = None,
     downsample_older_than: Annotated[
         str | None,
@@ -1298,8 +1319,9 @@ def doctor_cmd(
         if "samples_not_rolled_up" in report:
             table.add_row("samples not rolled up yet", str(report["samples_not_rolled_up"]))
         _c.out.print(table)
-        for p in problems:
-            _c.err.print(f"edo-monitor: {'note' if 'older' in p else 'problem'}: {p}")
+        for p in problems:  # an older schema: the table's row and the engine's warning say it
+            if "older" not in p:
+                _c.err.print(f"edo-monitor: problem: {p}")
     if not report["ok"]:
         raise typer.Exit(EXIT_ERROR)
 
@@ -1313,9 +1335,16 @@ def explain_cmd(
     run: RunArg,
     db: DbOpt = None,
     event: Annotated[
-        int | None, typer.Option("--event", help="Only the incident of this event id.")
+        int | None,
+        typer.Option(
+            "--event",
+            help="Only the incident of this event id.",
+            parser=Number(int, 1, INT64_MAX),
+        ),
     ] = None,
-    top: Annotated[int, typer.Option(help="Remedies shown per incident.", min=1)] = 12,
+    top: Annotated[
+        int, typer.Option(help="Remedies shown per incident.", parser=Number(int, 1, 10_000))
+    ] = 12,
     as_json: JsonOpt = False,
 ) -> None:
     """What would have avoided each OOM and pressure crossing: shortfall and ranked remedies."""
@@ -1458,8 +1487,13 @@ def replay_cmd(
 @app.command("estimate")
 @_handle_errors
 def estimate_cmd(
-    num_embeddings: Annotated[int, typer.Option(help="Rows of the embedding table.")],
-    embedding_dim: Annotated[int, typer.Option(help="Columns of the embedding table.")],
+    num_embeddings: Annotated[
+        int, typer.Option(help="Rows of the embedding table.", parser=Number(int, 1, INT64_MAX))
+    ],
+    embedding_dim: Annotated[
+        int,
+        typer.Option(help="Columns of the embedding table.", parser=Number(int, 1, INT64_MAX)),
+    ],
     dtype: Annotated[str, typer.Option(help="Parameter dtype (float32, float16, bfloat16 …).")] = (
         "float32"
     ),
@@ -1495,7 +1529,10 @@ def metrics_cmd(
     db: DbOpt = None,
     port: Annotated[
         int,
-        typer.Option(help="TCP port to serve /metrics on (0 = any free port).", min=0, max=65535),
+        typer.Option(
+            help="TCP port to serve /metrics on (0 = any free port).",
+            parser=Number(int, 0, 65535),
+        ),
     ] = 9400,
     host: Annotated[
         str, typer.Option(help="Address to bind (default loopback; 0.0.0.0 = every interface).")
@@ -1509,7 +1546,7 @@ def metrics_cmd(
     before the runs. Prints the URL it serves on one line; Ctrl-C stops it (exit code 130)."""
     from edo_monitor.metrics import require_prometheus, serve_history
 
-    require_prometheus()  # exit 2 with the extra's name before anything is opened
+    require_prometheus()  # exit 1 with the install line before anything is opened
 
     def ready(server: Any) -> None:
         _c.out.print(f"serving {server.url}")
@@ -1524,7 +1561,11 @@ def daemon_cmd(
     db: DbOpt = None,
     interval: Annotated[
         float,
-        typer.Option("--interval", help="Seconds between samples.", min=0.01, max=3600.0),
+        typer.Option(
+            "--interval",
+            help="Seconds between samples.",
+            parser=Number(float, 0.01, 3600.0, "s"),
+        ),
     ] = 1.0,
 ) -> None:
     """Record every GPU and every process on it (NVML) into the history, until SIGTERM/Ctrl-C.

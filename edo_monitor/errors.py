@@ -16,6 +16,7 @@ __all__ = [
     "EdoMonitorError",
     "EventNotFoundError",
     "JobNotFoundError",
+    "MissingExtraError",
     "NvmlUnavailableError",
     "RunNotFoundError",
     "StoreError",
@@ -28,6 +29,25 @@ class EdoMonitorError(Exception):
 
 class ConfigError(EdoMonitorError, ValueError):
     """An argument or setting has a value that is not allowed; the message names both."""
+
+
+class MissingExtraError(ConfigError, ImportError):
+    """An optional package a feature needs is not installed; the message names the feature,
+    the package and the ``pip install 'edo-monitor[EXTRA]'`` line. Exit code 1 in the CLI (the
+    command line was right; this environment lacks a package), for every optional feature alike.
+    A :class:`ConfigError` and an :class:`ImportError`, so either ``except`` catches it."""
+
+
+def missing_extra(
+    feature: str, package: str, extra: str, cause: BaseException | None = None
+) -> MissingExtraError:
+    """The one error for an optional package that is missing: ``feature`` (what needs it, e.g.
+    ``"tensorboard="``), ``package`` (the import name), ``extra`` (the pyproject extra)."""
+    detail = f" ({cause})" if cause is not None and str(cause) else ""
+    return MissingExtraError(
+        f"{feature} needs the {package} package, which is not installed: "
+        f"pip install 'edo-monitor[{extra}]'{detail}"
+    )
 
 
 class AlreadyWatchedError(EdoMonitorError, RuntimeError):

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from edo_monitor.errors import ConfigError
+from edo_monitor.errors import ConfigError, missing_extra
 from edo_monitor.signals import stop_on_signals
 
 logger = logging.getLogger(__name__)
@@ -100,16 +100,13 @@ def require_prometheus() -> Any:
     """Import ``prometheus_client`` (the ``[prometheus]`` extra).
 
     Raises:
-        ConfigError: it is not installed (the message names the extra to install).
+        MissingExtraError: it is not installed (a ConfigError naming the extra to install).
     """
     try:
         import prometheus_client
         import prometheus_client.core
     except ImportError:
-        raise ConfigError(
-            "Prometheus metrics need the prometheus_client package: "
-            "pip install 'edo-monitor[prometheus]'"
-        ) from None
+        raise missing_extra("Prometheus metrics", "prometheus_client", "prometheus") from None
     return prometheus_client
 
 

@@ -38,12 +38,88 @@ the same step, so the replicas stay identical, and the job finishes.
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # say what is happening at once: importing PyTorch takes seconds
+# ruff: noqa: E402 (the arguments are checked before PyTorch is imported, which takes seconds)
+import argparse
+import os
+
+from edo_monitor import scripting  # light: no PyTorch
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (checked before PyTorch is imported: a bad argument is one line)."""
+    parser = scripting.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--text",
+        type=scripting.readable_file,
+        help="text file to train on (default: Python stdlib)",
+    )
+    parser.add_argument(
+        "--db",
+        type=scripting.history_db,
+        default=None,
+        help="history database (default: ./edo-history.db)",
+    )
+    parser.add_argument(
+        "--budget",
+        type=scripting.byte_size,
+        default=None,
+        help="memory budget (default: 158MiB; 236MiB with --ddp)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=scripting.positive_int,
+        default=None,
+        help="optimizer steps (default: 100; 40 with --ddp)",
+    )
+    parser.add_argument("--no-tune", action="store_true", help="observe only (policy 'observe')")
+    parser.add_argument(
+        "--ramp",
+        choices=("doubling", "linear"),
+        default="doubling",
+        help="batch-size ramp 512 -> 8,192: doubling in five phases (default) or linear",
+    )
+    parser.add_argument(
+        "--forecast",
+        type=scripting.positive_int,
+        default=None,
+        metavar="N",
+        help="act when free memory is forecast below the floor within N steps (Policy "
+        "forecast_steps; default: off)",
+    )
+    parser.add_argument(
+        "--interval",
+        type=scripting.positive_float,
+        default=0.25,
+        help="seconds between samples (default: 0.25)",
+    )
+    parser.add_argument(
+        "--device",
+        type=scripting.torch_device,
+        default=None,
+        help="cpu, cuda or cuda:N (default: cuda when available)",
+    )
+    parser.add_argument(
+        "--ddp",
+        action="store_true",
+        help="one rank of a DistributedDataParallel job (start with torchrun; CPU: gloo); "
+        "the last rank's batches are 4x the others'",
+    )
+    args = parser.parse_args(argv)
+    if args.ddp and "RANK" not in os.environ:
+        parser.error(
+            "--ddp needs the variables torchrun sets (RANK, WORLD_SIZE …); start it with "
+            "torchrun --nproc-per-node 2 examples/train_embedding.py --ddp"
+        )
+    return args
+
+
+if __name__ == "__main__":  # bad arguments: one line and exit 2, before the slow imports
+    parse_args()
+    # say what is happening at once: importing PyTorch takes seconds
     print("train_embedding: loading PyTorch and edo-monitor…", flush=True)
 
 import functools
 import logging
-import os
 import re
 import sys
 import sysconfig
@@ -57,7 +133,6 @@ import torch
 from torch import nn
 
 import edo_monitor
-from edo_monitor import scripting
 from edo_monitor.units import format_bytes
 
 BUCKETS = 100_003  # hashed unigram + bigram features: the embedding table's rows
@@ -150,69 +225,9 @@ def batch_size_at(step: int, steps: int, ramp: str = "doubling") -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = scripting.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--text",
-        type=scripting.readable_file,
-        help="text file to train on (default: Python stdlib)",
-    )
-    parser.add_argument(
-        "--db",
-        type=scripting.history_db,
-        default=None,
-        help="history database (default: ./edo-history.db)",
-    )
-    parser.add_argument(
-        "--budget",
-        type=scripting.byte_size,
-        default=None,
-        help="memory budget (default: 158MiB; 236MiB with --ddp)",
-    )
-    parser.add_argument(
-        "--steps",
-        type=scripting.positive_int,
-        default=None,
-        help="optimizer steps (default: 100; 40 with --ddp)",
-    )
-    parser.add_argument("--no-tune", action="store_true", help="observe only (policy 'observe')")
-    parser.add_argument(
-        "--ramp",
-        choices=("doubling", "linear"),
-        default="doubling",
-        help="batch-size ramp 512 -> 8,192: doubling in five phases (default) or linear",
-    )
-    parser.add_argument(
-        "--forecast",
-        type=scripting.positive_int,
-        default=None,
-        metavar="N",
-        help="act when free memory is forecast below the floor within N steps (Policy "
-        "forecast_steps; default: off)",
-    )
-    parser.add_argument(
-        "--interval",
-        type=scripting.positive_float,
-        default=0.25,
-        help="seconds between samples (default: 0.25)",
-    )
-    parser.add_argument(
-        "--device",
-        type=scripting.torch_device,
-        default="cuda" if torch.cuda.is_available() else "cpu",
-        help="cpu, cuda or cuda:N (default: cuda when available)",
-    )
-    parser.add_argument(
-        "--ddp",
-        action="store_true",
-        help="one rank of a DistributedDataParallel job (start with torchrun; CPU: gloo); "
-        "the last rank's batches are 4x the others'",
-    )
-    args = parser.parse_args(argv)
-    if args.ddp and "RANK" not in os.environ:
-        parser.error(
-            "--ddp needs the variables torchrun sets (RANK, WORLD_SIZE …); start it with "
-            "torchrun --nproc-per-node 2 examples/train_embedding.py --ddp"
-        )
+    args = parse_args(argv)
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     scripting.check_history_db(args.db)  # unusable: one line, exit 1, before the slow work
     budget = args.budget or ("236MiB" if args.ddp else "158MiB")

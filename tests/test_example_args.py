@@ -41,13 +41,17 @@ def run(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 def assert_one_line(done: subprocess.CompletedProcess[str], code: int, *names: str) -> str:
-    """Exit code ``code``, and stderr one line, no traceback, naming each of ``names``."""
+    """Exit code ``code``, and stderr one line, no traceback, naming each of ``names``; for a
+    bad argument nothing on stdout (the loading line came first: two lines where the README
+    promises one)."""
     assert "Traceback" not in done.stderr, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
     assert done.returncode == code, (done.returncode, done.stderr)
     for name in names:
         assert name in lines[0], (name, lines[0])
+    if code == EXIT_USAGE:
+        assert done.stdout == "", done.stdout
     return lines[0]
 
 

@@ -461,7 +461,11 @@ def test_missing_and_empty(tmp_path: Path) -> None:
     with pytest.raises(StoreError, match="no history database"):
         History(tmp_path / "none.db")
     empty = tmp_path / "empty.db"
-    empty.touch()
+    empty.touch()  # SQLite would read it as an empty database: it is not a history (issue 21)
+    with pytest.raises(StoreError, match=r"not an edo-monitor history database.*0 bytes"):
+        History(empty)
+    assert empty.stat().st_size == 0
+    open_engine(empty).dispose()  # a writer makes the schema in it: then it is an empty history
     with History(empty) as h:
         assert h.runs() == []
         with pytest.raises(RunNotFoundError, match="no runs"):

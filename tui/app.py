@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 from rich.console import RenderableType
@@ -43,6 +45,7 @@ from .screens import (
     JobScreen,
     RunScreen,
     RunsScreen,
+    _call_ui,
 )
 
 __all__ = [
@@ -272,10 +275,10 @@ class EdoTui(App[None]):
         try:
             path = self.source.export_csv(run, directory)
         except READ_ERRORS as exc:
-            self.call_from_thread(self.notify, f"export failed: {exc}", severity="error")
+            _call_ui(self, partial(self.notify, f"export failed: {exc}", severity="error"))
             return
         self.last_export = path
-        self.call_from_thread(self.notify, f"exported run #{run_id} to {path}", timeout=8)
+        _call_ui(self, partial(self.notify, f"exported run #{run_id} to {path}", timeout=8))
 
 
 #: Event kinds that :func:`edo_monitor.hindsight.explain` can explain alone.
@@ -287,6 +290,9 @@ def _positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if math.isnan(value) or math.isinf(value):
+        what = "not a number (nan)" if math.isnan(value) else "infinite"
+        raise argparse.ArgumentTypeError(f"{text!r} is {what}; expected a number of seconds > 0")
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be more than 0 seconds")
     return value

@@ -1,7 +1,9 @@
 """The dashboard's screens: the live / run view, the runs table, devices, jobs, and help.
 
 Every database read runs in a thread worker (``@work(thread=True)``) and hands its result back to
-the UI thread with ``call_from_thread``; the UI thread only draws.
+the UI thread with ``call_from_thread`` (through :func:`_call_ui`); the UI thread only draws.
+Every refresh timer, resume/resize handler and hand-back goes through :func:`_while_shown`, which
+skips it while the screen is being built, after it was popped, or while the app exits.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from rich.measure import Measurement
 from rich.text import Text
 from sqlalchemy.exc import SQLAlchemyError
 from textual import on, work
-from textual.app import ComposeResult
+from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.css.query import NoMatches
@@ -125,19 +127,54 @@ Press any key to close."""
 _F = TypeVar("_F", bound=Callable[..., None])
 
 
+def _present(screen: Screen[Any]) -> bool:
+    """``screen`` can be drawn on: mounted, still in the app's DOM (not popped or being
+    removed), and the app running (not exiting)."""
+    try:
+        app = screen.app
+    except Exception:  # no active app (it has exited)
+        return False
+    return (
+        screen.is_mounted
+        and screen.is_attached
+        and not screen._closing  # popped: its widgets are being removed
+        and not screen._closed
+        and app.is_running
+    )
+
+
 def _while_shown(method: _F) -> _F:
-    """Skip a UI update that arrives from a worker after the screen (or app) has closed."""
+    """The one guard of everything that reaches a screen from outside a key press: its refresh
+    timers, its worker threads' hand-backs (:func:`_call_ui`), resize and resume messages.
+
+    The call is skipped (quietly, at debug level) when the screen is not there to draw on — not
+    yet mounted, popped or being torn down, or the app exiting — and a query that finds nothing
+    (``NoMatches``: the screen's widgets being built or removed) ends it quietly instead of
+    reaching Textual's crash handler."""
 
     @functools.wraps(method)
     def wrapper(self: Screen[None], *args: Any) -> None:
-        if not self.is_mounted or not self.app.is_running:
+        if not _present(self):
+            logger.debug("%s skipped: screen not shown", method.__name__)
             return
         try:
             method(self, *args)
-        except NoMatches:  # the screen is being torn down
+        except NoMatches:  # the screen is being built or torn down
             logger.debug("%s skipped: screen closing", method.__name__)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _call_ui(screen: Screen[Any] | App[Any], callback: Callable[..., Any], *args: Any) -> None:
+    """Hand a worker thread's result to the UI thread (``call_from_thread``); nothing when the
+    app has stopped meanwhile (``call_from_thread`` raises ``RuntimeError`` then)."""
+    app = screen if isinstance(screen, App) else screen.app
+    try:
+        app.call_from_thread(callback, *args)
+    except RuntimeError:
+        if app.is_running:  # raised by the callback itself: not ours to hide
+            raise
+        logger.debug("%s dropped: the app has stopped", getattr(callback, "__name__", callback))
 
 
 def _code_for(exc: BaseException) -> int:
@@ -324,6 +361,7 @@ class RunScreen(Screen[None]):
         self.set_interval(self.tui.refresh_s, self.tick, name="run-refresh")
         self.tick()
 
+    @_while_shown
     def on_screen_resume(self) -> None:
         """Refresh at once when the view comes back."""
         self.tick()
@@ -357,11 +395,10 @@ class RunScreen(Screen[None]):
         chart = self.query_one(MemoryChart)
         return chart.wanted_size, max(40, self.app.size.width - 10)
 
+    @_while_shown
     def tick(self) -> None:
         """Start a read unless one is in flight, or the open run can no longer change (and no
         newer run is to be followed)."""
-        if not self.is_mounted:
-            return
         self.ticks += 1
         if self.busy:
             return
@@ -401,7 +438,8 @@ class RunScreen(Screen[None]):
         try:
             run = source.resolve(run_ref)
             if run is None:
-                self.app.call_from_thread(
+                _call_ui(
+                    self,
                     self._show_error,
                     generation,
                     f"No runs recorded yet in {source.label}. Waiting for a run to start…",
@@ -411,11 +449,9 @@ class RunScreen(Screen[None]):
             read = self._read_run(run, max_points, size)
         except READ_ERRORS as exc:
             logger.debug("load failed", exc_info=True)
-            self.app.call_from_thread(
-                self._show_error, generation, _message_for(exc), _code_for(exc)
-            )
+            _call_ui(self, self._show_error, generation, _message_for(exc), _code_for(exc))
             return
-        self.app.call_from_thread(self._apply_load, generation, run, *read, size, None)
+        _call_ui(self, self._apply_load, generation, run, *read, size, None)
 
     @work(thread=True, group="run-read")
     def _follow(
@@ -428,18 +464,16 @@ class RunScreen(Screen[None]):
             run = source.resolve(None)
             if run is not None and run.status == "running" and run.id > shown.id:
                 read = self._read_run(run, max_points, size)
-                self.app.call_from_thread(self._apply_load, generation, run, *read, size, shown)
+                _call_ui(self, self._apply_load, generation, run, *read, size, shown)
                 return
             if shown.status not in TERMINAL_STATUSES:
                 self._poll_now(generation, shown.id, size)
                 return
         except READ_ERRORS as exc:
             logger.debug("follow check failed", exc_info=True)
-            self.app.call_from_thread(
-                self._show_error, generation, _message_for(exc), _code_for(exc)
-            )
+            _call_ui(self, self._show_error, generation, _message_for(exc), _code_for(exc))
             return
-        self.app.call_from_thread(self._follow_idle, generation)
+        _call_ui(self, self._follow_idle, generation)
 
     @work(thread=True, group="run-read")
     def _poll(self, generation: int, run_id: int, size: tuple[int, int]) -> None:
@@ -447,9 +481,7 @@ class RunScreen(Screen[None]):
             self._poll_now(generation, run_id, size)
         except READ_ERRORS as exc:
             logger.debug("poll failed", exc_info=True)
-            self.app.call_from_thread(
-                self._show_error, generation, _message_for(exc), _code_for(exc)
-            )
+            _call_ui(self, self._show_error, generation, _message_for(exc), _code_for(exc))
 
     def _poll_now(self, generation: int, run_id: int, size: tuple[int, int]) -> None:
         """Read what is new, fold it into the series and build the chart (worker thread)."""
@@ -464,13 +496,14 @@ class RunScreen(Screen[None]):
             latest = poll.latest or self.latest
             data = _chart_data(poll.run, series, latest, self.chart_events + charted)
             lines = build_chart(data, *size)
-        self.app.call_from_thread(self._apply_poll, generation, poll, data, lines, size)
+        _call_ui(self, self._apply_poll, generation, poll, data, lines, size)
 
     @work(thread=True, group="chart", exclusive=True)
     def _rebuild_chart(self, generation: int, data: ChartData, size: tuple[int, int]) -> None:
         lines = build_chart(data, *size)
-        self.app.call_from_thread(self._apply_chart, generation, data, lines, size)
+        _call_ui(self, self._apply_chart, generation, data, lines, size)
 
+    @_while_shown
     def on_memory_chart_stale(self, message: MemoryChart.Stale) -> None:
         """The chart was resized: build its lines again (off the UI thread)."""
         chart = message.chart
@@ -807,10 +840,12 @@ class _PolledScreen(Screen[None]):
         """The app, typed."""
         return self.app  # type: ignore[return-value]
 
+    @_while_shown
     def on_screen_resume(self) -> None:
         """Read again when the view comes back."""
         self.reload()
 
+    @_while_shown
     def reload(self) -> None:
         """Read again (in a worker), unless a read is in flight or the view is hidden."""
         if self.busy or not self.is_current:
@@ -831,9 +866,9 @@ class _PolledScreen(Screen[None]):
         try:
             result = self.read(request)
         except READ_ERRORS as exc:
-            self.app.call_from_thread(self._show_error, _message_for(exc), _code_for(exc))
+            _call_ui(self, self._show_error, _message_for(exc), _code_for(exc))
             return
-        self.app.call_from_thread(self._apply, request, result)
+        _call_ui(self, self._apply, request, result)
 
     def _show_error(self, message: str, code: int) -> None:
         raise NotImplementedError
@@ -882,6 +917,7 @@ class RunsScreen(_PolledScreen):
         self.set_interval(max(2.0, 5 * self.tui.refresh_s), self.reload, name="runs-refresh")
         self.reload()
 
+    @_while_shown
     def on_screen_resume(self) -> None:
         """Reload when the view comes back."""
         super().on_screen_resume()
@@ -1426,9 +1462,9 @@ class ExplainScreen(ModalScreen[None]):
             if result is None:
                 result = explain(history, self.run.id)
         except READ_ERRORS as exc:
-            app.call_from_thread(self._show_error, _message_for(exc))
+            _call_ui(self, self._show_error, _message_for(exc))
             return
-        app.call_from_thread(self._show, result)
+        _call_ui(self, self._show, result)
 
     @_while_shown
     def _show(self, result: Any) -> None:

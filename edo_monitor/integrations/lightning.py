@@ -21,15 +21,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from edo_monitor.errors import missing_extra
+
 try:
     from lightning.pytorch import Callback
 except ImportError:  # only the older package
     try:
         from pytorch_lightning import Callback
     except ImportError as exc:
-        raise ImportError(
-            "edo_monitor.integrations.lightning needs Lightning: "
-            f"pip install 'edo-monitor[lightning]' ({exc})"
+        raise missing_extra(
+            "edo_monitor.integrations.lightning", "lightning", "lightning", exc
         ) from None
 
 from edo_monitor.integrations._lightning_base import LightningCallbackMixin, lightning_run_name

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from edo_monitor.errors import ConfigError
+from edo_monitor.errors import ConfigError, missing_extra
 from edo_monitor.readings import Reading
 
 __all__ = ["EVENT_TAG_PREFIX", "SCALAR_FIELDS", "TAG_PREFIX", "TensorBoardSink", "summary_writer"]
@@ -76,10 +76,7 @@ def summary_writer() -> type:
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as exc:
-        raise ConfigError(
-            "tensorboard= needs the tensorboard package: pip install 'edo-monitor[tensorboard]' "
-            f"({exc})"
-        ) from None
+        raise missing_extra("tensorboard=", "tensorboard", "tensorboard", exc) from None
     return SummaryWriter
 
 

@@ -35,12 +35,13 @@ import sys
 import threading
 from typing import Any
 
+from edo_monitor.errors import missing_extra
+
 try:
     from transformers import TrainerCallback
 except ImportError as exc:
-    raise ImportError(
-        "edo_monitor.integrations.transformers needs transformers: "
-        f"pip install 'edo-monitor[transformers]' ({exc})"
+    raise missing_extra(
+        "edo_monitor.integrations.transformers", "transformers", "transformers", exc
     ) from None
 
 from edo_monitor.agent.monitor import Monitor

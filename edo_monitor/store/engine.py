@@ -25,9 +25,11 @@ on a writer engine (Core ``insert(Sample)``, :func:`insert_samples`) is followed
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sqlite3
+import stat
 import time
 from bisect import bisect_left
 from collections.abc import Mapping, Sequence
@@ -176,9 +178,68 @@ def check_writable(url: URL) -> None:
         )
 
 
+#: Fallbacks of the path limits where the system does not say (Linux's PATH_MAX, NAME_MAX).
+_PATH_MAX, _NAME_MAX = 4096, 255
+
+
+def _short(shown: str, keep: int = 60) -> str:
+    """``shown`` for a message: a path of 10,000 characters is cut in the middle."""
+    return shown if len(shown) <= keep else f"{shown[: keep // 2]}…{shown[-keep // 2 :]}"
+
+
+def _path_limits(path: Path) -> tuple[int, int]:
+    """(PATH_MAX, NAME_MAX) of the nearest existing folder above ``path``."""
+    for folder in (*path.parents, Path(".")):
+        try:
+            return (
+                int(os.pathconf(folder, "PC_PATH_MAX")),
+                int(os.pathconf(folder, "PC_NAME_MAX")),
+            )
+        except (OSError, ValueError):
+            continue
+    return _PATH_MAX, _NAME_MAX
+
+
 def _check_file_path(path: Path, shown: str, readonly: bool = False) -> None:
-    if path.is_dir():
+    """The one check of a history path, for readers and writers alike, before SQLite sees it.
+
+    Raises:
+        ConfigError: the path (or a name in it) is longer than the system allows, or it names
+            a directory, a FIFO, a socket or a device (SQLite would block forever on a FIFO).
+        StoreError: (readers) its folder does not exist.
+    """
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as exc:
+        if exc.errno != errno.ENAMETOOLONG:
+            raise
+        path_max, name_max = _path_limits(path)
+        longest = max((len(part) for part in path.parts), default=0)
+        what = (
+            f"a name in it has {longest} characters, more than the {name_max} this file "
+            "system allows"
+            if longest > name_max
+            else f"it has {len(os.fspath(path))} characters, more than the {path_max} this "
+            "system allows"
+        )
+        raise ConfigError(f"db={_short(shown)!r}: the path is too long ({what})") from None
+    if mode is not None and stat.S_ISDIR(mode):
         raise ConfigError(f"db={shown!r} is a directory; expected a database file path")
+    if mode is not None and not stat.S_ISREG(mode):
+        kind = (
+            "a FIFO (named pipe)"
+            if stat.S_ISFIFO(mode)
+            else "a socket"
+            if stat.S_ISSOCK(mode)
+            else "a device"
+            if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "not a regular file"
+        )
+        raise ConfigError(
+            f"db={shown!r} is {kind}, not a regular file; expected a database file path"
+        )
     if not path.parent.exists():
         if readonly:
             raise StoreError(
@@ -211,6 +272,11 @@ def readonly_uri(path: str | os.PathLike[str]) -> str:
         raise StoreError(f"no history database at {str(path)!r} (nothing has been recorded yet)")
     if not os.access(p, os.R_OK):
         raise StoreError(f"cannot read history database {str(path)!r}: permission denied")
+    if p.stat().st_size == 0:  # SQLite reads an empty file as an empty database: not a history
+        raise StoreError(
+            f"{str(path)!r} is not an edo-monitor history database: it is an empty file "
+            "(0 bytes), with none of the history's tables"
+        )
     uri = f"file:{quote(str(p))}?mode=ro"
     wal, shm = Path(f"{p}-wal"), Path(f"{p}-shm")
     if _is_wal(p) and not shm.exists() and not os.access(p.parent, os.W_OK | os.X_OK):

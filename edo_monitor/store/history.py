@@ -32,7 +32,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, func, inspect, select, text
 from sqlalchemy.engine import URL
 
-from edo_monitor.errors import ConfigError, JobNotFoundError, RunNotFoundError
+from edo_monitor.errors import ConfigError, JobNotFoundError, RunNotFoundError, missing_extra
 from edo_monitor.readings import SAMPLE_FIELDS
 from edo_monitor.store.engine import (
     is_postgres,
@@ -105,10 +105,7 @@ def _pandas() -> Any:
     try:
         import pandas
     except ImportError:
-        raise ImportError(
-            "to_pandas() needs pandas, which is not installed; install it with "
-            "`pip install 'edo-monitor[pandas]'`"
-        ) from None
+        raise missing_extra("to_pandas()", "pandas", "pandas") from None
     return pandas
 
 

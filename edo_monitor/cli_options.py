@@ -1,0 +1,121 @@
+"""What every ``edo-monitor`` command shares at the Click level: number options that refuse
+``nan``, infinities and values out of range in words, and one format for every Click-level error
+(an unknown option, a bad or out-of-range value): one ``edo-monitor: error: ...`` line on stderr
+and exit code 2, as for every other bad value (Click printed a four-line usage block).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import typer
+from typer.core import TyperGroup
+
+try:  # typer 0.2x carries its own copy of Click, whose exceptions its commands raise
+    from typer._click import exceptions as click
+except ImportError:  # older typer: Click itself
+    import click  # type: ignore[no-redef]
+
+__all__ = ["INT64_MAX", "CliGroup", "Number"]
+
+#: The largest count a history database (SQLite/PostgreSQL INTEGER) or a tensor dimension holds.
+INT64_MAX = 2**63 - 1
+
+#: Exit code of a usage error (the CLI's scheme: see ``edo_monitor.cli``).
+EXIT_USAGE = 2
+
+
+class Number:
+    """An int or float option within ``low..high`` (inclusive; ``None``: unbounded).
+
+    Given to ``typer.Option(parser=...)``. Refuses with ``ValueError``, naming the value: text
+    that is not a number of the kind, ``nan`` ("not a number"), an infinity, and a value out of
+    range (saying the allowed range, with ``unit``).
+    """
+
+    def __init__(
+        self, kind: type, low: float | None = None, high: float | None = None, unit: str = ""
+    ) -> None:
+        """``kind`` is ``int`` or ``float``."""
+        self.kind = kind
+        self.low = low
+        self.high = high
+        self.unit = unit
+        self.name = "integer" if kind is int else "number"
+        self.__name__ = self.name  # typer's parser= takes a callable with a name
+
+    def allowed(self) -> str:
+        """The allowed range in words, e.g. ``0 to 65535`` or ``at least 1``."""
+        unit = f" {self.unit}" if self.unit else ""
+        if self.low is not None and self.high is not None:
+            return (
+                f"{self.low:g}{unit} to {self.high:g}{unit}"
+                if self.kind is float
+                else (f"{self.low} to {self.high}{unit}")
+            )
+        if self.low is not None:
+            return f"at least {self.low}{unit}"
+        if self.high is not None:
+            return f"at most {self.high}{unit}"
+        return f"any {self.name}"
+
+    def __call__(self, value: Any) -> Any:
+        """The number ``value`` stands for (fails with a one-line reason otherwise)."""
+        if isinstance(value, self.kind) and not isinstance(value, bool):
+            number = value
+        else:
+            text = str(value).strip()
+            try:
+                number = int(text, 10) if self.kind is int else float(text)
+            except ValueError:
+                raise ValueError(
+                    f"{value!r} is not {'an integer' if self.kind is int else 'a number'}"
+                ) from None
+        if isinstance(number, float) and math.isnan(number):
+            raise ValueError(f"{value!r} is not a number (nan); allowed: {self.allowed()}")
+        if isinstance(number, float) and math.isinf(number):
+            raise ValueError(f"{value!r} is infinite; allowed: {self.allowed()}")
+        if (self.low is not None and number < self.low) or (
+            self.high is not None and number > self.high
+        ):
+            raise ValueError(f"{value} is out of range; allowed: {self.allowed()}")
+        return number
+
+
+class CliGroup(TyperGroup):
+    """The ``edo-monitor`` group: every Click-level error is one ``edo-monitor: error:`` line
+    and exit code 2 (help for ``edo-monitor`` alone is still shown as help)."""
+
+    def main(  # type: ignore[override]
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
+        """Run the command line; with ``standalone_mode`` exit with the code."""
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.NoArgsIsHelpError as exc:
+            exc.show()
+            code = exc.exit_code
+        except click.ClickException as exc:
+            sys.stderr.write(f"edo-monitor: error: {one_line(exc)}\n")
+            code = EXIT_USAGE if isinstance(exc, click.UsageError) else exc.exit_code
+        except typer.Abort:
+            sys.stderr.write("edo-monitor: error: interrupted\n")
+            code = 130
+        code = code if isinstance(code, int) else 0
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+
+def one_line(exc: click.ClickException) -> str:
+    """A Click error's message on one line (Click names the option; typer's validation wrapper
+    adds a ``Value error,`` of its own, which is dropped)."""
+    return " ".join(exc.format_message().replace("Value error, ", "").split())

@@ -1,0 +1,183 @@
+"""What ``edo-monitor`` and ``edo-tui`` are pointed at and what they print (issue 21, item 3),
+run as a user runs them: real subprocesses of the console scripts.
+
+- A ``--db`` that is not a regular file (FIFO, device) is one line, exit 2, at once (a FIFO hung
+  every reader forever); a path too long is named in words with the limit; a zero-byte file is
+  not a history (exit 1; it read as "no runs recorded", exit 0).
+- Every Click-level error is one ``edo-monitor: error:`` line and exit 2 (out-of-range values
+  printed Click's four-line usage block); ``nan``, infinities and out-of-range numbers are
+  refused naming the value and the allowed range.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from edo_monitor.store.engine import open_engine
+
+EXIT_ERROR, EXIT_USAGE = 1, 2
+
+
+def script(name: str) -> list[str]:
+    exe = Path(sys.executable).with_name(name)
+    if exe.exists():
+        return [str(exe)]
+    module = "edo_monitor.cli" if name == "edo-monitor" else "edo_monitor.tui.app"
+    return [sys.executable, "-m", module]
+
+
+def run(name: str, *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*script(name), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def one_line(done: subprocess.CompletedProcess[str], code: int, *words: str) -> str:
+    """Exit ``code`` and one stderr line (no usage block, no traceback) holding ``words``."""
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert done.returncode == code, (done.returncode, done.stderr)
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+    return lines[0]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_fifo_is_refused_at_once_by_every_reader(tmp_path: Path) -> None:
+    fifo = tmp_path / "h.db"
+    os.mkfifo(fifo)
+    line = one_line(run("edo-monitor", "runs", "--db", str(fifo), timeout_s=20), EXIT_USAGE)
+    assert line.startswith("edo-monitor: error:") and "FIFO" in line and "h.db" in line
+    one_line(run("edo-tui", str(fifo), timeout_s=20), EXIT_USAGE, "edo-tui: error:", "FIFO")
+
+
+def test_a_device_is_not_a_history() -> None:
+    done = run("edo-monitor", "runs", "--db", os.devnull)
+    one_line(done, EXIT_USAGE, "device", "not a regular file")
+
+
+def test_a_zero_byte_file_is_not_a_history_but_a_writer_may_start_one(tmp_path: Path) -> None:
+    path = tmp_path / "empty.db"
+    path.touch()
+    one_line(
+        run("edo-monitor", "runs", "--db", str(path)), EXIT_ERROR, "not an edo-monitor history"
+    )
+    assert path.stat().st_size == 0  # a reader never writes
+    open_engine(path).dispose()  # a writer (watch()) makes the schema in it
+    assert run("edo-monitor", "runs", "--db", str(path)).returncode == 0
+
+
+def test_a_path_too_long_is_said_in_words(tmp_path: Path) -> None:
+    done = run("edo-monitor", "runs", "--db", str(tmp_path / ("a" * 10_000)))
+    line = one_line(done, EXIT_USAGE, "too long", "255")
+    assert "Errno" not in line and len(line) < 300
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (("runs", "--limit", "-1"), ("--limit", "-1", "allowed: 1 to")),
+        (("show", "latest", "--max-events", "-1"), ("--max-events", "allowed: 0 to")),
+        (("explain", "latest", "--top", "-3"), ("--top", "-3", "allowed: 1 to")),
+        (("metrics", "--port", "70000"), ("--port", "70000", "allowed: 0 to 65535")),
+        (("runs", "--bogus"), ("--bogus",)),
+        (
+            ("estimate", "--num-embeddings", "100000000000000000000000000", "--embedding-dim", "4"),
+            ("--num-embeddings", "out of range", "allowed: 1 to 9223372036854775807"),
+        ),
+        (("daemon", "--interval", "nan"), ("--interval", "not a number")),
+        (("daemon", "--interval", "inf"), ("--interval", "infinite")),
+        (("daemon", "--interval", "1e999"), ("--interval", "infinite")),
+    ],
+)
+def test_every_bad_option_value_is_one_error_line(
+    tmp_path: Path, args: tuple[str, ...], words: tuple[str, ...]
+) -> None:
+    db = () if args[0] == "estimate" else ("--db", str(tmp_path / "h.db"))  # estimate reads none
+    done = run("edo-monitor", *args[:1], *db, *args[1:])
+    line = one_line(done, EXIT_USAGE, *words)
+    assert line.startswith("edo-monitor: error:") and "Usage:" not in done.stderr
+
+
+@pytest.mark.parametrize(("value", "word"), [("1e999", "infinite"), ("nan", "not a number")])
+def test_edo_tui_refuses_a_refresh_that_is_not_finite(value: str, word: str) -> None:
+    done = run("edo-tui", "--refresh-s", value)
+    assert done.returncode == EXIT_USAGE and word in done.stderr, done.stderr
+
+
+def test_metrics_without_prometheus_client_is_exit_1_with_the_install_line(tmp_path: Path) -> None:
+    code = (
+        "import sys; sys.modules['prometheus_client'] = None\n"
+        "from edo_monitor.cli import main\n"
+        f"sys.argv = ['edo-monitor', 'metrics', '--db', {str(tmp_path / 'h.db')!r}]\n"
+        "main()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    one_line(done, EXIT_ERROR, "edo-monitor: error:", "pip install 'edo-monitor[prometheus]'")
+
+
+#: (the modules made absent, what needs them, the extra named)
+_OPTIONAL = {
+    "prometheus": (
+        ("prometheus_client",),
+        "from edo_monitor.metrics import require_prometheus as f; f()",
+    ),
+    "tensorboard": (
+        ("tensorboard", "torch.utils.tensorboard"),
+        "from edo_monitor.integrations.tensorboard import summary_writer as f; f()",
+    ),
+    "pandas": (("pandas",), "from edo_monitor.store.history import _pandas as f; f()"),
+    "lightning": (
+        ("lightning", "lightning.pytorch", "pytorch_lightning"),
+        "import edo_monitor.integrations.lightning",
+    ),
+    "transformers": (("transformers",), "import edo_monitor.integrations.transformers"),
+}
+
+
+@pytest.mark.parametrize("extra", sorted(_OPTIONAL))
+def test_every_missing_optional_package_is_one_error_with_its_install_line(extra: str) -> None:
+    """Each optional feature, its package absent: one MissingExtraError (a ConfigError and an
+    ImportError) naming ``pip install 'edo-monitor[EXTRA]'``."""
+    modules, use = _OPTIONAL[extra]
+    code = (
+        "import sys\n"
+        + "".join(f"sys.modules[{m!r}] = None\n" for m in modules)
+        + "from edo_monitor.errors import ConfigError, MissingExtraError\n"
+        + "try:\n"
+        + f"    {use}\n"
+        + "except MissingExtraError as exc:\n"
+        + "    assert isinstance(exc, (ConfigError)) and isinstance(exc, ImportError)\n"
+        + "    print(exc)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"pip install 'edo-monitor[{extra}]'" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("command", ["runs", "doctor"])
+def test_an_older_schema_is_said_once(tmp_path: Path, command: str) -> None:
+    """Reading an older-schema history printed its notice twice, in two wordings."""
+    from sqlalchemy.orm import Session
+
+    from edo_monitor.store.models import Meta
+    from edo_monitor.store.schema import SCHEMA_VERSION
+
+    path = tmp_path / "old.db"
+    engine = open_engine(path)
+    with Session(engine) as session, session.begin():
+        session.merge(Meta(key="schema_version", value=str(SCHEMA_VERSION - 1)))
+    engine.dispose()
+    done = run("edo-monitor", command, "--db", str(path))
+    assert done.returncode == 0, done.stderr
+    line = one_line(done, 0, "older than", str(SCHEMA_VERSION - 1))
+    assert "old.db" in line
