@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edo_monitor.errors import ConfigError, EventNotFoundError
-from edo_monitor.plans import Plan, Refusal, rounding_expected_error
+from edo_monitor.plans import Plan, Refusal, cache_rows_for, rounding_expected_error
 from edo_monitor.units import format_bytes
 
 __all__ = [
@@ -120,6 +120,12 @@ class _Table:
         """Device bytes per row: weight, gradient and each per-element state tensor."""
         per = self.embedding_dim * self.element_bytes
         return per * (1 + int(self.grads_bytes > 0) + self.state_tensors)
+
+    @property
+    def cached_row_bytes(self) -> int:
+        """Device bytes per row of a row cache: weight and state, no gradient (the cache's
+        gradient is the touched rows' only: :mod:`edo_monitor.nn.cache_step`)."""
+        return self.embedding_dim * self.element_bytes * (1 + self.state_tensors)
 
     @property
     def optimizer(self) -> str:
@@ -791,10 +797,10 @@ class _Model:
         for t in tables:
             n = t.num_embeddings
             floor = max(1, min(n, CACHE_FLOOR_ROWS))
-            rows = max(floor, n - -(-need // t.row_bytes))
+            rows = cache_rows_for(n, floor, need, t.row_bytes)
             if rows >= n:
                 continue
-            saving = (n - rows) * t.row_bytes
+            saving = n * t.row_bytes - rows * t.cached_row_bytes
             return Plan(
                 "cache_embedding",
                 t.module,
@@ -811,11 +817,15 @@ class _Model:
         keep_free = (self.rearm_fraction + self.grow_margin_fraction) * self.budget_bytes
         spare = self.budget_bytes - self.in_use_bytes - keep_free
         t = min(caches, key=lambda c: (c.cache_rows or 0) / c.num_embeddings)
-        rows = int(spare // t.row_bytes)
+        rows = int(spare // t.cached_row_bytes)
         if rows < 1:
             return Refusal("grow_cache", t.module, "spare bytes below one row")
-        to_rows = min(t.num_embeddings, (t.cache_rows or 0) + rows)
-        cost = (to_rows - (t.cache_rows or 0)) * t.row_bytes
+        n, cached = t.num_embeddings, t.cache_rows or 0
+        grad_bytes = n * (t.row_bytes - t.cached_row_bytes)  # a resident table's dense gradient
+        to_rows = min(n, cached + rows)
+        if to_rows >= n and (n - cached) * t.cached_row_bytes + grad_bytes > spare:
+            to_rows = n - 1  # resident again would not fit with its gradient: stay a cache
+        cost = (to_rows - cached) * t.cached_row_bytes + (grad_bytes if to_rows >= n else 0)
         return Plan(
             "grow_cache",
             t.module,

@@ -132,3 +132,18 @@ class Refusal:
     action: str
     target: str
     reason: str
+
+
+def cache_rows_for(num_embeddings: int, floor_rows: int, need_bytes: int, row_bytes: int) -> int:
+    """Rows a new row cache keeps so that converting the table frees at least ``need_bytes``.
+
+    One resident row's bytes (``row_bytes``: weight, gradient, per-element state) come back for
+    every row the cache leaves out, ``ceil(need_bytes / row_bytes)`` of them, and at least
+    ``floor_rows`` (a batch's peak distinct ids) stay. A kept row then costs less than
+    ``row_bytes`` (a cache has no dense gradient), so the conversion frees more than ``need_bytes``:
+    the dense gradient is a margin, not a reason to keep more rows. (Counting it in the rows as
+    well made a cache of all rows but one, or, before that, a refusal as "would hold the whole
+    table" whenever dropping the gradient alone covered ``need_bytes``: the main demo offloaded
+    its table instead of caching it.) A result ``>= num_embeddings`` means no cache fits.
+    """
+    return max(floor_rows, num_embeddings - -(-need_bytes // row_bytes))

@@ -7,6 +7,7 @@ Adam; twins are trained on the same batches without the action.
 from __future__ import annotations
 
 import copy
+import math
 import sqlite3
 import time
 from pathlib import Path
@@ -114,9 +115,9 @@ def test_cache_estimate_equals_measured_and_training_equals_the_twin() -> None:
     assert plan.target == "items" and plan.details["resize"] == "create"
     need = in_use - 0.75 * budget
     rows = plan.details["to_rows"]
-    # frees just enough, in whole rows: the full table (weight, gradient, moments) leaves, the
-    # cache rows (weight, moments; no gradient) stay
-    assert rows == (ITEMS * ROW_BYTES - int(need)) // CACHED_ROW_BYTES
+    # the rows that leave are sized by a resident row (weight, gradient, moments); the rows that
+    # stay cost a cache row (weight, moments; no gradient): the dropped gradient is a margin
+    assert rows == ITEMS - -(-math.ceil(need) // ROW_BYTES)
     result = ACTIONS["cache_embedding"].apply(ctx, plan)
     assert result.status == "applied", result.reason
     saving = ITEMS * ROW_BYTES - rows * CACHED_ROW_BYTES
@@ -392,3 +393,73 @@ def test_caching_a_table_that_frees_under_the_minimum_is_refused_naming_it() -> 
     plan = ACTIONS["cache_embedding"].plan(ctx)
     counter.close()
     assert isinstance(plan, Refusal) and "under the minimum" in plan.reason, plan
+
+
+def test_a_need_the_dense_gradient_alone_covers_still_caches_the_table() -> None:
+    """The main demo's crossing needs less than the table's dense gradient: dropping it alone (a
+    row cache keeps none) would free the need, and the row count, sized by cached-row bytes, came
+    out at the whole table: the plan was refused ("would hold the whole table") and the demo
+    offloaded its table instead. The rows that must go are sized by resident-row bytes; the
+    dropped gradient is a margin on top."""
+    from edo_monitor.actions.cache_embedding import _row_bytes
+
+    model, opt, _, _ = _pair()
+    for b in _batches(5):
+        _step(model, opt, b)
+    weight = model.items.weight
+    n = weight.shape[0]
+    grad_bytes = weight.numel() * weight.element_size()
+    in_use = account(model, [opt]).total_bytes
+    need = grad_bytes // 4  # less than the dense gradient the conversion drops
+    budget = int((in_use - need) / 0.75)  # re-arm at 25 % free: `need` bytes must go
+    ctx = _ctx(model, opt, budget_bytes=budget, rearm_free_fraction=0.25)
+    plan = ACTIONS["cache_embedding"].plan(ctx)
+    assert not isinstance(plan, Refusal), plan
+    row = _row_bytes(weight, [opt])
+    cached_row = _row_bytes(weight, [opt], cached=True)
+    expected_rows = n - -(-_need(in_use, budget) // row)
+    assert plan.details["to_rows"] == expected_rows < n
+    assert plan.estimated_saving_bytes == n * row - expected_rows * cached_row >= need
+
+
+def _need(in_use: int, budget: int) -> int:
+    """Bytes the plan frees to reach the re-arm level (25 % free) from ``in_use``."""
+    return int(in_use - 0.75 * budget)
+
+
+def test_growing_back_to_resident_counts_the_dense_gradient() -> None:
+    """A row cache has no dense gradient; the table made resident again has its (N, D) gradient
+    back. grow_cache costed going resident by the cache rows alone, so the demo (40 steps) grew
+    its cache back to the whole table with 11 MiB of spare, the gradient took 25 MiB more, and
+    the next step ran out of its enforced budget. Now: resident only when the gradient fits too,
+    else the cache grows to one row short of the table."""
+    from edo_monitor.actions.cache_embedding import _row_bytes
+
+    model, opt, _, _ = _pair()
+    for b in _batches(5):
+        _step(model, opt, b)
+    first = ACTIONS["cache_embedding"].apply(_ctx(model, opt, budget_bytes=None))
+    assert first.status == "applied"
+    table = model.items
+    n, cached = table.num_embeddings, table.cache_rows
+    row = _row_bytes(table.weight, [opt], cached=True)
+    grad_bytes = n * (_row_bytes(table.weight, [opt]) - row)
+    in_use = account(model, [opt]).total_bytes
+    for spare, resident in (
+        ((n - cached) * row + grad_bytes // 2, False),
+        ((n - cached) * row + grad_bytes + 4096, True),
+    ):
+        budget = int((in_use + spare) / 0.70)  # keep_free = (0.25 + 0.05) of the budget
+        spare_seen = budget - in_use - 0.30 * budget
+        ctx = ActionContext(
+            model, [opt], budget_bytes=budget, in_use_bytes=in_use, rearm_free_fraction=0.25
+        )
+        plan = ACTIONS["grow_cache"].plan(ctx)
+        assert not isinstance(plan, Refusal), plan
+        assert (plan.details["resize"] == "resident") is resident, plan
+        cost = -plan.estimated_saving_bytes
+        assert cost <= spare_seen
+        if resident:
+            assert cost == (n - cached) * row + grad_bytes
+        else:
+            assert plan.details["to_rows"] == n - 1

@@ -46,6 +46,7 @@ from edo_monitor.actions.tables import (
 )
 from edo_monitor.nn import EmbeddingOptions
 from edo_monitor.nn.cached import CachedTable, _group_of, _make_rule, rebind_data
+from edo_monitor.plans import cache_rows_for
 from edo_monitor.units import format_bytes
 
 __all__ = ["CacheEmbedding", "GrowCache", "peak_batch_ids"]
@@ -183,7 +184,7 @@ class CacheEmbedding(Action):
             if need is None:
                 rows = max(floor_rows, n // 10)
             else:
-                rows = max(floor_rows, (n * row_bytes - need) // cached_bytes)
+                rows = cache_rows_for(n, floor_rows, need, row_bytes)
             if rows >= n:
                 reasons.append(
                     f"{t.name}: a cache of the peak ids per batch ({floor_rows}) would hold the "
@@ -294,16 +295,20 @@ class GrowCache(Action):
         rows -= rows % module.block_rows
         if rows < module.block_rows:
             return self.refuse(name, f"spare {format_bytes(max(0, int(spare)))} is below one block")
-        grow_rows = min(module.num_embeddings, module.cache_rows + rows) - module.cache_rows
-        if grow_rows < module.num_embeddings - module.cache_rows and (
-            grow_rows * row_bytes < MIN_RESIZE_BYTES
-        ):
+        n = module.num_embeddings
+        # resident again, the table has its dense (N, D) gradient back: a cost a cache row has not
+        grad_bytes = n * (_row_bytes(module.weight, ctx.optimizers) - row_bytes)
+        to_rows = min(n, module.cache_rows + rows)
+        if to_rows >= n and (n - module.cache_rows) * row_bytes + grad_bytes > spare:
+            to_rows = (n - 1) // module.block_rows * module.block_rows  # stay a cache
+        grow_rows = to_rows - module.cache_rows
+        resident = to_rows >= n
+        if not resident and grow_rows * row_bytes < MIN_RESIZE_BYTES:
             return self.refuse(
-                name, f"growing by {format_bytes(grow_rows * row_bytes)} is under the minimum"
+                name,
+                f"growing by {format_bytes(max(0, grow_rows) * row_bytes)} is under the minimum",
             )
-        to_rows = min(module.num_embeddings, module.cache_rows + rows)
-        resident = to_rows >= module.num_embeddings
-        cost = (to_rows - module.cache_rows) * row_bytes
+        cost = grow_rows * row_bytes + (grad_bytes if resident else 0)
         return Plan(
             self.name,
             name,
@@ -337,10 +342,13 @@ def _to_resident(ctx: ActionContext, module: CachedTable) -> nn.Module:
     weight = module.weight
     device = weight.device
     full = module.host_weight.to(device, copy=True)
-    pending = module.dense_grad()  # the touched rows' gradient becomes the table's
-    grad = None if pending is None else pending[1]
-    if pending is not None:
-        new_grad = torch.zeros_like(full)
+    # the touched rows' pending gradient becomes the table's; without one (the step consumed it)
+    # the resident table still gets its dense gradient, zero, as a resident table has it at the
+    # step boundary: the bytes the grow plan counts are there from now on, not at the next
+    # backward (a zero gradient adds nothing to what that backward accumulates)
+    pending = module.dense_grad()
+    new_grad = torch.zeros_like(full) if weight.requires_grad else None
+    if pending is not None and new_grad is not None:
         new_grad[pending[0].to(device)] = pending[1].to(full.dtype)
     state = module._opt_state()
     new_state = {
@@ -348,7 +356,7 @@ def _to_resident(ctx: ActionContext, module: CachedTable) -> nn.Module:
     }
     weight.grad = None
     rebind_data(weight, full)
-    weight.grad = new_grad if grad is not None else None
+    weight.grad = new_grad
     for k, v in new_state.items():
         state[k] = v
     ctx.stage("weight_moved")
