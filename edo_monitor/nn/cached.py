@@ -457,6 +457,8 @@ class CacheStats:
     peak_unique_ids: int
     lookups: int = 0
     lookup_hits: int = 0
+    #: blocks loaded by a forward (on the critical path), not ahead of it by :meth:`prefetch`
+    forward_loads: int = 0
 
     @property
     def hit_rate(self) -> float | None:
@@ -604,8 +606,20 @@ class CachedTable(_EdoEmbedding):
         self._had_grad = False
         self._side_stream: Any = None
         self._counters = dict.fromkeys(
-            ("hits", "misses", "evicted", "h2d_bytes", "d2h_bytes", "lookups", "lookup_hits"), 0
+            (
+                "hits",
+                "misses",
+                "evicted",
+                "h2d_bytes",
+                "d2h_bytes",
+                "lookups",
+                "lookup_hits",
+                "forward_loads",
+            ),
+            0,
         )
+        #: the eviction hook of a :class:`~edo_monitor.nn.lookahead.LookAhead` (``None``: none)
+        self._lookahead: Any = None
         self._step_counters = dict(self._counters)
         self.peak_unique_ids = 0
         # an OrderedDict: RemovableHandle holds a weak reference to it
@@ -684,6 +698,7 @@ class CachedTable(_EdoEmbedding):
             self.peak_unique_ids,
             c["lookups"],
             c["lookup_hits"],
+            c["forward_loads"],
         )
 
     def reset_step_stats(self) -> None:
@@ -1097,6 +1112,9 @@ class CachedTable(_EdoEmbedding):
         if held.numel():
             protect = protect.clone()
             protect[held] = True
+        la = self._lookahead
+        if la is not None:  # rows of the running and the prefetched batches stay
+            protect = la.protect(self, protect)
         candidates = ((self.slot_to_block >= 0) & ~protect).nonzero().reshape(-1)
         if candidates.numel() < need:
             raise _CacheFullError(int(candidates.numel() + free.numel()))
@@ -1107,6 +1125,8 @@ class CachedTable(_EdoEmbedding):
             score = freq * (self._tick + 1) + last
         else:
             score = last
+        if la is not None:  # next use inside the look-ahead window first (Belady)
+            score = la.score(self, self.slot_to_block[candidates], score)
         # the need smallest scores (last use breaks LFU ties; ticks are unique per forward)
         order = torch.topk(score, need, largest=False, sorted=False).indices
         victims = candidates[order]
@@ -1130,6 +1150,8 @@ class CachedTable(_EdoEmbedding):
         if count:
             self._count(hits=int(hit.sum()))
         if miss.numel():
+            if count:
+                self._count(forward_loads=int(miss.numel()))
             protect = self.slot_pinned.clone()
             protect[slots[hit]] = True
             try:
