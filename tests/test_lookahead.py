@@ -111,5 +111,29 @@ def test_hit_rate_at_least_lfu_on_zipf_and_forward_loads_under_one_percent() -> 
 def test_bad_arguments_are_named() -> None:
     with pytest.raises(ValueError, match="ahead=0"):
         LookAhead([], ahead=0, ids=lambda b: b)
-    with pytest.raises(ValueError, match="ids=None"):
-        LookAhead([], ahead=2)
+    with pytest.raises(ValueError, match="ids=3"):
+        LookAhead([], ahead=2, ids=3)
+    with pytest.raises(ValueError, match="batch of type str holds no integer tensor"):
+        list(LookAhead(["x"], ahead=2, tables=CachedEmbedding(N, D, C)))
+
+
+def test_watch_with_a_loader_serves_the_models_cached_tables(db_path) -> None:
+    import edo_monitor
+
+    torch.manual_seed(0)
+    model = nn.Sequential(CachedEmbedding(N, D, C, dtype=torch.float64))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    batches = _batches(40)
+    with pytest.raises(edo_monitor.ConfigError, match="ahead=0"):
+        edo_monitor.watch(model, db=db_path, loader=batches, ahead=0)
+    with edo_monitor.watch(
+        model, opt, db=db_path, interval_s=0.01, track_activations=False, loader=batches, ahead=4
+    ) as mon:
+        for ids, target in mon.loader:  # the default ids: the batch's first integer tensor
+            assert model[0]._lookahead is mon.loader
+            opt.zero_grad()
+            ((model(ids) - target) ** 2).sum().backward()
+            opt.step()
+    st = model[0].stats()
+    assert st.misses > C and st.evicted > 0
+    assert st.forward_loads == 0

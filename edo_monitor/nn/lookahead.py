@@ -38,14 +38,34 @@ from torch import nn
 
 from edo_monitor.nn.cached import CachedTable
 
-__all__ = ["LookAhead"]
+__all__ = ["LookAhead", "first_int_tensor"]
 
 logger = logging.getLogger(__name__)
 
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 _NEVER = 1 << 62  # next use of a block outside the window
 _BIG = 1 << 62  # score offset of rows used inside the window (above every frequency score)
 
 IdsFn = Callable[[Any], "torch.Tensor | Mapping[Any, torch.Tensor]"]
+
+
+def first_int_tensor(batch: Any) -> torch.Tensor:
+    """The default ``ids``: the batch itself when it is an integer tensor, else the first integer
+    tensor in it (tuple/list items in order, dict values in insertion order, one level deep).
+
+    Raises:
+        ValueError: the batch holds no integer tensor (naming its type).
+    """
+    items = batch.values() if isinstance(batch, Mapping) else batch
+    if isinstance(batch, torch.Tensor):
+        items = (batch,)
+    if isinstance(items, (tuple, list)) or isinstance(batch, Mapping):
+        for item in items:
+            if isinstance(item, torch.Tensor) and item.dtype in _INT_DTYPES:
+                return item
+    raise ValueError(
+        f"a batch of type {type(batch).__name__} holds no integer tensor; give LookAhead ids="
+    )
 
 
 class _Window:
@@ -78,10 +98,12 @@ class LookAhead:
     Args:
         loader: any iterable of batches (a ``DataLoader``); read ``ahead + 1`` batches ahead.
         ahead: the window ``K >= 1``, in batches.
-        ids: ``ids(batch)`` gives the ids a batch looks up: one tensor (every table looks up the
-            same ids; any shape, int64/int32) or a mapping from the table (the module, or its name
-            in ``tables`` when that is a model) to its tensor. Tables the mapping leaves out are
-            served without look-ahead. Errors it raises propagate.
+        ids: ``ids(batch)`` (default :func:`first_int_tensor`) gives the ids a batch looks up:
+            one tensor (every table looks up the same ids; any shape, int64/int32) or a mapping
+            from the table (the module, or its name in ``tables`` when that is a model) to its
+            tensor. Tables the mapping leaves out are
+            served without look-ahead; ids outside a table's ``[0, N)`` are ignored (the forward
+            names them). Errors it raises propagate.
         tables: the cached tables: a model (its :class:`CachedTable` modules are found at every
             batch, so tables converted later by the agent are served from then on), one table,
             or an iterable of tables.
@@ -99,7 +121,9 @@ class LookAhead:
     ) -> None:
         if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 1:
             raise ValueError(f"ahead={ahead!r}; expected an int >= 1")
-        if ids is None or not callable(ids):
+        if ids is None:
+            ids = first_int_tensor
+        if not callable(ids):
             raise ValueError(f"ids={ids!r}; expected a function batch -> ids tensor (or mapping)")
         if tables is not None and not isinstance(tables, (nn.Module, Iterable)):
             raise ValueError(f"tables={tables!r}; expected a model, a CachedTable or tables")
@@ -135,6 +159,7 @@ class LookAhead:
             else:
                 v = got
             flat = torch.as_tensor(v).reshape(-1).to("cpu", torch.int64)
+            flat = flat[(flat >= 0) & (flat < table.num_embeddings)]
             r = table.block_rows
             out[id(table)] = torch.unique(flat // r if r > 1 else flat)
         return out
