@@ -1060,8 +1060,14 @@ class CachedTable(_EdoEmbedding):
             return
         if slots is None:
             slots = (self.slot_to_block < 0).nonzero().reshape(-1)[: blocks.numel()]
+        self._place_staged(self._stage_blocks(blocks), slots)
+
+    def _stage_blocks(self, blocks: torch.Tensor) -> dict[str, Any]:
+        """Rows of host ``blocks`` (not cached) caught up to step t, copied to the device (on
+        CUDA on the side stream, not waited for): ``{"blocks", "ids", "real", "w", "st", "t",
+        "s"}``. Placed into cache slots by :meth:`_place_staged`, now or after a later optimizer
+        step (the rows, not cached, take no gradient: the lazy catch-up covers those steps)."""
         ids, real = self._block_rows_of(blocks)
-        rows = self._slot_rows(slots)[real]
         ids = ids[real]
         s = self.last_step[ids]
         w = self.host_weight[ids]
@@ -1073,26 +1079,38 @@ class CachedTable(_EdoEmbedding):
             self._rule.catch_up(w64, st64, s, self.t)
             w = w64.to(w.dtype)
             st = {k: v.to(st[k].dtype) for k, v in st64.items()}
+        stream = self._load_stream()
+        if stream is not None:  # CUDA: copy on a side stream; the placing waits for it
+            with torch.cuda.stream(stream):
+                w = w.to(self.device, non_blocking=True)
+                st = {k: v.to(self.device, non_blocking=True) for k, v in st.items()}
+        staged = {"blocks": blocks, "ids": ids, "real": real, "w": w, "st": st, "t": self.t}
+        staged["s"] = s
+        return staged
+
+    def _place_staged(self, staged: dict[str, Any], slots: torch.Tensor) -> None:
+        """Put rows staged by :meth:`_stage_blocks` into free cache ``slots``."""
+        blocks, w, st = staged["blocks"], staged["w"], staged["st"]
+        rows = self._slot_rows(slots)[staged["real"]]
         state = self._opt_state()
         moved = w.numel() * w.element_size()
         dev_rows = rows.to(self.device)
         stream = self._load_stream()
-        if stream is not None:  # CUDA: copy on a side stream, then make the compute stream wait
-            with torch.cuda.stream(stream):
-                w_dev = w.to(self.device, non_blocking=True)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            w_dev.record_stream(torch.cuda.current_stream(self.device))
-        else:
-            w_dev = w.to(self.device)
-        self.weight.data[dev_rows] = w_dev.to(self.weight.dtype)
-        for key in keys:
+        if stream is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_stream(stream)
+            w.record_stream(current)
+            for v in st.values():
+                v.record_stream(current)
+        self.weight.data[dev_rows] = w.to(self.device, self.weight.dtype)
+        for key in self._state_keys():
             value = state.get(key)
             if value is not None:
                 value.data[rows.to(value.device)] = st[key].to(value.device, value.dtype)
                 moved += st[key].numel() * st[key].element_size()
         self.slot_to_block[slots] = blocks
         self.block_to_slot[blocks] = slots
-        self.slot_step[rows] = self.t
+        self.slot_step[rows] = staged["t"]
         self._count(misses=int(blocks.numel()), h2d_bytes=moved)
 
     def _load_stream(self) -> Any:

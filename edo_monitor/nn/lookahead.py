@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from edo_monitor.nn.cached import CachedTable
+from edo_monitor.nn.cached import CachedTable, _CacheFullError
 
 __all__ = ["LookAhead", "first_int_tensor"]
 
@@ -75,6 +75,7 @@ class _Window:
         self.next_use = torch.full((table.num_blocks,), _NEVER, dtype=torch.int64)
         self.indexed = torch.zeros(0, dtype=torch.int64)  # blocks whose next_use is set
         self.protected = torch.zeros(0, dtype=torch.int64)
+        self.staged: dict[str, Any] | None = None  # rows staged for the batch about to run
         self.num_blocks = table.num_blocks
 
     def index(self, batches: list[tuple[int, torch.Tensor]]) -> None:
@@ -132,6 +133,9 @@ class LookAhead:
         self.ids = ids
         self.tables = tables
         self._windows: dict[int, _Window] = {}
+        #: blocks loaded for a batch at its own ``next()`` (not staged one batch ahead): the first
+        #: batch's, and those whose staging was dropped; on the critical path like forward loads
+        self.late_loads = 0
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
@@ -222,7 +226,11 @@ class LookAhead:
             self._windows.clear()
 
     def _serve(self, table: CachedTable, window: deque[list[Any]], served: list) -> None:
-        """Before batch ``window[0]`` runs: its rows resident, batch ``window[1]`` prefetched."""
+        """Before batch ``window[0]`` runs (the step before it has run): place the rows staged for
+        it into the cache, load what is still missing (counted in :attr:`late_loads`), and stage
+        the misses of batch ``window[1]`` (host gather, catch-up and, on CUDA, the copy to the
+        device on the side stream), to be placed at the next call, when the step of this batch
+        has run and its rows may go."""
         key = id(table)
         w = self._windows.get(key)
         if w is None or w.num_blocks != table.num_blocks:
@@ -231,6 +239,7 @@ class LookAhead:
             table._lookahead = self
             served.append(table)
         ahead = [(e[0], e[2][key]) for e in window if key in e[2]]
+        staged, w.staged = w.staged, None
         if not ahead:
             w.index([])
             w.protected = torch.zeros(0, dtype=torch.int64)
@@ -238,8 +247,31 @@ class LookAhead:
         w.index(ahead)
         now, nxt = ahead[0][1], ahead[1][1] if len(ahead) > 1 else None
         w.protected = now if nxt is None else torch.cat([now, nxt])
-        r = table.block_rows
-        # loads on the first batch only (later ones were prefetched as batch i + 1)
-        table.prefetch(now * r)
-        if nxt is not None:
-            table.prefetch(nxt * r)
+        with torch.no_grad():
+            if staged is not None:
+                self._place(table, staged)
+            before = table._counters["misses"]
+            table.prefetch(now * table.block_rows)  # loads only what staging did not bring
+            self.late_loads += table._counters["misses"] - before
+            if nxt is not None:
+                miss = nxt[table.block_to_slot[nxt] < 0]
+                if 0 < miss.numel() <= table.slot_to_block.numel():
+                    w.staged = table._stage_blocks(miss)
+
+    @staticmethod
+    def _place(table: CachedTable, staged: dict[str, Any]) -> None:
+        """Place ``staged`` rows into slots evicted now (protected: the batch about to run and
+        the next one); dropped (the rows load later) when a staged row was cached or written
+        back since, or when the cache has no evictable slots for them."""
+        blocks = staged["blocks"]
+        if set(staged["st"]) != set(table._state_keys()) or staged["t"] > table.t:
+            return  # the optimizer was attached (or reloaded) since: stage again
+        if bool((table.block_to_slot[blocks] >= 0).any()) or not torch.equal(
+            table.last_step[staged["ids"]], staged["s"]
+        ):
+            return
+        try:
+            slots = table._evict(blocks.numel(), table.slot_pinned.clone())
+        except _CacheFullError:
+            return
+        table._place_staged(staged, slots)
