@@ -3,17 +3,22 @@
 A training loader knows its next batches. :class:`LookAhead` reads ``ahead`` batches in advance
 and, for each :class:`~edo_monitor.nn.cached.CachedTable` it serves:
 
-* while step ``i`` runs, the misses of batch ``i + 1`` are already loaded
-  (:meth:`CachedTable.prefetch`, whose copies run on a side stream on CUDA): the ``next()`` that
-  hands out batch ``i`` prefetches batch ``i + 1``, so the forward of a batch finds its rows
-  resident (counted: :attr:`CacheStats.forward_loads` are the loads a forward still had to do);
+* while step ``i`` runs, the misses of batch ``i + 1`` are already fetched (below): the
+  ``next()`` that hands out batch ``i`` stages batch ``i + 1``, so the forward of a batch finds
+  its rows resident (counted: :attr:`CacheStats.forward_loads` are the loads a forward still had
+  to do, :attr:`LookAhead.late_loads` those at the batch's own ``next()``);
 * eviction chooses by next use inside the window (Belady: among rows used again within the next
   ``ahead`` batches, the one used furthest ahead goes first) and by frequency beyond it: rows not
   used in the window go before any row used in it, the least frequent first (ties: least recently
   used). Admission: a row loaded for one batch has a count of one, so once its batch has run it is
   the first to go and never pushes out a frequent row that the window does not need;
 * rows the running step or the prefetched, not yet run, batch needs are never evicted (nor, as
-  without the wrapper, rows holding a gradient since the last optimizer step).
+  without the wrapper, rows holding a gradient since the last optimizer step). The next batch's
+  misses are *staged* while step ``i`` runs (host gather and catch-up, on CUDA the copy to the
+  device on the side stream) and placed into the cache at the ``next()`` after step ``i``, when
+  batch ``i``'s rows may go: prefetching does not hold two batches in the cache. Where a batch
+  and the next one's cached rows do not fit, the staging is dropped and the forward loads (then
+  the cache grows, ``overflow="grow"``, logged, or raises, as for one batch too big).
 
 Cost of the eviction decision per step: ``O(K x U)`` to index the window (``U`` unique ids per
 batch, ``K = ahead``; vectorized, one ``scatter_reduce`` into a persistent per-block array, reset
