@@ -328,53 +328,57 @@ class _AdamRule(_Rule):
         width = int(n.max())
         if width == 0:
             return
-        per = max(1, _CHUNK_ELEMENTS // (width * dim))
         m, v = state["exp_avg"], state["exp_avg_sq"]
         denom_src = state["max_exp_avg_sq"] if self.amsgrad else v
+        # the sum's coefficients depend on a row only through its step s: computed once per
+        # distinct s (u <= rows, and <= the steps since the oldest), then shared by index
+        us, inv = torch.unique(s, return_inverse=True)
+        un = (t - us).clamp(max=self.window)
         j = torch.arange(1, width + 1, dtype=torch.int64)
+        k = us[:, None] + j[None, :]  # (u, J) absolute step numbers
+        valid = j[None, :] <= un[:, None]
+        lr = torch.where(valid, self.lr_of(k), 0.0)
+        kf = k.double()
+        bc1 = 1 - torch.pow(self.beta1, kf)
+        bc2 = 1 - torch.pow(self.beta2, kf)
+        decay = torch.where(valid, 1 - lr * self.wd, 1.0)  # per missed step in the window
+        incl = torch.flip(torch.cumprod(torch.flip(decay, [1]), 1), [1])
+        after = torch.ones_like(incl)
+        after[:, :-1] = incl[:, 1:]  # product of the window's decays after step j
+        tail = self._decay(us + un, torch.full_like(us, t))  # decays beyond the window
+        jf = j.double()[None, :]
+        coef = torch.where(valid, lr / bc1 * self.beta1**jf * after * tail[:, None], 0.0)
+        root_bc2 = torch.sqrt(bc2)
+        scale = 1 / root_bc2 if self.amsgrad else self.beta2 ** (jf / 2) / root_bc2
+        dev = p.device
+        coef, scale = coef.to(dev), scale.expand(coef.shape).to(dev)
+        total_decay = (incl[:, 0] * tail).to(dev)
+        inv_d = inv.to(dev)
+        per = max(1, _CHUNK_ELEMENTS // (8 * dim))
         for start in range(0, rows, per):
             sl = slice(start, start + per)
-            ss, nn_ = s[sl], n[sl]
-            k = ss[:, None] + j[None, :]  # (r, J) absolute step numbers
-            valid = j[None, :] <= nn_[:, None]
-            lr = torch.where(valid, self.lr_of(k), 0.0)
-            kf = k.double()
-            bc1 = 1 - torch.pow(self.beta1, kf)
-            bc2 = 1 - torch.pow(self.beta2, kf)
-            decay = torch.where(valid, 1 - lr * self.wd, 1.0)  # per missed step in the window
-            incl = torch.flip(torch.cumprod(torch.flip(decay, [1]), 1), [1])
-            after = torch.ones_like(incl)
-            after[:, :-1] = incl[:, 1:]  # product of the window's decays after step j
-            tail = self._decay(ss + nn_, torch.full_like(ss, t))  # decays beyond the window
-            jf = j.double()[None, :]
-            coef = torch.where(valid, lr / bc1 * self.beta1**jf * after * tail[:, None], 0.0)
-            if self.amsgrad:
-                scale = 1 / torch.sqrt(bc2)
-            else:
-                scale = self.beta2 ** (jf / 2) / torch.sqrt(bc2)
-            dev = p.device
-            coef, scale = coef.to(dev), scale.expand(coef.shape).to(dev)
             root = torch.sqrt(denom_src[sl])  # (r, D)
-            total_decay = (incl[:, 0] * tail).to(dev)
-            p[sl] = p[sl] * total_decay[:, None] - m[sl] * self._term_sums(coef, scale, root)
+            sums = self._term_sums(coef, scale, root, inv_d[sl])
+            p[sl] = p[sl] * total_decay[inv_d[sl]][:, None] - m[sl] * sums
         mf = missed.double()[:, None].to(p.device)
         m.mul_(torch.pow(self.beta1, mf))
         v.mul_(torch.pow(self.beta2, mf))
 
     def _term_sums(
-        self, coef: torch.Tensor, scale: torch.Tensor, root: torch.Tensor
+        self, coef: torch.Tensor, scale: torch.Tensor, root: torch.Tensor, which: torch.Tensor
     ) -> torch.Tensor:
-        """``sum_j coef_j / (root * scale_j + eps)`` ``(r, D)`` for ``coef``, ``scale`` ``(r, J)``.
+        """``sum_j coef_j / (root * scale_j + eps)`` ``(r, D)`` for rows ``r`` whose coefficients
+        are row ``which`` ``(r,)`` of ``coef``, ``scale`` ``(u, J)`` (one row per distinct step).
 
         Exact form: ``O(r J D)``. For the elements where ``q = eps / (root * min_j scale_j) <=
         1/8`` the sum is the convergent series ``(1 / root) sum_k S_k (-eps / root)^k`` with
-        per-row moments ``S_k = sum_j coef_j / scale_j^(k+1)`` (``O(r J K + r D K)``, ``K <= 20``),
-        cut where ``q^K <= 1e-18`` (below float64 rounding); the other elements (``root`` near 0)
-        take the exact form, element by element.
+        moments ``S_k = sum_j coef_j / scale_j^(k+1)`` per distinct step (``O(u J K + r D K)``,
+        ``K <= 20``), cut where ``q^K <= 1e-18`` (below float64 rounding); the other elements
+        (``root`` near 0) take the exact form, element by element.
         """
         x = self.eps / root  # inf where root is 0
         sc_min = scale.masked_fill(coef == 0, float("inf")).amin(dim=1)
-        q = x / sc_min[:, None]
+        q = x / sc_min[which][:, None]
         slow = ~(q <= 0.125)
         q_max = float(q.masked_fill(slow, 0).max()) if q.numel() else 0.0
         k_terms = 1 if q_max <= 1e-18 else math.ceil(math.log(1e-18) / math.log(q_max)) + 1
@@ -382,7 +386,7 @@ class _AdamRule(_Rule):
         moments = []
         w = coef * inv
         for _ in range(k_terms):
-            moments.append(w.sum(dim=1))
+            moments.append(w.sum(dim=1)[which])
             w = w * inv
         neg_x = -x.masked_fill(slow, 0.0)
         acc = moments[-1][:, None].expand_as(neg_x)
@@ -392,7 +396,8 @@ class _AdamRule(_Rule):
         rr, dd = slow.nonzero(as_tuple=True)
         if rr.numel():
             rt = root[rr, dd][:, None]
-            out[rr, dd] = (coef[rr] / (rt * scale[rr] + self.eps)).sum(dim=1)
+            u = which[rr]
+            out[rr, dd] = (coef[u] / (rt * scale[u] + self.eps)).sum(dim=1)
         return out
 
 
