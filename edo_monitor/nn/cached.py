@@ -62,8 +62,10 @@ caught up when loaded again), flushed or checkpointed. Gradients, exactly:
   caught-up state; it loads into an optimizer over the uncached model and back.
 
 Adam's catch-up sum is evaluated as a convergent series in ``eps / sqrt(v)`` per element where
-that ratio is at most 1/8 of the smallest scale (``O(rows x (missed + dim) x K)``, ``K <= 20``),
-exactly elsewhere.
+that ratio is at most 1/8 of the smallest scale, exactly elsewhere; its coefficients and moments
+depend on a row only through the step it is at, so they are computed once per distinct step
+(``O(steps x missed x K + rows x dim x K)``, ``K <= 20``, ``steps`` the distinct steps among the
+rows caught up).
 
 The optimizer is found through a global optimizer step pre-hook on its first step, or given with
 :meth:`attach`. Checkpoints: ``state_dict()`` holds the full caught-up ``weight`` ``(N, D)`` (an
