@@ -131,6 +131,9 @@ class Monitor:
         sync_every_steps: int = DEFAULT_SYNC_EVERY_STEPS,
         snapshots: bool | None = None,
         snapshot_cap: int | str = DEFAULT_CAP_BYTES,
+        loader: Iterable[Any] | None = None,
+        ahead: int = 8,
+        loader_ids: Callable[[Any], Any] | None = None,
     ) -> None:
         if model is not None and not isinstance(model, nn.Module):
             raise ConfigError(f"model={type(model).__name__} is not a torch.nn.Module (or None)")
@@ -178,6 +181,16 @@ class Monitor:
         self.metrics_host = metrics_host
         self.metrics_server: MetricsServer | None = None
         self.model = model
+        #: ``watch(loader=)`` wrapped in :class:`edo_monitor.nn.LookAhead` (iterate it instead of
+        #: the loader); ``None`` without a loader
+        self.loader: Any = None
+        if loader is not None:
+            from edo_monitor.nn.lookahead import LookAhead
+
+            try:
+                self.loader = LookAhead(loader, ahead, loader_ids, tables=model)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         self.optimizers = optimizers
         self.interval_s = float(interval_s)
         self.budget_bytes_requested = None if budget is None else parse_bytes(budget, name="budget")
@@ -733,6 +746,9 @@ def watch(
     sync_every_steps: int = DEFAULT_SYNC_EVERY_STEPS,
     snapshots: bool | None = None,
     snapshot_cap: int | str = DEFAULT_CAP_BYTES,
+    loader: Iterable[Any] | None = None,
+    ahead: int = 8,
+    loader_ids: Callable[[Any], Any] | None = None,
 ) -> Monitor:
     """Watch a training run; use as ``with edo_monitor.watch(model) as monitor:``.
 
@@ -787,6 +803,14 @@ def watch(
             costs a stack capture per allocation). ``False``: none.
         snapshot_cap: compressed snapshot bytes stored per run (bytes or ``"64MiB"``); beyond
             it snapshots are dropped and one ``snapshot_cap_reached`` event says so.
+        loader: the training loader: ``monitor.loader`` is then an
+            :class:`edo_monitor.nn.LookAhead` over it (iterate that instead): it reads ``ahead``
+            batches in advance and, for every row-cached table of ``model`` (those the agent
+            converts later too), prefetches the next batch's rows and evicts by next use in the
+            window. Without it the cache evicts by its own policy (LFU).
+        ahead: the look-ahead window in batches (an int >= 1).
+        loader_ids: ``loader_ids(batch)``: the ids the batch looks up (a tensor, or a mapping from
+            table module or name to tensor); default: the first integer tensor of the batch.
 
     Returns:
         A :class:`Monitor` (entering it starts the run).
@@ -820,4 +844,7 @@ def watch(
         sync_every_steps=sync_every_steps,
         snapshots=snapshots,
         snapshot_cap=snapshot_cap,
+        loader=loader,
+        ahead=ahead,
+        loader_ids=loader_ids,
     )

@@ -2,7 +2,7 @@
 
     python benchmarks/row_cache.py --data ../shared/data/movielens-small
 
-Prints seven tables (each measured side by side in one run; ``--skip`` leaves tables out):
+Prints ten tables (each measured side by side in one run; ``--skip`` leaves tables out):
 
 1. hit rate of :class:`edo_monitor.nn.CachedTable` (LFU, LRU; rows moved one by one) at caches
    of 1, 5, 10 and 25 % of the rows, on MovieLens item ids in rating-time order (batches of at most
@@ -33,6 +33,14 @@ Prints seven tables (each measured side by side in one run; ``--skip`` leaves ta
 7. the step time of a cache of a fixed ``--cache-rows`` rows over tables of ``--sizes`` rows, all
    in memory at once and stepped alternately, each at steady state (cache full, then
    ``--fixed-warmup`` steps); the goal's figure for "the step does not depend on the table".
+8. cached (lazy fused step) against ``nn.Embedding(sparse=True)`` + ``SparseAdam`` (issue 23);
+9. hit rate (unique ids, every load a miss) of LRU, LFU, LFU through
+   :class:`edo_monitor.nn.LookAhead` (``--ahead`` batches) and Belady, on MovieLens in time and
+   in file order and a Zipf(1.05) stream of ``--la-zipf-ids`` ids over ``--la-zipf-rows`` rows, at
+   1/5/10/25 % caches (table 1's batching); rows loaded on the critical path (inside the forward,
+   or for a batch at its own ``next()``) as % of lookups; ms per batch of the bookkeeping;
+10. device bytes per cache row, measured (the cache's weight and the optimizer's state of it over
+    the cache rows) against ``(1 + optimizer state) x row``, and the touched rows' gradient.
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ from edo_monitor.nn import (
     CachedEmbeddingBag,
     CachedTable,
     EmbeddingOptions,
+    LookAhead,
     OffloadedEmbedding,
 )
 
@@ -64,13 +73,15 @@ DIM = 64
 VARIANTS = ("resident", "cached10", "cached", "offloaded")
 
 
-def movielens_items(data_dir: Path) -> tuple[torch.Tensor, int]:
-    """Dense item ids of every rating in timestamp order, and the number of items."""
+def movielens_items(data_dir: Path, time_order: bool = True) -> tuple[torch.Tensor, int]:
+    """Dense item ids of every rating in timestamp order (or the file's order: by user), and the
+    number of items."""
     rows = []
     with (data_dir / "ratings.csv").open(newline="") as f:
         for r in csv.DictReader(f):
             rows.append((int(r["timestamp"]), r["movieId"]))
-    rows.sort(key=lambda r: r[0])
+    if time_order:
+        rows.sort(key=lambda r: r[0])
     ids: dict[str, int] = {}
     seq = [ids.setdefault(m, len(ids)) for _, m in rows]
     return torch.tensor(seq), len(ids)
@@ -100,6 +111,58 @@ def by_rank(stream: torch.Tensor, rows: int) -> torch.Tensor:
 def batch_for(rows: int, fraction: float, max_batch: int) -> int:
     """Ids per batch for a cache of ``fraction`` of ``rows``: at most half the cache."""
     return max(16, min(max_batch, int(rows * fraction) // 2))
+
+
+def lookahead_rates(
+    stream: torch.Tensor, rows: int, cache_rows: int, batch: int, ahead: int | None, policy: str
+) -> tuple[float, float, float]:
+    """(unique-id hit rate, critical-path loads / lookups, ms per batch) of a 1-column table fed
+    ``stream`` in batches, plain (``ahead=None``) or through ``LookAhead(ahead)``. The hit rate
+    counts every load as a miss, staged or not: ``1 - loads / unique ids``; critical-path loads:
+    inside the forward, or (look-ahead) at the batch's own ``next()`` (``late_loads``)."""
+    table = CachedEmbedding(rows, 1, cache_rows, policy=policy, _freeze=True, overflow="error")
+    batches = [stream[s : s + batch] for s in range(0, stream.numel(), batch)]
+    unique = sum(int(torch.unique(b).numel()) for b in batches)
+    source = batches if ahead is None else LookAhead(batches, ahead, lambda b: b, table)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for ids in source:
+            table(ids)
+    ms = (time.perf_counter() - t0) / len(batches) * 1e3
+    st = table.stats()
+    critical = st.forward_loads + (source.late_loads if ahead is not None else 0)
+    return 1 - st.misses / unique, critical / st.lookups, ms
+
+
+def device_row_bytes() -> list[tuple[str, int, int, int]]:
+    """Per optimizer: (name, device bytes per cache row measured after 5 steps — the cache's
+    ``weight`` and the optimizer's state tensors of it over ``cache_rows``; ``batch_rows`` is
+    (touched rows, D) and reported apart —, ``(1 + state) x row`` bytes, the touched rows'
+    gradient bytes)."""
+    out = []
+    makers = {  # name: (optimizer, per-row state tensors it keeps: momentum, sum, moments)
+        "SGD": (lambda p: torch.optim.SGD(p, lr=0.1), 0),
+        "SGD momentum": (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), 1),
+        "Adagrad": (lambda p: torch.optim.Adagrad(p, lr=0.1), 1),
+        "Adam": (lambda p: torch.optim.Adam(p, lr=0.01), 2),
+        "Adam amsgrad": (lambda p: torch.optim.Adam(p, lr=0.01, amsgrad=True), 3),
+    }
+    gen = torch.Generator().manual_seed(0)
+    for name, (make, state_rows) in makers.items():
+        table = CachedEmbedding(100_000, DIM, 10_000)
+        opt = make([table.weight])
+        for _ in range(5):
+            opt.zero_grad()
+            ids = torch.randint(0, 100_000, (1024,), generator=gen)
+            table(ids).sum().backward()
+            grad_bytes = table.batch_rows.grad.numel() * table.batch_rows.grad.element_size()
+            opt.step()
+        state = [v for v in opt.state[table.weight].values() if isinstance(v, torch.Tensor)]
+        tensors = [table.weight.detach(), *(v for v in state if v.dim() == 2)]
+        measured = sum(t.numel() * t.element_size() for t in tensors) // table.cache_rows
+        row = DIM * table.weight.element_size()
+        out.append((name, measured, row * (1 + state_rows), grad_bytes))
+    return out
 
 
 def _run_stream(table: CachedTable, ids: torch.Tensor, batch: int) -> float:
@@ -496,6 +559,21 @@ def sparse_comparison(
     return out
 
 
+def _lookahead_streams(args: argparse.Namespace) -> list[tuple[str, torch.Tensor, int, int]]:
+    streams = []
+    if (args.data / "ratings.csv").is_file():
+        for time_order in (True, False):
+            items, n_items = movielens_items(args.data, time_order)
+            order = "time order" if time_order else "file order"
+            streams.append((f"MovieLens items, {order}", items, n_items, 1024))
+    else:
+        print(f"(MovieLens not found at {args.data}: its rows are left out)")
+    z = zipf_stream(args.la_zipf_rows, args.la_zipf_ids)
+    name = f"Zipf(1.05), {args.la_zipf_ids:,} ids over {args.la_zipf_rows:,} rows"
+    streams.append((name, z, args.la_zipf_rows, args.zipf_batch))
+    return streams
+
+
 def _streams(args: argparse.Namespace) -> list[tuple[str, torch.Tensor, int, int]]:
     streams = []
     if (args.data / "ratings.csv").is_file():
@@ -529,6 +607,9 @@ def main() -> None:
     parser.add_argument("--sparse-sizes", default="1000000,8000000", help="table 8 sizes")
     parser.add_argument("--sparse-warmup", type=int, default=300, help="table 8 warm-up steps")
     parser.add_argument("--sparse-steps", type=int, default=15, help="table 8 timed rounds")
+    parser.add_argument("--ahead", type=int, default=8, help="table 9 look-ahead window")
+    parser.add_argument("--la-zipf-ids", type=int, default=1_000_000, help="table 9 Zipf ids")
+    parser.add_argument("--la-zipf-rows", type=int, default=100_000, help="table 9 Zipf rows")
     args = parser.parse_args()
     skip = set(args.skip.split(",")) if args.skip else set()
     variants = args.variants.split(",")
@@ -691,6 +772,43 @@ def main() -> None:
                     f"{s['every_row_unique']:.1%} | {s['every_row_lookups']:.1%} |",
                     flush=True,
                 )
+
+    if "9" not in skip:
+        print(
+            f"\n## 9. Hit rate (unique ids) with and without LookAhead(ahead={args.ahead}) "
+            "against LRU, LFU and Belady; rows loaded on the critical path (inside the forward, "
+            "or at the batch's own next()), % of lookups\n"
+        )
+        print(
+            "| stream | cache | batch | LRU | LFU | LFU + look-ahead | Belady | look-ahead / "
+            "Belady | critical loads: LFU | critical loads: look-ahead | ms / batch: LFU | "
+            "ms / batch: look-ahead |"
+        )
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for name, stream, rows, max_batch in _lookahead_streams(args):
+            for fraction in (0.01, 0.05, 0.10, 0.25):
+                batch = batch_for(rows, fraction, max_batch)
+                cache_rows = int(rows * fraction)
+                lru = lookahead_rates(stream, rows, cache_rows, batch, None, "lru")
+                lfu = lookahead_rates(stream, rows, cache_rows, batch, None, "lfu")
+                la = lookahead_rates(stream, rows, cache_rows, batch, args.ahead, "lfu")
+                best, _ = belady_hit_rates(stream, cache_rows, batch)
+                print(
+                    f"| {name} | {fraction:.0%} | {batch} | {lru[0]:.1%} | {lfu[0]:.1%} | "
+                    f"{la[0]:.1%} | {best:.1%} | {la[0] / best:.1%} | {lfu[1]:.2%} | "
+                    f"{la[1]:.2%} | {lfu[2]:.2f} | {la[2]:.2f} |",
+                    flush=True,
+                )
+
+    if "10" not in skip:
+        print("\n## 10. Device bytes per cache row (dim 64, float32)\n")
+        print(
+            "| optimizer | measured: weight + state / cache rows | (1 + state) x row | "
+            "touched rows' gradient (1,024 ids) |"
+        )
+        print("|---|---:|---:|---:|")
+        for name, measured, expected, grad_bytes in device_row_bytes():
+            print(f"| {name} | {measured} B | {expected} B | {grad_bytes:,} B |", flush=True)
 
     if "6" not in skip:
         print(

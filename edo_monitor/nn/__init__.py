@@ -21,6 +21,7 @@ from edo_monitor.nn.embedding import (
     quantize_int8_rowwise,
     row_error,
 )
+from edo_monitor.nn.lookahead import LookAhead
 from edo_monitor.nn.sharing import HashedEmbedding, HybridEmbedding, QREmbedding, hash_ids
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "HashedEmbedding",
     "HybridEmbedding",
     "Int8RowwiseEmbedding",
+    "LookAhead",
     "LowPrecisionEmbedding",
     "LowRankEmbedding",
     "OffloadedEmbedding",

@@ -62,8 +62,10 @@ caught up when loaded again), flushed or checkpointed. Gradients, exactly:
   caught-up state; it loads into an optimizer over the uncached model and back.
 
 Adam's catch-up sum is evaluated as a convergent series in ``eps / sqrt(v)`` per element where
-that ratio is at most 1/8 of the smallest scale (``O(rows x (missed + dim) x K)``, ``K <= 20``),
-exactly elsewhere.
+that ratio is at most 1/8 of the smallest scale, exactly elsewhere; its coefficients and moments
+depend on a row only through the step it is at, so they are computed once per distinct step
+(``O(steps x missed x K + rows x dim x K)``, ``K <= 20``, ``steps`` the distinct steps among the
+rows caught up).
 
 The optimizer is found through a global optimizer step pre-hook on its first step, or given with
 :meth:`attach`. Checkpoints: ``state_dict()`` holds the full caught-up ``weight`` ``(N, D)`` (an
@@ -328,53 +330,57 @@ class _AdamRule(_Rule):
         width = int(n.max())
         if width == 0:
             return
-        per = max(1, _CHUNK_ELEMENTS // (width * dim))
         m, v = state["exp_avg"], state["exp_avg_sq"]
         denom_src = state["max_exp_avg_sq"] if self.amsgrad else v
+        # the sum's coefficients depend on a row only through its step s: computed once per
+        # distinct s (u <= rows, and <= the steps since the oldest), then shared by index
+        us, inv = torch.unique(s, return_inverse=True)
+        un = (t - us).clamp(max=self.window)
         j = torch.arange(1, width + 1, dtype=torch.int64)
+        k = us[:, None] + j[None, :]  # (u, J) absolute step numbers
+        valid = j[None, :] <= un[:, None]
+        lr = torch.where(valid, self.lr_of(k), 0.0)
+        kf = k.double()
+        bc1 = 1 - torch.pow(self.beta1, kf)
+        bc2 = 1 - torch.pow(self.beta2, kf)
+        decay = torch.where(valid, 1 - lr * self.wd, 1.0)  # per missed step in the window
+        incl = torch.flip(torch.cumprod(torch.flip(decay, [1]), 1), [1])
+        after = torch.ones_like(incl)
+        after[:, :-1] = incl[:, 1:]  # product of the window's decays after step j
+        tail = self._decay(us + un, torch.full_like(us, t))  # decays beyond the window
+        jf = j.double()[None, :]
+        coef = torch.where(valid, lr / bc1 * self.beta1**jf * after * tail[:, None], 0.0)
+        root_bc2 = torch.sqrt(bc2)
+        scale = 1 / root_bc2 if self.amsgrad else self.beta2 ** (jf / 2) / root_bc2
+        dev = p.device
+        coef, scale = coef.to(dev), scale.expand(coef.shape).to(dev)
+        total_decay = (incl[:, 0] * tail).to(dev)
+        inv_d = inv.to(dev)
+        per = max(1, _CHUNK_ELEMENTS // (8 * dim))
         for start in range(0, rows, per):
             sl = slice(start, start + per)
-            ss, nn_ = s[sl], n[sl]
-            k = ss[:, None] + j[None, :]  # (r, J) absolute step numbers
-            valid = j[None, :] <= nn_[:, None]
-            lr = torch.where(valid, self.lr_of(k), 0.0)
-            kf = k.double()
-            bc1 = 1 - torch.pow(self.beta1, kf)
-            bc2 = 1 - torch.pow(self.beta2, kf)
-            decay = torch.where(valid, 1 - lr * self.wd, 1.0)  # per missed step in the window
-            incl = torch.flip(torch.cumprod(torch.flip(decay, [1]), 1), [1])
-            after = torch.ones_like(incl)
-            after[:, :-1] = incl[:, 1:]  # product of the window's decays after step j
-            tail = self._decay(ss + nn_, torch.full_like(ss, t))  # decays beyond the window
-            jf = j.double()[None, :]
-            coef = torch.where(valid, lr / bc1 * self.beta1**jf * after * tail[:, None], 0.0)
-            if self.amsgrad:
-                scale = 1 / torch.sqrt(bc2)
-            else:
-                scale = self.beta2 ** (jf / 2) / torch.sqrt(bc2)
-            dev = p.device
-            coef, scale = coef.to(dev), scale.expand(coef.shape).to(dev)
             root = torch.sqrt(denom_src[sl])  # (r, D)
-            total_decay = (incl[:, 0] * tail).to(dev)
-            p[sl] = p[sl] * total_decay[:, None] - m[sl] * self._term_sums(coef, scale, root)
+            sums = self._term_sums(coef, scale, root, inv_d[sl])
+            p[sl] = p[sl] * total_decay[inv_d[sl]][:, None] - m[sl] * sums
         mf = missed.double()[:, None].to(p.device)
         m.mul_(torch.pow(self.beta1, mf))
         v.mul_(torch.pow(self.beta2, mf))
 
     def _term_sums(
-        self, coef: torch.Tensor, scale: torch.Tensor, root: torch.Tensor
+        self, coef: torch.Tensor, scale: torch.Tensor, root: torch.Tensor, which: torch.Tensor
     ) -> torch.Tensor:
-        """``sum_j coef_j / (root * scale_j + eps)`` ``(r, D)`` for ``coef``, ``scale`` ``(r, J)``.
+        """``sum_j coef_j / (root * scale_j + eps)`` ``(r, D)`` for rows ``r`` whose coefficients
+        are row ``which`` ``(r,)`` of ``coef``, ``scale`` ``(u, J)`` (one row per distinct step).
 
         Exact form: ``O(r J D)``. For the elements where ``q = eps / (root * min_j scale_j) <=
         1/8`` the sum is the convergent series ``(1 / root) sum_k S_k (-eps / root)^k`` with
-        per-row moments ``S_k = sum_j coef_j / scale_j^(k+1)`` (``O(r J K + r D K)``, ``K <= 20``),
-        cut where ``q^K <= 1e-18`` (below float64 rounding); the other elements (``root`` near 0)
-        take the exact form, element by element.
+        moments ``S_k = sum_j coef_j / scale_j^(k+1)`` per distinct step (``O(u J K + r D K)``,
+        ``K <= 20``), cut where ``q^K <= 1e-18`` (below float64 rounding); the other elements
+        (``root`` near 0) take the exact form, element by element.
         """
         x = self.eps / root  # inf where root is 0
         sc_min = scale.masked_fill(coef == 0, float("inf")).amin(dim=1)
-        q = x / sc_min[:, None]
+        q = x / sc_min[which][:, None]
         slow = ~(q <= 0.125)
         q_max = float(q.masked_fill(slow, 0).max()) if q.numel() else 0.0
         k_terms = 1 if q_max <= 1e-18 else math.ceil(math.log(1e-18) / math.log(q_max)) + 1
@@ -382,7 +388,7 @@ class _AdamRule(_Rule):
         moments = []
         w = coef * inv
         for _ in range(k_terms):
-            moments.append(w.sum(dim=1))
+            moments.append(w.sum(dim=1)[which])
             w = w * inv
         neg_x = -x.masked_fill(slow, 0.0)
         acc = moments[-1][:, None].expand_as(neg_x)
@@ -392,7 +398,8 @@ class _AdamRule(_Rule):
         rr, dd = slow.nonzero(as_tuple=True)
         if rr.numel():
             rt = root[rr, dd][:, None]
-            out[rr, dd] = (coef[rr] / (rt * scale[rr] + self.eps)).sum(dim=1)
+            u = which[rr]
+            out[rr, dd] = (coef[u] / (rt * scale[u] + self.eps)).sum(dim=1)
         return out
 
 
@@ -457,6 +464,8 @@ class CacheStats:
     peak_unique_ids: int
     lookups: int = 0
     lookup_hits: int = 0
+    #: blocks loaded by a forward (on the critical path), not ahead of it by :meth:`prefetch`
+    forward_loads: int = 0
 
     @property
     def hit_rate(self) -> float | None:
@@ -611,8 +620,20 @@ class CachedTable(_EdoEmbedding):
         self._had_grad = False
         self._side_stream: Any = None
         self._counters = dict.fromkeys(
-            ("hits", "misses", "evicted", "h2d_bytes", "d2h_bytes", "lookups", "lookup_hits"), 0
+            (
+                "hits",
+                "misses",
+                "evicted",
+                "h2d_bytes",
+                "d2h_bytes",
+                "lookups",
+                "lookup_hits",
+                "forward_loads",
+            ),
+            0,
         )
+        #: the eviction hook of a :class:`~edo_monitor.nn.lookahead.LookAhead` (``None``: none)
+        self._lookahead: Any = None
         self._step_counters = dict(self._counters)
         self.peak_unique_ids = 0
         # an OrderedDict: RemovableHandle holds a weak reference to it
@@ -698,6 +719,7 @@ class CachedTable(_EdoEmbedding):
             self.peak_unique_ids,
             c["lookups"],
             c["lookup_hits"],
+            c["forward_loads"],
         )
 
     def reset_step_stats(self) -> None:
@@ -1063,8 +1085,14 @@ class CachedTable(_EdoEmbedding):
             return
         if slots is None:
             slots = (self.slot_to_block < 0).nonzero().reshape(-1)[: blocks.numel()]
+        self._place_staged(self._stage_blocks(blocks), slots)
+
+    def _stage_blocks(self, blocks: torch.Tensor) -> dict[str, Any]:
+        """Rows of host ``blocks`` (not cached) caught up to step t, copied to the device (on
+        CUDA on the side stream, not waited for): ``{"blocks", "ids", "real", "w", "st", "t",
+        "s"}``. Placed into cache slots by :meth:`_place_staged`, now or after a later optimizer
+        step (the rows, not cached, take no gradient: the lazy catch-up covers those steps)."""
         ids, real = self._block_rows_of(blocks)
-        rows = self._slot_rows(slots)[real]
         ids = ids[real]
         s = self.last_step[ids]
         w = self.host_weight[ids]
@@ -1076,26 +1104,38 @@ class CachedTable(_EdoEmbedding):
             self._rule.catch_up(w64, st64, s, self.t)
             w = w64.to(w.dtype)
             st = {k: v.to(st[k].dtype) for k, v in st64.items()}
+        stream = self._load_stream()
+        if stream is not None:  # CUDA: copy on a side stream; the placing waits for it
+            with torch.cuda.stream(stream):
+                w = w.to(self.device, non_blocking=True)
+                st = {k: v.to(self.device, non_blocking=True) for k, v in st.items()}
+        staged = {"blocks": blocks, "ids": ids, "real": real, "w": w, "st": st, "t": self.t}
+        staged["s"] = s
+        return staged
+
+    def _place_staged(self, staged: dict[str, Any], slots: torch.Tensor) -> None:
+        """Put rows staged by :meth:`_stage_blocks` into free cache ``slots``."""
+        blocks, w, st = staged["blocks"], staged["w"], staged["st"]
+        rows = self._slot_rows(slots)[staged["real"]]
         state = self._opt_state()
         moved = w.numel() * w.element_size()
         dev_rows = rows.to(self.device)
         stream = self._load_stream()
-        if stream is not None:  # CUDA: copy on a side stream, then make the compute stream wait
-            with torch.cuda.stream(stream):
-                w_dev = w.to(self.device, non_blocking=True)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            w_dev.record_stream(torch.cuda.current_stream(self.device))
-        else:
-            w_dev = w.to(self.device)
-        self.weight.data[dev_rows] = w_dev.to(self.weight.dtype)
-        for key in keys:
+        if stream is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_stream(stream)
+            w.record_stream(current)
+            for v in st.values():
+                v.record_stream(current)
+        self.weight.data[dev_rows] = w.to(self.device, self.weight.dtype)
+        for key in self._state_keys():
             value = state.get(key)
             if value is not None:
                 value.data[rows.to(value.device)] = st[key].to(value.device, value.dtype)
                 moved += st[key].numel() * st[key].element_size()
         self.slot_to_block[slots] = blocks
         self.block_to_slot[blocks] = slots
-        self.slot_step[rows] = self.t
+        self.slot_step[rows] = staged["t"]
         self._count(misses=int(blocks.numel()), h2d_bytes=moved)
 
     def _load_stream(self) -> Any:
@@ -1115,6 +1155,9 @@ class CachedTable(_EdoEmbedding):
         if held.numel():
             protect = protect.clone()
             protect[held] = True
+        la = self._lookahead
+        if la is not None:  # rows of the running and the prefetched batches stay
+            protect = la.protect(self, protect)
         candidates = ((self.slot_to_block >= 0) & ~protect).nonzero().reshape(-1)
         if candidates.numel() < need:
             raise _CacheFullError(int(candidates.numel() + free.numel()))
@@ -1125,6 +1168,8 @@ class CachedTable(_EdoEmbedding):
             score = freq * (self._tick + 1) + last
         else:
             score = last
+        if la is not None:  # next use inside the look-ahead window first (Belady)
+            score = la.score(self, self.slot_to_block[candidates], score)
         # the need smallest scores (last use breaks LFU ties; ticks are unique per forward)
         order = torch.topk(score, need, largest=False, sorted=False).indices
         victims = candidates[order]
@@ -1148,6 +1193,8 @@ class CachedTable(_EdoEmbedding):
         if count:
             self._count(hits=int(hit.sum()))
         if miss.numel():
+            if count:
+                self._count(forward_loads=int(miss.numel()))
             protect = self.slot_pinned.clone()
             protect[slots[hit]] = True
             try:

@@ -1,0 +1,160 @@
+"""Eviction that looks ahead (issue 23 item 2): ``edo_monitor.nn.LookAhead`` over a loader.
+
+Real tables, real training loops, a real resident twin; the streams are Zipf ids.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from edo_monitor.nn import CachedEmbedding, LookAhead
+
+N, D, C = 200, 4, 24
+
+
+def _zipf(gen: torch.Generator, count: int, n: int = N) -> torch.Tensor:
+    probs = 1.0 / torch.arange(1, n + 1, dtype=torch.float64) ** 1.05
+    ranks = torch.multinomial(probs, count, replacement=True, generator=gen)
+    return torch.randperm(n, generator=torch.Generator().manual_seed(7))[ranks]
+
+
+def _batches(steps: int, seed: int = 1, shape: tuple[int, int] = (3, 4)) -> list:
+    gen = torch.Generator().manual_seed(seed)
+    count = shape[0] * shape[1]
+    return [
+        (
+            _zipf(gen, count).reshape(shape),
+            torch.randn(*shape, D, generator=gen, dtype=torch.float64),
+        )
+        for _ in range(steps)
+    ]
+
+
+@pytest.mark.parametrize("opt", ["adam", "sgd_momentum"])
+def test_lookahead_keeps_the_cache_exact_against_a_resident_twin(opt: str) -> None:
+    torch.manual_seed(0)
+    base = torch.randn(N, D, dtype=torch.float64)
+    twin = nn.Embedding.from_pretrained(base.clone(), freeze=False)
+    cached = CachedEmbedding(N, D, C, _weight=base.clone())
+    make = {
+        "adam": lambda p: torch.optim.Adam(p, lr=0.01),
+        "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=0.01),
+    }[opt]
+    o1, o2 = make([twin.weight]), make([cached.weight])
+    batches = _batches(120)
+    for ids, target in batches:
+        o1.zero_grad()
+        ((twin(ids) - target) ** 2).sum().backward()
+        o1.step()
+    loader = LookAhead(batches, ahead=4, ids=lambda b: b[0], tables=cached)
+    for ids, target in loader:
+        o2.zero_grad()
+        ((cached(ids) - target) ** 2).sum().backward()
+        o2.step()
+    st = cached.stats()
+    assert st.evicted > 100  # rows really left and came back
+    # rows came in staged one batch ahead (placed after the step that ran meanwhile)
+    assert st.forward_loads == 0 and loader.late_loads < 0.1 * st.misses
+    assert cached._lookahead is None  # the hook is gone when the iteration ends
+    rel = (
+        cached.full_weight() - twin.weight.detach()
+    ).abs().max() / twin.weight.detach().abs().max()
+    assert float(rel) < 1e-12
+
+
+def test_rows_of_the_running_and_prefetched_batch_are_never_evicted() -> None:
+    """A cache too small for two batches at times (24 ids a batch, 24 rows): no eviction (when
+    staged rows are placed, or inside a forward) takes a row of the batch about to run or of the
+    next one, although the window's order alone would (they are its nearest uses, evicted last
+    only when nothing else is left)."""
+    base = torch.randn(N, D, dtype=torch.float64)
+    cached = CachedEmbedding(N, D, C, _weight=base)
+    opt = torch.optim.SGD([cached.weight], lr=0.1)
+    batches = _batches(80, shape=(4, 6))
+    loader = LookAhead(batches, ahead=3, ids=lambda b: b[0], tables=cached)
+    taken: list[tuple[int, set[int]]] = []
+    evict, step = cached._evict, [0]
+
+    def recording(count: int, protect: torch.Tensor) -> torch.Tensor:
+        blocks_before = cached.slot_to_block.clone()
+        slots = evict(count, protect)
+        gone = blocks_before[slots]
+        taken.append((step[0], set(gone[gone >= 0].tolist())))
+        return slots
+
+    cached._evict = recording
+    tight = 0
+    for i, (ids, target) in enumerate(loader):
+        assert step[0] == i
+        nxt = batches[min(i + 1, 79)][0]
+        tight += int(torch.unique(torch.cat([ids.reshape(-1), nxt.reshape(-1)])).numel() > C - 4)
+        opt.zero_grad()
+        ((cached(ids) - target) ** 2).sum().backward()
+        opt.step()
+        step[0] = i + 1  # the next() that follows hands out batch i + 1
+    for i, gone in taken:  # evictions at next() for batch i and inside its forward
+        needed = set(batches[i][0].reshape(-1).tolist())
+        needed |= set(batches[min(i + 1, 79)][0].reshape(-1).tolist())
+        assert not gone & needed, (i, gone & needed)
+    assert tight > 5 and sum(len(g) for _, g in taken) > 50
+    # where a batch and the next one's cached rows do not fit, the cache grew (overflow="grow")
+    assert cached.cache_rows > C
+
+
+def _loads(stream: torch.Tensor, batch: int, cache_rows: int, ahead: int | None) -> tuple:
+    table = CachedEmbedding(N * 10, 1, cache_rows, _freeze=True, overflow="error")
+    batches = [stream[s : s + batch] for s in range(0, stream.numel(), batch)]
+    source = batches if ahead is None else LookAhead(batches, ahead, lambda b: b, table)
+    unique = 0
+    with torch.no_grad():
+        for ids in source:
+            unique += torch.unique(ids).numel()
+            table(ids)
+    st = table.stats()
+    critical = st.forward_loads + (source.late_loads if ahead is not None else 0)
+    return 1 - st.misses / unique, critical, unique, st.lookups
+
+
+def test_hit_rate_at_least_lfu_on_zipf_and_forward_loads_under_one_percent() -> None:
+    """Loads on the critical path: inside the forward, or at the batch's own ``next()``."""
+    gen = torch.Generator().manual_seed(3)
+    stream = _zipf(gen, 40_000, n=N * 10)
+    plain, plain_forward, unique, _ = _loads(stream, 64, 200, None)
+    ahead, forward, unique2, lookups = _loads(stream, 64, 200, 8)
+    assert unique == unique2
+    assert plain_forward > 0  # without the wrapper every miss is loaded inside the forward
+    assert ahead >= plain, (ahead, plain)
+    assert forward <= 0.01 * lookups, (forward, lookups)
+
+
+def test_bad_arguments_are_named() -> None:
+    with pytest.raises(ValueError, match="ahead=0"):
+        LookAhead([], ahead=0, ids=lambda b: b)
+    with pytest.raises(ValueError, match="ids=3"):
+        LookAhead([], ahead=2, ids=3)
+    with pytest.raises(ValueError, match="batch of type str holds no integer tensor"):
+        list(LookAhead(["x"], ahead=2, tables=CachedEmbedding(N, D, C)))
+
+
+def test_watch_with_a_loader_serves_the_models_cached_tables(db_path) -> None:
+    import edo_monitor
+
+    torch.manual_seed(0)
+    model = nn.Sequential(CachedEmbedding(N, D, C, dtype=torch.float64))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    batches = _batches(40)
+    with pytest.raises(edo_monitor.ConfigError, match="ahead=0"):
+        edo_monitor.watch(model, db=db_path, loader=batches, ahead=0)
+    with edo_monitor.watch(
+        model, opt, db=db_path, interval_s=0.01, track_activations=False, loader=batches, ahead=4
+    ) as mon:
+        for ids, target in mon.loader:  # the default ids: the batch's first integer tensor
+            assert model[0]._lookahead is mon.loader
+            opt.zero_grad()
+            ((model(ids) - target) ** 2).sum().backward()
+            opt.step()
+    st = model[0].stats()
+    assert st.misses > C and st.evicted > 0
+    assert st.forward_loads == 0
