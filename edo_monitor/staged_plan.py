@@ -14,11 +14,11 @@ table's recorded singular spectrum. Reads only the history; never imports torch.
   (ZeRO-2), + parameters (ZeRO-3 / FSDP): ``X · (N - 1) / N`` of the sharded bytes ``X``. With
   a multi-rank run ``N`` is its world size; for a one-rank run ``N`` is the smallest that covers
   the shortfall alone, ``ceil(X / (X - shortfall))`` (none when ``X <= shortfall``).
-* **dimension**: from a ``table_spectrum`` event (:mod:`edo_monitor.agent.spectrum`: singular values of a
-  random sample of rows), the smallest ``k`` whose top ``k`` squared singular values keep
-  ``share`` of the sample's energy, for each share of ``ENERGY_SHARES``, with the relative
-  reconstruction error of the rank-``k`` approximation, ``sqrt(1 - kept)`` (Frobenius, on the
-  sample), and the bytes a ``(rows, k)`` table would save.
+* **dimension**: from a ``table_spectrum`` event (:mod:`edo_monitor.agent.spectrum`: singular
+  values of a random sample of rows), the smallest ``k`` whose top ``k`` squared singular
+  values keep ``share`` of the sample's energy, for each share of ``ENERGY_SHARES``, with
+  the relative reconstruction error of the rank-``k`` approximation, ``sqrt(1 - kept)`` (Frobenius,
+  on the sample), and the bytes a ``(rows, k)`` table would save.
 """
 
 from __future__ import annotations
@@ -213,24 +213,25 @@ def staged_plan(
     add(
         1,
         "mixed_precision+checkpointing",
-        "bf16 autocast; checkpoint " + (", ".join(m for m, _ in top) or "no recorded block"),
+        "bf16 autocast" + ("; checkpoint " + ", ".join(m for m, _ in top) if top else ""),
         stage1,
         stage1,
         True,
         None,
-        f"checkpointed activations {format_bytes(ckpt)}, the other "
-        f"{format_bytes(act - ckpt)} and gradients {format_bytes(grads)} halved",
+        (f"{format_bytes(ckpt)} checkpointed; " if top else "no block recorded; ")
+        + f"activations {format_bytes(act - ckpt)} and gradients {format_bytes(grads)} halved",
     )
     # stage 2
     on_device = _device_tables(tables)
     halved_table_grads = sum(t.grads_bytes // 2 for t in on_device)
     for mode, note in QUANTIZATION_MODES:
-        saving = 0
+        saving = after = 0
         for t in on_device:
             try:
-                saving += max(0, t.total_bytes - _est(t, mode))
+                est = _est(t, mode)
             except ConfigError:
                 continue
+            saving, after = saving + max(0, t.total_bytes - est), after + est
         if saving <= 0:
             continue
         add(
@@ -241,14 +242,14 @@ def staged_plan(
             stage1 - halved_table_grads + saving,
             True,
             None,
-            f"{note}: Σ recorded table bytes - estimate",
+            f"{note}: estimate {format_bytes(after)}",
         )
     # stage 3
     ranks_now = world_size if world_size and world_size > 1 else None
     for action, what, sharded in (
         ("zero1", "optimizer state", state),
-        ("zero2", "optimizer state + gradients", state + grads),
-        ("zero3_fsdp", "optimizer state + gradients + parameters", state + grads + params),
+        ("zero2", "state + gradients", state + grads),
+        ("zero3_fsdp", "state + gradients + params", state + grads + params),
     ):
         if sharded <= 0:
             continue
@@ -259,19 +260,17 @@ def staged_plan(
             while n <= MAX_RANKS and sharded * (n - 1) // n < shortfall:
                 n += 1
             n = n if n <= MAX_RANKS else None
-        saving = sharded * (n - 1) // n if n else sharded - 1
-        target = (
-            f"with {n} ranks" if n else f"no rank count is enough (at most {format_bytes(sharded)})"
-        )
+        saving = sharded * (n - 1) // n if n else 0
+        target = f"with {n} ranks" if n else "no rank count is enough"
         add(
             3,
             action,
             target,
-            saving if n else 0,
-            saving if n else 0,
+            saving,
+            saving,
             False,
             n,
-            f"{what} {format_bytes(sharded)} split over the ranks (activations are not)",
+            f"{what} {format_bytes(sharded)}, 1/N a rank (activations are not split)",
         )
     # dimension
     dims: list[DimensionSuggestion] = []
