@@ -160,3 +160,18 @@ def test_cli_explain_prints_and_serialises_the_staged_plan(observed: tuple[Path,
     assert data["shortfall_bytes"] == plan.shortfall_bytes
     assert [s["saving_bytes"] for s in data["stages"]] == [s.saving_bytes for s in plan.stages]
     assert data["dimensions"][0]["dimension"] == plan.dimensions[0].dimension
+
+
+def test_sharding_with_the_runs_ranks_and_when_no_rank_count_is_enough() -> None:
+    sample = {"params_bytes": 4_000, "grads_bytes": 4_000, "optimizer_state_bytes": 8_000}
+    # a four-rank run: N is its world size, the saving 3/4 of the sharded bytes
+    by = {s.action: s for s in staged_plan(10_000, sample, {}, {}, world_size=4).stages}
+    assert (by["zero1"].ranks, by["zero1"].saving_bytes, by["zero1"].enough) == (4, 6_000, False)
+    assert (by["zero3_fsdp"].saving_bytes, by["zero3_fsdp"].enough) == (12_000, True)
+    # one rank: the optimizer state (8,000 bytes) can never free 10,000; with the gradients
+    # (12,000) N = 6 frees exactly 10,000 and N = 5 only 9,600; with the params (16,000) N = 3
+    by = {s.action: s for s in staged_plan(10_000, sample, {}, {}).stages}
+    assert by["zero1"].ranks is None and by["zero1"].target == "no rank count is enough"
+    assert by["zero1"].saving_bytes == 0 and not by["zero1"].enough
+    assert (by["zero2"].ranks, by["zero2"].saving_bytes, by["zero2"].enough) == (6, 10_000, True)
+    assert (by["zero3_fsdp"].ranks, by["zero3_fsdp"].saving_bytes) == (3, 10_666)
