@@ -238,6 +238,8 @@ class Incident:
         snapshot: from the incident's memory snapshot, when it has one
             (:func:`edo_monitor.snapshot_explain.memory_at`): largest blocks by frame and the
             fragmentation then; else ``None``.
+        staged_plan: :class:`edo_monitor.staged_plan.StagedPlan` (stages 1-3 with their bytes,
+            a smaller embedding dimension from a recorded ``table_spectrum``).
     """
 
     event_id: int
