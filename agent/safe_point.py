@@ -312,6 +312,9 @@ class SafePoint:
 
     def close_recorder(self) -> None:
         """Stop a recording still armed (the run is ending)."""
+        from edo_monitor.agent.spectrum import record_table_spectra
+
+        record_table_spectra(self.m)  # the run is ending: each table's sampled spectrum
         if self._recorder is not None:
             self._recorder.__exit__(None, None, None)
             self._recorder = None

@@ -244,6 +244,8 @@ class Incident:
         snapshot: from the incident's memory snapshot, when it has one
             (:func:`edo_monitor.snapshot_explain.memory_at`): largest blocks by frame and the
             fragmentation then; else ``None``.
+        staged_plan: :class:`edo_monitor.staged_plan.StagedPlan` (stages 1-3 with their bytes,
+            a smaller embedding dimension from a recorded ``table_spectrum``).
     """
 
     event_id: int
@@ -257,6 +259,7 @@ class Incident:
     message: str
     remedies: tuple[Remedy, ...]
     snapshot: dict[str, Any] | None = None
+    staged_plan: Any = None  # edo_monitor.staged_plan.StagedPlan (stages 1-3, a dimension)
 
 
 @dataclass(frozen=True)
@@ -544,9 +547,14 @@ def explain(db: Any, run: Any, *, event: int | None = None) -> Explanation:
                 f"see edo-monitor events {info.id} --kind oom --kind threshold_crossed"
             )
         from edo_monitor.snapshot_explain import memory_at
+        from edo_monitor.staged_plan import plan_for_incident
 
         incidents = [  # schema 8: what the incident's memory snapshot shows
-            dataclasses.replace(i, snapshot=memory_at(history, info.id, i.event_id))
+            dataclasses.replace(
+                i,
+                snapshot=memory_at(history, info.id, i.event_id),
+                staged_plan=plan_for_incident(history, info, module_rows, events, i),
+            )
             for i in incidents
         ]
         return Explanation(info.id, info.name, info.device_kind, floor, tuple(incidents))

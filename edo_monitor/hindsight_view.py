@@ -92,4 +92,7 @@ def explain_renderables(result: Explanation, *, top: int = 12) -> list[Renderabl
         from edo_monitor.snapshot_explain import snapshot_renderables
 
         out.extend(snapshot_renderables(inc.snapshot))
+        from edo_monitor.staged_plan_view import staged_plan_renderables
+
+        out.extend(staged_plan_renderables(inc.staged_plan))
     return out

@@ -118,12 +118,13 @@ def test_advise_mode_records_without_changing_the_model(db_path: Path) -> None:
     summary = mon.summary()
     # one episode under the floor (nothing applied, it never ends): offload advised once, then
     # nothing else on the lossless ladder applies (no block saves activations of its own); at the
-    # end, the lookup counts of the one table
+    # end, the lookup counts and the sampled singular spectrum of the one table
     assert summary.events == {
         "threshold_crossed": 1,
         "decision": 1,
         "no_action": 1,
         "lookup_frequency": 1,
+        "table_spectrum": 1,
     }
     with History(db_path) as history:
         (decision,) = history.events("latest", kind="decision")[:1]
@@ -137,8 +138,8 @@ def test_observe_mode_records_crossings_only(db_path: Path) -> None:
     policy = edo_monitor.Policy(mode="observe")
     with edo_monitor.watch(model, db=db_path, budget=BUDGET, policy=policy, interval_s=0.01) as mon:
         train(model, opt, 20)
-    # crossings, and the table's lookup counts at the end; no decision, no action
-    assert set(mon.summary().events) == {"threshold_crossed", "lookup_frequency"}
+    # crossings, and the table's lookup counts and spectrum at the end; no decision, no action
+    assert set(mon.summary().events) == {"threshold_crossed", "lookup_frequency", "table_spectrum"}
 
 
 def test_nothing_to_do_is_recorded_once(db_path: Path) -> None:

@@ -309,7 +309,7 @@ def test_dashboard_explains_the_selected_crossing(runs: tuple[Path, int, int]) -
 
     async def drive() -> tuple[Any, str, bool]:
         app = EdoTui(db, run=str(observed))
-        async with app.run_test(size=(160, 50)) as pilot:
+        async with app.run_test(size=(200, 80)) as pilot:
             screen = app.run_screen
             deadline = time.monotonic() + 60  # hang guard
             while not screen.loaded and time.monotonic() < deadline:
@@ -334,4 +334,6 @@ def test_dashboard_explains_the_selected_crossing(runs: tuple[Path, int, int]) -
     assert f"event {crossing.id}  step {crossing.step}" in text
     assert f"({inc.shortfall_bytes:,} bytes)" in text
     assert "offload_embedding" in text and "features" in text
+    zero1 = next(s for s in inc.staged_plan.stages if s.action == "zero1")  # the staged plan too
+    assert "staged plan for a shortfall of" in text and f"with {zero1.ranks} ranks" in text
     assert closed
