@@ -2,7 +2,7 @@
 
 A :class:`SpillFile` holds every tensor a run spills (a row cache's host table and its optimizer
 state) in ONE file ``edo-spill-<pid>-<token>.bin`` in a folder the user names
-(``watch(spill_dir=...)``, not wired yet). Each :meth:`SpillFile.alloc` grows the file and maps
+(``watch(spill_dir=...)``). Each :meth:`SpillFile.alloc` grows the file and maps
 the new range (``numpy.memmap`` ``r+``, viewed through ``torch.from_numpy`` as the wanted dtype):
 the tensor is an ordinary CPU tensor whose pages the kernel writes back to the file, so code that
 works over host memory works over it unchanged. :meth:`SpillFile.remove` deletes the file (the
@@ -12,18 +12,31 @@ mappings stay valid until their tensors are freed: Linux keeps the inode). A pro
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import re
 import secrets
-from collections.abc import Sequence
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import psutil
 import torch
 
-__all__ = ["SPILL_PREFIX", "SpillFile", "leftover_spill_files"]
+__all__ = [
+    "SPILL_PREFIX",
+    "SpillFile",
+    "leftover_spill_files",
+    "leftover_words",
+    "remove_run_spill_files",
+    "report_leftovers",
+    "resolve_spill_dir",
+    "run_spill_file",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -85,3 +98,88 @@ def leftover_spill_files(folder: str | os.PathLike[str]) -> list[Path]:
         if m and not psutil.pid_exists(int(m.group(1))):
             out.append(f)
     return out
+
+
+_RUN_FILES: dict[Path, SpillFile] = {}
+_RUN_LOCK = threading.Lock()
+_ATEXIT_REGISTERED = False
+
+
+def run_spill_file(folder: str | os.PathLike[str]) -> SpillFile:
+    """This process's spill file in ``folder``: made on first use (one file per run, every
+    spilled table in it), removed by :func:`remove_run_spill_files` or, as a fallback, at exit.
+
+    Raises:
+        ValueError: ``folder`` is not a folder or cannot be made.
+    """
+    global _ATEXIT_REGISTERED
+    key = Path(folder).resolve()
+    with _RUN_LOCK:
+        sf = _RUN_FILES.get(key)
+        if sf is None:
+            sf = _RUN_FILES[key] = SpillFile(key)
+            logger.info("disk tier: spill file %s", sf.path)
+        if not _ATEXIT_REGISTERED:
+            atexit.register(remove_run_spill_files)
+            _ATEXIT_REGISTERED = True
+        return sf
+
+
+def remove_run_spill_files(folder: str | os.PathLike[str] | None = None) -> list[Path]:
+    """Remove this process's spill files (those in ``folder``; all when ``None``): the run ended.
+    Tensors already mapped stay readable; a later spill makes a new file. Returns the paths."""
+    with _RUN_LOCK:
+        keys = [k for k in _RUN_FILES if folder is None or k == Path(folder).resolve()]
+        files = [_RUN_FILES.pop(k) for k in keys]
+    for sf in files:
+        sf.remove()
+    return [sf.path for sf in files]
+
+
+def leftover_words(path: Path) -> str:
+    """One line naming a crashed run's leftover ``path``, its size and how to free it."""
+    try:
+        size = path.stat().st_size
+    except OSError:
+        size = 0
+    return (
+        f"leftover spill file {path} ({size} bytes) of a run that ended without removing it "
+        "(a crash); delete it to free the disk"
+    )
+
+
+def resolve_spill_dir(spill_dir: str | os.PathLike[str] | None, db_url: Any) -> Path:
+    """The disk tier's folder of a run: ``spill_dir`` as given, else ``<history file>.spill``
+    beside an SQLite history, else ``<temp dir>/edo-spill`` (a server database, in memory).
+
+    Raises:
+        ConfigError: ``spill_dir`` is not a path (str or ``os.PathLike``), is empty, or names
+            something that exists and is not a folder.
+    """
+    from edo_monitor.errors import ConfigError
+    from edo_monitor.store.engine import database_file
+
+    if spill_dir is None:
+        db_file = database_file(db_url) if db_url is not None else None
+        if db_file is not None:
+            return Path(f"{db_file}.spill")
+        return Path(tempfile.gettempdir()) / "edo-spill"
+    if isinstance(spill_dir, bool) or not isinstance(spill_dir, str | os.PathLike):
+        raise ConfigError(f"spill_dir={spill_dir!r} must be a folder path (str or os.PathLike)")
+    if not os.fspath(spill_dir):
+        raise ConfigError("spill_dir='' is empty; expected a folder path")
+    path = Path(spill_dir).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"spill_dir={os.fspath(spill_dir)!r} exists and is not a folder")
+    return path
+
+
+def report_leftovers(folder: str | os.PathLike[str], emit: Callable[..., Any]) -> list[Path]:
+    """At a run's start: a warning and ``emit("spill_leftover", message, data)`` for each
+    leftover spill file of a dead process in ``folder`` (see :func:`leftover_spill_files`)."""
+    found = leftover_spill_files(folder)
+    for path in found:
+        words = leftover_words(path)
+        logger.warning("%s", words)
+        emit("spill_leftover", words, {"path": str(path)})
+    return found
