@@ -64,6 +64,7 @@ from edo_monitor.metrics import (
     resolve_metrics_port,
     start_for_monitor,
 )
+from edo_monitor.nn.spill import remove_run_spill_files, report_leftovers, resolve_spill_dir
 from edo_monitor.policy import Policy
 from edo_monitor.readings import Reading
 from edo_monitor.signals import Terminated, terminate_on_sigterm
@@ -134,6 +135,7 @@ class Monitor:
         loader: Iterable[Any] | None = None,
         ahead: int = 8,
         loader_ids: Callable[[Any], Any] | None = None,
+        spill_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if model is not None and not isinstance(model, nn.Module):
             raise ConfigError(f"model={type(model).__name__} is not a torch.nn.Module (or None)")
@@ -203,6 +205,8 @@ class Monitor:
             )
         self.db_url = resolve_db_url(db)
         check_writable(self.db_url)  # in-memory URL: ConfigError; read-only file: StoreError
+        #: the disk tier's folder (``spill_embedding``'s file; edo_monitor.nn.spill)
+        self.spill_dir = resolve_spill_dir(spill_dir, self.db_url)
         self.run_name = run_name or (type(model).__name__ if model is not None else "process")
         self.tags = [tags] if isinstance(tags, str) else [str(t) for t in (tags or [])]
         self.strict = strict
@@ -427,6 +431,7 @@ class Monitor:
             self._agent_error("rank detection", rank_error)
         if self._tensorboard is not None:
             self._tensorboard.open()  # a log dir that cannot be written: one agent_error
+        report_leftovers(self.spill_dir, self._emit)  # a crashed run's spill file
         self._start_hooks()
 
     def _check_budget_fits(self, budget_bytes: int | None) -> None:
@@ -574,6 +579,7 @@ class Monitor:
         if self._snapshots is not None:
             self._snapshots.stop()
         self._device.reset_fraction()
+        remove_run_spill_files(self.spill_dir)  # the run ended: its disk tier's file goes
         self._run.close_writer(self.steps)
         self._device.close_probes()
 
@@ -749,6 +755,7 @@ def watch(
     loader: Iterable[Any] | None = None,
     ahead: int = 8,
     loader_ids: Callable[[Any], Any] | None = None,
+    spill_dir: str | os.PathLike[str] | None = None,
 ) -> Monitor:
     """Watch a training run; use as ``with edo_monitor.watch(model) as monitor:``.
 
@@ -811,6 +818,9 @@ def watch(
         ahead: the look-ahead window in batches (an int >= 1).
         loader_ids: ``loader_ids(batch)``: the ids the batch looks up (a tensor, or a mapping from
             table module or name to tensor); default: the first integer tensor of the batch.
+        spill_dir: folder of the disk tier's file (``spill_embedding``, when the host cannot
+            hold a row cache's table): default ``<history file>.spill`` beside an SQLite
+            history, else ``<temp dir>/edo-spill``; the file is removed when the run ends.
 
     Returns:
         A :class:`Monitor` (entering it starts the run).
@@ -847,4 +857,5 @@ def watch(
         loader=loader,
         ahead=ahead,
         loader_ids=loader_ids,
+        spill_dir=spill_dir,
     )

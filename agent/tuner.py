@@ -78,6 +78,7 @@ class Tuner:
             rearm_free_fraction=policy.rearm_free_fraction,
             grow_margin_fraction=policy.grow_margin_fraction,
             host_available_bytes=reading.host_available_bytes if reading else None,
+            spill_dir=m.spill_dir,
         )
 
     def evaluate(self, reading: Reading) -> None:

@@ -1291,6 +1291,9 @@ def doctor_cmd(
         problems.append(
             f"schema version {version} is older than {SCHEMA_VERSION} (upgraded on next write)"
         )
+    from edo_monitor.spill_files import doctor_spill_lines
+
+    report["spill_leftovers"] = doctor_spill_lines(url)  # a crashed run's disk-tier file: a note
     report["problems"] = problems
     report["ok"] = not [p for p in problems if "older" not in p]
     if as_json:
@@ -1318,6 +1321,8 @@ def doctor_cmd(
             table.add_row(f"rows: {t}", str(n))
         if "samples_not_rolled_up" in report:
             table.add_row("samples not rolled up yet", str(report["samples_not_rolled_up"]))
+        for line in report["spill_leftovers"]:
+            table.add_row("spill file", line)
         _c.out.print(table)
         for p in problems:  # an older schema: the table's row and the engine's warning say it
             if "older" not in p:

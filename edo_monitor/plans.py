@@ -43,6 +43,7 @@ ACTION_NAMES: tuple[str, ...] = (
     "compress_embedding_2of8",
     "compress_embedding_perrow",
     "share_embedding",
+    "spill_embedding",
 )
 #: The actions that change numerics (need ``allow_lossy``).
 LOSSY_ACTION_NAMES: frozenset[str] = frozenset(
@@ -62,6 +63,7 @@ LOSSY_ACTION_NAMES: frozenset[str] = frozenset(
 DEFAULT_LOSSLESS_LADDER: tuple[str, ...] = (
     "release_cache",
     "cache_embedding",
+    "spill_embedding",
     "offload_embedding",
     "checkpoint_activations",
 )

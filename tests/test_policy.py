@@ -91,6 +91,7 @@ def test_default_ladders() -> None:
     assert Policy().ladder == (
         "release_cache",
         "cache_embedding",
+        "spill_embedding",
         "offload_embedding",
         "checkpoint_activations",
     )
@@ -186,6 +187,7 @@ def test_lossy_only_with_allow_lossy_and_after_lossless() -> None:
     assert [r.action for r in none.refusals] == [
         "release_cache",
         "cache_embedding",
+        "spill_embedding",
         "offload_embedding",
         "checkpoint_activations",
     ]

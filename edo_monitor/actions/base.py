@@ -17,6 +17,7 @@ An :class:`Action` is used in two halves:
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -89,6 +90,8 @@ class ActionContext:
         host_available_bytes: host memory this process may still use (the host probe's cgroup-
             aware ``host_available_bytes``); ``None`` = read it now. Host-tier actions check
             their headroom against it.
+        spill_dir: the folder of the disk tier's file (``watch(spill_dir=)``); ``None`` =
+            ``spill_embedding`` is not applicable.
     """
 
     model: nn.Module
@@ -110,6 +113,7 @@ class ActionContext:
     grow_margin_fraction: float = 0.05
     memory_snapshot: Callable[[], Any] | None = None
     host_available_bytes: int | None = None
+    spill_dir: str | os.PathLike[str] | None = None
 
     def __post_init__(self) -> None:
         self.optimizers = tuple(self.optimizers)

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from edo_monitor.actions.base import Action, ActionContext, Plan, Refusal, find_wrapped_parallel
+from edo_monitor.actions.host_headroom import host_headroom
 from edo_monitor.actions.tables import (
     device_tables,
     outside_use_blocker,
@@ -121,6 +122,9 @@ class CacheEmbedding(Action):
 
     name = "cache_embedding"
     lossy = False
+    #: where the host table lives (``spill_embedding``: a memory-mapped file); see host_headroom
+    tier_words = "in host memory"
+    spill = False
 
     def plan(self, ctx: ActionContext) -> Plan | Refusal:
         """Shrink a cache that can give rows back, else convert the largest eligible table."""
@@ -128,7 +132,7 @@ class CacheEmbedding(Action):
         if wrapper:
             return self.refuse("", f"model is wrapped in {wrapper}; caching a shard is unsupported")
         need = _need_bytes(ctx)
-        for name, module in ctx.model.named_modules():
+        for name, module in () if self.spill else ctx.model.named_modules():
             if not isinstance(module, CachedTable) or not getattr(module, "edo_action_made", False):
                 continue  # a cache the user built is the user's to size
             floor_rows = max(1, module.peak_unique_ids) + module.block_rows
@@ -176,6 +180,11 @@ class CacheEmbedding(Action):
             if outside:  # the cache changes the weight's shape: a read elsewhere would break
                 reasons.append(f"{t.name}: {outside}")
                 continue
+            headroom = host_headroom(ctx, weight, ctx.optimizers)
+            if headroom.short != self.spill:  # short: the disk tier's; else the host's
+                reasons.append(f"{t.name}: host memory is {'' if self.spill else 'short: '}"
+                               f"{headroom.words()}")  # fmt: skip
+                continue
             n = int(weight.shape[0])
             row_bytes = _row_bytes(weight, ctx.optimizers)
             cached_bytes = _row_bytes(weight, ctx.optimizers, cached=True)
@@ -203,13 +212,15 @@ class CacheEmbedding(Action):
                 t.name,
                 saving,
                 f"largest table {t.name}: keep {rows} of {n} rows on the device, the table and its "
-                f"optimizer state in host memory (frees {format_bytes(saving)})",
+                f"optimizer state {self.tier_words} (frees {format_bytes(saving)})",
                 {
                     "resize": "create",
                     "to_rows": rows,
                     "num_embeddings": n,
                     "peak_batch_ids": peak,
                     "kind": type(module).__name__,
+                    "host_table_bytes": headroom.table_bytes,
+                    "host_available_bytes": headroom.available_bytes,
                 },
             )
         return self.refuse(tables[0].name, "; ".join(reasons))
@@ -231,6 +242,7 @@ class CacheEmbedding(Action):
             rows,
             device=device,
             requires_grad=weight.requires_grad,
+            host_alloc=self.host_alloc(ctx),
         )
         ctx.stage("host_table_made")
         cache = table._parameters["weight"]
@@ -254,11 +266,20 @@ class CacheEmbedding(Action):
             table.detach_optimizer()
             raise
         return {
+            **self.tier_details(ctx),
             "places": places,
             "cache_rows": table.cache_rows,
             "host_bytes": table.host_bytes(),
             "pinned": bool(table.host_weight.is_pinned()),
         }, None
+
+    def host_alloc(self, ctx: ActionContext) -> Any:
+        """The host table's allocator: ``None`` = host memory (``spill_embedding``: its file)."""
+        return None
+
+    def tier_details(self, ctx: ActionContext) -> dict[str, Any]:
+        """Extra result details of the tier (``spill_embedding``: the file)."""
+        return {}
 
 
 def _resize(ctx: ActionContext, module: CachedTable, rows: int) -> None:

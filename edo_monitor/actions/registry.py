@@ -9,6 +9,7 @@ from edo_monitor.actions.compress_embedding import CompressEmbedding
 from edo_monitor.actions.offload_embedding import OffloadEmbedding
 from edo_monitor.actions.release_cache import ReleaseCache
 from edo_monitor.actions.share_embedding import ShareEmbedding
+from edo_monitor.actions.spill_embedding import SpillEmbedding
 from edo_monitor.plans import DEFAULT_LOSSLESS_LADDER, DEFAULT_LOSSY_LADDER
 
 __all__ = ["ACTIONS", "DEFAULT_LOSSLESS_LADDER", "DEFAULT_LOSSY_LADDER", "LOSSY_ACTIONS"]
@@ -31,6 +32,7 @@ ACTIONS: dict[str, Action] = {
         CompressEmbedding("2of8"),
         CompressEmbedding("perrow"),
         ShareEmbedding(),
+        SpillEmbedding(),
     )
 }
 """Every action by name (``release_cache``, ``cache_embedding``, ``grow_cache`` (asked for by the
@@ -40,6 +42,7 @@ policy when memory is free again, not on a ladder), ``offload_embedding``,
 ``compress_embedding_fp16``, ``compress_embedding_int8``, ``compress_embedding_lowrank``,
 ``compress_embedding_int4``, ``compress_embedding_int2``, ``compress_embedding_2of8``,
 ``compress_embedding_perrow`` (frozen, group-wise low-bit; see ``compress_embedding``),
-``share_embedding`` (hot/cold hybrid))."""
+``share_embedding`` (hot/cold hybrid), ``spill_embedding`` (the row cache over the disk
+tier, when the host is short))."""
 
 LOSSY_ACTIONS: frozenset[str] = frozenset(n for n, a in ACTIONS.items() if a.lossy)

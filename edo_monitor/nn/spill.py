@@ -2,7 +2,7 @@
 
 A :class:`SpillFile` holds every tensor a run spills (a row cache's host table and its optimizer
 state) in ONE file ``edo-spill-<pid>-<token>.bin`` in a folder the user names
-(``watch(spill_dir=...)``, not wired yet). Each :meth:`SpillFile.alloc` grows the file and maps
+(``watch(spill_dir=...)``). Each :meth:`SpillFile.alloc` grows the file and maps
 the new range (``numpy.memmap`` ``r+``, viewed through ``torch.from_numpy`` as the wanted dtype):
 the tensor is an ordinary CPU tensor whose pages the kernel writes back to the file, so code that
 works over host memory works over it unchanged. :meth:`SpillFile.remove` deletes the file (the
@@ -12,23 +12,40 @@ mappings stay valid until their tensors are freed: Linux keeps the inode). A pro
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
-import re
 import secrets
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-import psutil
 import torch
 
-__all__ = ["SPILL_PREFIX", "SpillFile", "leftover_spill_files"]
+from edo_monitor.spill_files import (
+    SPILL_PREFIX,
+    doctor_spill_lines,
+    leftover_spill_files,
+    leftover_words,
+    report_leftovers,
+    resolve_spill_dir,
+)
+
+__all__ = [
+    "SPILL_PREFIX",
+    "SpillFile",
+    "doctor_spill_lines",
+    "leftover_spill_files",
+    "leftover_words",
+    "remove_run_spill_files",
+    "report_leftovers",
+    "resolve_spill_dir",
+    "run_spill_file",
+]
 
 logger = logging.getLogger(__name__)
 
-SPILL_PREFIX = "edo-spill-"
-_NAME = re.compile(rf"^{SPILL_PREFIX}(\d+)-[0-9a-f]+\.bin$")
 _ALIGN_BYTES = 4096  # each tensor starts on a page
 
 
@@ -74,14 +91,37 @@ class SpillFile:
             logger.warning("could not remove spill file %s", self.path, exc_info=True)
 
 
-def leftover_spill_files(folder: str | os.PathLike[str]) -> list[Path]:
-    """Spill files in ``folder`` whose process no longer runs (a crashed run's leftovers)."""
-    p = Path(folder)
-    if not p.is_dir():
-        return []
-    out = []
-    for f in sorted(p.iterdir()):
-        m = _NAME.match(f.name)
-        if m and not psutil.pid_exists(int(m.group(1))):
-            out.append(f)
-    return out
+_RUN_FILES: dict[Path, SpillFile] = {}
+_RUN_LOCK = threading.Lock()
+_ATEXIT_REGISTERED = False
+
+
+def run_spill_file(folder: str | os.PathLike[str]) -> SpillFile:
+    """This process's spill file in ``folder``: made on first use (one file per run, every
+    spilled table in it), removed by :func:`remove_run_spill_files` or, as a fallback, at exit.
+
+    Raises:
+        ValueError: ``folder`` is not a folder or cannot be made.
+    """
+    global _ATEXIT_REGISTERED
+    key = Path(folder).resolve()
+    with _RUN_LOCK:
+        sf = _RUN_FILES.get(key)
+        if sf is None:
+            sf = _RUN_FILES[key] = SpillFile(key)
+            logger.info("disk tier: spill file %s", sf.path)
+        if not _ATEXIT_REGISTERED:
+            atexit.register(remove_run_spill_files)
+            _ATEXIT_REGISTERED = True
+        return sf
+
+
+def remove_run_spill_files(folder: str | os.PathLike[str] | None = None) -> list[Path]:
+    """Remove this process's spill files (those in ``folder``; all when ``None``): the run ended.
+    Tensors already mapped stay readable; a later spill makes a new file. Returns the paths."""
+    with _RUN_LOCK:
+        keys = [k for k in _RUN_FILES if folder is None or k == Path(folder).resolve()]
+        files = [_RUN_FILES.pop(k) for k in keys]
+    for sf in files:
+        sf.remove()
+    return [sf.path for sf in files]
