@@ -12,7 +12,7 @@ callback hands it back. So the tracker knows, at any moment, the bytes of saved 
   keeps the storage alive);
 * the model's own parameters and buffers are skipped (they are counted as ``params_bytes``);
 * sparse tensors have no single storage: they count their indices plus values
-  (:func:`edo_monitor.accounting.tensor_bytes`), keyed by their values' storage;
+  (:func:`edo_monitor.measure.accounting.tensor_bytes`), keyed by their values' storage;
 * a tensor that requires grad is held detached (same storage and version counter): holding a saved
   *output* with its ``grad_fn`` would make a reference cycle through autograd's C++ graph that
   Python's garbage collector cannot see, and a graph dropped without ``backward()`` would never be
@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-from edo_monitor.accounting import tensor_bytes
+from edo_monitor.measure.accounting import tensor_bytes
 
 __all__ = ["ActivationTracker"]
 

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from edo_monitor.accounting import Accounting
+from edo_monitor.measure.accounting import Accounting
 from edo_monitor.store.schema import CACHE_FIELDS
 
 if TYPE_CHECKING:
-    from edo_monitor.readings import Reading
+    from edo_monitor.probes.readings import Reading
     from edo_monitor.store.writer import Writer
 
 __all__ = ["ModuleRows"]
@@ -82,7 +82,7 @@ class ModuleRows:
 
         The numbers are the accounting's as they are, no peak kept: the sampler passes the last
         step boundary's accounting (gradients alive), and the rows of one accounting add up to its
-        totals (:class:`~edo_monitor.accounting.Accounting`). A peak kept per module name
+        totals (:class:`~edo_monitor.measure.accounting.Accounting`). A peak kept per module name
         outlived the tensors it measured: a table converted to a row cache kept reporting the
         full table's gradient.
         """

@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from edo_monitor.accounting import Accounting, account
 from edo_monitor.actions.checkpoint_activations import ActivationProfile
 from edo_monitor.agent.activations import ActivationTracker
 from edo_monitor.agent.device import Device
@@ -55,20 +54,22 @@ from edo_monitor.agent.safe_point import SafePoint
 from edo_monitor.agent.sampler import Sampler
 from edo_monitor.agent.snapshots import DEFAULT_CAP_BYTES, SnapshotRecorder
 from edo_monitor.agent.tuner import Tuner
+from edo_monitor.decide.policy import Policy
 from edo_monitor.errors import ConfigError
-from edo_monitor.frequency import LookupCounter
-from edo_monitor.metrics import (
+from edo_monitor.exporters.prometheus import (
     DEFAULT_METRICS_HOST,
     MetricsServer,
     require_prometheus,
     resolve_metrics_port,
     start_for_monitor,
 )
-from edo_monitor.nn.spill import remove_run_spill_files, report_leftovers, resolve_spill_dir
-from edo_monitor.policy import Policy
-from edo_monitor.readings import Reading
+from edo_monitor.measure.accounting import Accounting, account
+from edo_monitor.measure.frequency import LookupCounter
+from edo_monitor.nn.spill import remove_run_spill_files
+from edo_monitor.probes.readings import Reading
 from edo_monitor.signals import Terminated, terminate_on_sigterm
 from edo_monitor.store.engine import check_writable, resolve_db_url
+from edo_monitor.store.spill_files import report_leftovers, resolve_spill_dir
 from edo_monitor.units import format_bytes, parse_bytes
 
 if TYPE_CHECKING:

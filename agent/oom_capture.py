@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from edo_monitor.oom import parse_oom_message
+from edo_monitor.measure.oom import parse_oom_message
 
 if TYPE_CHECKING:
     from edo_monitor.agent.monitor import Monitor
@@ -24,10 +24,10 @@ def record_oom(monitor: Monitor, exc: BaseException) -> None:
     """Record an ``oom`` event for ``exc`` when it is an out-of-memory error.
 
     An error counts when its message parses as PyTorch's out-of-memory message
-    (:func:`edo_monitor.oom.parse_oom_message`) or it is a ``torch.OutOfMemoryError``. The event's
-    data: ``exception`` (type name), ``parsed`` (the message's fields, ``None`` when it does not
-    parse), ``raw`` (the message, first 4,000 characters), ``last_reading`` (the latest reading as
-    a dict) and ``top_consumers`` (the five largest tables of the latest accounting: ``module``,
+    (:func:`edo_monitor.measure.oom.parse_oom_message`) or it is a ``torch.OutOfMemoryError``. The
+    event's data: ``exception`` (type name), ``parsed`` (the message's fields, ``None`` when it does
+    not parse), ``raw`` (the message, first 4,000 characters), ``last_reading`` (the latest reading
+    as a dict) and ``top_consumers`` (the five largest tables of the latest accounting: ``module``,
     ``total_bytes``, ``placement``). Never raises: a failure is an ``agent_error``.
     """
     try:

@@ -412,7 +412,7 @@ class Coordinator:
         action on that target; else a fresh plan) and why it cannot apply it (``None``: it can).
         """
         from edo_monitor.actions.registry import ACTIONS
-        from edo_monitor.plans import Refusal
+        from edo_monitor.decide.plans import Refusal
 
         m = self.m
         blocker = ddp_blocker(m.model, action)
@@ -441,8 +441,8 @@ class Coordinator:
 
     def _stand_in(self, action: str, pending: Any, decided_step: int, worst_free: int) -> Any:
         """A :class:`Decision` for an agreed action this rank's policy did not decide."""
-        from edo_monitor.plans import Plan
-        from edo_monitor.policy import Decision
+        from edo_monitor.decide.plans import Plan
+        from edo_monitor.decide.policy import Decision
 
         return Decision(
             action=action,

@@ -31,11 +31,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from edo_monitor.accounting import Accounting
 from edo_monitor.actions.checkpoint_activations import ActivationRecorder
 from edo_monitor.actions.enforce import enforce_budget
+from edo_monitor.decide.leaks import GrowthDetector
 from edo_monitor.errors import BudgetOutOfMemoryError
-from edo_monitor.leaks import GrowthDetector
+from edo_monitor.measure.accounting import Accounting
 from edo_monitor.units import format_bytes
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from edo_monitor.nn.cached import CachedTable
-from edo_monitor.readings import Reading
+from edo_monitor.probes.readings import Reading
 from edo_monitor.store.schema import CACHE_FIELDS
 
 if TYPE_CHECKING:

@@ -2,8 +2,9 @@
 
 At each incident — an ``oom`` event, a ``threshold_crossed`` event going below the floor, an
 ``action`` / ``action_failed`` event (one snapshot before the action, one after) — the recorder
-stores a snapshot in ``torch.cuda.memory._snapshot()``'s format (:mod:`edo_monitor.snapshots`),
-compressed, in the ``snapshots`` table, linked to the event's row by the writer.
+stores a snapshot in ``torch.cuda.memory._snapshot()``'s format
+(:mod:`edo_monitor.measure.snapshots`), compressed, in the ``snapshots`` table, linked to the
+event's row by the writer.
 
 ``oom_recovered`` / ``oom_unrecovered`` (``run_step``) take one as ``oom`` does.
 
@@ -15,7 +16,7 @@ compressed, in the ``snapshots`` table, linked to the event's row by the writer.
   the blocks then carry the Python frames that allocated them and ``device_traces`` the last
   ``N`` allocator actions. The history costs a Python stack capture on every allocation and
   free; without it (the default, ``snapshots=None``) nothing runs until an incident.
-* **CPU-budget.** Built from what the agent accounts (:func:`edo_monitor.snapshots.
+* **CPU-budget.** Built from what the agent accounts (:func:`edo_monitor.measure.snapshots.
   build_cpu_snapshot`): each module's parameters, gradients, optimizer state and saved
   activations, one block each with the module and category as the frame. Nothing runs until an
   incident; the snapshot's allocated bytes equal the reading's ``in_use_bytes`` at a crossing.
@@ -34,12 +35,12 @@ import weakref
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from edo_monitor.snapshots import ENCODING, build_cpu_snapshot, encode, totals
+from edo_monitor.measure.snapshots import ENCODING, build_cpu_snapshot, encode, totals
 from edo_monitor.units import format_bytes
 
 if TYPE_CHECKING:
-    from edo_monitor.accounting import Accounting
     from edo_monitor.agent.monitor import Monitor
+    from edo_monitor.measure.accounting import Accounting
 
 __all__ = [
     "DEFAULT_CAP_BYTES",

@@ -1,6 +1,6 @@
 """A table's singular spectrum from a random sample of its rows, recorded once per table as a
 ``table_spectrum`` event, so that ``edo-monitor explain`` (which reads only the database) can
-suggest a smaller embedding dimension (:mod:`edo_monitor.staged_plan`).
+suggest a smaller embedding dimension (:mod:`edo_monitor.hindsight.staged`).
 
 Bounded cost: at most ``SPECTRUM_MAX_ROWS`` rows are read (chosen uniformly without replacement
 with a fixed seed), copied to float32 on the CPU and passed to :func:`torch.linalg.svdvals`

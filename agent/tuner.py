@@ -1,7 +1,7 @@
 """The tuner's bridge between the policy and the actions: :class:`Tuner`.
 
 On the sampler thread each reading goes through :meth:`Policy.evaluate` with a planner over the
-live model (:func:`edo_monitor.policy.make_planner`); what comes back — threshold crossings,
+live model (:func:`edo_monitor.decide.policy.make_planner`); what comes back — threshold crossings,
 forecasts and their outcomes, at most one pending :class:`Decision`, or "no action available" —
 becomes events, and crossings wait for the training thread's ``on_pressure`` hooks. At the safe
 point, on the training thread, the pending decision is applied (``Action.apply`` inside its
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from edo_monitor.actions.base import ActionContext, ActionResult
 from edo_monitor.actions.registry import ACTIONS
-from edo_monitor.policy import (
+from edo_monitor.decide.policy import (
     Decision,
     Forecast,
     ForecastOutcome,
@@ -26,7 +26,7 @@ from edo_monitor.policy import (
     ThresholdCrossing,
     make_planner,
 )
-from edo_monitor.readings import Reading
+from edo_monitor.probes.readings import Reading
 from edo_monitor.units import format_bytes
 
 if TYPE_CHECKING:

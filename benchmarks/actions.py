@@ -16,8 +16,8 @@ CPU-budget mode (``cuda_mode=False``), warmed up for ``--warmup-steps`` steps at
   trainable table has at the step's peak. Also shown: the same action applied between steps, after
   ``zero_grad(set_to_none=True)`` freed the gradients (its ``saved_bytes`` lacks the gradient: it
   comes back at the next backward), and the saving in steady state, after ``--rounds`` more
-  training steps, measured with ``edo_monitor.accounting.account`` at the step's peak on the acted
-  model and on an untouched twin (gradients exist again then, so e.g. bf16 also halves the
+  training steps, measured with ``edo_monitor.measure.accounting.account`` at the step's peak on the
+  acted model and on an untouched twin (gradients exist again then, so e.g. bf16 also halves the
   gradient); both compared with the estimate;
 - **time per action**: ``ActionResult.duration_s`` (plan re-check, accounting, transaction
   snapshot and the change itself), median of ``--repeats`` applications, each on a fresh copy of
@@ -78,7 +78,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from edo_monitor.accounting import account
 from edo_monitor.actions import (
     ACTIONS,
     ActionContext,
@@ -87,6 +86,7 @@ from edo_monitor.actions import (
     ActivationRecorder,
     Refusal,
 )
+from edo_monitor.measure.accounting import account
 from edo_monitor.nn import row_error
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from fakes.nvml import FakeGpu, FakeNvml
 
-from edo_monitor.daemon import Daemon, run_daemon
+from edo_monitor.surfaces.daemon import Daemon, run_daemon
 
 
 def _cpu_s() -> float:
@@ -93,7 +93,7 @@ def measure(n_gpus: int, per_gpu: int, seconds: float, interval_s: float, db: st
         marks["ready"] = _cpu_s()
         timer.start()
 
-    import edo_monitor.daemon as module
+    import edo_monitor.surfaces.daemon as module
 
     original = module.Daemon
     module.Daemon = _Timed  # type: ignore[misc]

@@ -8,8 +8,9 @@ the small tensor operations of an estimate several times slower and far noisier.
 ``nn.Embedding`` of ``--rows`` × ``--dim`` float32 rows drawn from N(0, 1) (frozen, so
 ``compress_embedding_int8`` and ``_lowrank`` apply; no optimizer). For each lossy action
 (``compress_embedding_bf16``, ``_int8``, ``_lowrank`` at rank D/2, ``share_embedding`` with 5 % hot
-ids and 5 % buckets), without lookup counts and with a :class:`edo_monitor.frequency.LookupCounter`
-that counted ``--lookups`` Zipf(1.1) lookups (batches of 4096):
+ids and 5 % buckets), without lookup counts and with a
+:class:`edo_monitor.measure.frequency.LookupCounter` that counted ``--lookups`` Zipf(1.1) lookups
+(batches of 4096):
 
 - **plan ms**: median of ``--repeats`` calls of ``ACTIONS[name].plan(ctx)`` (everything a plan does:
   finding the table, the blockers, the byte estimate, the expected error);
@@ -42,8 +43,8 @@ from edo_monitor.actions.expected_error import (
     share_expected_error,
     table_distribution,
 )
-from edo_monitor.frequency import LookupCounter
-from edo_monitor.plans import rounding_expected_error
+from edo_monitor.decide.plans import rounding_expected_error
+from edo_monitor.measure.frequency import LookupCounter
 
 ACTION_NAMES = (
     "compress_embedding_bf16",

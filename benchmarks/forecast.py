@@ -34,9 +34,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from edo_monitor.hindsight import replay
-from edo_monitor.policy import Forecast, Policy
-from edo_monitor.readings import Reading
+from edo_monitor.decide.policy import Forecast, Policy
+from edo_monitor.hindsight.explain import replay
+from edo_monitor.probes.readings import Reading
 from edo_monitor.store.history import History
 
 ROOT = Path(__file__).resolve().parents[1]

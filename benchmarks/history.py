@@ -43,7 +43,7 @@ from sqlalchemy import event, insert
 from sqlalchemy.orm import Session
 
 import edo_monitor.store.engine as engine_mod
-from edo_monitor.readings import SAMPLE_FIELDS, Reading
+from edo_monitor.probes.readings import SAMPLE_FIELDS, Reading
 from edo_monitor.store.engine import insert_samples, open_engine, roll_up
 from edo_monitor.store.history import History
 from edo_monitor.store.models import Run, Sample

@@ -102,7 +102,7 @@ from edo_monitor.actions.checkpoint_activations import ActivationRecorder
 from edo_monitor.agent.activations import ActivationTracker
 from edo_monitor.agent.monitor import DEFAULT_INTERVAL_S, Monitor
 from edo_monitor.agent.safe_point import SafePoint
-from edo_monitor.readings import Reading
+from edo_monitor.probes.readings import Reading
 from edo_monitor.store.engine import open_engine
 from edo_monitor.store.models import Run, Sample
 from edo_monitor.store.writer import Writer

@@ -37,7 +37,7 @@ from history import BATCH, COLS, _new_run, _reading, machine, timed
 from sqlalchemy import text
 from sqlalchemy.engine import URL, make_url
 
-from edo_monitor.readings import SAMPLE_FIELDS, Reading
+from edo_monitor.probes.readings import SAMPLE_FIELDS, Reading
 from edo_monitor.store.engine import open_engine, roll_up
 from edo_monitor.store.history import History
 from edo_monitor.store.schema import ROLLUP_LEVEL_WIDTHS_S

@@ -59,7 +59,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from edo_monitor.frequency import LookupCounter
+from edo_monitor.measure.frequency import LookupCounter
 from edo_monitor.nn import (
     CachedEmbedding,
     CachedEmbeddingBag,

@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from edo_monitor.actions import ACTIONS, ActionContext, ActivationRecorder
-from edo_monitor.frequency import LookupCounter
+from edo_monitor.measure.frequency import LookupCounter
 from edo_monitor.nn import (
     EmbeddingOptions,
     HashedEmbedding,

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         print(done.stderr[-3000:], file=sys.stderr)
         return done.returncode
 
-    from edo_monitor.snapshots import encode
+    from edo_monitor.measure.snapshots import encode
     from edo_monitor.store.history import History
     from edo_monitor.store.snapshot_store import load_snapshot, snapshot_infos
     from edo_monitor.units import format_bytes

@@ -43,7 +43,7 @@ from pathlib import Path
 def _seed(path: Path, runs: int) -> None:
     from sqlalchemy.orm import Session
 
-    from edo_monitor.readings import SAMPLE_FIELDS
+    from edo_monitor.probes.readings import SAMPLE_FIELDS
     from edo_monitor.store.engine import open_engine, write_samples
     from edo_monitor.store.models import Run
 
@@ -178,7 +178,7 @@ def main() -> None:
             ("baseline: import sqlalchemy, typer, rich", [py, "-c", BASELINE]),
             ("floor: the same job written on typer + SQLAlchemy + rich", [py, "-c", DIRECT_RUNS]),
             ("import edo_monitor", [py, "-c", "import edo_monitor"]),
-            ("import edo_monitor.cli", [py, "-c", "import edo_monitor.cli"]),
+            ("import edo_monitor.surfaces.cli", [py, "-c", "import edo_monitor.surfaces.cli"]),
             ("edo-monitor --help", [exe, "--help"]),
             (f"edo-monitor runs ({args.runs} runs)", [exe, "runs"]),
             ("edo-monitor show latest", [exe, "show", "latest"]),

@@ -39,7 +39,7 @@ from typing import Any
 from sqlalchemy import insert
 from sqlalchemy.orm import Session
 
-from edo_monitor.readings import SAMPLE_FIELDS
+from edo_monitor.probes.readings import SAMPLE_FIELDS
 from edo_monitor.store.engine import open_engine, write_samples
 from edo_monitor.store.models import Event, ModuleStat, Run
 from edo_monitor.tui.app import EdoTui

@@ -13,7 +13,10 @@ from typing import TYPE_CHECKING, Any
 import edo_monitor._checkout  # noqa: F401  (first: maps agent/ and tui/ in a checkout)
 
 if TYPE_CHECKING:  # the names below are imported on first use (PEP 562), see __getattr__
-    from edo_monitor.agent.monitor import Monitor, RunSummary, watch
+    from edo_monitor.agent.monitor import Monitor, watch
+    from edo_monitor.agent.run import RunSummary
+    from edo_monitor.decide.estimate import Estimate, estimate
+    from edo_monitor.decide.policy import Policy
     from edo_monitor.errors import (
         AlreadyWatchedError,
         BudgetOutOfMemoryError,
@@ -22,11 +25,9 @@ if TYPE_CHECKING:  # the names below are imported on first use (PEP 562), see __
         RunNotFoundError,
         StoreError,
     )
-    from edo_monitor.estimate import Estimate, estimate
-    from edo_monitor.hindsight import explain, replay
-    from edo_monitor.oom import OomInfo, parse_oom_message
-    from edo_monitor.policy import Policy
-    from edo_monitor.readings import Reading
+    from edo_monitor.hindsight.explain import explain, replay
+    from edo_monitor.measure.oom import OomInfo, parse_oom_message
+    from edo_monitor.probes.readings import Reading
     from edo_monitor.store.history import History
 
 #: Public name -> the module that defines it. Importing ``edo_monitor`` imports none of them, so
@@ -42,14 +43,14 @@ _LAZY = {
     "EdoMonitorError": "edo_monitor.errors",
     "RunNotFoundError": "edo_monitor.errors",
     "StoreError": "edo_monitor.errors",
-    "Estimate": "edo_monitor.estimate",
-    "estimate": "edo_monitor.estimate",
-    "explain": "edo_monitor.hindsight",
-    "replay": "edo_monitor.hindsight",
-    "OomInfo": "edo_monitor.oom",
-    "parse_oom_message": "edo_monitor.oom",
-    "Policy": "edo_monitor.policy",
-    "Reading": "edo_monitor.readings",
+    "Estimate": "edo_monitor.decide.estimate",
+    "estimate": "edo_monitor.decide.estimate",
+    "explain": "edo_monitor.hindsight.explain",
+    "replay": "edo_monitor.hindsight.explain",
+    "OomInfo": "edo_monitor.measure.oom",
+    "parse_oom_message": "edo_monitor.measure.oom",
+    "Policy": "edo_monitor.decide.policy",
+    "Reading": "edo_monitor.probes.readings",
     "History": "edo_monitor.store.history",
 }
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from edo_monitor import scripting  # light: no PyTorch
+from edo_monitor.surfaces import scripting  # light: no PyTorch
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 import edo_monitor
-from edo_monitor import scripting
 from edo_monitor.nn import CachedTable
+from edo_monitor.surfaces import scripting
 from edo_monitor.units import format_bytes
 
 

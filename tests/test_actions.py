@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from edo_monitor.accounting import account
 from edo_monitor.actions import (
     ACTIONS,
     ActionContext,
@@ -28,6 +27,8 @@ from edo_monitor.actions import (
     undo_checkpointing,
 )
 from edo_monitor.errors import BudgetOutOfMemoryError
+from edo_monitor.measure.accounting import account
+from edo_monitor.measure.oom import parse_oom_message
 from edo_monitor.nn import (
     Int8RowwiseEmbedding,
     LowPrecisionEmbedding,
@@ -35,7 +36,6 @@ from edo_monitor.nn import (
     OffloadedEmbedding,
     row_error,
 )
-from edo_monitor.oom import parse_oom_message
 
 VOCAB, DIM, HIDDEN, CLASSES, PAD = 3000, 32, 64, 5, 0
 

@@ -21,12 +21,12 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 import edo_monitor
-from edo_monitor.accounting import account, tensor_bytes, tensor_bytes_as
 from edo_monitor.actions import ACTIONS, ActionContext, ActivationRecorder, Plan, Refusal
-from edo_monitor.fragmentation import releasable_bytes, snapshot_fragmentation
-from edo_monitor.policy import Decision, Policy, make_planner
+from edo_monitor.decide.policy import Decision, Policy, make_planner
+from edo_monitor.measure.accounting import account, tensor_bytes, tensor_bytes_as
+from edo_monitor.measure.fragmentation import releasable_bytes, snapshot_fragmentation
 from edo_monitor.probes.cuda import AllocatorProbe
-from edo_monitor.readings import Reading
+from edo_monitor.probes.readings import Reading
 
 MiB = 1024**2
 GiB = 1024**3

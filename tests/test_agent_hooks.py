@@ -19,9 +19,10 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 import edo_monitor
-from edo_monitor.actions.base import Action, ActionContext, Plan, Refusal
+from edo_monitor.actions.base import Action, ActionContext
 from edo_monitor.actions.registry import ACTIONS
 from edo_monitor.agent.activations import ActivationTracker
+from edo_monitor.decide.plans import Plan, Refusal
 from edo_monitor.store.history import History
 
 F32 = 4

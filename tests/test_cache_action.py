@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 import edo_monitor
-from edo_monitor.accounting import account
 from edo_monitor.actions import (
     ACTIONS,
     ActionContext,
@@ -25,7 +24,8 @@ from edo_monitor.actions import (
     InjectedFailureError,
     Refusal,
 )
-from edo_monitor.frequency import LookupCounter
+from edo_monitor.measure.accounting import account
+from edo_monitor.measure.frequency import LookupCounter
 from edo_monitor.nn import CachedTable
 from edo_monitor.store.history import History
 
@@ -270,8 +270,8 @@ def test_agent_picks_the_cache_before_offload_and_resizes_with_events(db_path: P
 
 def test_policy_decides_grow_after_calm_readings_only() -> None:
     from edo_monitor.actions import Plan
-    from edo_monitor.policy import Decision
-    from edo_monitor.readings import Reading
+    from edo_monitor.decide.policy import Decision
+    from edo_monitor.probes.readings import Reading
 
     grow = Plan("grow_cache", "items", -1000, "grow the row cache of items from 10 to 20 rows")
     policy = edo_monitor.Policy(grow_after_readings=3, cooldown_steps=0)

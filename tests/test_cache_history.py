@@ -16,10 +16,10 @@ from torch import nn
 from typer.testing import CliRunner
 
 import edo_monitor
-from edo_monitor.cli import app
 from edo_monitor.nn import CachedEmbeddingBag
 from edo_monitor.store.history import History
 from edo_monitor.store.schema import CACHE_FIELDS
+from edo_monitor.surfaces.cli import app
 
 ROWS, DIM, CACHE = 5_000, 16, 500
 STEPS = 40

@@ -354,7 +354,7 @@ def test_lookup_counter_on_a_cached_table_counts_like_on_a_resident_one(block_ro
     """The agent's LookupCounter counts a cached table from the unique ids the cache computes
     (no forward pre-hook, no second unique): same counts and peak as on an nn.Embedding twin,
     padding excluded, sampling kept."""
-    from edo_monitor.frequency import LookupCounter
+    from edo_monitor.measure.frequency import LookupCounter
 
     torch.manual_seed(0)
     base = torch.randn(N, D)

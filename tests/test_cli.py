@@ -17,8 +17,8 @@ import pytest
 from test_history import N_SAMPLES, seed
 from typer.testing import CliRunner
 
-from edo_monitor.cli import app
 from edo_monitor.store.schema import SCHEMA_VERSION
+from edo_monitor.surfaces.cli import app
 
 # click < 8.2 mixes stderr into stdout unless told not to (.ci/lowest-deps runs click 8.1)
 runner = (
@@ -183,7 +183,7 @@ def test_estimate() -> None:
 
 def test_console_script_subprocess(db: Path) -> None:
     exe = Path(sys.executable).with_name("edo-monitor")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "edo_monitor.cli"]
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "edo_monitor.surfaces.cli"]
     res = subprocess.run([*cmd, "show", "nope", "--db", str(db)], capture_output=True, text=True)
     assert res.returncode == 1 and res.stderr.startswith("edo-monitor: error:")
     assert "Traceback" not in res.stderr
@@ -226,7 +226,7 @@ def test_history_commands_import_no_torch(db: Path) -> None:
     code = (
         "import json, sys\n"
         "import edo_monitor\n"
-        "from edo_monitor.cli import app\n"
+        "from edo_monitor.surfaces.cli import app\n"
         "for argv in (['runs'], ['show', '1'], ['events', '1'], ['compare', '1', '2'],\n"
         "             ['export', '1'], ['sql', 'SELECT 1'], ['doctor'], ['explain', '1'],\n"
         "             ['replay', '1'], ['snapshot', '1'], ['--help']):\n"
@@ -394,7 +394,9 @@ def test_sql_streams_rows_and_stops_on_ctrl_c(db: Path) -> None:
     import signal
     import time
 
-    code = "import sys; from edo_monitor.cli import main; sys.argv[0] = 'edo-monitor'; main()"
+    code = (
+        "import sys; from edo_monitor.surfaces.cli import main; sys.argv[0] = 'edo-monitor'; main()"
+    )
     proc = subprocess.Popen(
         [sys.executable, "-c", code, "sql", INFINITE + "SELECT x FROM c", "--csv", "--db", str(db)],
         stdout=subprocess.PIPE,

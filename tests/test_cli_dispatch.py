@@ -12,8 +12,8 @@ import typer
 from test_cli import DB_COMMANDS, runner
 from test_history import seed
 
-from edo_monitor.cli import app
-from edo_monitor.cli_dispatch import app_for
+from edo_monitor.surfaces.cli import app
+from edo_monitor.surfaces.cli_dispatch import app_for
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,9 @@ def test_the_slim_app_answers_as_the_full_app(db: Path) -> None:
 
 def test_console_script_runs_one_command(db: Path) -> None:
     """The real ``edo-monitor`` entry point (``main``) through the slim app."""
-    code = "import sys; from edo_monitor.cli import main; sys.argv[0] = 'edo-monitor'; main()"
+    code = (
+        "import sys; from edo_monitor.surfaces.cli import main; sys.argv[0] = 'edo-monitor'; main()"
+    )
     res = subprocess.run(
         [sys.executable, "-c", code, "--db", str(db), "runs", "--json"],
         capture_output=True,

@@ -27,7 +27,7 @@ def script(name: str) -> list[str]:
     exe = Path(sys.executable).with_name(name)
     if exe.exists():
         return [str(exe)]
-    module = "edo_monitor.cli" if name == "edo-monitor" else "edo_monitor.tui.app"
+    module = "edo_monitor.surfaces.cli" if name == "edo-monitor" else "edo_monitor.tui.app"
     return [sys.executable, "-m", module]
 
 
@@ -117,7 +117,7 @@ def test_edo_tui_refuses_a_refresh_that_is_not_finite(value: str, word: str) -> 
 def test_metrics_without_prometheus_client_is_exit_1_with_the_install_line(tmp_path: Path) -> None:
     code = (
         "import sys; sys.modules['prometheus_client'] = None\n"
-        "from edo_monitor.cli import main\n"
+        "from edo_monitor.surfaces.cli import main\n"
         f"sys.argv = ['edo-monitor', 'metrics', '--db', {str(tmp_path / 'h.db')!r}]\n"
         "main()\n"
     )
@@ -129,7 +129,7 @@ def test_metrics_without_prometheus_client_is_exit_1_with_the_install_line(tmp_p
 _OPTIONAL = {
     "prometheus": (
         ("prometheus_client",),
-        "from edo_monitor.metrics import require_prometheus as f; f()",
+        "from edo_monitor.exporters.prometheus import require_prometheus as f; f()",
     ),
     "tensorboard": (
         ("tensorboard", "torch.utils.tensorboard"),

@@ -24,9 +24,9 @@ from fakes.nvml import FakeGpu, FakeNvml
 from sqlalchemy import text
 
 import edo_monitor
-from edo_monitor.daemon import Daemon, run_daemon
 from edo_monitor.errors import ConfigError, NvmlUnavailableError
 from edo_monitor.store.engine import open_engine
+from edo_monitor.surfaces.daemon import Daemon, run_daemon
 
 U0 = "GPU-11111111-aaaa-bbbb-cccc-000000000000"
 U1 = "GPU-22222222-aaaa-bbbb-cccc-000000000001"

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from edo_monitor.store.engine import SCHEMA_VERSION, open_engine
+from edo_monitor.store.engine import open_engine
+from edo_monitor.store.schema import SCHEMA_VERSION
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SCRIPTS = ("train_embedding.py", "train_recommender.py")

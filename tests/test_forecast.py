@@ -15,11 +15,8 @@ from torch import nn
 from typer.testing import CliRunner
 
 import edo_monitor
-from edo_monitor.cli import app
-from edo_monitor.errors import ConfigError
-from edo_monitor.hindsight import parse_policy, replay
-from edo_monitor.plans import Plan, Refusal
-from edo_monitor.policy import (
+from edo_monitor.decide.plans import Plan, Refusal
+from edo_monitor.decide.policy import (
     FORECAST_GRACE_STEPS,
     FORECAST_MIN_STEPS,
     Decision,
@@ -29,9 +26,12 @@ from edo_monitor.policy import (
     Policy,
     ThresholdCrossing,
 )
-from edo_monitor.readings import Reading
+from edo_monitor.decide.trend import StepSeries, fit_trend, student_t_tail
+from edo_monitor.errors import ConfigError
+from edo_monitor.hindsight.explain import parse_policy, replay
+from edo_monitor.probes.readings import Reading
 from edo_monitor.store.history import History
-from edo_monitor.trend import StepSeries, fit_trend, student_t_tail
+from edo_monitor.surfaces.cli import app
 
 MiB = 1 << 20
 BUDGET = 100 * MiB

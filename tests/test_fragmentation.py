@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from edo_monitor.fragmentation import (
+from edo_monitor.measure.fragmentation import (
     FragmentationStats,
     allocator_fields,
     snapshot_fragmentation,

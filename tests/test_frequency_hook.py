@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from edo_monitor.frequency import LookupCounter
+from edo_monitor.measure.frequency import LookupCounter
 
 
 def test_counts_and_distinct_peak_equal_unique() -> None:

@@ -19,12 +19,12 @@ from typer.testing import CliRunner
 
 import edo_monitor
 from edo_monitor.actions import ACTIONS, LOSSY_ACTIONS
-from edo_monitor.cli import app
+from edo_monitor.decide.plans import ACTION_NAMES, LOSSY_ACTION_NAMES, rounding_expected_error
+from edo_monitor.decide.policy import Policy
 from edo_monitor.errors import ConfigError, EventNotFoundError
-from edo_monitor.hindsight import explain, parse_policy, replay
-from edo_monitor.plans import ACTION_NAMES, LOSSY_ACTION_NAMES, rounding_expected_error
-from edo_monitor.policy import Policy
+from edo_monitor.hindsight.explain import explain, parse_policy, replay
 from edo_monitor.store.history import History
+from edo_monitor.surfaces.cli import app
 
 ROWS, DIM = 20_000, 32
 # the table with Adam after one step: weight, gradient, exp_avg, exp_avg_sq (float32) and the
@@ -231,7 +231,7 @@ def test_explain_and_replay_import_no_torch(runs: tuple[Path, int, int]) -> None
     db, _, observed = runs
     code = (
         "import sys\n"
-        "from edo_monitor.cli import app\n"
+        "from edo_monitor.surfaces.cli import app\n"
         "for argv in (['explain', sys.argv[2]], ['replay', sys.argv[2]]):\n"
         "    try:\n"
         "        app([*argv, '--db', sys.argv[1]])\n"

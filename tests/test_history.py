@@ -18,7 +18,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from edo_monitor.errors import ConfigError, RunNotFoundError, StoreError
-from edo_monitor.readings import SAMPLE_FIELDS
+from edo_monitor.probes.readings import SAMPLE_FIELDS
 from edo_monitor.store.engine import is_postgres, open_engine, roll_up, write_samples
 from edo_monitor.store.history import _PEAK_COLUMNS, History, _tail_stats_sql, prune
 from edo_monitor.store.models import Event, ModuleStat, Run, Sample

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import edo_monitor
+from edo_monitor.decide.leaks import GrowthDetector, LeakSuspicion
 from edo_monitor.errors import ConfigError
-from edo_monitor.leaks import GrowthDetector, LeakSuspicion
 from edo_monitor.store.history import History
 
 

@@ -21,17 +21,17 @@ from edo_monitor.actions.expected_error import (
     sample_lookups,
     share_expected_error,
 )
-from edo_monitor.frequency import LookupCounter
-from edo_monitor.hindsight import replay
+from edo_monitor.decide.plans import UNIT_ROUNDOFF, rounding_expected_error
+from edo_monitor.decide.policy import Decision, Policy, lossy_score, make_planner
+from edo_monitor.hindsight.explain import replay
+from edo_monitor.measure.frequency import LookupCounter
 from edo_monitor.nn import (
     EmbeddingOptions,
     HybridEmbedding,
     dequantize_int8_rowwise,
     quantize_int8_rowwise,
 )
-from edo_monitor.plans import UNIT_ROUNDOFF, rounding_expected_error
-from edo_monitor.policy import Decision, Policy, lossy_score, make_planner
-from edo_monitor.readings import Reading
+from edo_monitor.probes.readings import Reading
 from edo_monitor.store.history import History
 
 N, D = 4000, 16

@@ -15,10 +15,10 @@ from torch import nn
 
 from edo_monitor.actions import ACTIONS, ActionContext, ActivationRecorder
 from edo_monitor.actions.expected_error import table_distribution
-from edo_monitor.cli_estimate import estimate_command
+from edo_monitor.decide.estimate import estimate
+from edo_monitor.decide.policy import Policy, lossy_score, make_planner
 from edo_monitor.errors import ConfigError
-from edo_monitor.estimate import estimate
-from edo_monitor.frequency import LookupCounter
+from edo_monitor.measure.frequency import LookupCounter
 from edo_monitor.nn.embedding import EmbeddingOptions
 from edo_monitor.nn.lowbit import (
     GroupwiseEmbedding,
@@ -33,8 +33,8 @@ from edo_monitor.nn.lowbit import (
     sparsify_2of8,
     unpack_bits,
 )
-from edo_monitor.policy import Policy, lossy_score, make_planner
-from edo_monitor.readings import Reading
+from edo_monitor.probes.readings import Reading
+from edo_monitor.surfaces.cli_estimate import estimate_command
 
 N, D = 600, 40  # D not a multiple of the group: the last group is padded
 
@@ -251,7 +251,7 @@ def test_estimate_counts_the_module_bytes_and_the_cli_lists_the_modes() -> None:
 def test_cli_help_lists_the_new_modes() -> None:
     from typer.testing import CliRunner
 
-    from edo_monitor.cli import app
+    from edo_monitor.surfaces.cli import app
 
     text = CliRunner().invoke(app, ["estimate", "--help"], env={"COLUMNS": "200"}).output
     for mode in ("int4", "int2", "2of8", "perrow"):

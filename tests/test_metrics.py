@@ -28,7 +28,7 @@ from torch import nn  # noqa: E402
 
 import edo_monitor  # noqa: E402
 from edo_monitor.errors import ConfigError  # noqa: E402
-from edo_monitor.metrics import per_rank_port, resolve_metrics_port  # noqa: E402
+from edo_monitor.exporters.prometheus import per_rank_port, resolve_metrics_port  # noqa: E402
 from edo_monitor.store.history import History  # noqa: E402
 
 # nn.Linear(100, 50): 100 x 50 weights + 50 biases, float32
@@ -263,7 +263,7 @@ def test_actions_and_ooms_are_counters(db_path: Path) -> None:
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "edo_monitor.cli", *args]
+    return [sys.executable, "-m", "edo_monitor.surfaces.cli", *args]
 
 
 def start_central(
@@ -396,7 +396,7 @@ def test_central_metrics_errors_follow_the_exit_codes(tmp_path: Path) -> None:
 
 def test_central_metrics_import_no_torch() -> None:
     code = (
-        "import sys, edo_monitor.cli, edo_monitor.metrics\n"
+        "import sys, edo_monitor.surfaces.cli, edo_monitor.exporters.prometheus\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))\n"
     )
     out = subprocess.run(
@@ -519,7 +519,7 @@ def test_a_real_prometheus_scrapes_a_watch_and_the_central_endpoint(
 
 def test_an_address_that_cannot_be_served_is_named() -> None:
     """A resolver error said only "Name or service not known"; the error names the address."""
-    from edo_monitor.metrics import MetricsServer
+    from edo_monitor.exporters.prometheus import MetricsServer
 
     class Empty:
         def collect(self) -> Iterator[Any]:

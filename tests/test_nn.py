@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from edo_monitor.accounting import account, is_table_module
+from edo_monitor.measure.accounting import account, is_table_module
 from edo_monitor.nn import (
     EmbeddingOptions,
     Int8RowwiseEmbedding,

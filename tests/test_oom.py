@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from edo_monitor.oom import OomInfo, format_cpu_budget_oom_message, parse_oom_message
+from edo_monitor.measure.oom import OomInfo, format_cpu_budget_oom_message, parse_oom_message
 
 KiB = 1024
 MiB = 1024**2

@@ -17,10 +17,10 @@ import edo_monitor.actions.base as base
 import edo_monitor.actions.compress_embedding as compress_mod
 import edo_monitor.actions.share_embedding as share_mod
 import edo_monitor.nn.cached as cached_mod
-from edo_monitor.accounting import tensor_bytes
 from edo_monitor.actions import ACTIONS, ActionContext, ActivationRecorder, Plan
 from edo_monitor.actions.leftovers import optimizer_leftovers, record_params
-from edo_monitor.frequency import LookupCounter
+from edo_monitor.measure.accounting import tensor_bytes
+from edo_monitor.measure.frequency import LookupCounter
 
 N, D = 800, 16
 

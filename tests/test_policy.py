@@ -9,10 +9,8 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from edo_monitor.accounting import account
 from edo_monitor.actions import ACTIONS, ActionContext, ActivationRecorder, Plan, Refusal
-from edo_monitor.errors import ConfigError
-from edo_monitor.policy import (
+from edo_monitor.decide.policy import (
     EXPECTED_ERROR_FLOOR,
     Decision,
     NoActionAvailable,
@@ -22,7 +20,9 @@ from edo_monitor.policy import (
     make_planner,
     rank_lossy_plans,
 )
-from edo_monitor.readings import Reading
+from edo_monitor.errors import ConfigError
+from edo_monitor.measure.accounting import account
+from edo_monitor.probes.readings import Reading
 
 MiB = 1 << 20
 
@@ -431,7 +431,7 @@ def test_loop_reacts_within_one_step_and_free_memory_returns_above_the_floor() -
 def test_reading_of_equals_the_constructor() -> None:
     """``Reading.of`` (replay's bulk constructor) builds the same value as ``Reading(...)``,
     defaults included, and refuses a name that is not a field."""
-    from edo_monitor.readings import SAMPLE_FIELDS
+    from edo_monitor.probes.readings import SAMPLE_FIELDS
 
     fast = Reading.of(1.5, 7, "cuda", in_use_bytes=10, free_fraction=0.25, cache_rows=3)
     slow = Reading(1.5, 7, "cuda", in_use_bytes=10, free_fraction=0.25, cache_rows=3)

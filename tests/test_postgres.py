@@ -26,7 +26,7 @@ from test_history import INTERVAL, N_SAMPLES, T0, _sample, seed
 from test_watch import make_model, train
 
 import edo_monitor
-from edo_monitor.readings import SAMPLE_FIELDS
+from edo_monitor.probes.readings import SAMPLE_FIELDS
 from edo_monitor.store.engine import open_engine, rebuild_rollups, run_mark, write_samples
 from edo_monitor.store.history import History
 from edo_monitor.store.schema import SCHEMA_VERSION
@@ -302,7 +302,7 @@ def test_replay_reads_postgres_as_sqlite(pg_seeded: str, tmp_path: Path) -> None
     """``replay`` reads its samples through the DBAPI cursor (``%s`` on psycopg, ``?`` on
     SQLite): the same run replayed from PostgreSQL and from an SQLite copy of the same seed gives
     the same samples, minimum free fraction and crossings."""
-    from edo_monitor.hindsight import REPLAY_COLUMNS, replay, replay_samples
+    from edo_monitor.hindsight.explain import REPLAY_COLUMNS, replay, replay_samples
     from edo_monitor.store.history import History
 
     lite = tmp_path / "same.db"

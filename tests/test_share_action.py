@@ -11,7 +11,7 @@ from torch import nn
 
 import edo_monitor
 from edo_monitor.actions import ACTIONS, ActionContext, ActivationRecorder
-from edo_monitor.frequency import LookupCounter
+from edo_monitor.measure.frequency import LookupCounter
 from edo_monitor.nn import HybridEmbedding, hash_ids
 from edo_monitor.store.history import History
 

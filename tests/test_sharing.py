@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from edo_monitor.estimate import estimate
+from edo_monitor.decide.estimate import estimate
 from edo_monitor.nn import EmbeddingOptions
 from edo_monitor.nn.sharing import (
     HashedEmbedding,

@@ -20,7 +20,7 @@ from torch.cuda import _memory_viz
 
 import edo_monitor
 from edo_monitor.agent.snapshots import SnapshotRecorder
-from edo_monitor.snapshots import (
+from edo_monitor.measure.snapshots import (
     SnapshotError,
     build_cpu_snapshot,
     decode,
@@ -63,7 +63,7 @@ def run_db(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "edo_monitor.cli", *args],
+        [sys.executable, "-m", "edo_monitor.surfaces.cli", *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -282,7 +282,7 @@ def test_explain_shows_the_oom_snapshot_by_frame_and_its_fragmentation(tmp_path:
     """An enforced CPU budget's OOM: the snapshot holds the request that failed; ``explain``
     lists the largest blocks by frame and says the request did not fit in the largest free
     block."""
-    from edo_monitor.hindsight import explain
+    from edo_monitor.hindsight.explain import explain
 
     db = tmp_path / "h.db"
     torch.manual_seed(0)

@@ -9,7 +9,8 @@ import sys
 
 import torch
 
-from edo_monitor.nn.spill import SpillFile, leftover_spill_files
+from edo_monitor.nn.spill import SpillFile
+from edo_monitor.store.spill_files import leftover_spill_files
 
 
 def test_alloc_is_backed_by_the_file(tmp_path):

@@ -21,13 +21,13 @@ import torch
 from torch import nn
 
 import edo_monitor
-from edo_monitor.accounting import account
 from edo_monitor.actions import ACTIONS, ActionContext, ActivationRecorder, Plan
 from edo_monitor.actions.host_headroom import HOST_MARGIN_BYTES
+from edo_monitor.decide.plans import DEFAULT_LOSSLESS_LADDER
+from edo_monitor.measure.accounting import account
 from edo_monitor.nn import CachedTable
-from edo_monitor.nn.spill import SPILL_PREFIX, leftover_spill_files
-from edo_monitor.plans import DEFAULT_LOSSLESS_LADDER
 from edo_monitor.store.history import History
+from edo_monitor.store.spill_files import SPILL_PREFIX, leftover_spill_files
 
 ITEMS, USERS, DIM = 4000, 50, 16
 TABLE_HOST_BYTES = ITEMS * DIM * 8 * 3  # float64 weight + Adam's two moments
@@ -163,7 +163,7 @@ CRASH = textwrap.dedent(
     from edo_monitor.actions.host_headroom import HOST_MARGIN_BYTES
     from edo_monitor.nn import CachedTable
     import edo_monitor
-    from edo_monitor.accounting import account
+    from edo_monitor.measure.accounting import account
     real = psutil.virtual_memory
     avail = HOST_MARGIN_BYTES + t.TABLE_HOST_BYTES // 2
     psutil.virtual_memory = lambda: real()._replace(available=avail)

@@ -15,12 +15,12 @@ from test_hindsight import DIM, ROWS, TABLE_BYTES, _train
 from typer.testing import CliRunner
 
 from edo_monitor.agent.spectrum import SPECTRUM_MAX_ROWS, table_spectrum
-from edo_monitor.cli import app
+from edo_monitor.decide.estimate import estimate
 from edo_monitor.errors import ConfigError
-from edo_monitor.estimate import estimate
-from edo_monitor.hindsight import _tables_at, explain
-from edo_monitor.staged_plan import dimension_for_energy, staged_plan
+from edo_monitor.hindsight.explain import _tables_at, explain
+from edo_monitor.hindsight.staged import dimension_for_energy, staged_plan
 from edo_monitor.store.history import History
+from edo_monitor.surfaces.cli import app
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ import pytest
 from sqlalchemy import event
 from sqlalchemy.orm import Session
 
-from edo_monitor.readings import Reading
+from edo_monitor.probes.readings import Reading
 from edo_monitor.store.engine import open_engine, roll_up
 from edo_monitor.store.history import History
 from edo_monitor.store.models import Run
@@ -37,7 +37,7 @@ CHILD = textwrap.dedent(
     import socket, sys, time, uuid
     from sqlalchemy import insert
     from sqlalchemy.orm import Session
-    from edo_monitor.readings import SAMPLE_FIELDS, Reading
+    from edo_monitor.probes.readings import SAMPLE_FIELDS, Reading
     from edo_monitor.store.engine import open_engine, write_samples
     from edo_monitor.store.models import Event, Run, Sample
 

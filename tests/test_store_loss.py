@@ -23,7 +23,7 @@ from torch import nn
 
 import edo_monitor
 from edo_monitor.errors import ConfigError, StoreError
-from edo_monitor.readings import Reading
+from edo_monitor.probes.readings import Reading
 from edo_monitor.store.engine import open_engine
 from edo_monitor.store.models import Run
 from edo_monitor.store.writer import Writer

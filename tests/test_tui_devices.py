@@ -17,8 +17,8 @@ from textual.pilot import Pilot
 from textual.widgets import Static
 
 import edo_monitor
-from edo_monitor.daemon import Daemon
 from edo_monitor.store.history import History
+from edo_monitor.surfaces.daemon import Daemon
 from edo_monitor.tui.app import EXIT_OK, EdoTui
 from edo_monitor.tui.screens import DevicesScreen, RunScreen, RunsScreen, usage_bar
 from edo_monitor.units import format_bytes

@@ -16,7 +16,7 @@ from test_tui import db, loaded, run_app, wait_for  # noqa: F401 (db: the fixtur
 from textual.pilot import Pilot
 from textual.screen import Screen
 
-from edo_monitor.hindsight import explain
+from edo_monitor.hindsight.explain import explain
 from edo_monitor.tui.app import EdoTui
 from edo_monitor.tui.screens import (
     DevicesScreen,

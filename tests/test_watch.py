@@ -386,7 +386,7 @@ def test_reader_while_writing_never_sees_locked(db_path: Path) -> None:
 
 
 def test_full_queue_counts_and_records_drops(db_path: Path) -> None:
-    from edo_monitor.readings import Reading
+    from edo_monitor.probes.readings import Reading
     from edo_monitor.store.engine import open_engine
     from edo_monitor.store.writer import Writer
 

@@ -18,7 +18,7 @@ from torch import nn
 
 import edo_monitor
 from edo_monitor.actions import ACTIONS, ActionContext, ActivationRecorder, Plan, Refusal
-from edo_monitor.frequency import LookupCounter
+from edo_monitor.measure.frequency import LookupCounter
 from edo_monitor.store.history import History
 
 N, D = 600, 16

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from edo_monitor.errors import ConfigError, StoreError
-from edo_monitor.job_view import JobReport, job_report
+from edo_monitor.hindsight.jobs import JobReport, job_report
 from edo_monitor.store.engine import resolve_db_url
 from edo_monitor.store.history import (
     NUMERIC_SAMPLE_COLUMNS,
@@ -375,7 +375,7 @@ class DataSource:
     def jobs(self, chosen: str | None = None) -> Jobs:
         """Every job, newest first (``History.jobs``), and the report of job ``chosen`` (a job
         id; ``None``, or an id no longer listed: the newest job) with its ranks' free fraction
-        now and lowest and their actions (:func:`edo_monitor.job_view.job_report`)."""
+        now and lowest and their actions (:func:`edo_monitor.hindsight.jobs.job_report`)."""
         history = self.open()
         jobs = history.jobs()
         if not jobs:

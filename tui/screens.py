@@ -1448,7 +1448,7 @@ class ExplainScreen(ModalScreen[None]):
 
     @work(thread=True, group="explain")
     def _read(self) -> None:
-        from edo_monitor.hindsight import explain
+        from edo_monitor.hindsight.explain import explain
 
         app: EdoTui = self.app  # type: ignore[assignment]
         try:
@@ -1470,7 +1470,7 @@ class ExplainScreen(ModalScreen[None]):
     def _show(self, result: Any) -> None:
         from rich.console import Group
 
-        from edo_monitor.hindsight_view import explain_renderables
+        from edo_monitor.hindsight.view import explain_renderables
 
         self.result = result
         self.query_one("#explain-text", Static).update(Group(*explain_renderables(result)))

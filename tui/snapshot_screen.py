@@ -33,7 +33,7 @@ class SnapshotScreen(ModalScreen[None]):
     """The largest live blocks by frame of one incident's memory snapshot.
 
     Attributes:
-        rows: the :class:`~edo_monitor.snapshots.FrameRow` rows shown (``None`` until read).
+        rows: the :class:`~edo_monitor.measure.snapshots.FrameRow` rows shown (``None`` until read).
         error: the one-line reason nothing is shown (no snapshot, damaged blob …).
     """
 
@@ -76,7 +76,7 @@ class SnapshotScreen(ModalScreen[None]):
 
     @work(thread=True, group="snapshot")
     def _read(self) -> None:
-        from edo_monitor.snapshots import top_by_frame, totals
+        from edo_monitor.measure.snapshots import top_by_frame, totals
         from edo_monitor.store.snapshot_store import find_snapshot, load_snapshot
 
         app: EdoTui = self.app  # type: ignore[assignment]
@@ -93,7 +93,7 @@ class SnapshotScreen(ModalScreen[None]):
 
     @_while_shown
     def _show(self, info: Any, snap: dict[str, Any], rows: list[Any], allocated: int) -> None:
-        from edo_monitor.cli_snapshot import describe, top_table
+        from edo_monitor.surfaces.cli_snapshot import describe, top_table
 
         self.rows = rows
         self.query_one("#snapshot-text", Static).update(

@@ -13,8 +13,6 @@ from edo_monitor.actions.base import (
     ActionResult,
     InjectedFailureError,
     OptimizerLeftoverError,
-    Plan,
-    Refusal,
     Transaction,
     find_wrapped_parallel,
 )
@@ -24,12 +22,8 @@ from edo_monitor.actions.checkpoint_activations import (
     undo_checkpointing,
 )
 from edo_monitor.actions.enforce import enforce_budget
-from edo_monitor.actions.registry import (
-    ACTIONS,
-    DEFAULT_LOSSLESS_LADDER,
-    DEFAULT_LOSSY_LADDER,
-    LOSSY_ACTIONS,
-)
+from edo_monitor.actions.registry import ACTIONS, LOSSY_ACTIONS
+from edo_monitor.decide.plans import DEFAULT_LOSSLESS_LADDER, DEFAULT_LOSSY_LADDER, Plan, Refusal
 
 __all__ = [
     "ACTIONS",

@@ -6,10 +6,10 @@ An :class:`Action` is used in two halves:
   (target and estimated saving) or a :class:`Refusal` (with the reason);
 * :meth:`Action.apply` (training thread, at a step boundary only) re-checks the plan, changes model
   and optimizer inside a :class:`Transaction`, and returns an :class:`ActionResult` with the bytes
-  measured before and after by :func:`edo_monitor.accounting.account` (plus what the optimizers
-  hold for parameters no longer the model's), the duration, and for lossy actions the measured
-  error. ``apply`` never raises for a failure inside the action (an optimizer still holding a
-  parameter the action replaced is one, see :mod:`edo_monitor.actions.leftovers`): the model and
+  measured before and after by :func:`edo_monitor.measure.accounting.account` (plus what the
+  optimizers hold for parameters no longer the model's), the duration, and for lossy actions the
+  measured error. ``apply`` never raises for a failure inside the action (an optimizer still holding
+  a parameter the action replaced is one, see :mod:`edo_monitor.actions.leftovers`): the model and
   optimizer are restored bit-identical and the result says ``status="failed"`` (with the
   exception kept for ``strict`` callers).
 """
@@ -26,9 +26,9 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import nn
 
-from edo_monitor.accounting import Accounting, account
 from edo_monitor.actions.leftovers import optimizer_leftovers, optimizer_only_bytes, record_params
-from edo_monitor.plans import Plan, Refusal
+from edo_monitor.decide.plans import Plan, Refusal
+from edo_monitor.measure.accounting import Accounting, account
 
 __all__ = [
     "Action",
@@ -73,7 +73,7 @@ class ActionContext:
         max_checkpoint_blocks: most blocks ``checkpoint_activations`` wraps in one application.
         low_rank_fraction: rank of ``compress_embedding_lowrank`` as a fraction of
             ``embedding_dim``.
-        lookup_counter: an :class:`edo_monitor.frequency.LookupCounter` watching the model's
+        lookup_counter: an :class:`edo_monitor.measure.frequency.LookupCounter` watching the model's
             tables (``share_embedding`` takes its hot ids from it); ``None`` = no counts.
         share_hot_fraction, share_bucket_fraction: ``share_embedding``'s hot rows and buckets as
             fractions of the table's rows.
@@ -138,7 +138,8 @@ class ActionContext:
         return None
 
     def accounting(self) -> Accounting:
-        """:func:`edo_monitor.accounting.account` of model and optimizers under this tier rule."""
+        """:func:`edo_monitor.measure.accounting.account` of model and optimizers under this tier
+        rule."""
         return account(self.model, self.optimizers, cuda_mode=self.cuda_mode)
 
 

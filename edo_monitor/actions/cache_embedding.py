@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from edo_monitor.actions.base import Action, ActionContext, Plan, Refusal, find_wrapped_parallel
+from edo_monitor.actions.base import Action, ActionContext, find_wrapped_parallel
 from edo_monitor.actions.host_headroom import host_headroom
 from edo_monitor.actions.tables import (
     device_tables,
@@ -45,9 +45,9 @@ from edo_monitor.actions.tables import (
     replace_module,
     sharing_users,
 )
+from edo_monitor.decide.plans import Plan, Refusal, cache_rows_for
 from edo_monitor.nn import EmbeddingOptions
 from edo_monitor.nn.cached import CachedTable, _group_of, _make_rule, rebind_data
-from edo_monitor.plans import cache_rows_for
 from edo_monitor.units import format_bytes
 
 __all__ = ["CacheEmbedding", "GrowCache", "peak_batch_ids"]
@@ -57,7 +57,8 @@ logger = logging.getLogger(__name__)
 
 def peak_batch_ids(ctx: ActionContext, name: str, module: nn.Module) -> int | None:
     """Peak distinct ids of one forward of table ``name``: a cache's own count, else the agent's
-    :class:`~edo_monitor.frequency.LookupCounter` (``ctx.lookup_counter``); ``None`` when unseen."""
+    :class:`~edo_monitor.measure.frequency.LookupCounter` (``ctx.lookup_counter``); ``None`` when
+    unseen."""
     if isinstance(module, CachedTable):
         return module.peak_unique_ids or None
     counter = ctx.lookup_counter

@@ -42,16 +42,10 @@ from torch.optim.optimizer import (
 )
 from torch.utils.checkpoint import checkpoint
 
-from edo_monitor.accounting import is_table_module, tensor_bytes
-from edo_monitor.actions.base import (
-    Action,
-    ActionContext,
-    ActionResult,
-    Plan,
-    Refusal,
-    find_wrapped_parallel,
-)
+from edo_monitor.actions.base import Action, ActionContext, ActionResult, find_wrapped_parallel
 from edo_monitor.actions.use_watch import _METADATA_OPS, _element_span, _UseWatcher
+from edo_monitor.decide.plans import Plan, Refusal
+from edo_monitor.measure.accounting import is_table_module, tensor_bytes
 from edo_monitor.units import format_bytes
 
 __all__ = [

@@ -40,9 +40,10 @@ low-rank table, tables already at 16 bits or less.
 The recorded error compares the table as the model now computes it with the table before:
 ``max_abs_error`` and the row cosine (mean, min), padding row excluded.
 
-The plan's :attr:`~edo_monitor.plans.Plan.expected_error` (relative squared error of a looked-up
-row): bf16/fp16 :func:`edo_monitor.plans.rounding_expected_error` (``(2 ln 2 / 9) u²``, no rows
-read); int8 :func:`~edo_monitor.actions.expected_error.int8_rowwise_expected_error` and low-rank
+The plan's :attr:`~edo_monitor.decide.plans.Plan.expected_error` (relative squared error of a
+looked-up row): bf16/fp16 :func:`edo_monitor.decide.plans.rounding_expected_error` (``(2 ln 2 / 9)
+u²``, no rows read); int8 :func:`~edo_monitor.actions.expected_error.int8_rowwise_expected_error`
+and low-rank
 :func:`~edo_monitor.actions.expected_error.lowrank_expected_error`, on at most a bounded sample of
 rows, weighted by the lookup counts when ``ActionContext.lookup_counter`` has them; the low-bit
 formats :func:`~edo_monitor.actions.expected_error.lowbit_expected_error` (the sampled rows
@@ -57,8 +58,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from edo_monitor.accounting import tensor_bytes, tensor_bytes_as
-from edo_monitor.actions.base import Action, ActionContext, Plan, Refusal, find_wrapped_parallel
+from edo_monitor.actions.base import Action, ActionContext, find_wrapped_parallel
 from edo_monitor.actions.expected_error import (
     int8_rowwise_expected_error,
     lowbit_expected_error,
@@ -74,6 +74,8 @@ from edo_monitor.actions.tables import (
     replace_param_in_optimizers,
     sharing_users,
 )
+from edo_monitor.decide.plans import Plan, Refusal, rounding_expected_error
+from edo_monitor.measure.accounting import tensor_bytes, tensor_bytes_as
 from edo_monitor.nn import (
     EmbeddingOptions,
     Int8RowwiseEmbedding,
@@ -88,7 +90,6 @@ from edo_monitor.nn.lowbit import (
     groupwise_bytes,
     sparse_2of8_bytes,
 )
-from edo_monitor.plans import rounding_expected_error
 from edo_monitor.units import format_bytes
 
 __all__ = ["VARIANTS", "CompressEmbedding"]

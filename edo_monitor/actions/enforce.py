@@ -3,7 +3,7 @@
 With ``watch(..., budget=..., enforce=True)`` and no CUDA, the agent calls :func:`enforce_budget`
 with the accounted device-tier bytes; going over the budget raises
 :class:`edo_monitor.errors.BudgetOutOfMemoryError` (a ``torch.OutOfMemoryError``) whose message is
-:func:`edo_monitor.oom.format_cpu_budget_oom_message`'s, in PyTorch's wording.
+:func:`edo_monitor.measure.oom.format_cpu_budget_oom_message`'s, in PyTorch's wording.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from edo_monitor.errors import BudgetOutOfMemoryError, ConfigError
-from edo_monitor.oom import format_cpu_budget_oom_message
+from edo_monitor.measure.oom import format_cpu_budget_oom_message
 
 __all__ = ["enforce_budget"]
 

@@ -1,10 +1,10 @@
 """Expected errors of the lossy table actions, estimated at plan time (:attr:`Plan.expected_error`).
 
 Every estimate is ``E[‖r̂ − r‖²] / E[‖r‖²]`` over the lookups' distribution (see
-:class:`edo_monitor.plans.Plan`): estimated from the table's counts when the
-:class:`edo_monitor.frequency.LookupCounter` has them (:class:`LookupDistribution`: Good–Turing,
-so ids not counted yet get their share), else every row equally often; the ``padding_idx`` row
-left out (every action keeps it exact).
+:class:`edo_monitor.decide.plans.Plan`): estimated from the table's counts when the
+:class:`edo_monitor.measure.frequency.LookupCounter` has them (:class:`LookupDistribution`:
+Good–Turing, so ids not counted yet get their share), else every row equally often; the
+``padding_idx`` row left out (every action keeps it exact).
 
 A plan runs under memory pressure, so an estimate never reads a whole large table: it reads a few
 samples of at most :data:`PLAN_SAMPLE_ROWS` rows each, chosen by :func:`sample_lookups`. Where the
@@ -16,7 +16,7 @@ few passes over ``(N,)`` host arrays (the counts, 1-byte masks) and arrays the s
 counted so far; never a pass over the ``N × D`` table. On CUDA the sampled rows are gathered on
 the device, from the thread that plans (the sampler's); unmeasured on a GPU.
 
-* bf16 / fp16: :func:`edo_monitor.plans.rounding_expected_error` (needs no rows).
+* bf16 / fp16: :func:`edo_monitor.decide.plans.rounding_expected_error` (needs no rows).
 * int8 row-wise: :func:`int8_rowwise_expected_error`.
 * low rank: :func:`lowrank_expected_error`.
 * hot/cold sharing: :func:`share_expected_error`.

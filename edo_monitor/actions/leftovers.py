@@ -18,8 +18,8 @@ inside the action's transaction after every action and rolls the action back whe
 
 :func:`optimizer_only_bytes` is the other half: the device-tier bytes the optimizers hold for
 parameters that are not the model's (weight, gradient, state). The action's measured bytes add
-them to :func:`edo_monitor.accounting.account`'s (which walks the model's parameters only), so a
-leftover reference would show as no saving rather than as the estimate.
+them to :func:`edo_monitor.measure.accounting.account`'s (which walks the model's parameters only),
+so a leftover reference would show as no saving rather than as the estimate.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from edo_monitor.accounting import tensor_bytes
+from edo_monitor.measure.accounting import tensor_bytes
 
 __all__ = ["ParamRecord", "optimizer_leftovers", "optimizer_only_bytes", "record_params"]
 

@@ -29,8 +29,7 @@ from typing import Any
 
 import torch
 
-from edo_monitor.accounting import tensor_bytes
-from edo_monitor.actions.base import Action, ActionContext, Plan, Refusal, find_wrapped_parallel
+from edo_monitor.actions.base import Action, ActionContext, find_wrapped_parallel
 from edo_monitor.actions.tables import (
     TableCandidate,
     convert_optimizer_state,
@@ -40,6 +39,8 @@ from edo_monitor.actions.tables import (
     replace_module,
     sharing_users,
 )
+from edo_monitor.decide.plans import Plan, Refusal
+from edo_monitor.measure.accounting import tensor_bytes
 from edo_monitor.nn import EmbeddingOptions, OffloadedEmbedding
 from edo_monitor.probes.host import host_memory
 from edo_monitor.units import format_bytes
@@ -149,7 +150,7 @@ def host_bytes_needed(ctx: ActionContext, t: TableCandidate) -> int:
 
     The weight counts as the caching host allocator pins it (rounded up to a power of two) when
     CUDA is available; its gradient (derived: a dense trainable weight's own size) and optimizer
-    state as :func:`~edo_monitor.accounting.tensor_bytes` sizes them. 0 in CPU-budget mode.
+    state as :func:`~edo_monitor.measure.accounting.tensor_bytes` sizes them. 0 in CPU-budget mode.
     """
     w = t.weight
     if w.is_cpu:

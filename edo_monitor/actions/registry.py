@@ -10,7 +10,7 @@ from edo_monitor.actions.offload_embedding import OffloadEmbedding
 from edo_monitor.actions.release_cache import ReleaseCache
 from edo_monitor.actions.share_embedding import ShareEmbedding
 from edo_monitor.actions.spill_embedding import SpillEmbedding
-from edo_monitor.plans import DEFAULT_LOSSLESS_LADDER, DEFAULT_LOSSY_LADDER
+from edo_monitor.decide.plans import DEFAULT_LOSSLESS_LADDER, DEFAULT_LOSSY_LADDER
 
 __all__ = ["ACTIONS", "DEFAULT_LOSSLESS_LADDER", "DEFAULT_LOSSY_LADDER", "LOSSY_ACTIONS"]
 

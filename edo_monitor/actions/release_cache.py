@@ -4,9 +4,9 @@
 ``cudaMalloc``) is released when all of it is free, and a segment with one live block stays whole
 however much of it is cached. So the reserved-but-unallocated bytes (``reserved - allocated``) are
 an upper bound of what it frees, not an estimate. The estimate is
-:func:`edo_monitor.fragmentation.releasable_bytes` of an allocator snapshot of the watched device
-(``ActionContext.memory_snapshot``, by default ``torch.cuda.memory_snapshot()``; a snapshot covers
-every device, so other devices' segments are left out).
+:func:`edo_monitor.measure.fragmentation.releasable_bytes` of an allocator snapshot of the watched
+device (``ActionContext.memory_snapshot``, by default ``torch.cuda.memory_snapshot()``; a snapshot
+covers every device, so other devices' segments are left out).
 
 Applicable only on CUDA, and only when that estimate is at least
 ``ActionContext.release_cache_min_bytes``; in CPU-budget mode there is no allocator cache, so it is
@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
-from edo_monitor.actions.base import Action, ActionContext, Plan, Refusal
-from edo_monitor.fragmentation import releasable_bytes
+from edo_monitor.actions.base import Action, ActionContext
+from edo_monitor.decide.plans import Plan, Refusal
+from edo_monitor.measure.fragmentation import releasable_bytes
 from edo_monitor.units import format_bytes
 
 __all__ = ["ReleaseCache"]

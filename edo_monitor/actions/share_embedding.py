@@ -4,8 +4,8 @@ The ``K`` most looked-up ids keep rows of their own; every other id shares one o
 buckets (:mod:`edo_monitor.nn.sharing`). ``K = round(N × ActionContext.share_hot_fraction)`` (but
 no more ids than were seen looking up) and ``B = max(1, round(N × share_bucket_fraction))``; the
 defaults (5 % and 5 %) make a table about 10× smaller. The hot ids come from
-``ActionContext.lookup_counter`` (an :class:`edo_monitor.frequency.LookupCounter` watching the
-table); without counts every id is cold (plain hashing).
+``ActionContext.lookup_counter`` (an :class:`edo_monitor.measure.frequency.LookupCounter` watching
+the table); without counts every id is cold (plain hashing).
 
 Conversion keeps the model working and the optimizer consistent:
 
@@ -24,7 +24,7 @@ and tables the sizes would not make smaller. The recorded error compares the row
 computes with the rows before: :func:`edo_monitor.nn.row_error` over every row, and
 ``lookup_relative_error`` = Σ c_i ‖w_i − w'_i‖² / Σ c_i ‖w_i‖² over the counted lookups (``c_i``
 the counts), which is what the next batches will feel; without counts it is the same over rows.
-The plan's :attr:`~edo_monitor.plans.Plan.expected_error` estimates that same quantity before
+The plan's :attr:`~edo_monitor.decide.plans.Plan.expected_error` estimates that same quantity before
 converting, from bounded samples of rows
 (:func:`~edo_monitor.actions.expected_error.share_expected_error`: the cold lookups' share times
 the error of replacing a row by its bucket's mean).
@@ -38,8 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from edo_monitor.accounting import tensor_bytes
-from edo_monitor.actions.base import Action, ActionContext, Plan, Refusal, find_wrapped_parallel
+from edo_monitor.actions.base import Action, ActionContext, find_wrapped_parallel
 from edo_monitor.actions.expected_error import share_expected_error, table_distribution
 from edo_monitor.actions.tables import (
     TableCandidate,
@@ -49,6 +48,8 @@ from edo_monitor.actions.tables import (
     replace_param_in_optimizers,
     sharing_users,
 )
+from edo_monitor.decide.plans import Plan, Refusal
+from edo_monitor.measure.accounting import tensor_bytes
 from edo_monitor.nn import EmbeddingOptions, row_error
 from edo_monitor.nn.sharing import HybridEmbedding
 from edo_monitor.units import format_bytes

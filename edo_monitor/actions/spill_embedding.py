@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from edo_monitor.actions.base import ActionContext, Plan, Refusal
+from edo_monitor.actions.base import ActionContext
 from edo_monitor.actions.cache_embedding import CacheEmbedding
+from edo_monitor.decide.plans import Plan, Refusal
 from edo_monitor.nn.spill import run_spill_file
 
 __all__ = ["SpillEmbedding"]

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from edo_monitor.accounting import optimizer_state_bytes, tensor_bytes
+from edo_monitor.measure.accounting import optimizer_state_bytes, tensor_bytes
 
 __all__ = [
     "TableCandidate",

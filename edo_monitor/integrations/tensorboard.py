@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from edo_monitor.errors import ConfigError, missing_extra
-from edo_monitor.readings import Reading
+from edo_monitor.probes.readings import Reading
 
 __all__ = ["EVENT_TAG_PREFIX", "SCALAR_FIELDS", "TAG_PREFIX", "TensorBoardSink", "summary_writer"]
 

@@ -1277,7 +1277,7 @@ class CachedTable(_EdoEmbedding):
         """Call ``listener(ids, counts)`` at every forward with the batch's distinct ids and how
         often each occurs (two ``(U,)`` int64 host tensors, ids ascending, ``padding_idx``
         included), before any row moves: the unique the cache computes anyway, shared (the agent's
-        :class:`~edo_monitor.frequency.LookupCounter` counts through it instead of a second
+        :class:`~edo_monitor.measure.frequency.LookupCounter` counts through it instead of a second
         ``torch.unique`` in a forward pre-hook). The listener must not modify the tensors; an
         exception it raises propagates into the forward. Returns a handle whose ``remove()``
         unregisters it.

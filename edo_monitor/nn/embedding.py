@@ -1,8 +1,8 @@
 """EDO embedding modules: what the actions swap in for ``nn.Embedding`` / ``nn.EmbeddingBag``.
 
 Every module here has ``edo_placement`` (``"device"`` or ``"host"``), ``num_embeddings`` and
-``embedding_dim``, so :func:`edo_monitor.accounting.account` reports it as a table. Each one keeps
-the semantics of the module it replaces:
+``embedding_dim``, so :func:`edo_monitor.measure.accounting.account` reports it as a table. Each one
+keeps the semantics of the module it replaces:
 
 * Embedding semantics (``bag_mode=None``): ``forward(input)`` with ``input`` an integer tensor of
   any shape ``(*)`` returns ``(*, embedding_dim)``; the ``padding_idx`` row is returned as stored

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from edo_monitor.spill_files import (
+from edo_monitor.store.spill_files import (
     SPILL_PREFIX,
     doctor_spill_lines,
     leftover_spill_files,

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from edo_monitor.fragmentation import allocator_fields, snapshot_fragmentation
+from edo_monitor.measure.fragmentation import allocator_fields, snapshot_fragmentation
 from edo_monitor.probes import EventCallback, ignore_event
 
 __all__ = ["AllocatorProbe"]

@@ -2,7 +2,7 @@
 
 Two layers. :class:`NvmlDevice` reads one device handle and owns every piece of fault handling
 below; the agent's :class:`NvmlProbe` (one torch device: its memory and this process's share)
-and the system-wide daemon (:mod:`edo_monitor.daemon`: every device and every process) both
+and the system-wide daemon (:mod:`edo_monitor.surfaces.daemon`: every device and every process) both
 read through it.
 
 Calls: ``nvmlInit``; ``nvmlDeviceGetHandleByIndex`` / ``nvmlDeviceGetHandleByUUID`` and
@@ -206,8 +206,8 @@ _PROCESS_CALLS = {
 
 class NvmlDevice:
     """One NVML device handle, read with every fault handled: the one place that does it (the
-    agent's :class:`NvmlProbe` and the system-wide daemon, :mod:`edo_monitor.daemon`, both read
-    through it).
+    agent's :class:`NvmlProbe` and the system-wide daemon, :mod:`edo_monitor.surfaces.daemon`, both
+    read through it).
 
     What each fault does (module docstring): a lost GPU (``NVMLError_GpuIsLost``) or NVML
     stopping as a whole (driver/library mismatch, driver unloaded …) makes the device

@@ -45,7 +45,7 @@ from sqlalchemy.exc import DatabaseError as SADatabaseError
 from sqlalchemy.exc import DBAPIError as SADBAPIError
 
 from edo_monitor.errors import ConfigError, StoreError
-from edo_monitor.readings import SAMPLE_FIELDS
+from edo_monitor.probes.readings import SAMPLE_FIELDS
 from edo_monitor.store.schema import (
     ROLLUP_FIELDS,
     ROLLUP_LEVEL_WIDTHS_S,

@@ -33,7 +33,7 @@ from sqlalchemy import Connection, Engine, func, inspect, select, text
 from sqlalchemy.engine import URL
 
 from edo_monitor.errors import ConfigError, JobNotFoundError, RunNotFoundError, missing_extra
-from edo_monitor.readings import SAMPLE_FIELDS
+from edo_monitor.probes.readings import SAMPLE_FIELDS
 from edo_monitor.store.engine import (
     is_postgres,
     open_engine,

@@ -43,7 +43,7 @@ class Run(Base):
 
 
 class Sample(Base):
-    """A row of ``samples``: one :class:`edo_monitor.readings.Reading` (same field names)."""
+    """A row of ``samples``: one :class:`edo_monitor.probes.readings.Reading` (same field names)."""
 
     __table__ = schema.samples_table
 

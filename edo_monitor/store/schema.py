@@ -29,7 +29,7 @@ from sqlalchemy import (
     Text,
 )
 
-from edo_monitor.readings import SAMPLE_FIELDS
+from edo_monitor.probes.readings import SAMPLE_FIELDS
 
 __all__ = [
     "CACHE_FIELDS",
@@ -154,7 +154,8 @@ def _run_row_columns(*, run_index: bool) -> list[Column[Any]]:
     ]
 
 
-#: One :class:`edo_monitor.readings.Reading` per row; the columns are its fields (same names).
+#: One :class:`edo_monitor.probes.readings.Reading` per row; the columns are its fields (same
+#: names).
 samples_table = Table(
     "samples",
     metadata,
@@ -275,7 +276,8 @@ sample_rollups = Table(
 )
 
 
-# -- schema version 7: the system-wide daemon (``edo-monitor daemon``, edo_monitor/daemon.py) ----
+# -- schema version 7: the system-wide daemon (``edo-monitor daemon``,
+# edo_monitor/surfaces/daemon.py) ----
 
 #: One GPU at one daemon sample: every device of a sample shares its ``time_s``. ``device_index``
 #: is NVML's (PCI bus order, not ``CUDA_VISIBLE_DEVICES``'); ``device_uuid`` identifies the GPU.
@@ -355,7 +357,8 @@ DEVICE_EVENT_KINDS = (
 )
 
 
-# -- schema version 8: memory snapshots of incidents (edo_monitor/snapshots.py) ----------------
+# -- schema version 8: memory snapshots of incidents (edo_monitor/measure/snapshots.py)
+# ----------------
 
 #: One memory snapshot in the format of ``torch.cuda.memory._snapshot()`` (a dict with
 #: ``segments`` and ``device_traces``), taken at an incident and linked to its event: an OOM,

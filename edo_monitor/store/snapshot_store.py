@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, inspect, select, text
 
-from edo_monitor.snapshots import SnapshotError, decode  # SnapshotError: raised here
+from edo_monitor.measure.snapshots import SnapshotError, decode  # SnapshotError: raised here
 from edo_monitor.store.schema import events_table, snapshots_table
 
 if TYPE_CHECKING:

@@ -50,7 +50,7 @@ from typing import Any, ClassVar
 from sqlalchemy import Connection, Engine, bindparam, insert, update
 from sqlalchemy.exc import OperationalError
 
-from edo_monitor.readings import SAMPLE_FIELDS, Reading
+from edo_monitor.probes.readings import SAMPLE_FIELDS, Reading
 from edo_monitor.store.engine import database_file, write_samples
 from edo_monitor.store.models import (
     DeviceEvent,

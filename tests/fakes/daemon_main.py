@@ -28,7 +28,7 @@ if __name__ == "__main__":
         for g in spec.pop("gpus", [])
     ]
     sys.modules["pynvml"] = FakeNvml(gpus, **spec)  # type: ignore[assignment]
-    from edo_monitor.cli import main
+    from edo_monitor.surfaces.cli import main
 
     sys.argv = ["edo-monitor", *sys.argv[2:]]
     main()

@@ -16,7 +16,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from edo_monitor.actions import ACTIONS, ActionContext, ActivationRecorder, Plan, Refusal
-from edo_monitor.fragmentation import releasable_bytes
+from edo_monitor.measure.fragmentation import releasable_bytes
 
 MiB = 1024**2
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from edo_monitor.daemon import Daemon
+from edo_monitor.surfaces.daemon import Daemon
 
 
 def test_daemon_device_rows_match_nvml_and_nvidia_smi(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from torch.cuda import _memory_viz
 
 import edo_monitor
 from edo_monitor import History
-from edo_monitor.snapshots import fragmentation, top_by_frame, totals
+from edo_monitor.measure.snapshots import fragmentation, top_by_frame, totals
 from edo_monitor.store.snapshot_store import find_snapshot, load_snapshot
 
 pytestmark = pytest.mark.gpu
@@ -70,7 +70,7 @@ def test_snapshot_command_on_a_cuda_run(tmp_path: Path) -> None:
         del keep
     out = tmp_path / "s.pickle"
     res = subprocess.run(
-        [sys.executable, "-m", "edo_monitor.cli", "snapshot", "latest", "--db", str(db),
+        [sys.executable, "-m", "edo_monitor.surfaces.cli", "snapshot", "latest", "--db", str(db),
          "--out", str(out)],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip

@@ -24,11 +24,11 @@ device memory. The estimate therefore reports it apart, as ``step_state_bytes``:
   the table (step counters excluded). This is the headline figure, e.g. 500,000 × 12,288 float32
   with Adam: 98,304,000,000 bytes.
 * ``total_with_step_bytes`` = ``total_bytes + step_state_bytes``: every byte the optimizer and
-  model hold, wherever it lives. It equals, to the byte, :func:`edo_monitor.accounting.account`'s
-  ``total_bytes`` in CPU-budget mode after one optimizer step (where every tensor counts, and
-  accounting's ``optimizer_state_bytes`` = our ``optimizer_state_bytes + step_state_bytes``). On
-  CUDA, accounting's device-tier ``total_bytes`` equals our ``total_bytes`` (the step tensors land
-  in its ``host_bytes``).
+  model hold, wherever it lives. It equals, to the byte,
+  :func:`edo_monitor.measure.accounting.account`'s ``total_bytes`` in CPU-budget mode after one
+  optimizer step (where every tensor counts, and accounting's ``optimizer_state_bytes`` = our
+  ``optimizer_state_bytes + step_state_bytes``). On CUDA, accounting's device-tier ``total_bytes``
+  equals our ``total_bytes`` (the step tensors land in its ``host_bytes``).
 
 **Compression** (the EDO strategies, see DESIGN.md §1):
 

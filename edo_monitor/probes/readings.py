@@ -23,9 +23,9 @@ class Reading:
     ``torch.cuda.mem_get_info``; allocator fields from ``torch.cuda.memory_stats()``
     (``.all.current`` / ``.all.peak`` keys); ``fragmentation``, ``largest_inactive_block_bytes``
     and ``segment_count`` from ``torch.cuda.memory_snapshot()`` (taken less often); category
-    bytes from :func:`edo_monitor.accounting.account` and the saved-tensor hooks; host fields
-    from psutil and the process's cgroup (the smaller of machine and cgroup; the process tree by
-    PSS, see :mod:`edo_monitor.probes.host`). ``in_use_bytes`` is what counts against
+    bytes from :func:`edo_monitor.measure.accounting.account` and the saved-tensor hooks; host
+    fields from psutil and the process's cgroup (the smaller of machine and cgroup; the process tree
+    by PSS, see :mod:`edo_monitor.probes.host`). ``in_use_bytes`` is what counts against
     ``budget_bytes``; ``free_fraction`` is ``(budget_bytes - in_use_bytes) / budget_bytes``.
     ``time_s``: Unix epoch seconds, UTC.
 

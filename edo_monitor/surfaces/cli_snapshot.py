@@ -21,7 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from edo_monitor.errors import ConfigError
-from edo_monitor.snapshots import FrameRow, fragmentation, top_by_frame, totals
+from edo_monitor.measure.snapshots import FrameRow, fragmentation, top_by_frame, totals
 from edo_monitor.store.snapshot_store import SnapshotInfo, find_snapshot, load_snapshot
 from edo_monitor.units import format_bytes
 
@@ -37,8 +37,8 @@ HTML_KINDS = ("trace", "segments")
 
 
 def top_table(rows: list[FrameRow], allocated_bytes: int, title: str = "") -> Table:
-    """A rich table of :func:`edo_monitor.snapshots.top_by_frame` rows with each frame's share
-    of ``allocated_bytes``."""
+    """A rich table of :func:`edo_monitor.measure.snapshots.top_by_frame` rows with each frame's
+    share of ``allocated_bytes``."""
     table = Table(title=title or None, title_justify="left")
     table.add_column("frame (module)")
     table.add_column("blocks", justify="right")

@@ -1,10 +1,11 @@
-"""The text of ``edo-monitor estimate`` (the typer command in :mod:`edo_monitor.cli` calls this)."""
+"""The text of ``edo-monitor estimate`` (the typer command in :mod:`edo_monitor.surfaces.cli` calls
+this)."""
 
 from __future__ import annotations
 
 import json
 
-from edo_monitor.estimate import Estimate, estimate
+from edo_monitor.decide.estimate import Estimate, estimate
 from edo_monitor.units import format_bytes
 
 __all__ = ["estimate_command", "format_estimate"]
@@ -51,11 +52,11 @@ def estimate_command(
     master_weights: bool,
     as_json: bool,
 ) -> str:
-    """Run :func:`edo_monitor.estimate.estimate` and return what the command prints.
+    """Run :func:`edo_monitor.decide.estimate.estimate` and return what the command prints.
 
     Args:
         num_embeddings, embedding_dim, dtype, optimizer, compression, master_weights: passed to
-            :func:`~edo_monitor.estimate.estimate` (``compression`` as text: ``"int8"``,
+            :func:`~edo_monitor.decide.estimate.estimate` (``compression`` as text: ``"int8"``,
             ``"lowrank:64"``, ``"hash:100000"`` …).
         as_json: return ``Estimate.as_dict()`` as indented JSON instead of the table.
 

@@ -16,7 +16,7 @@ from rich.text import Text
 from edo_monitor.units import format_bytes
 
 if TYPE_CHECKING:
-    from edo_monitor.hindsight import Explanation
+    from edo_monitor.hindsight.explain import Explanation
 
 __all__ = ["explain_renderables"]
 
@@ -89,10 +89,10 @@ def explain_renderables(result: Explanation, *, top: int = 12) -> list[Renderabl
         out.append(table)
         if len(inc.remedies) > top:
             out.append(Text(f"  … {len(inc.remedies) - top} more (--top, --json)"))
-        from edo_monitor.snapshot_explain import snapshot_renderables
+        from edo_monitor.hindsight.snapshot import snapshot_renderables
 
         out.extend(snapshot_renderables(inc.snapshot))
-        from edo_monitor.staged_plan_view import staged_plan_renderables
+        from edo_monitor.hindsight.staged_view import staged_plan_renderables
 
         out.extend(staged_plan_renderables(inc.staged_plan))
     return out

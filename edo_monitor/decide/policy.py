@@ -1,9 +1,9 @@
 """The policy: from readings to threshold crossings and at most one pending decision.
 
-:class:`Policy` is pure: it looks at a :class:`~edo_monitor.readings.Reading` and at plans for the
-actions on its ladder (given by the caller, see :func:`make_planner`), and returns events. It never
-touches hardware, the model, or threads; the agent applies a :class:`Decision` at the next step
-boundary and reports back with :meth:`Policy.resolve`.
+:class:`Policy` is pure: it looks at a :class:`~edo_monitor.probes.readings.Reading` and at plans
+for the actions on its ladder (given by the caller, see :func:`make_planner`), and returns events.
+It never touches hardware, the model, or threads; the agent applies a :class:`Decision` at the next
+step boundary and reports back with :meth:`Policy.resolve`.
 
 Hysteresis: pressure starts when ``free_fraction`` drops below ``min_free_fraction`` (a
 ``"below_floor"`` crossing) and ends when it is back at or above ``rearm_free_fraction`` (an
@@ -27,12 +27,12 @@ the policy decides ``grow_cache`` (a row cache takes rows back, up to the whole 
 Forecasting (``forecast_steps=N``; off by default): each reading's in-use bytes, and each step's
 peak where the agent measures it at the step boundary (:meth:`Policy.observe_step`), with the
 savings of the actions applied so far added back (the workload's own growth, not the policy's
-interventions), feed a :class:`~edo_monitor.trend.StepSeries` (one value per step, the step's
+interventions), feed a :class:`~edo_monitor.decide.trend.StepSeries` (one value per step, the step's
 highest; from step 1 on: step 0 has no gradients or optimizer state yet) over the last
 ``forecast_window_steps`` steps. When the least-squares line through it is
-steady growth (:meth:`~edo_monitor.trend.Trend.is_growth`: at least :data:`FORECAST_MIN_STEPS`
-steps, a slope whose p-value is at most :data:`FORECAST_MAX_P_VALUE`, a better fit than any single
-level shift) and
+steady growth (:meth:`~edo_monitor.decide.trend.Trend.is_growth`: at least
+:data:`FORECAST_MIN_STEPS` steps, a slope whose p-value is at most :data:`FORECAST_MAX_P_VALUE`, a
+better fit than any single level shift) and
 predicts free memory below ``min_free_fraction`` within ``N`` steps (and no farther ahead than the
 steps it was fitted over), the policy, not under
 pressure, emits a :class:`Forecast` (one open at a time) and decides as under pressure (same
@@ -62,8 +62,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from edo_monitor.errors import ConfigError
-from edo_monitor.plans import (
+from edo_monitor.decide.plans import (
     ACTION_NAMES,
     DEFAULT_LOSSLESS_LADDER,
     DEFAULT_LOSSY_LADDER,
@@ -71,11 +70,14 @@ from edo_monitor.plans import (
     Plan,
     Refusal,
 )
-from edo_monitor.readings import Reading
-from edo_monitor.trend import StepSeries, Trend, fit_trend
+from edo_monitor.decide.trend import StepSeries, Trend, fit_trend
+from edo_monitor.errors import ConfigError
+from edo_monitor.probes.readings import Reading
 from edo_monitor.units import format_bytes, parse_bytes
 
-if TYPE_CHECKING:  # the policy itself needs no torch (edo_monitor.hindsight replays offline)
+if (
+    TYPE_CHECKING
+):  # the policy itself needs no torch (edo_monitor.hindsight.explain replays offline)
     from edo_monitor.actions.base import ActionContext, ActionResult
 
 __all__ = [
@@ -162,7 +164,8 @@ class Decision:
 
     @property
     def expected_error(self) -> float | None:
-        """The plan's :attr:`~edo_monitor.plans.Plan.expected_error` (``None`` for lossless)."""
+        """The plan's :attr:`~edo_monitor.decide.plans.Plan.expected_error` (``None`` for
+        lossless)."""
         return self.plan.expected_error
 
 
@@ -952,7 +955,7 @@ EXPECTED_ERROR_FLOOR = 1e-12
 
 def lossy_score(plan: Plan) -> float | None:
     """``estimated_saving_bytes / max(expected_error, EXPECTED_ERROR_FLOOR)``: bytes saved per unit
-    of expected relative squared error (see :attr:`edo_monitor.plans.Plan.expected_error`);
+    of expected relative squared error (see :attr:`edo_monitor.decide.plans.Plan.expected_error`);
     ``None`` when the plan has no expected error."""
     if plan.expected_error is None:
         return None

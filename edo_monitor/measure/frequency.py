@@ -175,9 +175,9 @@ class LookupCounter:
         self._handles[name] = module.register_forward_pre_hook(hook)
 
     def watch_tables(self, model: nn.Module) -> list[str]:
-        """Watch every embedding table of ``model`` (as :func:`edo_monitor.accounting.
+        """Watch every embedding table of ``model`` (as :func:`edo_monitor.measure.accounting.
         is_table_module` sees them); returns their names."""
-        from edo_monitor.accounting import is_table_module
+        from edo_monitor.measure.accounting import is_table_module
 
         names = []
         for name, module in model.named_modules():

@@ -2,11 +2,11 @@
 
 Typer turns every registered command into a Click command (its parameters, their help, a
 pydantic adapter per option) each time the app is called, although one command runs: with the
-fifteen commands of :mod:`edo_monitor.cli` that is 15–19 ms of the ~0.5 s a history command takes
-on the project's 2-core machine (``benchmarks/startup.py``). :func:`app_for` returns an app that
-holds the global callback and the one command named on the command line, so the others are never
-built; anything else (no command, ``--help`` before the command, an unknown name, an option this
-module does not know before the command) gets the full app, so its help, suggestions and errors
+fifteen commands of :mod:`edo_monitor.surfaces.cli` that is 15–19 ms of the ~0.5 s a history command
+takes on the project's 2-core machine (``benchmarks/startup.py``). :func:`app_for` returns an app
+that holds the global callback and the one command named on the command line, so the others are
+never built; anything else (no command, ``--help`` before the command, an unknown name, an option
+this module does not know before the command) gets the full app, so its help, suggestions and errors
 are the full app's.
 """
 

@@ -1,4 +1,4 @@
-"""How an incident's :class:`edo_monitor.staged_plan.StagedPlan` is shown (``edo-monitor
+"""How an incident's :class:`edo_monitor.hindsight.staged.StagedPlan` is shown (``edo-monitor
 explain`` and the dashboard's explain view, after the remedies): a table of the stages and a
 line per suggested embedding dimension."""
 
@@ -13,7 +13,7 @@ from rich.text import Text
 from edo_monitor.units import format_bytes
 
 if TYPE_CHECKING:
-    from edo_monitor.staged_plan import StagedPlan
+    from edo_monitor.hindsight.staged import StagedPlan
 
 __all__ = ["staged_plan_renderables"]
 

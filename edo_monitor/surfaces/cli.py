@@ -45,7 +45,6 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from edo_monitor.cli_options import INT64_MAX, CliGroup, Number
 from edo_monitor.errors import (
     ConfigError,
     EdoMonitorError,
@@ -53,6 +52,7 @@ from edo_monitor.errors import (
     RunNotFoundError,
     StoreError,
 )
+from edo_monitor.surfaces.cli_options import INT64_MAX, CliGroup, Number
 
 __all__ = ["app", "main"]
 
@@ -644,7 +644,7 @@ def _first(item: tuple[Any, Any]) -> Any:
 def job_cmd(job: JobArg, db: DbOpt = None, as_json: JsonOpt = False) -> None:
     """One multi-rank job: its ranks (free fraction now and at its lowest, the tightest rank
     marked) and every rank's actions by step. ('show' is for one run: 'show RUN'.)"""
-    from edo_monitor.job_view import job_renderables, job_report
+    from edo_monitor.hindsight.jobs import job_renderables, job_report
 
     with _history(db) as h:
         report = job_report(h, job)
@@ -1291,7 +1291,7 @@ def doctor_cmd(
         problems.append(
             f"schema version {version} is older than {SCHEMA_VERSION} (upgraded on next write)"
         )
-    from edo_monitor.spill_files import doctor_spill_lines
+    from edo_monitor.store.spill_files import doctor_spill_lines
 
     report["spill_leftovers"] = doctor_spill_lines(url)  # a crashed run's disk-tier file: a note
     report["problems"] = problems
@@ -1353,7 +1353,7 @@ def explain_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """What would have avoided each OOM and pressure crossing: shortfall and ranked remedies."""
-    from edo_monitor.hindsight import explain
+    from edo_monitor.hindsight.explain import explain
 
     _require_database(db)
     with _history(db) as h:
@@ -1361,7 +1361,7 @@ def explain_cmd(
     if as_json:
         _print_json(result.as_dict())
         return
-    from edo_monitor.hindsight_view import explain_renderables
+    from edo_monitor.hindsight.view import explain_renderables
 
     for renderable in explain_renderables(result, top=top):
         _c.out.print(renderable)
@@ -1388,7 +1388,7 @@ def snapshot_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """An incident's memory snapshot (OOM, crossing, action) for PyTorch's memory viewer."""
-    from edo_monitor.cli_snapshot import snapshot_command
+    from edo_monitor.surfaces.cli_snapshot import snapshot_command
 
     _require_database(db)
     with _history(db) as h:
@@ -1424,10 +1424,10 @@ def replay_cmd(
 ) -> None:
     """Re-run a recorded run through a policy offline: when it would have acted, what, and the
     resulting minimum free fraction, beside what happened."""
-    from edo_monitor.hindsight import parse_policy, replay
+    from edo_monitor.hindsight.explain import parse_policy, replay
 
     settings = parse_policy(policy)  # usage errors before anything is opened
-    from edo_monitor.policy import Policy
+    from edo_monitor.decide.policy import Policy
 
     pol = Policy(**settings)
     _require_database(db)
@@ -1517,7 +1517,7 @@ def estimate_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Estimate the training memory of one embedding table (no database needed)."""
-    from edo_monitor.cli_estimate import estimate_command
+    from edo_monitor.surfaces.cli_estimate import estimate_command
 
     try:
         text_ = estimate_command(
@@ -1549,7 +1549,7 @@ def metrics_cmd(
     (read-only). Labels: job, rank, device, run_id, run_name. Needs the [prometheus] extra.
     A database file that does not exist yet is waited for (never created), so it can start
     before the runs. Prints the URL it serves on one line; Ctrl-C stops it (exit code 130)."""
-    from edo_monitor.metrics import require_prometheus, serve_history
+    from edo_monitor.exporters.prometheus import require_prometheus, serve_history
 
     require_prometheus()  # exit 1 with the install line before anything is opened
 
@@ -1580,7 +1580,7 @@ def daemon_cmd(
     appear or are lost are device events. Runs in the foreground (for a service manager: see
     docs/edo-monitor-daemon.service). SIGTERM stops it after writing everything (exit 0),
     Ctrl-C too (exit 130). No NVML: one line and exit code 1, nothing created."""
-    from edo_monitor.daemon import run_daemon
+    from edo_monitor.surfaces.daemon import run_daemon
 
     def ready(daemon: Any) -> None:
         devices = ", ".join(f"{i}:{u}" for u, i in sorted(daemon.devices.items(), key=_second))
@@ -1612,7 +1612,7 @@ def main() -> None:
     """Console-script entry point (``edo-monitor``)."""
     logging.basicConfig(level=logging.WARNING, format="edo-monitor: %(message)s")
     logging.getLogger("alembic").setLevel(logging.WARNING)
-    from edo_monitor.cli_dispatch import app_for
+    from edo_monitor.surfaces.cli_dispatch import app_for
 
     app_for(app, sys.argv[1:])()  # only the command asked for is built (start-up)
 

@@ -1,5 +1,5 @@
-"""What ``explain`` adds from an incident's memory snapshot (:mod:`edo_monitor.snapshots`): the
-largest live blocks at that moment by frame, and the fragmentation then — the largest free block
+"""What ``explain`` adds from an incident's memory snapshot (:mod:`edo_monitor.measure.snapshots`):
+the largest live blocks at that moment by frame, and the fragmentation then — the largest free block
 against the request that failed (OOMs)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import RenderableType
 from rich.text import Text
 
-from edo_monitor.snapshots import SnapshotError, fragmentation, top_by_frame, totals
+from edo_monitor.measure.snapshots import SnapshotError, fragmentation, top_by_frame, totals
 from edo_monitor.units import format_bytes
 
 if TYPE_CHECKING:
@@ -26,9 +26,9 @@ def memory_at(history: History, run_id: int, event_id: int) -> dict[str, Any] | 
 
     Returns:
         ``snapshot_id``, ``source``, ``allocated_bytes``, ``reserved_bytes``, ``top_frames``
-        (:meth:`~edo_monitor.snapshots.FrameRow.as_dict`, largest first) and ``fragmentation``
-        (:func:`edo_monitor.snapshots.fragmentation`); or ``{"error": why}`` for a damaged
-        blob (explain goes on without it).
+        (:meth:`~edo_monitor.measure.snapshots.FrameRow.as_dict`, largest first) and
+        ``fragmentation`` (:func:`edo_monitor.measure.snapshots.fragmentation`); or ``{"error":
+        why}`` for a damaged blob (explain goes on without it).
     """
     from edo_monitor.store.snapshot_store import find_snapshot, load_snapshot
 

@@ -8,8 +8,8 @@ table's recorded singular spectrum. Reads only the history; never imports torch.
   other activations and all gradients halved: ``ckpt + (act - ckpt) // 2 + grads // 2``;
 * **stage 2** quantization of the tables on the device, one line per compress mode (``bf16``,
   ``int8``, ``int4``, ``int2``, ``2of8``): ``Σ (recorded table bytes - estimate(mode))`` with
-  :func:`edo_monitor.estimate.estimate` and the run's optimizer; its cumulative figure counts the
-  tables' gradients once (stage 1 halved them; stage 2 replaces that);
+  :func:`edo_monitor.decide.estimate.estimate` and the run's optimizer; its cumulative figure counts
+  the tables' gradients once (stage 1 halved them; stage 2 replaces that);
 * **stage 3** sharding across ``N`` ranks of the recorded optimizer state (ZeRO-1), + gradients
   (ZeRO-2), + parameters (ZeRO-3 / FSDP): ``X · (N - 1) / N`` of the sharded bytes ``X``. With
   a multi-rank run ``N`` is its world size; for a one-rank run ``N`` is the smallest that covers
@@ -44,7 +44,8 @@ __all__ = [
 
 #: Shares of a table's energy the suggested dimensions keep.
 ENERGY_SHARES = (0.90, 0.99)
-#: Stage 2's compress modes (:func:`edo_monitor.estimate.estimate` spellings) and what they are.
+#: Stage 2's compress modes (:func:`edo_monitor.decide.estimate.estimate` spellings) and what they
+#: are.
 QUANTIZATION_MODES = (
     ("bf16", "bf16 table, grads and state"),
     ("int8", "int8 rows + a scale a row; frozen"),
@@ -163,14 +164,14 @@ def staged_plan(
         shortfall: the incident's shortfall in bytes.
         sample: the sample at the incident (``params_bytes``, ``grads_bytes``,
             ``optimizer_state_bytes``, ``activations_bytes``), or ``None``.
-        tables: :func:`edo_monitor.hindsight._tables_at`'s tables (recorded bytes per table).
-        activations: recorded activation bytes per module.
+        tables: :func:`edo_monitor.hindsight.explain._tables_at`'s tables (recorded bytes per
+        table). activations: recorded activation bytes per module.
         in_use_bytes: an OOM's in-use with the failing request (CPU runs: what is not static is
             an activation, as :func:`edo_monitor.hindsight.explain` counts it).
         world_size: the run's ranks (``None`` or 1: a one-rank run).
         spectra: ``table_spectrum`` event data, latest last.
     """
-    from edo_monitor.hindsight import MAX_CHECKPOINT_BLOCKS, _est
+    from edo_monitor.hindsight.explain import MAX_CHECKPOINT_BLOCKS, _est
 
     sample = sample or {}
     params = int(sample.get("params_bytes") or 0)
@@ -275,7 +276,7 @@ def staged_plan(
     # dimension
     dims: list[DimensionSuggestion] = []
     latest = {s.get("table"): s for s in spectra if s.get("table")}
-    from edo_monitor.estimate import estimate
+    from edo_monitor.decide.estimate import estimate
 
     for name, s in latest.items():
         d = int(s.get("embedding_dim") or 0)
@@ -319,10 +320,10 @@ def plan_for_incident(
     events: Sequence[Any],
     incident: Any,
 ) -> StagedPlan:
-    """:func:`staged_plan` for one :class:`edo_monitor.hindsight.Incident` of a recorded run:
-    its sample (an OOM's last reading, else the sample at the incident), its tables and
+    """:func:`staged_plan` for one :class:`edo_monitor.hindsight.explain.Incident` of a recorded
+    run: its sample (an OOM's last reading, else the sample at the incident), its tables and
     activations, the run's world size and its ``table_spectrum`` events."""
-    from edo_monitor.hindsight import _activations_at, _sample_at, _tables_at
+    from edo_monitor.hindsight.explain import _activations_at, _sample_at, _tables_at
 
     e = next((e for e in events if e.id == incident.event_id), None)
     sample = None

@@ -1,9 +1,10 @@
 """Steady growth of one memory category over many steps: a suspected leak (issue 14, item 2).
 
-Pure arithmetic, fed once per step (one value per step: :class:`edo_monitor.trend.StepSeries`,
-the window the policy's forecast uses too). A category is suspected when, over the last
-``window_steps`` steps, its bytes never fell and rose in at least ``min_rising_fraction`` of the
-steps, by at least ``min_growth_bytes_per_step`` on average. Each category is reported once per run.
+Pure arithmetic, fed once per step (one value per step:
+:class:`edo_monitor.decide.trend.StepSeries`, the window the policy's forecast uses too). A category
+is suspected when, over the last ``window_steps`` steps, its bytes never fell and rose in at least
+``min_rising_fraction`` of the steps, by at least ``min_growth_bytes_per_step`` on average. Each
+category is reported once per run.
 
 The agent feeds it the saved-for-backward bytes still alive at each step boundary (category
 ``activations``): after ``backward()`` they are normally back to what they were, so growth there
@@ -16,8 +17,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from edo_monitor.decide.trend import StepSeries
 from edo_monitor.errors import ConfigError
-from edo_monitor.trend import StepSeries
 
 __all__ = ["GrowthDetector", "LeakSuspicion"]
 

@@ -24,7 +24,7 @@ __all__ = ["INT64_MAX", "CliGroup", "Number"]
 #: The largest count a history database (SQLite/PostgreSQL INTEGER) or a tensor dimension holds.
 INT64_MAX = 2**63 - 1
 
-#: Exit code of a usage error (the CLI's scheme: see ``edo_monitor.cli``).
+#: Exit code of a usage error (the CLI's scheme: see ``edo_monitor.surfaces.cli``).
 EXIT_USAGE = 2
 
 

@@ -14,8 +14,8 @@ with its estimated saving from the recorded attribution and whether it is enough
   tier): ``offload_embedding`` (params + grads + optimizer state), ``cache_embedding`` (all rows
   but a cache of ``CACHE_FLOOR_ROWS``: the action's floor when the peak ids per batch are not
   known), ``compress`` to bf16, int8 (frozen), low-rank ``dim / 4`` and hashing to ``rows / 10``
-  buckets (saving = recorded bytes minus :func:`edo_monitor.estimate.estimate` of the new table
-  with the run's optimizer);
+  buckets (saving = recorded bytes minus :func:`edo_monitor.decide.estimate.estimate` of the new
+  table with the run's optimizer);
 * ``checkpoint_activations`` of the ``MAX_CHECKPOINT_BLOCKS`` modules with the most recorded
   activation bytes (an upper bound: each block's input stays saved);
 * ``smaller_batch`` (activations scale with the batch: the largest batch fraction that is enough),
@@ -25,7 +25,7 @@ with its estimated saving from the recorded attribution and whether it is enough
   reserved-but-unallocated bytes outside the largest free block.
 
 :func:`replay` (``edo-monitor replay RUN --policy ...``): the run's samples, in order, through a
-real :class:`edo_monitor.policy.Policy`. Live actions are first taken out of the trace (their
+real :class:`edo_monitor.decide.policy.Policy`. Live actions are first taken out of the trace (their
 measured saving is added back from the moment they were recorded), then each replayed decision's
 modelled saving is taken off the in-use bytes of every later sample with a higher step (the agent
 applies at the step boundary). Modelled from the recorded attribution, exactly as the actions
@@ -34,12 +34,12 @@ estimate: ``cache_embedding`` (create and shrink), ``offload_embedding``,
 ``grow_cache``. Refused with a reason: ``release_cache`` (the allocator's slack after the step is
 not in the trace) and ``share_embedding`` (needs the ids' frequencies per row). The lossy plans
 carry the expected error the live action would estimate where the trace allows it: bf16 / fp16
-:func:`edo_monitor.plans.rounding_expected_error` (it needs no row values); int8 and low-rank
+:func:`edo_monitor.decide.plans.rounding_expected_error` (it needs no row values); int8 and low-rank
 ``None`` (they need the rows, which the trace does not hold), so the replayed policy ranks them
-after a bf16 / fp16 plan (:func:`edo_monitor.policy.rank_lossy_plans`). With ``forecast_steps``
-the replayed policy forecasts from the modelled in-use as it would live (its forecast decisions
-sized for the in-use predicted ahead, through :meth:`_Model.at_in_use`); each forecast and its
-outcome is in :attr:`ReplayResult.forecasts`.
+after a bf16 / fp16 plan (:func:`edo_monitor.decide.policy.rank_lossy_plans`). With
+``forecast_steps`` the replayed policy forecasts from the modelled in-use as it would live (its
+forecast decisions sized for the in-use predicted ahead, through :meth:`_Model.at_in_use`); each
+forecast and its outcome is in :attr:`ReplayResult.forecasts`.
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from edo_monitor.decide.plans import Plan, Refusal, cache_rows_for, rounding_expected_error
 from edo_monitor.errors import ConfigError, EventNotFoundError
-from edo_monitor.plans import Plan, Refusal, cache_rows_for, rounding_expected_error
 from edo_monitor.units import format_bytes
 
 __all__ = [
@@ -242,9 +242,9 @@ class Incident:
         shortfall_bytes: bytes that had to go (see the module docstring).
         remedies: ranked, largest saving first.
         snapshot: from the incident's memory snapshot, when it has one
-            (:func:`edo_monitor.snapshot_explain.memory_at`): largest blocks by frame and the
+            (:func:`edo_monitor.hindsight.snapshot.memory_at`): largest blocks by frame and the
             fragmentation then; else ``None``.
-        staged_plan: :class:`edo_monitor.staged_plan.StagedPlan` (stages 1-3 with their bytes,
+        staged_plan: :class:`edo_monitor.hindsight.staged.StagedPlan` (stages 1-3 with their bytes,
             a smaller embedding dimension from a recorded ``table_spectrum``).
     """
 
@@ -259,7 +259,7 @@ class Incident:
     message: str
     remedies: tuple[Remedy, ...]
     snapshot: dict[str, Any] | None = None
-    staged_plan: Any = None  # edo_monitor.staged_plan.StagedPlan (stages 1-3, a dimension)
+    staged_plan: Any = None  # edo_monitor.hindsight.staged.StagedPlan (stages 1-3, a dimension)
 
 
 @dataclass(frozen=True)
@@ -278,7 +278,7 @@ class Explanation:
 
 
 def _est(t: _Table, compression: Any) -> int:
-    from edo_monitor.estimate import estimate
+    from edo_monitor.decide.estimate import estimate
 
     dtype = t.dtype if t.dtype in ("float32", "float16", "bfloat16", "float64") else "float32"
     est = estimate(
@@ -420,7 +420,7 @@ def _remedies(
         )
         states = round(state / params) if params else 0
         if states >= 2:
-            from edo_monitor.estimate import estimate
+            from edo_monitor.decide.estimate import estimate
 
             for name in ("adagrad", "sgd"):
                 per = estimate(1, 1, optimizer=name).optimizer_state_bytes // 4
@@ -546,8 +546,8 @@ def explain(db: Any, run: Any, *, event: int | None = None) -> Explanation:
                 f"event={event!r} is not an OOM or a below-floor crossing of run {info.id}; "
                 f"see edo-monitor events {info.id} --kind oom --kind threshold_crossed"
             )
-        from edo_monitor.snapshot_explain import memory_at
-        from edo_monitor.staged_plan import plan_for_incident
+        from edo_monitor.hindsight.snapshot import memory_at
+        from edo_monitor.hindsight.staged import plan_for_incident
 
         incidents = [  # schema 8: what the incident's memory snapshot shows
             dataclasses.replace(
@@ -653,7 +653,8 @@ class ReplayForecast:
         step: the reading it was made on; ``predicted_step``: the crossing it predicted.
         free_fraction: modelled free fraction at ``step``.
         slope_bytes_per_step: the in-use trend (savings added back).
-        came_true: ``True``/``False`` as :class:`edo_monitor.policy.ForecastOutcome` judges it;
+        came_true: ``True``/``False`` as :class:`edo_monitor.decide.policy.ForecastOutcome` judges
+        it;
             ``None`` when the trace ended first.
         crossing_step: the step free memory (without the replayed actions taken since) was first
             below the floor, when it came true.
@@ -925,7 +926,7 @@ def replay_samples(conn: Any, run_id: int, chunk_rows: int = 65536) -> Iterator[
 
 
 def replay(db: Any, run: Any, policy: Any = None) -> ReplayResult:
-    """Re-run a recorded run's samples through a real :class:`edo_monitor.policy.Policy`.
+    """Re-run a recorded run's samples through a real :class:`edo_monitor.decide.policy.Policy`.
 
     Args:
         db: a :class:`edo_monitor.History`, a path or an SQLAlchemy URL (read-only).
@@ -940,7 +941,7 @@ def replay(db: Any, run: Any, policy: Any = None) -> ReplayResult:
     Raises:
         RunNotFoundError: no such run. StoreError: no usable database. ConfigError: a bad policy.
     """
-    from edo_monitor.policy import (
+    from edo_monitor.decide.policy import (
         Decision,
         Forecast,
         ForecastOutcome,
@@ -948,7 +949,7 @@ def replay(db: Any, run: Any, policy: Any = None) -> ReplayResult:
         Policy,
         ThresholdCrossing,
     )
-    from edo_monitor.readings import Reading
+    from edo_monitor.probes.readings import Reading
 
     if policy is None:
         policy = Policy()
@@ -1102,7 +1103,7 @@ def replay(db: Any, run: Any, policy: Any = None) -> ReplayResult:
 
 
 def _judge(forecasts: list[ReplayForecast], open_: dict[int, int], outcome: Any) -> None:
-    """Write a :class:`~edo_monitor.policy.ForecastOutcome` into its forecast's row."""
+    """Write a :class:`~edo_monitor.decide.policy.ForecastOutcome` into its forecast's row."""
     i = open_.pop(outcome.forecast.index, None)
     if i is not None:
         forecasts[i] = dataclasses.replace(

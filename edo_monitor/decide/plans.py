@@ -5,7 +5,7 @@ lossy ones, the default ladders and :func:`rounding_expected_error` (the expecte
 bf16/fp16 cast, shared by the action and by the offline replay). :mod:`edo_monitor.actions`
 (which needs torch) re-exports them and registers the actions under these names (a test keeps
 both lists equal), so
-:class:`edo_monitor.policy.Policy` can be built and run offline, e.g. by
+:class:`edo_monitor.decide.policy.Policy` can be built and run offline, e.g. by
 :func:`edo_monitor.hindsight.replay`, in a process that never imports torch.
 """
 
@@ -109,12 +109,12 @@ class Plan:
             row after the action, ``E[‖r̂ − r‖²] / E[‖r‖²]``: ``r`` the row a lookup returned
             before, ``r̂`` the row it returns right after, both expectations over the lookups'
             distribution (the counted lookups of
-            :class:`edo_monitor.frequency.LookupCounter` when it has counts for the table, else
-            every row equally often), the ``padding_idx`` row left out (every action keeps it
+            :class:`edo_monitor.measure.frequency.LookupCounter` when it has counts for the table,
+            else every row equally often), the ``padding_idx`` row left out (every action keeps it
             exact). Dimensionless, ``>= 0``; ``0`` is exact, ``1`` is as large as the rows
             themselves (e.g. replacing them by zeros). Each action's ``plan`` says how it
             estimates it (from a bounded sample of rows for large tables).
-            :class:`edo_monitor.policy.Policy` ranks lossy plans by
+            :class:`edo_monitor.decide.policy.Policy` ranks lossy plans by
             ``estimated_saving_bytes / expected_error``. ``None`` for lossless actions and where
             it is not known (e.g. a replay without the rows' values).
     """
