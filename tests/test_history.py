@@ -20,8 +20,10 @@ from sqlalchemy.orm import Session
 from edo_monitor.errors import ConfigError, RunNotFoundError, StoreError
 from edo_monitor.probes.readings import SAMPLE_FIELDS
 from edo_monitor.store.engine import is_postgres, open_engine, roll_up, write_samples
-from edo_monitor.store.history import _PEAK_COLUMNS, History, _tail_stats_sql, prune
+from edo_monitor.store.history import History
 from edo_monitor.store.models import Event, ModuleStat, Run, Sample
+from edo_monitor.store.prune import prune
+from edo_monitor.store.queries import _PEAK_COLUMNS, _tail_stats_sql
 from edo_monitor.store.schema import ROLLUP_LEVEL_WIDTHS_S, SCHEMA_VERSION
 
 T0 = 1_700_000_000.25  # run start (Unix seconds)

@@ -27,7 +27,8 @@ from test_watch import make_model, train
 
 import edo_monitor
 from edo_monitor.errors import JobNotFoundError
-from edo_monitor.store.history import History, prune
+from edo_monitor.store.history import History
+from edo_monitor.store.prune import prune
 
 WORKER = Path(__file__).with_name("ranks_worker.py")
 

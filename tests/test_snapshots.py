@@ -29,7 +29,8 @@ from edo_monitor.measure.snapshots import (
     top_by_frame,
     totals,
 )
-from edo_monitor.store.history import History, prune
+from edo_monitor.store.history import History
+from edo_monitor.store.prune import prune
 from edo_monitor.store.snapshot_store import find_snapshot, load_snapshot, snapshot_infos
 
 ROWS, DIM = 20_000, 32

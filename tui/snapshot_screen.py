@@ -17,7 +17,7 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
-from edo_monitor.store.history import RunInfo
+from edo_monitor.store.records import RunInfo
 from edo_monitor.tui.screens import READ_ERRORS, _message_for, _while_shown
 
 if TYPE_CHECKING:

@@ -16,7 +16,8 @@ from edo_monitor.units import format_bytes
 if TYPE_CHECKING:
     from rich.console import RenderableType
 
-    from edo_monitor.store.history import EventInfo, History, JobInfo, RunInfo
+    from edo_monitor.store.history import History
+    from edo_monitor.store.records import EventInfo, JobInfo, RunInfo
 
 __all__ = ["ACTION_KINDS", "JobReport", "RankReport", "job_renderables", "job_report"]
 

@@ -294,7 +294,7 @@ def runs_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """List runs, newest first. The id and the uuid column are references that open the run."""
-    from edo_monitor.store.history import STATUSES
+    from edo_monitor.store.queries import STATUSES
 
     if status is not None and status not in STATUSES:
         raise ConfigError(f"--status {status!r} is not a run status; expected one of {STATUSES}")
@@ -564,7 +564,7 @@ def jobs_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """List multi-rank jobs (torch.distributed), newest first; 'job JOB' shows one."""
-    from edo_monitor.store.history import STATUSES
+    from edo_monitor.store.queries import STATUSES
 
     if status is not None and status not in STATUSES:
         raise ConfigError(f"--status {status!r} is not a job status; expected one of {STATUSES}")
@@ -765,7 +765,7 @@ def export_cmd(
     jsonl = one object per line, each with a "type" (run, sample, event, module)."""
     import dataclasses
 
-    from edo_monitor.store.history import NUMERIC_SAMPLE_COLUMNS
+    from edo_monitor.store.queries import NUMERIC_SAMPLE_COLUMNS
 
     if fmt not in ("csv", "json", "jsonl"):
         raise ConfigError(f"--format {fmt!r} is not supported; expected csv, json or jsonl")
@@ -1179,7 +1179,8 @@ def prune_cmd(
     """Delete old runs or thin old samples. Running runs are never touched. Downsampling keeps,
     per run and bucket, the first and last sample and every sample that holds a bucket's
     peak (in use, allocated, reserved, process, device used, RSS) or its lowest free fraction."""
-    from edo_monitor.store.history import History, prune
+    from edo_monitor.store.history import History
+    from edo_monitor.store.prune import prune
 
     if older_than is None and keep_last is None and downsample_older_than is None:
         raise ConfigError(

@@ -1,0 +1,158 @@
+"""Thinning a history: old runs dropped, old samples folded into rollups (edo-monitor prune)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from sqlalchemy import text
+
+from edo_monitor.errors import ConfigError
+from edo_monitor.store.engine import (
+    run_mark_key,
+)
+from edo_monitor.store.history import History
+from edo_monitor.store.queries import (
+    _PEAK_COLUMNS,
+)
+
+logger = logging.getLogger(__name__)
+
+
+_KEEP_MAX = (*_PEAK_COLUMNS,)
+
+
+_KEEP_MIN = ("free_fraction",)
+
+
+def prune(
+    history: History,
+    *,
+    older_than_s: float | None = None,
+    keep_last: int | None = None,
+    downsample_older_than_s: float | None = None,
+    bucket_s: float = 60.0,
+    dry_run: bool = False,
+    vacuum: bool = False,
+    now_s: float | None = None,
+) -> dict[str, Any]:
+    """Delete old runs and/or thin old samples; runs whose effective status is ``running`` are
+    never touched. ``history`` must be writable (``readonly=False``) unless ``dry_run``.
+
+    Args:
+        older_than_s: delete runs started more than this many seconds ago.
+        keep_last: keep only this many most recently started runs.
+        downsample_older_than_s: in samples older than this (seconds), keep per run and
+            ``bucket_s`` bucket only the first and last sample and the samples holding the
+            bucket's maximum of each peak column (in use, allocated, reserved, process, device
+            used, RSS) and its minimum free fraction. Peaks therefore survive.
+        bucket_s: downsampling bucket width (seconds, > 0).
+        dry_run: count only; change nothing.
+        vacuum: run SQLite ``VACUUM`` afterwards to return freed pages to the disk.
+        now_s: the present (Unix seconds), default ``time.time()``.
+
+    Returns:
+        ``{"runs_deleted", "run_ids_deleted", "samples_deleted", "runs_downsampled",
+        "snapshots_deleted"}`` (snapshots thinned in downsampled runs: see
+        :func:`edo_monitor.store.snapshot_store.thin_snapshots`).
+
+    Raises:
+        ConfigError: ``bucket_s <= 0`` or a negative ``keep_last``.
+        StoreError: the history is read-only and ``dry_run`` is False.
+    """
+    from edo_monitor.errors import StoreError
+    from edo_monitor.store.engine import rebuild_rollups, roll_up
+    from edo_monitor.store.snapshot_store import delete_runs_snapshots, thin_snapshots
+
+    if bucket_s <= 0:
+        raise ConfigError(f"bucket_s={bucket_s!r} must be > 0")
+    if keep_last is not None and keep_last < 0:
+        raise ConfigError(f"keep_last={keep_last!r} must be ≥ 0")
+    if history.readonly and not dry_run:
+        raise StoreError("prune needs a writable history (History(db, readonly=False))")
+    now = time.time() if now_s is None else now_s
+    runs = history.runs()  # newest first
+    doomed: set[int] = set()
+    if older_than_s is not None:
+        doomed |= {r.id for r in runs if r.started_at_s < now - older_than_s}
+    if keep_last is not None:
+        doomed |= {r.id for r in runs[keep_last:]}
+    doomed -= {r.id for r in runs if r.status == "running"}
+    report: dict[str, Any] = {
+        "runs_deleted": len(doomed),
+        "run_ids_deleted": sorted(doomed),
+        "samples_deleted": 0,
+        "runs_downsampled": 0,
+        "snapshots_deleted": 0,
+    }
+    thin = []
+    if downsample_older_than_s is not None:
+        cut = now - downsample_older_than_s
+        thin = [
+            r.id
+            for r in runs
+            if r.id not in doomed
+            and r.status != "running"
+            and r.first_sample_s is not None
+            and r.first_sample_s < cut
+        ]
+    ids = ", ".join(str(i) for i in sorted(doomed)) or "NULL"
+    with history._read() as conn:
+        report["samples_deleted"] = int(
+            conn.execute(text(f"SELECT count(*) FROM samples WHERE run_id IN ({ids})")).scalar()
+            or 0
+        )
+        if dry_run:
+            report["runs_downsampled"] = len(thin)
+            return report
+        delete_runs_snapshots(conn, ids)  # schema 8: before the events they link to
+        conn.execute(text(f"DELETE FROM runs WHERE id IN ({ids})"))
+        for table in ("samples", "events", "module_stats", "sample_rollups"):
+            if table != "sample_rollups" or history._has_rollups:  # FK cascade, made explicit
+                conn.execute(text(f"DELETE FROM {table} WHERE run_id IN ({ids})"))
+        for run_id in thin:
+            bucket = history._sql.trunc("time_s / :w")
+            keeps = [
+                f"SELECT id FROM (SELECT id, row_number() OVER (PARTITION BY {bucket} "
+                f"ORDER BY {order}) AS rn FROM samples WHERE run_id = :r AND time_s < :cut) "
+                "AS k WHERE rn = 1"
+                for order in (
+                    "time_s, id",
+                    "time_s DESC, id DESC",
+                    *(f"{c} DESC NULLS LAST, id" for c in _KEEP_MAX),
+                    *(f"{c} ASC NULLS LAST, id" for c in _KEEP_MIN),
+                )
+            ]
+            res = conn.execute(
+                text(
+                    "DELETE FROM samples WHERE run_id = :r AND time_s < :cut AND id NOT IN "
+                    f"({' UNION '.join(keeps)})"
+                ),
+                {"r": run_id, "cut": cut, "w": bucket_s},
+            )
+            if res.rowcount:
+                report["samples_deleted"] += res.rowcount
+                report["runs_downsampled"] += 1
+        if thin:  # schema 8: old snapshots thinned with the samples
+            report["snapshots_deleted"] = thin_snapshots(conn, thin, cut)
+        if doomed and history._has_jobs:  # jobs none of whose runs is left
+            conn.execute(
+                text(
+                    "DELETE FROM jobs WHERE NOT EXISTS "
+                    "(SELECT 1 FROM runs WHERE runs.job_id = jobs.id)"
+                )
+            )
+        if history._pg:  # the deleted runs' rollup marks
+            for run_id in sorted(doomed):
+                conn.execute(text("DELETE FROM meta WHERE key = :k"), {"k": run_mark_key(run_id)})
+        if history._has_rollups:
+            roll_up(conn)  # fold in what is waiting; resets the mark if ids went down
+            rebuild_rollups(conn, thin)
+        conn.commit()
+    if vacuum and history.engine.dialect.name == "sqlite":
+        with history.engine.connect() as conn:
+            raw = conn.connection.dbapi_connection
+            raw.execute("VACUUM")  # type: ignore[union-attr]
+    logger.info("prune: %s", report)
+    return report
