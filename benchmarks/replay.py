@@ -25,7 +25,7 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session
 
-from edo_monitor.hindsight.explain import replay, replay_samples
+from edo_monitor.hindsight.replay import replay, replay_samples
 from edo_monitor.probes.readings import SAMPLE_FIELDS
 from edo_monitor.store.engine import open_engine, write_samples
 from edo_monitor.store.history import History

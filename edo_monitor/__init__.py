@@ -25,7 +25,8 @@ if TYPE_CHECKING:  # the names below are imported on first use (PEP 562), see __
         RunNotFoundError,
         StoreError,
     )
-    from edo_monitor.hindsight.explain import explain, replay
+    from edo_monitor.hindsight.explain import explain
+    from edo_monitor.hindsight.replay import replay
     from edo_monitor.measure.oom import OomInfo, parse_oom_message
     from edo_monitor.probes.readings import Reading
     from edo_monitor.store.history import History
@@ -46,7 +47,7 @@ _LAZY = {
     "Estimate": "edo_monitor.decide.estimate",
     "estimate": "edo_monitor.decide.estimate",
     "explain": "edo_monitor.hindsight.explain",
-    "replay": "edo_monitor.hindsight.explain",
+    "replay": "edo_monitor.hindsight.replay",
     "OomInfo": "edo_monitor.measure.oom",
     "parse_oom_message": "edo_monitor.measure.oom",
     "Policy": "edo_monitor.decide.policy",

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import edo_monitor
-from edo_monitor.hindsight.explain import replay
+from edo_monitor.hindsight.replay import replay
 from edo_monitor.store.history import History
 
 ROWS, DIM = 20_000, 32

@@ -28,7 +28,7 @@ from edo_monitor.decide.policy import (
 )
 from edo_monitor.decide.trend import StepSeries, fit_trend, student_t_tail
 from edo_monitor.errors import ConfigError
-from edo_monitor.hindsight.explain import parse_policy, replay
+from edo_monitor.hindsight.replay import parse_policy, replay
 from edo_monitor.probes.readings import Reading
 from edo_monitor.store.history import History
 from edo_monitor.surfaces.cli import app

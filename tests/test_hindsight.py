@@ -22,7 +22,8 @@ from edo_monitor.actions import ACTIONS, LOSSY_ACTIONS
 from edo_monitor.decide.plans import ACTION_NAMES, LOSSY_ACTION_NAMES, rounding_expected_error
 from edo_monitor.decide.policy import Policy
 from edo_monitor.errors import ConfigError, EventNotFoundError
-from edo_monitor.hindsight.explain import explain, parse_policy, replay
+from edo_monitor.hindsight.explain import explain
+from edo_monitor.hindsight.replay import parse_policy, replay
 from edo_monitor.store.history import History
 from edo_monitor.surfaces.cli import app
 

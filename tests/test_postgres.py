@@ -302,7 +302,7 @@ def test_replay_reads_postgres_as_sqlite(pg_seeded: str, tmp_path: Path) -> None
     """``replay`` reads its samples through the DBAPI cursor (``%s`` on psycopg, ``?`` on
     SQLite): the same run replayed from PostgreSQL and from an SQLite copy of the same seed gives
     the same samples, minimum free fraction and crossings."""
-    from edo_monitor.hindsight.explain import REPLAY_COLUMNS, replay, replay_samples
+    from edo_monitor.hindsight.replay import REPLAY_COLUMNS, replay, replay_samples
     from edo_monitor.store.history import History
 
     lite = tmp_path / "same.db"

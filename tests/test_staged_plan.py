@@ -17,7 +17,8 @@ from typer.testing import CliRunner
 from edo_monitor.agent.spectrum import SPECTRUM_MAX_ROWS, table_spectrum
 from edo_monitor.decide.estimate import estimate
 from edo_monitor.errors import ConfigError
-from edo_monitor.hindsight.explain import _tables_at, explain
+from edo_monitor.hindsight.explain import explain
+from edo_monitor.hindsight.recorded import _tables_at
 from edo_monitor.hindsight.staged import dimension_for_energy, staged_plan
 from edo_monitor.store.history import History
 from edo_monitor.surfaces.cli import app

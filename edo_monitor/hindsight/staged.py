@@ -171,7 +171,7 @@ def staged_plan(
         world_size: the run's ranks (``None`` or 1: a one-rank run).
         spectra: ``table_spectrum`` event data, latest last.
     """
-    from edo_monitor.hindsight.explain import MAX_CHECKPOINT_BLOCKS, _est
+    from edo_monitor.hindsight.recorded import MAX_CHECKPOINT_BLOCKS, _est
 
     sample = sample or {}
     params = int(sample.get("params_bytes") or 0)
@@ -323,7 +323,7 @@ def plan_for_incident(
     """:func:`staged_plan` for one :class:`edo_monitor.hindsight.explain.Incident` of a recorded
     run: its sample (an OOM's last reading, else the sample at the incident), its tables and
     activations, the run's world size and its ``table_spectrum`` events."""
-    from edo_monitor.hindsight.explain import _activations_at, _sample_at, _tables_at
+    from edo_monitor.hindsight.recorded import _activations_at, _sample_at, _tables_at
 
     e = next((e for e in events if e.id == incident.event_id), None)
     sample = None

@@ -1425,7 +1425,7 @@ def replay_cmd(
 ) -> None:
     """Re-run a recorded run through a policy offline: when it would have acted, what, and the
     resulting minimum free fraction, beside what happened."""
-    from edo_monitor.hindsight.explain import parse_policy, replay
+    from edo_monitor.hindsight.replay import parse_policy, replay
 
     settings = parse_policy(policy)  # usage errors before anything is opened
     from edo_monitor.decide.policy import Policy

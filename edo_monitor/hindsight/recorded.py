@@ -1,0 +1,166 @@
+"""The recorded attribution read back for hindsight: a run's tables and activations at a moment,
+and the saving of a remedy estimated from them."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+#: Rows a row cache keeps at least when the peak ids per batch are unknown (the action's own
+#: fallback, ``min(rows, 1024)``).
+CACHE_FLOOR_ROWS = 1024
+
+
+#: Blocks ``checkpoint_activations`` wraps at most (its default ``max_checkpoint_blocks``).
+MAX_CHECKPOINT_BLOCKS = 4
+
+
+@dataclass
+class _Table:
+    """An embedding table as recorded (module_stats), with its modelled state in a replay."""
+
+    module: str
+    kind: str
+    num_embeddings: int
+    embedding_dim: int
+    dtype: str
+    params_bytes: int
+    grads_bytes: int
+    optimizer_state_bytes: int
+    placement: str | None = None
+    cache_rows: int | None = None  # a modelled row cache
+    on_device: bool = True
+    counts_step: bool = False  # CPU-budget accounting counts the optimizer's step counters
+
+    @property
+    def total_bytes(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.optimizer_state_bytes
+
+    @property
+    def element_bytes(self) -> int:
+        return max(1, self.params_bytes // max(1, self.num_embeddings * self.embedding_dim))
+
+    @property
+    def state_tensors(self) -> int:
+        """Per-element optimizer state tensors (Adam 2, Adagrad 1, SGD 0)."""
+        return round(self.optimizer_state_bytes / self.params_bytes) if self.params_bytes else 0
+
+    @property
+    def row_bytes(self) -> int:
+        """Device bytes per row: weight, gradient and each per-element state tensor."""
+        per = self.embedding_dim * self.element_bytes
+        return per * (1 + int(self.grads_bytes > 0) + self.state_tensors)
+
+    @property
+    def cached_row_bytes(self) -> int:
+        """Device bytes per row of a row cache: weight and state, no gradient (the cache's
+        gradient is the touched rows' only: :mod:`edo_monitor.nn.cache_step`)."""
+        return self.embedding_dim * self.element_bytes * (1 + self.state_tensors)
+
+    @property
+    def optimizer(self) -> str:
+        return {0: "sgd", 1: "adagrad"}.get(self.state_tensors, "adam")
+
+
+def _tables_at(
+    rows: Sequence[Mapping[str, Any]],
+    time_s: float | None,
+    *,
+    before: bool = False,
+    counts_step: bool = False,
+) -> dict[str, _Table]:
+    """Latest state of each embedding table at ``time_s`` (strictly before it with ``before``;
+    all rows when ``None``); categories take their largest value so far (gradients and optimizer
+    state appear after the first step)."""
+    tables: dict[str, _Table] = {}
+    for r in rows:
+        if time_s is not None and (r["time_s"] >= time_s if before else r["time_s"] > time_s):
+            break
+        if r["num_embeddings"] is None or r["embedding_dim"] is None:
+            continue
+        t = tables.get(r["module"])
+        values = {
+            k: int(r[k] or 0) for k in ("params_bytes", "grads_bytes", "optimizer_state_bytes")
+        }
+        dtype = (r["dtype"] or "float32").removeprefix("torch.")
+        if t is None or values["params_bytes"] != t.params_bytes or dtype != t.dtype:
+            tables[r["module"]] = _Table(
+                r["module"],
+                r["kind"],
+                int(r["num_embeddings"]),
+                int(r["embedding_dim"]),
+                dtype,
+                placement=r["placement"],
+                counts_step=counts_step,
+                **values,
+            )
+        else:
+            t.grads_bytes = max(t.grads_bytes, values["grads_bytes"])
+            t.optimizer_state_bytes = max(t.optimizer_state_bytes, values["optimizer_state_bytes"])
+            t.placement = r["placement"]
+    return tables
+
+
+def _activations_at(rows: Sequence[Mapping[str, Any]], time_s: float | None) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in rows:
+        if time_s is not None and r["time_s"] > time_s:
+            break
+        out[r["module"]] = int(r["activations_bytes"] or 0)
+    return {m: b for m, b in out.items() if b > 0}
+
+
+def _load(history: Any, run: Any) -> tuple[Any, list[dict[str, Any]], list[Any]]:
+    from sqlalchemy import text
+
+    info = history.run(run, stats=False)
+    with history._read() as conn:
+        rows = [
+            dict(r)
+            for r in conn.execute(
+                text("SELECT * FROM module_stats WHERE run_id = :r ORDER BY time_s, id"),
+                {"r": info.id},
+            ).mappings()
+        ]
+    return info, rows, history.events(info.id)
+
+
+def _open(db: Any) -> tuple[Any, bool]:
+    from edo_monitor.store.history import History
+
+    if isinstance(db, History):
+        return db, False
+    return History(db), True
+
+
+def _est(t: _Table, compression: Any) -> int:
+    from edo_monitor.decide.estimate import estimate
+
+    dtype = t.dtype if t.dtype in ("float32", "float16", "bfloat16", "float64") else "float32"
+    est = estimate(
+        t.num_embeddings,
+        t.embedding_dim,
+        dtype=dtype,
+        optimizer=t.optimizer,
+        compression=compression,
+    )
+    return est.total_with_step_bytes if t.counts_step else est.total_bytes
+
+
+def _sample_at(history: Any, run_id: int, time_s: float) -> dict[str, Any] | None:
+    from sqlalchemy import text
+
+    with history._read() as conn:
+        row = (
+            conn.execute(
+                text(
+                    "SELECT * FROM samples WHERE run_id = :r AND time_s <= :t "
+                    "ORDER BY time_s DESC, id DESC LIMIT 1"
+                ),
+                {"r": run_id, "t": time_s},
+            )
+            .mappings()
+            .first()
+        )
+    return dict(row) if row else None

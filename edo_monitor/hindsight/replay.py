@@ -1,0 +1,605 @@
+"""replay: a recorded run's samples through the real Policy offline, each action's effect modelled
+from the recorded attribution, beside what the run did. Reads only the database."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from edo_monitor.decide.plans import Plan, Refusal, cache_rows_for, rounding_expected_error
+from edo_monitor.errors import ConfigError
+from edo_monitor.hindsight.recorded import (
+    CACHE_FLOOR_ROWS,
+    MAX_CHECKPOINT_BLOCKS,
+    _activations_at,
+    _est,
+    _load,
+    _open,
+    _Table,
+    _tables_at,
+)
+from edo_monitor.units import format_bytes
+
+_POLICY_KEYS = {
+    "min_free_fraction": float,
+    "rearm_free_fraction": float,
+    "cooldown_steps": int,
+    "mode": str,
+    "allow_lossy": bool,
+    "ladder": tuple,
+    "release_cache_min_bytes": str,
+    "grow_margin_fraction": float,
+    "grow_after_readings": int,
+    "forecast_steps": int,
+    "forecast_window_steps": int,
+}
+
+
+def parse_policy(text: str) -> dict[str, Any]:
+    """Policy keyword arguments from ``"min_free_fraction=0.3,cooldown_steps=2,..."``.
+
+    ``ladder`` takes action names joined by ``+`` (``ladder=offload_embedding+cache_embedding``);
+    ``allow_lossy`` takes ``true``/``false``. Values are checked by :class:`Policy` itself.
+
+    Raises:
+        ConfigError: an unknown key, a missing ``=``, or a value of the wrong kind.
+    """
+    out: dict[str, Any] = {}
+    for part in (p.strip() for p in (text or "").split(",")):
+        if not part:
+            continue
+        key, sep, value = (s.strip() for s in part.partition("="))
+        if not sep or key not in _POLICY_KEYS:
+            raise ConfigError(
+                f"policy setting {part!r} is not allowed; expected KEY=VALUE with KEY one of "
+                f"{', '.join(_POLICY_KEYS)}"
+            )
+        kind = _POLICY_KEYS[key]
+        try:
+            if kind is bool:
+                if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError(value)
+                out[key] = value.lower() in ("true", "1", "yes")
+            elif kind is tuple:
+                out[key] = tuple(v.strip() for v in value.split("+") if v.strip())
+            else:
+                out[key] = kind(value)
+        except ValueError:
+            raise ConfigError(
+                f"policy setting {key}={value!r} is not allowed; expected a {kind.__name__}"
+            ) from None
+    return out
+
+
+@dataclass(frozen=True)
+class ReplayDecision:
+    """A decision of the replayed policy (or, in ``recorded``, of the live run).
+
+    Attributes:
+        step, time_s: the reading it was decided on.
+        action, target: what.
+        saving_bytes: modelled saving (replay) or measured ``saved_bytes`` (live; ``None`` when
+            the live decision was not applied).
+        free_fraction: free fraction of the reading (modelled in a replay).
+        status: ``"modelled"``, ``"advised"`` (replay in advise mode); live: ``"applied"``,
+            ``"refused"``, ``"failed"``, ``"expired"`` (the run ended first), ``"advised"`` or
+            ``"pending"`` (no outcome recorded).
+        reason: the decision's reason.
+        expected_error: the plan's expected relative squared error (lossy actions; ``None``
+            when lossless or not known, e.g. a run recorded before it was recorded).
+    """
+
+    step: int
+    time_s: float
+    action: str
+    target: str
+    saving_bytes: int | None
+    free_fraction: float | None
+    status: str
+    reason: str
+    expected_error: float | None = None
+
+
+@dataclass(frozen=True)
+class ReplayForecast:
+    """A forecast of the replayed policy (``forecast_steps``) and its outcome.
+
+    Attributes:
+        step: the reading it was made on; ``predicted_step``: the crossing it predicted.
+        free_fraction: modelled free fraction at ``step``.
+        slope_bytes_per_step: the in-use trend (savings added back).
+        came_true: ``True``/``False`` as :class:`edo_monitor.decide.policy.ForecastOutcome` judges
+        it;
+            ``None`` when the trace ended first.
+        crossing_step: the step free memory (without the replayed actions taken since) was first
+            below the floor, when it came true.
+    """
+
+    step: int
+    predicted_step: int
+    free_fraction: float
+    slope_bytes_per_step: float
+    came_true: bool | None
+    crossing_step: int | None
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """:func:`replay`'s answer: the replayed decisions beside the recorded ones.
+
+    Attributes:
+        run_id, run_name: the run.
+        policy: ``repr`` of the replayed policy.
+        samples: samples replayed.
+        decisions: the replayed policy's decisions, in order.
+        refusals: for each ``no_action`` of the replay, ``(step, [(action, reason), ...])``.
+        recorded: the live run's decisions with their outcome.
+        crossings: the replay's threshold crossings ``(step, "below_floor" | "above_rearm",
+            free_fraction)``.
+        min_free_fraction: modelled minimum free fraction; ``recorded_min_free_fraction``: the
+            live run's.
+        oom_steps: steps of the live run's OOM events; ``oom_avoided``: for each, whether the
+            modelled savings in force by then cover its shortfall.
+        duration_s: wall time of the replay loop (reading the samples included).
+        forecasts: the replayed policy's forecasts with their outcomes (``forecast_steps`` set).
+    """
+
+    run_id: int
+    run_name: str
+    policy: str
+    samples: int
+    decisions: tuple[ReplayDecision, ...]
+    refusals: tuple[tuple[int, tuple[tuple[str, str], ...]], ...]
+    recorded: tuple[ReplayDecision, ...]
+    crossings: tuple[tuple[int, str, float], ...]
+    min_free_fraction: float | None
+    recorded_min_free_fraction: float | None
+    oom_steps: tuple[int, ...]
+    oom_avoided: tuple[bool, ...]
+    duration_s: float
+    forecasts: tuple[ReplayForecast, ...] = ()
+
+    @property
+    def samples_per_s(self) -> float | None:
+        """Replay speed."""
+        return self.samples / self.duration_s if self.duration_s > 0 else None
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain, JSON-ready values (``samples_per_s`` included)."""
+        d = dataclasses.asdict(self)
+        d["samples_per_s"] = self.samples_per_s
+        return d
+
+
+@dataclass
+class _Model:
+    """The modelled state of the run during a replay, and the planner the policy calls."""
+
+    tables: dict[str, _Table]
+    activations: dict[str, int]
+    rearm_fraction: float
+    grow_margin_fraction: float
+    in_use_bytes: int = 0
+    budget_bytes: int = 0
+    checkpointed: set[str] = field(default_factory=set)
+
+    def need(self) -> int:
+        return max(0, math.ceil(self.in_use_bytes - (1 - self.rearm_fraction) * self.budget_bytes))
+
+    def device(self) -> list[_Table]:
+        plain = [t for t in self.tables.values() if t.on_device and t.cache_rows is None]
+        return sorted(plain, key=lambda t: -t.total_bytes)
+
+    def __call__(self, name: str) -> Plan | Refusal:
+        if name == "release_cache":
+            return Refusal(
+                name,
+                "allocator",
+                "not modelled offline: the allocator's slack after the step is not in the trace",
+            )
+        if name == "share_embedding":
+            return Refusal(name, "", "not modelled offline: needs the ids' frequency per row")
+        if name == "cache_embedding":
+            return self._cache()
+        if name == "grow_cache":
+            return self._grow()
+        if name == "checkpoint_activations":
+            return self._checkpoint()
+        tables = self.device()
+        if not tables:
+            return Refusal(name, "", "no embedding table left on the device tier")
+        t = tables[0]
+        if name == "offload_embedding":
+            return Plan(
+                name,
+                t.module,
+                t.total_bytes,
+                f"largest table {t.module} ({format_bytes(t.total_bytes)}) moves to host memory",
+                {"model": "offload"},
+            )
+        variant = {
+            "compress_embedding": "bf16",
+            "compress_embedding_bf16": "bf16",
+            "compress_embedding_fp16": "fp16",
+            "compress_embedding_int8": "int8",
+            "compress_embedding_lowrank": f"lowrank:{max(1, t.embedding_dim // 2)}",
+        }.get(name)
+        if variant is None:
+            return Refusal(name, "", f"not modelled offline: {name}")
+        saving = t.total_bytes - _est(t, variant)
+        expected = rounding_expected_error(variant) if variant in ("bf16", "fp16") else None
+        return Plan(
+            name,
+            t.module,
+            saving,
+            f"{t.module} to {variant} (the estimator)",
+            {"model": "compress", "compression": variant},
+            expected_error=expected,
+        )
+
+    def _cache(self) -> Plan | Refusal:
+        need = self.need()
+        for t in self.tables.values():
+            if t.cache_rows is None or not t.on_device:
+                continue
+            floor = min(t.num_embeddings, CACHE_FLOOR_ROWS) + 1
+            spare = t.cache_rows - floor
+            if spare < 1:
+                continue
+            give = min(spare, -(-need // t.row_bytes)) or spare
+            return Plan(
+                "cache_embedding",
+                t.module,
+                give * t.row_bytes,
+                f"shrink the row cache of {t.module} from {t.cache_rows} to "
+                f"{t.cache_rows - give} rows",
+                {"model": "cache", "to_rows": t.cache_rows - give},
+            )
+        tables = self.device()
+        if not tables:
+            return Refusal("cache_embedding", "", "no embedding table left on the device tier")
+        for t in tables:
+            n = t.num_embeddings
+            floor = max(1, min(n, CACHE_FLOOR_ROWS))
+            rows = cache_rows_for(n, floor, need, t.row_bytes)
+            if rows >= n:
+                continue
+            saving = n * t.row_bytes - rows * t.cached_row_bytes
+            return Plan(
+                "cache_embedding",
+                t.module,
+                saving,
+                f"largest table {t.module}: keep {rows} of {n} rows on the device",
+                {"model": "cache", "to_rows": rows},
+            )
+        return Refusal("cache_embedding", tables[0].module, "a cache would hold the whole table")
+
+    def _grow(self) -> Plan | Refusal:
+        caches = [t for t in self.tables.values() if t.cache_rows is not None and t.on_device]
+        if not caches:
+            return Refusal("grow_cache", "", "no row cache made by cache_embedding")
+        keep_free = (self.rearm_fraction + self.grow_margin_fraction) * self.budget_bytes
+        spare = self.budget_bytes - self.in_use_bytes - keep_free
+        t = min(caches, key=lambda c: (c.cache_rows or 0) / c.num_embeddings)
+        rows = int(spare // t.cached_row_bytes)
+        if rows < 1:
+            return Refusal("grow_cache", t.module, "spare bytes below one row")
+        n, cached = t.num_embeddings, t.cache_rows or 0
+        grad_bytes = n * (t.row_bytes - t.cached_row_bytes)  # a resident table's dense gradient
+        to_rows = min(n, cached + rows)
+        if to_rows >= n and (n - cached) * t.cached_row_bytes + grad_bytes > spare:
+            to_rows = n - 1  # resident again would not fit with its gradient: stay a cache
+        cost = (to_rows - cached) * t.cached_row_bytes + (grad_bytes if to_rows >= n else 0)
+        return Plan(
+            "grow_cache",
+            t.module,
+            -cost,
+            f"grow the row cache of {t.module} to {to_rows} rows",
+            {"model": "cache", "to_rows": to_rows},
+        )
+
+    def _checkpoint(self) -> Plan | Refusal:
+        cands = [
+            (m, b)
+            for m, b in self.activations.items()
+            if m not in ("<model>", "") and m not in self.tables and m not in self.checkpointed
+        ]
+        cands.sort(key=lambda mb: -mb[1])
+        chosen = cands[:MAX_CHECKPOINT_BLOCKS]
+        if not chosen:
+            return Refusal(
+                "checkpoint_activations", "", "no block with recorded activations to checkpoint"
+            )
+        est = sum(b for _, b in chosen)
+        return Plan(
+            "checkpoint_activations",
+            ",".join(m for m, _ in chosen),
+            est,
+            f"checkpoint {len(chosen)} block(s) saving {format_bytes(est)} of activations",
+            {"model": "checkpoint", "blocks": [m for m, _ in chosen]},
+        )
+
+    def at_in_use(self, in_use_bytes: int) -> _Model:
+        """The planner for another in-use (a forecast decision's); the state is shared, so a
+        plan it makes is committed on this model."""
+        return dataclasses.replace(self, in_use_bytes=in_use_bytes)
+
+    def commit(self, plan: Plan) -> None:
+        """Change the modelled state as the applied action would."""
+        kind = plan.details.get("model")
+        if kind == "checkpoint":
+            self.checkpointed.update(plan.details["blocks"])
+            return
+        t = self.tables.get(plan.target)
+        if t is None:
+            return
+        if kind == "offload":
+            t.on_device = False
+        elif kind == "cache":
+            rows = int(plan.details["to_rows"])
+            t.cache_rows = None if rows >= t.num_embeddings else rows
+        elif kind == "compress":
+            after = _est(t, plan.details["compression"])
+            scale = after / t.total_bytes if t.total_bytes else 0.0
+            t.params_bytes = int(t.params_bytes * scale)
+            t.grads_bytes = int(t.grads_bytes * scale)
+            t.optimizer_state_bytes = after - t.params_bytes - t.grads_bytes
+            t.on_device = False  # compressed once: not planned again
+
+
+#: The sample columns replay reads, in the order :func:`replay_samples` yields them.
+REPLAY_COLUMNS = (
+    "time_s",
+    "step",
+    "device_kind",
+    "in_use_bytes",
+    "budget_bytes",
+    "free_fraction",
+    "reserved_unallocated_bytes",
+)
+
+
+def replay_samples(conn: Any, run_id: int, chunk_rows: int = 65536) -> Iterator[list[Any]]:
+    """A run's samples in time order (``ORDER BY time_s, id``), :data:`REPLAY_COLUMNS` only,
+    as lists of plain tuples of up to ``chunk_rows``.
+
+    Read through the DBAPI cursor of ``conn`` (an SQLAlchemy connection of a reader, in its
+    snapshot): SQLAlchemy's result rows cost about a third of the read on a million samples, and
+    replay needs nothing but the values.
+    """
+    mark = "?" if conn.dialect.paramstyle == "qmark" else "%s"
+    sql = (
+        f"SELECT {', '.join(REPLAY_COLUMNS)} FROM samples WHERE run_id = {mark} ORDER BY time_s, id"
+    )
+    cur = conn.connection.dbapi_connection.cursor()
+    try:
+        cur.execute(sql, (run_id,))
+        while chunk := cur.fetchmany(chunk_rows):
+            yield chunk
+    finally:
+        cur.close()
+
+
+def replay(db: Any, run: Any, policy: Any = None) -> ReplayResult:
+    """Re-run a recorded run's samples through a real :class:`edo_monitor.decide.policy.Policy`.
+
+    Args:
+        db: a :class:`edo_monitor.History`, a path or an SQLAlchemy URL (read-only).
+        run: run id, uuid prefix or ``"latest"``.
+        policy: a :class:`Policy`, its keyword arguments (a mapping), a string for
+            :func:`parse_policy`, or ``None`` (the default policy, ``mode="auto"``). A policy
+            object is used as it is (its state changes).
+
+    Returns:
+        A :class:`ReplayResult` (see the module docstring for how each effect is modelled).
+
+    Raises:
+        RunNotFoundError: no such run. StoreError: no usable database. ConfigError: a bad policy.
+    """
+    from edo_monitor.decide.policy import (
+        Decision,
+        Forecast,
+        ForecastOutcome,
+        NoActionAvailable,
+        Policy,
+        ThresholdCrossing,
+    )
+    from edo_monitor.probes.readings import Reading
+
+    if policy is None:
+        policy = Policy()
+    elif isinstance(policy, str):
+        policy = Policy(**parse_policy(policy))
+    elif isinstance(policy, Mapping):
+        policy = Policy(**policy)
+    elif not isinstance(policy, Policy):
+        raise ConfigError(
+            f"policy={policy!r} is not allowed; expected a Policy, a mapping or a string"
+        )
+    history, owned = _open(db)
+    try:
+        t0 = time.perf_counter()
+        info, module_rows, events = _load(history, run)
+        live = [e for e in events if e.kind == "action"]
+        cpu = info.device_kind != "cuda"
+        # the tables as they were before the live run's first decision changed anything
+        changed = [e.time_s for e in events if e.kind in ("decision", "action")]
+        first_live = min(changed) if changed else None
+        model = _Model(
+            _tables_at(module_rows, first_live, before=True, counts_step=cpu),
+            _activations_at(module_rows, first_live),
+            policy.rearm_free_fraction,
+            policy.grow_margin_fraction,
+        )
+        for t in model.tables.values():
+            t.on_device = t.placement != "host"
+        live_back = [(e.time_s, int(e.data.get("saved_bytes") or 0)) for e in live]
+        ooms = [e for e in events if e.kind == "oom"]
+        oom_need = []
+        for e in ooms:
+            parsed = e.data.get("parsed") or {}
+            req, free = parsed.get("requested_bytes"), parsed.get("free_bytes")
+            oom_need.append((e.time_s, max(0, int(req or 0) - int(free or 0))))
+
+        decisions: list[ReplayDecision] = []
+        forecasts: list[ReplayForecast] = []
+        open_forecast: dict[int, int] = {}  # forecast index -> its position in forecasts
+        last_step, last_time = 0, 0.0
+        refusals: list[tuple[int, tuple[tuple[str, str], ...]]] = []
+        crossings: list[tuple[int, str, float]] = []
+        pending: list[tuple[int, int]] = []  # (decision step, saving): in force at a later step
+        applied = 0
+        back = 0
+        li = 0
+        min_free: float | None = None
+        min_rec: float | None = None
+        saved_at_oom: list[int] = []
+        oi = 0
+        n = 0
+        evaluate = policy.evaluate
+        with history._read() as conn:
+            for chunk in replay_samples(conn, info.id):
+                for time_s, step, kind, in_use, budget, rec_free, slack in chunk:
+                    n += 1
+                    while li < len(live_back) and live_back[li][0] <= time_s:
+                        back += live_back[li][1]
+                        li += 1
+                    if pending and pending[0][0] < step:
+                        while pending and pending[0][0] < step:
+                            applied += pending.pop(0)[1]
+                    while oi < len(oom_need) and oom_need[oi][0] <= time_s:
+                        saved_at_oom.append(applied)
+                        oi += 1
+                    if rec_free is not None and (min_rec is None or rec_free < min_rec):
+                        min_rec = rec_free
+                    if in_use is None or not budget:
+                        continue
+                    now = in_use + back - applied
+                    free = (budget - now) / budget
+                    if min_free is None or free < min_free:
+                        min_free = free
+                    model.in_use_bytes = now
+                    model.budget_bytes = budget
+                    reading = Reading.of(
+                        time_s,
+                        step,
+                        kind,
+                        reserved_unallocated_bytes=slack,
+                        budget_bytes=budget,
+                        in_use_bytes=now,
+                        free_fraction=free,
+                    )
+                    last_step, last_time = step, time_s
+                    for ev in evaluate(reading, model):
+                        if isinstance(ev, Forecast):
+                            open_forecast[ev.index] = len(forecasts)
+                            forecasts.append(
+                                ReplayForecast(
+                                    ev.step,
+                                    ev.predicted_step,
+                                    ev.free_fraction,
+                                    ev.slope_bytes_per_step,
+                                    None,
+                                    None,
+                                )
+                            )
+                        elif isinstance(ev, ForecastOutcome):
+                            _judge(forecasts, open_forecast, ev)
+                        elif isinstance(ev, ThresholdCrossing):
+                            crossings.append((ev.step, ev.kind, ev.free_fraction))
+                        elif isinstance(ev, NoActionAvailable):
+                            refusals.append(
+                                (ev.step, tuple((r.action, r.reason) for r in ev.refusals))
+                            )
+                        elif isinstance(ev, Decision):
+                            decisions.append(
+                                ReplayDecision(
+                                    ev.step,
+                                    ev.time_s,
+                                    ev.action,
+                                    ev.target,
+                                    ev.estimated_saving_bytes,
+                                    ev.free_fraction,
+                                    "advised" if ev.advisory else "modelled",
+                                    ev.reason,
+                                    ev.expected_error,
+                                )
+                            )
+                            if not ev.advisory:
+                                model.commit(ev.plan)
+                                pending.append((ev.step, ev.estimated_saving_bytes))
+                                policy.resolve(ev, "applied")
+        while oi < len(oom_need):
+            saved_at_oom.append(applied)
+            oi += 1
+        ended = policy.end_forecast(last_step, last_time)
+        if ended is not None:
+            _judge(forecasts, open_forecast, ended)
+        duration = time.perf_counter() - t0
+        return ReplayResult(
+            info.id,
+            info.name,
+            repr(policy),
+            n,
+            tuple(decisions),
+            tuple(refusals),
+            tuple(_recorded(events)),
+            tuple(crossings),
+            min_free,
+            min_rec,
+            tuple(e.step for e in ooms),
+            tuple(s >= need for s, (_, need) in zip(saved_at_oom, oom_need, strict=True)),
+            duration,
+            tuple(forecasts),
+        )
+    finally:
+        if owned:
+            history.close()
+
+
+def _judge(forecasts: list[ReplayForecast], open_: dict[int, int], outcome: Any) -> None:
+    """Write a :class:`~edo_monitor.decide.policy.ForecastOutcome` into its forecast's row."""
+    i = open_.pop(outcome.forecast.index, None)
+    if i is not None:
+        forecasts[i] = dataclasses.replace(
+            forecasts[i], came_true=outcome.came_true, crossing_step=outcome.crossing_step
+        )
+
+
+def _recorded(events: Sequence[Any]) -> list[ReplayDecision]:
+    """The live run's decisions, each with the outcome of its action event."""
+    outcomes = {
+        "action": "applied",
+        "action_refused": "refused",
+        "action_failed": "failed",
+        "decision_expired": "expired",
+    }
+    out: list[ReplayDecision] = []
+    open_: list[int] = []
+    for e in events:
+        if e.kind == "decision":
+            mode = e.data.get("mode")
+            out.append(
+                ReplayDecision(
+                    e.step,
+                    e.time_s,
+                    str(e.data.get("action")),
+                    str(e.data.get("target") or ""),
+                    None,
+                    e.data.get("free_fraction"),
+                    "advised" if mode == "advise" else "pending",
+                    str(e.data.get("reason") or ""),
+                    e.data.get("expected_error"),
+                )
+            )
+            if mode != "advise":
+                open_.append(len(out) - 1)
+        elif e.kind in outcomes and open_:
+            i = open_.pop(0)
+            saved = int(e.data.get("saved_bytes") or 0) if e.kind == "action" else None
+            out[i] = dataclasses.replace(out[i], status=outcomes[e.kind], saving_bytes=saved)
+    return out
