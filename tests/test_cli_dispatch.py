@@ -13,7 +13,7 @@ from test_cli import DB_COMMANDS, runner
 from test_history import seed
 
 from edo_monitor.surfaces.cli import app
-from edo_monitor.surfaces.cli_dispatch import app_for
+from edo_monitor.surfaces.cli.dispatch import app_for
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from torch import nn
 from edo_monitor.decide.estimate import estimate
 from edo_monitor.errors import ConfigError
 from edo_monitor.measure.accounting import account
-from edo_monitor.surfaces.cli_estimate import estimate_command
+from edo_monitor.surfaces.cli.estimate_text import estimate_command
 from edo_monitor.units import format_bytes
 
 # --- pinned figures (issue 3)

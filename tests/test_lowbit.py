@@ -34,7 +34,7 @@ from edo_monitor.nn.lowbit import (
     unpack_bits,
 )
 from edo_monitor.probes.readings import Reading
-from edo_monitor.surfaces.cli_estimate import estimate_command
+from edo_monitor.surfaces.cli.estimate_text import estimate_command
 
 N, D = 600, 40  # D not a multiple of the group: the last group is padded
 

@@ -93,7 +93,7 @@ class SnapshotScreen(ModalScreen[None]):
 
     @_while_shown
     def _show(self, info: Any, snap: dict[str, Any], rows: list[Any], allocated: int) -> None:
-        from edo_monitor.surfaces.cli_snapshot import describe, top_table
+        from edo_monitor.surfaces.cli.snapshot import describe, top_table
 
         self.rows = rows
         self.query_one("#snapshot-text", Static).update(

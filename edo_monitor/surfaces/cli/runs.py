@@ -1,0 +1,508 @@
+"""The commands that list and show recorded runs and jobs: runs, show, jobs, job, events,
+compare."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from edo_monitor.errors import (
+    ConfigError,
+)
+from edo_monitor.surfaces.cli.common import (
+    DbOpt,
+    JsonOpt,
+    RunArg,
+    _bytes,
+    _c,
+    _dur,
+    _handle_errors,
+    _history,
+    _info_dict,
+    _parse_duration,
+    _pct,
+    _print_json,
+    _when,
+    app,
+)
+from edo_monitor.surfaces.cli.options import INT64_MAX, Number
+
+
+@app.command("runs")
+@_handle_errors
+def runs_cmd(
+    db: DbOpt = None,
+    status: Annotated[
+        str | None,
+        typer.Option(
+            help="Only runs with this status (running/finished/failed/interrupted/crashed)."
+        ),
+    ] = None,
+    since: Annotated[
+        str | None, typer.Option(help="Only runs started within this long ago, e.g. 7d, 12h.")
+    ] = None,
+    name: Annotated[str | None, typer.Option(help="Only runs whose name matches (* ?).")] = None,
+    tag: Annotated[str | None, typer.Option(help="Only runs with this tag.")] = None,
+    limit: Annotated[
+        int | None,
+        typer.Option(help="At most this many runs.", parser=Number(int, 1, INT64_MAX)),
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """List runs, newest first. The id and the uuid column are references that open the run."""
+    from edo_monitor.store.queries import STATUSES
+
+    if status is not None and status not in STATUSES:
+        raise ConfigError(f"--status {status!r} is not a run status; expected one of {STATUSES}")
+    since_s = None if since is None else time.time() - _parse_duration(since, "--since")
+    with _history(db) as h:
+        runs = h.runs(status=status, since=since_s, name=name, tag=tag, limit=limit)
+        refs = h.uuid_references() if runs and not as_json else {}
+    if as_json:
+        _print_json([_info_dict(r) for r in runs])
+        return
+    if not runs:
+        _c.out.print("no runs recorded")
+        return
+    table = Table(title=None, show_lines=False)
+    for col, just in (
+        ("id", "right"),
+        ("uuid", "left"),
+        ("name", "left"),
+        ("status", "left"),
+        ("started (UTC)", "left"),
+        ("duration", "right"),
+        ("steps", "right"),
+        ("device", "left"),
+        ("peak in use", "right"),
+        ("min free", "right"),
+        ("actions", "right"),
+        ("OOMs", "right"),
+    ):
+        table.add_column(col, justify=just)  # type: ignore[arg-type]
+    for r in runs:
+        table.add_row(
+            str(r.id),
+            refs.get(r.id, str(r.id)),
+            r.name,
+            r.status,
+            _when(r.started_at_s),
+            _dur(r.duration_s),
+            str(r.steps),
+            r.device_kind,
+            _bytes(r.peak_in_use_bytes),
+            _pct(r.min_free_fraction),
+            str(r.action_count),
+            str(r.oom_count),
+        )
+    _c.out.print(table)
+
+
+def _module_table(mods: list[Any]) -> Table:
+    table = Table(title="modules (bytes by category, largest first)")
+    for col in ("module", "kind", "shape", "dtype", "device", "placement"):
+        table.add_column(col)
+    for col in ("params", "grads", "optimizer state", "activations", "total"):
+        table.add_column(col, justify="right")
+    for m in mods:
+        shape = (
+            f"{m.num_embeddings}x{m.embedding_dim}"
+            if m.num_embeddings is not None and m.embedding_dim is not None
+            else "-"
+        )
+        table.add_row(
+            m.module,
+            m.kind,
+            shape,
+            m.dtype or "-",
+            m.device or "-",
+            m.placement or "-",
+            _bytes(m.params_bytes),
+            _bytes(m.grads_bytes),
+            _bytes(m.optimizer_state_bytes),
+            _bytes(m.activations_bytes),
+            _bytes(m.total_bytes),
+        )
+    return table
+
+
+def _cache_table(mods: list[Any], summary: Any) -> Table | None:
+    """Row caches: one row per cached table (totals since it was cached) and the run's total
+    over its samples (with bytes moved per step); ``None`` when the run had no cache."""
+    cached = [m for m in mods if m.cache_rows is not None]
+    if not cached and summary is None:
+        return None
+    table = Table(title="row caches (CachedEmbedding tables)")
+    table.add_column("table")
+    for col in ("cache rows", "hit rate", "rows loaded", "rows evicted", "moved", "moved/step"):
+        table.add_column(col, justify="right")
+    for m in cached:
+        rows = f"{m.cache_rows:,}" + (f" of {m.num_embeddings:,}" if m.num_embeddings else "")
+        table.add_row(
+            m.module,
+            rows,
+            _pct(m.cache_hit_fraction),
+            f"{m.cache_rows_loaded or 0:,}",
+            f"{m.cache_rows_evicted or 0:,}",
+            _bytes(m.cache_moved_bytes or 0),
+            "-",
+        )
+    if summary is not None:
+        per_step = summary.moved_bytes_per_step
+        table.add_row(
+            f"run (steps {summary.first_step}-{summary.last_step})",
+            f"{summary.rows_now:,}",
+            _pct(summary.hit_fraction),
+            f"{summary.rows_loaded:,}",
+            f"{summary.rows_evicted:,}",
+            _bytes(summary.moved_bytes),
+            "-" if per_step is None else _bytes(round(per_step)),
+        )
+    return table
+
+
+def _events_table(events: list[Any], start_s: float) -> Table:
+    table = Table(title="events")
+    table.add_column("id", justify="right")
+    table.add_column("t+", justify="right")
+    table.add_column("step", justify="right")
+    table.add_column("kind")
+    table.add_column("message")
+    for e in events:
+        table.add_row(str(e.id), f"{e.time_s - start_s:.1f}s", str(e.step), e.kind, e.message)
+    return table
+
+
+@app.command("show")
+@_handle_errors
+def show_cmd(
+    run: RunArg,
+    db: DbOpt = None,
+    modules: Annotated[
+        bool, typer.Option("--modules", help="Only the module x category bytes table.")
+    ] = False,
+    max_events: Annotated[
+        int,
+        typer.Option(help="Show at most this many events.", parser=Number(int, 0, INT64_MAX)),
+    ] = 50,
+    as_json: JsonOpt = False,
+) -> None:
+    """Summary of one run: status, peaks, events, modules."""
+    with _history(db) as h:
+        info = h.run(run)
+        mods = h.modules(info.id)
+        events = [] if modules else h.events(info.id)
+        peak = None if modules else h.peak(info.id)
+        cache = h.cache_summary(info.id)
+    if as_json:
+        import dataclasses
+
+        _print_json(
+            {
+                "run": _info_dict(info),
+                "peak": None if peak is None else dataclasses.asdict(peak),
+                "events": [dataclasses.asdict(e) for e in events],
+                "modules": [{**dataclasses.asdict(m), "total_bytes": m.total_bytes} for m in mods],
+                "row_cache": None
+                if cache is None
+                else {
+                    **dataclasses.asdict(cache),
+                    "hit_fraction": cache.hit_fraction,
+                    "moved_bytes_per_step": cache.moved_bytes_per_step,
+                },
+            }
+        )
+        return
+    if modules:
+        if not mods:
+            _c.out.print(f"run {info.id} recorded no module statistics")
+            return
+        _c.out.print(_module_table(mods))
+        caches = _cache_table(mods, cache)
+        if caches is not None:
+            _c.out.print(caches)
+        return
+    summary = Table(title=f"run {info.id}  {info.name}", show_header=False)
+    summary.add_column("field")
+    summary.add_column("value")
+    rows = [
+        ("uuid", info.uuid),
+        (
+            "status",
+            info.status
+            + (f" (stored: {info.stored_status})" if info.status != info.stored_status else ""),
+        ),
+        ("error", info.error or "-"),
+        ("host / pid", f"{info.host} / {info.pid}"),
+        (
+            "job",
+            "-"
+            if info.job_id is None
+            else f"{info.job_id} (rank {info.rank} of {info.world_size}; edo-monitor job "
+            f"{info.job_id})",
+        ),
+        ("started", _when(info.started_at_s)),
+        ("ended", _when(info.ended_at_s)),
+        ("duration", _dur(info.duration_s)),
+        ("steps", f"{info.steps}  ({info.steps_per_s or 0:.2f} steps/s)"),
+        ("device", f"{info.device_kind}  {info.device_name or ''}".rstrip()),
+        ("device total", _bytes(info.device_total_bytes)),
+        ("budget", _bytes(info.budget_bytes)),
+        ("interval", f"{info.interval_s:g} s"),
+        ("samples", f"{info.sample_count}  (dropped: {info.samples_dropped})"),
+        ("tags", ", ".join(info.tags) or "-"),
+        ("torch", info.torch_version),
+    ]
+    for label, value in rows:
+        summary.add_row(label, value)
+    _c.out.print(summary)
+    peaks = Table(title="peaks")
+    peaks.add_column("quantity")
+    peaks.add_column("peak", justify="right")
+    for label, value in (
+        ("in use", _bytes(info.peak_in_use_bytes)),
+        ("allocated", _bytes(info.peak_allocated_bytes)),
+        ("reserved", _bytes(info.peak_reserved_bytes)),
+        ("process on device", _bytes(info.peak_process_device_bytes)),
+        ("device used", _bytes(info.peak_device_used_bytes)),
+        ("process RSS", _bytes(info.peak_process_rss_bytes)),
+        ("min free fraction", _pct(info.min_free_fraction)),
+    ):
+        peaks.add_row(label, value)
+    if peak is not None and peak.time_s is not None:
+        peaks.add_row(
+            "in use peak at", f"t+{peak.time_s - info.started_at_s:.1f}s, step {peak.step}"
+        )
+    _c.out.print(peaks)
+    if events:
+        shown = events[:max_events]
+        _c.out.print(_events_table(shown, info.started_at_s))
+        if len(events) > len(shown):
+            _c.out.print(f"… {len(events) - len(shown)} more (edo-monitor events {info.id})")
+    else:
+        _c.out.print("no events")
+    if mods:
+        _c.out.print(_module_table(mods))
+    caches = _cache_table(mods, cache)
+    if caches is not None:
+        _c.out.print(caches)
+
+
+JobArg = Annotated[
+    str,
+    typer.Argument(
+        help="Job id (as 'jobs' prints it: torchrun's run id or a uuid), a prefix of it that "
+        "matches one job, or 'latest'."
+    ),
+]
+
+
+@app.command("jobs")
+@_handle_errors
+def jobs_cmd(
+    db: DbOpt = None,
+    status: Annotated[
+        str | None,
+        typer.Option(
+            help="Only jobs with this status (running/finished/failed/interrupted/crashed: "
+            "running while any rank runs, else the worst rank's)."
+        ),
+    ] = None,
+    since: Annotated[
+        str | None, typer.Option(help="Only jobs created within this long ago, e.g. 7d, 12h.")
+    ] = None,
+    limit: Annotated[
+        int | None,
+        typer.Option(help="At most this many jobs.", parser=Number(int, 1, INT64_MAX)),
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """List multi-rank jobs (torch.distributed), newest first; 'job JOB' shows one."""
+    from edo_monitor.store.queries import STATUSES
+
+    if status is not None and status not in STATUSES:
+        raise ConfigError(f"--status {status!r} is not a job status; expected one of {STATUSES}")
+    since_s = None if since is None else time.time() - _parse_duration(since, "--since")
+    with _history(db) as h:
+        jobs = h.jobs(status=status, since=since_s, limit=limit)
+        members = {j.id: h.job_runs(j.id) for j in jobs}
+    rows = []
+    for j in jobs:
+        runs = members[j.id]
+        frees = [(r.min_free_fraction, r.rank) for r in runs if r.min_free_fraction is not None]
+        lowest = min(frees, key=_first) if frees else None
+        rows.append(
+            {
+                **_info_dict(j),
+                "min_free_fraction": None if lowest is None else lowest[0],
+                "min_free_rank": None if lowest is None else lowest[1],
+                "action_count": sum(r.action_count for r in runs),
+                "oom_count": sum(r.oom_count for r in runs),
+            }
+        )
+    if as_json:
+        _print_json(rows)
+        return
+    if not rows:
+        _c.out.print(
+            "no jobs recorded (a job is the runs of the ranks of one torch.distributed job)"
+        )
+        return
+    table = Table()
+    for col, just in (
+        ("job", "left"),
+        ("name", "left"),
+        ("status", "left"),
+        ("ranks", "right"),
+        ("backend", "left"),
+        ("hosts", "left"),
+        ("started (UTC)", "left"),
+        ("duration", "right"),
+        ("steps", "right"),
+        ("min free (rank)", "right"),
+        ("actions", "right"),
+        ("OOMs", "right"),
+    ):
+        table.add_column(col, justify=just)  # type: ignore[arg-type]
+    for j, row in zip(jobs, rows, strict=True):
+        end = j.ended_at_s if j.ended_at_s is not None else time.time()
+        duration = None if j.started_at_s is None else max(0.0, end - j.started_at_s)
+        lowest = (
+            "-"
+            if row["min_free_fraction"] is None
+            else f"{_pct(row['min_free_fraction'])} ({row['min_free_rank']})"
+        )
+        table.add_row(
+            j.id,
+            j.name,
+            j.status or "-",
+            f"{len(set(j.ranks))}/{j.world_size}",
+            j.backend or "-",
+            ", ".join(j.hosts) or "-",
+            _when(j.started_at_s),
+            _dur(duration),
+            "-" if j.min_steps is None else str(j.min_steps),
+            lowest,
+            str(row["action_count"]),
+            str(row["oom_count"]),
+        )
+    _c.out.print(table)
+
+
+def _first(item: tuple[Any, Any]) -> Any:
+    return item[0]
+
+
+@app.command("job")
+@_handle_errors
+def job_cmd(job: JobArg, db: DbOpt = None, as_json: JsonOpt = False) -> None:
+    """One multi-rank job: its ranks (free fraction now and at its lowest, the tightest rank
+    marked) and every rank's actions by step. ('show' is for one run: 'show RUN'.)"""
+    from edo_monitor.hindsight.jobs import job_renderables, job_report
+
+    with _history(db) as h:
+        report = job_report(h, job)
+    if as_json:
+        _print_json(report.as_dict())
+        return
+    for renderable in job_renderables(report):
+        _c.out.print(renderable)
+
+
+@app.command("events")
+@_handle_errors
+def events_cmd(
+    run: RunArg,
+    db: DbOpt = None,
+    kind: Annotated[
+        list[str] | None, typer.Option(help="Only events of this kind (repeatable).")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Events of one run (thresholds, decisions, actions, OOMs …) in time order."""
+    import dataclasses
+
+    with _history(db) as h:
+        info = h.run(run)
+        events = h.events(info.id, kind=kind or None)
+    if as_json:
+        _print_json([dataclasses.asdict(e) for e in events])
+        return
+    if not events:
+        _c.out.print(f"run {info.id}: no events")
+        return
+    _c.out.print(_events_table(events, info.started_at_s))
+
+
+@app.command("compare")
+@_handle_errors
+def compare_cmd(
+    run_a: Annotated[str, typer.Argument(help="First run (id, uuid prefix, latest).")],
+    run_b: Annotated[str, typer.Argument(help="Second run.")],
+    db: DbOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Two runs side by side: peaks, minimum free fraction, steps/s, actions."""
+    import dataclasses
+
+    with _history(db) as h:
+        c = h.compare(run_a, run_b)
+    if as_json:
+        _print_json(
+            {
+                "a": _info_dict(c.a),
+                "b": _info_dict(c.b),
+                "metrics": [{**dataclasses.asdict(m), "delta": m.delta} for m in c.metrics],
+                "actions_a": [dataclasses.asdict(e) for e in c.actions_a],
+                "actions_b": [dataclasses.asdict(e) for e in c.actions_b],
+            }
+        )
+        return
+    table = Table(title=f"run {c.a.id} ({c.a.name}) vs run {c.b.id} ({c.b.name})")
+    table.add_column("metric")
+    table.add_column(f"A: {c.a.id}", justify="right")
+    table.add_column(f"B: {c.b.id}", justify="right")
+    table.add_column("B - A", justify="right")
+
+    def fmt(unit: str, v: Any) -> str:
+        if v is None:
+            return "-"
+        if unit == "bytes":
+            return ("-" if v < 0 else "") + _bytes(abs(v))
+        if unit == "fraction":
+            return _pct(v)
+        if unit == "s":
+            return _dur(abs(v)) if v >= 0 else "-" + _dur(-v)
+        if isinstance(v, float):
+            return f"{v:.3g}"
+        return str(v)
+
+    for m in c.metrics:
+        delta = m.delta
+        d = "-" if delta is None else fmt(m.unit, delta)
+        if m.unit == "fraction" and delta is not None:
+            d = f"{100 * delta:+.1f} pp"
+        table.add_row(m.name, fmt(m.unit, m.a), fmt(m.unit, m.b), d)
+    _c.out.print(table)
+    acts = Table(title="actions")
+    acts.add_column("run")
+    acts.add_column("t+", justify="right")
+    acts.add_column("action")
+    acts.add_column("target")
+    acts.add_column("saved", justify="right")
+    for label, info, events in (("A", c.a, c.actions_a), ("B", c.b, c.actions_b)):
+        for e in events:
+            acts.add_row(
+                f"{label}: {info.id}",
+                f"{e.time_s - info.started_at_s:.1f}s",
+                str(e.data.get("action", e.message)),
+                str(e.data.get("target", "-")),
+                _bytes(e.data.get("saved_bytes")),
+            )
+    if c.actions_a or c.actions_b:
+        _c.out.print(acts)
+    else:
+        _c.out.print("no actions in either run")
