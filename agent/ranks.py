@@ -442,7 +442,7 @@ class Coordinator:
     def _stand_in(self, action: str, pending: Any, decided_step: int, worst_free: int) -> Any:
         """A :class:`Decision` for an agreed action this rank's policy did not decide."""
         from edo_monitor.decide.plans import Plan
-        from edo_monitor.decide.policy import Decision
+        from edo_monitor.decide.policy_events import Decision
 
         return Decision(
             action=action,

@@ -18,14 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 from edo_monitor.actions.base import ActionContext, ActionResult
 from edo_monitor.actions.registry import ACTIONS
-from edo_monitor.decide.policy import (
-    Decision,
-    Forecast,
-    ForecastOutcome,
-    Policy,
-    ThresholdCrossing,
-    make_planner,
-)
+from edo_monitor.decide.policy import Policy
+from edo_monitor.decide.policy_events import Decision, Forecast, ForecastOutcome, ThresholdCrossing
+from edo_monitor.decide.ranking import make_planner
 from edo_monitor.probes.readings import Reading
 from edo_monitor.units import format_bytes
 

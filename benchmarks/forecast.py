@@ -34,7 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from edo_monitor.decide.policy import Forecast, Policy
+from edo_monitor.decide.policy import Policy
+from edo_monitor.decide.policy_events import Forecast
 from edo_monitor.hindsight.replay import replay
 from edo_monitor.probes.readings import Reading
 from edo_monitor.store.history import History

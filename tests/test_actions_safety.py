@@ -22,7 +22,9 @@ from torch import nn
 
 import edo_monitor
 from edo_monitor.actions import ACTIONS, ActionContext, ActivationRecorder, Plan, Refusal
-from edo_monitor.decide.policy import Decision, Policy, make_planner
+from edo_monitor.decide.policy import Policy
+from edo_monitor.decide.policy_events import Decision
+from edo_monitor.decide.ranking import make_planner
 from edo_monitor.measure.accounting import account, tensor_bytes, tensor_bytes_as
 from edo_monitor.measure.fragmentation import releasable_bytes, snapshot_fragmentation
 from edo_monitor.probes.cuda import AllocatorProbe

@@ -270,7 +270,7 @@ def test_agent_picks_the_cache_before_offload_and_resizes_with_events(db_path: P
 
 def test_policy_decides_grow_after_calm_readings_only() -> None:
     from edo_monitor.actions import Plan
-    from edo_monitor.decide.policy import Decision
+    from edo_monitor.decide.policy_events import Decision
     from edo_monitor.probes.readings import Reading
 
     grow = Plan("grow_cache", "items", -1000, "grow the row cache of items from 10 to 20 rows")

@@ -16,14 +16,14 @@ from typer.testing import CliRunner
 
 import edo_monitor
 from edo_monitor.decide.plans import Plan, Refusal
-from edo_monitor.decide.policy import (
+from edo_monitor.decide.policy import Policy
+from edo_monitor.decide.policy_events import (
     FORECAST_GRACE_STEPS,
     FORECAST_MIN_STEPS,
     Decision,
     Forecast,
     ForecastOutcome,
     NoActionAvailable,
-    Policy,
     ThresholdCrossing,
 )
 from edo_monitor.decide.trend import StepSeries, fit_trend, student_t_tail

@@ -22,7 +22,9 @@ from edo_monitor.actions.expected_error import (
     share_expected_error,
 )
 from edo_monitor.decide.plans import UNIT_ROUNDOFF, rounding_expected_error
-from edo_monitor.decide.policy import Decision, Policy, lossy_score, make_planner
+from edo_monitor.decide.policy import Policy
+from edo_monitor.decide.policy_events import Decision
+from edo_monitor.decide.ranking import lossy_score, make_planner
 from edo_monitor.hindsight.replay import replay
 from edo_monitor.measure.frequency import LookupCounter
 from edo_monitor.nn import (

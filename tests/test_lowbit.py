@@ -16,7 +16,8 @@ from torch import nn
 from edo_monitor.actions import ACTIONS, ActionContext, ActivationRecorder
 from edo_monitor.actions.expected_error import table_distribution
 from edo_monitor.decide.estimate import estimate
-from edo_monitor.decide.policy import Policy, lossy_score, make_planner
+from edo_monitor.decide.policy import Policy
+from edo_monitor.decide.ranking import lossy_score, make_planner
 from edo_monitor.errors import ConfigError
 from edo_monitor.measure.frequency import LookupCounter
 from edo_monitor.nn.embedding import EmbeddingOptions

@@ -10,12 +10,10 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from edo_monitor.actions import ACTIONS, ActionContext, ActivationRecorder, Plan, Refusal
-from edo_monitor.decide.policy import (
+from edo_monitor.decide.policy import Policy
+from edo_monitor.decide.policy_events import Decision, NoActionAvailable, ThresholdCrossing
+from edo_monitor.decide.ranking import (
     EXPECTED_ERROR_FLOOR,
-    Decision,
-    NoActionAvailable,
-    Policy,
-    ThresholdCrossing,
     lossy_score,
     make_planner,
     rank_lossy_plans,

@@ -400,12 +400,12 @@ def replay(db: Any, run: Any, policy: Any = None) -> ReplayResult:
     Raises:
         RunNotFoundError: no such run. StoreError: no usable database. ConfigError: a bad policy.
     """
-    from edo_monitor.decide.policy import (
+    from edo_monitor.decide.policy import Policy
+    from edo_monitor.decide.policy_events import (
         Decision,
         Forecast,
         ForecastOutcome,
         NoActionAvailable,
-        Policy,
         ThresholdCrossing,
     )
     from edo_monitor.probes.readings import Reading
