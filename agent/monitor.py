@@ -68,7 +68,7 @@ from edo_monitor.measure.frequency import LookupCounter
 from edo_monitor.nn.spill import remove_run_spill_files
 from edo_monitor.probes.readings import Reading
 from edo_monitor.signals import Terminated, terminate_on_sigterm
-from edo_monitor.store.engine import check_writable, resolve_db_url
+from edo_monitor.store.paths import check_writable, resolve_db_url
 from edo_monitor.store.spill_files import report_leftovers, resolve_spill_dir
 from edo_monitor.units import format_bytes, parse_bytes
 

@@ -44,9 +44,10 @@ from sqlalchemy.orm import Session
 
 import edo_monitor.store.engine as engine_mod
 from edo_monitor.probes.readings import SAMPLE_FIELDS, Reading
-from edo_monitor.store.engine import insert_samples, open_engine, roll_up
+from edo_monitor.store.engine import insert_samples, open_engine
 from edo_monitor.store.history import History
 from edo_monitor.store.models import Run, Sample
+from edo_monitor.store.rollups import roll_up
 from edo_monitor.store.schema import ROLLUP_LEVEL_WIDTHS_S
 
 BATCH = 1000

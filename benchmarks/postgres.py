@@ -38,8 +38,9 @@ from sqlalchemy import text
 from sqlalchemy.engine import URL, make_url
 
 from edo_monitor.probes.readings import SAMPLE_FIELDS, Reading
-from edo_monitor.store.engine import open_engine, roll_up
+from edo_monitor.store.engine import open_engine
 from edo_monitor.store.history import History
+from edo_monitor.store.rollups import roll_up
 from edo_monitor.store.schema import ROLLUP_LEVEL_WIDTHS_S
 
 BIG_SCHEMA = "edo_bench_big"

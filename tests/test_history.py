@@ -19,11 +19,13 @@ from sqlalchemy.orm import Session
 
 from edo_monitor.errors import ConfigError, RunNotFoundError, StoreError
 from edo_monitor.probes.readings import SAMPLE_FIELDS
-from edo_monitor.store.engine import is_postgres, open_engine, roll_up, write_samples
+from edo_monitor.store.dialect import is_postgres
+from edo_monitor.store.engine import open_engine, write_samples
 from edo_monitor.store.history import History
 from edo_monitor.store.models import Event, ModuleStat, Run, Sample
 from edo_monitor.store.prune import prune
 from edo_monitor.store.queries import _PEAK_COLUMNS, _tail_stats_sql
+from edo_monitor.store.rollups import roll_up
 from edo_monitor.store.schema import ROLLUP_LEVEL_WIDTHS_S, SCHEMA_VERSION
 
 T0 = 1_700_000_000.25  # run start (Unix seconds)
@@ -761,7 +763,7 @@ def test_wal_database_in_a_folder_the_reader_cannot_write(tmp_path: Path) -> Non
     import shutil
     import tempfile
 
-    from edo_monitor.store.engine import readonly_uri
+    from edo_monitor.store.paths import readonly_uri
 
     # a folder an unprivileged user can reach (pytest's tmp_path is private to root)
     shared = Path(tempfile.mkdtemp(prefix="edo-ro-"))

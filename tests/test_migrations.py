@@ -15,8 +15,9 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
 from edo_monitor.errors import StoreError
-from edo_monitor.store.engine import alembic_config, open_engine
+from edo_monitor.store.engine import open_engine
 from edo_monitor.store.history import History
+from edo_monitor.store.migrate import alembic_config
 from edo_monitor.store.models import Base
 from edo_monitor.store.schema import (
     CACHE_FIELDS,

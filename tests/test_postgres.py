@@ -27,8 +27,9 @@ from test_watch import make_model, train
 
 import edo_monitor
 from edo_monitor.probes.readings import SAMPLE_FIELDS
-from edo_monitor.store.engine import open_engine, rebuild_rollups, run_mark, write_samples
+from edo_monitor.store.engine import open_engine, write_samples
 from edo_monitor.store.history import History
+from edo_monitor.store.rollups import rebuild_rollups, run_mark
 from edo_monitor.store.schema import SCHEMA_VERSION
 
 pytestmark = pytest.mark.postgres

@@ -166,7 +166,7 @@ def test_a_reader_of_a_schema_4_file_sees_no_jobs(tmp_path: Path) -> None:
     """Readers leave older files alone: the rank columns read None, jobs() is empty."""
     from alembic import command
 
-    from edo_monitor.store.engine import alembic_config
+    from edo_monitor.store.migrate import alembic_config
 
     path = tmp_path / "v4.db"
     command.upgrade(alembic_config(f"sqlite:///{path}"), "0004")

@@ -23,9 +23,10 @@ from sqlalchemy import event
 from sqlalchemy.orm import Session
 
 from edo_monitor.probes.readings import Reading
-from edo_monitor.store.engine import open_engine, roll_up
+from edo_monitor.store.engine import open_engine
 from edo_monitor.store.history import History
 from edo_monitor.store.models import Run
+from edo_monitor.store.rollups import roll_up
 from edo_monitor.store.writer import Writer
 
 WRITERS = 4

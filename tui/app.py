@@ -34,7 +34,7 @@ from textual.binding import Binding
 from textual.notifications import SeverityLevel
 
 from edo_monitor.errors import ConfigError
-from edo_monitor.store.engine import resolve_db_url
+from edo_monitor.store.paths import resolve_db_url
 
 from .data import DataSource, RunInfo
 from .screens import (

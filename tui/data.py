@@ -25,8 +25,8 @@ from typing import Any
 
 from edo_monitor.errors import ConfigError, StoreError
 from edo_monitor.hindsight.jobs import JobReport, job_report
-from edo_monitor.store.engine import resolve_db_url
 from edo_monitor.store.history import History
+from edo_monitor.store.paths import resolve_db_url
 from edo_monitor.store.queries import NUMERIC_SAMPLE_COLUMNS
 from edo_monitor.store.records import (
     DeviceEventInfo,

@@ -452,8 +452,8 @@ def serve_history(
             (its folder missing, not a database ...).
         OSError: the address cannot be bound. KeyboardInterrupt: after Ctrl-C (SIGINT).
     """
-    from edo_monitor.store.engine import resolve_db_url
     from edo_monitor.store.history import History
+    from edo_monitor.store.paths import resolve_db_url
 
     require_prometheus()
     url = resolve_db_url(db, readonly=True)  # StoreError: the folder is missing

@@ -32,16 +32,12 @@ from sqlalchemy.engine import URL
 
 from edo_monitor.errors import RunNotFoundError
 from edo_monitor.probes.readings import SAMPLE_FIELDS
-from edo_monitor.store.engine import (
-    is_postgres,
-    open_engine,
-    run_mark,
-    schema_version,
-    sql_dialect,
-)
+from edo_monitor.store.dialect import is_postgres, sql_dialect
+from edo_monitor.store.engine import open_engine
 from edo_monitor.store.history_devices import _DeviceQueries
 from edo_monitor.store.history_jobs import _JobQueries
 from edo_monitor.store.history_samples import _SampleQueries
+from edo_monitor.store.migrate import schema_version
 from edo_monitor.store.queries import (
     _MAX_TAIL_ROWS,
     _PEAK_COLUMNS,
@@ -55,6 +51,7 @@ from edo_monitor.store.queries import (
 from edo_monitor.store.records import (
     RunInfo,
 )
+from edo_monitor.store.rollups import run_mark
 from edo_monitor.store.schema import (
     ROLLUP_FIELDS,
     ROLLUP_LEVEL_WIDTHS_S,

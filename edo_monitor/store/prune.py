@@ -9,13 +9,11 @@ from typing import Any
 from sqlalchemy import text
 
 from edo_monitor.errors import ConfigError
-from edo_monitor.store.engine import (
-    run_mark_key,
-)
 from edo_monitor.store.history import History
 from edo_monitor.store.queries import (
     _PEAK_COLUMNS,
 )
+from edo_monitor.store.rollups import run_mark_key
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +60,7 @@ def prune(
         StoreError: the history is read-only and ``dry_run`` is False.
     """
     from edo_monitor.errors import StoreError
-    from edo_monitor.store.engine import rebuild_rollups, roll_up
+    from edo_monitor.store.rollups import rebuild_rollups, roll_up
     from edo_monitor.store.snapshot_store import delete_runs_snapshots, thin_snapshots
 
     if bucket_s <= 0:

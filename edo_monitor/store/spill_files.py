@@ -64,7 +64,7 @@ def resolve_spill_dir(spill_dir: str | os.PathLike[str] | None, db_url: Any) -> 
             something that exists and is not a folder.
     """
     from edo_monitor.errors import ConfigError
-    from edo_monitor.store.engine import database_file
+    from edo_monitor.store.paths import database_file
 
     if spill_dir is None:
         db_file = database_file(db_url) if db_url is not None else None

@@ -51,7 +51,7 @@ from sqlalchemy import Connection, Engine, bindparam, insert, update
 from sqlalchemy.exc import OperationalError
 
 from edo_monitor.probes.readings import SAMPLE_FIELDS, Reading
-from edo_monitor.store.engine import database_file, write_samples
+from edo_monitor.store.engine import write_samples
 from edo_monitor.store.models import (
     DeviceEvent,
     DeviceSample,
@@ -61,6 +61,7 @@ from edo_monitor.store.models import (
     Run,
     Snapshot,
 )
+from edo_monitor.store.paths import database_file
 
 __all__ = ["DeviceWriter", "Writer"]
 

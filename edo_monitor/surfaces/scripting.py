@@ -181,7 +181,7 @@ def history_db(text: str) -> str:
     Raises:
         argparse.ArgumentTypeError: the value can never be a history database.
     """
-    from edo_monitor.store.engine import database_file, resolve_db_url
+    from edo_monitor.store.paths import database_file, resolve_db_url
 
     try:
         url = resolve_db_url(text)
@@ -207,7 +207,8 @@ def check_history_db(db: str | os.PathLike[str] | None) -> None:
         StoreError: the file or its folder is read-only, it is not an SQLite database or not an
             edo-monitor one, it comes from a newer edo-monitor, or the server cannot be reached.
     """
-    from edo_monitor.store.engine import check_writable, open_engine, resolve_db_url
+    from edo_monitor.store.engine import open_engine
+    from edo_monitor.store.paths import check_writable, resolve_db_url
 
     url = resolve_db_url(db)
     check_writable(url)

@@ -227,7 +227,7 @@ def _info_dict(info: Any) -> dict[str, Any]:
 
 def _require_database(db: str | None) -> None:
     """Raise StoreError (exit 1) unless ``db`` is an existing SQLite file (or a server URL)."""
-    from edo_monitor.store.engine import readonly_uri, resolve_db_url
+    from edo_monitor.store.paths import readonly_uri, resolve_db_url
 
     url = resolve_db_url(db, readonly=True)
     if url.get_backend_name() == "sqlite" and url.database and url.database != ":memory:":

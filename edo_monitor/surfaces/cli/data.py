@@ -128,7 +128,7 @@ def _export_target(out_file: Path, db: str | None) -> Path:
     of its companion files (``-wal``, ``-shm``, ``-journal``: overwriting the ``-wal`` of a
     database whose last transactions are still in it loses them), a folder, or in a missing
     folder."""
-    from edo_monitor.store.engine import resolve_db_url
+    from edo_monitor.store.paths import resolve_db_url
 
     target = Path(os.path.realpath(out_file))
     shown = str(out_file)
@@ -218,7 +218,7 @@ class _Query:
     rows are read in pages as they are printed."""
 
     def __init__(self, path: str, query: str, timeout_s: float) -> None:
-        from edo_monitor.store.engine import BUSY_TIMEOUT_S, readonly_uri
+        from edo_monitor.store.paths import BUSY_TIMEOUT_S, readonly_uri
 
         self.denied: list[str] = []
         self.interrupted = False
@@ -273,7 +273,7 @@ class _Query:
         return names, pages()
 
     def _call(self, fn: Callable[[], Any]) -> Any:
-        from edo_monitor.store.engine import _readonly_error
+        from edo_monitor.store.paths import _readonly_error
 
         try:
             return fn()
@@ -428,7 +428,7 @@ def sql_cmd(
 ) -> None:
     """Run one read-only SQL statement; anything that would write is refused. Rows are printed
     as they are read (--csv, --json; the table shows the first 1000); Ctrl-C stops it."""
-    from edo_monitor.store.engine import resolve_db_url
+    from edo_monitor.store.paths import resolve_db_url
 
     if not math.isfinite(timeout) or timeout < 0:
         raise ConfigError(f"--timeout {timeout!r} must be a number of seconds ≥ 0 (0: no limit)")
@@ -528,7 +528,7 @@ def doctor_cmd(
     """Check the database: integrity, schema version, size, row counts, rollup lag."""
     from sqlalchemy import inspect, text
 
-    from edo_monitor.store.engine import resolve_db_url
+    from edo_monitor.store.paths import resolve_db_url
     from edo_monitor.store.schema import SCHEMA_VERSION
 
     url = resolve_db_url(db, readonly=True)

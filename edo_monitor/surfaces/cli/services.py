@@ -84,7 +84,7 @@ def _second(item: tuple[Any, Any]) -> Any:
 
 
 def _shown_db(db: str | None) -> str:
-    from edo_monitor.store.engine import resolve_db_url
+    from edo_monitor.store.paths import resolve_db_url
 
     url = resolve_db_url(db)
     if url.get_backend_name() == "sqlite" and url.database:

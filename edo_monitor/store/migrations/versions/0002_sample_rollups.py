@@ -82,7 +82,7 @@ def upgrade() -> None:
     )
     bind = op.get_bind()
     if bind.dialect.name == "sqlite":
-        from edo_monitor.store.engine import roll_up
+        from edo_monitor.store.rollups import roll_up
 
         roll_up(bind, fields=FIELDS, widths_s=WIDTHS_S)
     op.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version'")
