@@ -299,7 +299,7 @@ def test_dashboard_explains_the_selected_crossing(runs: tuple[Path, int, int]) -
     from textual.widgets import DataTable
 
     from edo_monitor.tui.app import EdoTui
-    from edo_monitor.tui.screens import ExplainScreen
+    from edo_monitor.tui.modals import ExplainScreen
 
     db, _, observed = runs
     with History(db) as h:

@@ -25,7 +25,7 @@ from textual.widgets import DataTable, Static
 import edo_monitor
 from edo_monitor.store.history import History
 from edo_monitor.tui.app import EXIT_OK, EdoTui
-from edo_monitor.tui.screens import JobScreen
+from edo_monitor.tui.job_screen import JobScreen
 
 pytestmark = pytest.mark.slow  # the module's job: two Python processes importing torch
 

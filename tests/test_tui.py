@@ -38,7 +38,9 @@ from edo_monitor.store.engine import open_engine
 from edo_monitor.store.models import Event, Meta, ModuleStat, Run, Sample
 from edo_monitor.tui.app import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EdoTui, main, parse_args
 from edo_monitor.tui.data import DataSource, Series
-from edo_monitor.tui.screens import HelpScreen, RunScreen, RunsScreen
+from edo_monitor.tui.modals import HelpScreen
+from edo_monitor.tui.run_screen import RunScreen
+from edo_monitor.tui.runs_screen import RunsScreen
 from edo_monitor.tui.widgets import FLOOR_RGB, OOM_RGB, Gauge, MemoryChart
 
 GIB = 1 << 30

@@ -20,7 +20,9 @@ import edo_monitor
 from edo_monitor.store.history import History
 from edo_monitor.surfaces.daemon import Daemon
 from edo_monitor.tui.app import EXIT_OK, EdoTui
-from edo_monitor.tui.screens import DevicesScreen, RunScreen, RunsScreen, usage_bar
+from edo_monitor.tui.devices_screen import DevicesScreen, usage_bar
+from edo_monitor.tui.run_screen import RunScreen
+from edo_monitor.tui.runs_screen import RunsScreen
 from edo_monitor.units import format_bytes
 
 U0 = "GPU-11111111-aaaa-bbbb-cccc-000000000000"

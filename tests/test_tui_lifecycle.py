@@ -18,14 +18,12 @@ from textual.screen import Screen
 
 from edo_monitor.hindsight.explain import explain
 from edo_monitor.tui.app import EdoTui
-from edo_monitor.tui.screens import (
-    DevicesScreen,
-    ExplainScreen,
-    JobScreen,
-    RunScreen,
-    RunsScreen,
-    _call_ui,
-)
+from edo_monitor.tui.base import _call_ui
+from edo_monitor.tui.devices_screen import DevicesScreen
+from edo_monitor.tui.job_screen import JobScreen
+from edo_monitor.tui.modals import ExplainScreen
+from edo_monitor.tui.run_screen import RunScreen
+from edo_monitor.tui.runs_screen import RunsScreen
 
 #: push/pop rounds of each screen
 ROUNDS = 4

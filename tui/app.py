@@ -35,18 +35,14 @@ from textual.notifications import SeverityLevel
 
 from edo_monitor.errors import ConfigError
 from edo_monitor.store.paths import resolve_db_url
-
-from .data import DataSource, RunInfo
-from .screens import (
-    READ_ERRORS,
-    DevicesScreen,
-    ExplainScreen,
-    HelpScreen,
-    JobScreen,
-    RunScreen,
-    RunsScreen,
-    _call_ui,
-)
+from edo_monitor.store.records import RunInfo
+from edo_monitor.tui.base import READ_ERRORS, _call_ui
+from edo_monitor.tui.data import DataSource
+from edo_monitor.tui.devices_screen import DevicesScreen
+from edo_monitor.tui.job_screen import JobScreen
+from edo_monitor.tui.modals import ExplainScreen, HelpScreen
+from edo_monitor.tui.run_screen import RunScreen
+from edo_monitor.tui.runs_screen import RunsScreen
 
 __all__ = [
     "EXIT_INTERNAL",

@@ -18,10 +18,10 @@ from textual.screen import ModalScreen
 from textual.widgets import Static
 
 from edo_monitor.store.records import RunInfo
-from edo_monitor.tui.screens import READ_ERRORS, _message_for, _while_shown
+from edo_monitor.tui.base import READ_ERRORS, _message_for, _while_shown
 
 if TYPE_CHECKING:
-    from edo_monitor.tui.app import EdoTui
+    from edo_monitor.tui.base import Dashboard
 
 __all__ = ["TOP_FRAMES", "SnapshotScreen"]
 
@@ -79,7 +79,7 @@ class SnapshotScreen(ModalScreen[None]):
         from edo_monitor.measure.snapshots import top_by_frame, totals
         from edo_monitor.store.snapshot_store import find_snapshot, load_snapshot
 
-        app: EdoTui = self.app  # type: ignore[assignment]
+        app: Dashboard = self.app  # type: ignore[assignment]
         try:
             history = app.source.open()
             info = find_snapshot(history, self.run.id, self.event_id)

@@ -18,7 +18,8 @@ from textual.strip import Strip
 from textual.widget import Widget
 from textual_plotext import Plot
 
-from .data import EventInfo, Series
+from edo_monitor.store.records import EventInfo
+from edo_monitor.tui.data import Series
 
 __all__ = [
     "FLOOR_RGB",
