@@ -40,13 +40,13 @@ from edo_monitor.actions.checkpoint_activations import ActivationProfile
 from edo_monitor.agent.activations import ActivationTracker
 from edo_monitor.agent.device import Device
 from edo_monitor.agent.events import EventLog
+from edo_monitor.agent.lifecycle import _Lifecycle
 from edo_monitor.agent.module_rows import ModuleRows
 from edo_monitor.agent.oom_capture import record_oom
 from edo_monitor.agent.ranks import (
     DEFAULT_SYNC_EVERY_STEPS,
     Coordinator,
     RankInfo,
-    detect_ranks,
 )
 from edo_monitor.agent.recovery import StepRecovery
 from edo_monitor.agent.run import RunRecord, RunSummary, claim_model, release_model
@@ -61,28 +61,25 @@ from edo_monitor.exporters.prometheus import (
     MetricsServer,
     require_prometheus,
     resolve_metrics_port,
-    start_for_monitor,
 )
 from edo_monitor.measure.accounting import Accounting, account
 from edo_monitor.measure.frequency import LookupCounter
-from edo_monitor.nn.spill import remove_run_spill_files
 from edo_monitor.probes.readings import Reading
-from edo_monitor.signals import Terminated, terminate_on_sigterm
 from edo_monitor.store.paths import check_writable, resolve_db_url
-from edo_monitor.store.spill_files import report_leftovers, resolve_spill_dir
-from edo_monitor.units import format_bytes, parse_bytes
+from edo_monitor.store.spill_files import resolve_spill_dir
+from edo_monitor.units import parse_bytes
 
 if TYPE_CHECKING:
     from edo_monitor.integrations.tensorboard import TensorBoardSink
 
-__all__ = ["DEFAULT_INTERVAL_S", "Monitor", "RunSummary", "watch"]
+__all__ = ["DEFAULT_INTERVAL_S", "Monitor", "RunSummary"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_INTERVAL_S = 0.5
 
 
-class Monitor:
+class Monitor(_Lifecycle):
     """A watched training run. Create it with :func:`watch`; use it as a context manager.
 
     Attributes (read-only while the block runs):
@@ -375,215 +372,6 @@ class Monitor:
             None if exc is None else exc.__traceback__,
         )
 
-    # ------------------------------------------------------------------ lifecycle
-    def _start(self) -> None:
-        rank_error: BaseException | None = None
-        try:
-            self.ranks = detect_ranks()  # a collective on the group without a launcher job id
-        except Exception as exc:  # recorded once the writer runs; the run is then no job's
-            rank_error = exc
-        if self.ranks is not None:
-            self._coordinator = Coordinator(self, self.sync_every_steps)
-        device = self._device
-        device.detect(self.model)
-        device.open_probes()
-        self.accounting = self._account()
-        self._safe_point.enforcing = self.enforce and device.kind == "cpu-budget"
-        self._check_budget_fits(device.budget_bytes)
-        config = {
-            "interval_s": self.interval_s,
-            "snapshot_interval_s": self.snapshot_interval_s,
-            "track_activations": self.track_activations,
-            "enforce": self.enforce,
-            "policy": repr(self.policy) if self.policy is not None else None,
-            "floor": self.policy.min_free_fraction if self.policy is not None else None,
-            "model": type(self.model).__name__ if self.model is not None else None,
-            "snapshots": self.snapshots,
-            **({"sync_every_steps": self.sync_every_steps} if self.ranks is not None else {}),
-            **self.user_config,
-        }
-        self._run.open(
-            {
-                "name": self.run_name,
-                "pid": self._pid,
-                "device_kind": device.kind,
-                "device_name": device.name,
-                "device_uuid": device.uuid,
-                "device_total_bytes": device.total_bytes,
-                "budget_bytes": device.budget_bytes,
-                "interval_s": self.interval_s,
-                "config": config,
-                "tags": self.tags,
-                "job_id": self.job_id,
-                "rank": self.rank,
-                "world_size": self.world_size,
-                "local_rank": self.local_rank,
-            },
-            on_problem=lambda message: self._emit("store_error", message, {"error": message}),
-            job=self._job_row(),
-        )
-        self.status = "running"
-        self._log.writer = self._run.writer
-        self._module_rows.writer = self._run.writer
-        if self._snapshots is not None:
-            self._snapshots.start()  # CUDA: the OOM observer (and the allocator's history)
-            self._log.snapshots = self._snapshots
-        if rank_error is not None:
-            self._agent_error("rank detection", rank_error)
-        if self._tensorboard is not None:
-            self._tensorboard.open()  # a log dir that cannot be written: one agent_error
-        report_leftovers(self.spill_dir, self._emit)  # a crashed run's spill file
-        self._start_hooks()
-
-    def _check_budget_fits(self, budget_bytes: int | None) -> None:
-        """Refuse an enforced CPU budget that the model's device-tier bytes already exceed.
-
-        With ``enforce=True`` such a run cannot make a single step: the first saved tensor of
-        the first forward (or the first step boundary) goes over the budget, before the tuner
-        could move anything off the device tier (actions apply only at step boundaries). Not
-        enforced (``enforce=False``), the run goes on and a warning is logged: the readings show
-        it over budget and a policy may offload tables.
-
-        Raises:
-            ConfigError: ``enforce=True`` in CPU-budget mode and the accounting at entry (params,
-                buffers, gradients and optimizer state on the device tier) exceeds
-                ``budget_bytes``; the message names both numbers.
-        """
-        acc = self.accounting
-        if budget_bytes is None or acc.total_bytes <= budget_bytes:
-            return
-        held = (
-            f"the watched model already holds {acc.total_bytes} bytes "
-            f"({format_bytes(acc.total_bytes)}: params {acc.params_bytes}, grads "
-            f"{acc.grads_bytes}, optimizer state {acc.optimizer_state_bytes}) on the device tier"
-        )
-        budget = f"budget={budget_bytes} bytes ({format_bytes(budget_bytes)})"
-        if self._safe_point.enforcing:
-            raise ConfigError(
-                f"{budget} is smaller than the model: {held}; with enforce=True the first "
-                f"forward would run out of memory. Give a budget above {acc.total_bytes} bytes, "
-                "or enforce=False to watch it over budget (a policy may then offload tables)"
-            )
-        logger.warning("edo-monitor: %s is smaller than the model: %s", budget, held)
-
-    def _job_row(self) -> dict[str, Any] | None:
-        """The ``jobs`` row this rank's run belongs to (``None`` outside a process group)."""
-        if self.ranks is None:
-            return None
-        return {
-            "id": self.ranks.job_id,
-            "name": self.run_name,
-            "world_size": self.ranks.world_size,
-            "backend": self.ranks.backend,
-            "id_source": self.ranks.id_source,
-        }
-
-    def _start_hooks(self) -> None:
-        self._safe_point.install()
-        # SIGTERM's default action kills the process without running Python: the run would read
-        # "crashed"; while the block lasts it raises Terminated instead (no handler of the user's
-        # is replaced)
-        self._restore_sigterm = terminate_on_sigterm()
-        if self.track_activations:
-            self._tracker = ActivationTracker(
-                self._model_tensors(),
-                on_error=lambda exc: self._agent_error("saved-tensor hook", exc),
-            ).__enter__()
-            if self._safe_point.enforcing:
-                self._tracker.limit_bytes = self.budget_bytes
-                self._tracker.static_bytes = self.accounting.total_bytes
-                self._tracker.on_exceed = self._safe_point.budget_exceeded
-        if self.model is not None:
-            self._lookups = LookupCounter()
-            self._lookups.watch_tables(self.model)
-        self._safe_point.arm_activation_profile()  # record the first step (table actions need it)
-        self._sampler.start()
-        if self.metrics_port is not None:
-            self.metrics_server = start_for_monitor(self, self.metrics_port, self.metrics_host)
-        logger.info(
-            "edo-monitor: watching run %d (%s, %s) -> %s",
-            self.run_id,
-            self.run_name,
-            self.device_kind,
-            self.db_url,
-        )
-
-    def _finish(self, exc: BaseException | None) -> None:
-        self._sampler.stop()
-        self._safe_point.close_recorder()
-        if self._tracker is not None:
-            self._tracker.__exit__(None, None, None)
-        if self.status == "running":
-            try:
-                last = self._sampler.sample_once()  # the last reading, after the last step
-                if self.policy is not None:  # a forecast the run ended too soon to judge
-                    outcome = self.policy.end_forecast(last.step, last.time_s)
-                    if outcome is not None:
-                        self._tuner.emit_forecast_outcome(outcome)
-            except Exception:
-                logger.debug("final sample failed", exc_info=True)
-            try:
-                self._tuner.expire_pending_decision()
-            except Exception as exc:
-                self._agent_error("end of run", exc)
-        if isinstance(exc, KeyboardInterrupt):
-            status, error = "interrupted", "KeyboardInterrupt"
-        elif isinstance(exc, Terminated):
-            status, error = "interrupted", "SIGTERM"
-        elif exc is not None:
-            status, error = "failed", f"{type(exc).__name__}: {exc}"[:2000]
-            if not getattr(exc, "_edo_recorded", False):
-                self._record_oom(exc)
-        else:
-            status, error = "finished", None
-        self._record_lookup_frequency()
-        if self._coordinator is not None and self._coordinator.syncs:
-            stats = self._coordinator.stats()
-            self._emit(
-                "rank_sync",
-                f"{stats['syncs']} agreements of the ranks every {self.sync_every_steps} steps, "
-                f"{stats['collectives']} collectives, mean {stats['mean_sync_s'] * 1e3:.3f} ms "
-                f"per agreement",
-                stats,
-            )
-        self._teardown()
-        self._run.record_end(status, error, self.steps)
-        self.status = status
-
-    def _record_lookup_frequency(self, top_k: int = 20) -> None:
-        """One ``lookup_frequency`` event per table: its top ids and the share they cover."""
-        if self._lookups is None:
-            return
-        self._lookups.close()
-        for table in self._lookups.tables:
-            freq = self._lookups.frequency(table, top_k)
-            if freq.sampled_lookups:
-                self._emit(
-                    "lookup_frequency",
-                    f"{table}: top {len(freq.top_ids)} ids cover {freq.top_share_fraction:.1%} "
-                    f"of {freq.sampled_lookups:,} lookups ({freq.distinct_ids:,} distinct ids)",
-                    freq.as_dict(),
-                )
-
-    def _teardown(self) -> None:
-        """Stop threads and remove hooks; safe to call on a half-started monitor."""
-        self._stop.set()
-        self._restore_sigterm()
-        if self.metrics_server is not None:
-            self.metrics_server.close()
-        self._sampler.stop()
-        if self._tensorboard is not None:
-            self._tensorboard.close()  # the events still waiting, flushed (after the sampler)
-        self._safe_point.remove()
-        if self._lookups is not None:
-            self._lookups.close()
-        if self._snapshots is not None:
-            self._snapshots.stop()
-        self._device.reset_fraction()
-        remove_run_spill_files(self.spill_dir)  # the run ended: its disk tier's file goes
-        self._run.close_writer(self.steps)
-        self._device.close_probes()
-
     # ------------------------------------------------------------------ shared helpers
     def _emit(self, kind: str, message: str, data: Mapping[str, Any] | None = None) -> None:
         """Record an event (any thread; never blocks): :meth:`EventLog.emit`."""
@@ -728,135 +516,3 @@ class Monitor:
             rank=self.rank,
             world_size=self.world_size,
         )
-
-
-def watch(
-    model: nn.Module | None = None,
-    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
-    *,
-    db: str | os.PathLike[str] | None = None,
-    interval_s: float = DEFAULT_INTERVAL_S,
-    budget: int | str | None = None,
-    run_name: str | None = None,
-    tags: Iterable[str] | None = None,
-    strict: bool = False,
-    policy: Any = None,
-    enforce: bool = False,
-    track_activations: bool = True,
-    snapshot_interval_s: float = 5.0,
-    queue_size: int = 10_000,
-    config: Mapping[str, Any] | None = None,
-    profile_interval_s: float = 30.0,
-    metrics_port: int | None = None,
-    metrics_host: str = DEFAULT_METRICS_HOST,
-    tensorboard: Any = None,
-    sync_every_steps: int = DEFAULT_SYNC_EVERY_STEPS,
-    snapshots: bool | None = None,
-    snapshot_cap: int | str = DEFAULT_CAP_BYTES,
-    loader: Iterable[Any] | None = None,
-    ahead: int = 8,
-    loader_ids: Callable[[Any], Any] | None = None,
-    spill_dir: str | os.PathLike[str] | None = None,
-) -> Monitor:
-    """Watch a training run; use as ``with edo_monitor.watch(model) as monitor:``.
-
-    Args:
-        model: the model to watch; ``None`` monitors the process only.
-        optimizer: optimizer(s) stepping the model; by default found through PyTorch's global
-            optimizer step hooks (the first one that steps a parameter of ``model``).
-        db: history database: file path or SQLAlchemy URL; default ``$EDO_DB`` or
-            ``./edo-history.db``.
-        interval_s: seconds between samples (> 0).
-        budget: memory budget in bytes or as a string (``"512MiB"``, ``"2GB"``). On CUDA it is
-            enforced with ``torch.cuda.set_per_process_memory_fraction``; on a CPU it is the
-            capacity the accounted bytes are measured against (CPU-budget mode).
-        run_name: a name for the run (default: the model's class name).
-        tags: labels for queries (a string is one tag).
-        strict: re-raise failures inside the agent (for tests) instead of logging them.
-        policy: an :class:`edo_monitor.Policy` (the auto-tuner): evaluated on each reading, its
-            decisions applied at the next step boundary; ``None`` records only.
-        enforce: CPU-budget mode: raise :class:`edo_monitor.BudgetOutOfMemoryError` (a
-            ``torch.OutOfMemoryError``) when the accounted bytes exceed the budget (needs
-            ``budget``): during forward, from the saved-tensor hook, when the activations would
-            overflow it (before the optimizer step, as a GPU would); at the step boundary when
-            gradients or new optimizer state did (that optimizer step has run). Ignored on CUDA,
-            where the allocator enforces the budget. Each one is recorded as an ``oom`` event.
-        track_activations: measure bytes saved for backward with saved-tensor hooks.
-        snapshot_interval_s: seconds between allocator snapshots for fragmentation (0 = never).
-        queue_size: capacity of the history queue (items beyond it are dropped and counted).
-        config: extra key/values recorded with the run.
-        profile_interval_s: seconds between per-module activation profiles (one step's forward
-            is recorded with module hooks; needs ``track_activations``).
-        metrics_port: serve Prometheus metrics on ``/metrics`` at this port + ``$LOCAL_RANK``
-            (default ``$EDO_METRICS_PORT``, else no endpoint; 0 = any free port, see
-            ``monitor.metrics_server.port``); needs the ``[prometheus]`` extra. Names:
-            ``docs/metrics.md``. A port that cannot be bound is a warning, not an error.
-        metrics_host: the address the endpoint binds (default ``127.0.0.1``, loopback only).
-        tensorboard: a ``torch.utils.tensorboard.SummaryWriter``, or a log folder (str or path)
-            to open one in: each reading's main numbers become scalars ``edo/<column>`` at the
-            reading's step, each event (decision, action, crossing, OOM ...) text
-            ``edo/events/<kind>/text_summary``; written by the sampler thread, flushed when the
-            run ends (a writer made from a folder is closed, one passed in is not). Needs the
-            ``[tensorboard]`` extra. A failing write is an ``agent_error``, never the training's.
-        sync_every_steps: in a multi-rank job (an initialised ``torch.distributed`` process
-            group), the ranks agree on one decision every this many optimizer steps (one small
-            collective; a second when a decision is taken), and every rank applies it at that
-            step, or none does (default 4). Every rank must step the same number of times.
-        snapshots: a memory snapshot in the format of ``torch.cuda.memory._snapshot()`` at each
-            incident (OOM, crossing below the floor, before/after an action), stored linked to
-            its event (``edo-monitor snapshot``). ``None`` (default): at incidents only, nothing
-            runs before one (on CUDA the allocator's snapshot, its blocks without frames; in
-            CPU-budget mode one built from the accounting). ``True``: on CUDA also record the
-            allocator's history (Python frames of every block, the last 20,000 allocator actions;
-            costs a stack capture per allocation). ``False``: none.
-        snapshot_cap: compressed snapshot bytes stored per run (bytes or ``"64MiB"``); beyond
-            it snapshots are dropped and one ``snapshot_cap_reached`` event says so.
-        loader: the training loader: ``monitor.loader`` is then an
-            :class:`edo_monitor.nn.LookAhead` over it (iterate that instead): it reads ``ahead``
-            batches in advance and, for every row-cached table of ``model`` (those the agent
-            converts later too), prefetches the next batch's rows and evicts by next use in the
-            window. Without it the cache evicts by its own policy (LFU).
-        ahead: the look-ahead window in batches (an int >= 1).
-        loader_ids: ``loader_ids(batch)``: the ids the batch looks up (a tensor, or a mapping from
-            table module or name to tensor); default: the first integer tensor of the batch.
-        spill_dir: folder of the disk tier's file (``spill_embedding``, when the host cannot
-            hold a row cache's table): default ``<history file>.spill`` beside an SQLite
-            history, else ``<temp dir>/edo-spill``; the file is removed when the run ends.
-
-    Returns:
-        A :class:`Monitor` (entering it starts the run).
-
-    Raises:
-        ConfigError: (a ``ValueError``) for a bad argument, naming the value; ``tensorboard``
-            without the ``tensorboard`` package; on entering, ``enforce=True`` with a CPU budget
-            below the bytes the model already holds (naming both).
-        AlreadyWatchedError: on entering, when ``model`` is already watched.
-        StoreError: on entering, when the database cannot be opened.
-    """
-    return Monitor(
-        model,
-        optimizer,
-        db=db,
-        interval_s=interval_s,
-        budget=budget,
-        run_name=run_name,
-        tags=tags,
-        strict=strict,
-        policy=policy,
-        enforce=enforce,
-        track_activations=track_activations,
-        snapshot_interval_s=snapshot_interval_s,
-        queue_size=queue_size,
-        config=config,
-        profile_interval_s=profile_interval_s,
-        metrics_port=metrics_port,
-        metrics_host=metrics_host,
-        tensorboard=tensorboard,
-        sync_every_steps=sync_every_steps,
-        snapshots=snapshots,
-        snapshot_cap=snapshot_cap,
-        loader=loader,
-        ahead=ahead,
-        loader_ids=loader_ids,
-        spill_dir=spill_dir,
-    )

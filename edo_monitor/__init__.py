@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any
 import edo_monitor._checkout  # noqa: F401  (first: maps agent/ and tui/ in a checkout)
 
 if TYPE_CHECKING:  # the names below are imported on first use (PEP 562), see __getattr__
-    from edo_monitor.agent.monitor import Monitor, watch
+    from edo_monitor.agent.monitor import Monitor
     from edo_monitor.agent.run import RunSummary
+    from edo_monitor.agent.watch import watch
     from edo_monitor.decide.estimate import Estimate, estimate
     from edo_monitor.decide.policy import Policy
     from edo_monitor.errors import (
@@ -37,7 +38,7 @@ if TYPE_CHECKING:  # the names below are imported on first use (PEP 562), see __
 _LAZY = {
     "Monitor": "edo_monitor.agent.monitor",
     "RunSummary": "edo_monitor.agent.monitor",
-    "watch": "edo_monitor.agent.monitor",
+    "watch": "edo_monitor.agent.watch",
     "AlreadyWatchedError": "edo_monitor.errors",
     "BudgetOutOfMemoryError": "edo_monitor.errors",
     "ConfigError": "edo_monitor.errors",

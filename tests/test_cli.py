@@ -247,7 +247,7 @@ def test_history_commands_import_no_torch(db: Path) -> None:
     assert res.returncode == 0, res.stderr
     heavy, watch_module, torch_after = json.loads(res.stdout.splitlines()[-1])
     assert heavy == []
-    assert watch_module == "edo_monitor.agent.monitor" and torch_after is True
+    assert watch_module == "edo_monitor.agent.watch" and torch_after is True
 
 
 # -- issue 10 -----------------------------------------------------------------------------------
