@@ -170,9 +170,9 @@ class Daemon:
             NvmlUnavailableError: NVML cannot be used (nothing is created then).
             StoreError: the database cannot be used (read-only, newer schema, unreachable).
         """
+        from edo_monitor.store.device_writer import DeviceWriter
         from edo_monitor.store.engine import open_engine
         from edo_monitor.store.paths import check_writable, resolve_db_url
-        from edo_monitor.store.writer import DeviceWriter
 
         url = resolve_db_url(self.db)
         check_writable(url)  # an in-memory or read-only database: refused before anything
