@@ -3,13 +3,8 @@ shared rows)."""
 
 from __future__ import annotations
 
-from edo_monitor.nn.cached import (
-    CACHE_POLICIES,
-    CachedEmbedding,
-    CachedEmbeddingBag,
-    CachedTable,
-    CacheStats,
-)
+from edo_monitor.nn.cache_parts import CACHE_POLICIES, CacheStats
+from edo_monitor.nn.cached import CachedEmbedding, CachedEmbeddingBag, CachedTable
 from edo_monitor.nn.embedding import (
     BAG_MODES,
     EmbeddingOptions,

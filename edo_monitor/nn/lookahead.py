@@ -41,7 +41,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from edo_monitor.nn.cached import CachedTable, _CacheFullError
+from edo_monitor.nn.cache_parts import _CacheFullError
+from edo_monitor.nn.cached import CachedTable
 
 __all__ = ["LookAhead", "first_int_tensor"]
 

@@ -1,0 +1,217 @@
+"""The row cache's whole table: flushed, resized (every row exact), read back full, and the
+optimizer's state dict as if the table were resident."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from edo_monitor.nn.cache_parts import (
+    _insert_row_buffers,
+    _is_row_buffer,
+    _strip_row_buffers,
+    rebind_data,
+)
+from edo_monitor.nn.catch_up import _CHUNK_ELEMENTS, _group_of, _make_rule
+
+logger = logging.getLogger(__name__)
+
+
+class _Checkpointing:
+    """The row cache's whole table: flushed, resized (every row exact), read back full, and the"""
+
+    # ------------------------------------------------------------------ flush, resize, resident
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Bring every host row up to the current step and copy the cache to the host.
+
+        After it, ``host_weight`` and ``host_state`` are the full table a resident twin would have
+        now. Cost: one catch-up of the rows that missed steps, in chunks.
+        """
+        used = (self.slot_to_block >= 0).nonzero().reshape(-1)
+        if used.numel():
+            ids, real = self._block_rows_of(self.slot_to_block[used])
+            self._catch_up_rows(self._slot_rows(used)[real])
+        if self._rule is not None:
+            behind = (self.last_step < self.t).nonzero().reshape(-1)
+            step = max(1, _CHUNK_ELEMENTS // max(1, self.embedding_dim * 4))
+            for start in range(0, behind.numel(), step):
+                ids = behind[start : start + step]
+                w64 = self.host_weight[ids].double()
+                st64 = {k: self.host_state[k][ids].double() for k in self._state_keys()}
+                self._rule.catch_up(w64, st64, self.last_step[ids], self.t)
+                self.host_weight[ids] = w64.to(self.host_weight.dtype)
+                for k, v in st64.items():
+                    self.host_state[k][ids] = v.to(self.host_state[k].dtype)
+            self.last_step.fill_(self.t)
+        used = (self.slot_to_block >= 0).nonzero().reshape(-1)
+        self._write_back(used)
+
+    @torch.no_grad()
+    def resize(self, cache_rows: int) -> None:
+        """Change the cache to ``cache_rows`` rows (rounded up to whole blocks, at most the table).
+
+        Growing keeps every cached row in its slot. Shrinking keeps the rows used since the last
+        optimizer step and then the most valuable ones (by the eviction policy), writing the others
+        back. The same ``Parameter`` object is kept (its data, gradient and optimizer state are
+        rebound to new tensors), so the optimizer keeps stepping it.
+
+        Raises:
+            ValueError: ``cache_rows < 1``, or fewer rows than those used since the last step.
+        """
+        if isinstance(cache_rows, bool) or not isinstance(cache_rows, int) or cache_rows < 1:
+            raise ValueError(f"cache_rows={cache_rows!r}; expected an int >= 1")
+        new_slots = min(-(-cache_rows // self.block_rows), self.num_blocks)
+        old_slots = self.slot_to_block.numel()
+        if new_slots == old_slots:
+            return
+        used = (self.slot_to_block >= 0).nonzero().reshape(-1)
+        if new_slots < used.numel():
+            held = self.slot_pinned.clone()
+            held[self._layout_slots()] = True
+            pinned = held[used]
+            if int(pinned.sum()) > new_slots:
+                raise ValueError(
+                    f"cannot shrink to {cache_rows} rows: {int(pinned.sum()) * self.block_rows} "
+                    "rows are used since the last optimizer step"
+                )
+            last = self.slot_last_use[used]
+            if self.policy == "lfu":
+                score = self.block_freq[self.slot_to_block[used]] * (self._tick + 1) + last
+            else:
+                score = last.clone()
+            score = torch.where(pinned, torch.iinfo(torch.int64).max, score)
+            order = torch.argsort(score, descending=True, stable=True)
+            keep, drop = used[order[:new_slots]], used[order[new_slots:]]
+            self._write_back(drop)
+            self.block_to_slot[self.slot_to_block[drop]] = -1
+            self._count(evicted=int(drop.numel()))
+        else:
+            keep = used
+        # new layout: kept slots first (in their old order when growing)
+        keep = keep.sort().values
+        new_index = torch.arange(keep.numel())
+        old_rows = self._slot_rows(keep).to(self.device)
+        new_rows = self._slot_rows(new_index).to(self.device)
+        rows = new_slots * self.block_rows
+        p = self.weight
+
+        def moved(t: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros((rows, *t.shape[1:]), dtype=t.dtype, device=t.device)
+            out[new_rows] = t[old_rows]
+            return out
+
+        new_data = moved(p.data)
+        new_grad = moved(p.grad) if p.grad is not None else None
+        state = self._opt_state()
+        new_state = {
+            k: moved(v)
+            for k, v in state.items()
+            if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p.shape)
+        }
+        if self._rule is not None and "sum" in self._state_keys() and "sum" in new_state:
+            group = _group_of(self._optimizer, p)  # type: ignore[arg-type]
+            fresh = torch.ones(rows, dtype=torch.bool, device=p.device)
+            fresh[new_rows] = False
+            new_state["sum"][fresh] = float(group.get("initial_accumulator_value", 0.0))
+        blocks = self.slot_to_block[keep]
+        last_use, pinned = self.slot_last_use[keep], self.slot_pinned[keep]
+        old_rows_h, new_rows_h = old_rows.cpu(), new_rows.cpu()
+        slot_step = torch.zeros(rows, dtype=torch.int64)
+        slot_step[new_rows_h] = self.slot_step[old_rows_h]
+        row_map = torch.full((old_slots * self.block_rows,), -1, dtype=torch.int64)
+        row_map[old_rows_h] = new_rows_h
+        layout = row_map[self._layout_rows]  # the layout's rows are pinned, so kept
+        # commit
+        p.grad = None
+        rebind_data(p, new_data)
+        p.grad = new_grad
+        for k, v in new_state.items():
+            state[k] = v
+        self.slot_to_block = torch.full((new_slots,), -1, dtype=torch.int64)
+        self.slot_to_block[new_index] = blocks
+        self.block_to_slot[blocks] = new_index
+        self.slot_last_use = torch.zeros(new_slots, dtype=torch.int64)
+        self.slot_last_use[new_index] = last_use
+        self.slot_pinned = torch.zeros(new_slots, dtype=torch.bool)
+        self.slot_pinned[new_index] = pinned
+        self.slot_step = slot_step
+        self._layout_rows = layout
+        self._row_pos = torch.full((rows,), -1, dtype=torch.int64)
+        self._row_pos[layout] = torch.arange(layout.numel())
+        self._pinned_since_step = None  # slots renumbered: the next step clears every pin
+        logger.info("cached table resized: %d -> %d rows", old_slots * self.block_rows, rows)
+
+    @torch.no_grad()
+    def full_weight(self) -> torch.Tensor:
+        """The full caught-up table ``(N, D)`` (after :meth:`flush`; the host tensor itself)."""
+        self.flush()
+        return self.host_weight
+
+    # ------------------------------------------------------------------ checkpoint hooks
+    def _param_index(self, optimizer: torch.optim.Optimizer, *, buffers: bool) -> int | None:
+        """``weight``'s index in a state dict of ``optimizer`` (row buffers counted or not)."""
+        i = 0
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p is self.weight:
+                    return i
+                if buffers or not _is_row_buffer(p):
+                    i += 1
+        return None
+
+    def _optimizer_state_dict(
+        self, optimizer: torch.optim.Optimizer, sd: dict[str, Any]
+    ) -> dict[str, Any]:
+        sd = _strip_row_buffers(optimizer, sd)
+        idx = self._param_index(optimizer, buffers=False)
+        if idx is None or idx not in sd["state"]:
+            return sd
+        self.flush()
+        entry = dict(sd["state"][idx])
+        for key in self._state_keys():
+            if key in entry:
+                entry[key] = self.host_state[key].clone()
+        sd = dict(sd)
+        sd["state"] = dict(sd["state"])
+        sd["state"][idx] = entry
+        return sd
+
+    def _optimizer_load(
+        self, optimizer: torch.optim.Optimizer, sd: dict[str, Any]
+    ) -> dict[str, Any]:
+        sd = _insert_row_buffers(optimizer, sd)
+        idx = self._param_index(optimizer, buffers=True)
+        if idx is None or idx not in sd["state"]:
+            return sd
+        entry = dict(sd["state"][idx])
+        n, d = self.num_embeddings, self.embedding_dim
+        step = entry.get("step")
+        t = int(step) if step is not None else self.t
+        for key in self._state_keys():
+            value = entry.get(key)
+            if value is None:
+                continue
+            if tuple(value.shape) != (n, d):
+                raise ValueError(
+                    f"optimizer state {key!r} has shape {tuple(value.shape)}; a cached table "
+                    f"loads full-table state {(n, d)}"
+                )
+            self.host_state[key].copy_(value)
+            entry[key] = self._gather_rows(self.host_state[key])
+        sd = dict(sd)
+        sd["state"] = dict(sd["state"])
+        sd["state"][idx] = entry
+        self._reset_step(t)
+        return sd
+
+    def _reset_step(self, t: int) -> None:
+        """Every row is current at step ``t`` (after loading a checkpoint)."""
+        self.t = t
+        self.last_step.fill_(t)
+        self.slot_step.fill_(t)
+        if self._optimizer is not None:
+            group = _group_of(self._optimizer, self.weight)
+            self._rule = _make_rule(self._optimizer, group, t)

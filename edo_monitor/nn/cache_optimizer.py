@@ -1,0 +1,300 @@
+"""The row cache's optimizer: attached to the user's optimizer, its hyper-parameters followed step
+by step, the lazy fused step over the batch's rows."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from edo_monitor.nn.cache_step import fused_update, optimizer_kind
+from edo_monitor.nn.catch_up import _CHUNK_ELEMENTS, _group_of, _make_rule, _Rule
+
+
+class _OptimizerBinding:
+    """The row cache's optimizer: attached to the user's optimizer, its hyper-parameters followed
+    step"""
+
+    # ------------------------------------------------------------------ optimizer
+    def _opt_state(self) -> dict[str, Any]:
+        if self._optimizer is None:
+            return {}
+        return self._optimizer.state.get(self.weight, {})
+
+    def _state_keys(self) -> tuple[str, ...]:
+        return self._rule.keys if self._rule is not None else ()
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Use ``optimizer``'s semantics for rows outside the cache (see the module docstring).
+
+        Registers step pre/post hooks (steps and learning rates) and state-dict hooks (full-table
+        state) on ``optimizer``. Existing state of this table in ``optimizer``: full-table state
+        ``(N, D)`` (a loaded checkpoint, a converted live table) moves to the host and the cache
+        gets its slots' rows; cache-shaped state ``(C, D)`` is kept.
+
+        Raises:
+            ValueError: the optimizer does not step ``weight``, its class or settings are refused
+                (named), or another optimizer is already attached.
+        """
+        if self._optimizer is optimizer:
+            return
+        if self._optimizer is not None:
+            raise ValueError("another optimizer is already attached to this cached table")
+        group = _group_of(optimizer, self.weight)
+        state = optimizer.state.get(self.weight, {})
+        step = state.get("step")
+        has_buffer = state.get("momentum_buffer") is not None
+        t = int(step) if step is not None else (1 if has_buffer else 0)
+        rule = _make_rule(optimizer, group, t)
+        kind = optimizer_kind(optimizer)
+        n, d = self.num_embeddings, self.embedding_dim
+        host_state: dict[str, torch.Tensor] = {}
+        new_state: dict[str, torch.Tensor] = {}
+        for key in rule.keys:
+            value = state.get(key)
+            init = float(group.get("initial_accumulator_value", 0.0)) if key == "sum" else 0.0
+            if value is None:
+                hs = self._host_empty((n, d))
+                hs.fill_(init)
+                host_state[key] = hs
+            elif tuple(value.shape) == (n, d):  # full-table state in id order
+                hs = value.detach()
+                if self._host_alloc is not None:
+                    spilled = self._host_alloc(hs.shape, hs.dtype)
+                    spilled.copy_(hs)
+                    hs = spilled
+                elif not hs.is_cpu:
+                    hs = hs.to("cpu")
+                host_state[key] = hs
+                new_state[key] = self._gather_rows(hs).to(self.device)
+            elif tuple(value.shape) == tuple(self.weight.shape):  # cache layout: scatter to ids
+                hs = self._host_empty((n, d))
+                hs.fill_(init)  # rows never cached hold the initial state
+                used = (self.slot_to_block >= 0).nonzero().reshape(-1)
+                ids, real = self._block_rows_of(self.slot_to_block[used])
+                hs[ids[real]] = value.detach().cpu()[self._slot_rows(used)[real]]
+                host_state[key] = hs
+            else:
+                raise ValueError(
+                    f"optimizer state {key!r} has shape {tuple(value.shape)}; expected the table "
+                    f"{(n, d)} or the cache {tuple(self.weight.shape)}"
+                )
+        # nothing above changed the optimizer: commit now
+        if new_state:
+            live = optimizer.state[self.weight]
+            for key, value in new_state.items():
+                live[key] = value
+        self.host_state = host_state
+        self._optimizer = optimizer
+        self._rule = rule
+        self._kind = kind
+        self.t = t
+        self.last_step.fill_(t)
+        self.slot_step.fill_(t)
+        # the row buffer joins the table's group, so the optimizer's zero_grad clears it; its
+        # step never sees it (hidden at the step) and its state_dict() leaves it out
+        if not any(p is self.batch_rows for g in optimizer.param_groups for p in g["params"]):
+            params = group["params"]
+            at = next(i for i, p in enumerate(params) if p is self.weight)
+            group["params"] = [*params[: at + 1], self.batch_rows, *params[at + 1 :]]
+        optimizer.state.pop(self.batch_rows, None)
+        # the auto-attach hook (if any) may be running now, inside torch's loop over the global
+        # pre-hooks: it is removed after this step (removing it now would change that dict)
+        ref = weakref.ref(self)
+
+        def pre(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            table = ref()
+            if table is not None:
+                table._before_step(opt)
+
+        def post(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            table = ref()
+            if table is not None:
+                table._after_step(opt)
+
+        def sd_post(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
+            table = ref()
+            return table._optimizer_state_dict(opt, sd) if table is not None else sd
+
+        def load_pre(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
+            table = ref()
+            return table._optimizer_load(opt, sd) if table is not None else sd
+
+        self._hooks = [
+            optimizer.register_step_pre_hook(pre),
+            optimizer.register_step_post_hook(post),
+            optimizer.register_state_dict_post_hook(sd_post),
+            optimizer.register_load_state_dict_pre_hook(load_pre),
+        ]
+
+    def detach_optimizer(self) -> None:
+        """Remove the hooks :meth:`attach` registered and the row buffer from the optimizer's
+        groups (the module forgets the optimizer)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self._optimizer is not None:  # the row buffer leaves the optimizer with the hooks
+            for g in self._optimizer.param_groups:
+                if any(p is self.batch_rows for p in g["params"]):
+                    g["params"] = [p for p in g["params"] if p is not self.batch_rows]
+        self._optimizer = None
+        self._rule = None
+
+    def _auto_attach(self) -> None:
+        if self._optimizer is not None or self._auto_hook is not None:
+            return
+        ref = weakref.ref(self)
+
+        def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            table = ref()
+            if table is None or table._optimizer is not None:
+                return
+            if any(p is table.weight for g in opt.param_groups for p in g["params"]):
+                table.attach(opt)  # registers the instance pre-hook, which runs right after
+
+        self._auto_hook = register_optimizer_step_pre_hook(hook)
+
+    def _before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if optimizer is not self._optimizer or self._rule is None:
+            return
+        group = _group_of(optimizer, self.weight)
+        if _Rule._hyper(group) != self._rule.hyper:
+            # hyper-parameters changed: every host row catches up under the old ones first
+            self.flush()
+            self._rule = _make_rule(optimizer, group, self.t)
+        grad = self.batch_rows.grad
+        if grad is None:
+            return  # as a resident table with no gradient: the optimizer skips it
+        with torch.no_grad():
+            self._step_rows(group, grad)
+        self.t += 1
+        self._rule.record(float(group["lr"]))
+        if self._kind != "sgd":
+            self._cache_state()["step"] = torch.tensor(float(self.t))
+        # hidden from the optimizer's own step (it skips parameters without a gradient)
+        self._stash, self.batch_rows.grad = grad, None
+
+    def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._auto_hook is not None:
+            self._auto_hook.remove()
+            self._auto_hook = None
+        if optimizer is not self._optimizer or self._rule is None:
+            return
+        self._clear_pins()
+        if self._stash is not None:  # the step consumed the gradient: a new layout begins
+            self._stash = None
+            self._generation += 1
+            self._set_layout(torch.zeros(0, dtype=torch.int64), None)
+        self.reset_step_stats()
+
+    # ------------------------------------------------------------------ lazy rows, fused step
+    def _cache_state(self) -> dict[str, Any]:
+        """The optimizer's state of the cache ``(C, D)`` per key, made from the host state when
+        absent (before the first step)."""
+        assert self._optimizer is not None
+        state = self._optimizer.state[self.weight]
+        for key in self._state_keys():
+            if key not in state:
+                state[key] = self._gather_rows(self.host_state[key]).to(
+                    self.device, self.weight.dtype
+                )
+        return state
+
+    def _catch_up_rows(self, rows: torch.Tensor) -> None:
+        """Bring cache ``rows`` ``(R,)`` (host int64) behind step ``t`` up to it, in place."""
+        if self._rule is None or rows.numel() == 0:
+            return
+        s = self.slot_step[rows]
+        stale = s < self.t
+        if not bool(stale.any()):
+            return
+        rows, s = rows[stale], s[stale]
+        state = self._cache_state() if self._state_keys() else {}
+        step = max(1, _CHUNK_ELEMENTS // max(1, self.embedding_dim * 4))
+        for start in range(0, rows.numel(), step):
+            r = rows[start : start + step].to(self.device)
+            w64 = self.weight.data[r].double()
+            st64 = {k: state[k][r].double() for k in self._state_keys()}
+            self._rule.catch_up(w64, st64, s[start : start + step], self.t)
+            self.weight.data[r] = w64.to(self.weight.dtype)
+            for k, v in st64.items():
+                state[k][r] = v.to(state[k].dtype)
+        self.slot_step[rows] = self.t
+
+    def _step_rows(self, group: dict[str, Any], grad: torch.Tensor) -> None:
+        """The fused step t -> t+1 of the layout's rows with their gradient ``(U, D)``."""
+        rows = self._layout_rows
+        if rows.numel() == 0:
+            return
+        self._catch_up_rows(rows)  # rows carried from an earlier step
+        r = rows.to(self.device)
+        state = self._cache_state() if self._state_keys() else {}
+        p = self.weight.data[r]
+        st = {k: state[k][r] for k in self._state_keys()}
+        fused_update(self._kind, group, p, grad.to(p.dtype), st, self.t + 1)
+        self.weight.data[r] = p
+        for k, v in st.items():
+            state[k][r] = v
+        self.slot_step[rows] = self.t + 1
+
+    def _set_layout(self, rows: torch.Tensor, grad: torch.Tensor | None) -> None:
+        """The gradient layout becomes ``rows`` (host int64 cache rows) with ``grad``."""
+        old = self._layout_rows
+        if old.numel():
+            self._row_pos[old] = -1
+        self._layout_rows = rows
+        self._row_pos[rows] = torch.arange(rows.numel())
+        self.batch_rows.grad = None
+        self.batch_rows.data = torch.zeros(
+            rows.numel(), self.embedding_dim, dtype=self.weight.dtype, device=self.device
+        )
+        self.batch_rows.grad = grad
+
+    def _layout_slots(self) -> torch.Tensor:
+        """Slots of the rows holding a gradient (never evicted: it would lose it)."""
+        return self._layout_rows // self.block_rows  # repeats allowed: used as an index
+
+    def _layout_add(self, rows: torch.Tensor) -> torch.Tensor:
+        """Positions ``(U,)`` of unique cache ``rows`` in the gradient layout (appended)."""
+        pos = self._row_pos[rows]
+        new = rows[pos < 0]
+        if new.numel():
+            grad = self.batch_rows.grad
+            if grad is not None:
+                pad = grad.new_zeros(new.numel(), self.embedding_dim)
+                grad = torch.cat([grad.detach(), pad])
+            self._set_layout(torch.cat([self._layout_rows, new]), grad)
+            pos = self._row_pos[rows]
+        return pos
+
+    def _accumulate_grad(
+        self, positions: torch.Tensor, generation: int, grad: torch.Tensor
+    ) -> None:
+        """Backward of :class:`CacheRows`: add ``grad`` ``(U, D)`` at ``positions``."""
+        if generation != self._generation:
+            raise RuntimeError(
+                "cached table: a backward ran after the optimizer step that followed its "
+                "forward; run backward before optimizer.step() (the cache's gradient rows of "
+                "that forward are no longer laid out)"
+            )
+        with torch.no_grad():
+            g = self.batch_rows.grad
+            if g is None:
+                g = torch.zeros_like(self.batch_rows)
+                g.index_add_(0, positions.to(g.device), grad.to(g.dtype))
+                self.batch_rows.grad = g
+            else:
+                g.index_add_(0, positions.to(g.device), grad.to(g.dtype))
+
+    def dense_grad(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The cache's pending gradient as ``(ids (U,) int64 host, grad (U, D))``, or ``None``."""
+        g = self.batch_rows.grad
+        if g is None:
+            return None
+        rows = self._layout_rows
+        r = self.block_rows
+        blocks = self.slot_to_block[rows // r]
+        ids = blocks * r + rows % r
+        return ids, g

@@ -1,0 +1,211 @@
+"""What the row cache is built from: its counters (CacheStats), host tensors (pinned, or in the
+disk tier's file), rebinding a Parameter's data, the options of the cached module types, and how
+optimizer state dicts leave the batch-row buffers out."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from edo_monitor.nn.embedding import BAG_MODES, EmbeddingOptions
+
+logger = logging.getLogger(__name__)
+
+
+CACHE_POLICIES: tuple[str, ...] = ("lfu", "lru")
+
+
+# ----------------------------------------------------------------------------- the module
+@dataclass(frozen=True)
+class CacheStats:
+    """Counters of a cached table.
+
+    ``*_step`` values cover the forwards since the last optimizer step (or since the last
+    :meth:`CachedTable.reset_step_stats`); the others are totals. Hits and misses count unique
+    ids per forward; ``lookups``/``lookup_hits`` count every looked-up id (repeats too).
+    ``h2d_bytes``/``d2h_bytes``: weight and optimizer-state bytes moved
+    host→device (loads) and device→host (write-backs).
+    """
+
+    cache_rows: int
+    num_embeddings: int
+    hits: int
+    misses: int
+    evicted: int
+    h2d_bytes: int
+    d2h_bytes: int
+    hits_step: int
+    misses_step: int
+    evicted_step: int
+    h2d_bytes_step: int
+    d2h_bytes_step: int
+    peak_unique_ids: int
+    lookups: int = 0
+    lookup_hits: int = 0
+    #: blocks loaded by a forward (on the critical path), not ahead of it by :meth:`prefetch`
+    forward_loads: int = 0
+
+    @property
+    def hit_rate(self) -> float | None:
+        """``hits / (hits + misses)`` over all forwards (``None`` before the first)."""
+        total = self.hits + self.misses
+        return self.hits / total if total else None
+
+    @property
+    def lookup_hit_rate(self) -> float | None:
+        """Fraction of all looked-up ids (repeats counted) whose row was already cached."""
+        return self.lookup_hits / self.lookups if self.lookups else None
+
+    def history_totals(self) -> dict[str, int]:
+        """The totals as the history's ``cache_*`` columns name them
+        (:data:`edo_monitor.store.schema.CACHE_FIELDS`): rows now, lookups, lookup hits, rows
+        loaded (misses), rows evicted, bytes moved either way (``h2d_bytes + d2h_bytes``)."""
+        return {
+            "cache_rows": self.cache_rows,
+            "cache_lookups": self.lookups,
+            "cache_lookup_hits": self.lookup_hits,
+            "cache_rows_loaded": self.misses,
+            "cache_rows_evicted": self.evicted,
+            "cache_moved_bytes": self.h2d_bytes + self.d2h_bytes,
+        }
+
+
+def rebind_data(param: nn.Parameter, data: torch.Tensor) -> None:
+    """``param.data = data`` for a new shape, also when a live graph still holds ``param``.
+
+    Autograd caches a parameter's gradient accumulator (with the shape it had) while any graph
+    refers to it, e.g. the previous step's ``loss`` the training loop still holds; reusing it after
+    a shape change fails in backward ("invalid gradient ... expected shape"). PyTorch drops that
+    cache when ``.data`` changes dtype, so the data is swapped through another dtype first.
+    Call with ``param.grad`` set to ``None``.
+    """
+    other = torch.float32 if data.dtype == torch.float64 else torch.float64
+    param.data = torch.empty(0, dtype=other, device=data.device)
+    param.data = data
+
+
+def _pinned_empty(shape: Sequence[int], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """Every host tensor of the cache (table copies, optimizer state) is allocated here, so a
+    tier below host memory (a memory-mapped file) replaces one function."""
+    t = torch.empty(tuple(shape), dtype=dtype)
+    if pin:
+        try:
+            return t.pin_memory()
+        except RuntimeError as exc:
+            logger.warning("could not pin %d host bytes (%s); using pageable", t.nbytes, exc)
+    return t
+
+
+def _is_row_buffer(p: torch.Tensor) -> bool:
+    return bool(getattr(p, "_edo_row_buffer", False))
+
+
+def _strip_row_buffers(optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
+    """``sd`` without the cached tables' row buffers (ids renumbered), as an optimizer over the
+    uncached model would save it; unchanged when already stripped."""
+    live = [g["params"] for g in optimizer.param_groups]
+    groups = sd["param_groups"]
+    if [len(g["params"]) for g in groups] != [len(p) for p in live]:
+        return sd
+    drop = {
+        i
+        for g, ps in zip(groups, live, strict=True)
+        for i, p in zip(g["params"], ps, strict=True)
+        if _is_row_buffer(p)
+    }
+    if not drop:
+        return sd
+    kept = sorted(i for g in groups for i in g["params"] if i not in drop)
+    new_id = {old: new for new, old in enumerate(kept)}
+    out = dict(sd)
+    out["param_groups"] = [
+        {**g, "params": [new_id[i] for i in g["params"] if i not in drop]} for g in groups
+    ]
+    out["state"] = {new_id[k]: v for k, v in sd["state"].items() if k not in drop}
+    return out
+
+
+def _insert_row_buffers(optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`_strip_row_buffers` for ``optimizer.load_state_dict(sd)``."""
+    live = [g["params"] for g in optimizer.param_groups]
+    groups = sd["param_groups"]
+    stripped = [sum(not _is_row_buffer(p) for p in ps) for ps in live]
+    if [len(g["params"]) for g in groups] != stripped or stripped == [len(p) for p in live]:
+        return sd
+    new_id: dict[Any, int] = {}
+    new_groups = []
+    n = 0
+    for g, ps in zip(groups, live, strict=True):
+        old = iter(g["params"])
+        ids = []
+        for p in ps:
+            if not _is_row_buffer(p):
+                new_id[next(old)] = n
+            ids.append(n)
+            n += 1
+        new_groups.append({**g, "params": ids})
+    out = dict(sd)
+    out["param_groups"] = new_groups
+    out["state"] = {new_id[k]: v for k, v in sd["state"].items() if k in new_id}
+    return out
+
+
+class _CacheFullError(Exception):
+    def __init__(self, available: int) -> None:
+        super().__init__(available)
+        self.available = available
+
+
+def _check_bag_mode(mode: str) -> str:
+    if mode not in BAG_MODES:
+        raise ValueError(f"mode={mode!r}; expected one of {BAG_MODES}")
+    return mode
+
+
+def _options(
+    n: int,
+    d: int,
+    padding_idx: int | None,
+    max_norm: float | None,
+    norm_type: float,
+    scale_grad_by_freq: bool,
+    sparse: bool,
+    bag_mode: str | None,
+    include_last_offset: bool,
+) -> EmbeddingOptions:
+    if padding_idx is not None:
+        if not -n <= padding_idx < n:
+            raise ValueError(f"padding_idx={padding_idx} must be within the {n} rows")
+        if padding_idx < 0:
+            padding_idx += n
+    return EmbeddingOptions(
+        num_embeddings=int(n),
+        embedding_dim=int(d),
+        padding_idx=padding_idx,
+        max_norm=max_norm,
+        norm_type=float(norm_type),
+        scale_grad_by_freq=bool(scale_grad_by_freq),
+        sparse=bool(sparse),
+        bag_mode=bag_mode,
+        include_last_offset=bool(include_last_offset),
+    )
+
+
+def _initial_weight(
+    options: EmbeddingOptions, weight: torch.Tensor | None, dtype: torch.dtype | None
+) -> torch.Tensor:
+    n, d = options.num_embeddings, options.embedding_dim
+    if weight is not None:
+        if tuple(weight.shape) != (n, d):
+            raise ValueError(f"_weight has shape {tuple(weight.shape)}; expected {(n, d)}")
+        return weight.detach().to("cpu")
+    w = torch.empty(n, d, dtype=dtype or torch.get_default_dtype())
+    nn.init.normal_(w)
+    if options.padding_idx is not None:
+        w[options.padding_idx] = 0
+    return w

@@ -1,0 +1,275 @@
+"""Rows in and out of the row cache: ids remapped to slots, misses loaded (one gathered copy, a side
+stream on CUDA), rows written back and evicted, the rows in use pinned."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from edo_monitor.nn.cache_parts import (
+    _CacheFullError,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class _RowMovement:
+    """Rows in and out of the row cache: ids remapped to slots, misses loaded (one gathered copy, a
+    side"""
+
+    def _pin_slots(self, slots: torch.Tensor) -> None:
+        """Pin ``slots`` (their gradient is pending) until the next optimizer step."""
+        self.slot_pinned[slots] = True
+        if self._pinned_since_step is None:
+            return
+        self._pinned_listed += slots.numel()
+        if self._pinned_listed > self.slot_pinned.numel():  # forwards without steps: stop listing
+            self._pinned_since_step = None
+        else:
+            self._pinned_since_step.append(slots)
+
+    def _clear_pins(self) -> None:
+        """Unpin every slot (after an optimizer step): the listed ones, or all when unlisted."""
+        listed = self._pinned_since_step
+        if listed is None:
+            self.slot_pinned.zero_()
+        elif listed:
+            self.slot_pinned[torch.cat(listed)] = False
+        self._pinned_since_step = []
+        self._pinned_listed = 0
+
+    # ------------------------------------------------------------------ moving rows
+    def _block_rows_of(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ids ``(B*R,)`` of ``blocks`` and whether each is a real row (``< N``)."""
+        r = self.block_rows
+        ids = (blocks[:, None] * r + torch.arange(r)[None, :]).reshape(-1)
+        return ids, ids < self.num_embeddings
+
+    def _slot_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        r = self.block_rows
+        return (slots[:, None] * r + torch.arange(r)[None, :]).reshape(-1)
+
+    def _gather_rows(self, host: torch.Tensor) -> torch.Tensor:
+        """Rows of a full host tensor ``(N, D)`` for every cache slot ``(C, D)`` (free: zero)."""
+        out = torch.zeros(self.cache_rows, self.embedding_dim, dtype=host.dtype)
+        used = (self.slot_to_block >= 0).nonzero().reshape(-1)
+        if used.numel():
+            ids, real = self._block_rows_of(self.slot_to_block[used])
+            rows = self._slot_rows(used)
+            out[rows[real]] = host[ids[real]]
+        return out
+
+    def _write_back(self, slots: torch.Tensor) -> None:
+        """Copy cache ``slots`` (weight + state) to the host; their rows are current (step t)."""
+        if slots.numel() == 0:
+            return
+        ids, real = self._block_rows_of(self.slot_to_block[slots])
+        rows = self._slot_rows(slots)[real]
+        ids = ids[real]
+        state = self._opt_state()
+        moved = 0
+        w = self.weight.detach()[rows.to(self.device)].to("cpu")
+        self.host_weight[ids] = w
+        self.last_step[ids] = self.slot_step[rows]  # lazy: caught up when next loaded
+        moved += w.numel() * w.element_size()
+        for key in self._state_keys():
+            value = state.get(key)
+            if value is not None:
+                rows_state = value.detach()[rows.to(value.device)].to("cpu")
+                self.host_state[key][ids] = rows_state.to(self.host_state[key].dtype)
+                moved += rows_state.numel() * rows_state.element_size()
+        self._count(d2h_bytes=moved)
+
+    def _load_blocks(self, blocks: torch.Tensor, slots: torch.Tensor | None = None) -> None:
+        """Load ``blocks`` (caught up to step t) into free ``slots`` (default: the first free)."""
+        if blocks.numel() == 0:
+            return
+        if slots is None:
+            slots = (self.slot_to_block < 0).nonzero().reshape(-1)[: blocks.numel()]
+        self._place_staged(self._stage_blocks(blocks), slots)
+
+    def _stage_blocks(self, blocks: torch.Tensor) -> dict[str, Any]:
+        """Rows of host ``blocks`` (not cached) caught up to step t, copied to the device (on
+        CUDA on the side stream, not waited for): ``{"blocks", "ids", "real", "w", "st", "t",
+        "s"}``. Placed into cache slots by :meth:`_place_staged`, now or after a later optimizer
+        step (the rows, not cached, take no gradient: the lazy catch-up covers those steps)."""
+        ids, real = self._block_rows_of(blocks)
+        ids = ids[real]
+        s = self.last_step[ids]
+        w = self.host_weight[ids]
+        keys = self._state_keys()
+        st = {k: self.host_state[k][ids] for k in keys}
+        if self._rule is not None and bool((s < self.t).any()):
+            w64 = w.double()
+            st64 = {k: v.double() for k, v in st.items()}
+            self._rule.catch_up(w64, st64, s, self.t)
+            w = w64.to(w.dtype)
+            st = {k: v.to(st[k].dtype) for k, v in st64.items()}
+        stream = self._load_stream()
+        if stream is not None:  # CUDA: copy on a side stream; the placing waits for it
+            with torch.cuda.stream(stream):
+                w = w.to(self.device, non_blocking=True)
+                st = {k: v.to(self.device, non_blocking=True) for k, v in st.items()}
+        staged = {"blocks": blocks, "ids": ids, "real": real, "w": w, "st": st, "t": self.t}
+        staged["s"] = s
+        return staged
+
+    def _place_staged(self, staged: dict[str, Any], slots: torch.Tensor) -> None:
+        """Put rows staged by :meth:`_stage_blocks` into free cache ``slots``."""
+        blocks, w, st = staged["blocks"], staged["w"], staged["st"]
+        rows = self._slot_rows(slots)[staged["real"]]
+        state = self._opt_state()
+        moved = w.numel() * w.element_size()
+        dev_rows = rows.to(self.device)
+        stream = self._load_stream()
+        if stream is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_stream(stream)
+            w.record_stream(current)
+            for v in st.values():
+                v.record_stream(current)
+        self.weight.data[dev_rows] = w.to(self.device, self.weight.dtype)
+        for key in self._state_keys():
+            value = state.get(key)
+            if value is not None:
+                value.data[rows.to(value.device)] = st[key].to(value.device, value.dtype)
+                moved += st[key].numel() * st[key].element_size()
+        self.slot_to_block[slots] = blocks
+        self.block_to_slot[blocks] = slots
+        self.slot_step[rows] = staged["t"]
+        self._count(misses=int(blocks.numel()), h2d_bytes=moved)
+
+    def _load_stream(self) -> Any:
+        if self.device.type != "cuda":
+            return None
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(self.device)
+        return self._side_stream
+
+    def _evict(self, count: int, protect: torch.Tensor) -> torch.Tensor:
+        """``count`` slots for new blocks: free ones first, then victims (written back)."""
+        free = (self.slot_to_block < 0).nonzero().reshape(-1)
+        if free.numel() >= count:
+            return free[:count]
+        need = count - free.numel()
+        held = self._layout_slots()
+        if held.numel():
+            protect = protect.clone()
+            protect[held] = True
+        la = self._lookahead
+        if la is not None:  # rows of the running and the prefetched batches stay
+            protect = la.protect(self, protect)
+        candidates = ((self.slot_to_block >= 0) & ~protect).nonzero().reshape(-1)
+        if candidates.numel() < need:
+            raise _CacheFullError(int(candidates.numel() + free.numel()))
+        last = self.slot_last_use[candidates]
+        if self.policy == "lfu":
+            freq = self.block_freq[self.slot_to_block[candidates]]
+            # least frequent first, ties: least recently used
+            score = freq * (self._tick + 1) + last
+        else:
+            score = last
+        if la is not None:  # next use inside the look-ahead window first (Belady)
+            score = la.score(self, self.slot_to_block[candidates], score)
+        # the need smallest scores (last use breaks LFU ties; ticks are unique per forward)
+        order = torch.topk(score, need, largest=False, sorted=False).indices
+        victims = candidates[order]
+        self._write_back(victims)
+        self.block_to_slot[self.slot_to_block[victims]] = -1
+        self.slot_to_block[victims] = -1
+        self._count(evicted=int(victims.numel()))
+        return torch.cat([free, victims])
+
+    def _ensure(
+        self, blocks: torch.Tensor, *, count: bool, slots: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Make unique ``blocks`` resident; returns their slots. Grows or raises when too many.
+
+        ``slots``: ``block_to_slot[blocks]`` when the caller has it already.
+        """
+        if slots is None:
+            slots = self.block_to_slot[blocks]
+        hit = slots >= 0
+        miss = blocks[~hit]
+        if count:
+            self._count(hits=int(hit.sum()))
+        if miss.numel():
+            if count:
+                self._count(forward_loads=int(miss.numel()))
+            protect = self.slot_pinned.clone()
+            protect[slots[hit]] = True
+            try:
+                new = self._evict(miss.numel(), protect)
+            except _CacheFullError as full:
+                needed = int(protect.sum()) + miss.numel()
+                if self.overflow == "error":
+                    raise RuntimeError(
+                        f"the batch needs {needed * self.block_rows} cache rows (its unique ids "
+                        f"plus rows used since the last optimizer step) but the cache holds "
+                        f"{self.cache_rows} rows ({full.available} free or evictable blocks); "
+                        f"grow the cache or pass overflow='grow'"
+                    ) from None
+                logger.warning(
+                    "cached table: %d rows needed, cache has %d; growing it",
+                    needed * self.block_rows,
+                    self.cache_rows,
+                )
+                self.resize(needed * self.block_rows)
+                return self._ensure(blocks, count=False)
+            self._load_blocks(miss, new)
+            slots = self.block_to_slot[blocks]
+        return slots
+
+    # ------------------------------------------------------------------ forward
+    def _remap(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+        """The batch's unique cache rows ``(U,)`` (host int64, made resident and current), each
+        id's place among them (``input``'s shape, on the cache device) and the padding row's
+        place (``None`` when the batch has no padding id)."""
+        flat = input.reshape(-1)
+        if flat.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"input must be an integer tensor (int64/int32), got {flat.dtype}")
+        ids = flat.to("cpu", torch.int64)
+        if ids.numel():
+            lo, hi = (int(v) for v in torch.aminmax(ids))
+            if lo < 0 or hi >= self.num_embeddings:
+                raise IndexError(
+                    f"index out of range: ids must be in [0, {self.num_embeddings}), got "
+                    f"[{lo}, {hi}]"
+                )
+        r = self.block_rows
+        blocks = ids // r if r > 1 else ids
+        uniq, inverse, counts = torch.unique(blocks, return_inverse=True, return_counts=True)
+        if r == 1:
+            uniq_ids, id_counts = uniq, counts
+        else:
+            uniq_ids, id_place, id_counts = torch.unique(
+                ids, return_inverse=True, return_counts=True
+            )
+        for listener in tuple(self._lookup_listeners.values()):
+            listener(uniq_ids, id_counts)
+        slots = self.block_to_slot[uniq]
+        present = slots >= 0
+        self._count(lookups=int(ids.numel()), lookup_hits=int(counts[present].sum()))
+        self.peak_unique_ids = max(self.peak_unique_ids, int(uniq_ids.numel()))
+        self._tick += 1
+        with torch.no_grad():
+            slots = self._ensure(uniq, count=True, slots=slots)
+        self.block_freq[uniq] += 1
+        self.slot_last_use[slots] = self._tick
+        if torch.is_grad_enabled() and self.weight.requires_grad:
+            self._pin_slots(slots)  # its gradient is pending until the optimizer step
+        if r == 1:
+            urows, place = slots, inverse
+        else:  # the unique ids' rows: distinct, in the unique ids' order
+            urows = self.block_to_slot[uniq_ids // r] * r + uniq_ids % r
+            place = id_place
+        pad_pos = None
+        pad = self.padding_idx
+        if pad is not None and uniq_ids.numel():
+            i = int(torch.searchsorted(uniq_ids, pad))
+            if i < uniq_ids.numel() and int(uniq_ids[i]) == pad:
+                pad_pos = i  # urows are in the unique ids' order
+        self._catch_up_rows(urows)
+        return urows, place.reshape(input.shape).to(self.device), pad_pos
