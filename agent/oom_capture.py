@@ -15,12 +15,12 @@ import torch
 from edo_monitor.measure.oom import parse_oom_message
 
 if TYPE_CHECKING:
-    from edo_monitor.agent.monitor import Monitor
+    from edo_monitor.agent.state import MonitorState
 
 __all__ = ["record_oom"]
 
 
-def record_oom(monitor: Monitor, exc: BaseException) -> None:
+def record_oom(monitor: MonitorState, exc: BaseException) -> None:
     """Record an ``oom`` event for ``exc`` when it is an out-of-memory error.
 
     An error counts when its message parses as PyTorch's out-of-memory message

@@ -61,7 +61,7 @@ import torch
 from edo_monitor.errors import ConfigError
 
 if TYPE_CHECKING:
-    from edo_monitor.agent.monitor import Monitor
+    from edo_monitor.agent.state import MonitorState
 
 __all__ = ["StepRecovery", "batch_rows", "split_batch"]
 
@@ -157,7 +157,7 @@ class StepRecovery:
 
     def __init__(
         self,
-        monitor: Monitor,
+        monitor: MonitorState,
         *,
         min_micro_batch_rows: int = 1,
         merge_after_steps: int = DEFAULT_MERGE_AFTER_STEPS,

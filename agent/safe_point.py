@@ -39,7 +39,7 @@ from edo_monitor.measure.accounting import Accounting
 from edo_monitor.units import format_bytes
 
 if TYPE_CHECKING:
-    from edo_monitor.agent.monitor import Monitor
+    from edo_monitor.agent.state import MonitorState
 
 __all__ = ["SafePoint"]
 
@@ -59,7 +59,7 @@ class SafePoint:
         primary: the optimizer whose steps are counted (``None`` until found).
     """
 
-    def __init__(self, monitor: Monitor) -> None:
+    def __init__(self, monitor: MonitorState) -> None:
         self.m = monitor
         self.enforcing = False
         self.step_accounting: Accounting | None = None

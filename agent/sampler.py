@@ -21,7 +21,7 @@ from edo_monitor.probes.readings import Reading
 from edo_monitor.store.schema import CACHE_FIELDS
 
 if TYPE_CHECKING:
-    from edo_monitor.agent.monitor import Monitor
+    from edo_monitor.agent.state import MonitorState
 
 __all__ = ["Sampler"]
 
@@ -62,7 +62,7 @@ class Sampler:
         stop_event: the monitor's: set when the run is ending (the thread stops).
     """
 
-    def __init__(self, monitor: Monitor) -> None:
+    def __init__(self, monitor: MonitorState) -> None:
         self.m = monitor
         self.interval_s = monitor.interval_s
         self.stop_event: threading.Event = monitor._stop

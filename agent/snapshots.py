@@ -39,7 +39,7 @@ from edo_monitor.measure.snapshots import ENCODING, build_cpu_snapshot, encode, 
 from edo_monitor.units import format_bytes
 
 if TYPE_CHECKING:
-    from edo_monitor.agent.monitor import Monitor
+    from edo_monitor.agent.state import MonitorState
     from edo_monitor.measure.accounting import Accounting
 
 __all__ = [
@@ -114,7 +114,7 @@ class SnapshotRecorder:
 
     def __init__(
         self,
-        monitor: Monitor,
+        monitor: MonitorState,
         *,
         history: bool = False,
         cap_bytes: int = DEFAULT_CAP_BYTES,

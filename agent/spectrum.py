@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from edo_monitor.agent.monitor import Monitor
+    from edo_monitor.agent.state import MonitorState
 
 __all__ = ["SPECTRUM_MAX_ROWS", "SPECTRUM_MAX_VALUES", "record_table_spectra", "table_spectrum"]
 
@@ -70,7 +70,7 @@ def table_spectrum(
     }
 
 
-def record_table_spectra(m: Monitor) -> None:
+def record_table_spectra(m: MonitorState) -> None:
     """One ``table_spectrum`` event per embedding table of the watched model not yet recorded
     (``nn.Embedding`` / ``nn.EmbeddingBag`` with a float weight). Never raises: a failure is
     counted as an agent error."""

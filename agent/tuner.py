@@ -25,7 +25,7 @@ from edo_monitor.probes.readings import Reading
 from edo_monitor.units import format_bytes
 
 if TYPE_CHECKING:
-    from edo_monitor.agent.monitor import Monitor
+    from edo_monitor.agent.state import MonitorState
 
 __all__ = ["Tuner"]
 
@@ -44,7 +44,7 @@ class Tuner:
         pressure_queue: crossings waiting for the ``on_pressure`` hooks.
     """
 
-    def __init__(self, monitor: Monitor) -> None:
+    def __init__(self, monitor: MonitorState) -> None:
         self.m = monitor
         self.pressure_queue: list[ThresholdCrossing] = []
 

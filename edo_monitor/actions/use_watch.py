@@ -11,15 +11,20 @@ weight starts inside it).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-if TYPE_CHECKING:
-    from edo_monitor.actions.checkpoint_activations import ActivationRecorder
-
 logger = logging.getLogger(__name__)
+
+
+class UseSink(Protocol):
+    """Where the watcher reports a call
+    (:class:`~edo_monitor.actions.checkpoint_activations.ActivationRecorder` is one)."""
+
+    def note_use(self, func: Any, args: Any, kwargs: Any) -> None: ...
+
 
 #: torch functions that read only metadata (shape, dtype, storage pointer ...), never values:
 #: a parameter passed to one of them is not "used" (the agent's own accounting calls them too)
@@ -64,7 +69,7 @@ class _UseWatcher(TorchFunctionMode):
     recorded step every ``profile_interval_s``, and its check is a dict lookup per argument.
     """
 
-    def __init__(self, recorder: ActivationRecorder) -> None:
+    def __init__(self, recorder: UseSink) -> None:
         super().__init__()
         self._recorder = recorder
 
