@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from edo_monitor.agent.snapshots import SnapshotRecorder
-    from edo_monitor.integrations.tensorboard import TensorBoardSink
+    from edo_monitor.exporters.tensorboard import TensorBoardSink
     from edo_monitor.store.writer import Writer
 
 __all__ = ["EventLog"]

@@ -70,7 +70,7 @@ from edo_monitor.store.spill_files import resolve_spill_dir
 from edo_monitor.units import parse_bytes
 
 if TYPE_CHECKING:
-    from edo_monitor.integrations.tensorboard import TensorBoardSink
+    from edo_monitor.exporters.tensorboard import TensorBoardSink
 
 __all__ = ["DEFAULT_INTERVAL_S", "Monitor", "RunSummary"]
 
@@ -263,7 +263,7 @@ class Monitor(_Lifecycle):
         #: for a bad value or without the package, the writer opened on entering
         self._tensorboard: TensorBoardSink | None = None
         if tensorboard is not None:
-            from edo_monitor.integrations.tensorboard import TensorBoardSink
+            from edo_monitor.exporters.tensorboard import TensorBoardSink
 
             self._tensorboard = TensorBoardSink(
                 tensorboard, on_error=lambda exc: self._agent_error("tensorboard", exc)

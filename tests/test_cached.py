@@ -492,3 +492,39 @@ def test_torch_compile_compiles_a_bounded_number_of_times_and_stays_exact() -> N
     assert cached.stats().evicted > 0  # hit and slot sizes changed from step to step
     assert 1 <= len(graphs) <= 2
     assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
+
+
+@pytest.mark.parametrize("as_keyword", [True, False])
+def test_a_step_with_a_closure_stays_exact(as_keyword: bool) -> None:
+    """``optimizer.step(closure)`` computes the gradient inside the step (Lightning's automatic
+    optimization calls it so): the cache's pre-hook ran before the closure, found no gradient,
+    and the optimizer then stepped the ``(U, D)`` row buffer itself with another step's state
+    (a size-mismatch error, or a wrong step). The rows are now stepped once the closure ran.
+    (The cache attaches to its optimizer at a first step whose forward ran before it, as the
+    agent's conversion does by attaching at once: one plain step here.)"""
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(N, D, generator=gen, dtype=torch.float64)
+    twin, cached = _pair(base)
+    opts = [torch.optim.Adam(m.parameters(), lr=0.05) for m in (twin, cached)]
+    _train(list(zip((twin, cached), opts, strict=True)), 1, gen)
+    for _ in range(30):
+        ids = _zipf_ids(gen, (4, 6))
+        target = torch.randn(4, 6, D, generator=gen, dtype=torch.float64)
+        for module, opt in zip((twin, cached), opts, strict=True):
+
+            def closure(
+                module: nn.Module = module,
+                opt: torch.optim.Optimizer = opt,
+                ids: torch.Tensor = ids,
+                target: torch.Tensor = target,
+            ) -> Any:
+                opt.zero_grad()
+                loss = ((module(ids) - target) ** 2).sum()
+                loss.backward()
+                return loss
+
+            if as_keyword:
+                opt.step(closure=closure)
+            else:
+                opt.step(closure)
+    assert _rel(cached.full_weight(), twin.weight.detach()) <= 1e-12

@@ -135,7 +135,7 @@ _OPTIONAL = {
         ("tensorboard", "torch.utils.tensorboard"),
         "from edo_monitor.integrations.tensorboard import summary_writer as f; f()",
     ),
-    "pandas": (("pandas",), "from edo_monitor.store.history import _pandas as f; f()"),
+    "pandas": (("pandas",), "from edo_monitor.store.records import _pandas as f; f()"),
     "lightning": (
         ("lightning", "lightning.pytorch", "pytorch_lightning"),
         "import edo_monitor.integrations.lightning",

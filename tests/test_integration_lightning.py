@@ -245,7 +245,9 @@ def test_a_fit_resumed_after_a_conversion_trains_as_its_twin_and_names_its_run(
         return module
 
     def watched() -> EdoMonitorCallback:
-        return EdoMonitorCallback(db=db_path, budget=12_000_000, policy=edo_monitor.Policy())
+        return EdoMonitorCallback(
+            db=db_path, budget=12_000_000, policy=edo_monitor.Policy(), interval_s=0.01
+        )
 
     first = watched()
     fit(first, 6, None, tmp_path / "watched.ckpt")

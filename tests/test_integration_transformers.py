@@ -283,7 +283,9 @@ def test_a_resumed_train_after_a_conversion_trains_as_its_twin_and_names_its_run
         return model
 
     def watched() -> EdoMonitorCallback:
-        return EdoMonitorCallback(db=db_path, budget=12_000_000, policy=edo_monitor.Policy())
+        return EdoMonitorCallback(
+            db=db_path, budget=12_000_000, policy=edo_monitor.Policy(), interval_s=0.01
+        )
 
     first = watched()
     train(first, 6, None)

@@ -26,13 +26,8 @@ __all__ = [
     "rounding_expected_error",
 ]
 
-#: Every action's name, in registry order (see :data:`edo_monitor.actions.ACTIONS`).
-ACTION_NAMES: tuple[str, ...] = (
-    "release_cache",
-    "cache_embedding",
-    "grow_cache",
-    "offload_embedding",
-    "checkpoint_activations",
+#: The actions that change numerics (need ``allow_lossy``), in registry order.
+_LOSSY = (
     "compress_embedding",
     "compress_embedding_bf16",
     "compress_embedding_fp16",
@@ -43,23 +38,18 @@ ACTION_NAMES: tuple[str, ...] = (
     "compress_embedding_2of8",
     "compress_embedding_perrow",
     "share_embedding",
+)
+#: Every action's name, in registry order (see :data:`edo_monitor.actions.ACTIONS`).
+ACTION_NAMES: tuple[str, ...] = (
+    "release_cache",
+    "cache_embedding",
+    "grow_cache",
+    "offload_embedding",
+    "checkpoint_activations",
+    *_LOSSY,
     "spill_embedding",
 )
-#: The actions that change numerics (need ``allow_lossy``).
-LOSSY_ACTION_NAMES: frozenset[str] = frozenset(
-    {
-        "compress_embedding",
-        "compress_embedding_bf16",
-        "compress_embedding_fp16",
-        "compress_embedding_int8",
-        "compress_embedding_lowrank",
-        "compress_embedding_int4",
-        "compress_embedding_int2",
-        "compress_embedding_2of8",
-        "compress_embedding_perrow",
-        "share_embedding",
-    }
-)
+LOSSY_ACTION_NAMES: frozenset[str] = frozenset(_LOSSY)
 DEFAULT_LOSSLESS_LADDER: tuple[str, ...] = (
     "release_cache",
     "cache_embedding",

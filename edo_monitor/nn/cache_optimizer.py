@@ -104,10 +104,30 @@ class _OptimizerBinding:
         # pre-hooks: it is removed after this step (removing it now would change that dict)
         ref = weakref.ref(self)
 
-        def pre(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        def pre(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
             table = ref()
-            if table is not None:
+            if table is None:
+                return None
+            # torch passes the step's own arguments: (optimizer, closure?) and its keywords
+            closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+            if closure is None:
                 table._before_step(opt)
+                return None
+
+            # step(closure): the closure computes the gradient inside step (Lightning's automatic
+            # optimization does), so the cache's rows are stepped and hidden once it has run,
+            # before the optimizer's own loop; stepping them here found no gradient, and the
+            # optimizer then stepped the (U, D) row buffer itself with another step's state
+            def closure_then_rows() -> Any:
+                loss = closure()
+                again = ref()
+                if again is not None:
+                    again._before_step(opt)
+                return loss
+
+            if "closure" in kwargs:
+                return args, {**kwargs, "closure": closure_then_rows}
+            return (args[0], closure_then_rows, *args[2:]), kwargs
 
         def post(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             table = ref()
