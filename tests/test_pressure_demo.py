@@ -145,7 +145,10 @@ def test_forecasting_acts_before_the_crossing_and_free_memory_never_goes_below_t
     # after some steps of warning, and the first action came before that crossing
     assert outcome["came_true"] is True and outcome["lead_steps"] >= 1
     assert action["action"] == "cache_embedding" and action_step < outcome["crossing_step"]
-    assert all("forecast" in d for k, _, d in events if k == "decision")
+    # every decision that frees memory acted on a forecast (a grow_cache gives rows back when
+    # the cache freed more than the forecast needed: the dropped dense gradient is a margin)
+    freeing = [d for k, _, d in events if k == "decision" and d["action"] != "grow_cache"]
+    assert freeing and all("forecast" in d for d in freeing)
     # judged outcomes all came true (the last forecast may be open when the run ends)
     judged = [d["came_true"] for k, _, d in events if k == "forecast_outcome"]
     assert all(j is True for j in judged[:-1]) and judged[-1] in (True, None)
