@@ -75,6 +75,11 @@ def parse_policy(text: str) -> dict[str, Any]:
     return out
 
 
+#: The live plans' minimum resize (``actions.cache_embedding.MIN_RESIZE_BYTES``; this module
+#: imports no torch).
+MIN_RESIZE_BYTES = 64 * 1024
+
+
 @dataclass(frozen=True)
 class ReplayDecision:
     """A decision of the replayed policy (or, in ``recorded``, of the live run).
@@ -293,6 +298,10 @@ class _Model:
         to_rows = min(n, cached + rows)
         if to_rows >= n and (n - cached) * t.cached_row_bytes + grad_bytes > spare:
             to_rows = n - 1  # resident again would not fit with its gradient: stay a cache
+        if to_rows < n and (to_rows - cached) * t.cached_row_bytes < MIN_RESIZE_BYTES:
+            # as the live plan: a growth under the minimum is not worth a re-layout (one row
+            # short of the table, because the gradient does not fit, grows nothing more)
+            return Refusal("grow_cache", t.module, "growing is under the minimum")
         cost = (to_rows - cached) * t.cached_row_bytes + (grad_bytes if to_rows >= n else 0)
         return Plan(
             "grow_cache",
