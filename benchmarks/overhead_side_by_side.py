@@ -32,7 +32,7 @@ import overhead as ob
 import torch
 
 import edo_monitor
-from edo_monitor import frequency
+from edo_monitor.measure import frequency
 from edo_monitor.agent.activations import ActivationTracker
 from edo_monitor.agent.safe_point import SafePoint
 
