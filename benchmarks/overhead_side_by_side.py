@@ -32,9 +32,9 @@ import overhead as ob
 import torch
 
 import edo_monitor
-from edo_monitor.measure import frequency
 from edo_monitor.agent.activations import ActivationTracker
 from edo_monitor.agent.safe_point import SafePoint
+from edo_monitor.measure import frequency
 
 
 def _block(tr: ob.Trainer, steps: int, db: str | None) -> float:

@@ -1,4 +1,5 @@
-"""Memory-saving actions applied at a step boundary (DESIGN.md §6).
+"""Doing it: the memory-saving actions, applied at a step boundary (DESIGN.md §6). Take a decision
+and the live model; hand on a changed model and an ActionResult.
 
 Build an :class:`ActionContext`, get a :class:`Plan` (or a :class:`Refusal`) from
 ``ACTIONS[name].plan(ctx)``, apply it on the training thread with ``ACTIONS[name].apply(ctx, plan)``

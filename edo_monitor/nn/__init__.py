@@ -1,5 +1,5 @@
-"""EDO embedding modules (host offload, device row cache, low precision, int8, low rank,
-shared rows)."""
+"""Doing it, the modules: the EDO embedding tables actions swap in (host offload, device row cache,
+low precision, int8 and low-bit, low rank, shared rows). Take a table's weight; hand on a module."""
 
 from __future__ import annotations
 

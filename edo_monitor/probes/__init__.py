@@ -1,4 +1,5 @@
-"""Probes: the only code that touches hardware (NVML, the CUDA caching allocator, the host).
+"""Where readings come from: the only code that touches hardware (NVML, the CUDA caching
+allocator, the host). Takes a device; hands on a Reading's raw numbers.
 
 Each probe fails softly: a source that cannot be read is marked unavailable with its reason
 (logged once and reported through the ``on_event`` callback), its fields read ``None``, and the
