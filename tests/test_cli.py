@@ -238,7 +238,7 @@ def test_history_commands_import_no_torch(db: Path) -> None:
         "               or m.startswith('sqlalchemy.orm') or m == 'edo_monitor.store.models')\n"
         "import importlib.util\n"
         "has_torch = importlib.util.find_spec('torch') is not None\n"
-        "watch = edo_monitor.watch.__module__ if has_torch else 'edo_monitor.agent.monitor'\n"
+        "watch = edo_monitor.watch.__module__ if has_torch else 'edo_monitor.agent.watch'\n"
         "print(json.dumps([heavy, watch, 'torch' in sys.modules or not has_torch]))\n"
     )
     res = subprocess.run(

@@ -192,7 +192,9 @@ def test_a_crash_leaves_one_file_that_the_next_run_and_doctor_report(db_path) ->
     (left,) = leftover_spill_files(spill_dir)
     assert left.stat().st_size >= TABLE_HOST_BYTES
     env = {**os.environ, "COLUMNS": "400"}
-    doctor = subprocess.run(["edo-monitor", "doctor", "--db", str(db_path)], capture_output=True,
+    # the installed CLI, whichever interpreter runs the tests (CI's venv is not on PATH)
+    cli = [sys.executable, "-m", "edo_monitor.surfaces.cli"]
+    doctor = subprocess.run([*cli, "doctor", "--db", str(db_path)], capture_output=True,
                             text=True, timeout=120, env=env)  # fmt: skip
     assert "leftover spill file" in doctor.stdout and left.name in doctor.stdout, doctor.stdout
     model = Recommender()

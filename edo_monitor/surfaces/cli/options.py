@@ -21,6 +21,10 @@ except ImportError:  # older typer: Click itself
 
 __all__ = ["INT64_MAX", "CliGroup", "Number"]
 
+#: Click 8.2's "no arguments: show the help" error; older Click (the lowest versions allowed)
+#: shows the help itself, so nothing is caught there.
+_NO_ARGS_IS_HELP: Any = getattr(click, "NoArgsIsHelpError", ())
+
 #: The largest count a history database (SQLite/PostgreSQL INTEGER) or a tensor dimension holds.
 INT64_MAX = 2**63 - 1
 
@@ -100,7 +104,7 @@ class CliGroup(TyperGroup):
         """Run the command line; with ``standalone_mode`` exit with the code."""
         try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-        except click.NoArgsIsHelpError as exc:
+        except _NO_ARGS_IS_HELP as exc:  # bare `edo-monitor`: the help, as before
             exc.show()
             code = exc.exit_code
         except click.ClickException as exc:
