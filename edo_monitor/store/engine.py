@@ -8,7 +8,9 @@ SQLite files are opened in WAL mode with a busy timeout, so one writer and any n
 connections start every transaction with ``BEGIN IMMEDIATE``: a transaction takes the write lock
 (waiting up to the busy timeout) before it reads, so it can never fail later on a lock upgrade —
 the one "database is locked" that a busy timeout cannot prevent. Readers open the file read-only
-(``mode=ro``) and never create it.
+(``mode=ro``) and never create it. A writer creates a new SQLite file whole
+(:func:`_create_history_file`): a reader finds no file or a complete history, never the empty
+file of a writer that has only just opened it.
 
 Schema versions are Alembic revisions (``edo_monitor/store/migrations``): schema version ``N`` is
 revision ``"000N"``. A writer upgrades an older database when it opens it (holding the write lock,
@@ -27,9 +29,11 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import sqlite3
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event, text
@@ -46,6 +50,7 @@ from edo_monitor.store.paths import (
     BUSY_TIMEOUT_S,
     _connect_readonly,
     _readonly_error,
+    database_file,
     readonly_uri,
     resolve_db_url,
 )
@@ -133,9 +138,50 @@ def open_engine(
             database, comes from a newer edo-monitor, or the server cannot be reached.
     """
     url = db if isinstance(db, URL) else resolve_db_url(db, readonly=readonly)
+    new_file = None if readonly else database_file(url)
+    if new_file is not None and not new_file.exists():
+        _create_history_file(new_file)
+    return _engine_for(url, readonly=readonly)
+
+
+def _create_history_file(path: Path) -> None:
+    """Create a new SQLite history at ``path`` whole, or leave the one another writer made.
+
+    SQLite creates a database file empty when it opens it and writes the schema afterwards; a
+    reader opening the file in between found a zero-byte file (refused as not a history) or one
+    without the tables yet (CI: a reader beside four starting writers, 1 run in about 20). The
+    schema is written to a hidden file beside ``path`` (``.NAME.PID-HEX.creating``), closed
+    (SQLite then copies its WAL into it and deletes the ``-wal`` file), and hard-linked to
+    ``path``, which either fails because another writer linked its own first (theirs is used) or
+    makes the complete file appear at once. A filesystem without hard links gets the file
+    created in place, as before.
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.creating")
+    try:
+        tmp_url = URL.create("sqlite", database=str(tmp))
+        _engine_for(tmp_url, readonly=False, shown=str(path)).dispose()
+        wal = Path(f"{tmp}-wal")
+        if wal.exists() and wal.stat().st_size:  # not folded into the file: creating in place
+            logger.warning("could not create %r whole: its schema stayed in %s", str(path), wal)
+            return
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            logger.debug("history database %r was created by another writer", str(path))
+        except OSError as exc:  # hard links not supported here
+            logger.info("creating history database %r in place (%s)", str(path), exc)
+    finally:
+        for leftover in (tmp, Path(f"{tmp}-wal"), Path(f"{tmp}-shm")):
+            leftover.unlink(missing_ok=True)
+
+
+def _engine_for(url: URL, *, readonly: bool, shown: str | None = None) -> Engine:
+    """The engine of :func:`open_engine` for a resolved ``url``, its schema checked (upgraded);
+    ``shown`` names the database in messages (default: the file, or the URL)."""
     is_sqlite = url.get_backend_name() == "sqlite"
     connect_args: dict[str, object] = {}
-    shown = url.database if is_sqlite and url.database else repr(url)
+    if shown is None:
+        shown = url.database if is_sqlite and url.database else repr(url)
     creator = None
     if is_sqlite:
         connect_args = {"timeout": BUSY_TIMEOUT_S, "check_same_thread": False}
