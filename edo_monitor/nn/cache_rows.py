@@ -82,26 +82,34 @@ class _RowMovement:
                 moved += rows_state.numel() * rows_state.element_size()
         self._count(d2h_bytes=moved)
 
-    def _load_blocks(self, blocks: torch.Tensor, slots: torch.Tensor | None = None) -> None:
-        """Load ``blocks`` (caught up to step t) into free ``slots`` (default: the first free)."""
+    def _load_blocks(
+        self, blocks: torch.Tensor, slots: torch.Tensor | None = None, *, catch_up: bool = True
+    ) -> None:
+        """Load ``blocks`` into free ``slots`` (default: the first free), caught up to step t
+        (``catch_up=False``: as they are, each row at its own step, like any stale cached row)."""
         if blocks.numel() == 0:
             return
         if slots is None:
             slots = (self.slot_to_block < 0).nonzero().reshape(-1)[: blocks.numel()]
-        self._place_staged(self._stage_blocks(blocks), slots)
+        self._place_staged(self._stage_blocks(blocks, catch_up=catch_up), slots)
 
-    def _stage_blocks(self, blocks: torch.Tensor) -> dict[str, Any]:
-        """Rows of host ``blocks`` (not cached) caught up to step t, copied to the device (on
-        CUDA on the side stream, not waited for): ``{"blocks", "ids", "real", "w", "st", "t",
-        "s"}``. Placed into cache slots by :meth:`_place_staged`, now or after a later optimizer
-        step (the rows, not cached, take no gradient: the lazy catch-up covers those steps)."""
+    def _stage_blocks(self, blocks: torch.Tensor, *, catch_up: bool = True) -> dict[str, Any]:
+        """Rows of host ``blocks`` (not cached) caught up to step t (or, ``catch_up=False``, at
+        their own steps), copied to the device (on CUDA on the side stream, not waited for):
+        ``{"blocks", "ids", "real", "w", "st", "t", "s"}`` (``"t"``: the step the rows are at,
+        an int or per row). Placed into cache slots by :meth:`_place_staged`, now or after a
+        later optimizer step (the rows, not cached, take no gradient: the lazy catch-up covers
+        those steps)."""
         ids, real = self._block_rows_of(blocks)
         ids = ids[real]
         s = self.last_step[ids]
         w = self.host_weight[ids]
         keys = self._state_keys()
         st = {k: self.host_state[k][ids] for k in keys}
-        if self._rule is not None and bool((s < self.t).any()):
+        at: int | torch.Tensor = self.t
+        if not catch_up:
+            at = s
+        elif self._rule is not None and bool((s < self.t).any()):
             w64 = w.double()
             st64 = {k: v.double() for k, v in st.items()}
             self._rule.catch_up(w64, st64, s, self.t)
@@ -112,7 +120,7 @@ class _RowMovement:
             with torch.cuda.stream(stream):
                 w = w.to(self.device, non_blocking=True)
                 st = {k: v.to(self.device, non_blocking=True) for k, v in st.items()}
-        staged = {"blocks": blocks, "ids": ids, "real": real, "w": w, "st": st, "t": self.t}
+        staged = {"blocks": blocks, "ids": ids, "real": real, "w": w, "st": st, "t": at}
         staged["s"] = s
         return staged
 
@@ -218,7 +226,7 @@ class _RowMovement:
                 )
                 self.resize(needed * self.block_rows)
                 return self._ensure(blocks, count=False)
-            self._load_blocks(miss, new)
+            self._load_blocks(miss, new, catch_up=False)  # _remap catches up every row at once
             slots = self.block_to_slot[blocks]
         return slots
 
