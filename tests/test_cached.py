@@ -267,13 +267,25 @@ def test_resize_both_ways_mid_training_stays_exact() -> None:
     o2 = torch.optim.SGD([cached.weight], lr=0.05, momentum=0.9, weight_decay=0.01)
     gen = torch.Generator().manual_seed(4)
     _train([(twin, o1), (cached, o2)], 20, gen)
+    _assert_slot_freq(cached)
     cached.resize(30)
     assert cached.cache_rows == 30 and o2.state[cached.weight]["momentum_buffer"].shape == (30, D)
+    _assert_slot_freq(cached)
     _train([(twin, o1), (cached, o2)], 20, gen)
+    _assert_slot_freq(cached)
     cached.resize(N)
     assert cached.cache_rows == N
     _train([(twin, o1), (cached, o2)], 20, gen)
+    _assert_slot_freq(cached)
     assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
+
+
+def _assert_slot_freq(cached: CachedEmbedding) -> None:
+    """The LFU count kept per slot is its block's count (what eviction ranks by)."""
+    used = (cached.slot_to_block >= 0).nonzero().reshape(-1)
+    assert used.numel() > 0
+    want = cached.block_freq[cached.slot_to_block[used]]
+    assert torch.equal(cached.slot_freq[used], want) and int(want.max()) > 1
 
 
 def test_prefetch_and_warm_start_give_the_same_results() -> None:

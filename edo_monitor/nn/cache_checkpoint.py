@@ -135,6 +135,8 @@ class _Checkpointing:
         self.block_to_slot[blocks] = new_index
         self.slot_last_use = torch.zeros(new_slots, dtype=torch.int64)
         self.slot_last_use[new_index] = last_use
+        self.slot_freq = torch.zeros(new_slots, dtype=torch.int64)
+        self.slot_freq[new_index] = self.block_freq[blocks]
         self.slot_pinned = torch.zeros(new_slots, dtype=torch.bool)
         self.slot_pinned[new_index] = pinned
         self.slot_step = slot_step

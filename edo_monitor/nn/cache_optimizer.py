@@ -235,12 +235,12 @@ class _OptimizerBinding:
         step = max(1, _CHUNK_ELEMENTS // max(1, self.embedding_dim * 4))
         for start in range(0, rows.numel(), step):
             r = rows[start : start + step].to(self.device)
-            w64 = self.weight.data[r].double()
-            st64 = {k: state[k][r].double() for k in self._state_keys()}
+            w64 = self.weight.data.index_select(0, r).double()
+            st64 = {k: state[k].index_select(0, r).double() for k in self._state_keys()}
             self._rule.catch_up(w64, st64, s[start : start + step], self.t)
-            self.weight.data[r] = w64.to(self.weight.dtype)
+            self.weight.data.index_copy_(0, r, w64.to(self.weight.dtype))
             for k, v in st64.items():
-                state[k][r] = v.to(state[k].dtype)
+                state[k].index_copy_(0, r, v.to(state[k].dtype))
         self.slot_step[rows] = self.t
 
     def _step_rows(self, group: dict[str, Any], grad: torch.Tensor) -> None:
@@ -251,12 +251,12 @@ class _OptimizerBinding:
         self._catch_up_rows(rows)  # rows carried from an earlier step
         r = rows.to(self.device)
         state = self._cache_state() if self._state_keys() else {}
-        p = self.weight.data[r]
-        st = {k: state[k][r] for k in self._state_keys()}
+        p = self.weight.data.index_select(0, r)
+        st = {k: state[k].index_select(0, r) for k in self._state_keys()}
         fused_update(self._kind, group, p, grad.to(p.dtype), st, self.t + 1)
-        self.weight.data[r] = p
+        self.weight.data.index_copy_(0, r, p)
         for k, v in st.items():
-            state[k][r] = v
+            state[k].index_copy_(0, r, v)
         self.slot_step[rows] = self.t + 1
 
     def _set_layout(self, rows: torch.Tensor, grad: torch.Tensor | None) -> None:

@@ -70,15 +70,16 @@ class _RowMovement:
         ids = ids[real]
         state = self._opt_state()
         moved = 0
-        w = self.weight.detach()[rows.to(self.device)].to("cpu")
-        self.host_weight[ids] = w
+        w = self.weight.detach().index_select(0, rows.to(self.device)).to("cpu")
+        self.host_weight.index_copy_(0, ids, w.to(self.host_weight.dtype))
         self.last_step[ids] = self.slot_step[rows]  # lazy: caught up when next loaded
         moved += w.numel() * w.element_size()
         for key in self._state_keys():
             value = state.get(key)
             if value is not None:
-                rows_state = value.detach()[rows.to(value.device)].to("cpu")
-                self.host_state[key][ids] = rows_state.to(self.host_state[key].dtype)
+                rows_state = value.detach().index_select(0, rows.to(value.device)).to("cpu")
+                host = self.host_state[key]
+                host.index_copy_(0, ids, rows_state.to(host.dtype))
                 moved += rows_state.numel() * rows_state.element_size()
         self._count(d2h_bytes=moved)
 
@@ -103,9 +104,9 @@ class _RowMovement:
         ids, real = self._block_rows_of(blocks)
         ids = ids[real]
         s = self.last_step[ids]
-        w = self.host_weight[ids]
+        w = self.host_weight.index_select(0, ids)
         keys = self._state_keys()
-        st = {k: self.host_state[k][ids] for k in keys}
+        st = {k: self.host_state[k].index_select(0, ids) for k in keys}
         at: int | torch.Tensor = self.t
         if not catch_up:
             at = s
@@ -138,13 +139,16 @@ class _RowMovement:
             w.record_stream(current)
             for v in st.values():
                 v.record_stream(current)
-        self.weight.data[dev_rows] = w.to(self.device, self.weight.dtype)
+        self.weight.data.index_copy_(0, dev_rows, w.to(self.device, self.weight.dtype))
         for key in self._state_keys():
             value = state.get(key)
             if value is not None:
-                value.data[rows.to(value.device)] = st[key].to(value.device, value.dtype)
+                value.data.index_copy_(
+                    0, rows.to(value.device), st[key].to(value.device, value.dtype)
+                )
                 moved += st[key].numel() * st[key].element_size()
         self.slot_to_block[slots] = blocks
+        self.slot_freq[slots] = self.block_freq[blocks]
         self.block_to_slot[blocks] = slots
         self.slot_step[rows] = staged["t"]
         self._count(misses=int(blocks.numel()), h2d_bytes=moved)
@@ -174,7 +178,7 @@ class _RowMovement:
             raise _CacheFullError(int(candidates.numel() + free.numel()))
         last = self.slot_last_use[candidates]
         if self.policy == "lfu":
-            freq = self.block_freq[self.slot_to_block[candidates]]
+            freq = self.slot_freq[candidates]
             # least frequent first, ties: least recently used
             score = freq * (self._tick + 1) + last
         else:
@@ -265,6 +269,7 @@ class _RowMovement:
         with torch.no_grad():
             slots = self._ensure(uniq, count=True, slots=slots)
         self.block_freq[uniq] += 1
+        self.slot_freq[slots] = self.block_freq[uniq]
         self.slot_last_use[slots] = self._tick
         if torch.is_grad_enabled() and self.weight.requires_grad:
             self._pin_slots(slots)  # its gradient is pending until the optimizer step

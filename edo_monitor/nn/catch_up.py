@@ -184,12 +184,32 @@ class _AdamRule(_Rule):
         self.amsgrad = bool(group.get("amsgrad"))
         self.wd = float(group["weight_decay"])
         self.keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if self.amsgrad else ())
-        ratio = self.beta1 if self.amsgrad else self.beta1 / math.sqrt(self.beta2)
+        # beta2 = 0: v is zero after the first missed step, the terms shrink as beta1 alone
+        ratio = self.beta1 if self.amsgrad or not self.beta2 else self.beta1 / math.sqrt(self.beta2)
         if ratio <= 0:
             self.window = 1
         else:
             self.window = max(1, math.ceil(math.log(_TRUNCATION) / math.log(ratio)))
         self.tree = _RangeProduct(1) if self.wd else None
+        self._bc = torch.zeros(2, 0, dtype=torch.float64)  # 1 - beta^k, k = 0, 1, ...
+        self._saturated = 1
+        while any(1 - b**self._saturated != 1.0 for b in (self.beta1, self.beta2)):
+            self._saturated *= 2
+
+    def _bias_corrections(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``1 - beta1^k`` and ``1 - beta2^k`` for absolute steps ``k`` (int64, any shape), as
+        the fused step computes them (Python floats), from a table grown as steps pass; both are
+        exactly 1.0 from step :attr:`_saturated` on (``beta^k`` below half an ulp of 1), so the
+        table stops there (36,000 entries for ``beta2 = 0.999``)."""
+        k = k.clamp(max=self._saturated)
+        top = int(k.max()) if k.numel() else 0
+        if top >= self._bc.shape[1]:
+            n = min(max(2 * self._bc.shape[1], top + 1, 256), self._saturated + 1)
+            self._bc = torch.tensor(
+                [[1 - self.beta1**i for i in range(n)], [1 - self.beta2**i for i in range(n)]],
+                dtype=torch.float64,
+            )
+        return self._bc[0][k], self._bc[1][k]
 
     def record(self, lr: float) -> None:
         super().record(lr)
@@ -249,9 +269,7 @@ class _AdamRule(_Rule):
         k = us[:, None] + j[None, :]  # (u, J) absolute step numbers
         valid = j[None, :] <= un[:, None]
         lr = torch.where(valid, self.lr_of(k), 0.0)
-        kf = k.double()
-        bc1 = 1 - torch.pow(self.beta1, kf)
-        bc2 = 1 - torch.pow(self.beta2, kf)
+        bc1, bc2 = self._bias_corrections(k)
         decay = torch.where(valid, 1 - lr * self.wd, 1.0)  # per missed step in the window
         incl = torch.flip(torch.cumprod(torch.flip(decay, [1]), 1), [1])
         after = torch.ones_like(incl)
@@ -306,7 +324,7 @@ class _AdamRule(_Rule):
         out = torch.empty_like(root)
         rows = max(1, _CACHE_ELEMENTS // max(1, root.shape[1]))
         for a in range(0, root.shape[0], rows):  # Horner, in place, a piece at a time
-            mom = moments[which[a : a + rows]]  # (piece, K)
+            mom = moments.index_select(0, which[a : a + rows])  # (piece, K)
             acc = mom[:, -1:].expand(-1, root.shape[1]).clone()
             nx = neg_x[a : a + rows]
             for k in range(k_terms - 2, -1, -1):
@@ -315,12 +333,18 @@ class _AdamRule(_Rule):
         rr, dd = slow.nonzero(as_tuple=True)
         if rr.numel():
             exact = torch.empty(rr.numel(), dtype=out.dtype, device=out.device)
-            eps = torch.tensor(self.eps, dtype=out.dtype, device=out.device)
             piece = max(1, _CACHE_ELEMENTS // coef.shape[1])
+            # two (piece, J) buffers for every piece: fresh ones are 1 MiB allocations, above
+            # the allocator's mmap threshold, so each piece would map and fault in new pages
+            den_buf = coef.new_empty(min(piece, rr.numel()), coef.shape[1])
+            term_buf = torch.empty_like(den_buf)
             for a in range(0, rr.numel(), piece):
                 u = which[rr[a : a + piece]]
                 rt = root[rr[a : a + piece], dd[a : a + piece]][:, None]
-                exact[a : a + piece] = (coef[u] / torch.addcmul(eps, rt, scale[u])).sum(dim=1)
+                den = torch.index_select(scale, 0, u, out=den_buf[: u.numel()])
+                den.mul_(rt).add_(self.eps)
+                term = torch.index_select(coef, 0, u, out=term_buf[: u.numel()])
+                exact[a : a + piece] = term.div_(den).sum(dim=1)
             out[rr, dd] = exact
         return out
 
