@@ -45,6 +45,8 @@ class _Lifecycle:
         self.accounting = self._account()
         self._safe_point.enforcing = self.enforce and device.kind == "cpu-budget"
         self._check_budget_fits(device.budget_bytes)
+        from edo_monitor.actions.base import find_wrapped_parallel
+
         config = {
             "interval_s": self.interval_s,
             "snapshot_interval_s": self.snapshot_interval_s,
@@ -53,6 +55,10 @@ class _Lifecycle:
             "policy": repr(self.policy) if self.policy is not None else None,
             "floor": self.policy.min_free_fraction if self.policy is not None else None,
             "model": type(self.model).__name__ if self.model is not None else None,
+            # DDP keeps replicas, FSDP shards: the staged plan's stage 3 depends on which
+            "parallel_wrapper": find_wrapped_parallel(self.model)
+            if self.model is not None
+            else None,
             "snapshots": self.snapshots,
             **({"sync_every_steps": self.sync_every_steps} if self.ranks is not None else {}),
             **self.user_config,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -643,3 +644,31 @@ def test_budget_enforcement_fails_untuned_run_and_offload_saves_it() -> None:
     assert ACTIONS["offload_embedding"].apply(ctx_of(model, opt)).status == "applied"
     train(model, opt, batches(3))
     enforce_budget(budget, account(model, [opt]).total_bytes)
+
+
+def test_the_run_records_whether_its_model_is_replicated_or_sharded(
+    gloo_group: None, tmp_path: Path
+) -> None:
+    """The staged plan's stage 3 differs for replicas (DDP) and shards (FSDP): the run records
+    the wrapper, and explain's plan reads it (tests/test_staged_plan.py checks the figures)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    from edo_monitor import History, watch
+
+    wrappers = {
+        "FullyShardedDataParallel": lambda m: FullyShardedDataParallel(
+            m, device_id=torch.device("cpu")
+        ),
+        "DistributedDataParallel": DistributedDataParallel,
+        None: lambda m: m,
+    }
+    db = tmp_path / "h.db"
+    for name, wrap in wrappers.items():
+        model = wrap(make()[0])
+        opt = torch.optim.Adam(model.parameters())
+        with watch(model, optimizer=opt, db=db, budget="64MiB", run_name=str(name)):
+            train(model, opt, batches(2))
+    with History(db) as h:
+        recorded = {r.name: h.run(r.id).config["parallel_wrapper"] for r in h.runs()}
+    assert recorded == {str(k): k for k in wrappers}

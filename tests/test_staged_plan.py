@@ -176,3 +176,28 @@ def test_sharding_with_the_runs_ranks_and_when_no_rank_count_is_enough() -> None
     assert by["zero1"].saving_bytes == 0 and not by["zero1"].enough
     assert (by["zero2"].ranks, by["zero2"].saving_bytes, by["zero2"].enough) == (6, 10_000, True)
     assert (by["zero3_fsdp"].ranks, by["zero3_fsdp"].saving_bytes) == (3, 10_666)
+
+
+def test_sharding_when_the_model_is_already_sharded() -> None:
+    """An FSDP run recorded its rank's shard of params, gradients and state (16,000 bytes on 2
+    ranks): ZeRO-1/2/3 against replicas would count savings it already has. One line: M ranks
+    hold 2/M of it, and M = 6 is the first whose 16,000 * 4 // 6 = 10,666 covers 10,000."""
+    sample = {"params_bytes": 4_000, "grads_bytes": 4_000, "optimizer_state_bytes": 8_000}
+    plan = staged_plan(10_000, sample, {}, {}, world_size=2, sharded_by="FullyShardedDataParallel")
+    (line,) = [s for s in plan.stages if s.stage == 3]
+    assert (line.action, line.ranks, line.saving_bytes, line.enough) == (
+        "zero3_fsdp",
+        6,
+        10_666,
+        True,
+    )
+    assert line.target == "with 6 ranks (now 2)" and "already sharded" in line.detail
+    assert 16_000 * 3 // 5 < 10_000  # M = 5 would not do
+    # a shard that can never cover the shortfall, whatever the rank count
+    plan = staged_plan(
+        10_000, {"params_bytes": 9_000}, {}, {}, world_size=2, sharded_by="FSDPLinear"
+    )
+    (line,) = [s for s in plan.stages if s.stage == 3]
+    assert (
+        line.ranks is None and line.saving_bytes == 0 and line.target == "no rank count is enough"
+    )

@@ -13,7 +13,10 @@ table's recorded singular spectrum. Reads only the history; never imports torch.
 * **stage 3** sharding across ``N`` ranks of the recorded optimizer state (ZeRO-1), + gradients
   (ZeRO-2), + parameters (ZeRO-3 / FSDP): ``X · (N - 1) / N`` of the sharded bytes ``X``. With
   a multi-rank run ``N`` is its world size; for a one-rank run ``N`` is the smallest that covers
-  the shortfall alone, ``ceil(X / (X - shortfall))`` (none when ``X <= shortfall``).
+  the shortfall alone, ``ceil(X / (X - shortfall))`` (none when ``X <= shortfall``). A run whose
+  model was already sharded (FSDP: the run's ``parallel_wrapper``) recorded its rank's shard
+  ``X`` of all three: one line, the smallest ``M`` ranks above its ``N`` whose shard
+  ``X · N / M`` covers the shortfall (saving ``X · (M - N) / M``).
 * **dimension**: from a ``table_spectrum`` event (:mod:`edo_monitor.agent.spectrum`: singular
   values of a random sample of rows), the smallest ``k`` whose top ``k`` squared singular
   values keep ``share`` of the sample's energy, for each share of ``ENERGY_SHARES``, with
@@ -156,6 +159,7 @@ def staged_plan(
     *,
     in_use_bytes: int | None = None,
     world_size: int | None = None,
+    sharded_by: str | None = None,
     spectra: Sequence[Mapping[str, Any]] = (),
 ) -> StagedPlan:
     """The staged plan at one incident (see the module docstring for each figure).
@@ -169,6 +173,8 @@ def staged_plan(
         in_use_bytes: an OOM's in-use with the failing request (CPU runs: what is not static is
             an activation, as :func:`edo_monitor.hindsight.explain` counts it).
         world_size: the run's ranks (``None`` or 1: a one-rank run).
+        sharded_by: the wrapper that already shards parameters, gradients and optimizer state
+            (``"FullyShardedDataParallel"``, ``"FSDPModule"``), or ``None`` (replicas).
         spectra: ``table_spectrum`` event data, latest last.
     """
     from edo_monitor.hindsight.recorded import MAX_CHECKPOINT_BLOCKS, _est
@@ -247,11 +253,30 @@ def staged_plan(
         )
     # stage 3
     ranks_now = world_size if world_size and world_size > 1 else None
-    for action, what, sharded in (
+    if sharded_by:
+        x, now = state + grads + params, world_size or 1
+        m = now + 1
+        while m <= MAX_RANKS and x * (m - now) // m < shortfall:
+            m += 1
+        found = m <= MAX_RANKS and x > 0
+        saving = x * (m - now) // m if found else 0
+        add(
+            3,
+            "zero3_fsdp",
+            f"with {m} ranks (now {now})" if found else "no rank count is enough",
+            saving,
+            saving,
+            False,
+            m if found else None,
+            f"already sharded by {sharded_by}: this rank's shard of state + gradients + params "
+            f"{format_bytes(x)}, {now}/M of it a rank",
+        )
+    replicated = (
         ("zero1", "optimizer state", state),
         ("zero2", "state + gradients", state + grads),
         ("zero3_fsdp", "state + gradients + params", state + grads + params),
-    ):
+    )
+    for action, what, sharded in () if sharded_by else replicated:
         if sharded <= 0:
             continue
         n = ranks_now
@@ -339,5 +364,12 @@ def plan_for_incident(
         _activations_at(module_rows, incident.time_s),
         in_use_bytes=incident.in_use_bytes if incident.kind == "oom" else None,
         world_size=getattr(info, "world_size", None),
+        sharded_by=_sharding_wrapper((getattr(info, "config", None) or {}).get("parallel_wrapper")),
         spectra=[e.data for e in events if e.kind == "table_spectrum"],
     )
+
+
+def _sharding_wrapper(wrapper: Any) -> str | None:
+    """The recorded wrapper's name when it shards parameters (FSDP), else ``None``."""
+    name = str(wrapper or "")
+    return name if "FullyShard" in name or "FSDP" in name else None
