@@ -14,6 +14,8 @@ from edo_monitor.nn.cache_parts import (
 
 logger = logging.getLogger(__name__)
 
+_NOT_EVICTABLE = torch.iinfo(torch.int64).max  # the score of a slot eviction must not take
+
 
 class _RowMovement:
     """Rows in and out of the row cache: ids remapped to slots, misses loaded (one gathered copy, a
@@ -161,8 +163,16 @@ class _RowMovement:
         return self._side_stream
 
     def _evict(self, count: int, protect: torch.Tensor) -> torch.Tensor:
-        """``count`` slots for new blocks: free ones first, then victims (written back)."""
-        free = (self.slot_to_block < 0).nonzero().reshape(-1)
+        """``count`` slots for new blocks: free ones first, then victims (written back).
+
+        The victims are the ``count - free`` smallest scores (LFU: count, then last use; LRU:
+        last use; with a look-ahead, rows used inside its window after every other row) among
+        the slots neither ``protect``-ed nor holding a gradient: one vectorized ``topk`` over
+        all ``C`` slots, the others masked (``O(C)`` elementwise a step that misses; cheaper
+        than gathering the candidates first, which took twice as long at ``C = 100,000``).
+        """
+        used = self.slot_to_block >= 0
+        free = (~used).nonzero().reshape(-1)
         if free.numel() >= count:
             return free[:count]
         need = count - free.numel()
@@ -173,21 +183,19 @@ class _RowMovement:
         la = self._lookahead
         if la is not None:  # rows of the running and the prefetched batches stay
             protect = la.protect(self, protect)
-        candidates = ((self.slot_to_block >= 0) & ~protect).nonzero().reshape(-1)
-        if candidates.numel() < need:
-            raise _CacheFullError(int(candidates.numel() + free.numel()))
-        last = self.slot_last_use[candidates]
-        if self.policy == "lfu":
-            freq = self.slot_freq[candidates]
-            # least frequent first, ties: least recently used
-            score = freq * (self._tick + 1) + last
+        evictable = used & ~protect
+        available = int(evictable.sum())
+        if available < need:
+            raise _CacheFullError(available + free.numel())
+        if self.policy == "lfu":  # least frequent first, ties: least recently used
+            score = self.slot_freq * (self._tick + 1) + self.slot_last_use
         else:
-            score = last
+            score = self.slot_last_use.clone()
         if la is not None:  # next use inside the look-ahead window first (Belady)
-            score = la.score(self, self.slot_to_block[candidates], score)
+            score = la.score(self, self.slot_to_block.clamp(min=0), score)
+        score.masked_fill_(~evictable, _NOT_EVICTABLE)
         # the need smallest scores (last use breaks LFU ties; ticks are unique per forward)
-        order = torch.topk(score, need, largest=False, sorted=False).indices
-        victims = candidates[order]
+        victims = torch.topk(score, need, largest=False, sorted=False).indices
         self._write_back(victims)
         self.block_to_slot[self.slot_to_block[victims]] = -1
         self.slot_to_block[victims] = -1

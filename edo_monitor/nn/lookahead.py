@@ -23,10 +23,10 @@ and, for each :class:`~edo_monitor.nn.cached.CachedTable` it serves:
 Cost of the eviction decision per step: ``O(K x U)`` to index the window (``U`` unique ids per
 batch, ``K = ahead``; vectorized, one ``scatter_reduce`` into a persistent per-block array, reset
 in the same ``O(K x U)``), ``O(U)`` for the protected set, and the victim choice of the cache
-itself, one vectorized ``topk`` over the evictable slots: ``O(C)`` elementwise work (``C`` cache
-blocks) on steps that miss. That is not the ``O(U log C)`` of a priority queue; at ``C = 100,000``
-the pass is a few hundred microseconds on one CPU core, below a Python heap's per-row cost at
-``U = 2,000``.
+itself, one vectorized ``topk`` over every slot (the unevictable masked): ``O(C)`` elementwise
+work (``C`` cache blocks) on steps that miss. That is not the ``O(U log C)`` of a priority
+queue; at ``C = 100,000`` the pass is under a millisecond on one CPU core, below a Python
+heap's per-row cost at ``U = 2,000`` (~1 µs a push).
 
 Without the wrapper the cache works as before (its LFU or LRU policy).
 """
@@ -185,8 +185,9 @@ class LookAhead:
         return protect
 
     def score(self, table: CachedTable, blocks: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
-        """Eviction scores (smallest first) of candidate ``blocks``: the cache's own (frequency)
-        score beyond the window, above it the rows used inside it, furthest next use first."""
+        """Eviction scores (smallest first) of ``blocks`` (one per slot; a free slot's entry is
+        masked by the caller): the cache's own (frequency) score beyond the window, above it the
+        rows used inside it, furthest next use first."""
         w = self._windows.get(id(table))
         if w is None:
             return score
