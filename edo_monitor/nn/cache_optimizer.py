@@ -206,7 +206,12 @@ class _OptimizerBinding:
         if self._stash is not None:  # the step consumed the gradient: a new layout begins
             self._stash = None
             self._generation += 1
-            self._set_layout(torch.zeros(0, dtype=torch.int64), None)
+            # an empty gradient, not None: a resident table keeps a gradient tensor after its
+            # step, and zero_grad(set_to_none=False) keeps it (zeroed), so a later step without
+            # a backward still steps every row (weight decay, momentum); zero_grad() makes it
+            # None, and such a step skips the table, as for the resident one
+            empty = self.batch_rows.new_zeros(0, self.embedding_dim)
+            self._set_layout(torch.zeros(0, dtype=torch.int64), empty)
         self.reset_step_stats()
 
     # ------------------------------------------------------------------ lazy rows, fused step

@@ -53,11 +53,14 @@ caught up when loaded again), flushed or checkpointed. Gradients, exactly:
   clipping scales it in place and the step uses the scaled values.
 * Micro-batches before one step accumulate into the same buffer (it grows by the new rows, which
   stay pinned until the step).
-* The step consumes the gradient: after it ``batch_rows.grad`` is ``None``. A resident table that
-  is not zeroed between steps would sum the old gradient into the next step; the cache does not
-  (every training loop zeroes). A backward of a graph built before the last step raises
-  ``RuntimeError`` naming it. An optimizer step with no backward since the last one (gradient
-  ``None``) is skipped for the table, as torch skips a parameter without a gradient.
+* The step consumes the gradient: after it ``batch_rows.grad`` is an empty ``(0, D)`` tensor, a
+  zero gradient. A resident table that is not zeroed between steps would sum the old gradient
+  into the next step; the cache does not (every training loop zeroes). A backward of a graph
+  built before the last step raises ``RuntimeError`` naming it. An optimizer step with no
+  backward since the last one is skipped for the table when its gradient is ``None`` (after
+  ``zero_grad()``, whose default sets it to ``None``), as torch skips a parameter without a
+  gradient; after ``zero_grad(set_to_none=False)`` it steps every row with a zero gradient
+  (weight decay, momentum, Adam's moments), as torch steps the resident table's zeroed one.
 * ``optimizer.state_dict()`` leaves ``batch_rows`` out (ids renumbered) and holds the full
   caught-up state; it loads into an optimizer over the uncached model and back.
 
@@ -205,7 +208,6 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _RowMovement, _Checkpointing
         self._rule: _Rule | None = None
         self._hooks: list[Any] = []
         self._auto_hook: Any = None
-        self._had_grad = False
         self._side_stream: Any = None
         self._counters = dict.fromkeys(
             (
