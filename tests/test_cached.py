@@ -282,6 +282,35 @@ def test_a_step_without_a_lookup_matches_the_resident_twin(name: str, set_to_non
     assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
 
 
+@pytest.mark.parametrize("convert", ["double", "to"])
+def test_module_dtype_conversions_convert_the_host_table_too(convert: str) -> None:
+    """``nn.Module`` converts parameters and buffers only: ``.double()`` made the cache float64
+    over a float32 host table, so every row that left the cache was rounded to float32 (a new
+    user: 5.4e-8 from a float64 twin). Now the host table follows, and training is exact."""
+    torch.manual_seed(0)
+    cached = CachedEmbedding(N, D, C)  # float32
+    cached = cached.double() if convert == "double" else cached.to(torch.float64)
+    assert cached.full_weight().dtype == torch.float64
+    assert cached.state_dict()["weight"].dtype == torch.float64
+    twin = nn.Embedding.from_pretrained(cached.full_weight().clone(), freeze=False)
+    o1, o2 = torch.optim.Adam([twin.weight], lr=0.01), torch.optim.Adam([cached.weight], lr=0.01)
+    _train([(twin, o1), (cached, o2)], 30, torch.Generator().manual_seed(2))
+    assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
+    assert CachedEmbedding(N, D, C).half().full_weight().dtype == torch.float16
+
+
+def test_a_dtype_conversion_with_the_optimizer_attached_is_refused_and_changes_nothing() -> None:
+    torch.manual_seed(0)
+    base = torch.randn(N, D, dtype=torch.float64)
+    _twin, cached = _pair(base)
+    opt = torch.optim.Adam([cached.weight], lr=0.01)
+    _train([(cached, opt)], 3, torch.Generator().manual_seed(2))
+    with pytest.raises(ValueError, match=r"from torch\.float64 to torch\.float32 while Adam holds"):
+        cached.float()
+    assert cached.weight.dtype == torch.float64 and cached.host_weight.dtype == torch.float64
+    assert cached.to(torch.float64) is cached  # no change: nothing to refuse
+
+
 def test_resize_both_ways_mid_training_stays_exact() -> None:
     torch.manual_seed(0)
     base = torch.randn(N, D, dtype=torch.float64)

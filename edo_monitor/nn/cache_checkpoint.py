@@ -11,6 +11,7 @@ import torch
 from edo_monitor.nn.cache_parts import (
     _insert_row_buffers,
     _is_row_buffer,
+    _pinned_empty,
     _strip_row_buffers,
     rebind_data,
 )
@@ -21,6 +22,56 @@ logger = logging.getLogger(__name__)
 
 class _Checkpointing:
     """The row cache's whole table: flushed, resized (every row exact), read back full, and the"""
+
+    # ------------------------------------------------------------------ module conversions
+    def _before_conversion(self, fn: Any) -> torch.device:
+        """Before ``nn.Module._apply(fn)`` converts the cache (``model.to(device / dtype)``,
+        ``.double()``, ``.half()``, ``.cuda()``, ``.cpu()``): the host table follows a dtype
+        change (``nn.Module`` converts only parameters and buffers, so the cache became float64
+        over a float32 host table, silently) and stays on the host when the cache moves (pinned
+        when it moves to CUDA). Returns the cache's device before the conversion.
+
+        Raises:
+            ValueError: a dtype change while an optimizer is attached (its state of the table
+                would keep the old dtype; convert before creating the optimizer), or of a table
+                whose host rows are in a spill file (``host_alloc``).
+        """
+        weight = self.weight
+        probe = fn(torch.empty(0, dtype=weight.dtype, device=weight.device))
+        new_dtype, new_device = probe.dtype, probe.device
+        if new_dtype != weight.dtype:
+            if self._optimizer is not None:
+                raise ValueError(
+                    f"cached table: converting it from {weight.dtype} to {new_dtype} while "
+                    f"{type(self._optimizer).__name__} holds its state; convert the model "
+                    "before creating the optimizer"
+                )
+            if self._host_alloc is not None:
+                raise ValueError(
+                    f"cached table: its host rows are in a spill file of {weight.dtype}; it "
+                    f"cannot become {new_dtype}"
+                )
+        to_cuda = new_device != weight.device and new_device.type == "cuda"
+        repin = to_cuda and self._host_alloc is None and not self.host_weight.is_pinned()
+        self._pin = self._pin or repin  # the host table is pinned for copies to CUDA
+        if new_dtype != self.host_weight.dtype or repin:
+
+            def host(t: torch.Tensor) -> torch.Tensor:
+                out = _pinned_empty(t.shape, new_dtype, self._pin)
+                return out.copy_(t)
+
+            self.host_weight = host(self.host_weight)
+            self.host_state = {k: host(v) for k, v in self.host_state.items()}
+        return weight.device
+
+    def _after_conversion(self, old_device: torch.device) -> None:
+        """After the conversion: the optimizer's state of the cache moves with it."""
+        if self._optimizer is not None and self.weight.device != old_device:
+            state = self._optimizer.state.get(self.weight, {})
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    state[k] = v.to(self.weight.device)
+        self._side_stream = None
 
     # ------------------------------------------------------------------ flush, resize, resident
     @torch.no_grad()

@@ -277,6 +277,15 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _RowMovement, _Checkpointing
         """Rows in the device cache ``C``."""
         return int(self.weight.shape[0])
 
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        """``nn.Module``'s conversions, with the host table and the optimizer's state of the
+        cache following them (:meth:`_before_conversion`, which raises ``ValueError`` for a
+        dtype change it refuses)."""
+        old_device = self._before_conversion(fn)
+        out = super()._apply(fn, recurse)
+        self._after_conversion(old_device)
+        return out
+
     @property
     def device(self) -> torch.device:
         """Where the cache lives."""
