@@ -79,6 +79,11 @@ def test_show_events_compare(db: Path) -> None:
     assert shown["run"]["name"] in {"live", "dead"}
     ev = json.loads(run("events", "1", "--kind", "action", "--json", db=db).stdout)
     assert [e["kind"] for e in ev] == ["action"]
+    none = run("events", "1", "--kind", "bogus", db=db)  # said only "no events"
+    kinds = sorted({e["kind"] for e in json.loads(run("events", "1", "--json", db=db).stdout)})
+    assert none.exit_code == 0 and none.stdout.strip() == (
+        f"run 1: no events of kind 'bogus' (its events are of kind {', '.join(kinds)})"
+    )
     cmp_ = run("compare", "1", "2", db=db)
     assert cmp_.exit_code == 0 and "peak_in_use_bytes" in cmp_.output and "offload" in cmp_.output
     metrics = json.loads(run("compare", "1", "2", "--json", db=db).stdout)["metrics"]
@@ -125,6 +130,9 @@ def test_sql_reads_and_refuses_writes(db: Path) -> None:
     assert run("sql", "PRAGMA table_info(runs)", db=db).exit_code == 0
     bad = run("sql", "SELEC 1", db=db)
     assert bad.exit_code == 2 and "syntax error" in bad.stderr
+    for empty in ("", "  ", " ; "):  # printed a blank table and "0 row(s)", exit 0
+        res = run("sql", empty, db=db)
+        assert res.exit_code == 2 and "is empty; give one statement" in res.stderr, empty
 
 
 def test_errors_are_one_line_with_exit_codes(db: Path, tmp_path: Path) -> None:

@@ -434,6 +434,8 @@ def sql_cmd(
         raise ConfigError(f"--timeout {timeout!r} must be a number of seconds ≥ 0 (0: no limit)")
     if as_json and as_csv:
         raise ConfigError("--json and --csv exclude each other; give one")
+    if not query.strip().strip(";").strip():
+        raise ConfigError(f'query {query!r} is empty; give one statement, e.g. "SELECT …"')
     if re.match(r"\s*vacuum\b", query, re.IGNORECASE):
         raise RefusedError("refused: the sql command is read-only (VACUUM writes)")
     url = resolve_db_url(db, readonly=True)

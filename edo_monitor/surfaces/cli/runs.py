@@ -428,11 +428,15 @@ def events_cmd(
     with _history(db) as h:
         info = h.run(run)
         events = h.events(info.id, kind=kind or None)
+        all_events = h.events(info.id) if kind and not events else []
     if as_json:
         _print_json([dataclasses.asdict(e) for e in events])
         return
     if not events:
-        _c.out.print(f"run {info.id}: no events")
+        kinds = sorted({e.kind for e in all_events}) if kind else []
+        where = f" of kind {', '.join(map(repr, kind))}" if kind else ""
+        has = f" (its events are of kind {', '.join(kinds)})" if kinds else ""
+        _c.out.print(f"run {info.id}: no events{where}{has}")
         return
     _c.out.print(_events_table(events, info.started_at_s))
 
