@@ -152,6 +152,27 @@ def test_replay_ranks_lossy_plans_by_expected_error_where_the_trace_allows(
     assert first.action == "compress_embedding_int8" and first.expected_error is None
 
 
+def test_replay_models_the_low_bit_compress_modes(runs: tuple[Path, int, int]) -> None:
+    """The low-bit actions (issue 24) were "not modelled offline" in a replayed ladder; their
+    saving is the recorded table's bytes less the estimator's, as for int8 (at 32 columns int4's
+    one padded group of 64 is as large as int8's row)."""
+    from edo_monitor.decide.estimate import estimate
+
+    db, _, observed = runs
+    saving = {}
+    for mode in ("int8", "int4", "int2", "2of8"):
+        policy = {"allow_lossy": True, "ladder": (f"compress_embedding_{mode}",)}
+        first = replay(db, observed, policy).decisions[0]
+        assert first.action == f"compress_embedding_{mode}" and first.target == "features"
+        assert first.expected_error is None
+        saving[mode] = first.saving_bytes
+    want = {
+        mode: TABLE_BYTES - estimate(ROWS, DIM, optimizer="adam", compression=mode).total_bytes
+        for mode in saving
+    }
+    assert saving == want and want["int4"] == want["int8"] < want["int2"] < want["2of8"]
+
+
 def test_explain_the_crossing(runs: tuple[Path, int, int]) -> None:
     db, _, observed = runs
     with History(db) as h:

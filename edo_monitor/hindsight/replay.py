@@ -231,6 +231,9 @@ class _Model:
             "compress_embedding_bf16": "bf16",
             "compress_embedding_fp16": "fp16",
             "compress_embedding_int8": "int8",
+            "compress_embedding_int4": "int4",
+            "compress_embedding_int2": "int2",
+            "compress_embedding_2of8": "2of8",
             "compress_embedding_lowrank": f"lowrank:{max(1, t.embedding_dim // 2)}",
         }.get(name)
         if variant is None:
