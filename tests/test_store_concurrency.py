@@ -364,7 +364,7 @@ def test_a_reader_never_sees_a_history_file_a_writer_is_still_creating(
 ) -> None:
     """SQLite creates the file empty when a writer first connects and writes the schema after:
     a reader in between was told the file is "not an edo-monitor history database: it is an
-    empty file" (CI, 1 run in about 20 of the four-writers test). The writer's migration is held
+    empty file" (CI, in the four-writers test). The writer's migration is held
     here after its tables are written, before it commits: the path must not exist yet (the reader
     is told nothing has been recorded), and then appear complete."""
     from alembic import command

@@ -149,7 +149,7 @@ def _create_history_file(path: Path) -> None:
 
     SQLite creates a database file empty when it opens it and writes the schema afterwards; a
     reader opening the file in between found a zero-byte file (refused as not a history) or one
-    without the tables yet (CI: a reader beside four starting writers, 1 run in about 20). The
+    without the tables yet (CI: a reader beside four starting writers). The
     schema is written to a hidden file beside ``path`` (``.NAME.PID-HEX.creating``), closed
     (SQLite then copies its WAL into it and deletes the ``-wal`` file), and hard-linked to
     ``path``, which either fails because another writer linked its own first (theirs is used) or
