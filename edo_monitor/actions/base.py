@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -289,21 +290,16 @@ def find_wrapped_parallel(model: nn.Module) -> str | None:
     """Name of the DDP/FSDP wrapper class in ``model``'s tree, or ``None``.
 
     Checks ``torch.nn.parallel.DistributedDataParallel``, ``FullyShardedDataParallel`` and
-    FSDP2's ``FSDPModule`` with ``isinstance`` only (no process group is touched).
+    FSDP2's ``FSDPModule`` with ``isinstance`` only (no process group is touched). FSDP's classes
+    are looked up only when ``torch.distributed.fsdp`` is imported already (a model wrapped in
+    them needs it): this never imports it (~1.3 s on its own), and every ``watch()`` asks.
     """
     classes: list[type] = [nn.parallel.DistributedDataParallel]
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        classes.append(FullyShardedDataParallel)
-    except ImportError:  # torch built without distributed
-        pass
-    try:
-        from torch.distributed.fsdp import FSDPModule
-
-        classes.append(FSDPModule)
-    except ImportError:
-        pass
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    for name in ("FullyShardedDataParallel", "FSDPModule"):
+        cls = getattr(fsdp, name, None) if fsdp is not None else None
+        if isinstance(cls, type):
+            classes.append(cls)
     for module in model.modules():
         if isinstance(module, tuple(classes)):
             return type(module).__name__
