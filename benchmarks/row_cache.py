@@ -237,6 +237,16 @@ def _batch_uniques(stream: torch.Tensor, batch: int) -> tuple[torch.Tensor, ...]
     return b_of, id_of, counts, starts
 
 
+def _next_uses(b_of: torch.Tensor, id_of: torch.Tensor, never: int) -> torch.Tensor:
+    """For each (batch, id) of :func:`_batch_uniques`, the next batch using that id (``never``
+    when none does)."""
+    order = torch.sort(id_of, stable=True).indices  # by id, batches ascending within an id
+    nxt = torch.full_like(b_of, never)
+    same = id_of[order[1:]] == id_of[order[:-1]]
+    nxt[order[:-1][same]] = b_of[order[1:][same]]
+    return nxt
+
+
 def belady_hit_rates(stream: torch.Tensor, cache_rows: int, batch: int) -> tuple[float, float]:
     """Hit rates (unique ids per batch, lookups) of Belady's eviction on ``stream`` in batches of
     ``batch`` ids into a cache of ``cache_rows`` rows.
@@ -252,10 +262,7 @@ def belady_hit_rates(stream: torch.Tensor, cache_rows: int, batch: int) -> tuple
     """
     b_of, id_of, counts, starts = _batch_uniques(stream, batch)
     never = int(b_of[-1]) + 1
-    order = torch.sort(id_of, stable=True).indices  # by id, batches ascending within an id
-    nxt = torch.full_like(b_of, never)
-    same = id_of[order[1:]] == id_of[order[:-1]]
-    nxt[order[:-1][same]] = b_of[order[1:][same]]
+    nxt = _next_uses(b_of, id_of, never)
     cached: dict[int, int] = {}  # id -> its next use (batch index)
     heap: list[tuple[int, int]] = []  # (-next use, id); entries with another next use are stale
     uniq_hits = lookup_hits = 0
@@ -299,10 +306,7 @@ def window_oracle_hit_rate(stream: torch.Tensor, cache_rows: int, batch: int, ah
     b_of, id_of, _counts, starts = _batch_uniques(stream, batch)
     rows = int(stream.max()) + 1
     never = int(b_of[-1]) + 1 + ahead
-    order = torch.sort(id_of, stable=True).indices
-    nxt = torch.full_like(b_of, never)
-    same = id_of[order[1:]] == id_of[order[:-1]]
-    nxt[order[:-1][same]] = b_of[order[1:][same]]
+    nxt = _next_uses(b_of, id_of, never)
     freq = torch.bincount(id_of, minlength=rows)
     cached = torch.zeros(rows, dtype=torch.bool)
     next_use = torch.full((rows,), never, dtype=torch.int64)

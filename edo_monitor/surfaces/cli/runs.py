@@ -433,7 +433,7 @@ def events_cmd(
         _print_json([dataclasses.asdict(e) for e in events])
         return
     if not events:
-        kinds = sorted({e.kind for e in all_events}) if kind else []
+        kinds = sorted({e.kind for e in all_events})
         where = f" of kind {', '.join(map(repr, kind))}" if kind else ""
         has = f" (its events are of kind {', '.join(kinds)})" if kinds else ""
         _c.out.print(f"run {info.id}: no events{where}{has}")
