@@ -421,11 +421,11 @@ def test_checkpoint_activations_under_ddp_on_every_rank(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("hang_s", [0, 30], ids=["exits", "hangs"])
+@pytest.mark.parametrize("hang_s", [0, 20], ids=["exits", "hangs"])
 def test_a_rank_gone_before_the_first_agreement_leaves_the_others_training(
     tmp_path: Path, hang_s: int
 ) -> None:
-    """Rank 1 ends with ``os._exit`` right after joining the group (or first sleeps 30 s, alive
+    """Rank 1 ends with ``os._exit`` right after joining the group (or first sleeps 20 s, alive
     but never taking part): rank 0's agreement at ``watch()`` ends within the agreement bound
     (``EDO_AGREEMENT_TIMEOUT_S``, 3 s here) and it trains every step; nothing hangs (rank 0
     waited for the group's own 30-minute timeout)."""
@@ -445,7 +445,7 @@ def test_a_rank_gone_before_the_first_agreement_leaves_the_others_training(
     )
     rank0, gone = results
     assert gone == {"returncode": 3}
-    assert rank0["enter_s"] < 3 + 12  # the bound and a loaded machine's slack (not 30 s)
+    assert rank0["enter_s"] < 3 + 12  # the bound and a loaded machine's slack (not the 20 s hang)
     assert rank0["status"] == "finished" and rank0["steps"] == 10
     assert rank0["job_id"] is None  # no agreement, so no job: a plain run
     assert time.monotonic() - started < 150
