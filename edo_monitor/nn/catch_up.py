@@ -282,46 +282,74 @@ class _AdamRule(_Rule):
         dev = p.device
         coef, scale = coef.to(dev), scale.expand(coef.shape).to(dev)
         total_decay = (incl[:, 0] * tail).to(dev)
-        inv_d = inv.to(dev)
+        inv_d, un_d = inv.to(dev), un.to(dev)
         per = max(1, _CHUNK_ELEMENTS // (8 * dim))
         for start in range(0, rows, per):
             sl = slice(start, start + per)
             root = torch.sqrt(denom_src[sl])  # (r, D)
-            sums = self._term_sums(coef, scale, root, inv_d[sl])
+            sums = self._term_sums(coef, scale, root, inv_d[sl], un_d)
             p[sl] = p[sl] * total_decay[inv_d[sl]][:, None] - m[sl] * sums
         mf = missed.double()[:, None].to(p.device)
         m.mul_(torch.pow(self.beta1, mf))
         v.mul_(torch.pow(self.beta2, mf))
 
     def _term_sums(
-        self, coef: torch.Tensor, scale: torch.Tensor, root: torch.Tensor, which: torch.Tensor
+        self,
+        coef: torch.Tensor,
+        scale: torch.Tensor,
+        root: torch.Tensor,
+        which: torch.Tensor,
+        width: torch.Tensor,
     ) -> torch.Tensor:
         """``sum_j coef_j / (root * scale_j + eps)`` ``(r, D)`` for rows ``r`` whose coefficients
-        are row ``which`` ``(r,)`` of ``coef``, ``scale`` ``(u, J)`` (one row per distinct step).
+        are row ``which`` ``(r,)`` of ``coef``, ``scale`` ``(u, J)`` (one row per distinct step,
+        nonzero in its first ``width`` ``(u,)`` columns: the steps the row missed, at most J).
 
-        Exact form: ``O(r J D)``. For the elements where ``q = eps / (root * min_j scale_j) <=
-        1/8`` the sum is the convergent series ``(1 / root) sum_k S_k (-eps / root)^k`` with
-        moments ``S_k = sum_j coef_j / scale_j^(k+1)`` per distinct step (``O(u J K + r D K)``,
-        ``K <= 21``), cut where ``q^K <= 1e-18`` (below float64 rounding); the other elements
-        (``root`` near 0) take the exact form, element by element. Both run in pieces of
-        :data:`_CACHE_ELEMENTS` float64 elements, which stay in the CPU's cache between the
-        passes of one piece (4.6x faster for the exact form than one pass over all of them).
+        Exact form: ``O(width D)`` a row. For the elements where ``q = eps / (root * min_j
+        scale_j) <= 1/8`` the sum is the convergent series ``(1 / root) sum_k S_k (-eps /
+        root)^k`` with moments ``S_k = sum_j coef_j / scale_j^(k+1)`` per distinct step
+        (``O(u J K + r D K)``, ``K <= 21``), cut where ``q^K <= 1e-18`` (below float64 rounding);
+        the other elements (``root`` near 0) take the exact form, over their row's own width
+        rounded up to a power of two (a row that missed 17 steps sums 32 terms, not J). Both run
+        in pieces of :data:`_CACHE_ELEMENTS` float64 elements, which stay in the CPU's cache
+        between the passes of one piece (4.6x faster for the exact form than one pass over all).
         """
         x = self.eps / root  # inf where root is 0
         unused = coef == 0
         sc_min = scale.masked_fill(unused, float("inf")).amin(dim=1)
         q = x / sc_min[which][:, None]
+        row_width = width[which]
         slow = ~(q <= 0.125)
-        q_max = float(q.masked_fill(slow, 0).max()) if q.numel() else 0.0
+        out = torch.empty_like(root)
+        if not bool(slow.all()):
+            self._series_sums(coef, scale, root, which, x, q, slow, out)
+        rr, dd = slow.nonzero(as_tuple=True)
+        if rr.numel():
+            out[rr, dd] = self._exact_sums(coef, scale, root, which, row_width, rr, dd)
+        return out
+
+    def _series_sums(
+        self,
+        coef: torch.Tensor,
+        scale: torch.Tensor,
+        root: torch.Tensor,
+        which: torch.Tensor,
+        x: torch.Tensor,
+        q: torch.Tensor,
+        slow: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """The series of :meth:`_term_sums` into ``out`` where ``slow`` is False (``x = eps /
+        root``, consumed)."""
+        q_max = float(q.masked_fill(slow, 0).max())
         k_terms = 1 if q_max <= 1e-18 else math.ceil(math.log(1e-18) / math.log(q_max)) + 1
-        inv = 1 / scale.masked_fill(unused, 1.0)
+        inv = 1 / scale.masked_fill(coef == 0, 1.0)
         moments = torch.empty(coef.shape[0], k_terms, dtype=coef.dtype, device=coef.device)
         w = coef * inv
         for k in range(k_terms):
             moments[:, k] = w.sum(dim=1)
             w.mul_(inv)
         neg_x = x.masked_fill_(slow, 0.0).neg_()
-        out = torch.empty_like(root)
         rows = max(1, _CACHE_ELEMENTS // max(1, root.shape[1]))
         for a in range(0, root.shape[0], rows):  # Horner, in place, a piece at a time
             mom = moments.index_select(0, which[a : a + rows])  # (piece, K)
@@ -330,23 +358,57 @@ class _AdamRule(_Rule):
             for k in range(k_terms - 2, -1, -1):
                 acc.mul_(nx).add_(mom[:, k : k + 1])
             out[a : a + rows] = acc.div_(root[a : a + rows])
-        rr, dd = slow.nonzero(as_tuple=True)
-        if rr.numel():
-            exact = torch.empty(rr.numel(), dtype=out.dtype, device=out.device)
-            piece = max(1, _CACHE_ELEMENTS // coef.shape[1])
-            # two (piece, J) buffers for every piece: fresh ones are 1 MiB allocations, above
-            # the allocator's mmap threshold, so each piece would map and fault in new pages
-            den_buf = coef.new_empty(min(piece, rr.numel()), coef.shape[1])
-            term_buf = torch.empty_like(den_buf)
-            for a in range(0, rr.numel(), piece):
-                u = which[rr[a : a + piece]]
-                rt = root[rr[a : a + piece], dd[a : a + piece]][:, None]
-                den = torch.index_select(scale, 0, u, out=den_buf[: u.numel()])
-                den.mul_(rt).add_(self.eps)
-                term = torch.index_select(coef, 0, u, out=term_buf[: u.numel()])
-                exact[a : a + piece] = term.div_(den).sum(dim=1)
-            out[rr, dd] = exact
-        return out
+
+    def _exact_sums(
+        self,
+        coef: torch.Tensor,
+        scale: torch.Tensor,
+        root: torch.Tensor,
+        which: torch.Tensor,
+        row_width: torch.Tensor,
+        rr: torch.Tensor,
+        dd: torch.Tensor,
+    ) -> torch.Tensor:
+        """The exact form of :meth:`_term_sums` for elements ``(rr, dd)`` ``(E,)`` each, ``(E,)``:
+        elements grouped by their row's width rounded up to a power of two, each group summing
+        only its own columns."""
+        exact = torch.empty(rr.numel(), dtype=coef.dtype, device=coef.device)
+        widths = row_width[rr]
+        lo, hi = 0, 8
+        while lo < coef.shape[1]:
+            hi = min(hi, coef.shape[1])
+            sel = ((widths > lo) & (widths <= hi)).nonzero().reshape(-1)
+            if sel.numel():
+                cols = (coef[:, :hi], scale[:, :hi])
+                exact[sel] = self._exact_columns(*cols, root, which, rr[sel], dd[sel])
+            lo, hi = hi, 2 * hi
+        return exact
+
+    def _exact_columns(
+        self,
+        coef: torch.Tensor,
+        scale: torch.Tensor,
+        root: torch.Tensor,
+        which: torch.Tensor,
+        rr: torch.Tensor,
+        dd: torch.Tensor,
+    ) -> torch.Tensor:
+        """``sum_j coef_j / (root * scale_j + eps)`` over the columns of ``coef`` ``(u, w)`` for
+        elements ``(rr, dd)``, in pieces of :data:`_CACHE_ELEMENTS`."""
+        exact = torch.empty(rr.numel(), dtype=coef.dtype, device=coef.device)
+        piece = max(1, _CACHE_ELEMENTS // coef.shape[1])
+        # two (piece, w) buffers for every piece: fresh ones are 1 MiB allocations, above
+        # the allocator's mmap threshold, so each piece would map and fault in new pages
+        den_buf = coef.new_empty(min(piece, rr.numel()), coef.shape[1])
+        term_buf = torch.empty_like(den_buf)
+        for a in range(0, rr.numel(), piece):
+            u = which[rr[a : a + piece]]
+            rt = root[rr[a : a + piece], dd[a : a + piece]][:, None]
+            den = torch.index_select(scale, 0, u, out=den_buf[: u.numel()])
+            den.mul_(rt).add_(self.eps)
+            term = torch.index_select(coef, 0, u, out=term_buf[: u.numel()])
+            exact[a : a + piece] = term.div_(den).sum(dim=1)
+        return exact
 
 
 class _NoopRule(_Rule):
