@@ -1,0 +1,92 @@
+"""Where the row cache's Adam step spends its time (issue 23): table 8's setup, profiled.
+
+    python benchmarks/row_cache_profile.py [--rows 1000000] [--warmup 300] [--steps 10]
+
+``nn.Embedding(sparse=True)`` + ``SparseAdam`` and ``CachedEmbedding`` + ``Adam`` (100,000-row
+cache, batch 4096 Zipf(1.05) ids, dim 64: ``benchmarks/row_cache.py``'s table 8) step the same
+batches alternately after ``--warmup`` steps of the cache; the cached steps run under cProfile.
+Prints the median step of each, their ratio, and milliseconds per step of the cache's parts
+(cumulative: a part includes the parts it calls); ``--ops`` adds torch.profiler's table of the
+operators of ``--steps`` more cached steps (self CPU time, largest first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+
+import torch
+from row_cache import DIM, _zipf_batch
+from torch import nn
+
+from edo_monitor.nn import CachedEmbedding
+
+PARTS = (  # (file name, function): the cache's step, outermost first
+    ("cache_rows.py", "_remap"),
+    ("cache_optimizer.py", "_catch_up_rows"),
+    ("catch_up.py", "_term_sums"),
+    ("catch_up.py", "_series_sums"),
+    ("catch_up.py", "_exact_sums"),
+    ("cache_rows.py", "_ensure"),
+    ("cache_rows.py", "_evict"),
+    ("cache_optimizer.py", "_step_rows"),
+    ("graph.py", "_engine_run_backward"),
+)
+
+
+def main() -> None:
+    """Parse the options, run both tables and print the figures."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=1_000_000, help="table rows")
+    parser.add_argument("--warmup", type=int, default=300, help="warm-up steps of the cache")
+    parser.add_argument("--steps", type=int, default=10, help="profiled steps")
+    parser.add_argument("--ops", action="store_true", help="also torch.profiler's operators")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    sparse = nn.Embedding(args.rows, DIM, sparse=True)
+    sparse_opt = torch.optim.SparseAdam(sparse.parameters(), lr=1e-3)
+    weight = sparse.weight.detach().clone()
+    cached = CachedEmbedding(args.rows, DIM, 100_000, _weight=weight)
+    cached_opt = torch.optim.Adam(cached.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+
+    def step(module: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> float:
+        t0 = time.perf_counter()
+        module(ids).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        return time.perf_counter() - t0
+
+    for _ in range(args.warmup):
+        step(cached, cached_opt, _zipf_batch(args.rows, 4096, gen))
+    profile = cProfile.Profile()
+    times: dict[str, list[float]] = {"sparse": [], "cached": []}
+    for _ in range(args.steps):
+        ids = _zipf_batch(args.rows, 4096, gen)
+        times["sparse"].append(step(sparse, sparse_opt, ids))
+        profile.enable()
+        times["cached"].append(step(cached, cached_opt, ids))
+        profile.disable()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(
+        f"rows {args.rows:,}, {args.steps} steps after {args.warmup}: sparse Adam "
+        f"{med['sparse'] * 1e3:.2f} ms, cached Adam {med['cached'] * 1e3:.2f} ms (under "
+        f"cProfile), cached / sparse {med['cached'] / med['sparse']:.2f}\n"
+    )
+    stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+    print("| part of the cached step | ms a step |\n|---|--:|")
+    for file, func in PARTS:
+        total = sum(v[3] for (f, _, fn), v in stats.items() if f.endswith(file) and fn == func)
+        print(f"| {file}:{func} | {total / args.steps * 1e3:.2f} |")
+    if args.ops:  # a second pass: the cached table alone, --steps more steps
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as ops:
+            for _ in range(args.steps):
+                step(cached, cached_opt, _zipf_batch(args.rows, 4096, gen))
+        print(ops.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+
+
+if __name__ == "__main__":
+    main()
