@@ -244,6 +244,15 @@ def test_parse_policy() -> None:
     assert parse_policy("") == {}
     with pytest.raises(ConfigError, match="cooldown_steps='x'"):
         parse_policy("cooldown_steps=x")
+    # the type in words ('expected a int' before)
+    with pytest.raises(
+        ConfigError, match=r"cooldown_steps='1\.5' is not allowed; expected an integer$"
+    ):
+        parse_policy("cooldown_steps=1.5")
+    with pytest.raises(ConfigError, match=r"expected a number$"):
+        parse_policy("min_free_fraction=half")
+    with pytest.raises(ConfigError, match=r"expected true or false$"):
+        parse_policy("allow_lossy=maybe")
     with pytest.raises(ConfigError, match="KEY=VALUE"):
         parse_policy("min_free_fraction")
 

@@ -69,8 +69,9 @@ def parse_policy(text: str) -> dict[str, Any]:
             else:
                 out[key] = kind(value)
         except ValueError:
+            expected = {int: "an integer", float: "a number", bool: "true or false"}[kind]
             raise ConfigError(
-                f"policy setting {key}={value!r} is not allowed; expected a {kind.__name__}"
+                f"policy setting {key}={value!r} is not allowed; expected {expected}"
             ) from None
     return out
 
