@@ -111,7 +111,13 @@ def test_every_bad_option_value_is_one_error_line(
 @pytest.mark.parametrize(("value", "word"), [("1e999", "infinite"), ("nan", "not a number")])
 def test_edo_tui_refuses_a_refresh_that_is_not_finite(value: str, word: str) -> None:
     done = run("edo-tui", "--refresh-s", value)
-    assert done.returncode == EXIT_USAGE and word in done.stderr, done.stderr
+    one_line(done, EXIT_USAGE, "edo-tui: error:", word)
+
+
+@pytest.mark.parametrize("args", [("--bogus",), ("--run",), ("a.db", "b.db")])
+def test_edo_tui_usage_errors_are_one_line(args: tuple[str, ...]) -> None:
+    """As edo-monitor's: no usage block (argparse printed it first: two lines)."""
+    one_line(run("edo-tui", *args), EXIT_USAGE, "edo-tui: error:")
 
 
 def test_metrics_without_prometheus_client_is_exit_1_with_the_install_line(tmp_path: Path) -> None:

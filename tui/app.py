@@ -26,6 +26,7 @@ import sys
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
+from typing import NoReturn
 
 from rich.console import RenderableType
 from textual import work
@@ -294,9 +295,17 @@ def _positive_float(text: str) -> float:
     return value
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one ``edo-tui: error:`` line, exit 2, as
+    ``edo-monitor``'s (argparse's own print the usage block first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse ``edo-tui``'s command line."""
-    parser = argparse.ArgumentParser(
+    """Parse ``edo-tui``'s command line; a usage error exits 2 with one line on stderr."""
+    parser = _OneLineParser(
         prog="edo-tui",
         description="Terminal dashboard of edo-monitor's history database: runs live and past.",
         epilog=(
