@@ -114,6 +114,13 @@ def test_edo_tui_refuses_a_refresh_that_is_not_finite(value: str, word: str) -> 
     one_line(done, EXIT_USAGE, "edo-tui: error:", word)
 
 
+def test_edo_tui_without_a_terminal_is_one_line_and_exits(tmp_path: Path) -> None:
+    """stdin from /dev/null, output to pipes: it drew into them at full CPU and never exited."""
+    done = run("edo-tui", str(tmp_path / "h.db"), "--run", "-1", timeout_s=30)
+    one_line(done, EXIT_USAGE, "edo-tui: error:", "standard input is not a terminal")
+    assert not (tmp_path / "h.db").exists()
+
+
 @pytest.mark.parametrize("args", [("--bogus",), ("--run",), ("a.db", "b.db")])
 def test_edo_tui_usage_errors_are_one_line(args: tuple[str, ...]) -> None:
     """As edo-monitor's: no usage block (argparse printed it first: two lines)."""

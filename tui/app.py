@@ -311,7 +311,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         epilog=(
             "Exit codes: 0 quit on a run, the runs table or 'waiting for a run'; 1 quit while "
             "the database or run could not be read; 2 usage (bad option, unusable database "
-            "argument); 3 internal error."
+            "argument, no terminal); 3 internal error."
         ),
     )
     parser.add_argument(
@@ -337,9 +337,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``edo-tui``: returns the exit code (module docstring).
 
-    The arguments are checked before the screen is taken over: a bad option or a database
-    argument that is neither a path nor a usable URL prints one line on stderr and returns
-    :data:`EXIT_USAGE`.
+    The arguments are checked before the screen is taken over: a bad option, a database
+    argument that is neither a path nor a usable URL, or a standard input or error that is not
+    a terminal prints one line on stderr and returns :data:`EXIT_USAGE`.
     """
     args = parse_args(argv)  # argparse exits with 2 itself
     try:
@@ -347,6 +347,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         sys.stderr.write(f"edo-tui: error: {exc}\n")
         return EXIT_USAGE
+    # Textual reads keys from stdin and draws on stderr: without a terminal there it spun on
+    # end-of-file at full CPU, drawing into a file, and never exited
+    for name, stream in (("standard input", sys.stdin), ("standard error", sys.__stderr__)):
+        if stream is None or not stream.isatty():
+            sys.stderr.write(
+                f"edo-tui: error: {name} is not a terminal; the dashboard needs one "
+                "(for a report on a file or a pipe use 'edo-monitor show')\n"
+            )
+            return EXIT_USAGE
     app = EdoTui(args.db, run=args.run, refresh_s=args.refresh_s)
     app.run()
     return app.exit_code
