@@ -17,6 +17,7 @@ import cProfile
 import pstats
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from row_cache import DIM, _zipf_batch
@@ -37,12 +38,22 @@ PARTS = (  # (file name, function): the cache's step, outermost first
 )
 
 
+def _count(minimum: int) -> Callable[[str], int]:
+    def integer(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= {minimum}")
+        return value
+
+    return integer
+
+
 def main() -> None:
     """Parse the options, run both tables and print the figures."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=1_000_000, help="table rows")
-    parser.add_argument("--warmup", type=int, default=300, help="warm-up steps of the cache")
-    parser.add_argument("--steps", type=int, default=10, help="profiled steps")
+    parser.add_argument("--rows", type=_count(2), default=1_000_000, help="table rows")
+    parser.add_argument("--warmup", type=_count(0), default=300, help="warm-up steps of the cache")
+    parser.add_argument("--steps", type=_count(1), default=10, help="profiled steps")
     parser.add_argument("--ops", action="store_true", help="also torch.profiler's operators")
     args = parser.parse_args()
     torch.manual_seed(0)
