@@ -229,6 +229,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.budget is not None and args.device == "cpu":  # the budget is enforced on a CPU
+        with torch.device("meta"):  # the model's shapes only: no memory, no random numbers
+            shapes = HashedWordModel(blocks=2 if args.ddp else 0)
+        model_bytes = sum(p.numel() * p.element_size() for p in shapes.parameters())
+        if args.budget < model_bytes:  # one line before the text is read (watch() says it later)
+            print(
+                f"train_embedding: --budget {format_bytes(args.budget)} is smaller than the "
+                f"model's parameters ({format_bytes(model_bytes)}); give a larger budget (the "
+                "default, 158 MiB, is the pressure demo)",
+                file=sys.stderr,
+            )
+            return 2
     scripting.check_history_db(args.db)  # unusable: one line, exit 1, before the slow work
     budget = args.budget or ("236MiB" if args.ddp else "158MiB")
     steps = args.steps if args.steps is not None else (40 if args.ddp else 100)

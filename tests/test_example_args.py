@@ -116,6 +116,20 @@ def test_bad_arguments_of_the_main_example(
     assert not (tmp_path / "edo-history.db").exists()
 
 
+def test_a_budget_below_the_model_is_one_line_before_the_text_is_read(tmp_path: Path) -> None:
+    """It was refused by watch() after the text was read and the dataset built, naming
+    ``enforce=False``, which the example has no flag for."""
+    done = run("train_embedding.py", "--budget", "1MiB", "--steps", "3", cwd=tmp_path)
+    assert "Traceback" not in done.stderr and done.returncode == EXIT_USAGE, done.stderr
+    [line] = done.stderr.strip().splitlines()
+    assert line == (
+        "train_embedding: --budget 1 MiB is smaller than the model's parameters (24.92 MiB); "
+        "give a larger budget (the default, 158 MiB, is the pressure demo)"
+    )
+    assert "reading the text" not in done.stdout and "enforce" not in done.stderr
+    assert not (tmp_path / "edo-history.db").exists()
+
+
 def test_cuda_without_cuda_is_a_bad_argument(tmp_path: Path) -> None:
     import torch
 
