@@ -46,7 +46,10 @@ def parse_bytes(value: int | str, *, name: str = "budget") -> int:
 
 
 def format_bytes(value: int | float | None) -> str:
-    """Format a byte count with binary units (``"87.89 MiB"``); ``None`` becomes ``"N/A"``."""
+    """Format a byte count with binary units (``"87.89 MiB"``, ``"-11.06 MiB"`` for a negative
+    one: a saving that costs); ``None`` becomes ``"N/A"``."""
     if value is None:
         return "N/A"
+    if value < 0:  # humanfriendly.format_size prints a negative count as raw bytes
+        return "-" + humanfriendly.format_size(-value, binary=True)
     return humanfriendly.format_size(value, binary=True)
