@@ -10,6 +10,7 @@ import pickle
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,12 @@ BUDGET = 12_000_000
 LADDER = ["release_cache", "offload_embedding", "checkpoint_activations"]
 
 
-def _train(db: Path, *, steps: int = 12, **watch_kw: Any) -> edo_monitor.Monitor:
+def _train(
+    db: Path, *, steps: int = 12, until_action: bool = False, **watch_kw: Any
+) -> edo_monitor.Monitor:
+    """``steps`` steps; with ``until_action``, more (at most 2,000, a few ms apart) until the
+    tuner has applied an action: the crossing is seen by the sampler thread every 10 ms, and
+    four 1 ms steps could end before it (a fresh-clone CI run had no action then)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(ROWS, DIM), nn.Linear(DIM, 4))
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
@@ -48,7 +54,11 @@ def _train(db: Path, *, steps: int = 12, **watch_kw: Any) -> edo_monitor.Monitor
     kw: dict[str, Any] = {"budget": BUDGET, "policy": edo_monitor.Policy(ladder=LADDER)}
     kw.update(watch_kw)
     with edo_monitor.watch(model, db=db, interval_s=0.01, strict=True, **kw) as mon:
-        for _ in range(steps):
+        for k in range(2_000 if until_action else steps):
+            if k >= steps and mon.summary().actions:
+                break
+            if k >= steps:
+                time.sleep(0.002)
             loss = model(torch.randint(0, ROWS, (64,), generator=gen)).pow(2).mean()
             loss.backward()
             opt.step()
@@ -186,7 +196,7 @@ def test_fragmentation_at_an_oom() -> None:
 
 def test_prune_thins_old_snapshots_keeping_the_last_of_each_kind(tmp_path: Path) -> None:
     db = tmp_path / "h.db"
-    mon = _train(db, steps=4)
+    mon = _train(db, steps=4, until_action=True)
     conn = sqlite3.connect(db)  # three more crossings' snapshots, as a longer run would have
     first = conn.execute(
         "SELECT s.id, s.event_id FROM snapshots s JOIN events e ON e.id = s.event_id "
