@@ -55,9 +55,9 @@ def _train(
     kw.update(watch_kw)
     with edo_monitor.watch(model, db=db, interval_s=0.01, strict=True, **kw) as mon:
         for k in range(2_000 if until_action else steps):
-            if k >= steps and mon.summary().actions:
-                break
-            if k >= steps:
+            if k >= steps:  # only with until_action
+                if mon.summary().actions:
+                    break
                 time.sleep(0.002)
             loss = model(torch.randint(0, ROWS, (64,), generator=gen)).pow(2).mean()
             loss.backward()
