@@ -17,13 +17,13 @@ import cProfile
 import pstats
 import statistics
 import time
-from collections.abc import Callable
 
 import torch
 from row_cache import DIM, _zipf_batch
 from torch import nn
 
 from edo_monitor.nn import CachedEmbedding
+from edo_monitor.surfaces import scripting
 
 PARTS = (  # (file name, function): the cache's step, outermost first
     ("cache_rows.py", "_remap"),
@@ -38,22 +38,24 @@ PARTS = (  # (file name, function): the cache's step, outermost first
 )
 
 
-def _count(minimum: int) -> Callable[[str], int]:
-    def integer(text: str) -> int:
+def _warmup_steps(text: str) -> int:
+    """``type=`` for ``--warmup``: a whole number, 0 or more (the counts take
+    ``scripting.positive_int``)."""
+    try:
         value = int(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= {minimum}")
-        return value
-
-    return integer
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number, 0 or more")
+    return value
 
 
 def main() -> None:
     """Parse the options, run both tables and print the figures."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=_count(2), default=1_000_000, help="table rows")
-    parser.add_argument("--warmup", type=_count(0), default=300, help="warm-up steps of the cache")
-    parser.add_argument("--steps", type=_count(1), default=10, help="profiled steps")
+    parser = scripting.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=scripting.positive_int, default=1_000_000, help="table rows")
+    parser.add_argument("--warmup", type=_warmup_steps, default=300, help="warm-up steps")
+    parser.add_argument("--steps", type=scripting.positive_int, default=10, help="profiled steps")
     parser.add_argument("--ops", action="store_true", help="also torch.profiler's operators")
     args = parser.parse_args()
     torch.manual_seed(0)

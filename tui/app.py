@@ -26,7 +26,6 @@ import sys
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
-from typing import NoReturn
 
 from rich.console import RenderableType
 from textual import work
@@ -37,6 +36,7 @@ from textual.notifications import SeverityLevel
 from edo_monitor.errors import ConfigError
 from edo_monitor.store.paths import resolve_db_url
 from edo_monitor.store.records import RunInfo
+from edo_monitor.surfaces import scripting
 from edo_monitor.tui.base import READ_ERRORS, _call_ui
 from edo_monitor.tui.data import DataSource
 from edo_monitor.tui.devices_screen import DevicesScreen
@@ -295,17 +295,9 @@ def _positive_float(text: str) -> float:
     return value
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """An argument parser whose usage errors are one ``edo-tui: error:`` line, exit 2, as
-    ``edo-monitor``'s (argparse's own print the usage block first)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse ``edo-tui``'s command line; a usage error exits 2 with one line on stderr."""
-    parser = _OneLineParser(
+    parser = scripting.ArgumentParser(  # one-line errors, exit 2, as the scripts'
         prog="edo-tui",
         description="Terminal dashboard of edo-monitor's history database: runs live and past.",
         epilog=(

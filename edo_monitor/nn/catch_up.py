@@ -322,7 +322,7 @@ class _AdamRule(_Rule):
         slow = ~(q <= 0.125)
         out = torch.empty_like(root)
         if not bool(slow.all()):
-            self._series_sums(coef, scale, root, which, x, q, slow, out)
+            self._series_sums(coef, scale, unused, root, which, x, q, slow, out)
         rr, dd = slow.nonzero(as_tuple=True)
         if rr.numel():
             out[rr, dd] = self._exact_sums(coef, scale, root, which, row_width, rr, dd)
@@ -332,6 +332,7 @@ class _AdamRule(_Rule):
         self,
         coef: torch.Tensor,
         scale: torch.Tensor,
+        unused: torch.Tensor,
         root: torch.Tensor,
         which: torch.Tensor,
         x: torch.Tensor,
@@ -339,11 +340,11 @@ class _AdamRule(_Rule):
         slow: torch.Tensor,
         out: torch.Tensor,
     ) -> None:
-        """The series of :meth:`_term_sums` into ``out`` where ``slow`` is False (``x = eps /
-        root``, consumed)."""
+        """The series of :meth:`_term_sums` into ``out`` where ``slow`` is False (``unused``:
+        ``coef == 0``; ``x = eps / root``, consumed)."""
         q_max = float(q.masked_fill(slow, 0).max())
         k_terms = 1 if q_max <= 1e-18 else math.ceil(math.log(1e-18) / math.log(q_max)) + 1
-        inv = 1 / scale.masked_fill(coef == 0, 1.0)
+        inv = 1 / scale.masked_fill(unused, 1.0)
         moments = torch.empty(coef.shape[0], k_terms, dtype=coef.dtype, device=coef.device)
         w = coef * inv
         for k in range(k_terms):
