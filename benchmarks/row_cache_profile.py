@@ -29,7 +29,6 @@ PARTS = (  # (file name, function): the cache's step, outermost first
     ("cache_rows.py", "_remap"),
     ("cache_optimizer.py", "_catch_up_rows"),
     ("catch_up.py", "_term_sums"),
-    ("catch_up.py", "_series_sums"),
     ("catch_up.py", "_exact_sums"),
     ("cache_rows.py", "_ensure"),
     ("cache_rows.py", "_evict"),

@@ -64,11 +64,13 @@ caught up when loaded again), flushed or checkpointed. Gradients, exactly:
 * ``optimizer.state_dict()`` leaves ``batch_rows`` out (ids renumbered) and holds the full
   caught-up state; it loads into an optimizer over the uncached model and back.
 
-Adam's catch-up sum is evaluated as a convergent series in ``eps / sqrt(v)`` per element where
-that ratio is at most 1/8 of the smallest scale, exactly elsewhere; its coefficients and moments
-depend on a row only through the step it is at, so they are computed once per distinct step
-(``O(steps x missed x K + rows x dim x K)``, ``K <= 20``, ``steps`` the distinct steps among the
-rows caught up).
+Adam's catch-up sum over a row's missed steps is, per element, one series in ``y = root c /
+(root c + eps)`` (``c``: the largest of the steps' scales) that converges for every ``root =
+sqrt(v)``; its moments depend on a row only through the step it is at, so they are computed once
+per distinct step, and a row takes as many terms as its own missed steps need (about 8 for 20
+missed steps after 300, 20 for 286; ``O(steps x missed x K + rows x dim x K)``, ``steps`` the
+distinct steps among the rows caught up); rows from the first steps, whose bias corrections
+spread the scales too far for 48 terms, are summed term by term.
 
 The optimizer is found through a global optimizer step pre-hook on its first step, or given with
 :meth:`attach`. Checkpoints: ``state_dict()`` holds the full caught-up ``weight`` ``(N, D)`` (an

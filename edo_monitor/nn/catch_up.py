@@ -15,6 +15,9 @@ _TRUNCATION = 1e-13  # relative size of the first neglected Adam catch-up term
 
 _CHUNK_ELEMENTS = 1 << 21  # float64 elements per catch-up chunk (16 MiB)
 _CACHE_ELEMENTS = 1 << 17  # float64 elements per piece of a pass that stays in cache (1 MiB)
+_SERIES_TAIL = 1e-16  # relative size of the Adam sum's series after its last term
+_MAX_TERMS = 48  # series terms at most; groups spread wider take the exact form
+_TERM_BLOCK = 8  # series moments computed between two checks of which groups need more
 
 
 # ----------------------------------------------------------------------------- optimizer rules
@@ -224,72 +227,64 @@ class _AdamRule(_Rule):
     def catch_up(
         self, p: torch.Tensor, state: dict[str, torch.Tensor], s: torch.Tensor, t: int
     ) -> None:
-        if p.shape[0] == 0:
+        rows = p.shape[0]
+        if rows == 0:
             return
-        m = state["exp_avg"]
-        moving = (m != 0).any(dim=1).cpu()
-        if not bool(moving.all()):
-            # rows whose first moment is zero get no Adam update: only the decoupled decay
-            dev = p.device
-            still = (~moving).nonzero().reshape(-1)
-            still_d = still.to(dev)
-            decay = self._decay(s[still], torch.full_like(s[still], t))
-            p[still_d] *= decay[:, None].to(dev)
-            idx = moving.nonzero().reshape(-1)
-            idx_d = idx.to(dev)
-            sub_p = p[idx_d]
-            sub_state = {k: v[idx_d] for k, v in state.items()}
-            self._catch_up_moving(sub_p, sub_state, s[idx], t)
-            p[idx_d] = sub_p
+        if rows > 1 and not bool((s[1:] >= s[:-1]).all()):
+            # the sum wants the rows oldest first (then its groups' term counts fall)
+            order = torch.argsort(s, stable=True)
+            idx = order.to(p.device)
+            sub_p = p.index_select(0, idx)
+            sub_state = {k: v.index_select(0, idx) for k, v in state.items()}
+            self.catch_up(sub_p, sub_state, s[order], t)
+            p.index_copy_(0, idx, sub_p)
             for k, v in sub_state.items():
-                state[k][idx_d] = v
-            missed = (t - s[still]).double()[:, None]
-            state["exp_avg_sq"][still_d] *= torch.pow(self.beta2, missed).to(dev)
+                state[k].index_copy_(0, idx, v)
             return
-        self._catch_up_moving(p, state, s, t)
-
-    def _catch_up_moving(
-        self, p: torch.Tensor, state: dict[str, torch.Tensor], s: torch.Tensor, t: int
-    ) -> None:
-        if p.shape[0] == 0:
+        per = max(1, _CHUNK_ELEMENTS // (8 * p.shape[1]))  # rows a piece: its temporaries
+        if rows > per:
+            for a in range(0, rows, per):
+                sl = slice(a, a + per)
+                self.catch_up(p[sl], {k: v[sl] for k, v in state.items()}, s[sl], t)
             return
-        rows, dim = p.shape
         missed = t - s  # (R,)
-        n = missed.clamp(max=self.window)
-        width = int(n.max())
+        width = int(missed.clamp(max=self.window).max())
         if width == 0:
             return
         m, v = state["exp_avg"], state["exp_avg_sq"]
-        denom_src = state["max_exp_avg_sq"] if self.amsgrad else v
+        moving = (m != 0).any(dim=1).cpu()
+        # rows whose first moment is zero get no Adam update, only the decoupled decay: the
+        # leading ones (rows never stepped, at the oldest step) skip the sum
+        lead = int(moving.int().argmax()) if bool(moving.any()) else rows
         # the sum's coefficients depend on a row only through its step s: computed once per
         # distinct s (u <= rows, and <= the steps since the oldest), then shared by index
-        us, inv = torch.unique(s, return_inverse=True)
+        us, inv = torch.unique_consecutive(s, return_inverse=True)
         un = (t - us).clamp(max=self.window)
         j = torch.arange(1, width + 1, dtype=torch.int64)
         k = us[:, None] + j[None, :]  # (u, J) absolute step numbers
         valid = j[None, :] <= un[:, None]
         lr = torch.where(valid, self.lr_of(k), 0.0)
         bc1, bc2 = self._bias_corrections(k)
-        decay = torch.where(valid, 1 - lr * self.wd, 1.0)  # per missed step in the window
-        incl = torch.flip(torch.cumprod(torch.flip(decay, [1]), 1), [1])
-        after = torch.ones_like(incl)
-        after[:, :-1] = incl[:, 1:]  # product of the window's decays after step j
-        tail = self._decay(us + un, torch.full_like(us, t))  # decays beyond the window
         jf = j.double()[None, :]
-        coef = torch.where(valid, lr / bc1 * self.beta1**jf * after * tail[:, None], 0.0)
+        dev = p.device
+        if self.wd:
+            decay = torch.where(valid, 1 - lr * self.wd, 1.0)  # per missed step in the window
+            incl = torch.flip(torch.cumprod(torch.flip(decay, [1]), 1), [1])
+            after = torch.ones_like(incl)
+            after[:, :-1] = incl[:, 1:]  # product of the window's decays after step j
+            tail = self._decay(us + un, torch.full_like(us, t))  # decays beyond the window
+            p.mul_((incl[:, 0] * tail).to(dev)[inv.to(dev)][:, None])
+            lr.mul_(after).mul_(tail[:, None])
+        coef = lr.div_(bc1).mul_(self.beta1**jf)  # 0 outside the missed steps, as lr
         root_bc2 = torch.sqrt(bc2)
         scale = 1 / root_bc2 if self.amsgrad else self.beta2 ** (jf / 2) / root_bc2
-        dev = p.device
-        coef, scale = coef.to(dev), scale.expand(coef.shape).to(dev)
-        total_decay = (incl[:, 0] * tail).to(dev)
-        inv_d, un_d = inv.to(dev), un.to(dev)
-        per = max(1, _CHUNK_ELEMENTS // (8 * dim))
-        for start in range(0, rows, per):
-            sl = slice(start, start + per)
-            root = torch.sqrt(denom_src[sl])  # (r, D)
-            sums = self._term_sums(coef, scale, root, inv_d[sl], un_d)
-            p[sl] = p[sl] * total_decay[inv_d[sl]][:, None] - m[sl] * sums
-        mf = missed.double()[:, None].to(p.device)
+        if lead < rows:
+            denom = state["max_exp_avg_sq"] if self.amsgrad else v
+            sums = self._term_sums(coef, scale.expand(coef.shape), valid, inv[lead:], denom[lead:])
+            if self.eps == 0:  # 0 / 0 where a row has no moment: it moves by nothing
+                sums.masked_fill_(~moving[lead:, None].to(dev), 0.0)
+            p[lead:].sub_(m[lead:] * sums)
+        mf = missed.double()[:, None].to(dev)
         m.mul_(torch.pow(self.beta1, mf))
         v.mul_(torch.pow(self.beta2, mf))
 
@@ -297,119 +292,95 @@ class _AdamRule(_Rule):
         self,
         coef: torch.Tensor,
         scale: torch.Tensor,
-        root: torch.Tensor,
+        valid: torch.Tensor,
         which: torch.Tensor,
-        width: torch.Tensor,
+        denom: torch.Tensor,
     ) -> torch.Tensor:
-        """``sum_j coef_j / (root * scale_j + eps)`` ``(r, D)`` for rows ``r`` whose coefficients
-        are row ``which`` ``(r,)`` of ``coef``, ``scale`` ``(u, J)`` (one row per distinct step,
-        nonzero in its first ``width`` ``(u,)`` columns: the steps the row missed, at most J).
+        """``sum_j coef_j / (sqrt(denom) * scale_j + eps)`` ``(R, D)`` float64 for rows whose
+        coefficients are row ``which`` ``(R,)`` (non-decreasing: the groups oldest first) of
+        ``coef`` and ``scale`` ``(u, J)`` (one row per distinct step, ``valid`` in its missed
+        steps; the scales fall along a row, the coefficients are positive).
 
-        Exact form: ``O(width D)`` a row. For the elements where ``q = eps / (root * min_j
-        scale_j) <= 1/8`` the sum is the convergent series ``(1 / root) sum_k S_k (-eps /
-        root)^k`` with moments ``S_k = sum_j coef_j / scale_j^(k+1)`` per distinct step
-        (``O(u J K + r D K)``, ``K <= 21``), cut where ``q^K <= 1e-18`` (below float64 rounding);
-        the other elements (``root`` near 0) take the exact form, over their row's own width
-        rounded up to a power of two (a row that missed 17 steps sums 32 terms, not J). Both run
-        in pieces of :data:`_CACHE_ELEMENTS` float64 elements, which stay in the CPU's cache
-        between the passes of one piece (4.6x faster for the exact form than one pass over all).
+        With ``c`` a group's largest scale and ``delta_j = scale_j / c - 1`` in ``(-1, 0]``, each
+        term is ``coef_j / (a (1 + delta_j y))`` for ``a = root c + eps`` and ``y = root c / a``
+        in ``[0, 1)``, so the sum is ``(1 / a) sum_n M_n (-y)^n`` with moments ``M_n = sum_j
+        coef_j delta_j^n`` per group: a series that converges for every ``root``. After ``K``
+        terms the rest is below ``rho |M_K| / M_0`` of the sum (``rho``: the group's largest
+        over smallest scale), cut at :data:`_SERIES_TAIL`; the heavy first terms have ``delta``
+        near 0, so a row that missed 20 steps after 300 needs about 8 terms and one that missed
+        286 about 20. Term ``n`` runs over the rows whose group needs it, a prefix of the rows
+        oldest first: ``O(u J K + sum over rows of K D)``. Groups still above the cut after
+        :data:`_MAX_TERMS` terms (rows caught up from the first steps, where the bias
+        correction changes fast) take the exact form, ``O(J D)`` a row.
         """
-        x = self.eps / root  # inf where root is 0
-        unused = coef == 0
-        sc_min = scale.masked_fill(unused, float("inf")).amin(dim=1)
-        q = x / sc_min[which][:, None]
-        row_width = width[which]
-        slow = ~(q <= 0.125)
+        first = int(which[0])
+        coef, scale, valid = coef[first:], scale[first:], valid[first:]
+        which = which - first
+        used = valid & (coef > 0)
+        s_max = scale.masked_fill(~used, 0.0).amax(dim=1)
+        s_min = scale.masked_fill(~used, math.inf).amin(dim=1)
+        ratio = torch.where(used.any(dim=1) & (s_min > 0), s_max / s_min, 1.0)
+        delta = torch.where(used & (s_max[:, None] > 0), scale / s_max[:, None] - 1, 0.0)
+        bound = coef.sum(dim=1) * (_SERIES_TAIL / ratio)  # |M_n| at most this: n terms do
+        unsure = (coef < 0).any(dim=1)  # the bound needs positive terms: exact form
+        groups = coef.shape[0]
+        moments = coef.new_zeros(_MAX_TERMS, groups)  # moment n of every group: row n
+        w = coef.clone()
+        active = groups  # groups [0, active) hold one not yet within the bound
+        for n0 in range(0, _MAX_TERMS, _TERM_BLOCK):  # blocks of terms, then one check
+            wa, da, ma = w[:active], delta[:active], moments[:, :active]
+            for n in range(n0, n0 + _TERM_BLOCK):
+                torch.sum(wa, dim=1, out=ma[n])
+                wa.mul_(da)
+            left = ((ma[n0 + _TERM_BLOCK - 1].abs() > bound[:active]) | unsure[:active]).nonzero()
+            active = int(left[-1]) + 1 if left.numel() else 0
+            if active == 0:
+                break
+        # terms a group needs: the first n whose moment is within the bound (moments fall)
+        within = (moments.abs() <= bound) & ~unsure
+        terms = torch.where(within.any(dim=0), within.int().argmax(dim=0), _MAX_TERMS + 1)
+        # a group takes at least the terms of every younger one: term n runs over a prefix
+        terms = torch.flip(torch.cummax(torch.flip(terms, [0]), 0).values, [0])
+        root = denom.sqrt()
         out = torch.empty_like(root)
-        if not bool(slow.all()):
-            self._series_sums(coef, scale, unused, root, which, x, q, slow, out)
-        rr, dd = slow.nonzero(as_tuple=True)
-        if rr.numel():
-            out[rr, dd] = self._exact_sums(coef, scale, root, which, row_width, rr, dd)
+        exact = int((terms > _MAX_TERMS).sum())
+        split = int(torch.searchsorted(which, exact))  # rows of the exact groups come first
+        if split:
+            out[:split] = self._exact_sums(coef, scale, root[:split], which[:split])
+        if split == root.shape[0]:
+            return out
+        root, which = root[split:], which[split:]
+        k_terms = int(terms[exact]) if exact < groups else 0
+        # rows that take term n: those of the groups with more than n terms
+        rows_with = torch.searchsorted(which, (terms > torch.arange(k_terms)[:, None]).sum(1))
+        mom = moments[:k_terms].index_select(1, which)[:, :, None]  # (K, R, 1)
+        b = root * s_max.index_select(0, which)[:, None]  # root * c
+        a = b + self.eps
+        neg_y = b.div_(a).neg_()
+        acc = torch.zeros_like(root)
+        r = -1
+        for n in range(k_terms - 1, -1, -1):  # Horner, over the rows that take term n
+            if int(rows_with[n]) != r:
+                r = int(rows_with[n])
+                acc_r, neg_y_r = acc[:r], neg_y[:r]
+            torch.addcmul(mom[n, :r], acc_r, neg_y_r, out=acc_r)
+        out[split:] = acc.div_(a)
         return out
 
-    def _series_sums(
-        self,
-        coef: torch.Tensor,
-        scale: torch.Tensor,
-        unused: torch.Tensor,
-        root: torch.Tensor,
-        which: torch.Tensor,
-        x: torch.Tensor,
-        q: torch.Tensor,
-        slow: torch.Tensor,
-        out: torch.Tensor,
-    ) -> None:
-        """The series of :meth:`_term_sums` into ``out`` where ``slow`` is False (``unused``:
-        ``coef == 0``; ``x = eps / root``, consumed)."""
-        q_max = float(q.masked_fill(slow, 0).max())
-        k_terms = 1 if q_max <= 1e-18 else math.ceil(math.log(1e-18) / math.log(q_max)) + 1
-        inv = 1 / scale.masked_fill(unused, 1.0)
-        moments = torch.empty(coef.shape[0], k_terms, dtype=coef.dtype, device=coef.device)
-        w = coef * inv
-        for k in range(k_terms):
-            moments[:, k] = w.sum(dim=1)
-            w.mul_(inv)
-        neg_x = x.masked_fill_(slow, 0.0).neg_()
-        rows = max(1, _CACHE_ELEMENTS // max(1, root.shape[1]))
-        for a in range(0, root.shape[0], rows):  # Horner, in place, a piece at a time
-            mom = moments.index_select(0, which[a : a + rows])  # (piece, K)
-            acc = mom[:, -1:].expand(-1, root.shape[1]).clone()
-            nx = neg_x[a : a + rows]
-            for k in range(k_terms - 2, -1, -1):
-                acc.mul_(nx).add_(mom[:, k : k + 1])
-            out[a : a + rows] = acc.div_(root[a : a + rows])
-
     def _exact_sums(
-        self,
-        coef: torch.Tensor,
-        scale: torch.Tensor,
-        root: torch.Tensor,
-        which: torch.Tensor,
-        row_width: torch.Tensor,
-        rr: torch.Tensor,
-        dd: torch.Tensor,
+        self, coef: torch.Tensor, scale: torch.Tensor, root: torch.Tensor, which: torch.Tensor
     ) -> torch.Tensor:
-        """The exact form of :meth:`_term_sums` for elements ``(rr, dd)`` ``(E,)`` each, ``(E,)``:
-        elements grouped by their row's width rounded up to a power of two, each group summing
-        only its own columns."""
-        exact = torch.empty(rr.numel(), dtype=coef.dtype, device=coef.device)
-        widths = row_width[rr]
-        lo, hi = 0, 8
-        while lo < coef.shape[1]:
-            hi = min(hi, coef.shape[1])
-            sel = ((widths > lo) & (widths <= hi)).nonzero().reshape(-1)
-            if sel.numel():
-                cols = (coef[:, :hi], scale[:, :hi])
-                exact[sel] = self._exact_columns(*cols, root, which, rr[sel], dd[sel])
-            lo, hi = hi, 2 * hi
-        return exact
-
-    def _exact_columns(
-        self,
-        coef: torch.Tensor,
-        scale: torch.Tensor,
-        root: torch.Tensor,
-        which: torch.Tensor,
-        rr: torch.Tensor,
-        dd: torch.Tensor,
-    ) -> torch.Tensor:
-        """``sum_j coef_j / (root * scale_j + eps)`` over the columns of ``coef`` ``(u, w)`` for
-        elements ``(rr, dd)``, in pieces of :data:`_CACHE_ELEMENTS`."""
-        exact = torch.empty(rr.numel(), dtype=coef.dtype, device=coef.device)
-        piece = max(1, _CACHE_ELEMENTS // coef.shape[1])
-        # two (piece, w) buffers for every piece: fresh ones are 1 MiB allocations, above
-        # the allocator's mmap threshold, so each piece would map and fault in new pages
-        den_buf = coef.new_empty(min(piece, rr.numel()), coef.shape[1])
-        term_buf = torch.empty_like(den_buf)
-        for a in range(0, rr.numel(), piece):
-            u = which[rr[a : a + piece]]
-            rt = root[rr[a : a + piece], dd[a : a + piece]][:, None]
-            den = torch.index_select(scale, 0, u, out=den_buf[: u.numel()])
-            den.mul_(rt).add_(self.eps)
-            term = torch.index_select(coef, 0, u, out=term_buf[: u.numel()])
-            exact[a : a + piece] = term.div_(den).sum(dim=1)
-        return exact
+        """``sum_j coef_j / (root * scale_j + eps)`` term by term for rows ``root`` ``(r, D)`` of
+        groups ``which`` ``(r,)``, in pieces of :data:`_CACHE_ELEMENTS` ``(rows, D, J)``."""
+        out = torch.empty_like(root)
+        dim, cols = root.shape[1], coef.shape[1]
+        piece = max(1, _CACHE_ELEMENTS // (dim * cols))
+        for a in range(0, root.shape[0], piece):
+            u = which[a : a + piece]
+            den = root[a : a + piece, :, None] * scale.index_select(0, u)[:, None, :]
+            term = coef.index_select(0, u)[:, None, :] / den.add_(self.eps)
+            out[a : a + piece] = term.sum(dim=2)
+        return out
 
 
 class _NoopRule(_Rule):
