@@ -90,12 +90,12 @@ class _Checkpointing:
             step = max(1, _CHUNK_ELEMENTS // max(1, self.embedding_dim * 4))
             for start in range(0, behind.numel(), step):
                 ids = behind[start : start + step]
-                w64 = self.host_weight[ids].double()
-                st64 = {k: self.host_state[k][ids].double() for k in self._state_keys()}
-                self._rule.catch_up(w64, st64, self.last_step[ids], self.t)
-                self.host_weight[ids] = w64.to(self.host_weight.dtype)
-                for k, v in st64.items():
-                    self.host_state[k][ids] = v.to(self.host_state[k].dtype)
+                w = self.host_weight[ids]
+                st = {k: self.host_state[k][ids] for k in self._state_keys()}
+                self._rule.catch_up_rows(w, st, self.last_step[ids], self.t)
+                self.host_weight[ids] = w
+                for k, v in st.items():
+                    self.host_state[k][ids] = v
             self.last_step.fill_(self.t)
         used = (self.slot_to_block >= 0).nonzero().reshape(-1)
         self._write_back(used)

@@ -235,17 +235,18 @@ class _OptimizerBinding:
         stale = s < self.t
         if not bool(stale.any()):
             return
-        rows, s = rows[stale], s[stale]
+        order = torch.argsort(s[stale], stable=True)  # oldest first, as the rule sums them
+        rows, s = rows[stale][order], s[stale][order]
         state = self._cache_state() if self._state_keys() else {}
         step = max(1, _CHUNK_ELEMENTS // max(1, self.embedding_dim * 4))
         for start in range(0, rows.numel(), step):
             r = rows[start : start + step].to(self.device)
-            w64 = self.weight.data.index_select(0, r).double()
-            st64 = {k: state[k].index_select(0, r).double() for k in self._state_keys()}
-            self._rule.catch_up(w64, st64, s[start : start + step], self.t)
-            self.weight.data.index_copy_(0, r, w64.to(self.weight.dtype))
-            for k, v in st64.items():
-                state[k].index_copy_(0, r, v.to(state[k].dtype))
+            w = self.weight.data.index_select(0, r)
+            st = {k: state[k].index_select(0, r) for k in self._state_keys()}
+            self._rule.catch_up_rows(w, st, s[start : start + step], self.t)
+            self.weight.data.index_copy_(0, r, w)
+            for k, v in st.items():
+                state[k].index_copy_(0, r, v)
         self.slot_step[rows] = self.t
 
     def _step_rows(self, group: dict[str, Any], grad: torch.Tensor) -> None:

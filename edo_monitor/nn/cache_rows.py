@@ -113,11 +113,7 @@ class _RowMovement:
         if not catch_up:
             at = s
         elif self._rule is not None and bool((s < self.t).any()):
-            w64 = w.double()
-            st64 = {k: v.double() for k, v in st.items()}
-            self._rule.catch_up(w64, st64, s, self.t)
-            w = w64.to(w.dtype)
-            st = {k: v.to(st[k].dtype) for k, v in st64.items()}
+            self._rule.catch_up_rows(w, st, s, self.t)
         stream = self._load_stream()
         if stream is not None:  # CUDA: copy on a side stream; the placing waits for it
             with torch.cuda.stream(stream):

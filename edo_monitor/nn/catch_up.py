@@ -15,7 +15,6 @@ _TRUNCATION = 1e-13  # relative size of the first neglected Adam catch-up term
 
 _CHUNK_ELEMENTS = 1 << 21  # float64 elements per catch-up chunk (16 MiB)
 _CACHE_ELEMENTS = 1 << 17  # float64 elements per piece of a pass that stays in cache (1 MiB)
-_SERIES_TAIL = 1e-16  # relative size of the Adam sum's series after its last term
 _MAX_TERMS = 48  # series terms at most; groups spread wider take the exact form
 _TERM_BLOCK = 8  # series moments computed between two checks of which groups need more
 
@@ -129,7 +128,27 @@ class _Rule:
     def catch_up(
         self, p: torch.Tensor, state: dict[str, torch.Tensor], s: torch.Tensor, t: int
     ) -> None:
-        """Bring float64 rows ``p`` ``(R, D)`` and ``state`` from steps ``s`` ``(R,)`` to ``t``."""
+        """Bring rows ``p`` ``(R, D)`` and ``state`` (float64, or float32 for a float32 table:
+        see :meth:`catch_up_rows`) from steps ``s`` ``(R,)`` to ``t``, in place."""
+
+    def catch_up_rows(
+        self, p: torch.Tensor, state: dict[str, torch.Tensor], s: torch.Tensor, t: int
+    ) -> None:
+        """:meth:`catch_up` for rows of any floating dtype, in place: float64 and float32 rows
+        are caught up in their own dtype, others (float16, bfloat16) in float32. A float32 row's
+        catch-up rounds once, about 1e-7 of what the missed steps move it; a resident float32
+        table rounds the row at every one of those steps, so this stays within the resident
+        table's own float32 rounding (``benchmarks/row_cache.py``, table 4)."""
+        work = p.dtype if p.dtype in (torch.float64, torch.float32) else torch.float32
+        if p.dtype == work and all(v.dtype == work for v in state.values()):
+            self.catch_up(p, state, s, t)
+            return
+        p_work = p.to(work)
+        state_work = {k: v.to(work) for k, v in state.items()}
+        self.catch_up(p_work, state_work, s, t)
+        p.copy_(p_work)
+        for k, v in state_work.items():
+            state[k].copy_(v)
 
 
 class _SGDRule(_Rule):
@@ -273,7 +292,7 @@ class _AdamRule(_Rule):
             after = torch.ones_like(incl)
             after[:, :-1] = incl[:, 1:]  # product of the window's decays after step j
             tail = self._decay(us + un, torch.full_like(us, t))  # decays beyond the window
-            p.mul_((incl[:, 0] * tail).to(dev)[inv.to(dev)][:, None])
+            p.mul_((incl[:, 0] * tail).to(dev, p.dtype)[inv.to(dev)][:, None])
             lr.mul_(after).mul_(tail[:, None])
         coef = lr.div_(bc1).mul_(self.beta1**jf)  # 0 outside the missed steps, as lr
         root_bc2 = torch.sqrt(bc2)
@@ -284,9 +303,9 @@ class _AdamRule(_Rule):
             if self.eps == 0:  # 0 / 0 where a row has no moment: it moves by nothing
                 sums.masked_fill_(~moving[lead:, None].to(dev), 0.0)
             p[lead:].sub_(m[lead:] * sums)
-        mf = missed.double()[:, None].to(dev)
-        m.mul_(torch.pow(self.beta1, mf))
-        v.mul_(torch.pow(self.beta2, mf))
+        mf = missed.double()[:, None]
+        m.mul_(torch.pow(self.beta1, mf).to(dev, m.dtype))
+        v.mul_(torch.pow(self.beta2, mf).to(dev, v.dtype))
 
     def _term_sums(
         self,
@@ -306,7 +325,7 @@ class _AdamRule(_Rule):
         in ``[0, 1)``, so the sum is ``(1 / a) sum_n M_n (-y)^n`` with moments ``M_n = sum_j
         coef_j delta_j^n`` per group: a series that converges for every ``root``. After ``K``
         terms the rest is below ``rho |M_K| / M_0`` of the sum (``rho``: the group's largest
-        over smallest scale), cut at :data:`_SERIES_TAIL`; the heavy first terms have ``delta``
+        over smallest scale), cut at half the dtype's epsilon; the heavy first terms have ``delta``
         near 0, so a row that missed 20 steps after 300 needs about 8 terms and one that missed
         286 about 20. Term ``n`` runs over the rows whose group needs it, a prefix of the rows
         oldest first: ``O(u J K + sum over rows of K D)``. Groups still above the cut after
@@ -321,7 +340,8 @@ class _AdamRule(_Rule):
         s_min = scale.masked_fill(~used, math.inf).amin(dim=1)
         ratio = torch.where(used.any(dim=1) & (s_min > 0), s_max / s_min, 1.0)
         delta = torch.where(used & (s_max[:, None] > 0), scale / s_max[:, None] - 1, 0.0)
-        bound = coef.sum(dim=1) * (_SERIES_TAIL / ratio)  # |M_n| at most this: n terms do
+        tail = torch.finfo(denom.dtype).eps / 2  # float64: 1.1e-16, float32: 6e-8
+        bound = coef.sum(dim=1) * (tail / ratio)  # |M_n| at most this: n terms do
         unsure = (coef < 0).any(dim=1)  # the bound needs positive terms: exact form
         groups = coef.shape[0]
         moments = coef.new_zeros(_MAX_TERMS, groups)  # moment n of every group: row n
@@ -353,8 +373,8 @@ class _AdamRule(_Rule):
         k_terms = int(terms[exact]) if exact < groups else 0
         # rows that take term n: those of the groups with more than n terms
         rows_with = torch.searchsorted(which, (terms > torch.arange(k_terms)[:, None]).sum(1))
-        mom = moments[:k_terms].index_select(1, which)[:, :, None]  # (K, R, 1)
-        b = root * s_max.index_select(0, which)[:, None]  # root * c
+        mom = moments[:k_terms].index_select(1, which).to(root.dtype)[:, :, None]  # (K, R, 1)
+        b = root * s_max.index_select(0, which).to(root.dtype)[:, None]  # root * c
         a = b + self.eps
         neg_y = b.div_(a).neg_()
         acc = torch.zeros_like(root)
@@ -373,6 +393,7 @@ class _AdamRule(_Rule):
         """``sum_j coef_j / (root * scale_j + eps)`` term by term for rows ``root`` ``(r, D)`` of
         groups ``which`` ``(r,)``, in pieces of :data:`_CACHE_ELEMENTS` ``(rows, D, J)``."""
         out = torch.empty_like(root)
+        coef, scale = coef.to(root.dtype), scale.to(root.dtype)
         dim, cols = root.shape[1], coef.shape[1]
         piece = max(1, _CACHE_ELEMENTS // (dim * cols))
         for a in range(0, root.shape[0], piece):
