@@ -156,9 +156,13 @@ def _insert_row_buffers(optimizer: torch.optim.Optimizer, sd: dict[str, Any]) ->
 
 
 class _CacheFullError(Exception):
-    def __init__(self, available: int) -> None:
-        super().__init__(available)
+    """Fewer free or evictable slots (``available``) than an eviction needs; ``needed``: the
+    slots it keeps (pinned, the batch's, the look-ahead's) plus those it asked for."""
+
+    def __init__(self, available: int, needed: int) -> None:
+        super().__init__(available, needed)
         self.available = available
+        self.needed = needed
 
 
 def _check_bag_mode(mode: str) -> str:

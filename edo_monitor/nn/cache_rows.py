@@ -147,6 +147,7 @@ class _RowMovement:
                 moved += st[key].numel() * st[key].element_size()
         self.slot_to_block[slots] = blocks
         self.slot_freq[slots] = self.block_freq[blocks]
+        self._victim_order.changed(self, slots)
         self.block_to_slot[blocks] = slots
         self.slot_step[rows] = staged["t"]
         self._count(misses=int(blocks.numel()), h2d_bytes=moved)
@@ -158,44 +159,68 @@ class _RowMovement:
             self._side_stream = torch.cuda.Stream(self.device)
         return self._side_stream
 
-    def _evict(self, count: int, protect: torch.Tensor) -> torch.Tensor:
+    def _evict(self, count: int, keep: torch.Tensor) -> torch.Tensor:
         """``count`` slots for new blocks: free ones first, then victims (written back).
 
-        The victims are the ``count - free`` smallest scores (LFU: count, then last use; LRU:
-        last use; with a look-ahead, rows used inside its window after every other row) among
-        the slots neither ``protect``-ed nor holding a gradient: one vectorized ``topk`` over
-        all ``C`` slots, the others masked (``O(C)`` elementwise a step that misses; cheaper
-        than gathering the candidates first, which took twice as long at ``C = 100,000``).
+        The victims are the ``count - free`` lowest scores (LFU: count, then last use; LRU: last
+        use; with a look-ahead, rows used inside its window after every other row, the furthest
+        next use first) among the slots neither in ``keep`` (slot indices), pinned, holding a
+        gradient nor needed by the look-ahead's running or prefetched batch. Found by the
+        table's :class:`~edo_monitor.nn.victims.VictimOrder` at the batch's cost; when the rows
+        outside the window are too few, by one vectorized ``topk`` over all ``C`` slots.
+
+        Raises:
+            _CacheFullError: fewer free or evictable slots than ``count``.
         """
+        keep_slots, inside = self._eviction_limits(keep)
+        slots = self._victim_order.choose(self, count, keep_slots, inside)
+        if slots is None:
+            slots = self._evict_full(count, keep_slots)
+        victims = slots[self.slot_to_block[slots] >= 0]
+        if victims.numel():
+            self._write_back(victims)
+            self.block_to_slot[self.slot_to_block[victims]] = -1
+            self.slot_to_block[victims] = -1
+            self._victim_order.changed(self, victims)
+            self._count(evicted=int(victims.numel()))
+        return slots
+
+    def _eviction_limits(self, keep: torch.Tensor) -> tuple[list[torch.Tensor], Any]:
+        """The slots an eviction must keep (``keep``, the gradient layout's, the look-ahead's
+        running and prefetched batches') and the look-ahead's ``blocks -> used in the window``
+        (``None`` without one)."""
+        keep_slots = [keep, self._layout_slots()]
+        la = self._lookahead
+        if la is None:
+            return keep_slots, None
+        keep_slots.append(la.protected_slots(self))
+        return keep_slots, la.inside(self)
+
+    def _evict_full(self, count: int, keep_slots: list[torch.Tensor]) -> torch.Tensor:
+        """:meth:`_evict`'s choice by one pass over every slot (``O(C)``): the rows used inside
+        the look-ahead window are candidates too, after every other row."""
+        protect = self.slot_pinned.clone()
+        for k in keep_slots:
+            protect[k] = True
         used = self.slot_to_block >= 0
         free = (~used).nonzero().reshape(-1)
         if free.numel() >= count:
             return free[:count]
         need = count - free.numel()
-        held = self._layout_slots()
-        if held.numel():
-            protect = protect.clone()
-            protect[held] = True
-        la = self._lookahead
-        if la is not None:  # rows of the running and the prefetched batches stay
-            protect = la.protect(self, protect)
         evictable = used & ~protect
         available = int(evictable.sum())
         if available < need:
-            raise _CacheFullError(available + free.numel())
+            raise _CacheFullError(available + free.numel(), int(protect.sum()) + count)
         if self.policy == "lfu":  # least frequent first, ties: least recently used
             score = self.slot_freq * (self._tick + 1) + self.slot_last_use
         else:
             score = self.slot_last_use.clone()
+        la = self._lookahead
         if la is not None:  # next use inside the look-ahead window first (Belady)
             score = la.score(self, self.slot_to_block.clamp(min=0), score)
         score.masked_fill_(~evictable, _NOT_EVICTABLE)
         # the need smallest scores (last use breaks LFU ties; ticks are unique per forward)
         victims = torch.topk(score, need, largest=False, sorted=False).indices
-        self._write_back(victims)
-        self.block_to_slot[self.slot_to_block[victims]] = -1
-        self.slot_to_block[victims] = -1
-        self._count(evicted=int(victims.numel()))
         return torch.cat([free, victims])
 
     def _ensure(
@@ -214,16 +239,15 @@ class _RowMovement:
         if miss.numel():
             if count:
                 self._count(forward_loads=int(miss.numel()))
-            protect = self.slot_pinned.clone()
-            protect[slots[hit]] = True
             try:
-                new = self._evict(miss.numel(), protect)
+                new = self._evict(miss.numel(), slots[hit])
             except _CacheFullError as full:
-                needed = int(protect.sum()) + miss.numel()
+                needed = full.needed
                 if self.overflow == "error":
                     raise RuntimeError(
-                        f"the batch needs {needed * self.block_rows} cache rows (its unique ids "
-                        f"plus rows used since the last optimizer step) but the cache holds "
+                        f"the batch needs {needed * self.block_rows} cache rows (its unique ids, "
+                        f"rows used since the last optimizer step and, under a LookAhead, the "
+                        f"next batch's) but the cache holds "
                         f"{self.cache_rows} rows ({full.available} free or evictable blocks); "
                         f"grow the cache or pass overflow='grow'"
                     ) from None
@@ -275,6 +299,7 @@ class _RowMovement:
         self.block_freq[uniq] += 1
         self.slot_freq[slots] = self.block_freq[uniq]
         self.slot_last_use[slots] = self._tick
+        self._victim_order.changed(self, slots)
         if torch.is_grad_enabled() and self.weight.requires_grad:
             self._pin_slots(slots)  # its gradient is pending until the optimizer step
         if r == 1:

@@ -105,6 +105,7 @@ from edo_monitor.nn.cache_rows import _RowMovement
 from edo_monitor.nn.cache_step import CacheRows
 from edo_monitor.nn.catch_up import _Rule
 from edo_monitor.nn.embedding import EmbeddingOptions, _EdoEmbedding
+from edo_monitor.nn.victims import VictimOrder
 
 __all__ = ["CachedEmbedding", "CachedEmbeddingBag", "CachedTable"]
 
@@ -226,6 +227,7 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _RowMovement, _Checkpointing
         )
         #: the eviction hook of a :class:`~edo_monitor.nn.lookahead.LookAhead` (``None``: none)
         self._lookahead: Any = None
+        self._victim_order = VictimOrder()
         self._step_counters = dict(self._counters)
         self.peak_unique_ids = 0
         # an OrderedDict: RemovableHandle holds a weak reference to it
@@ -370,10 +372,8 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _RowMovement, _Checkpointing
             slots = self.block_to_slot[blocks]
             miss = blocks[slots < 0]
             if miss.numel():
-                protect = self.slot_pinned.clone()
-                protect[slots[slots >= 0]] = True  # the hits of these ids stay too
-                try:
-                    new = self._evict(miss.numel(), protect)
+                try:  # the hits of these ids stay too
+                    new = self._evict(miss.numel(), slots[slots >= 0])
                 except _CacheFullError:
                     return  # prefetch is a hint: the forward loads what it needs
                 self._load_blocks(miss, new)

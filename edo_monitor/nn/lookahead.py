@@ -23,10 +23,9 @@ and, for each :class:`~edo_monitor.nn.cached.CachedTable` it serves:
 Cost of the eviction decision per step: ``O(K x U)`` to index the window (``U`` unique ids per
 batch, ``K = ahead``; vectorized, one ``scatter_reduce`` into a persistent per-block array, reset
 in the same ``O(K x U)``), ``O(U)`` for the protected set, and the victim choice of the cache
-itself, one vectorized ``topk`` over every slot (the unevictable masked): ``O(C)`` elementwise
-work (``C`` cache blocks) on steps that miss. That is not the ``O(U log C)`` of a priority
-queue; at ``C = 100,000`` the pass is under a millisecond on one CPU core, below a Python
-heap's per-row cost at ``U = 2,000`` (~1 µs a push).
+(:class:`~edo_monitor.nn.victims.VictimOrder`): ``O(U + need log need)`` amortized, the rows
+inside the window left out of it; only when the rows outside the window are too few does one
+``topk`` over every slot (``O(C)``) rank the window's rows by next use.
 
 Without the wrapper the cache works as before (its LFU or LRU policy).
 """
@@ -175,14 +174,22 @@ class LookAhead:
         return out
 
     # ------------------------------------------------------------------ the cache's hooks
-    def protect(self, table: CachedTable, protect: torch.Tensor) -> torch.Tensor:
-        """``protect`` ``(C,)`` bool with the slots of the running and prefetched batches set."""
+    def protected_slots(self, table: CachedTable) -> torch.Tensor:
+        """Slots ``(P,)`` of the running and prefetched batches' cached blocks."""
         w = self._windows.get(id(table))
         if w is None or w.protected.numel() == 0:
-            return protect
+            return torch.zeros(0, dtype=torch.int64)
         slots = table.block_to_slot[w.protected]
-        protect[slots[slots >= 0]] = True
-        return protect
+        return slots[slots >= 0]
+
+    def inside(self, table: CachedTable) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """``blocks -> bool`` (each used within the window), or ``None`` when ``table`` has no
+        window."""
+        w = self._windows.get(id(table))
+        if w is None:
+            return None
+        next_use = w.next_use
+        return lambda blocks: next_use[blocks] < _NEVER
 
     def score(self, table: CachedTable, blocks: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
         """Eviction scores (smallest first) of ``blocks`` (one per slot; a free slot's entry is
@@ -278,7 +285,7 @@ class LookAhead:
         ):
             return
         try:
-            slots = table._evict(blocks.numel(), table.slot_pinned.clone())
+            slots = table._evict(blocks.numel(), torch.zeros(0, dtype=torch.int64))
         except _CacheFullError:
             return
         table._place_staged(staged, slots)

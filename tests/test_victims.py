@@ -1,0 +1,76 @@
+"""The row cache's eviction order kept between steps (issue 23: the eviction decision at the
+batch's cost): ``edo_monitor.nn.victims.VictimOrder`` against one pass over every slot.
+
+Real tables in real training loops (Zipf ids, Adam); at every eviction both choices are made on the
+same state, and the victims' scores must be the same multiset (ties may pick other slots).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from edo_monitor.nn import CachedEmbedding, LookAhead
+from edo_monitor.nn.victims import VictimOrder, slot_scores
+
+N, D, C = 40_000, 4, 4_000
+
+
+def _batches(steps: int, batch: int = 256) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    probs = 1.0 / torch.arange(1, N + 1, dtype=torch.float64) ** 1.05
+    order = torch.randperm(N, generator=torch.Generator().manual_seed(7))
+    return [order[torch.multinomial(probs, batch, True, generator=gen)] for _ in range(steps)]
+
+
+@pytest.mark.parametrize(("policy", "ahead"), [("lfu", 0), ("lru", 0), ("lfu", 4)])
+def test_victims_are_the_lowest_scores_of_every_slot(policy: str, ahead: int) -> None:
+    table = CachedEmbedding(N, D, C, policy=policy)
+    opt = torch.optim.Adam(table.parameters(), lr=1e-3)
+    evict = table._evict
+    compared = refreshes = 0
+    refresh = table._victim_order.refresh
+
+    def counted_refresh(*args: object) -> None:
+        nonlocal refreshes
+        refreshes += 1
+        refresh(*args)  # type: ignore[arg-type]
+
+    def checked(count: int, keep: torch.Tensor) -> torch.Tensor:
+        nonlocal compared
+        limits, inside = table._eviction_limits(keep)
+        fast = table._victim_order.choose(table, count, limits, inside)
+        if fast is not None:
+            full = table._evict_full(count, limits)
+            assert fast.unique().numel() == count
+            got, want = slot_scores(table, fast).sort().values, slot_scores(table, full)
+            assert torch.equal(got, want.sort().values)
+            compared += 1
+        return evict(count, keep)
+
+    table._evict = checked  # type: ignore[method-assign]
+    table._victim_order.refresh = counted_refresh  # type: ignore[method-assign]
+    batches = _batches(120)
+    loader = LookAhead(batches, ahead=ahead, tables=table) if ahead else batches
+    for ids in loader:
+        table(ids).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert compared >= 100  # nearly every step evicted
+    # the ranking is made again every few steps, not at every eviction (the O(C) pass)
+    assert refreshes <= compared // 4
+
+
+def test_a_resized_cache_is_ranked_again() -> None:
+    table = CachedEmbedding(N, D, C)
+    opt = torch.optim.Adam(table.parameters(), lr=1e-3)
+    for ids in _batches(5):
+        table(ids).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    order: VictimOrder = table._victim_order
+    assert order._current(table)
+    table.resize(2 * C)
+    assert not order._current(table)  # new slot arrays: the next choice ranks them
+    victims = order.choose(table, 10, [torch.zeros(0, dtype=torch.int64)])
+    assert victims is not None and bool((table.slot_to_block[victims] < 0).all())  # free first
