@@ -23,14 +23,11 @@ def _lr(k: int) -> float:
     return 1e-3 * 0.995**k  # a schedule: every step's own learning rate matters
 
 
-@pytest.mark.parametrize(
-    ("amsgrad", "betas"),
-    [(False, (0.9, 0.999)), (True, (0.9, 0.999)), (False, (0.5, 0.0)), (False, (0.0, 0.99))],
-)
-def test_adam_catch_up_equals_the_missed_steps_replayed(
-    amsgrad: bool, betas: tuple[float, float]
-) -> None:
-    """Betas of 0 included: ``beta2 = 0`` divided by zero when the rule was made."""
+CASES = [(False, (0.9, 0.999)), (True, (0.9, 0.999)), (False, (0.5, 0.0)), (False, (0.0, 0.99))]
+
+
+def _case(amsgrad: bool, betas: tuple[float, float], dtype: torch.dtype) -> tuple:
+    """A rule after ``T`` steps and rows ``(p, state, s)`` of ``dtype`` to catch up to ``T``."""
     gen = torch.Generator().manual_seed(0)
     rows, dim = 5000, 64
     assert rows * dim * 8 > _CHUNK_ELEMENTS  # several pieces
@@ -52,13 +49,14 @@ def test_adam_catch_up_equals_the_missed_steps_replayed(
     s[:100] = 0  # beyond the 286-step window
     s[100:110] = 1  # the bias correction spreads their scales beyond the series' reach
     m[110:120] = 0  # no first moment, among rows that have one
+    p = p.to(dtype)
+    return rule, group, p, {k: v.to(dtype) for k, v in state.items()}, s
 
-    got_p = p.clone()
-    got = {k: v.clone() for k, v in state.items()}
-    rule.catch_up(got_p, got, s, T)
 
-    want_p = p.clone()
-    want = {k: v.clone() for k, v in state.items()}
+def _replayed(group: dict, p: torch.Tensor, state: dict, s: torch.Tensor) -> tuple:
+    """The rows stepped with a zero gradient at every step they missed, in float64."""
+    want_p = p.to(torch.float64, copy=True)
+    want = {k: v.to(torch.float64, copy=True) for k, v in state.items()}
     for k in range(1, T + 1):
         idx = (s < k).nonzero().reshape(-1)
         if idx.numel() == 0:
@@ -69,8 +67,41 @@ def test_adam_catch_up_equals_the_missed_steps_replayed(
         want_p[idx] = sub_p
         for key, val in sub.items():
             want[key][idx] = val
+    return want_p, want
+
+
+@pytest.mark.parametrize(("amsgrad", "betas"), CASES)
+def test_adam_catch_up_equals_the_missed_steps_replayed(
+    amsgrad: bool, betas: tuple[float, float]
+) -> None:
+    """Betas of 0 included: ``beta2 = 0`` divided by zero when the rule was made."""
+    rule, group, p, state, s = _case(amsgrad, betas, torch.float64)
+    got_p = p.clone()
+    got = {k: v.clone() for k, v in state.items()}
+    rule.catch_up(got_p, got, s, T)
+    want_p, want = _replayed(group, p, state, s)
     moved = want_p - p
     err = (got_p - want_p).abs().max() / moved.abs().max().clamp(min=1e-300)  # beta1 = 0: none
     assert float(err) <= 1e-12
     for key in state:
         assert torch.allclose(got[key], want[key], rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize(("amsgrad", "betas"), CASES)
+def test_float32_rows_are_caught_up_to_their_own_rounding(
+    amsgrad: bool, betas: tuple[float, float]
+) -> None:
+    """Float32 rows are caught up in float32: each within one float32 rounding of the value
+    (half an ulp) plus 1e-6 of how far the missed steps move it."""
+    rule, group, p, state, s = _case(amsgrad, betas, torch.float32)
+    got_p = p.clone()
+    got = {k: v.clone() for k, v in state.items()}
+    rule.catch_up_rows(got_p, got, s, T)
+    assert got_p.dtype == torch.float32
+    want_p, want = _replayed(group, p, state, s)
+    moved = (want_p - p.double()).abs()
+    allowed = want_p.abs() * 2.0**-24 + 1e-6 * moved
+    assert bool(((got_p.double() - want_p).abs() <= allowed).all())
+    for key in state:
+        tiny = torch.finfo(torch.float32).tiny  # below it float32 keeps fewer digits (beta 0.5)
+        assert torch.allclose(got[key].double(), want[key], rtol=1e-6, atol=tiny)

@@ -70,7 +70,8 @@ sqrt(v)``; its moments depend on a row only through the step it is at, so they a
 per distinct step, and a row takes as many terms as its own missed steps need (about 8 for 20
 missed steps after 300, 20 for 286; ``O(steps x missed x K + rows x dim x K)``, ``steps`` the
 distinct steps among the rows caught up); rows from the first steps, whose bias corrections
-spread the scales too far for 48 terms, are summed term by term.
+spread the scales beyond the series' cap (35 terms in float64, 16 in float32), are summed term
+by term. A float32 table is caught up in float32, a float64 one in float64.
 
 The optimizer is found through a global optimizer step pre-hook on its first step, or given with
 :meth:`attach`. Checkpoints: ``state_dict()`` holds the full caught-up ``weight`` ``(N, D)`` (an

@@ -15,8 +15,14 @@ _TRUNCATION = 1e-13  # relative size of the first neglected Adam catch-up term
 
 _CHUNK_ELEMENTS = 1 << 21  # float64 elements per catch-up chunk (16 MiB)
 _CACHE_ELEMENTS = 1 << 17  # float64 elements per piece of a pass that stays in cache (1 MiB)
-_MAX_TERMS = 48  # series terms at most; groups spread wider take the exact form
+_MAX_SPREAD = 0.35  # series terms at most: those a spread of 0.35 needs (float64 35, float32 16)
 _TERM_BLOCK = 8  # series moments computed between two checks of which groups need more
+
+
+def _window_rows(values: torch.Tensor, first: torch.Tensor, width: int) -> torch.Tensor:
+    """``values[first[:, None] + arange(width)]`` ``(u, width)`` (``first + width <=
+    len(values)``): whole rows of a sliding view, cheaper than a gather of every element."""
+    return values.unfold(0, width, 1).index_select(0, first)
 
 
 # ----------------------------------------------------------------------------- optimizer rules
@@ -121,9 +127,14 @@ class _Rule:
         self._lr[self.n] = lr
         self.n += 1
 
-    def lr_of(self, k: torch.Tensor) -> torch.Tensor:
-        """Learning rates of absolute steps ``k`` (int64 tensor, each in ``(base_step, t]``)."""
-        return self._lr[(k - self.base_step - 1).clamp(0, max(self.n - 1, 0))]
+    def lr_windows(self, s: torch.Tensor, width: int) -> torch.Tensor:
+        """Learning rates ``(u, width)`` of absolute steps ``s + 1 ... s + width`` for steps ``s``
+        ``(u,)`` (int64, each in ``[base_step, t)``), 0 for steps after ``t``."""
+        first = s - self.base_step
+        end = int(first.max()) + width
+        if end > self._lr.numel():  # steps not taken yet: the table's zeros
+            self._lr = torch.cat([self._lr, self._lr.new_zeros(end)])
+        return _window_rows(self._lr, first, width)
 
     def catch_up(
         self, p: torch.Tensor, state: dict[str, torch.Tensor], s: torch.Tensor, t: int
@@ -218,19 +229,22 @@ class _AdamRule(_Rule):
         while any(1 - b**self._saturated != 1.0 for b in (self.beta1, self.beta2)):
             self._saturated *= 2
 
-    def _bias_corrections(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``1 - beta1^k`` and ``1 - beta2^k`` for absolute steps ``k`` (int64, any shape), as
-        the fused step computes them (Python floats), from a table grown as steps pass; both are
-        exactly 1.0 from step :attr:`_saturated` on (``beta^k`` below half an ulp of 1), so the
-        table stops there (36,000 entries for ``beta2 = 0.999``)."""
-        k = k.clamp(max=self._saturated)
-        top = int(k.max()) if k.numel() else 0
+    def _bias_corrections(self, s: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``1 - beta1^k`` and ``1 - beta2^k`` ``(u, width)`` for absolute steps ``k = s + 1 ... s
+        + width`` (``s`` ``(u,)`` int64), as the fused step computes them (Python floats), from a
+        table grown as steps pass; both are exactly 1.0 from step :attr:`_saturated` on
+        (``beta^k`` below half an ulp of 1), so the table stops there (36,000 entries for
+        ``beta2 = 0.999``)."""
+        top = min(int(s.max()) + width, self._saturated)
         if top >= self._bc.shape[1]:
             n = min(max(2 * self._bc.shape[1], top + 1, 256), self._saturated + 1)
             self._bc = torch.tensor(
                 [[1 - self.beta1**i for i in range(n)], [1 - self.beta2**i for i in range(n)]],
                 dtype=torch.float64,
             )
+        if int(s.max()) + width < self._bc.shape[1]:  # rows of a sliding view
+            return _window_rows(self._bc[0], s + 1, width), _window_rows(self._bc[1], s + 1, width)
+        k = (s[:, None] + torch.arange(1, width + 1)).clamp(max=self._saturated)
         return self._bc[0][k], self._bc[1][k]
 
     def record(self, lr: float) -> None:
@@ -280,10 +294,9 @@ class _AdamRule(_Rule):
         us, inv = torch.unique_consecutive(s, return_inverse=True)
         un = (t - us).clamp(max=self.window)
         j = torch.arange(1, width + 1, dtype=torch.int64)
-        k = us[:, None] + j[None, :]  # (u, J) absolute step numbers
-        valid = j[None, :] <= un[:, None]
-        lr = torch.where(valid, self.lr_of(k), 0.0)
-        bc1, bc2 = self._bias_corrections(k)
+        valid = j[None, :] <= un[:, None]  # (u, J): the rows' missed steps (lr 0 after t)
+        lr = self.lr_windows(us, width)
+        bc1, bc2 = self._bias_corrections(us, width)
         jf = j.double()[None, :]
         dev = p.device
         if self.wd:
@@ -315,10 +328,10 @@ class _AdamRule(_Rule):
         which: torch.Tensor,
         denom: torch.Tensor,
     ) -> torch.Tensor:
-        """``sum_j coef_j / (sqrt(denom) * scale_j + eps)`` ``(R, D)`` float64 for rows whose
-        coefficients are row ``which`` ``(R,)`` (non-decreasing: the groups oldest first) of
-        ``coef`` and ``scale`` ``(u, J)`` (one row per distinct step, ``valid`` in its missed
-        steps; the scales fall along a row, the coefficients are positive).
+        """``sum_j coef_j / (sqrt(denom) * scale_j + eps)`` ``(R, D)`` (``denom``'s dtype) for
+        rows whose coefficients are row ``which`` ``(R,)`` (non-decreasing: the groups oldest
+        first) of ``coef`` and ``scale`` ``(u, J)`` float64 (one row per distinct step, ``valid``
+        in its missed steps; the scales fall along a row, the coefficients are positive).
 
         With ``c`` a group's largest scale and ``delta_j = scale_j / c - 1`` in ``(-1, 0]``, each
         term is ``coef_j / (a (1 + delta_j y))`` for ``a = root c + eps`` and ``y = root c / a``
@@ -326,10 +339,11 @@ class _AdamRule(_Rule):
         coef_j delta_j^n`` per group: a series that converges for every ``root``. After ``K``
         terms the rest is below ``rho |M_K| / M_0`` of the sum (``rho``: the group's largest
         over smallest scale), cut at half the dtype's epsilon; the heavy first terms have ``delta``
-        near 0, so a row that missed 20 steps after 300 needs about 8 terms and one that missed
-        286 about 20. Term ``n`` runs over the rows whose group needs it, a prefix of the rows
-        oldest first: ``O(u J K + sum over rows of K D)``. Groups still above the cut after
-        :data:`_MAX_TERMS` terms (rows caught up from the first steps, where the bias
+        near 0, so in float64 a row that missed 20 steps after 300 needs about 8 terms and one
+        that missed 286 about 20 (float32: 93 % of a 1 M-row benchmark step's rows need at most
+        8). Term ``n`` runs over the rows whose group needs it, a prefix of the rows oldest
+        first: ``O(u J K + sum over rows of K D)``. Groups still above the cut after the terms a
+        spread of :data:`_MAX_SPREAD` needs (rows caught up from the first steps, where the bias
         correction changes fast) take the exact form, ``O(J D)`` a row.
         """
         first = int(which[0])
@@ -341,29 +355,30 @@ class _AdamRule(_Rule):
         ratio = torch.where(used.any(dim=1) & (s_min > 0), s_max / s_min, 1.0)
         delta = torch.where(used & (s_max[:, None] > 0), scale / s_max[:, None] - 1, 0.0)
         tail = torch.finfo(denom.dtype).eps / 2  # float64: 1.1e-16, float32: 6e-8
+        max_terms = math.ceil(math.log(tail) / math.log(_MAX_SPREAD))
         bound = coef.sum(dim=1) * (tail / ratio)  # |M_n| at most this: n terms do
         unsure = (coef < 0).any(dim=1)  # the bound needs positive terms: exact form
         groups = coef.shape[0]
-        moments = coef.new_zeros(_MAX_TERMS, groups)  # moment n of every group: row n
+        moments = coef.new_zeros(max_terms, groups)  # moment n of every group: row n
         w = coef.clone()
         active = groups  # groups [0, active) hold one not yet within the bound
-        for n0 in range(0, _MAX_TERMS, _TERM_BLOCK):  # blocks of terms, then one check
+        for n0 in range(0, max_terms, _TERM_BLOCK):  # blocks of terms, then one check
             wa, da, ma = w[:active], delta[:active], moments[:, :active]
-            for n in range(n0, n0 + _TERM_BLOCK):
+            for n in range(n0, min(n0 + _TERM_BLOCK, max_terms)):
                 torch.sum(wa, dim=1, out=ma[n])
                 wa.mul_(da)
-            left = ((ma[n0 + _TERM_BLOCK - 1].abs() > bound[:active]) | unsure[:active]).nonzero()
+            left = ((ma[n].abs() > bound[:active]) | unsure[:active]).nonzero()
             active = int(left[-1]) + 1 if left.numel() else 0
             if active == 0:
                 break
         # terms a group needs: the first n whose moment is within the bound (moments fall)
         within = (moments.abs() <= bound) & ~unsure
-        terms = torch.where(within.any(dim=0), within.int().argmax(dim=0), _MAX_TERMS + 1)
+        terms = torch.where(within.any(dim=0), within.int().argmax(dim=0), max_terms + 1)
         # a group takes at least the terms of every younger one: term n runs over a prefix
         terms = torch.flip(torch.cummax(torch.flip(terms, [0]), 0).values, [0])
         root = denom.sqrt()
         out = torch.empty_like(root)
-        exact = int((terms > _MAX_TERMS).sum())
+        exact = int((terms > max_terms).sum())
         split = int(torch.searchsorted(which, exact))  # rows of the exact groups come first
         if split:
             out[:split] = self._exact_sums(coef, scale, root[:split], which[:split])
