@@ -294,12 +294,12 @@ class _AdamRule(_Rule):
         us, inv = torch.unique_consecutive(s, return_inverse=True)
         un = (t - us).clamp(max=self.window)
         j = torch.arange(1, width + 1, dtype=torch.int64)
-        valid = j[None, :] <= un[:, None]  # (u, J): the rows' missed steps (lr 0 after t)
-        lr = self.lr_windows(us, width)
+        lr = self.lr_windows(us, width)  # (u, J): 0 after step t, past a row's missed steps
         bc1, bc2 = self._bias_corrections(us, width)
         jf = j.double()[None, :]
         dev = p.device
         if self.wd:
+            valid = j[None, :] <= un[:, None]  # the rows' missed steps
             decay = torch.where(valid, 1 - lr * self.wd, 1.0)  # per missed step in the window
             incl = torch.flip(torch.cumprod(torch.flip(decay, [1]), 1), [1])
             after = torch.ones_like(incl)
@@ -312,7 +312,7 @@ class _AdamRule(_Rule):
         scale = 1 / root_bc2 if self.amsgrad else self.beta2 ** (jf / 2) / root_bc2
         if lead < rows:
             denom = state["max_exp_avg_sq"] if self.amsgrad else v
-            sums = self._term_sums(coef, scale.expand(coef.shape), valid, inv[lead:], denom[lead:])
+            sums = self._term_sums(coef, scale.expand(coef.shape), un, inv[lead:], denom[lead:])
             if self.eps == 0:  # 0 / 0 where a row has no moment: it moves by nothing
                 sums.masked_fill_(~moving[lead:, None].to(dev), 0.0)
             p[lead:].sub_(m[lead:] * sums)
@@ -324,14 +324,15 @@ class _AdamRule(_Rule):
         self,
         coef: torch.Tensor,
         scale: torch.Tensor,
-        valid: torch.Tensor,
+        widths: torch.Tensor,
         which: torch.Tensor,
         denom: torch.Tensor,
     ) -> torch.Tensor:
         """``sum_j coef_j / (sqrt(denom) * scale_j + eps)`` ``(R, D)`` (``denom``'s dtype) for
         rows whose coefficients are row ``which`` ``(R,)`` (non-decreasing: the groups oldest
-        first) of ``coef`` and ``scale`` ``(u, J)`` float64 (one row per distinct step, ``valid``
-        in its missed steps; the scales fall along a row, the coefficients are positive).
+        first) of ``coef`` and ``scale`` ``(u, J)`` float64 (one row per distinct step, its first
+        ``widths`` ``(u,)`` columns its missed steps, coefficients 0 after them; the scales fall
+        along a row, the coefficients are positive).
 
         With ``c`` a group's largest scale and ``delta_j = scale_j / c - 1`` in ``(-1, 0]``, each
         term is ``coef_j / (a (1 + delta_j y))`` for ``a = root c + eps`` and ``y = root c / a``
@@ -347,13 +348,12 @@ class _AdamRule(_Rule):
         correction changes fast) take the exact form, ``O(J D)`` a row.
         """
         first = int(which[0])
-        coef, scale, valid = coef[first:], scale[first:], valid[first:]
+        coef, scale, widths = coef[first:], scale[first:], widths[first:]
         which = which - first
-        used = valid & (coef > 0)
-        s_max = scale.masked_fill(~used, 0.0).amax(dim=1)
-        s_min = scale.masked_fill(~used, math.inf).amin(dim=1)
-        ratio = torch.where(used.any(dim=1) & (s_min > 0), s_max / s_min, 1.0)
-        delta = torch.where(used & (s_max[:, None] > 0), scale / s_max[:, None] - 1, 0.0)
+        # the scales fall along a row: its first and its last missed step hold the extremes
+        s_max, s_min = scale[:, 0], scale.gather(1, (widths - 1)[:, None])[:, 0]
+        ratio = torch.where(s_min > 0, s_max / s_min, 1.0)
+        delta = torch.where(s_max[:, None] > 0, scale / s_max[:, None] - 1, 0.0)
         tail = torch.finfo(denom.dtype).eps / 2  # float64: 1.1e-16, float32: 6e-8
         max_terms = math.ceil(math.log(tail) / math.log(_MAX_SPREAD))
         bound = coef.sum(dim=1) * (tail / ratio)  # |M_n| at most this: n terms do
