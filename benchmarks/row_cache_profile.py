@@ -1,13 +1,17 @@
 """Where the row cache's Adam step spends its time (issue 23): table 8's setup, profiled.
 
-    python benchmarks/row_cache_profile.py [--rows 1000000] [--warmup 300] [--steps 10]
+    python benchmarks/row_cache_profile.py [--rows 1000000] [--cache-rows 100000] [--warmup 300]
+        [--steps 10] [--ops] [--eviction]
 
 ``nn.Embedding(sparse=True)`` + ``SparseAdam`` and ``CachedEmbedding`` + ``Adam`` (100,000-row
 cache, batch 4096 Zipf(1.05) ids, dim 64: ``benchmarks/row_cache.py``'s table 8) step the same
 batches alternately after ``--warmup`` steps of the cache; the cached steps run under cProfile.
 Prints the median step of each, their ratio, and milliseconds per step of the cache's parts
 (cumulative: a part includes the parts it calls); ``--ops`` adds torch.profiler's table of the
-operators of ``--steps`` more cached steps (self CPU time, largest first).
+operators of ``--steps`` more cached steps (self CPU time, largest first); ``--eviction`` times,
+at every eviction of ``--steps`` more cached steps, the victim choice both ways on the same state:
+one ``topk`` over every slot (``_evict_full``) and the kept order (``VictimOrder.choose``, its
+refreshes included), medians and the order's mean.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import cProfile
 import pstats
 import statistics
 import time
+from typing import Any
 
 import torch
 from row_cache import DIM, _zipf_batch
@@ -55,13 +60,15 @@ def main() -> None:
     parser.add_argument("--rows", type=scripting.positive_int, default=1_000_000, help="table rows")
     parser.add_argument("--warmup", type=_warmup_steps, default=300, help="warm-up steps")
     parser.add_argument("--steps", type=scripting.positive_int, default=10, help="profiled steps")
+    parser.add_argument("--cache-rows", type=scripting.positive_int, default=100_000, help="cache")
     parser.add_argument("--ops", action="store_true", help="also torch.profiler's operators")
+    parser.add_argument("--eviction", action="store_true", help="also time the victim choice")
     args = parser.parse_args()
     torch.manual_seed(0)
     sparse = nn.Embedding(args.rows, DIM, sparse=True)
     sparse_opt = torch.optim.SparseAdam(sparse.parameters(), lr=1e-3)
     weight = sparse.weight.detach().clone()
-    cached = CachedEmbedding(args.rows, DIM, 100_000, _weight=weight)
+    cached = CachedEmbedding(args.rows, DIM, args.cache_rows, _weight=weight)
     cached_opt = torch.optim.Adam(cached.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(0)
 
@@ -98,6 +105,44 @@ def main() -> None:
             for _ in range(args.steps):
                 step(cached, cached_opt, _zipf_batch(args.rows, 4096, gen))
         print(ops.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+    if args.eviction:
+        _time_eviction(cached, cached_opt, args, gen)
+
+
+def _time_eviction(
+    cached: CachedEmbedding, opt: torch.optim.Optimizer, args: argparse.Namespace, gen: Any
+) -> None:
+    """Time both victim choices at every eviction of ``args.steps`` steps (the same state)."""
+    full_s: list[float] = []
+    order_s: list[float] = []
+    needs: list[int] = []
+    evict = cached._evict
+
+    def timed(count: int, keep: torch.Tensor) -> torch.Tensor:
+        limits, inside = cached._eviction_limits(keep)
+        t0 = time.perf_counter()
+        cached._evict_full(count, limits)
+        t1 = time.perf_counter()
+        cached._victim_order.choose(cached, count, limits, inside)
+        full_s.append(t1 - t0)
+        order_s.append(time.perf_counter() - t1)
+        needs.append(count)
+        return evict(count, keep)
+
+    cached._evict = timed  # type: ignore[method-assign]
+    for _ in range(args.steps):
+        cached(_zipf_batch(args.rows, 4096, gen)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    cached._evict = evict  # type: ignore[method-assign]
+    used = int((cached.slot_to_block >= 0).sum())
+    print(
+        f"\nvictim choice, {len(needs)} evictions of {statistics.median(needs):.0f} slots "
+        f"(median), cache {cached.cache_rows:,} rows ({used:,} used): one topk over every slot "
+        f"{statistics.median(full_s) * 1e3:.3f} ms, victim order "
+        f"{statistics.median(order_s) * 1e3:.3f} ms (mean {statistics.mean(order_s) * 1e3:.3f} "
+        f"ms, its refreshes included)"
+    )
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ def _batches(steps: int, batch: int = 256) -> list[torch.Tensor]:
 @pytest.mark.parametrize(("policy", "ahead"), [("lfu", 0), ("lru", 0), ("lfu", 4)])
 def test_victims_are_the_lowest_scores_of_every_slot(policy: str, ahead: int) -> None:
     table = CachedEmbedding(N, D, C, policy=policy)
+    table._victim_order_min_slots = 0  # the order at any size (a real cache keeps it from 2^17)
     opt = torch.optim.Adam(table.parameters(), lr=1e-3)
     evict = table._evict
     compared = refreshes = 0
@@ -61,16 +62,23 @@ def test_victims_are_the_lowest_scores_of_every_slot(policy: str, ahead: int) ->
     assert refreshes <= compared // 4
 
 
-def test_a_resized_cache_is_ranked_again() -> None:
-    table = CachedEmbedding(N, D, C)
-    opt = torch.optim.Adam(table.parameters(), lr=1e-3)
-    for ids in _batches(5):
-        table(ids).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-    order: VictimOrder = table._victim_order
-    assert order._current(table)
+def test_large_caches_keep_the_order_small_ones_pass_over_every_slot() -> None:
+    """From 2^17 slots on the order is kept (ranked at the first eviction, then ranked again
+    after a resize, which makes new slot arrays); a smaller cache never ranks."""
+    rows = 400_000
+    gen = torch.Generator().manual_seed(3)
+    for slots, batch, kept in ((1 << 17, 60_000, True), (C, 1_500, False)):
+        table = CachedEmbedding(rows, 1, slots)
+        assert table._victim_order_min_slots == 1 << 17
+        with torch.no_grad():
+            for _ in range(3):
+                table(torch.randint(0, rows, (batch,), generator=gen))
+        assert table.stats().evicted > 0
+        order: VictimOrder = table._victim_order
+        assert order._current(table) is kept
+    assert table.cache_rows == C
     table.resize(2 * C)
+    table._victim_order_min_slots = 0
     assert not order._current(table)  # new slot arrays: the next choice ranks them
     victims = order.choose(table, 10, [torch.zeros(0, dtype=torch.int64)])
     assert victims is not None and bool((table.slot_to_block[victims] < 0).all())  # free first

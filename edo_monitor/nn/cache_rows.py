@@ -21,6 +21,11 @@ class _RowMovement:
     """Rows in and out of the row cache: ids remapped to slots, misses loaded (one gathered copy, a
     side"""
 
+    #: caches of fewer slots choose victims by one pass over every slot, cheaper there than
+    #: keeping the order (side by side, batch 4096: the order 1.11x the pass's step at 10,000
+    #: slots, 1.02x at 100,000, 0.79x at 1,000,000; docs/benchmarks.md)
+    _victim_order_min_slots = 1 << 17
+
     def _pin_slots(self, slots: torch.Tensor) -> None:
         """Pin ``slots`` (their gradient is pending) until the next optimizer step."""
         self.slot_pinned[slots] = True
@@ -166,14 +171,17 @@ class _RowMovement:
         use; with a look-ahead, rows used inside its window after every other row, the furthest
         next use first) among the slots neither in ``keep`` (slot indices), pinned, holding a
         gradient nor needed by the look-ahead's running or prefetched batch. Found by the
-        table's :class:`~edo_monitor.nn.victims.VictimOrder` at the batch's cost; when the rows
+        table's :class:`~edo_monitor.nn.victims.VictimOrder` at the batch's cost in a cache of
+        :attr:`_victim_order_min_slots` slots or more; in a smaller one, or when the rows
         outside the window are too few, by one vectorized ``topk`` over all ``C`` slots.
 
         Raises:
             _CacheFullError: fewer free or evictable slots than ``count``.
         """
         keep_slots, inside = self._eviction_limits(keep)
-        slots = self._victim_order.choose(self, count, keep_slots, inside)
+        slots = None
+        if self.slot_to_block.numel() >= self._victim_order_min_slots:
+            slots = self._victim_order.choose(self, count, keep_slots, inside)
         if slots is None:
             slots = self._evict_full(count, keep_slots)
         victims = slots[self.slot_to_block[slots] >= 0]
