@@ -23,9 +23,10 @@ and, for each :class:`~edo_monitor.nn.cached.CachedTable` it serves:
 Cost of the eviction decision per step: ``O(K x U)`` to index the window (``U`` unique ids per
 batch, ``K = ahead``; vectorized, one ``scatter_reduce`` into a persistent per-block array, reset
 in the same ``O(K x U)``), ``O(U)`` for the protected set, and the victim choice of the cache
-(:class:`~edo_monitor.nn.victims.VictimOrder`): ``O(U + need log need)`` amortized, the rows
-inside the window left out of it; only when the rows outside the window are too few does one
-``topk`` over every slot (``O(C)``) rank the window's rows by next use.
+(:class:`~edo_monitor.nn.victims.VictimOrder` from 2^17 slots on): ``O(U + need log need)``
+amortized, the rows inside the window left out of it; in smaller caches, and when the rows
+outside the window are too few, one ``topk`` over every slot (``O(C)``) ranks every row, the
+window's by next use.
 
 Without the wrapper the cache works as before (its LFU or LRU policy).
 """
