@@ -388,8 +388,9 @@ class _AdamRule(_Rule):
         k_terms = int(terms[exact]) if exact < groups else 0
         # rows that take term n: those of the groups with more than n terms
         rows_with = torch.searchsorted(which, (terms > torch.arange(k_terms)[:, None]).sum(1))
-        mom = moments[:k_terms].index_select(1, which).to(root.dtype)[:, :, None]  # (K, R, 1)
-        b = root * s_max.index_select(0, which).to(root.dtype)[:, None]  # root * c
+        dev, dtype = root.device, root.dtype  # the tables are the host's, float64
+        mom = moments[:k_terms].index_select(1, which).to(dev, dtype)[:, :, None]  # (K, R, 1)
+        b = root * s_max.index_select(0, which).to(dev, dtype)[:, None]  # root * c
         a = b + self.eps
         neg_y = b.div_(a).neg_()
         acc = torch.zeros_like(root)
@@ -408,7 +409,8 @@ class _AdamRule(_Rule):
         """``sum_j coef_j / (root * scale_j + eps)`` term by term for rows ``root`` ``(r, D)`` of
         groups ``which`` ``(r,)``, in pieces of :data:`_CACHE_ELEMENTS` ``(rows, D, J)``."""
         out = torch.empty_like(root)
-        coef, scale = coef.to(root.dtype), scale.to(root.dtype)
+        coef, scale = coef.to(root.device, root.dtype), scale.to(root.device, root.dtype)
+        which = which.to(root.device)
         dim, cols = root.shape[1], coef.shape[1]
         piece = max(1, _CACHE_ELEMENTS // (dim * cols))
         for a in range(0, root.shape[0], piece):
