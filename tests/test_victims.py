@@ -16,16 +16,23 @@ from edo_monitor.nn.victims import VictimOrder, slot_scores
 N, D, C = 40_000, 4, 4_000
 
 
-def _batches(steps: int, batch: int = 256) -> list[torch.Tensor]:
+def _batches(steps: int, batch: int = 256, rows: int = N) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
-    probs = 1.0 / torch.arange(1, N + 1, dtype=torch.float64) ** 1.05
-    order = torch.randperm(N, generator=torch.Generator().manual_seed(7))
+    probs = 1.0 / torch.arange(1, rows + 1, dtype=torch.float64) ** 1.05
+    order = torch.randperm(rows, generator=torch.Generator().manual_seed(7))
     return [order[torch.multinomial(probs, batch, True, generator=gen)] for _ in range(steps)]
 
 
-@pytest.mark.parametrize(("policy", "ahead"), [("lfu", 0), ("lru", 0), ("lfu", 4)])
-def test_victims_are_the_lowest_scores_of_every_slot(policy: str, ahead: int) -> None:
-    table = CachedEmbedding(N, D, C, policy=policy)
+@pytest.mark.parametrize(
+    ("policy", "ahead", "rows", "batch"),
+    [("lfu", 0, N, 256), ("lru", 0, N, 256), ("lfu", 4, N, 256), ("lfu", 0, 2 * C, 1024)],
+)
+def test_victims_are_the_lowest_scores_of_every_slot(
+    policy: str, ahead: int, rows: int, batch: int
+) -> None:
+    """``rows = 2 C``: half the table cached, so the ranked slots have been used several times
+    and a use of one of them can leave it below the ranking's threshold."""
+    table = CachedEmbedding(rows, D, C, policy=policy)
     table._victim_order_min_slots = 0  # the order at any size (a real cache keeps it from 2^17)
     opt = torch.optim.Adam(table.parameters(), lr=1e-3)
     evict = table._evict
@@ -51,7 +58,7 @@ def test_victims_are_the_lowest_scores_of_every_slot(policy: str, ahead: int) ->
 
     table._evict = checked  # type: ignore[method-assign]
     table._victim_order.refresh = counted_refresh  # type: ignore[method-assign]
-    batches = _batches(120)
+    batches = _batches(120, batch, rows)
     loader = LookAhead(batches, ahead=ahead, tables=table) if ahead else batches
     for ids in loader:
         table(ids).pow(2).mean().backward()

@@ -189,7 +189,7 @@ class _RowMovement:
             self._write_back(victims)
             self.block_to_slot[self.slot_to_block[victims]] = -1
             self.slot_to_block[victims] = -1
-            self._victim_order.changed(self, victims)
+            self._victim_order.changed(self, victims, "freed")
             self._count(evicted=int(victims.numel()))
         return slots
 
@@ -307,7 +307,7 @@ class _RowMovement:
         self.block_freq[uniq] += 1
         self.slot_freq[slots] = self.block_freq[uniq]
         self.slot_last_use[slots] = self._tick
-        self._victim_order.changed(self, slots)
+        self._victim_order.changed(self, slots, "used")
         if torch.is_grad_enabled() and self.weight.requires_grad:
             self._pin_slots(slots)  # its gradient is pending until the optimizer step
         if r == 1:

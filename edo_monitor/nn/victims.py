@@ -11,6 +11,7 @@ __all__ = ["VictimOrder"]
 
 _FREE = -1  # the score of a free slot: taken before any victim
 _LAST_USE_BITS = 32  # LFU scores are (count << 32) + last use
+_NEVER_LISTED = torch.iinfo(torch.int64).max  # theta when every slot is ranked
 
 
 def slot_scores(table: Any, slots: torch.Tensor) -> torch.Tensor:
@@ -76,7 +77,7 @@ class VictimOrder:
             self._theta = int(top.values[-1])
             self._ranked, self._ranked_score = top.indices[:-1], top.values[:-1]
         else:
-            self._theta = torch.iinfo(torch.int64).max
+            self._theta = _NEVER_LISTED
             self._ranked_score, self._ranked = torch.sort(scores, stable=True)
         self._head = 0
         self._marked = torch.zeros(count, dtype=torch.bool)
@@ -84,12 +85,21 @@ class VictimOrder:
         self._listed, self._listed_count = [], 0
         self._arrays = (table.slot_to_block, table.slot_freq, table.slot_last_use)
 
-    def changed(self, table: Any, slots: torch.Tensor) -> None:
-        """``slots`` ``(S,)`` changed score (used, loaded or freed): ``O(S)``."""
+    def changed(self, table: Any, slots: torch.Tensor, how: str = "loaded") -> None:
+        """``slots`` ``(S,)`` changed score, ``how``: ``"used"`` by the forward now (stamped with
+        its number), ``"freed"`` or ``"loaded"``: ``O(S)``."""
         if not self._current(table) or slots.numel() == 0:
             return
         self._marked[slots] = True
-        low = slots[slot_scores(table, slots) < self._theta]  # freed slots: -1
+        if how == "freed":  # score -1
+            low = slots if self._theta > _FREE else slots[:0]
+        elif how == "used" and self._theta < _NEVER_LISTED:
+            # stamped with the newest forward, above every last use ranked: below theta only
+            # with fewer uses than theta's (LFU); never under LRU
+            fewer = table.slot_freq[slots] < (self._theta >> _LAST_USE_BITS)
+            low = slots[fewer] if table.policy == "lfu" else slots[:0]
+        else:
+            low = slots[slot_scores(table, slots) < self._theta]
         if low.numel():
             self._listed.append(low)
             self._listed_count += low.numel()
