@@ -41,76 +41,49 @@ Prints ten tables (each measured side by side in one run; ``--skip`` leaves tabl
    or for a batch at its own ``next()``) as % of lookups; ms per batch of the bookkeeping;
 10. device bytes per cache row, measured (the cache's weight and the optimizer's state of it over
     the cache rows) against ``(1 + optimizer state) x row``, and the touched rows' gradient.
+
+The streams and the hit-rate bounds are in ``row_cache_streams.py``, the step-time measurements
+(tables 2, 3, 7, 8) in ``row_cache_timing.py``; this file runs the tables and prints them.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import gc
-import heapq
-import itertools
 import logging
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from row_cache_streams import (
+    batch_for,
+    belady_hit_rates,
+    by_rank,
+    movielens_items,
+    static_bounds,
+    window_oracle_hit_rate,
+    zipf_stream,
+)
+from row_cache_timing import (
+    DIM,
+    _bag,
+    _cached,
+    _offloaded,
+    fixed_cache_scaling,
+    full_cache_overhead,
+    sparse_comparison,
+    step_time,
+)
 from torch import nn
 
-from edo_monitor.measure.frequency import LookupCounter
 from edo_monitor.nn import (
     CachedEmbedding,
-    CachedEmbeddingBag,
     CachedTable,
-    EmbeddingOptions,
     LookAhead,
-    OffloadedEmbedding,
 )
 
-DIM = 64
 VARIANTS = ("resident", "cached10", "cached", "offloaded")
-
-
-def movielens_items(data_dir: Path, time_order: bool = True) -> tuple[torch.Tensor, int]:
-    """Dense item ids of every rating in timestamp order (or the file's order: by user), and the
-    number of items."""
-    rows = []
-    with (data_dir / "ratings.csv").open(newline="") as f:
-        for r in csv.DictReader(f):
-            rows.append((int(r["timestamp"]), r["movieId"]))
-    if time_order:
-        rows.sort(key=lambda r: r[0])
-    ids: dict[str, int] = {}
-    seq = [ids.setdefault(m, len(ids)) for _, m in rows]
-    return torch.tensor(seq), len(ids)
-
-
-def zipf_stream(rows: int, count: int, seed: int = 0) -> torch.Tensor:
-    """``count`` ids in ``[0, rows)`` with P(id = k) ∝ (k + 1) ** -1.05, ids shuffled."""
-    gen = torch.Generator().manual_seed(seed)
-    probs = 1.0 / torch.arange(1, rows + 1, dtype=torch.float64) ** 1.05
-    ranks = torch.empty(count, dtype=torch.int64)
-    for start in range(0, count, 1 << 22):  # multinomial draws at most 2**24 samples a call
-        part = ranks[start : start + (1 << 22)]
-        part.copy_(torch.multinomial(probs, part.numel(), replacement=True, generator=gen))
-    return torch.randperm(rows, generator=gen)[ranks]  # hot ids spread over the table
-
-
-def by_rank(stream: torch.Tensor, rows: int) -> torch.Tensor:
-    """``stream`` with every id renumbered by its frequency rank in the stream (0 = most
-    frequent; ties by id): the hot rows become contiguous, the best case for chunked moves."""
-    counts = torch.bincount(stream, minlength=rows)
-    order = torch.sort(-counts, stable=True).indices
-    rank_of = torch.empty(rows, dtype=torch.int64)
-    rank_of[order] = torch.arange(rows)
-    return rank_of[stream]
-
-
-def batch_for(rows: int, fraction: float, max_batch: int) -> int:
-    """Ids per batch for a cache of ``fraction`` of ``rows``: at most half the cache."""
-    return max(16, min(max_batch, int(rows * fraction) // 2))
 
 
 def lookahead_rates(
@@ -224,303 +197,6 @@ def chunk_rates(stream: torch.Tensor, rows: int, max_batch: int) -> list[tuple]:
     return out
 
 
-# ----------------------------------------------------------------------------- upper bounds
-def _batch_uniques(stream: torch.Tensor, batch: int) -> tuple[torch.Tensor, ...]:
-    """Per batch its distinct ids: (batch index, id, count in the batch), each ``(M,)``, sorted by
-    batch then id, and the ``(batches + 1,)`` start of each batch in them."""
-    rows = int(stream.max()) + 1
-    key = (torch.arange(stream.numel()) // batch) * rows + stream
-    keys, counts = torch.unique(key, return_counts=True)
-    b_of, id_of = keys // rows, keys % rows
-    batches = -(-stream.numel() // batch)
-    starts = torch.searchsorted(b_of, torch.arange(batches + 1))
-    return b_of, id_of, counts, starts
-
-
-def _next_uses(b_of: torch.Tensor, id_of: torch.Tensor, never: int) -> torch.Tensor:
-    """For each (batch, id) of :func:`_batch_uniques`, the next batch using that id (``never``
-    when none does)."""
-    order = torch.sort(id_of, stable=True).indices  # by id, batches ascending within an id
-    nxt = torch.full_like(b_of, never)
-    same = id_of[order[1:]] == id_of[order[:-1]]
-    nxt[order[:-1][same]] = b_of[order[1:][same]]
-    return nxt
-
-
-def belady_hit_rates(stream: torch.Tensor, cache_rows: int, batch: int) -> tuple[float, float]:
-    """Hit rates (unique ids per batch, lookups) of Belady's eviction on ``stream`` in batches of
-    ``batch`` ids into a cache of ``cache_rows`` rows.
-
-    A batch's distinct ids must all be in the cache (as in :class:`CachedTable`); on misses the
-    rows evicted are those, outside the batch, whose next use is furthest ahead (never used again
-    first). With demand loading this is optimal for the unique-ids hit rate (the exchange argument
-    of Belady's MIN holds with a batch's rows protected); the lookup hit rate it reaches is that of
-    the same schedule (weighted by repeats, no bound of its own). Python loop: ~1 µs a row access.
-
-    Raises:
-        ValueError: a batch has more distinct ids than ``cache_rows``.
-    """
-    b_of, id_of, counts, starts = _batch_uniques(stream, batch)
-    never = int(b_of[-1]) + 1
-    nxt = _next_uses(b_of, id_of, never)
-    cached: dict[int, int] = {}  # id -> its next use (batch index)
-    heap: list[tuple[int, int]] = []  # (-next use, id); entries with another next use are stale
-    uniq_hits = lookup_hits = 0
-    bounds = starts.tolist()
-    for lo, hi in itertools.pairwise(bounds):
-        ids = id_of[lo:hi].tolist()
-        if len(ids) > cache_rows:
-            raise ValueError(f"a batch has {len(ids)} distinct ids; the cache holds {cache_rows}")
-        for i, nu, c in zip(ids, nxt[lo:hi].tolist(), counts[lo:hi].tolist(), strict=True):
-            if i in cached:
-                uniq_hits += 1
-                lookup_hits += c
-            cached[i] = nu
-            heapq.heappush(heap, (-nu, i))
-        excess = len(cached) - cache_rows
-        if excess > 0:
-            current, aside = set(ids), []
-            while excess:
-                neg, i = heapq.heappop(heap)
-                if cached.get(i) != -neg:
-                    continue
-                if i in current:  # needed now: kept
-                    aside.append((neg, i))
-                    continue
-                del cached[i]
-                excess -= 1
-            for entry in aside:
-                heapq.heappush(heap, entry)
-        if len(heap) > 4 * (cache_rows + batch):  # drop the stale entries
-            heap = [(-nu, i) for i, nu in cached.items()]
-            heapq.heapify(heap)
-    return uniq_hits / id_of.numel(), lookup_hits / stream.numel()
-
-
-def window_oracle_hit_rate(stream: torch.Tensor, cache_rows: int, batch: int, ahead: int) -> float:
-    """Unique-id hit rate of the best eviction that sees only ``ahead`` batches: inside the window
-    furthest next use first (as :class:`LookAhead`), beyond it the rows of lowest *true*
-    frequency first (batches each row is in over the whole stream: an oracle no online counter
-    can beat), the batch's rows kept, demand loading as in :func:`belady_hit_rates`. The ceiling
-    of any "window + frequency" policy with this window. Vectorized, ``O(C)`` a batch."""
-    b_of, id_of, _counts, starts = _batch_uniques(stream, batch)
-    rows = int(stream.max()) + 1
-    never = int(b_of[-1]) + 1 + ahead
-    nxt = _next_uses(b_of, id_of, never)
-    freq = torch.bincount(id_of, minlength=rows)
-    cached = torch.zeros(rows, dtype=torch.bool)
-    next_use = torch.full((rows,), never, dtype=torch.int64)
-    hits = held = 0
-    bounds = starts.tolist()
-    for b, (lo, hi) in enumerate(itertools.pairwise(bounds)):
-        ids = id_of[lo:hi]
-        present = cached[ids]
-        hits += int(present.sum())
-        held += int((~present).sum())
-        cached[ids] = True
-        next_use[ids] = nxt[lo:hi]
-        excess = held - cache_rows
-        if excess > 0:
-            cand = cached.nonzero().reshape(-1)
-            nu = next_use[cand]
-            # int64 scores: beyond the window by frequency, inside it above every frequency
-            score = torch.where(nu - b <= ahead, (1 << 40) - nu, freq[cand])
-            keep = torch.zeros(rows, dtype=torch.bool)
-            keep[ids] = True
-            score = score.masked_fill(keep[cand], 1 << 62)
-            cached[cand[torch.topk(score, excess, largest=False).indices]] = False
-            held = cache_rows
-    return hits / id_of.numel()
-
-
-def static_bounds(stream: torch.Tensor, cache_rows: int, batch: int) -> dict[str, float]:
-    """Shares a static cache of the ``cache_rows`` most frequent rows (in hindsight) would hit,
-    and the hit rates of a cache holding every row (only each row's first use misses).
-
-    Keys: ``static_lookups`` (share of all lookups going to the top rows by lookups),
-    ``static_unique`` (share of the batches' distinct ids going to the top rows by batches seen),
-    ``every_row_unique``, ``every_row_lookups``.
-    """
-    _, id_of, _, _ = _batch_uniques(stream, batch)
-    lookups = torch.bincount(stream)
-    per_batch = torch.bincount(id_of)
-    distinct = int((lookups > 0).sum())
-    k = min(cache_rows, lookups.numel())
-    return {
-        "static_lookups": float(torch.topk(lookups, k).values.sum()) / stream.numel(),
-        "static_unique": float(torch.topk(per_batch, k).values.sum()) / id_of.numel(),
-        "every_row_unique": 1 - distinct / id_of.numel(),
-        "every_row_lookups": 1 - distinct / stream.numel(),
-    }
-
-
-# ----------------------------------------------------------------------------- step time
-def _zipf_batch(rows: int, batch: int, gen: torch.Generator) -> torch.Tensor:
-    # zipf by rank, ranks scattered by a fixed hash so hot rows are not contiguous
-    u = torch.rand(batch, generator=gen, dtype=torch.float64)
-    ranks = torch.clamp((rows ** (1 - 1.05) - 1) * u + 1, min=1e-300) ** (1 / (1 - 1.05))
-    ranks = torch.clamp(ranks.long() - 1, 0, rows - 1)
-    return (ranks * 2_654_435_761) % rows
-
-
-def step_time(
-    make: Callable[[], nn.Module], rows: int, batch: int, steps: int, warmup: int = 2
-) -> tuple[float, float | None]:
-    """Median seconds of forward + backward + Adam step over ``steps`` steps after ``warmup``
-    steps, and the misses (unique rows loaded) per timed step of a cached table (else None)."""
-    module = make()
-    opt = torch.optim.Adam(module.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(0)
-    times = []
-    misses0 = 0
-    for i in range(warmup + steps):
-        if i == warmup and isinstance(module, CachedTable):
-            misses0 = module.stats().misses
-        ids = _zipf_batch(rows, batch, gen)
-        offsets = torch.arange(0, batch, 8)
-        t0 = time.perf_counter()
-        loss = module(ids, offsets).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    misses = None
-    if isinstance(module, CachedTable):
-        misses = (module.stats().misses - misses0) / steps
-    del module, opt
-    gc.collect()
-    return statistics.median(times), misses
-
-
-def _bag(rows: int) -> nn.EmbeddingBag:
-    torch.manual_seed(0)
-    return nn.EmbeddingBag(rows, DIM, mode="sum")
-
-
-def _offloaded(rows: int) -> nn.Module:
-    src = _bag(rows)
-    w = src.weight
-    OffloadedEmbedding.offload_parameter(w)
-    return OffloadedEmbedding(w, EmbeddingOptions.from_module(src), "cpu")
-
-
-def _cached(rows: int, cache_rows: int) -> nn.Module:
-    torch.manual_seed(0)
-    return CachedEmbeddingBag(rows, DIM, cache_rows, mode="sum")
-
-
-def fixed_cache_scaling(
-    sizes: list[int], cache_rows: int, batch: int, warmup: int, steps: int
-) -> list[dict[str, float]]:
-    """One cached table of ``cache_rows`` rows per size in ``sizes`` (all in memory at once),
-    stepped alternately (Adam; which goes first rotates) so load on the machine hits every size
-    alike. Each is stepped until its cache is full (no free slot) and ``warmup`` steps more (Adam's
-    catch-up window is 286 steps: rows coming back then have missed up to that many), then
-    ``steps`` timed rounds. Per size: ``rows``, ``median_s`` (whole step), ``fwd_s`` (forward:
-    the cache's bookkeeping and row moves), ``misses``, ``evicted`` (per timed step),
-    ``ratio`` (median over the smallest size's) and ``ratio_paired`` (median of the per-round
-    ratios to the smallest size)."""
-    tables, opts, gens = [], [], []
-    for rows in sizes:
-        tables.append(_cached(rows, min(rows, cache_rows)))
-        opts.append(torch.optim.Adam(tables[-1].parameters(), lr=1e-3))
-        gens.append(torch.Generator().manual_seed(0))
-    offsets = torch.arange(0, batch, 8)
-
-    def step(k: int) -> tuple[float, float]:
-        ids = _zipf_batch(sizes[k], batch, gens[k])
-        t0 = time.perf_counter()
-        out = tables[k](ids, offsets)
-        t1 = time.perf_counter()
-        out.pow(2).mean().backward()
-        opts[k].step()
-        opts[k].zero_grad()
-        return time.perf_counter() - t0, t1 - t0
-
-    for k, table in enumerate(tables):
-        while bool((table.slot_to_block < 0).any()):
-            step(k)
-    for _ in range(warmup):
-        for k in range(len(tables)):
-            step(k)
-    before = [t.stats() for t in tables]
-    times: list[list[tuple[float, float]]] = [[] for _ in tables]
-    for i in range(steps):
-        order = list(range(len(tables)))
-        order = order[i % len(order) :] + order[: i % len(order)]
-        for k in order:
-            times[k].append(step(k))
-    out = []
-    for k, rows in enumerate(sizes):
-        st = tables[k].stats()
-        out.append(
-            {
-                "rows": rows,
-                "median_s": statistics.median(t for t, _ in times[k]),
-                "fwd_s": statistics.median(f for _, f in times[k]),
-                "misses": (st.misses - before[k].misses) / steps,
-                "evicted": (st.evicted - before[k].evicted) / steps,
-            }
-        )
-    for k, res in enumerate(out):
-        res["ratio"] = res["median_s"] / out[0]["median_s"]
-        res["ratio_paired"] = statistics.median(
-            a / b for (a, _), (b, _) in zip(times[k], times[0], strict=True)
-        )
-    return out
-
-
-def full_cache_overhead(rows: int, batch: int, steps: int, counter: bool) -> dict[str, float]:
-    """A cache of every row (warm-started: 100 % hits) and a resident twin, stepped alternately
-    (Adam, the same batches; which goes first alternates too). Medians in seconds: ``{variant}``
-    (whole step), ``{variant}_fwd/_bwd/_step``; ``ratio`` (of the medians), ``ratio_paired``
-    (median of the per-step ratios), ``max_diff`` (max |cached - resident| after the run: 0 when
-    the cache does the same arithmetic)."""
-    resident = _bag(rows)
-    cached = CachedEmbeddingBag(
-        rows, DIM, rows, mode="sum", _weight=resident.weight.detach().clone(),
-        id_frequencies=torch.ones(rows, dtype=torch.int64),
-    )  # fmt: skip
-    modules = {"resident": resident, "cached": cached}
-    counters = []
-    if counter:
-        for m in modules.values():
-            counters.append(LookupCounter())
-            counters[-1].watch("table", m)
-    opts = {k: torch.optim.Adam(m.parameters(), lr=1e-3) for k, m in modules.items()}
-    gen = torch.Generator().manual_seed(0)
-    offsets = torch.arange(0, batch, 8)
-    parts: dict[str, list[tuple[float, float, float]]] = {k: [] for k in modules}
-    for i in range(steps + 3):
-        ids = _zipf_batch(rows, batch, gen)
-        names = list(modules) if i % 2 else list(reversed(modules))
-        for name in names:
-            t0 = time.perf_counter()
-            out = modules[name](ids, offsets)
-            t1 = time.perf_counter()
-            out.pow(2).mean().backward()
-            t2 = time.perf_counter()
-            opts[name].step()
-            opts[name].zero_grad()
-            t3 = time.perf_counter()
-            if i >= 3:
-                parts[name].append((t1 - t0, t2 - t1, t3 - t2))
-    res: dict[str, float] = {}
-    for name, p in parts.items():
-        res[name] = statistics.median(sum(x) for x in p)
-        for j, part in enumerate(("fwd", "bwd", "step")):
-            res[f"{name}_{part}"] = statistics.median(x[j] for x in p)
-    res["ratio"] = res["cached"] / res["resident"]
-    res["ratio_paired"] = statistics.median(
-        sum(c) / sum(r) for c, r in zip(parts["cached"], parts["resident"], strict=True)
-    )
-    res["max_diff"] = float((cached.full_weight() - resident.weight.detach()).abs().max())
-    for c in counters:
-        c.close()
-    return res
-
-
 # ----------------------------------------------------------------------------- exactness
 OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
     "SGD": lambda p: torch.optim.SGD(p, lr=0.05),
@@ -572,46 +248,6 @@ def exactness(make_opt: Callable, dtype: torch.dtype, steps: int = 200) -> tuple
 
 
 # ----------------------------------------------------------------------------- main
-def sparse_comparison(
-    rows: int, cache_rows: int, batch: int, warmup: int, steps: int, resident: bool
-) -> dict[str, float]:
-    """Issue 23's table: ``nn.Embedding(sparse=True)`` + ``SparseAdam`` against
-    ``CachedEmbedding`` + ``Adam`` (``cache_rows`` rows; and a resident dense ``nn.Embedding`` +
-    ``Adam`` when ``resident``), the same Zipf batches, stepped alternately with the order
-    rotated each round, after ``warmup`` steps (the cache full and Adam's catch-up window of
-    286 steps passed). Medians in seconds per step (forward + backward + step + zero_grad)."""
-    torch.manual_seed(0)
-    made: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {}
-    sparse = nn.Embedding(rows, DIM, sparse=True)
-    made["sparse"] = (sparse, torch.optim.SparseAdam(sparse.parameters(), lr=1e-3))
-    cached = CachedEmbedding(rows, DIM, cache_rows, _weight=sparse.weight.detach().clone())
-    made["cached"] = (cached, torch.optim.Adam(cached.parameters(), lr=1e-3))
-    if resident:
-        dense = nn.Embedding(rows, DIM)
-        made["resident"] = (dense, torch.optim.Adam(dense.parameters(), lr=1e-3))
-    gen = torch.Generator().manual_seed(0)
-
-    def step(name: str, ids: torch.Tensor) -> float:
-        module, opt = made[name]
-        t0 = time.perf_counter()
-        module(ids).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-        return time.perf_counter() - t0
-
-    for _ in range(warmup):
-        step("cached", _zipf_batch(rows, batch, gen))
-    times: dict[str, list[float]] = {k: [] for k in made}
-    names = list(made)
-    for i in range(steps):
-        ids = _zipf_batch(rows, batch, gen)
-        for name in names[i % len(names) :] + names[: i % len(names)]:
-            times[name].append(step(name, ids))
-    out = {k: statistics.median(v) for k, v in times.items()}
-    out["unique"] = float(torch.unique(ids).numel())
-    return out
-
-
 def _lookahead_streams(args: argparse.Namespace) -> list[tuple[str, torch.Tensor, int, int]]:
     streams = []
     if (args.data / "ratings.csv").is_file():

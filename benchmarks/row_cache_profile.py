@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 import torch
-from row_cache import DIM, _zipf_batch
+from row_cache_timing import DIM, _zipf_batch
 from torch import nn
 
 from edo_monitor.nn import CachedEmbedding

@@ -1,5 +1,5 @@
-"""The hit-rate bounds of benchmarks/row_cache.py: Belady's eviction is the optimum (checked by
-exhaustive search on small streams) and no real cache policy beats it."""
+"""The hit-rate bounds of benchmarks/row_cache_streams.py: Belady's eviction is the optimum
+(checked by exhaustive search on small streams) and no real cache policy beats it."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from edo_monitor.nn import CachedEmbedding
 
 
 def _bench() -> ModuleType:
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "row_cache.py"
-    spec = importlib.util.spec_from_file_location("row_cache_bench", path)
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "row_cache_streams.py"
+    spec = importlib.util.spec_from_file_location("row_cache_streams", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
