@@ -21,9 +21,9 @@ class _RowMovement:
     """Rows in and out of the row cache: ids remapped to slots, misses loaded (one gathered copy, a
     side"""
 
-    #: caches of fewer slots choose victims by one pass over every slot, cheaper there than
-    #: keeping the order (side by side, batch 4096: the order 1.11x the pass's step at 10,000
-    #: slots, 1.02x at 100,000, 0.79x at 1,000,000; docs/benchmarks.md)
+    #: caches of fewer slots choose victims by one pass over every slot: keeping the order
+    #: gains nothing there (side by side, batch 4096: the order's step 0.99x the pass's at
+    #: 10,000 slots, 1.02x at 100,000, 0.85x at 1,000,000; docs/benchmarks.md)
     _victim_order_min_slots = 1 << 17
 
     def _pin_slots(self, slots: torch.Tensor) -> None:
