@@ -204,6 +204,12 @@ def test_refused_settings_are_named() -> None:
         "weight_decay=0.01 \\(L2": lambda p: torch.optim.Adam(p, weight_decay=0.01),
         "Adagrad with weight_decay": lambda p: torch.optim.Adagrad(p, weight_decay=0.01),
         "RMSprop is not supported": lambda p: torch.optim.RMSprop(p),
+        # a skipped row's Adam updates grow as (beta1 / sqrt(beta2))^k: no bounded window (the
+        # window came out as 1 step, or log(1) divided by zero at equality)
+        r"betas=\(0\.95, 0\.9\).*beta1 >= sqrt\(beta2\)": lambda p: torch.optim.Adam(
+            p, betas=(0.95, 0.9)
+        ),
+        r"betas=\(0\.9, 0\.81\)": lambda p: torch.optim.AdamW(p, betas=(0.9, 0.81)),
     }
     for message, make in refused.items():
         table = CachedEmbedding(N, D, C)
@@ -515,6 +521,55 @@ def test_checkpoint_of_an_optimizer_over_model_parameters_loads_into_an_uncached
             o.step()
     assert _rel(fresh[0].weight.detach(), twin_m[0].weight.detach()) < 1e-12
     assert _rel(cached_m[0].full_weight(), twin_m[0].weight.detach()) < 1e-12
+
+
+def test_amsgrad_with_beta1_above_sqrt_beta2_is_caught_up_exactly() -> None:
+    """amsgrad divides by the running maximum, which does not decay: its window is beta1's alone,
+    so the betas that plain Adam refuses are exact with it."""
+    torch.manual_seed(0)
+    base = torch.randn(N, D, dtype=torch.float64)
+    twin, cached = _pair(base)
+    make = lambda p: torch.optim.Adam(p, lr=0.01, betas=(0.95, 0.9), amsgrad=True)  # noqa: E731
+    o1, o2 = make([twin.weight]), make([cached.weight])
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(60):
+        ids = _zipf_ids(gen, (16,))
+        for m, o in ((twin, o1), (cached, o2)):
+            o.zero_grad()
+            m(ids).pow(2).sum().backward()
+            o.step()
+    assert cached.stats().evicted > 20
+    assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
+
+
+def test_sgd_momentum_state_loaded_into_a_fresh_cached_table_goes_on_exactly() -> None:
+    """SGD keeps no step in its state: a fresh table that loaded a momentum buffer counted itself
+    at step 0 and took its next step for the first, replacing the buffer instead of decaying it
+    (0.18 from the twin after 10 more steps)."""
+    torch.manual_seed(0)
+    base = torch.randn(N, D, dtype=torch.float64)
+    twin, cached = _pair(base)
+    make = lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9)  # noqa: E731
+    o1, o2 = make([twin.weight]), make([cached.weight])
+    gen = torch.Generator().manual_seed(3)
+    batches = [_zipf_ids(gen, (6,)) for _ in range(20)]
+
+    def train(m: nn.Module, o: torch.optim.Optimizer, part: list[torch.Tensor]) -> None:
+        for ids in part:
+            o.zero_grad()
+            m(ids).pow(2).sum().backward()
+            o.step()
+
+    train(twin, o1, batches[:10])
+    train(cached, o2, batches[:10])
+    fresh = CachedEmbedding(N, D, C, dtype=torch.float64)
+    o3 = make([fresh.weight])
+    fresh.attach(o3)
+    fresh.load_state_dict(copy.deepcopy(cached.state_dict()))
+    o3.load_state_dict(copy.deepcopy(o2.state_dict()))
+    train(twin, o1, batches[10:])
+    train(fresh, o3, batches[10:])
+    assert _rel(fresh.full_weight(), twin.weight.detach()) < 1e-12
 
 
 @pytest.mark.slow

@@ -243,6 +243,8 @@ class _Checkpointing:
         n, d = self.num_embeddings, self.embedding_dim
         step = entry.get("step")
         t = int(step) if step is not None else self.t
+        if step is None and entry.get("momentum_buffer") is not None:
+            t = max(t, 1)  # SGD keeps no step: a buffer means its first step is behind it
         for key in self._state_keys():
             value = entry.get(key)
             if value is None:

@@ -437,6 +437,13 @@ def _make_rule(optimizer: torch.optim.Optimizer, group: dict[str, Any], base_ste
         return _SGDRule(group, base_step)
     if isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
         decoupled = isinstance(optimizer, torch.optim.AdamW) or group.get("decoupled_weight_decay")
+        beta1, beta2 = (float(b) for b in group["betas"])
+        if not group.get("amsgrad") and beta2 > 0 and beta1 >= math.sqrt(beta2):
+            raise ValueError(
+                f"{name} with betas=({beta1}, {beta2}) cannot be caught up exactly in bounded "
+                f"time: beta1 >= sqrt(beta2) makes a skipped row's updates grow step after step; "
+                "the row cache needs beta1 < sqrt(beta2), or amsgrad=True"
+            )
         if group["weight_decay"] and not decoupled:
             raise ValueError(
                 f"{name} with weight_decay={group['weight_decay']} (L2, not decoupled) cannot be "
