@@ -15,7 +15,7 @@ from edo_monitor.nn.cache_parts import (
     _strip_row_buffers,
     rebind_data,
 )
-from edo_monitor.nn.catch_up import _CHUNK_ELEMENTS, _group_of, _make_rule
+from edo_monitor.nn.catch_up import _CHUNK_ELEMENTS, _group_of, _make_rule, steps_taken
 
 logger = logging.getLogger(__name__)
 
@@ -241,10 +241,7 @@ class _Checkpointing:
             return sd
         entry = dict(sd["state"][idx])
         n, d = self.num_embeddings, self.embedding_dim
-        step = entry.get("step")
-        t = int(step) if step is not None else self.t
-        if step is None and entry.get("momentum_buffer") is not None:
-            t = max(t, 1)  # SGD keeps no step: a buffer means its first step is behind it
+        t = steps_taken(entry, self.t)
         for key in self._state_keys():
             value = entry.get(key)
             if value is None:

@@ -10,7 +10,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from edo_monitor.nn.cache_step import fused_update, optimizer_kind
-from edo_monitor.nn.catch_up import _CHUNK_ELEMENTS, _group_of, _make_rule, _Rule
+from edo_monitor.nn.catch_up import _CHUNK_ELEMENTS, _group_of, _make_rule, _Rule, steps_taken
 
 
 class _OptimizerBinding:
@@ -44,9 +44,7 @@ class _OptimizerBinding:
             raise ValueError("another optimizer is already attached to this cached table")
         group = _group_of(optimizer, self.weight)
         state = optimizer.state.get(self.weight, {})
-        step = state.get("step")
-        has_buffer = state.get("momentum_buffer") is not None
-        t = int(step) if step is not None else (1 if has_buffer else 0)
+        t = steps_taken(state, 0)
         rule = _make_rule(optimizer, group, t)
         kind = optimizer_kind(optimizer)
         n, d = self.num_embeddings, self.embedding_dim

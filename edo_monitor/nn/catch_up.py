@@ -89,6 +89,16 @@ def _group_of(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> dict[str
     raise ValueError("the optimizer does not step this table's cache weight")
 
 
+def steps_taken(state: dict[str, Any], default: int) -> int:
+    """The optimizer steps a parameter's ``state`` says it took: its ``step`` (Adam, Adagrad),
+    else at least 1 when it holds a momentum buffer (SGD keeps no step; a buffer exists only
+    after the first), else ``default``."""
+    step = state.get("step")
+    if step is not None:
+        return int(step)
+    return max(default, 1) if state.get("momentum_buffer") is not None else default
+
+
 def optimizer_row_state_keys(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> tuple:
     """The per-element state keys ``optimizer`` keeps for a parameter of ``group``."""
     if isinstance(optimizer, torch.optim.SGD):
