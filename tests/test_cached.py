@@ -531,13 +531,7 @@ def test_amsgrad_with_beta1_above_sqrt_beta2_is_caught_up_exactly() -> None:
     twin, cached = _pair(base)
     make = lambda p: torch.optim.Adam(p, lr=0.01, betas=(0.95, 0.9), amsgrad=True)  # noqa: E731
     o1, o2 = make([twin.weight]), make([cached.weight])
-    gen = torch.Generator().manual_seed(2)
-    for _ in range(60):
-        ids = _zipf_ids(gen, (16,))
-        for m, o in ((twin, o1), (cached, o2)):
-            o.zero_grad()
-            m(ids).pow(2).sum().backward()
-            o.step()
+    _train([(twin, o1), (cached, o2)], 60, torch.Generator().manual_seed(2))
     assert cached.stats().evicted > 20
     assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
 
@@ -552,23 +546,13 @@ def test_sgd_momentum_state_loaded_into_a_fresh_cached_table_goes_on_exactly() -
     make = lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9)  # noqa: E731
     o1, o2 = make([twin.weight]), make([cached.weight])
     gen = torch.Generator().manual_seed(3)
-    batches = [_zipf_ids(gen, (6,)) for _ in range(20)]
-
-    def train(m: nn.Module, o: torch.optim.Optimizer, part: list[torch.Tensor]) -> None:
-        for ids in part:
-            o.zero_grad()
-            m(ids).pow(2).sum().backward()
-            o.step()
-
-    train(twin, o1, batches[:10])
-    train(cached, o2, batches[:10])
+    _train([(twin, o1), (cached, o2)], 10, gen)
     fresh = CachedEmbedding(N, D, C, dtype=torch.float64)
     o3 = make([fresh.weight])
     fresh.attach(o3)
     fresh.load_state_dict(copy.deepcopy(cached.state_dict()))
     o3.load_state_dict(copy.deepcopy(o2.state_dict()))
-    train(twin, o1, batches[10:])
-    train(fresh, o3, batches[10:])
+    _train([(twin, o1), (fresh, o3)], 10, gen)
     assert _rel(fresh.full_weight(), twin.weight.detach()) < 1e-12
 
 

@@ -245,14 +245,15 @@ class _AdamRule(_Rule):
         table grown as steps pass; both are exactly 1.0 from step :attr:`_saturated` on
         (``beta^k`` below half an ulp of 1), so the table stops there (36,000 entries for
         ``beta2 = 0.999``)."""
-        top = min(int(s.max()) + width, self._saturated)
+        last = int(s.max()) + width  # the latest step asked for
+        top = min(last, self._saturated)
         if top >= self._bc.shape[1]:
             n = min(max(2 * self._bc.shape[1], top + 1, 256), self._saturated + 1)
             self._bc = torch.tensor(
                 [[1 - self.beta1**i for i in range(n)], [1 - self.beta2**i for i in range(n)]],
                 dtype=torch.float64,
             )
-        if int(s.max()) + width < self._bc.shape[1]:  # rows of a sliding view
+        if last < self._bc.shape[1]:  # rows of a sliding view
             return _window_rows(self._bc[0], s + 1, width), _window_rows(self._bc[1], s + 1, width)
         k = (s[:, None] + torch.arange(1, width + 1)).clamp(max=self._saturated)
         return self._bc[0][k], self._bc[1][k]
