@@ -242,16 +242,18 @@ class _Checkpointing:
         entry = dict(sd["state"][idx])
         n, d = self.num_embeddings, self.embedding_dim
         t = steps_taken(entry, self.t)
-        for key in self._state_keys():
-            value = entry.get(key)
-            if value is None:
-                continue
-            if tuple(value.shape) != (n, d):
+        keys = [key for key in self._state_keys() if entry.get(key) is not None]
+        for key in keys:
+            if tuple(entry[key].shape) != (n, d):
                 raise ValueError(
-                    f"optimizer state {key!r} has shape {tuple(value.shape)}; a cached table "
+                    f"optimizer state {key!r} has shape {tuple(entry[key].shape)}; a cached table "
                     f"loads full-table state {(n, d)}"
                 )
-            self.host_state[key].copy_(value)
+        # every row's weight up to the current step under the state it has, as a resident
+        # table's are, before that state is replaced
+        self.flush()
+        for key in keys:
+            self.host_state[key].copy_(entry[key])
             entry[key] = self._gather_rows(self.host_state[key])
         sd = dict(sd)
         sd["state"] = dict(sd["state"])

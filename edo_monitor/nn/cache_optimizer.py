@@ -149,7 +149,10 @@ class _OptimizerBinding:
 
     def detach_optimizer(self) -> None:
         """Remove the hooks :meth:`attach` registered and the row buffer from the optimizer's
-        groups (the module forgets the optimizer)."""
+        groups (the module forgets the optimizer), after bringing every row up to the current
+        step (:meth:`flush`): without the optimizer nothing could catch them up later."""
+        if self._rule is not None:
+            self.flush()
         for h in self._hooks:
             h.remove()
         self._hooks = []
