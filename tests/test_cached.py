@@ -293,6 +293,38 @@ def test_optimizer_state_replaced_mid_training_keeps_every_row_exact(replace: st
     assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
 
 
+@pytest.mark.parametrize("between", ["load_module", "load_optimizer", "eval_forward"])
+def test_what_runs_between_backward_and_step_is_seen_by_the_step(between: str) -> None:
+    """The forward keeps the batch's rows caught up for its step; a checkpoint loaded before
+    that step replaces them, and the step updates the loaded rows, as the twin's does; an
+    evaluation forward over the same rows changes nothing."""
+    torch.manual_seed(0)
+    base = torch.randn(N, D, dtype=torch.float64)
+    twin, cached = _pair(base)
+    o1, o2 = OPTIMIZERS["adam"]([twin.weight]), OPTIMIZERS["adam"]([cached.weight])
+    gen = torch.Generator().manual_seed(5)
+    _train([(twin, o1), (cached, o2)], 20, gen)
+    saved = copy.deepcopy(twin.state_dict()), copy.deepcopy(o1.state_dict())
+    _train([(twin, o1), (cached, o2)], 5, gen)
+    ids, target = _zipf_ids(gen, (4, 6)), torch.randn(4, 6, D, generator=gen, dtype=torch.float64)
+    for module, opt in ((twin, o1), (cached, o2)):
+        opt.zero_grad()
+        ((module(ids) - target) ** 2).sum().backward()
+        if between == "load_module":
+            module.load_state_dict(saved[0])
+        elif between == "load_optimizer":
+            opt.load_state_dict(copy.deepcopy(saved[1]))
+        else:
+            with torch.no_grad():
+                module(torch.cat([ids.reshape(-1), torch.arange(N)]))
+        opt.step()
+    assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
+    s1, s2 = o1.state_dict()["state"][0], o2.state_dict()["state"][0]
+    assert int(s2["step"]) == int(s1["step"])
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert _rel(s2[key], s1[key]) < 1e-12
+
+
 @pytest.mark.parametrize("set_to_none", [False, True])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_a_step_without_a_lookup_matches_the_resident_twin(name: str, set_to_none: bool) -> None:

@@ -71,6 +71,7 @@ class _Checkpointing:
             for k, v in state.items():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
                     state[k] = v.to(self.weight.device)
+        self._pending = None  # the step takes the moved cache's rows
         self._side_stream = None
 
     # ------------------------------------------------------------------ flush, resize, resident
@@ -266,6 +267,7 @@ class _Checkpointing:
         self.t = t
         self.last_step.fill_(t)
         self.slot_step.fill_(t)
+        self._pending = None  # the layout's rows are the loaded ones now
         if self._optimizer is not None:
             group = _group_of(self._optimizer, self.weight)
             self._rule = _make_rule(self._optimizer, group, t)

@@ -85,6 +85,7 @@ class _OptimizerBinding:
             for key, value in new_state.items():
                 live[key] = value
         self.host_state = host_state
+        self._pending = None
         self._optimizer = optimizer
         self._rule = rule
         self._kind = kind
@@ -162,6 +163,7 @@ class _OptimizerBinding:
                     g["params"] = [p for p in g["params"] if p is not self.batch_rows]
         self._optimizer = None
         self._rule = None
+        self._pending = None
 
     def _auto_attach(self) -> None:
         if self._optimizer is not None or self._auto_hook is not None:
@@ -212,7 +214,7 @@ class _OptimizerBinding:
             # a backward still steps every row (weight decay, momentum); zero_grad() makes it
             # None, and such a step skips the table, as for the resident one
             empty = self.batch_rows.new_zeros(0, self.embedding_dim)
-            self._set_layout(torch.zeros(0, dtype=torch.int64), empty)
+            self._set_layout(torch.zeros(0, dtype=torch.int64), empty, empty.clone())
         self.reset_step_stats()
 
     # ------------------------------------------------------------------ lazy rows, fused step
@@ -251,32 +253,89 @@ class _OptimizerBinding:
         self.slot_step[rows] = self.t
 
     def _step_rows(self, group: dict[str, Any], grad: torch.Tensor) -> None:
-        """The fused step t -> t+1 of the layout's rows with their gradient ``(U, D)``."""
+        """The fused step t -> t+1 of the layout's rows with their gradient ``(U, D)``: on the
+        row buffer's caught-up values when the forwards kept them (:meth:`_take_rows`), else on
+        the cache's rows, caught up first."""
         rows = self._layout_rows
         if rows.numel() == 0:
             return
-        self._catch_up_rows(rows)  # rows carried from an earlier step
         r = rows.to(self.device)
         state = self._cache_state() if self._state_keys() else {}
-        p = self.weight.data.index_select(0, r)
-        st = {k: state[k].index_select(0, r) for k in self._state_keys()}
+        pending, self._pending = self._pending, None
+        if pending is not None and set(pending) == set(self._state_keys()):
+            p, st = self.batch_rows.data, pending
+        else:
+            self._catch_up_rows(rows)  # rows carried from an earlier step
+            p = self.weight.data.index_select(0, r)
+            st = {k: state[k].index_select(0, r) for k in self._state_keys()}
         fused_update(self._kind, group, p, grad.to(p.dtype), st, self.t + 1)
         self.weight.data.index_copy_(0, r, p)
         for k, v in st.items():
             state[k].index_copy_(0, r, v)
         self.slot_step[rows] = self.t + 1
 
-    def _set_layout(self, rows: torch.Tensor, grad: torch.Tensor | None) -> None:
-        """The gradient layout becomes ``rows`` (host int64 cache rows) with ``grad``."""
+    def _keeps_rows(self) -> bool:
+        """Whether a training forward keeps its rows in the row buffer (:meth:`_take_rows`): with
+        an optimizer attached, when every row of the layout was taken that way."""
+        return self._rule is not None and (
+            self._pending is not None or self._layout_rows.numel() == 0
+        )
+
+    def _take_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Positions ``(U,)`` of unique cache ``rows`` (host int64) in the gradient layout.
+
+        Rows new to the layout are gathered once with their optimizer state, caught up to step
+        ``t`` there (not in the cache, whose rows stay at their own steps) and appended: the row
+        buffer's values ``batch_rows.data`` ``(L, D)`` and the state in ``_pending`` (``{key:
+        (L, D)}``) are the layout's rows at step ``t``, which the forward reads and the step
+        updates and scatters once. Anything that rewrites the cache's rows before the step
+        (loading a state dict, a device move, a new optimizer) drops them (``_pending = None``):
+        the step then catches the cache's rows up instead (:meth:`_step_rows`).
+        """
+        pos = self._row_pos[rows]
+        new = rows[pos < 0]
+        if new.numel() == 0:
+            return pos
+        s = self.slot_step[new]
+        stale = int((s < self.t).sum())
+        if stale:  # oldest first: the stale rows lead, as the rule sums them
+            order = torch.argsort(s, stable=True)
+            new, s = new[order], s[order]
+        r = new.to(self.device)
+        state = self._cache_state() if self._state_keys() else {}
+        p = self.weight.data.index_select(0, r)
+        st = {k: state[k].index_select(0, r) for k in self._state_keys()}
+        if stale:
+            assert self._rule is not None
+            self._rule.catch_up_rows(
+                p[:stale], {k: v[:stale] for k, v in st.items()}, s[:stale], self.t
+            )
+        held = self._pending or {}
+        self._pending = {k: torch.cat([held[k], v]) if k in held else v for k, v in st.items()}
+        self._append_layout(new, p)
+        return self._row_pos[rows]
+
+    def _append_layout(self, new: torch.Tensor, values: torch.Tensor) -> None:
+        """Append cache rows ``new`` ``(n,)`` (host int64, not in the layout) to the gradient
+        layout, with the row buffer's ``values`` ``(n, D)`` for them and a zero gradient."""
+        grad = self.batch_rows.grad
+        if grad is not None:
+            grad = torch.cat([grad.detach(), grad.new_zeros(new.numel(), self.embedding_dim)])
+        data = torch.cat([self.batch_rows.data, values])
+        self._set_layout(torch.cat([self._layout_rows, new]), grad, data)
+
+    def _set_layout(
+        self, rows: torch.Tensor, grad: torch.Tensor | None, data: torch.Tensor
+    ) -> None:
+        """The gradient layout becomes ``rows`` (host int64 cache rows) with ``grad`` and the row
+        buffer's values ``data`` (both ``(len(rows), D)``)."""
         old = self._layout_rows
         if old.numel():
             self._row_pos[old] = -1
         self._layout_rows = rows
         self._row_pos[rows] = torch.arange(rows.numel())
         self.batch_rows.grad = None
-        self.batch_rows.data = torch.zeros(
-            rows.numel(), self.embedding_dim, dtype=self.weight.dtype, device=self.device
-        )
+        self.batch_rows.data = data
         self.batch_rows.grad = grad
 
     def _layout_slots(self) -> torch.Tensor:
@@ -284,15 +343,13 @@ class _OptimizerBinding:
         return self._layout_rows // self.block_rows  # repeats allowed: used as an index
 
     def _layout_add(self, rows: torch.Tensor) -> torch.Tensor:
-        """Positions ``(U,)`` of unique cache ``rows`` in the gradient layout (appended)."""
+        """Positions ``(U,)`` of unique cache ``rows`` in the gradient layout (appended, the row
+        buffer's values zero: the forward reads the cache's rows)."""
         pos = self._row_pos[rows]
         new = rows[pos < 0]
         if new.numel():
-            grad = self.batch_rows.grad
-            if grad is not None:
-                pad = grad.new_zeros(new.numel(), self.embedding_dim)
-                grad = torch.cat([grad.detach(), pad])
-            self._set_layout(torch.cat([self._layout_rows, new]), grad)
+            zeros = self.batch_rows.new_zeros(new.numel(), self.embedding_dim)
+            self._append_layout(new, zeros)
             pos = self._row_pos[rows]
         return pos
 

@@ -271,10 +271,12 @@ class _RowMovement:
         return slots
 
     # ------------------------------------------------------------------ forward
-    def _remap(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int | None]:
-        """The batch's unique cache rows ``(U,)`` (host int64, made resident and current), each
-        id's place among them (``input``'s shape, on the cache device) and the padding row's
-        place (``None`` when the batch has no padding id)."""
+    def _remap(
+        self, input: torch.Tensor, *, catch_up: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+        """The batch's unique cache rows ``(U,)`` (host int64, made resident and, unless
+        ``catch_up=False``, current), each id's place among them (``input``'s shape, on the cache
+        device) and the padding row's place (``None`` when the batch has no padding id)."""
         flat = input.reshape(-1)
         if flat.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"input must be an integer tensor (int64/int32), got {flat.dtype}")
@@ -321,5 +323,6 @@ class _RowMovement:
             i = int(torch.searchsorted(uniq_ids, pad))
             if i < uniq_ids.numel() and int(uniq_ids[i]) == pad:
                 pad_pos = i  # urows are in the unique ids' order
-        self._catch_up_rows(urows)
+        if catch_up:
+            self._catch_up_rows(urows)
         return urows, place.reshape(input.shape).to(self.device), pad_pos

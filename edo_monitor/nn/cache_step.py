@@ -20,19 +20,22 @@ __all__ = ["CacheRows", "fused_update"]
 
 
 class CacheRows(torch.autograd.Function):
-    """``weight[rows]`` ``(U, D)`` whose gradient goes to the table's row buffer, not to ``weight``.
+    """``source[index]`` ``(U, D)``, whose gradient goes to the table's row buffer (not ``weight``).
 
-    ``forward(weight, rows, table, positions, generation)``: ``rows`` ``(U,)`` int64 cache rows on
-    ``weight``'s device; ``positions`` ``(U,)`` their places in the table's gradient layout. The
-    backward calls ``table._accumulate_grad(positions, generation, grad)`` and returns no gradient
-    for ``weight`` (so ``weight.grad`` stays ``None``: no ``(C, D)`` gradient exists).
+    ``forward(weight, source, index, table, positions, generation)``: ``source`` is the cache
+    ``weight`` ``(C, D)`` itself, or the row buffer's values ``(L, D)`` (the batch's rows caught up
+    at the forward, :meth:`~edo_monitor.nn.CachedTable._take_rows`); ``index`` ``(U,)`` int64 rows
+    of ``source`` on its device; ``positions`` ``(U,)`` the rows' places in the table's gradient
+    layout. The backward calls ``table._accumulate_grad(positions, generation, grad)`` and returns
+    no gradient for ``weight`` (so ``weight.grad`` stays ``None``: no ``(C, D)`` gradient exists).
     """
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
         weight: torch.Tensor,
-        rows: torch.Tensor,
+        source: torch.Tensor,
+        index: torch.Tensor,
         table: Any,
         positions: torch.Tensor,
         generation: int,
@@ -40,12 +43,12 @@ class CacheRows(torch.autograd.Function):
         ctx.table = table
         ctx.positions = positions
         ctx.generation = generation
-        return weight.index_select(0, rows)
+        return source.index_select(0, index)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:  # type: ignore[override]
         ctx.table._accumulate_grad(ctx.positions, ctx.generation, grad)
-        return None, None, None, None, None
+        return None, None, None, None, None, None
 
 
 def fused_update(

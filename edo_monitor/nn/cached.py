@@ -39,9 +39,13 @@ Every row lazy, the step fused (issue 23). The user's optimizer does not step ``
 :class:`~edo_monitor.nn.cache_step.CacheRows`; its backward adds their gradient into
 ``batch_rows.grad`` ``(U, D)`` (``U``: the rows touched since the last optimizer step, in the order
 :meth:`CachedTable.dense_grad` gives with their ids). At the optimizer's step (a step pre-hook)
-the cache updates exactly those rows (gather, update, scatter:
-:func:`~edo_monitor.nn.cache_step.fused_update`) with the hyper-parameters of the group holding
-``weight`` at that step, then hides ``batch_rows`` from the optimizer's own step. Each cache row
+the cache updates exactly those rows (:func:`~edo_monitor.nn.cache_step.fused_update`) with the
+hyper-parameters of the group holding ``weight`` at that step, then hides ``batch_rows`` from the
+optimizer's own step. A training forward gathers the rows new to the layout once, with their
+optimizer state, and catches them up there (in ``batch_rows.data`` and the state beside it), not
+in the cache: the lookup reads them there, the step updates them there and scatters them back
+once (loading a state dict, moving the table or attaching another optimizer before the step
+drops them; the step then takes the cache's rows). Each cache row
 records the step it is at (``slot_step``); a row not touched keeps its value and catches up (the
 closed forms below) when it is next looked up, evicted (written back with its own step and
 caught up when loaded again), flushed or checkpointed. Gradients, exactly:
@@ -203,6 +207,8 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _RowMovement, _Checkpointing
         self.batch_rows._edo_row_buffer = True  # type: ignore[attr-defined]
         self._layout_rows = torch.zeros(0, dtype=torch.int64)  # cache rows, in gradient order
         self._row_pos = torch.full((self.cache_rows,), -1, dtype=torch.int64)
+        # the layout's rows and optimizer state at step t, kept by training forwards
+        self._pending: dict[str, torch.Tensor] | None = None
         self._generation = 0
         self._stash: torch.Tensor | None = None
         self._kind = ""
@@ -409,13 +415,21 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _RowMovement, _Checkpointing
         if self._optimizer is None and self.weight.requires_grad:
             self._auto_attach()
         training = torch.is_grad_enabled() and self.weight.requires_grad
-        urows, place, pad_pos = self._remap(input)
+        keep = training and self._keeps_rows()
+        urows, place, pad_pos = self._remap(input, catch_up=not keep)
         dev_rows = urows.to(self.device)
-        if training:
-            positions = self._layout_add(urows)
-            rows = CacheRows.apply(self.weight, dev_rows, self, positions, self._generation)
+        if keep:  # the rows caught up in the row buffer (read there, stepped there)
+            positions = self._take_rows(urows)
+            index = positions.to(self.device)
+            source = self.batch_rows.data
         else:
-            rows = self.weight.detach().index_select(0, dev_rows)
+            positions = self._layout_add(urows) if training else None
+            index, source = dev_rows, self.weight.data
+        if training:
+            gen = self._generation
+            rows = CacheRows.apply(self.weight, source, index, self, positions, gen)
+        else:
+            rows = source.index_select(0, index)
         o = self.options
         if o.bag_mode is None:
             out = F.embedding(place, rows, pad_pos, o.max_norm, o.norm_type, o.scale_grad_by_freq)
@@ -436,7 +450,7 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _RowMovement, _Checkpointing
             )
         if o.max_norm is not None:  # the renormalised rows are the table's rows now
             with torch.no_grad():
-                self.weight.data[dev_rows] = rows.detach()
+                source[index] = rows.detach()
         return out
 
 
@@ -476,6 +490,7 @@ def _module_load_pre_hook(
         module.host_weight.copy_(value)
         module.last_step.fill_(module.t)
         module.slot_step.fill_(module.t)
+        module._pending = None  # the step takes the loaded rows
         rows = module._gather_rows(module.host_weight)
     state_dict[key] = rows.to(module.weight.dtype)
 
