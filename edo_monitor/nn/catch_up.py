@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-_TRUNCATION = 1e-13  # relative size of the first neglected Adam catch-up term
+_TRUNCATION = 1e-13  # float64: relative size of the first neglected Adam catch-up term
 
 
 _CHUNK_ELEMENTS = 1 << 21  # float64 elements per catch-up chunk (16 MiB)
@@ -219,6 +219,13 @@ class _SGDRule(_Rule):
             p.mul_(a)
 
 
+def _window(ratio: float, truncation: float) -> int:
+    """Steps ``W >= 1`` with ``ratio ** W <= truncation`` (1 when ``ratio <= 0``)."""
+    if ratio <= 0:
+        return 1
+    return max(1, math.ceil(math.log(truncation) / math.log(ratio)))
+
+
 class _AdamRule(_Rule):
     def __init__(self, group: dict[str, Any], base_step: int) -> None:
         super().__init__(group, base_step)
@@ -229,22 +236,27 @@ class _AdamRule(_Rule):
         self.keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if self.amsgrad else ())
         # beta2 = 0: v is zero after the first missed step, the terms shrink as beta1 alone
         ratio = self.beta1 if self.amsgrad or not self.beta2 else self.beta1 / math.sqrt(self.beta2)
-        if ratio <= 0:
-            self.window = 1
-        else:
-            self.window = max(1, math.ceil(math.log(_TRUNCATION) / math.log(ratio)))
+        # the missed steps a catch-up sums (terms shrink at least as ratio ** j): in float64 up
+        # to the first term below 1e-13 of the first; in float32 until the whole rest, below
+        # ratio ** W / (1 - ratio) of the first, is under half an ulp (286 and 181 steps at the
+        # default betas)
+        half_ulp = torch.finfo(torch.float32).eps / 2
+        self.windows = {
+            torch.float64: _window(ratio, _TRUNCATION),
+            torch.float32: _window(ratio, half_ulp * (1 - ratio)),
+        }
         self.tree = _RangeProduct(1) if self.wd else None
-        self._bc = torch.zeros(2, 0, dtype=torch.float64)  # 1 - beta^k, k = 0, 1, ...
+        self._bc = torch.zeros(2, 0, dtype=torch.float64)  # 1 - beta1^k, sqrt(1 - beta2^k)
         self._saturated = 1
         while any(1 - b**self._saturated != 1.0 for b in (self.beta1, self.beta2)):
             self._saturated *= 2
 
     def _bias_corrections(self, s: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``1 - beta1^k`` and ``1 - beta2^k`` ``(u, width)`` for absolute steps ``k = s + 1 ... s
-        + width`` (``s`` ``(u,)`` int64), as the fused step computes them (Python floats), from a
-        table grown as steps pass; both are exactly 1.0 from step :attr:`_saturated` on
-        (``beta^k`` below half an ulp of 1), so the table stops there (36,000 entries for
-        ``beta2 = 0.999``)."""
+        """``1 - beta1^k`` and ``sqrt(1 - beta2^k)`` ``(u, width)`` for absolute steps ``k = s + 1
+        ... s + width`` (``s`` ``(u,)`` int64), as the fused step computes them (Python floats,
+        the root by ``torch.sqrt``), from a table grown as steps pass; both are exactly 1.0 from
+        step :attr:`_saturated` on (``beta^k`` below half an ulp of 1), so the table stops there
+        (36,000 entries for ``beta2 = 0.999``)."""
         last = int(s.max()) + width  # the latest step asked for
         top = min(last, self._saturated)
         if top >= self._bc.shape[1]:
@@ -253,6 +265,7 @@ class _AdamRule(_Rule):
                 [[1 - self.beta1**i for i in range(n)], [1 - self.beta2**i for i in range(n)]],
                 dtype=torch.float64,
             )
+            self._bc[1].sqrt_()
         if last < self._bc.shape[1]:  # rows of a sliding view
             return _window_rows(self._bc[0], s + 1, width), _window_rows(self._bc[1], s + 1, width)
         k = (s[:, None] + torch.arange(1, width + 1)).clamp(max=self._saturated)
@@ -292,21 +305,22 @@ class _AdamRule(_Rule):
                 self.catch_up(p[sl], {k: v[sl] for k, v in state.items()}, s[sl], t)
             return
         missed = t - s  # (R,)
-        width = int(missed.clamp(max=self.window).max())
+        window = self.windows[p.dtype]
+        width = int(missed.clamp(max=window).max())
         if width == 0:
             return
         m, v = state["exp_avg"], state["exp_avg_sq"]
-        moving = (m != 0).any(dim=1).cpu()
+        moving = (m.abs().amax(dim=1) != 0).cpu()  # NaN counts as moving
         # rows whose first moment is zero get no Adam update, only the decoupled decay: the
         # leading ones (rows never stepped, at the oldest step) skip the sum
         lead = int(moving.int().argmax()) if bool(moving.any()) else rows
         # the sum's coefficients depend on a row only through its step s: computed once per
         # distinct s (u <= rows, and <= the steps since the oldest), then shared by index
         us, inv = torch.unique_consecutive(s, return_inverse=True)
-        un = (t - us).clamp(max=self.window)
+        un = (t - us).clamp(max=window)
         j = torch.arange(1, width + 1, dtype=torch.int64)
         lr = self.lr_windows(us, width)  # (u, J): 0 after step t, past a row's missed steps
-        bc1, bc2 = self._bias_corrections(us, width)
+        bc1, root_bc2 = self._bias_corrections(us, width)
         jf = j.double()[None, :]
         dev = p.device
         if self.wd:
@@ -319,7 +333,6 @@ class _AdamRule(_Rule):
             p.mul_((incl[:, 0] * tail).to(dev, p.dtype)[inv.to(dev)][:, None])
             lr.mul_(after).mul_(tail[:, None])
         coef = lr.div_(bc1).mul_(self.beta1**jf)  # 0 outside the missed steps, as lr
-        root_bc2 = torch.sqrt(bc2)
         scale = 1 / root_bc2 if self.amsgrad else self.beta2 ** (jf / 2) / root_bc2
         if lead < rows:
             denom = state["max_exp_avg_sq"] if self.amsgrad else v
@@ -364,11 +377,13 @@ class _AdamRule(_Rule):
         # the scales fall along a row: its first and its last missed step hold the extremes
         s_max, s_min = scale[:, 0], scale.gather(1, (widths - 1)[:, None])[:, 0]
         ratio = torch.where(s_min > 0, s_max / s_min, 1.0)
-        delta = torch.where(s_max[:, None] > 0, scale / s_max[:, None] - 1, 0.0)
+        delta = (scale / s_max[:, None]).sub_(1)
+        if self.beta2 == 0 and not self.amsgrad:  # every scale 0: y is 0, delta any number
+            delta.nan_to_num_(0.0)
         tail = torch.finfo(denom.dtype).eps / 2  # float64: 1.1e-16, float32: 6e-8
         max_terms = math.ceil(math.log(tail) / math.log(_MAX_SPREAD))
         bound = coef.sum(dim=1) * (tail / ratio)  # |M_n| at most this: n terms do
-        unsure = (coef < 0).any(dim=1)  # the bound needs positive terms: exact form
+        unsure = coef.amin(dim=1) < 0  # the bound needs positive terms: exact form
         groups = coef.shape[0]
         moments = coef.new_zeros(max_terms, groups)  # moment n of every group: row n
         w = coef.clone()
@@ -392,7 +407,7 @@ class _AdamRule(_Rule):
         exact = int((terms > max_terms).sum())
         split = int(torch.searchsorted(which, exact))  # rows of the exact groups come first
         if split:
-            out[:split] = self._exact_sums(coef, scale, root[:split], which[:split])
+            out[:split] = self._exact_sums(coef[:exact], scale[:exact], root[:split], which[:split])
         if split == root.shape[0]:
             return out
         root, which = root[split:], which[split:]
