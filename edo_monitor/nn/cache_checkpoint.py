@@ -84,8 +84,7 @@ class _Checkpointing:
         """
         used = (self.slot_to_block >= 0).nonzero().reshape(-1)
         if used.numel():
-            ids, real = self._block_rows_of(self.slot_to_block[used])
-            self._catch_up_rows(self._slot_rows(used)[real])
+            self._catch_up_rows(self._real_rows(self.slot_to_block[used], used)[1])
         if self._rule is not None:
             behind = (self.last_step < self.t).nonzero().reshape(-1)
             step = max(1, _CHUNK_ELEMENTS // max(1, self.embedding_dim * 4))

@@ -71,8 +71,8 @@ class _OptimizerBinding:
                 hs = self._host_empty((n, d))
                 hs.fill_(init)  # rows never cached hold the initial state
                 used = (self.slot_to_block >= 0).nonzero().reshape(-1)
-                ids, real = self._block_rows_of(self.slot_to_block[used])
-                hs[ids[real]] = value.detach().cpu()[self._slot_rows(used)[real]]
+                ids, rows = self._real_rows(self.slot_to_block[used], used)
+                hs[ids] = value.detach().cpu()[rows]
                 host_state[key] = hs
             else:
                 raise ValueError(

@@ -48,14 +48,24 @@ class _RowMovement:
         self._pinned_listed = 0
 
     # ------------------------------------------------------------------ moving rows
-    def _block_rows_of(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Ids ``(B*R,)`` of ``blocks`` and whether each is a real row (``< N``)."""
+    def _real_rows(
+        self, blocks: torch.Tensor, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ids ``(n,)`` of the table rows in ``blocks`` ``(B,)`` (the last block's rows past ``N``
+        left out) and the cache rows ``(n,)`` holding them, the blocks being in ``slots``
+        ``(B,)`` (``slots=blocks`` for the ids alone)."""
         r = self.block_rows
+        if r == 1:
+            return blocks, slots
         ids = (blocks[:, None] * r + torch.arange(r)[None, :]).reshape(-1)
-        return ids, ids < self.num_embeddings
+        real = ids < self.num_embeddings
+        return ids[real], self._slot_rows(slots)[real]
 
     def _slot_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """The cache rows ``(S*R,)`` of ``slots`` ``(S,)`` (rows past ``N`` included)."""
         r = self.block_rows
+        if r == 1:
+            return slots
         return (slots[:, None] * r + torch.arange(r)[None, :]).reshape(-1)
 
     def _gather_rows(self, host: torch.Tensor) -> torch.Tensor:
@@ -63,18 +73,15 @@ class _RowMovement:
         out = torch.zeros(self.cache_rows, self.embedding_dim, dtype=host.dtype)
         used = (self.slot_to_block >= 0).nonzero().reshape(-1)
         if used.numel():
-            ids, real = self._block_rows_of(self.slot_to_block[used])
-            rows = self._slot_rows(used)
-            out[rows[real]] = host[ids[real]]
+            ids, rows = self._real_rows(self.slot_to_block[used], used)
+            out[rows] = host[ids]
         return out
 
     def _write_back(self, slots: torch.Tensor) -> None:
         """Copy cache ``slots`` (weight + state) to the host; their rows are current (step t)."""
         if slots.numel() == 0:
             return
-        ids, real = self._block_rows_of(self.slot_to_block[slots])
-        rows = self._slot_rows(slots)[real]
-        ids = ids[real]
+        ids, rows = self._real_rows(self.slot_to_block[slots], slots)
         state = self._opt_state()
         moved = 0
         w = self.weight.detach().index_select(0, rows.to(self.device)).to("cpu")
@@ -104,12 +111,11 @@ class _RowMovement:
     def _stage_blocks(self, blocks: torch.Tensor, *, catch_up: bool = True) -> dict[str, Any]:
         """Rows of host ``blocks`` (not cached) caught up to step t (or, ``catch_up=False``, at
         their own steps), copied to the device (on CUDA on the side stream, not waited for):
-        ``{"blocks", "ids", "real", "w", "st", "t", "s"}`` (``"t"``: the step the rows are at,
+        ``{"blocks", "ids", "w", "st", "t", "s"}`` (``"t"``: the step the rows are at,
         an int or per row). Placed into cache slots by :meth:`_place_staged`, now or after a
         later optimizer step (the rows, not cached, take no gradient: the lazy catch-up covers
         those steps)."""
-        ids, real = self._block_rows_of(blocks)
-        ids = ids[real]
+        ids, _ = self._real_rows(blocks, blocks)  # the ids only
         s = self.last_step[ids]
         w = self.host_weight.index_select(0, ids)
         keys = self._state_keys()
@@ -124,14 +130,12 @@ class _RowMovement:
             with torch.cuda.stream(stream):
                 w = w.to(self.device, non_blocking=True)
                 st = {k: v.to(self.device, non_blocking=True) for k, v in st.items()}
-        staged = {"blocks": blocks, "ids": ids, "real": real, "w": w, "st": st, "t": at}
-        staged["s"] = s
-        return staged
+        return {"blocks": blocks, "ids": ids, "w": w, "st": st, "t": at, "s": s}
 
     def _place_staged(self, staged: dict[str, Any], slots: torch.Tensor) -> None:
         """Put rows staged by :meth:`_stage_blocks` into free cache ``slots``."""
         blocks, w, st = staged["blocks"], staged["w"], staged["st"]
-        rows = self._slot_rows(slots)[staged["real"]]
+        _, rows = self._real_rows(blocks, slots)
         state = self._opt_state()
         moved = w.numel() * w.element_size()
         dev_rows = rows.to(self.device)
@@ -275,8 +279,8 @@ class _RowMovement:
         self, input: torch.Tensor, *, catch_up: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, int | None]:
         """The batch's unique cache rows ``(U,)`` (host int64, made resident and, unless
-        ``catch_up=False``, current), each id's place among them (``input``'s shape, on the cache
-        device) and the padding row's place (``None`` when the batch has no padding id)."""
+        ``catch_up=False``, current), each id's place among them (host int64, ``input``'s shape)
+        and the padding row's place (``None`` when the batch has no padding id)."""
         flat = input.reshape(-1)
         if flat.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"input must be an integer tensor (int64/int32), got {flat.dtype}")
@@ -325,4 +329,4 @@ class _RowMovement:
                 pad_pos = i  # urows are in the unique ids' order
         if catch_up:
             self._catch_up_rows(urows)
-        return urows, place.reshape(input.shape).to(self.device), pad_pos
+        return urows, place.reshape(input.shape), pad_pos

@@ -418,20 +418,27 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _RowMovement, _Checkpointing
         training = torch.is_grad_enabled() and self.weight.requires_grad
         keep = training and self._keeps_rows()
         urows, place, pad_pos = self._remap(input, catch_up=not keep)
-        dev_rows = urows.to(self.device)
+        positions = None
         if keep:  # the rows caught up in the row buffer (read there, stepped there)
             positions = self._take_rows(urows)
-            index = positions.to(self.device)
-            source = self.batch_rows.data
+            index, source = positions, self.batch_rows.data
         else:
-            positions = self._layout_add(urows) if training else None
-            index, source = dev_rows, self.weight.data
-        if training:
-            gen = self._generation
-            rows = CacheRows.apply(self.weight, source, index, self, positions, gen)
-        else:
-            rows = source.index_select(0, index)
+            if training:
+                positions = self._layout_add(urows)
+            index, source = urows, self.weight.data
         o = self.options
+        if (
+            o.bag_mode is None
+            and o.max_norm is None
+            and not o.scale_grad_by_freq
+            and pad_pos is None
+        ):
+            # one gather of every id's row; the backward adds each id's gradient at its row's place
+            flat = place.reshape(-1)
+            at = None if positions is None else positions[flat]
+            return self._gather(source, index[flat], at).view(*place.shape, self.embedding_dim)
+        rows = self._gather(source, index, positions)
+        place = place.to(self.device)
         if o.bag_mode is None:
             out = F.embedding(place, rows, pad_pos, o.max_norm, o.norm_type, o.scale_grad_by_freq)
         else:
@@ -451,8 +458,19 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _RowMovement, _Checkpointing
             )
         if o.max_norm is not None:  # the renormalised rows are the table's rows now
             with torch.no_grad():
-                source[index] = rows.detach()
+                source[index.to(self.device)] = rows.detach()
         return out
+
+    def _gather(
+        self, source: torch.Tensor, index: torch.Tensor, positions: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Rows ``index`` ``(n,)`` (host int64) of ``source`` (the cache or the row buffer) ``(n,
+        D)``; with ``positions`` (host, the rows' places in the gradient layout) through
+        :class:`~edo_monitor.nn.cache_step.CacheRows`, whose backward adds the gradient there."""
+        index = index.to(self.device)
+        if positions is None:
+            return source.index_select(0, index)
+        return CacheRows.apply(self.weight, source, index, self, positions, self._generation)
 
 
 def _module_state_dict_hook(

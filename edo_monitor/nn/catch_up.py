@@ -389,11 +389,13 @@ class _AdamRule(_Rule):
         w = coef.clone()
         active = groups  # groups [0, active) hold one not yet within the bound
         for n0 in range(0, max_terms, _TERM_BLOCK):  # blocks of terms, then one check
-            wa, da, ma = w[:active], delta[:active], moments[:, :active]
-            for n in range(n0, min(n0 + _TERM_BLOCK, max_terms)):
-                torch.sum(wa, dim=1, out=ma[n])
+            wa, da = w[:active], delta[:active]
+            block = []
+            for _ in range(n0, min(n0 + _TERM_BLOCK, max_terms)):
+                block.append(wa.sum(dim=1))
                 wa.mul_(da)
-            left = ((ma[n].abs() > bound[:active]) | unsure[:active]).nonzero()
+            moments[n0 : n0 + len(block), :active] = torch.stack(block)
+            left = ((block[-1].abs() > bound[:active]) | unsure[:active]).nonzero()
             active = int(left[-1]) + 1 if left.numel() else 0
             if active == 0:
                 break
@@ -421,11 +423,15 @@ class _AdamRule(_Rule):
         neg_y = b.div_(a).neg_()
         acc = torch.zeros_like(root)
         r = -1
+        # term n over the rows that take it, rounded up to eighths of the rows (a row that also
+        # takes a later term of its group only gains accuracy), so a step slices few times
+        step = -(-root.shape[0] // 8)
+        rows_at, mom_n = rows_with.tolist(), mom.unbind(0)
         for n in range(k_terms - 1, -1, -1):  # Horner, over the rows that take term n
-            if int(rows_with[n]) != r:
-                r = int(rows_with[n])
+            if rows_at[n] > r:
+                r = min(-(-rows_at[n] // step) * step, root.shape[0])
                 acc_r, neg_y_r = acc[:r], neg_y[:r]
-            torch.addcmul(mom[n, :r], acc_r, neg_y_r, out=acc_r)
+            torch.addcmul(mom_n[n][:r], acc_r, neg_y_r, out=acc_r)
         out[split:] = acc.div_(a)
         return out
 
