@@ -663,13 +663,13 @@ def test_a_step_with_a_closure_stays_exact(as_keyword: bool) -> None:
     optimization calls it so): the cache's pre-hook ran before the closure, found no gradient,
     and the optimizer then stepped the ``(U, D)`` row buffer itself with another step's state
     (a size-mismatch error, or a wrong step). The rows are now stepped once the closure ran.
-    (The cache attaches to its optimizer at a first step whose forward ran before it, as the
-    agent's conversion does by attaching at once: one plain step here.)"""
+    The very first step is one too: the cache finds its optimizer there (a hook registered
+    when the table was made; registered at the first forward, it missed the step whose
+    closure ran that forward, and the step's update was lost)."""
     gen = torch.Generator().manual_seed(3)
     base = torch.randn(N, D, generator=gen, dtype=torch.float64)
     twin, cached = _pair(base)
     opts = [torch.optim.Adam(m.parameters(), lr=0.05) for m in (twin, cached)]
-    _train(list(zip((twin, cached), opts, strict=True)), 1, gen)
     for _ in range(30):
         ids = _zipf_ids(gen, (4, 6))
         target = torch.randn(4, 6, D, generator=gen, dtype=torch.float64)
@@ -691,3 +691,68 @@ def test_a_step_with_a_closure_stays_exact(as_keyword: bool) -> None:
             else:
                 opt.step(closure)
     assert _rel(cached.full_weight(), twin.weight.detach()) <= 1e-12
+
+
+@pytest.mark.parametrize("between", ["state_dict", "load_state_dict", "to"])
+def test_rows_renormalised_by_max_norm_are_the_tables_before_the_step(between: str) -> None:
+    """A forward with ``max_norm`` renormalises its rows in the table (as ``nn.Embedding``
+    does): a checkpoint taken, a checkpoint loaded or a move between that forward's backward
+    and the step sees and keeps them (they lived only in the row buffer until the step)."""
+    gen = torch.Generator().manual_seed(8)
+    base = torch.randn(N, D, generator=gen, dtype=torch.float64) * 2  # norms above max_norm
+    twin = nn.Embedding.from_pretrained(base.clone(), freeze=False, max_norm=1.0)
+    cached = CachedEmbedding(N, D, C, max_norm=1.0, _weight=base.clone())
+    o1, o2 = OPTIMIZERS["sgd_momentum"]([twin.weight]), OPTIMIZERS["sgd_momentum"]([cached.weight])
+    pairs = ((twin, o1), (cached, o2))
+    for step in range(3):
+        ids = _zipf_ids(gen, (4, 6))
+        for module, opt in pairs:
+            opt.zero_grad()
+            module(ids).pow(2).sum().backward()
+        if step == 1 and between == "state_dict":
+            assert _rel(cached.state_dict()["weight"], twin.weight.detach()) < 1e-12
+        elif step == 1 and between == "load_state_dict":
+            cached.load_state_dict(copy.deepcopy(cached.state_dict()))
+        elif step == 1:
+            cached.to("cpu")
+        for _, opt in pairs:
+            opt.step()
+    assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
+
+
+def test_an_optimizer_checkpoint_without_the_tables_state_restarts_it_like_the_twin() -> None:
+    """An optimizer state dict saved before the table's first step holds no state for it:
+    loaded later, the twin's optimizer starts the table afresh (step 1, zero moments); the
+    cache did too little (kept its moments and step count: 1 % off 3 steps later)."""
+    gen = torch.Generator().manual_seed(9)
+    base = torch.randn(N, D, generator=gen, dtype=torch.float64)
+    twin, cached = _pair(base)
+    o1, o2 = OPTIMIZERS["adam"]([twin.weight]), OPTIMIZERS["adam"]([cached.weight])
+    cached.attach(o2)
+    saved = copy.deepcopy(o1.state_dict()), copy.deepcopy(o2.state_dict())
+    _train([(twin, o1), (cached, o2)], 20, gen)
+    o1.load_state_dict(saved[0])
+    o2.load_state_dict(saved[1])
+    _train([(twin, o1), (cached, o2)], 5, gen)
+    assert int(o2.state_dict()["state"][0]["step"]) == int(o1.state[twin.weight]["step"]) == 5
+    assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
+
+
+def test_momentum_switched_on_and_off_mid_training_follows_the_twin() -> None:
+    """``param_groups[0]["momentum"]`` edited between steps: torch makes the buffers at the
+    first step with momentum (a copy of the gradient, no dampening) and keeps them, unchanged,
+    while momentum is 0. The cache raised KeyError at the first step with momentum."""
+    gen = torch.Generator().manual_seed(10)
+    base = torch.randn(N, D, generator=gen, dtype=torch.float64)
+    twin, cached = _pair(base)
+    make = OPTIMIZERS["sgd_momentum_dampening_wd"]
+    o1, o2 = make([twin.weight]), make([cached.weight])
+    for opt in (o1, o2):
+        opt.param_groups[0]["momentum"] = 0.0
+    for momentum in (0.0, 0.9, 0.0, 0.8):
+        for opt in (o1, o2):
+            opt.param_groups[0]["momentum"] = momentum
+        _train([(twin, o1), (cached, o2)], 15, gen)
+    assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
+    s1, s2 = o1.state_dict()["state"][0], o2.state_dict()["state"][0]
+    assert _rel(s2["momentum_buffer"], s1["momentum_buffer"]) < 1e-12

@@ -64,6 +64,35 @@ def test_lookahead_keeps_the_cache_exact_against_a_resident_twin(opt: str) -> No
     assert float(rel) < 1e-12
 
 
+def test_rows_staged_before_a_checkpoint_load_are_not_placed_after_it() -> None:
+    """The look-ahead stages the next batch's misses while a step runs; a table loaded in
+    between (a roll-back) makes them stale: when the rows were current at staging (after a
+    flush) the load went unnoticed and the placed rows brought back the pre-load values
+    (2.3 off the twin)."""
+    torch.manual_seed(0)
+    n, c = 300, 30
+    base = torch.randn(n, D, dtype=torch.float64)
+    twin = nn.Embedding.from_pretrained(base.clone(), freeze=False)
+    cached = CachedEmbedding(n, D, c, _weight=base.clone())
+    o1, o2 = (torch.optim.SGD([t.weight], lr=0.05) for t in (twin, cached))
+    cached.attach(o2)
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, n, (16,), generator=gen) for _ in range(8)]
+    loaded = {"weight": torch.zeros(n, D, dtype=torch.float64)}
+    for i, ids in enumerate(LookAhead(batches, ahead=4, tables=cached)):
+        if i == 6:
+            twin.load_state_dict(loaded)
+            cached.load_state_dict(loaded)
+        for module, opt in ((twin, o1), (cached, o2)):
+            opt.zero_grad()
+            module(ids).pow(2).sum().backward()
+            opt.step()
+        if i == 5:
+            cached.state_dict()  # a checkpoint: it flushes the table, every host row current
+    assert not bool(twin.weight.detach().any())  # zero rows stay zero under this loss
+    assert float(cached.full_weight().abs().max()) == 0.0
+
+
 def test_rows_of_the_running_and_prefetched_batch_are_never_evicted() -> None:
     """A cache too small for two batches at times (24 ids a batch, 24 rows): no eviction (when
     staged rows are placed, or inside a forward) takes a row of the batch about to run or of the

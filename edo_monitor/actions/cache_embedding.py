@@ -247,6 +247,7 @@ class CacheEmbedding(Action):
             requires_grad=weight.requires_grad,
             host_alloc=self.host_alloc(ctx),
         )
+        table._cancel_auto_attach()  # attached below, to every optimizer holding the weight
         ctx.stage("host_table_made")
         cache = table._parameters["weight"]
         table._parameters["weight"] = weight  # the same Parameter object becomes the cache

@@ -15,7 +15,13 @@ from edo_monitor.nn.cache_parts import (
     _strip_row_buffers,
     rebind_data,
 )
-from edo_monitor.nn.catch_up import _CHUNK_ELEMENTS, _group_of, _make_rule, steps_taken
+from edo_monitor.nn.catch_up import (
+    _CHUNK_ELEMENTS,
+    _group_of,
+    _make_rule,
+    initial_state,
+    steps_taken,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +172,7 @@ class _Checkpointing:
             group = _group_of(self._optimizer, p)  # type: ignore[arg-type]
             fresh = torch.ones(rows, dtype=torch.bool, device=p.device)
             fresh[new_rows] = False
-            new_state["sum"][fresh] = float(group.get("initial_accumulator_value", 0.0))
+            new_state["sum"][fresh] = initial_state(group, "sum")
         blocks = self.slot_to_block[keep]
         last_use, pinned = self.slot_last_use[keep], self.slot_pinned[keep]
         old_rows_h, new_rows_h = old_rows.cpu(), new_rows.cpu()
@@ -237,7 +243,16 @@ class _Checkpointing:
     ) -> dict[str, Any]:
         sd = _insert_row_buffers(optimizer, sd)
         idx = self._param_index(optimizer, buffers=True)
-        if idx is None or idx not in sd["state"]:
+        if idx is None:
+            return sd
+        if idx not in sd["state"]:
+            # no state for the table (saved before its first step): it starts afresh, as the
+            # optimizer starts a resident table, after every row caught up under the old state
+            self.flush()
+            group = _group_of(optimizer, self.weight)
+            for key, host in self.host_state.items():
+                host.fill_(initial_state(group, key))
+            self._reset_step(0, False)
             return sd
         entry = dict(sd["state"][idx])
         n, d = self.num_embeddings, self.embedding_dim
@@ -258,15 +273,17 @@ class _Checkpointing:
         sd = dict(sd)
         sd["state"] = dict(sd["state"])
         sd["state"][idx] = entry
-        self._reset_step(t)
+        self._reset_step(t, entry.get("momentum_buffer") is not None)
         return sd
 
-    def _reset_step(self, t: int) -> None:
-        """Every row is current at step ``t`` (after loading a checkpoint)."""
+    def _reset_step(self, t: int, buffers: bool) -> None:
+        """Every row is current at step ``t`` (after loading a checkpoint; ``buffers``: it holds
+        SGD's momentum buffers)."""
         self.t = t
         self.last_step.fill_(t)
         self.slot_step.fill_(t)
         self._pending = None  # the layout's rows are the loaded ones now
+        self._rewrites += 1
         if self._optimizer is not None:
             group = _group_of(self._optimizer, self.weight)
-            self._rule = _make_rule(self._optimizer, group, t)
+            self._rule = _make_rule(self._optimizer, group, t, buffers)

@@ -10,7 +10,14 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from edo_monitor.nn.cache_step import fused_update, optimizer_kind
-from edo_monitor.nn.catch_up import _CHUNK_ELEMENTS, _group_of, _make_rule, _Rule, steps_taken
+from edo_monitor.nn.catch_up import (
+    _CHUNK_ELEMENTS,
+    _group_of,
+    _make_rule,
+    _Rule,
+    initial_state,
+    steps_taken,
+)
 
 
 class _OptimizerBinding:
@@ -45,14 +52,14 @@ class _OptimizerBinding:
         group = _group_of(optimizer, self.weight)
         state = optimizer.state.get(self.weight, {})
         t = steps_taken(state, 0)
-        rule = _make_rule(optimizer, group, t)
+        rule = _make_rule(optimizer, group, t, state.get("momentum_buffer") is not None)
         kind = optimizer_kind(optimizer)
         n, d = self.num_embeddings, self.embedding_dim
         host_state: dict[str, torch.Tensor] = {}
         new_state: dict[str, torch.Tensor] = {}
         for key in rule.keys:
             value = state.get(key)
-            init = float(group.get("initial_accumulator_value", 0.0)) if key == "sum" else 0.0
+            init = initial_state(group, key)
             if value is None:
                 hs = self._host_empty((n, d))
                 hs.fill_(init)
@@ -166,6 +173,9 @@ class _OptimizerBinding:
         self._pending = None
 
     def _auto_attach(self) -> None:
+        """Attach to the first optimizer whose step finds ``weight`` in its groups: a global
+        step pre-hook, registered when the table is made (so a first step whose closure runs the
+        first forward attaches too), removed after that step or when the table is collected."""
         if self._optimizer is not None or self._auto_hook is not None:
             return
         ref = weakref.ref(self)
@@ -178,6 +188,14 @@ class _OptimizerBinding:
                 table.attach(opt)  # registers the instance pre-hook, which runs right after
 
         self._auto_hook = register_optimizer_step_pre_hook(hook)
+        weakref.finalize(self, self._auto_hook.remove)
+
+    def _cancel_auto_attach(self) -> None:
+        """Remove the auto-attach hook (a table whose optimizer is attached explicitly, such as
+        the agent's conversion, which shares the model's ``weight`` and may roll back)."""
+        if self._auto_hook is not None:
+            self._auto_hook.remove()
+            self._auto_hook = None
 
     def _before_step(self, optimizer: torch.optim.Optimizer) -> None:
         if optimizer is not self._optimizer or self._rule is None:
@@ -185,8 +203,10 @@ class _OptimizerBinding:
         group = _group_of(optimizer, self.weight)
         if _Rule._hyper(group) != self._rule.hyper:
             # hyper-parameters changed: every host row catches up under the old ones first
+            old = self._rule
             self.flush()
-            self._rule = _make_rule(optimizer, group, self.t)
+            self._rule = _make_rule(optimizer, group, self.t, old.buffers_after(self.t))
+            self._state_appears(old.keys, group)
         grad = self.batch_rows.grad
         if grad is None:
             return  # as a resident table with no gradient: the optimizer skips it
@@ -199,10 +219,24 @@ class _OptimizerBinding:
         # hidden from the optimizer's own step (it skips parameters without a gradient)
         self._stash, self.batch_rows.grad = grad, None
 
+    def _state_appears(self, old_keys: tuple[str, ...], group: dict[str, Any]) -> None:
+        """State keys the new rule keeps and ``old_keys`` did not (momentum switched on): made
+        on the host at their initial value when the table never had them, and the cache's copy
+        taken from the host again (the host rows are as the key was last kept: rows loaded
+        meanwhile did not bring it)."""
+        assert self._optimizer is not None and self._rule is not None
+        state = self._optimizer.state[self.weight]
+        for key in self._rule.keys:
+            if key in old_keys:
+                continue
+            if key not in self.host_state:
+                hs = self._host_empty((self.num_embeddings, self.embedding_dim))
+                hs.fill_(initial_state(group, key))
+                self.host_state[key] = hs
+            state.pop(key, None)  # made again from the host rows (_cache_state)
+
     def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if self._auto_hook is not None:
-            self._auto_hook.remove()
-            self._auto_hook = None
+        self._cancel_auto_attach()  # attached in this step's pre-hooks
         if optimizer is not self._optimizer or self._rule is None:
             return
         self._clear_pins()
@@ -268,7 +302,8 @@ class _OptimizerBinding:
             self._catch_up_rows(rows)  # rows carried from an earlier step
             p = self.weight.data.index_select(0, r)
             st = {k: state[k].index_select(0, r) for k in self._state_keys()}
-        fused_update(self._kind, group, p, grad.to(p.dtype), st, self.t + 1)
+        starts = self._rule is not None and self._rule.starts_momentum(self.t + 1)
+        fused_update(self._kind, group, p, grad.to(p.dtype), st, self.t + 1, starts)
         self.weight.data.index_copy_(0, r, p)
         for k, v in st.items():
             state[k].index_copy_(0, r, v)
@@ -276,9 +311,12 @@ class _OptimizerBinding:
 
     def _keeps_rows(self) -> bool:
         """Whether a training forward keeps its rows in the row buffer (:meth:`_take_rows`): with
-        an optimizer attached, when every row of the layout was taken that way."""
-        return self._rule is not None and (
-            self._pending is not None or self._layout_rows.numel() == 0
+        an optimizer attached, without ``max_norm`` (a lookup renormalises rows: the cache must
+        hold them), when every row of the layout was taken that way."""
+        return (
+            self._rule is not None
+            and self.options.max_norm is None  # renormalised rows belong in the cache at once
+            and (self._pending is not None or self._layout_rows.numel() == 0)
         )
 
     def _take_rows(self, rows: torch.Tensor) -> torch.Tensor:

@@ -111,10 +111,10 @@ class _RowMovement:
     def _stage_blocks(self, blocks: torch.Tensor, *, catch_up: bool = True) -> dict[str, Any]:
         """Rows of host ``blocks`` (not cached) caught up to step t (or, ``catch_up=False``, at
         their own steps), copied to the device (on CUDA on the side stream, not waited for):
-        ``{"blocks", "ids", "w", "st", "t", "s"}`` (``"t"``: the step the rows are at,
-        an int or per row). Placed into cache slots by :meth:`_place_staged`, now or after a
-        later optimizer step (the rows, not cached, take no gradient: the lazy catch-up covers
-        those steps)."""
+        ``{"blocks", "ids", "w", "st", "t", "s", "rewrites"}`` (``"t"``: the step the rows are
+        at, an int or per row; ``"rewrites"``: the state dicts loaded before). Placed into cache
+        slots by :meth:`_place_staged`, now or after a later optimizer step (the rows, not
+        cached, take no gradient: the lazy catch-up covers those steps)."""
         ids, _ = self._real_rows(blocks, blocks)  # the ids only
         s = self.last_step[ids]
         w = self.host_weight.index_select(0, ids)
@@ -130,7 +130,15 @@ class _RowMovement:
             with torch.cuda.stream(stream):
                 w = w.to(self.device, non_blocking=True)
                 st = {k: v.to(self.device, non_blocking=True) for k, v in st.items()}
-        return {"blocks": blocks, "ids": ids, "w": w, "st": st, "t": at, "s": s}
+        return {
+            "blocks": blocks,
+            "ids": ids,
+            "w": w,
+            "st": st,
+            "t": at,
+            "s": s,
+            "rewrites": self._rewrites,
+        }
 
     def _place_staged(self, staged: dict[str, Any], slots: torch.Tensor) -> None:
         """Put rows staged by :meth:`_stage_blocks` into free cache ``slots``."""

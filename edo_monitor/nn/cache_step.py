@@ -58,13 +58,15 @@ def fused_update(
     grad: torch.Tensor,
     state: dict[str, torch.Tensor],
     step: int,
+    momentum_starts: bool = False,
 ) -> None:
     """One optimizer step of rows ``p`` ``(U, D)`` with gradient ``grad`` ``(U, D)``, in place.
 
     ``kind``: ``"sgd"``, ``"adam"`` (Adam and AdamW: decoupled decay when ``decoupled``) or
     ``"adagrad"``; ``state``: the rows' per-element state (``momentum_buffer``; ``exp_avg``,
     ``exp_avg_sq``, ``max_exp_avg_sq``; ``sum``), updated in place; ``step``: the parameter's
-    step number after this step (1 at its first). Refused settings never reach here
+    step number after this step (1 at its first); ``momentum_starts``: SGD's momentum buffers
+    are made at this step (the first with momentum). Refused settings never reach here
     (:func:`edo_monitor.nn.cached._make_rule` refuses them by name).
     """
     lr = float(group["lr"])
@@ -76,7 +78,7 @@ def fused_update(
             grad = grad.add(p, alpha=wd)
         if mu:
             buf = state["momentum_buffer"]
-            if step == 1:
+            if momentum_starts:  # torch makes the buffer: a copy of the gradient
                 buf.copy_(grad)
             else:
                 buf.mul_(mu).add_(grad, alpha=1 - float(group["dampening"]))

@@ -78,10 +78,14 @@ distinct steps among the rows caught up); rows from the first steps, whose bias 
 spread the scales beyond the series' cap (35 terms in float64, 16 in float32), are summed term
 by term. A float32 table is caught up in float32, a float64 one in float64.
 
-The optimizer is found through a global optimizer step pre-hook on its first step, or given with
-:meth:`attach`. Checkpoints: ``state_dict()`` holds the full caught-up ``weight`` ``(N, D)`` (an
-``nn.Embedding`` loads it), and the attached optimizer's ``state_dict()`` holds full-table state;
-both load into a cached or an uncached model.
+The optimizer is found through a global optimizer step pre-hook on its first step (registered
+when the table is made), or given with :meth:`attach`. Until that first step the optimizer does
+not hold the table's row buffer, so a ``zero_grad()`` before it does not clear a gradient from a
+backward before it: call :meth:`attach` right after making the optimizer when a loop can run a
+backward before its first ``zero_grad()`` (the agent's conversion attaches at once).
+Checkpoints: ``state_dict()`` holds the full caught-up ``weight`` ``(N, D)`` (an ``nn.Embedding``
+loads it), and the attached optimizer's ``state_dict()`` holds full-table state; both load into
+a cached or an uncached model.
 """
 
 from __future__ import annotations
@@ -210,6 +214,7 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _RowMovement, _Checkpointing
         self._row_pos = torch.full((self.cache_rows,), -1, dtype=torch.int64)
         # the layout's rows and optimizer state at step t, kept by training forwards
         self._pending: dict[str, torch.Tensor] | None = None
+        self._rewrites = 0  # state dicts loaded so far (rows staged before one are stale)
         self._generation = 0
         self._stash: torch.Tensor | None = None
         self._kind = ""
@@ -244,6 +249,8 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _RowMovement, _Checkpointing
         )
         self.register_state_dict_post_hook(_module_state_dict_hook)
         self.register_load_state_dict_pre_hook(_module_load_pre_hook)
+        if requires_grad:
+            self._auto_attach()
         if id_frequencies is not None:
             top = torch.argsort(self.block_freq, descending=True, stable=True)[:slots]
             with torch.no_grad():
@@ -510,6 +517,7 @@ def _module_load_pre_hook(
         module.last_step.fill_(module.t)
         module.slot_step.fill_(module.t)
         module._pending = None  # the step takes the loaded rows
+        module._rewrites += 1
         rows = module._gather_rows(module.host_weight)
     state_dict[key] = rows.to(module.weight.dtype)
 

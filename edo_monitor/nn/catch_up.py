@@ -111,6 +111,12 @@ def optimizer_row_state_keys(optimizer: torch.optim.Optimizer, group: dict[str, 
     return ()
 
 
+def initial_state(group: dict[str, Any], key: str) -> float:
+    """The value a per-element state ``key`` starts at in ``group`` (Adagrad's ``sum``: its
+    ``initial_accumulator_value``; every other: 0)."""
+    return float(group.get("initial_accumulator_value", 0.0)) if key == "sum" else 0.0
+
+
 class _Rule:
     """Catch-up of rows that missed steps; ``lr`` of every step since ``base_step`` is recorded."""
 
@@ -152,6 +158,14 @@ class _Rule:
         """Bring rows ``p`` ``(R, D)`` and ``state`` (float64, or float32 for a float32 table:
         see :meth:`catch_up_rows`) from steps ``s`` ``(R,)`` to ``t``, in place."""
 
+    def starts_momentum(self, step: int) -> bool:
+        """Whether ``step`` creates the momentum buffers (SGD: the first step with momentum)."""
+        return False
+
+    def buffers_after(self, t: int) -> bool:
+        """Whether the optimizer holds momentum buffers after step ``t`` (SGD only)."""
+        return False
+
     def catch_up_rows(
         self, p: torch.Tensor, state: dict[str, torch.Tensor], s: torch.Tensor, t: int
     ) -> None:
@@ -173,7 +187,10 @@ class _Rule:
 
 
 class _SGDRule(_Rule):
-    def __init__(self, group: dict[str, Any], base_step: int) -> None:
+    """SGD; ``buffers``: whether the optimizer held momentum buffers at ``base_step`` (torch makes
+    them at the first step with momentum, as a copy of the gradient: no dampening)."""
+
+    def __init__(self, group: dict[str, Any], base_step: int, buffers: bool) -> None:
         super().__init__(group, base_step)
         self.mu = float(group["momentum"])
         self.damp = float(group["dampening"])
@@ -182,6 +199,14 @@ class _SGDRule(_Rule):
         self.keys = ("momentum_buffer",) if self.mu else ()
         self.trivial = self.wd == 0 and self.mu == 0
         self.tree = _RangeProduct(2)
+        self._buffers = buffers
+        self.first_step = base_step + 1 if self.mu and not buffers else None
+
+    def starts_momentum(self, step: int) -> bool:
+        return step == self.first_step
+
+    def buffers_after(self, t: int) -> bool:
+        return self._buffers or (self.first_step is not None and t >= self.first_step)
 
     def record(self, lr: float) -> None:
         k = self.base_step + self.n + 1
@@ -193,7 +218,7 @@ class _SGDRule(_Rule):
             m = [[1 - lr * wd, 0.0], [0.0, 1.0]]
         else:
             # g = wd*p (zero gradient); b' = mu*b + (1-damp)*g, or b' = g at the first step
-            first = k == 1
+            first = k == self.first_step
             bp, bb = (wd, 0.0) if first else ((1 - self.damp) * wd, mu)
             if self.nesterov:  # p' = p - lr*(g + mu*b')
                 m = [[1 - lr * (wd + mu * bp), -lr * mu * bb], [bp, bb]]
@@ -459,14 +484,17 @@ class _NoopRule(_Rule):
         self.keys = keys
 
 
-def _make_rule(optimizer: torch.optim.Optimizer, group: dict[str, Any], base_step: int) -> _Rule:
-    """The catch-up rule for ``group`` of ``optimizer``; ``ValueError`` naming what is refused."""
+def _make_rule(
+    optimizer: torch.optim.Optimizer, group: dict[str, Any], base_step: int, buffers: bool = False
+) -> _Rule:
+    """The catch-up rule for ``group`` of ``optimizer`` from ``base_step`` on (``buffers``: SGD
+    held momentum buffers then); ``ValueError`` naming what is refused."""
     name = type(optimizer).__name__
     for flag in ("fused", "capturable"):
         if group.get(flag):
             raise ValueError(f"{name} with {flag}=True is not supported by the row cache")
     if isinstance(optimizer, torch.optim.SGD):
-        return _SGDRule(group, base_step)
+        return _SGDRule(group, base_step, buffers)
     if isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
         decoupled = isinstance(optimizer, torch.optim.AdamW) or group.get("decoupled_weight_decay")
         beta1, beta2 = (float(b) for b in group["betas"])

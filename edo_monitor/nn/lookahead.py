@@ -277,10 +277,13 @@ class LookAhead:
     def _place(table: CachedTable, staged: dict[str, Any]) -> None:
         """Place ``staged`` rows into slots evicted now (protected: the batch about to run and
         the next one); dropped (the rows load later) when a staged row was cached or written
-        back since, or when the cache has no evictable slots for them."""
+        back since, a state dict was loaded since, or the cache has no evictable slots for
+        them."""
         blocks = staged["blocks"]
         if set(staged["st"]) != set(table._state_keys()) or staged["t"] > table.t:
             return  # the optimizer was attached (or reloaded) since: stage again
+        if staged["rewrites"] != table._rewrites:
+            return  # a state dict was loaded since: the staged rows are the old ones
         if bool((table.block_to_slot[blocks] >= 0).any()) or not torch.equal(
             table.last_step[staged["ids"]], staged["s"]
         ):
