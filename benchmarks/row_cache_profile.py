@@ -32,11 +32,11 @@ from edo_monitor.surfaces import scripting
 
 PARTS = (  # (file name, function): the cache's step, outermost first
     ("cache_rows.py", "_remap"),
-    ("cache_optimizer.py", "_catch_up_rows"),
-    ("catch_up.py", "_term_sums"),
-    ("catch_up.py", "_exact_sums"),
     ("cache_rows.py", "_ensure"),
     ("cache_rows.py", "_evict"),
+    ("cache_optimizer.py", "_take_rows"),
+    ("catch_up.py", "_term_sums"),
+    ("catch_up.py", "_exact_sums"),
     ("cache_optimizer.py", "_step_rows"),
     ("graph.py", "_engine_run_backward"),
 )

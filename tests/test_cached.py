@@ -756,3 +756,22 @@ def test_momentum_switched_on_and_off_mid_training_follows_the_twin() -> None:
     assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
     s1, s2 = o1.state_dict()["state"][0], o2.state_dict()["state"][0]
     assert _rel(s2["momentum_buffer"], s1["momentum_buffer"]) < 1e-12
+
+
+def test_adagrad_state_made_before_the_cache_grew_is_its_initial_state() -> None:
+    """Adagrad makes its ``sum`` state with the optimizer, the cache's shape then; a first
+    batch with more unique ids than cache rows grows the cache before the first step attaches
+    it, and the attach refused the old-shaped state (ValueError) though it is every row's
+    initial value."""
+    gen = torch.Generator().manual_seed(11)
+    base = torch.randn(N, D, generator=gen, dtype=torch.float64)
+    twin, cached = _pair(base, cache_rows=10)
+    make = OPTIMIZERS["adagrad"]
+    o1, o2 = make([twin.weight]), make([cached.weight])
+    ids = torch.arange(50)
+    for module, opt in ((twin, o1), (cached, o2)):
+        module(ids).pow(2).sum().backward()
+        opt.step()
+    assert cached.cache_rows >= 50
+    _train([(twin, o1), (cached, o2)], 10, gen)
+    assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12

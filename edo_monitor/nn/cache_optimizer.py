@@ -60,10 +60,16 @@ class _OptimizerBinding:
         for key in rule.keys:
             value = state.get(key)
             init = initial_state(group, key)
+            if value is not None and t == 0 and bool((value == init).all()):
+                # made with the optimizer (Adagrad), before any step: the cache may have grown
+                # since, so its shape says nothing; its value is every row's initial state
+                value = None
             if value is None:
                 hs = self._host_empty((n, d))
                 hs.fill_(init)
                 host_state[key] = hs
+                if key in state:  # replaced by the cache's rows of it
+                    new_state[key] = self._gather_rows(hs).to(self.device, self.weight.dtype)
             elif tuple(value.shape) == (n, d):  # full-table state in id order
                 hs = value.detach()
                 if self._host_alloc is not None:
