@@ -265,18 +265,25 @@ def test_checkpoint_into_fresh_uncached_model_continues_like_the_twin() -> None:
     assert _rel(other.full_weight(), twin.weight.detach()) < 1e-12
 
 
+def _adam_pair_trained(seed: int) -> tuple:
+    """A resident twin and a cached table (float64, each with Adam) after 20 steps on the same
+    batches, and the batches' generator: ``(twin, cached, twin_opt, cached_opt, gen)``."""
+    torch.manual_seed(0)
+    base = torch.randn(N, D, dtype=torch.float64)
+    twin, cached = _pair(base)
+    o1, o2 = OPTIMIZERS["adam"]([twin.weight]), OPTIMIZERS["adam"]([cached.weight])
+    gen = torch.Generator().manual_seed(seed)
+    _train([(twin, o1), (cached, o2)], 20, gen)
+    return twin, cached, o1, o2, gen
+
+
 @pytest.mark.parametrize("replace", ["load_optimizer_state", "new_optimizer"])
 def test_optimizer_state_replaced_mid_training_keeps_every_row_exact(replace: str) -> None:
     """Rows on the host are behind the current step until looked up; replacing the optimizer's
     state (a checkpoint loaded into the live optimizer, or a new optimizer attached after
     ``detach_optimizer``) catches them up first under the state they had, as a resident
     table's rows are (both lost the missed updates before)."""
-    torch.manual_seed(0)
-    base = torch.randn(N, D, dtype=torch.float64)
-    twin, cached = _pair(base)
-    o1, o2 = OPTIMIZERS["adam"]([twin.weight]), OPTIMIZERS["adam"]([cached.weight])
-    gen = torch.Generator().manual_seed(6)
-    _train([(twin, o1), (cached, o2)], 20, gen)
+    twin, cached, o1, o2, gen = _adam_pair_trained(seed=6)
     saved = copy.deepcopy(o1.state_dict())
     _train([(twin, o1), (cached, o2)], 5, gen)
     if replace == "load_optimizer_state":
@@ -298,12 +305,7 @@ def test_what_runs_between_backward_and_step_is_seen_by_the_step(between: str) -
     """The forward keeps the batch's rows caught up for its step; a checkpoint loaded before
     that step replaces them, and the step updates the loaded rows, as the twin's does; an
     evaluation forward over the same rows changes nothing."""
-    torch.manual_seed(0)
-    base = torch.randn(N, D, dtype=torch.float64)
-    twin, cached = _pair(base)
-    o1, o2 = OPTIMIZERS["adam"]([twin.weight]), OPTIMIZERS["adam"]([cached.weight])
-    gen = torch.Generator().manual_seed(5)
-    _train([(twin, o1), (cached, o2)], 20, gen)
+    twin, cached, o1, o2, gen = _adam_pair_trained(seed=5)
     saved = copy.deepcopy(twin.state_dict()), copy.deepcopy(o1.state_dict())
     _train([(twin, o1), (cached, o2)], 5, gen)
     ids, target = _zipf_ids(gen, (4, 6)), torch.randn(4, 6, D, generator=gen, dtype=torch.float64)
