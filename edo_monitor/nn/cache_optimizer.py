@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from edo_monitor.nn.cache_parts import put_rows
 from edo_monitor.nn.cache_step import fused_update, optimizer_kind
 from edo_monitor.nn.catch_up import (
     _CHUNK_ELEMENTS,
@@ -287,9 +288,9 @@ class _OptimizerBinding:
             w = self.weight.data.index_select(0, r)
             st = {k: state[k].index_select(0, r) for k in self._state_keys()}
             self._rule.catch_up_rows(w, st, s[start : start + step], self.t)
-            self.weight.data.index_copy_(0, r, w)
+            put_rows(self.weight.data, r, w)
             for k, v in st.items():
-                state[k].index_copy_(0, r, v)
+                put_rows(state[k], r, v)
         self.slot_step[rows] = self.t
 
     def _step_rows(self, group: dict[str, Any], grad: torch.Tensor) -> None:
@@ -310,9 +311,9 @@ class _OptimizerBinding:
             st = {k: state[k].index_select(0, r) for k in self._state_keys()}
         starts = self._rule is not None and self._rule.starts_momentum(self.t + 1)
         fused_update(self._kind, group, p, grad.to(p.dtype), st, self.t + 1, starts)
-        self.weight.data.index_copy_(0, r, p)
+        put_rows(self.weight.data, r, p)
         for k, v in st.items():
-            state[k].index_copy_(0, r, v)
+            put_rows(state[k], r, v)
         self.slot_step[rows] = self.t + 1
 
     def _keeps_rows(self) -> bool:

@@ -8,9 +8,7 @@ from typing import Any
 
 import torch
 
-from edo_monitor.nn.cache_parts import (
-    _CacheFullError,
-)
+from edo_monitor.nn.cache_parts import _CacheFullError, put_rows
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +83,7 @@ class _RowMovement:
         state = self._opt_state()
         moved = 0
         w = self.weight.detach().index_select(0, rows.to(self.device)).to("cpu")
-        self.host_weight.index_copy_(0, ids, w.to(self.host_weight.dtype))
+        put_rows(self.host_weight, ids, w.to(self.host_weight.dtype))
         self.last_step[ids] = self.slot_step[rows]  # lazy: caught up when next loaded
         moved += w.numel() * w.element_size()
         for key in self._state_keys():
@@ -93,7 +91,7 @@ class _RowMovement:
             if value is not None:
                 rows_state = value.detach().index_select(0, rows.to(value.device)).to("cpu")
                 host = self.host_state[key]
-                host.index_copy_(0, ids, rows_state.to(host.dtype))
+                put_rows(host, ids, rows_state.to(host.dtype))
                 moved += rows_state.numel() * rows_state.element_size()
         self._count(d2h_bytes=moved)
 
@@ -154,13 +152,11 @@ class _RowMovement:
             w.record_stream(current)
             for v in st.values():
                 v.record_stream(current)
-        self.weight.data.index_copy_(0, dev_rows, w.to(self.device, self.weight.dtype))
+        put_rows(self.weight.data, dev_rows, w.to(self.device, self.weight.dtype))
         for key in self._state_keys():
             value = state.get(key)
             if value is not None:
-                value.data.index_copy_(
-                    0, rows.to(value.device), st[key].to(value.device, value.dtype)
-                )
+                put_rows(value.data, rows.to(value.device), st[key].to(value.device, value.dtype))
                 moved += st[key].numel() * st[key].element_size()
         self.slot_to_block[slots] = blocks
         self.slot_freq[slots] = self.block_freq[blocks]
