@@ -36,7 +36,9 @@ PARTS = (  # (file name, function): the cache's step, outermost first
     ("cache_rows.py", "_evict"),
     ("cache_optimizer.py", "_take_rows"),
     ("catch_up.py", "_term_sums"),
-    ("catch_up.py", "_exact_sums"),
+    ("adam_series.py", "exact_sums"),
+    ("adam_series.py", "horner_sums"),
+    ("adam_series.py", "add_step"),
     ("cache_optimizer.py", "_step_rows"),
     ("graph.py", "_engine_run_backward"),
 )

@@ -5,7 +5,9 @@ gradient at every missed step (the fused step follows ``torch.optim.Adam`` term 
 against a resident twin in tests/test_cached.py). The second moments span ``eps`` from far below to
 far above; the rows' steps cover the series with few and many terms and the exact form (rows from
 the first steps), rows with no first moment lead and sit among the others, and there are more rows
-than one piece of the sum holds, in no particular order of steps.
+than one piece of the sum holds, in no particular order of steps. The series' moments come from
+the rule's tables, or from its ring (made at the first catch-up, kept as steps pass): both are
+checked, the ring also when it is too small to keep every step's group.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from edo_monitor.nn.cache_step import fused_update
 from edo_monitor.nn.catch_up import _CHUNK_ELEMENTS, _AdamRule
 
 T = 300
+_S0 = torch.zeros(1, dtype=torch.int64)
 
 
 def _lr(k: int) -> float:
@@ -26,16 +29,29 @@ def _lr(k: int) -> float:
 CASES = [(False, (0.9, 0.999)), (True, (0.9, 0.999)), (False, (0.5, 0.0)), (False, (0.0, 0.99))]
 
 
-def _case(amsgrad: bool, betas: tuple[float, float], dtype: torch.dtype) -> tuple:
-    """A rule after ``T`` steps and rows ``(p, state, s)`` of ``dtype`` to catch up to ``T``."""
+def _case(
+    amsgrad: bool,
+    betas: tuple[float, float],
+    dtype: torch.dtype,
+    ring: int | None = None,
+    weight_decay: float = 0.0,
+) -> tuple:
+    """A rule after ``T`` steps and rows ``(p, state, s)`` of ``dtype`` to catch up to ``T``;
+    ``ring``: a first catch-up at step 3 makes the rule's ring of moments, of ``ring`` groups;
+    ``weight_decay``: decoupled (AdamW)."""
     gen = torch.Generator().manual_seed(0)
     rows, dim = 5000, 64
     assert rows * dim * 8 > _CHUNK_ELEMENTS  # several pieces
-    group = {"lr": 1e-3, "betas": betas, "eps": 1e-8, "weight_decay": 0.0}
+    group = {"lr": 1e-3, "betas": betas, "eps": 1e-8, "weight_decay": weight_decay}
     group["amsgrad"] = amsgrad
     rule = _AdamRule(group, 0)
+    if ring is not None:
+        rule._ring_capacity = ring
     for k in range(1, T + 1):
         rule.record(_lr(k))
+        if k == 3 and ring is not None:  # makes the ring: it keeps the groups from step 3 on
+            one = torch.ones(1, dim, dtype=dtype)
+            rule.catch_up_rows(one.clone(), {key: one.clone() for key in rule.keys}, _S0, k)
     p = torch.randn(rows, dim, generator=gen, dtype=torch.float64)
     m = torch.randn(rows, dim, generator=gen, dtype=torch.float64) * 1e-6
     m[:50] = 0  # rows that get no Adam update (their first moment is zero)
@@ -85,6 +101,35 @@ def test_adam_catch_up_equals_the_missed_steps_replayed(
     assert float(err) <= 1e-12
     for key in state:
         assert torch.allclose(got[key], want[key], rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("ring", [1 << 14, 200])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_kept_moments_equal_the_tables(
+    ring: int, weight_decay: float, dtype: torch.dtype
+) -> None:
+    """A catch-up whose moments come from the ring (made at step 3 from the tables, kept step by
+    step since; of 200 groups in float32, float64's its window of 287: the older ones from
+    tables, slots reused) equals the replayed steps as the tables' does: float64 within 1e-12 of
+    the rows' movement, float32 within their own rounding (half an ulp; three with decoupled
+    decay, whose factor is rounded to float32 and multiplied in first)."""
+    rule, group, p, state, s = _case(False, (0.9, 0.999), dtype, ring, weight_decay)
+    assert dtype in rule._rings  # the sums below read it
+    got_p = p.clone()
+    got = {k: v.clone() for k, v in state.items()}
+    rule.catch_up_rows(got_p, got, s, T)
+    want_p, want = _replayed(group, p, state, s)
+    moved = (want_p - p.double()).abs()
+    if dtype == torch.float64:
+        assert float((got_p - want_p).abs().max() / moved.max()) <= 1e-12
+    else:
+        allowed = want_p.abs() * (3 if weight_decay else 1) * 2.0**-24 + 1e-6 * moved
+        assert bool(((got_p.double() - want_p).abs() <= allowed).all())
+    for key in state:
+        assert torch.allclose(
+            got[key].double(), want[key], rtol=1e-6 if dtype == torch.float32 else 1e-12, atol=0
+        )
 
 
 @pytest.mark.parametrize(("amsgrad", "betas"), CASES)

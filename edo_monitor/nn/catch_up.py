@@ -10,13 +10,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from edo_monitor.nn.adam_series import (
+    MomentRing,
+    exact_sums,
+    horner_sums,
+    max_terms,
+    series_terms,
+    table_moments,
+)
+from edo_monitor.nn.cache_parts import put_rows
+
 _TRUNCATION = 1e-13  # float64: relative size of the first neglected Adam catch-up term
 
 
 _CHUNK_ELEMENTS = 1 << 21  # float64 elements per catch-up chunk (16 MiB)
-_CACHE_ELEMENTS = 1 << 17  # float64 elements per piece of a pass that stays in cache (1 MiB)
-_MAX_SPREAD = 0.35  # series terms at most: those a spread of 0.35 needs (float64 35, float32 16)
-_TERM_BLOCK = 8  # series moments computed between two checks of which groups need more
 
 
 def _window_rows(values: torch.Tensor, first: torch.Tensor, width: int) -> torch.Tensor:
@@ -252,6 +259,9 @@ def _window(ratio: float, truncation: float) -> int:
 
 
 class _AdamRule(_Rule):
+    #: groups a :class:`~edo_monitor.nn.adam_series.MomentRing` keeps (older ones: tables)
+    _ring_capacity = 1 << 14
+
     def __init__(self, group: dict[str, Any], base_step: int) -> None:
         super().__init__(group, base_step)
         self.beta1, self.beta2 = (float(b) for b in group["betas"])
@@ -272,6 +282,7 @@ class _AdamRule(_Rule):
         }
         self.tree = _RangeProduct(1) if self.wd else None
         self._bc = torch.zeros(2, 0, dtype=torch.float64)  # 1 - beta1^k, sqrt(1 - beta2^k)
+        self._rings: dict[torch.dtype, MomentRing] = {}  # per dtype caught up in
         self._saturated = 1
         while any(1 - b**self._saturated != 1.0 for b in (self.beta1, self.beta2)):
             self._saturated *= 2
@@ -298,8 +309,36 @@ class _AdamRule(_Rule):
 
     def record(self, lr: float) -> None:
         super().record(lr)
+        decay = 1 - lr * self.wd
         if self.tree is not None:
-            self.tree.append(torch.tensor([[1 - lr * self.wd]], dtype=torch.float64))
+            self.tree.append(torch.tensor([[decay]], dtype=torch.float64))
+        if self._rings:
+            k = self.base_step + self.n  # the step just taken, as the fused step computes it
+            lr_over_bc1 = lr / (1 - self.beta1**k)
+            root_bc2 = math.sqrt(1 - self.beta2**k)
+            for ring in self._rings.values():
+                ring.add_step(self.n, lr_over_bc1, root_bc2, decay)
+
+    def _ring(self, dtype: torch.dtype, t: int) -> MomentRing | None:
+        """The moments kept for catch-ups in ``dtype`` (made at the first: it keeps the groups
+        of the steps after it), or ``None`` for a catch-up to another step than the latest."""
+        n = t - self.base_step
+        if n != self.n:
+            return None
+        ring = self._rings.get(dtype)
+        if ring is None:
+            window, terms = self.windows[dtype], max_terms(dtype)
+            ring = MomentRing(
+                window, terms, n, self.beta1, self.beta2, self.amsgrad, self._ring_capacity
+            )
+            lo = max(0, n - ring.capacity)  # the groups of the steps so far, from tables
+            if lo < n:
+                us = torch.arange(lo, n) + self.base_step
+                coef, scale, widths = self._tables(us, t, window, tail=False)
+                moments, top, last, _, negative = table_moments(coef, scale, widths, terms)
+                ring.fill(us - self.base_step, moments, top, last, negative)
+            self._rings[dtype] = ring
+        return ring
 
     def _decay(self, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
         if self.tree is None:
@@ -319,9 +358,9 @@ class _AdamRule(_Rule):
             sub_p = p.index_select(0, idx)
             sub_state = {k: v.index_select(0, idx) for k, v in state.items()}
             self.catch_up(sub_p, sub_state, s[order], t)
-            p.index_copy_(0, idx, sub_p)
+            put_rows(p, idx, sub_p)
             for k, v in sub_state.items():
-                state[k].index_copy_(0, idx, v)
+                put_rows(state[k], idx, v)
             return
         per = max(1, _CHUNK_ELEMENTS // (8 * p.shape[1]))  # rows a piece: its temporaries
         if rows > per:
@@ -329,152 +368,113 @@ class _AdamRule(_Rule):
                 sl = slice(a, a + per)
                 self.catch_up(p[sl], {k: v[sl] for k, v in state.items()}, s[sl], t)
             return
-        missed = t - s  # (R,)
-        window = self.windows[p.dtype]
-        width = int(missed.clamp(max=window).max())
-        if width == 0:
+        missed = t - s  # (R,), largest first
+        behind = int((missed > 0).sum())  # rows [behind, R) are at step t already
+        if behind == 0:
             return
         m, v = state["exp_avg"], state["exp_avg_sq"]
-        moving = (m.abs().amax(dim=1) != 0).cpu()  # NaN counts as moving
+        moving = (m[:behind].abs().amax(dim=1) != 0).cpu()  # NaN counts as moving
         # rows whose first moment is zero get no Adam update, only the decoupled decay: the
         # leading ones (rows never stepped, at the oldest step) skip the sum
-        lead = int(moving.int().argmax()) if bool(moving.any()) else rows
-        # the sum's coefficients depend on a row only through its step s: computed once per
-        # distinct s (u <= rows, and <= the steps since the oldest), then shared by index
-        us, inv = torch.unique_consecutive(s, return_inverse=True)
+        lead = int(moving.int().argmax()) if bool(moving.any()) else behind
+        # the sum's coefficients depend on a row only through its step s: one group per
+        # distinct s (u <= rows, and <= the steps since the oldest), shared by index
+        us, inv = torch.unique_consecutive(s[:behind], return_inverse=True)
+        dev = p.device
+        if self.wd:  # the decoupled decays of the missed steps
+            decay = self._decay(us, torch.full_like(us, t))
+            p[:behind].mul_(decay.to(dev, p.dtype)[inv.to(dev)][:, None])
+        if lead < behind:
+            denom = state["max_exp_avg_sq"] if self.amsgrad else v
+            sums = self._term_sums(us, inv[lead:], t, denom[lead:behind])
+            if self.eps == 0:  # 0 / 0 where a row has no moment: it moves by nothing
+                sums.masked_fill_(~moving[lead:, None].to(dev), 0.0)
+            p[lead:behind].sub_(m[lead:behind] * sums)
+        mf = missed[:behind].double()[:, None]
+        m[:behind].mul_(torch.pow(self.beta1, mf).to(dev, m.dtype))
+        v[:behind].mul_(torch.pow(self.beta2, mf).to(dev, v.dtype))
+
+    def _tables(
+        self, us: torch.Tensor, t: int, window: int, *, tail: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The sum's coefficients and scales ``(u, J)`` float64 of groups ``us`` (their steps,
+        ``(u,)`` ascending, each behind ``t``) and their missed steps in the window ``(u,)``:
+        column ``j`` is the group's step ``s + j``, its coefficient ``lr / (1 - beta1^k) *
+        beta1^j`` times the decoupled decays of the steps after it (``tail=False``: only those
+        within the window), 0 after ``t``."""
         un = (t - us).clamp(max=window)
+        width = int(un[0])
         j = torch.arange(1, width + 1, dtype=torch.int64)
-        lr = self.lr_windows(us, width)  # (u, J): 0 after step t, past a row's missed steps
+        lr = self.lr_windows(us, width)  # (u, J): 0 after step t, past a group's missed steps
         bc1, root_bc2 = self._bias_corrections(us, width)
         jf = j.double()[None, :]
-        dev = p.device
         if self.wd:
-            valid = j[None, :] <= un[:, None]  # the rows' missed steps
+            valid = j[None, :] <= un[:, None]  # the groups' missed steps
             decay = torch.where(valid, 1 - lr * self.wd, 1.0)  # per missed step in the window
             incl = torch.flip(torch.cumprod(torch.flip(decay, [1]), 1), [1])
             after = torch.ones_like(incl)
             after[:, :-1] = incl[:, 1:]  # product of the window's decays after step j
-            tail = self._decay(us + un, torch.full_like(us, t))  # decays beyond the window
-            p.mul_((incl[:, 0] * tail).to(dev, p.dtype)[inv.to(dev)][:, None])
-            lr.mul_(after).mul_(tail[:, None])
+            lr.mul_(after)
+            if tail:  # the decays beyond the window
+                lr.mul_(self._decay(us + un, torch.full_like(us, t))[:, None])
         coef = lr.div_(bc1).mul_(self.beta1**jf)  # 0 outside the missed steps, as lr
         scale = 1 / root_bc2 if self.amsgrad else self.beta2 ** (jf / 2) / root_bc2
-        if lead < rows:
-            denom = state["max_exp_avg_sq"] if self.amsgrad else v
-            sums = self._term_sums(coef, scale.expand(coef.shape), un, inv[lead:], denom[lead:])
-            if self.eps == 0:  # 0 / 0 where a row has no moment: it moves by nothing
-                sums.masked_fill_(~moving[lead:, None].to(dev), 0.0)
-            p[lead:].sub_(m[lead:] * sums)
-        mf = missed.double()[:, None]
-        m.mul_(torch.pow(self.beta1, mf).to(dev, m.dtype))
-        v.mul_(torch.pow(self.beta2, mf).to(dev, v.dtype))
+        return coef, scale.expand(coef.shape), un
 
     def _term_sums(
-        self,
-        coef: torch.Tensor,
-        scale: torch.Tensor,
-        widths: torch.Tensor,
-        which: torch.Tensor,
-        denom: torch.Tensor,
+        self, us: torch.Tensor, which: torch.Tensor, t: int, denom: torch.Tensor
     ) -> torch.Tensor:
-        """``sum_j coef_j / (sqrt(denom) * scale_j + eps)`` ``(R, D)`` (``denom``'s dtype) for
-        rows whose coefficients are row ``which`` ``(R,)`` (non-decreasing: the groups oldest
-        first) of ``coef`` and ``scale`` ``(u, J)`` float64 (one row per distinct step, its first
-        ``widths`` ``(u,)`` columns its missed steps, coefficients 0 after them; the scales fall
-        along a row, the coefficients are positive).
-
-        With ``c`` a group's largest scale and ``delta_j = scale_j / c - 1`` in ``(-1, 0]``, each
-        term is ``coef_j / (a (1 + delta_j y))`` for ``a = root c + eps`` and ``y = root c / a``
-        in ``[0, 1)``, so the sum is ``(1 / a) sum_n M_n (-y)^n`` with moments ``M_n = sum_j
-        coef_j delta_j^n`` per group: a series that converges for every ``root``. After ``K``
-        terms the rest is below ``rho |M_K| / M_0`` of the sum (``rho``: the group's largest
-        over smallest scale), cut at half the dtype's epsilon; the heavy first terms have ``delta``
-        near 0, so in float64 a row that missed 20 steps after 300 needs about 8 terms and one
-        that missed 286 about 20 (float32: 93 % of a 1 M-row benchmark step's rows need at most
-        8). Term ``n`` runs over the rows whose group needs it, a prefix of the rows oldest
-        first: ``O(u J K + sum over rows of K D)``. Groups still above the cut after the terms a
-        spread of :data:`_MAX_SPREAD` needs (rows caught up from the first steps, where the bias
-        correction changes fast) take the exact form, ``O(J D)`` a row.
+        """``sum_j coef_j / (sqrt(denom) * scale_j + eps)`` ``(R, D)`` (``denom``'s dtype) over
+        the missed steps of rows of groups ``which`` ``(R,)`` (non-decreasing: the groups oldest
+        first) of ``us`` (the groups' steps, ascending; coefficients and scales as
+        :meth:`_tables` gives them), as the series of :mod:`edo_monitor.nn.adam_series`: the
+        moments of the latest steps' groups from the rule's ring (kept as steps pass: ``O(K)`` a
+        group), older groups' from their tables (``O(J K)`` a group); the groups beyond the
+        series' reach term by term, from their tables.
         """
         first = int(which[0])
-        coef, scale, widths = coef[first:], scale[first:], widths[first:]
+        us = us[first : int(which[-1]) + 1]
         which = which - first
-        # the scales fall along a row: its first and its last missed step hold the extremes
-        s_max, s_min = scale[:, 0], scale.gather(1, (widths - 1)[:, None])[:, 0]
-        ratio = torch.where(s_min > 0, s_max / s_min, 1.0)
-        delta = (scale / s_max[:, None]).sub_(1)
-        if self.beta2 == 0 and not self.amsgrad:  # every scale 0: y is 0, delta any number
-            delta.nan_to_num_(0.0)
-        tail = torch.finfo(denom.dtype).eps / 2  # float64: 1.1e-16, float32: 6e-8
-        max_terms = math.ceil(math.log(tail) / math.log(_MAX_SPREAD))
-        bound = coef.sum(dim=1) * (tail / ratio)  # |M_n| at most this: n terms do
-        unsure = coef.amin(dim=1) < 0  # the bound needs positive terms: exact form
-        groups = coef.shape[0]
-        moments = coef.new_zeros(max_terms, groups)  # moment n of every group: row n
-        w = coef.clone()
-        active = groups  # groups [0, active) hold one not yet within the bound
-        for n0 in range(0, max_terms, _TERM_BLOCK):  # blocks of terms, then one check
-            wa, da = w[:active], delta[:active]
-            block = []
-            for _ in range(n0, min(n0 + _TERM_BLOCK, max_terms)):
-                block.append(wa.sum(dim=1))
-                wa.mul_(da)
-            moments[n0 : n0 + len(block), :active] = torch.stack(block)
-            left = ((block[-1].abs() > bound[:active]) | unsure[:active]).nonzero()
-            active = int(left[-1]) + 1 if left.numel() else 0
-            if active == 0:
-                break
-        # terms a group needs: the first n whose moment is within the bound (moments fall)
-        within = (moments.abs() <= bound) & ~unsure
-        terms = torch.where(within.any(dim=0), within.int().argmax(dim=0), max_terms + 1)
-        # a group takes at least the terms of every younger one: term n runs over a prefix
-        terms = torch.flip(torch.cummax(torch.flip(terms, [0]), 0).values, [0])
+        groups = us.numel()
+        window = self.windows[denom.dtype]
+        ring = self._ring(denom.dtype, t)
+        kept = groups  # groups [kept, u) have their moments in the ring
+        if ring is not None:
+            kept = int(torch.searchsorted(us, self.base_step + ring.covers(t - self.base_step)))
+        tables = self._tables(us[:kept], t, window) if kept else None
+        parts = []
+        if tables is not None:
+            tail = torch.finfo(denom.dtype).eps / 2
+            moments, top, _, ratio, unsure = table_moments(*tables, max_terms(denom.dtype), tail)
+            parts.append((moments, top, ratio, unsure))
+        if kept < groups:
+            assert ring is not None
+            moments, top, ratio, unsure = ring.gather(us[kept:] - self.base_step)
+            if self.wd:  # the decays after the window (kept moments hold those within it)
+                done = us[kept:] + (t - us[kept:]).clamp(max=window)
+                moments = moments * self._decay(done, torch.full_like(done, t))
+            parts.append((moments, top, ratio, unsure))
+        moments, top, ratio, unsure = (
+            parts[0] if len(parts) == 1 else (torch.cat(x, -1) for x in zip(*parts, strict=True))
+        )
+        terms = series_terms(moments, ratio, unsure, denom.dtype)
         root = denom.sqrt()
-        out = torch.empty_like(root)
-        exact = int((terms > max_terms).sum())
+        exact = int((terms > max_terms(denom.dtype)).sum())
         split = int(torch.searchsorted(which, exact))  # rows of the exact groups come first
-        if split:
-            out[:split] = self._exact_sums(coef[:exact], scale[:exact], root[:split], which[:split])
-        if split == root.shape[0]:
-            return out
-        root, which = root[split:], which[split:]
-        k_terms = int(terms[exact]) if exact < groups else 0
-        # rows that take term n: those of the groups with more than n terms
-        rows_with = torch.searchsorted(which, (terms > torch.arange(k_terms)[:, None]).sum(1))
-        dev, dtype = root.device, root.dtype  # the tables are the host's, float64
-        mom = moments[:k_terms].index_select(1, which).to(dev, dtype)[:, :, None]  # (K, R, 1)
-        b = root * s_max.index_select(0, which).to(dev, dtype)[:, None]  # root * c
-        a = b + self.eps
-        neg_y = b.div_(a).neg_()
-        acc = torch.zeros_like(root)
-        r = -1
-        # term n over the rows that take it, rounded up to eighths of the rows (a row that also
-        # takes a later term of its group only gains accuracy), so a step slices few times
-        step = -(-root.shape[0] // 8)
-        rows_at, mom_n = rows_with.tolist(), mom.unbind(0)
-        for n in range(k_terms - 1, -1, -1):  # Horner, over the rows that take term n
-            if rows_at[n] > r:
-                r = min(-(-rows_at[n] // step) * step, root.shape[0])
-                acc_r, neg_y_r = acc[:r], neg_y[:r]
-            torch.addcmul(mom_n[n][:r], acc_r, neg_y_r, out=acc_r)
-        out[split:] = acc.div_(a)
-        return out
-
-    def _exact_sums(
-        self, coef: torch.Tensor, scale: torch.Tensor, root: torch.Tensor, which: torch.Tensor
-    ) -> torch.Tensor:
-        """``sum_j coef_j / (root * scale_j + eps)`` term by term for rows ``root`` ``(r, D)`` of
-        groups ``which`` ``(r,)``, in pieces of :data:`_CACHE_ELEMENTS` ``(rows, D, J)``."""
+        if split == 0:
+            return horner_sums(moments, top, terms, which, root, self.eps)
+        if exact > kept:  # tables for the exact groups the ring holds
+            tables = self._tables(us[:exact], t, window)
+        assert tables is not None
         out = torch.empty_like(root)
-        coef, scale = coef.to(root.device, root.dtype), scale.to(root.device, root.dtype)
-        which = which.to(root.device)
-        dim, cols = root.shape[1], coef.shape[1]
-        piece = max(1, _CACHE_ELEMENTS // (dim * cols))
-        for a in range(0, root.shape[0], piece):
-            u = which[a : a + piece]
-            den = root[a : a + piece, :, None] * scale.index_select(0, u)[:, None, :]
-            term = coef.index_select(0, u)[:, None, :] / den.add_(self.eps)
-            out[a : a + piece] = term.sum(dim=2)
+        coef, scale = tables[0][:exact], tables[1][:exact]
+        out[:split] = exact_sums(coef, scale, root[:split], which[:split], self.eps)
+        if split < root.shape[0]:
+            rest = slice(exact, None)
+            out[split:] = horner_sums(
+                moments[:, rest], top[rest], terms[rest], which[split:] - exact, root[split:],
+                self.eps,
+            )  # fmt: skip
         return out
 
 
