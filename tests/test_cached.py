@@ -401,11 +401,15 @@ def test_resize_both_ways_mid_training_stays_exact() -> None:
 
 
 def _assert_slot_freq(cached: CachedEmbedding) -> None:
-    """The LFU count kept per slot is its block's count (what eviction ranks by)."""
+    """The LFU count kept per slot is its block's count, and the score kept per slot is its
+    count and last use (what eviction ranks by; free slots -1)."""
     used = (cached.slot_to_block >= 0).nonzero().reshape(-1)
     assert used.numel() > 0
     want = cached.block_freq[cached.slot_to_block[used]]
     assert torch.equal(cached.slot_freq[used], want) and int(want.max()) > 1
+    score = torch.full_like(cached.slot_score, -1)
+    score[used] = want * 2**32 + cached.slot_last_use[used]
+    assert torch.equal(cached.slot_score, score)
 
 
 def test_prefetch_and_warm_start_give_the_same_results() -> None:

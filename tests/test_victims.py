@@ -1,5 +1,6 @@
 """The row cache's eviction order kept between steps (issue 23: the eviction decision at the
-batch's cost): ``edo_monitor.nn.victims.VictimOrder`` against one pass over every slot.
+batch's cost): ``edo_monitor.nn.victims.VictimOrder`` against one pass over every slot, and that
+pass's own choice among the slots under its bound against one ``topk`` over every slot.
 
 Real tables in real training loops (Zipf ids, Adam); at every eviction both choices are made on the
 same state, and the victims' scores must be the same multiset (ties may pick other slots).
@@ -67,6 +68,43 @@ def test_victims_are_the_lowest_scores_of_every_slot(
     assert compared >= 100  # nearly every step evicted
     # the ranking is made again every few steps, not at every eviction (the O(C) pass)
     assert refreshes <= compared // 4
+
+
+@pytest.mark.parametrize(("policy", "ahead"), [("lfu", 0), ("lru", 0), ("lfu", 4)])
+def test_the_choice_under_the_bound_is_the_lowest_scores_of_every_slot(
+    policy: str, ahead: int
+) -> None:
+    """The full pass picks its victims among the slots scoring at most the bound of its last
+    ``topk`` when they are enough: the same scores as one ``topk`` over every slot, at every
+    eviction; the ``topk`` over every slot runs at a few of them only. The scores it keeps per
+    slot are those of the slots' counts and last uses (free: -1) at every eviction."""
+    table = CachedEmbedding(N, D, C, policy=policy)
+    opt = torch.optim.Adam(table.parameters(), lr=1e-3)
+    full = table._evict_full
+    evictions = ranked = 0
+
+    def checked(count: int, keep_slots: list[torch.Tensor]) -> torch.Tensor:
+        nonlocal evictions, ranked
+        every = torch.arange(table.slot_to_block.numel())
+        assert torch.equal(table.slot_score, slot_scores(table, every))
+        scores = table._eviction_scores(keep_slots)
+        bound = table._eviction_bound
+        got = full(count, keep_slots)
+        want = torch.topk(scores, count, largest=False).values
+        assert torch.equal(scores[got].sort().values, want.sort().values)
+        evictions += 1
+        ranked += table._eviction_bound != bound
+        return got
+
+    table._evict_full = checked  # type: ignore[method-assign]
+    batches = _batches(120)
+    loader = LookAhead(batches, ahead=ahead, tables=table) if ahead else batches
+    for ids in loader:
+        table(ids).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert evictions >= 100
+    assert ranked <= evictions // 3
 
 
 def test_large_caches_keep_the_order_small_ones_pass_over_every_slot() -> None:

@@ -196,6 +196,9 @@ class _Checkpointing:
         self.slot_freq[new_index] = self.block_freq[blocks]
         self.slot_pinned = torch.zeros(new_slots, dtype=torch.bool)
         self.slot_pinned[new_index] = pinned
+        self.slot_score = torch.full((new_slots,), -1, dtype=torch.int64)
+        self.slot_score[new_index] = self._policy_score(self.slot_freq[new_index], last_use)
+        self._slot_mark = torch.zeros(new_slots, dtype=torch.bool)
         self.slot_step = slot_step
         self._layout_rows = layout
         self._row_pos = torch.full((rows,), -1, dtype=torch.int64)

@@ -241,6 +241,7 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _RowMovement, _Checkpointing
         #: the eviction hook of a :class:`~edo_monitor.nn.lookahead.LookAhead` (``None``: none)
         self._lookahead: Any = None
         self._victim_order = VictimOrder()
+        self._eviction_bound: int | None = None  # see _evict_full
         self._step_counters = dict(self._counters)
         self.peak_unique_ids = 0
         # an OrderedDict: RemovableHandle holds a weak reference to it
@@ -272,6 +273,10 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _RowMovement, _Checkpointing
         # only (a gather of every slot's block from block_freq (N,) cost ~3 ms a step at N = 1M)
         self.slot_freq = torch.zeros(slots, dtype=torch.int64)
         self.slot_pinned = torch.zeros(slots, dtype=torch.bool)
+        # each slot's eviction score by the policy (free: -1), kept as slots are used, loaded
+        # and freed, so that an eviction reads one (C,) array (_RowMovement._evict_full)
+        self.slot_score = torch.full((slots,), -1, dtype=torch.int64)
+        self._slot_mark = torch.zeros(slots, dtype=torch.bool)  # scratch: slots an eviction keeps
         # slots pinned since the last optimizer step, so the step clears them in O(batch), not in
         # O(cache); None: too many listed (or the slots were renumbered), clear them all
         self._pinned_since_step: list[torch.Tensor] | None = []
