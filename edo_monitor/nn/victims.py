@@ -10,16 +10,16 @@ import torch
 __all__ = ["VictimOrder"]
 
 _FREE = -1  # the score of a free slot: taken before any victim
-_LAST_USE_BITS = 32  # LFU scores are (count << 32) + last use
+_LAST_USE_BITS = 32  # LFU scores are count * 2^32 + last use (_RowMovement._policy_score)
 _NEVER_LISTED = torch.iinfo(torch.int64).max  # theta when every slot is ranked
 
 
 def slot_scores(table: Any, slots: torch.Tensor) -> torch.Tensor:
-    """Eviction scores ``(S,)`` int64 of cache ``slots`` (smallest goes first): ``-1`` for a free
-    slot; LFU: the block's use count, ties by last use (``(count << 32) + last use``, the forward
-    number); LRU: the last use. A slot's score changes only when it is used, loaded or freed."""
-    last = table.slot_last_use[slots].clamp(max=(1 << _LAST_USE_BITS) - 1)
-    score = (table.slot_freq[slots] << _LAST_USE_BITS) + last if table.policy == "lfu" else last
+    """Eviction scores ``(S,)`` int64 of cache ``slots`` (smallest goes first) from their counts
+    and last uses: ``-1`` for a free slot, else the policy's (LFU: the block's use count, ties by
+    last use, the forward number; LRU: the last use). A slot's score changes only when it is
+    used, loaded or freed: the table keeps them (``slot_score``), which the order reads."""
+    score = table._policy_score(table.slot_freq[slots], table.slot_last_use[slots])
     return torch.where(table.slot_to_block[slots] < 0, _FREE, score)
 
 
@@ -53,7 +53,6 @@ class VictimOrder:
         self._listed: list[torch.Tensor] = []  # changed slots scoring below theta (repeats)
         self._listed_count = 0
         self._arrays: tuple[torch.Tensor, ...] = ()  # the table's arrays ranked
-        self._taken = torch.zeros(0, dtype=torch.bool)  # scratch: slots a choice must keep
 
     def reset(self) -> None:
         """Forget the ranking (the next choice refreshes it)."""
@@ -71,7 +70,7 @@ class VictimOrder:
         """Rank the lowest-score slots again (``O(C + M log M)``)."""
         count = table.slot_to_block.numel()
         keep = min(count, max(count // 4, 2 * need, 1))
-        scores = slot_scores(table, torch.arange(count))
+        scores = table.slot_score
         if keep < count:
             top = torch.topk(scores, keep + 1, largest=False, sorted=True)
             self._theta = int(top.values[-1])
@@ -81,7 +80,6 @@ class VictimOrder:
             self._ranked_score, self._ranked = torch.sort(scores, stable=True)
         self._head = 0
         self._marked = torch.zeros(count, dtype=torch.bool)
-        self._taken = torch.zeros(count, dtype=torch.bool)
         self._listed, self._listed_count = [], 0
         self._arrays = (table.slot_to_block, table.slot_freq, table.slot_last_use)
 
@@ -99,7 +97,7 @@ class VictimOrder:
             fewer = table.slot_freq[slots] < (self._theta >> _LAST_USE_BITS)
             low = slots[fewer] if table.policy == "lfu" else slots[:0]
         else:
-            low = slots[slot_scores(table, slots) < self._theta]
+            low = slots[table.slot_score[slots] < self._theta]
         if low.numel():
             self._listed.append(low)
             self._listed_count += low.numel()
@@ -130,13 +128,13 @@ class VictimOrder:
         ranked, ranked_score = self._ranked, self._ranked_score
         total = ranked.numel()
         listed = torch.unique(torch.cat(self._listed)) if self._listed else ranked[:0]
-        listed_score = slot_scores(table, listed)
+        listed_score = table.slot_score[listed]
         low = listed_score < self._theta  # the others score as much as slots not ranked
         listed, listed_score = listed[low], listed_score[low]
         self._listed = [listed]
         self._listed_count = listed.numel()
         for k in keep:
-            self._taken[k] = True
+            table._slot_mark[k] = True  # the table's scratch: slots a choice must keep
         try:
             length = 2 * need + 64
             while True:
@@ -145,7 +143,7 @@ class VictimOrder:
                 pool = torch.cat([ranked[self._head : end], listed])
                 score = torch.cat([ranked_score[self._head : end], listed_score])
                 bound = int(ranked_score[end]) if end < total else self._theta
-                ok = (score <= bound) & ~self._taken[pool] & ~table.slot_pinned[pool]
+                ok = (score <= bound) & ~table._slot_mark[pool] & ~table.slot_pinned[pool]
                 if inside is not None:
                     blocks = table.slot_to_block[pool]
                     ok &= ~((blocks >= 0) & inside(blocks.clamp(min=0)))
@@ -157,7 +155,7 @@ class VictimOrder:
                 length *= 2
         finally:
             for k in keep:
-                self._taken[k] = False
+                table._slot_mark[k] = False
 
     def _drop_marked(self, end: int) -> None:
         """Drop the marked slots of ``ranked[head:end]`` for good (their scores changed: listed,
