@@ -198,7 +198,9 @@ def sparse_comparison(
     ``CachedEmbedding`` + ``Adam`` (``cache_rows`` rows; and a resident dense ``nn.Embedding`` +
     ``Adam`` when ``resident``), the same Zipf batches, stepped alternately with the order
     rotated each round, after ``warmup`` steps (the cache full and Adam's catch-up window of
-    286 steps passed). Medians in seconds per step (forward + backward + step + zero_grad)."""
+    286 steps passed). Medians in seconds per step (forward + backward + step + zero_grad),
+    and ``paired``: the median over rounds of the round's cached / sparse (the two steps of a
+    round run back to back, so load that drifts over the run hits both alike)."""
     torch.manual_seed(0)
     made: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {}
     sparse = nn.Embedding(rows, DIM, sparse=True)
@@ -227,5 +229,8 @@ def sparse_comparison(
         for name in names[i % len(names) :] + names[: i % len(names)]:
             times[name].append(step(name, ids))
     out = {k: statistics.median(v) for k, v in times.items()}
+    out["paired"] = statistics.median(
+        c / s for c, s in zip(times["cached"], times["sparse"], strict=True)
+    )
     out["unique"] = float(torch.unique(ids).numel())
     return out

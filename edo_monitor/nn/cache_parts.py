@@ -109,7 +109,7 @@ def put_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
         and dst.is_contiguous()
         and not dst.requires_grad
     ):
-        dst.numpy()[index.numpy()] = src.detach().numpy()
+        dst.numpy()[index.numpy()] = (src.detach() if src.requires_grad else src).numpy()
     else:
         dst.index_copy_(0, index, src)
 

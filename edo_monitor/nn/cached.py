@@ -447,8 +447,9 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _RowMovement, _Checkpointing
         ):
             # one gather of every id's row; the backward adds each id's gradient at its row's place
             flat = place.reshape(-1)
-            at = None if positions is None else positions[flat]
-            return self._gather(source, index[flat], at).view(*place.shape, self.embedding_dim)
+            rows = index[flat]
+            at = rows if positions is index else None if positions is None else positions[flat]
+            return self._gather(source, rows, at).view(*place.shape, self.embedding_dim)
         rows = self._gather(source, index, positions)
         place = place.to(self.device)
         if o.bag_mode is None:

@@ -283,6 +283,7 @@ class _AdamRule(_Rule):
         self.tree = _RangeProduct(1) if self.wd else None
         self._bc = torch.zeros(2, 0, dtype=torch.float64)  # 1 - beta1^k, sqrt(1 - beta2^k)
         self._rings: dict[torch.dtype, MomentRing] = {}  # per dtype caught up in
+        self._betas = torch.tensor([self.beta1, self.beta2], dtype=torch.float64)
         self._saturated = 1
         while any(1 - b**self._saturated != 1.0 for b in (self.beta1, self.beta2)):
             self._saturated *= 2
@@ -390,9 +391,10 @@ class _AdamRule(_Rule):
             if self.eps == 0:  # 0 / 0 where a row has no moment: it moves by nothing
                 sums.masked_fill_(~moving[lead:, None].to(dev), 0.0)
             p[lead:behind].sub_(m[lead:behind] * sums)
-        mf = missed[:behind].double()[:, None]
-        m[:behind].mul_(torch.pow(self.beta1, mf).to(dev, m.dtype))
-        v[:behind].mul_(torch.pow(self.beta2, mf).to(dev, v.dtype))
+        # the moments' decays over the missed steps, beta1^k and beta2^k, in one pass
+        decays = torch.pow(self._betas, missed[:behind, None].double()).to(dev, m.dtype)
+        m[:behind].mul_(decays[:, :1])
+        v[:behind].mul_(decays[:, 1:])
 
     def _tables(
         self, us: torch.Tensor, t: int, window: int, *, tail: bool = True
