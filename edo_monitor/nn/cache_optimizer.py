@@ -366,6 +366,9 @@ class _OptimizerBinding:
         grad = self.batch_rows.grad
         if grad is not None:
             grad = torch.cat([grad.detach(), grad.new_zeros(new.numel(), self.embedding_dim)])
+        if self._layout_rows.numel() == 0:  # a step's first forward: nothing to append to
+            self._set_layout(new, grad, values)
+            return
         data = torch.cat([self.batch_rows.data, values])
         self._set_layout(torch.cat([self._layout_rows, new]), grad, data)
 

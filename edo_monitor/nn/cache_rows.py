@@ -385,8 +385,8 @@ class _RowMovement:
         self._tick += 1
         with torch.no_grad():
             slots = self._ensure(uniq, count=True, slots=slots)
-        self.block_freq[uniq] += 1
-        freq = self.block_freq[uniq]
+        freq = self.block_freq[uniq] + 1
+        self.block_freq[uniq] = freq
         self.slot_freq[slots] = freq
         self.slot_last_use[slots] = self._tick
         self.slot_score[slots] = self._policy_score(freq, self._tick)
