@@ -24,6 +24,7 @@ _TRUNCATION = 1e-13  # float64: relative size of the first neglected Adam catch-
 
 
 _CHUNK_ELEMENTS = 1 << 21  # float64 elements per catch-up chunk (16 MiB)
+_KEPT_TABLES = 1024  # exact-form groups whose tables a rule keeps, per window (4.7 MB at most)
 
 
 def _window_rows(values: torch.Tensor, first: torch.Tensor, width: int) -> torch.Tensor:
@@ -284,6 +285,8 @@ class _AdamRule(_Rule):
         self._bc = torch.zeros(2, 0, dtype=torch.float64)  # 1 - beta1^k, sqrt(1 - beta2^k)
         self._rings: dict[torch.dtype, MomentRing] = {}  # per dtype caught up in
         self._betas = torch.tensor([self.beta1, self.beta2], dtype=torch.float64)
+        # the exact form's tables of groups whose window is complete, per window: step -> rows
+        self._complete_tables: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._saturated = 1
         while any(1 - b**self._saturated != 1.0 for b in (self.beta1, self.beta2)):
             self._saturated *= 2
@@ -423,6 +426,38 @@ class _AdamRule(_Rule):
         scale = 1 / root_bc2 if self.amsgrad else self.beta2 ** (jf / 2) / root_bc2
         return coef, scale.expand(coef.shape), un
 
+    def _exact_tables(
+        self, us: torch.Tensor, t: int, window: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_tables`' coefficients and scales ``(u, J)`` of groups ``us`` that take the
+        exact form (rows from the first steps, which keep coming back while the table warms
+        up). A group whose window is complete no longer changes but for the decays after it
+        (applied here): its rows are kept, up to :data:`_KEPT_TABLES` groups a window, so a
+        catch-up stacks them instead of making them (about 25 operator calls a step)."""
+        kept = self._complete_tables.setdefault(window, {})
+        steps = us[: int((us <= t - window).sum())].tolist()  # the complete windows, oldest
+        missing = [s for s in steps if s not in kept]
+        if not steps or len(kept) + len(missing) > _KEPT_TABLES:
+            coef, scale, _ = self._tables(us, t, window)
+            return coef, scale
+        if missing:
+            coef, scale, _ = self._tables(torch.tensor(missing), t, window, tail=False)
+            kept.update(zip(missing, zip(coef, scale, strict=True), strict=True))
+        coef = torch.stack([kept[s][0] for s in steps])
+        scale = torch.stack([kept[s][1] for s in steps])
+        if self.wd:  # the decays after the window
+            done = us[: len(steps)] + window
+            coef.mul_(self._decay(done, torch.full_like(done, t))[:, None])
+        if len(steps) == us.numel():
+            return coef, scale
+        # windows still filling: made, their columns after the missed steps coefficient 0
+        fresh_coef, fresh_scale, _ = self._tables(us[len(steps) :], t, window)
+        width = fresh_coef.shape[1]
+        pad = (0, window - width)
+        fresh_coef = torch.nn.functional.pad(fresh_coef, pad)
+        fresh_scale = torch.nn.functional.pad(fresh_scale, pad, value=1.0)
+        return torch.cat([coef, fresh_coef]), torch.cat([scale, fresh_scale])
+
     def _term_sums(
         self, us: torch.Tensor, which: torch.Tensor, t: int, denom: torch.Tensor
     ) -> torch.Tensor:
@@ -466,10 +501,11 @@ class _AdamRule(_Rule):
         if split == 0:
             return horner_sums(moments, top, terms, which, root, self.eps)
         if exact > kept:  # tables for the exact groups the ring holds
-            tables = self._tables(us[:exact], t, window)
-        assert tables is not None
+            coef, scale = self._exact_tables(us[:exact], t, window)
+        else:
+            assert tables is not None
+            coef, scale = tables[0][:exact], tables[1][:exact]
         out = torch.empty_like(root)
-        coef, scale = tables[0][:exact], tables[1][:exact]
         out[:split] = exact_sums(coef, scale, root[:split], which[:split], self.eps)
         if split < root.shape[0]:
             rest = slice(exact, None)
