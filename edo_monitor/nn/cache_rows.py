@@ -184,7 +184,9 @@ class _RowMovement:
         gradient nor needed by the look-ahead's running or prefetched batch. Found by the
         table's :class:`~edo_monitor.nn.victims.VictimOrder` at the batch's cost in a cache of
         :attr:`_victim_order_min_slots` slots or more; in a smaller one, or when the rows
-        outside the window are too few, by one vectorized ``topk`` over all ``C`` slots.
+        outside the window are too few, by :meth:`_evict_full` (one compare over the ``C`` kept
+        scores, then the candidates under its bound; a ``topk`` over every slot every few
+        evictions).
 
         Raises:
             _CacheFullError: fewer free or evictable slots than ``count``.

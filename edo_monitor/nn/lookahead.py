@@ -25,8 +25,9 @@ batch, ``K = ahead``; vectorized, one ``scatter_reduce`` into a persistent per-b
 in the same ``O(K x U)``), ``O(U)`` for the protected set, and the victim choice of the cache
 (:class:`~edo_monitor.nn.victims.VictimOrder` from 2^17 slots on): ``O(U + need log need)``
 amortized, the rows inside the window left out of it; in smaller caches, and when the rows
-outside the window are too few, one ``topk`` over every slot (``O(C)``) ranks every row, the
-window's by next use.
+outside the window are too few, one compare over the ``C`` scores the cache keeps and a
+``topk`` over the candidates under a bound (``O(C)`` elementwise, ``O(candidates log need)``;
+a ``topk`` over every slot, the window's rows by next use, every few evictions).
 
 Without the wrapper the cache works as before (its LFU or LRU policy).
 """
