@@ -276,7 +276,8 @@ class _RowMovement:
             values, victims = low.values, low.indices
         if int(values.max()) >= _NOT_EVICTABLE:
             raise self._full_error(count, keep_slots)
-        self._eviction_bound = min(int(low.values.max()), _NOT_EVICTABLE - 1)
+        evictable = low.values[low.values < _NOT_EVICTABLE]  # the count victims at least
+        self._eviction_bound = int(evictable.max())
         return victims
 
     def _lowest_candidates(

@@ -7,10 +7,11 @@ from typing import Any
 
 import torch
 
+from edo_monitor.nn.cache_rows import _LAST_USE_SPAN
+
 __all__ = ["VictimOrder"]
 
 _FREE = -1  # the score of a free slot: taken before any victim
-_LAST_USE_BITS = 32  # LFU scores are count * 2^32 + last use (_RowMovement._policy_score)
 _NEVER_LISTED = torch.iinfo(torch.int64).max  # theta when every slot is ranked
 
 
@@ -94,7 +95,7 @@ class VictimOrder:
         elif how == "used" and self._theta < _NEVER_LISTED:
             # stamped with the newest forward, above every last use ranked: below theta only
             # with fewer uses than theta's (LFU); never under LRU
-            fewer = table.slot_freq[slots] < (self._theta >> _LAST_USE_BITS)
+            fewer = table.slot_freq[slots] < self._theta // _LAST_USE_SPAN
             low = slots[fewer] if table.policy == "lfu" else slots[:0]
         else:
             low = slots[table.slot_score[slots] < self._theta]
