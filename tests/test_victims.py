@@ -127,3 +127,19 @@ def test_large_caches_keep_the_order_small_ones_pass_over_every_slot() -> None:
     assert not order._current(table)  # new slot arrays: the next choice ranks them
     victims = order.choose(table, 10, [torch.zeros(0, dtype=torch.int64)])
     assert victims is not None and bool((table.slot_to_block[victims] < 0).all())  # free first
+
+
+def test_the_bound_is_an_evictable_score_when_kept_rows_rank_among_the_lowest() -> None:
+    """A small cache whose batch keeps most of it: the full ranking's lowest scores include kept
+    rows (the int64 maximum); the bound is the highest evictable one among them, so the next
+    evictions look at a few candidates (it was the maximum less one: every slot a candidate)."""
+    table = CachedEmbedding(1_000, D, 64)
+    opt = torch.optim.SGD(table.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(10):
+        table(torch.randperm(1_000, generator=gen)[:40]).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    bound = table._eviction_bound
+    assert bound is not None
+    assert bound < 2**32 * int(table.block_freq.max() + 1)  # a count-and-last-use score
