@@ -531,3 +531,20 @@ def test_user_strings_are_printed_as_they_are(tmp_path: Path) -> None:
     assert res.exit_code == 0 and "sweep[/bs64]" in res.stdout and "emb[0]" in res.stdout
     res = run("show", "[b]", db=path)
     assert res.exit_code == 1 and "'[b]'" in res.stderr
+
+
+@pytest.mark.parametrize("args", [("runs",), ("show", "1"), ("events", "1"), ("export", "1")])
+def test_a_reader_that_goes_away_is_exit_0(db: Path, args: tuple[str, ...]) -> None:
+    """``edo-monitor show 1 | head -2``: the reader closes the pipe before the command writes;
+    every command exits 0 without a word (``show`` exited 1 through Rich's broken-pipe handler,
+    ``runs`` 0 through ours, whichever wrote when the pipe closed)."""
+    exe = Path(sys.executable).with_name("edo-monitor")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "edo_monitor.surfaces.cli"]
+    proc = subprocess.Popen(
+        [*cmd, *args, "--db", str(db)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader is gone before the first write
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 0, err
+    assert err == b""

@@ -58,6 +58,18 @@ app = typer.Typer(
 )
 
 
+class _PipedConsole(Console):
+    """A Rich console whose reader may go away (``edo-monitor show 1 | head``): the rest of the
+    output is dropped and the command exits 0, as every command does on a broken pipe (Rich's own
+    handler exits 1, which the CLI documents as a runtime or data error)."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # nothing more reaches the closed pipe at exit
+        raise BrokenPipeError  # _handle_errors: exit 0
+
+
 class _Consoles:
     """Rich consoles made on first use (so they see the current stdout/stderr, e.g. in tests);
     wide when the output is not a terminal, so piped tables are not squeezed."""
@@ -68,7 +80,9 @@ class _Consoles:
     @property
     def out(self) -> Console:
         width = None if sys.stdout.isatty() else 200
-        return Console(highlight=False, soft_wrap=False, width=width, markup=False, emoji=False)
+        return _PipedConsole(
+            highlight=False, soft_wrap=False, width=width, markup=False, emoji=False
+        )
 
     @property
     def err(self) -> Console:
