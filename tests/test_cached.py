@@ -781,3 +781,27 @@ def test_adagrad_state_made_before_the_cache_grew_is_its_initial_state() -> None
     assert cached.cache_rows >= 50
     _train([(twin, o1), (cached, o2)], 10, gen)
     assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
+
+
+@pytest.mark.parametrize("bag", [None, "sum"])
+def test_from_pretrained_is_nn_embeddings_from_pretrained_with_a_cache(bag: str | None) -> None:
+    """``CachedEmbedding(Bag).from_pretrained(weights, cache_rows, freeze=...)`` as ``nn``'s
+    (a new user's ``AttributeError``): frozen by default, and trained unfrozen exactly as the
+    resident twin; a table that is not 2-dimensional is refused by name."""
+    torch.manual_seed(0)
+    base = torch.randn(N, D, dtype=torch.float64)
+    if bag is None:
+        frozen = CachedEmbedding.from_pretrained(base, C)
+        twin = nn.Embedding.from_pretrained(base.clone(), freeze=False)
+        cached = CachedEmbedding.from_pretrained(base, C, freeze=False)
+    else:
+        frozen = CachedEmbeddingBag.from_pretrained(base, C, mode=bag)
+        twin = nn.EmbeddingBag.from_pretrained(base.clone(), freeze=False, mode=bag)
+        cached = CachedEmbeddingBag.from_pretrained(base, C, freeze=False, mode=bag)
+    assert not frozen.weight.requires_grad and torch.equal(frozen.full_weight(), base)
+    o1 = torch.optim.Adam([twin.weight], lr=0.01)
+    o2 = torch.optim.Adam([cached.weight], lr=0.01)
+    _train([(twin, o1), (cached, o2)], 20, torch.Generator().manual_seed(3), bag=bag is not None)
+    assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
+    with pytest.raises(ValueError, match=r"2-dimensional tensor \(N, D\), got \(5,\)"):
+        CachedEmbedding.from_pretrained(torch.randn(5), C)

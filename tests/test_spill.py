@@ -46,7 +46,7 @@ def test_sigkilled_run_leaves_one_named_file(tmp_path):
 
 
 def test_row_cache_over_the_disk_tier_matches_a_resident_twin(tmp_path):
-    from edo_monitor.nn.cached import CachedEmbedding
+    from edo_monitor.nn import CachedEmbedding
 
     torch.manual_seed(0)
     w0 = torch.randn(200, 6, dtype=torch.float64)

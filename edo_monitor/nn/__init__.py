@@ -4,7 +4,8 @@ low precision, int8 and low-bit, low rank, shared rows). Take a table's weight; 
 from __future__ import annotations
 
 from edo_monitor.nn.cache_parts import CACHE_POLICIES, CacheStats
-from edo_monitor.nn.cached import CachedEmbedding, CachedEmbeddingBag, CachedTable
+from edo_monitor.nn.cached import CachedTable
+from edo_monitor.nn.cached_modules import CachedEmbedding, CachedEmbeddingBag
 from edo_monitor.nn.embedding import (
     BAG_MODES,
     EmbeddingOptions,

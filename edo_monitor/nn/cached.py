@@ -1,7 +1,7 @@
 """A device row cache over a host-resident embedding table, with exact optimizer semantics.
 
-:class:`CachedEmbedding` / :class:`CachedEmbeddingBag` are drop-ins for ``nn.Embedding`` /
-``nn.EmbeddingBag``. The full table ``(num_embeddings, embedding_dim)`` and each row's optimizer
+:class:`~edo_monitor.nn.cached_modules.CachedEmbedding` / ``CachedEmbeddingBag`` (in
+``cached_modules.py``) are drop-ins for ``nn.Embedding`` / ``nn.EmbeddingBag``. The full table ``(num_embeddings, embedding_dim)`` and each row's optimizer
 state live in host memory (pinned when the cache is on CUDA); ``cache_rows`` rows live in the
 device cache ``weight`` ``(cache_rows, embedding_dim)``, which is the ``Parameter`` the user's
 optimizer holds (it does not step it: see "Every row lazy" below). Each forward:
@@ -106,9 +106,6 @@ from edo_monitor.nn.cache_parts import (
     CACHE_POLICIES,
     CacheStats,
     _CacheFullError,
-    _check_bag_mode,
-    _initial_weight,
-    _options,
     _pinned_empty,
 )
 from edo_monitor.nn.cache_rows import _RowMovement
@@ -117,14 +114,15 @@ from edo_monitor.nn.catch_up import _Rule
 from edo_monitor.nn.embedding import EmbeddingOptions, _EdoEmbedding
 from edo_monitor.nn.victims import VictimOrder
 
-__all__ = ["CachedEmbedding", "CachedEmbeddingBag", "CachedTable"]
+__all__ = ["CachedTable"]
 
 logger = logging.getLogger(__name__)
 
 
 class CachedTable(_EdoEmbedding, _OptimizerBinding, _RowMovement, _Checkpointing):
-    """The row cache (see the module docstring); use :class:`CachedEmbedding` or
-    :class:`CachedEmbeddingBag`, or :meth:`from_weight` to wrap an existing table.
+    """The row cache (see the module docstring); use
+    :class:`~edo_monitor.nn.cached_modules.CachedEmbedding` or ``CachedEmbeddingBag``, or
+    :meth:`from_weight` to wrap an existing table.
 
     Args:
         options: the table's options; ``sparse=True`` is refused (``ValueError``).
@@ -526,85 +524,3 @@ def _module_load_pre_hook(
         module._rewrites += 1
         rows = module._gather_rows(module.host_weight)
     state_dict[key] = rows.to(module.weight.dtype)
-
-
-class CachedEmbedding(CachedTable):
-    """Drop-in ``nn.Embedding``: rows on the host, ``cache_rows`` of them cached on ``device``.
-
-    ``CachedEmbedding(num_embeddings, embedding_dim, cache_rows, padding_idx=None, max_norm=None,
-    norm_type=2.0, scale_grad_by_freq=False, sparse=False, _weight=None, _freeze=False,
-    device=None, dtype=None, *, policy="lfu", block_rows=1, overflow="grow",
-    id_frequencies=None)``. The table is initialised as ``nn.Embedding`` does (``N(0, 1)``,
-    padding row zero) unless ``_weight`` is given. ``forward(input)`` with ``input`` ``(*)`` int64
-    returns ``(*, embedding_dim)``. ``sparse=True`` raises ``ValueError`` (refused by name).
-    """
-
-    def __init__(
-        self,
-        num_embeddings: int,
-        embedding_dim: int,
-        cache_rows: int,
-        padding_idx: int | None = None,
-        max_norm: float | None = None,
-        norm_type: float = 2.0,
-        scale_grad_by_freq: bool = False,
-        sparse: bool = False,
-        _weight: torch.Tensor | None = None,
-        _freeze: bool = False,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        **cache_options: Any,
-    ) -> None:
-        options = _options(
-            num_embeddings, embedding_dim, padding_idx, max_norm, norm_type,
-            scale_grad_by_freq, sparse, None, False,
-        )  # fmt: skip
-        weight = _initial_weight(options, _weight, dtype)
-        super().__init__(
-            options,
-            weight,
-            cache_rows,
-            device=device if device is not None else "cpu",
-            requires_grad=not _freeze,
-            **cache_options,
-        )
-
-
-class CachedEmbeddingBag(CachedTable):
-    """Drop-in ``nn.EmbeddingBag`` over a host table with ``cache_rows`` cached on ``device``.
-
-    ``CachedEmbeddingBag(num_embeddings, embedding_dim, cache_rows, max_norm=None, norm_type=2.0,
-    scale_grad_by_freq=False, mode="mean", sparse=False, _weight=None, include_last_offset=False,
-    padding_idx=None, device=None, dtype=None, *, policy, block_rows, overflow, id_frequencies)``.
-    ``forward(input, offsets=None, per_sample_weights=None)`` returns ``(B, embedding_dim)``.
-    """
-
-    def __init__(
-        self,
-        num_embeddings: int,
-        embedding_dim: int,
-        cache_rows: int,
-        max_norm: float | None = None,
-        norm_type: float = 2.0,
-        scale_grad_by_freq: bool = False,
-        mode: str = "mean",
-        sparse: bool = False,
-        _weight: torch.Tensor | None = None,
-        include_last_offset: bool = False,
-        padding_idx: int | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        **cache_options: Any,
-    ) -> None:
-        options = _options(
-            num_embeddings, embedding_dim, padding_idx, max_norm, norm_type,
-            scale_grad_by_freq, sparse, _check_bag_mode(mode), include_last_offset,
-        )  # fmt: skip
-        weight = _initial_weight(options, _weight, dtype)
-        super().__init__(
-            options,
-            weight,
-            cache_rows,
-            device=device if device is not None else "cpu",
-            **cache_options,
-        )

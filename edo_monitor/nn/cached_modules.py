@@ -1,0 +1,157 @@
+"""The row cache's drop-ins: :class:`CachedEmbedding` for ``nn.Embedding`` and
+:class:`CachedEmbeddingBag` for ``nn.EmbeddingBag`` (the same arguments, plus ``cache_rows`` and
+the cache's options), and their ``from_pretrained``; the cache itself is
+:class:`~edo_monitor.nn.cached.CachedTable`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from edo_monitor.nn.cache_parts import _check_bag_mode, _initial_weight, _options
+from edo_monitor.nn.cached import CachedTable
+
+__all__ = ["CachedEmbedding", "CachedEmbeddingBag"]
+
+
+class CachedEmbedding(CachedTable):
+    """Drop-in ``nn.Embedding``: rows on the host, ``cache_rows`` of them cached on ``device``.
+
+    ``CachedEmbedding(num_embeddings, embedding_dim, cache_rows, padding_idx=None, max_norm=None,
+    norm_type=2.0, scale_grad_by_freq=False, sparse=False, _weight=None, _freeze=False,
+    device=None, dtype=None, *, policy="lfu", block_rows=1, overflow="grow",
+    id_frequencies=None)``. The table is initialised as ``nn.Embedding`` does (``N(0, 1)``,
+    padding row zero) unless ``_weight`` is given. ``forward(input)`` with ``input`` ``(*)`` int64
+    returns ``(*, embedding_dim)``. ``sparse=True`` raises ``ValueError`` (refused by name).
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        cache_rows: int,
+        padding_idx: int | None = None,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        sparse: bool = False,
+        _weight: torch.Tensor | None = None,
+        _freeze: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        **cache_options: Any,
+    ) -> None:
+        options = _options(
+            num_embeddings, embedding_dim, padding_idx, max_norm, norm_type,
+            scale_grad_by_freq, sparse, None, False,
+        )  # fmt: skip
+        weight = _initial_weight(options, _weight, dtype)
+        super().__init__(
+            options,
+            weight,
+            cache_rows,
+            device=device if device is not None else "cpu",
+            requires_grad=not _freeze,
+            **cache_options,
+        )
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        embeddings: torch.Tensor,
+        cache_rows: int,
+        freeze: bool = True,
+        padding_idx: int | None = None,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        sparse: bool = False,
+        **cache_options: Any,
+    ) -> CachedEmbedding:
+        """As ``nn.Embedding.from_pretrained``, with ``cache_rows`` rows cached: the table is
+        ``embeddings`` ``(N, D)`` (copied to host memory; trainable when ``freeze=False``).
+
+        Raises:
+            ValueError: ``embeddings`` not 2-dimensional, or a bad option (named).
+        """
+        n, d = _table_shape(embeddings)
+        return cls(
+            n, d, cache_rows, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse,
+            _weight=embeddings, _freeze=freeze, **cache_options,
+        )  # fmt: skip
+
+
+class CachedEmbeddingBag(CachedTable):
+    """Drop-in ``nn.EmbeddingBag`` over a host table with ``cache_rows`` cached on ``device``.
+
+    ``CachedEmbeddingBag(num_embeddings, embedding_dim, cache_rows, max_norm=None, norm_type=2.0,
+    scale_grad_by_freq=False, mode="mean", sparse=False, _weight=None, include_last_offset=False,
+    padding_idx=None, device=None, dtype=None, *, policy, block_rows, overflow, id_frequencies)``.
+    ``forward(input, offsets=None, per_sample_weights=None)`` returns ``(B, embedding_dim)``.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        cache_rows: int,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        mode: str = "mean",
+        sparse: bool = False,
+        _weight: torch.Tensor | None = None,
+        include_last_offset: bool = False,
+        padding_idx: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        **cache_options: Any,
+    ) -> None:
+        options = _options(
+            num_embeddings, embedding_dim, padding_idx, max_norm, norm_type,
+            scale_grad_by_freq, sparse, _check_bag_mode(mode), include_last_offset,
+        )  # fmt: skip
+        weight = _initial_weight(options, _weight, dtype)
+        super().__init__(
+            options,
+            weight,
+            cache_rows,
+            device=device if device is not None else "cpu",
+            **cache_options,
+        )
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        embeddings: torch.Tensor,
+        cache_rows: int,
+        freeze: bool = True,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        mode: str = "mean",
+        sparse: bool = False,
+        include_last_offset: bool = False,
+        padding_idx: int | None = None,
+        **cache_options: Any,
+    ) -> CachedEmbeddingBag:
+        """As ``nn.EmbeddingBag.from_pretrained``, with ``cache_rows`` rows cached: the table is
+        ``embeddings`` ``(N, D)`` (copied to host memory; trainable when ``freeze=False``).
+
+        Raises:
+            ValueError: ``embeddings`` not 2-dimensional, or a bad option (named).
+        """
+        n, d = _table_shape(embeddings)
+        return cls(
+            n, d, cache_rows, max_norm, norm_type, scale_grad_by_freq, mode, sparse, embeddings,
+            include_last_offset, padding_idx, requires_grad=not freeze, **cache_options,
+        )  # fmt: skip
+
+
+def _table_shape(embeddings: torch.Tensor) -> tuple[int, int]:
+    """``(N, D)`` of a pretrained table; ``ValueError`` naming any other shape."""
+    if not isinstance(embeddings, torch.Tensor) or embeddings.dim() != 2:
+        shape = tuple(embeddings.shape) if isinstance(embeddings, torch.Tensor) else embeddings
+        raise ValueError(f"embeddings must be a 2-dimensional tensor (N, D), got {shape!r}")
+    return int(embeddings.shape[0]), int(embeddings.shape[1])
