@@ -187,3 +187,13 @@ def test_watch_with_a_loader_serves_the_models_cached_tables(db_path) -> None:
     st = model[0].stats()
     assert st.misses > C and st.evicted > 0
     assert st.forward_loads == 0
+
+
+def test_no_tables_is_said_when_iterated(caplog: pytest.LogCaptureFixture) -> None:
+    """``LookAhead(loader)`` without ``tables=`` serves nothing: a warning says so (a new user's
+    read-ahead that silently did nothing); the batches still pass through unchanged."""
+    batches = [torch.arange(4), torch.arange(4, 8)]
+    with caplog.at_level("WARNING", logger="edo_monitor.nn.lookahead"):
+        got = list(LookAhead(batches, ahead=2))
+    assert [b.tolist() for b in got] == [b.tolist() for b in batches]
+    assert "serves no table" in caplog.text

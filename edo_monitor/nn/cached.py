@@ -1,10 +1,11 @@
 """A device row cache over a host-resident embedding table, with exact optimizer semantics.
 
 :class:`~edo_monitor.nn.cached_modules.CachedEmbedding` / ``CachedEmbeddingBag`` (in
-``cached_modules.py``) are drop-ins for ``nn.Embedding`` / ``nn.EmbeddingBag``. The full table ``(num_embeddings, embedding_dim)`` and each row's optimizer
-state live in host memory (pinned when the cache is on CUDA); ``cache_rows`` rows live in the
-device cache ``weight`` ``(cache_rows, embedding_dim)``, which is the ``Parameter`` the user's
-optimizer holds (it does not step it: see "Every row lazy" below). Each forward:
+``cached_modules.py``) are drop-ins for ``nn.Embedding`` / ``nn.EmbeddingBag``. The full table
+``(num_embeddings, embedding_dim)`` and each row's optimizer state live in host memory (pinned when
+the cache is on CUDA); ``cache_rows`` rows live in the device cache ``weight`` ``(cache_rows,
+embedding_dim)``, which is the ``Parameter`` the user's optimizer holds (it does not step it: see
+"Every row lazy" below). Each forward:
 
 1. the batch's unique ids are split into hits (already in a cache slot) and misses;
 2. misses get free slots, or slots of evicted rows (LFU by default, LRU selectable; rows used since

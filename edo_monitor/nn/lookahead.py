@@ -114,7 +114,7 @@ class LookAhead:
             names them). Errors it raises propagate.
         tables: the cached tables: a model (its :class:`CachedTable` modules are found at every
             batch, so tables converted later by the agent are served from then on), one table,
-            or an iterable of tables.
+            or an iterable of tables; ``None`` serves none (a warning when iterated).
 
     Raises:
         ValueError: ``ahead`` not an int >= 1, ``ids`` not callable, ``tables`` of another type.
@@ -206,6 +206,11 @@ class LookAhead:
 
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[Any]:
+        if self.tables is None:  # a model without cached tables yet is served as they appear
+            logger.warning(
+                "LookAhead(tables=None) reads ahead but serves no table: pass the model, a "
+                "cached table or the cached tables as tables="
+            )
         it = iter(self.loader)
         window: deque[list[Any]] = deque()  # [batch number, batch, {id(table): blocks}]
         count = 0
