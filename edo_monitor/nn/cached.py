@@ -86,7 +86,9 @@ backward before it: call :meth:`attach` right after making the optimizer when a 
 backward before its first ``zero_grad()`` (the agent's conversion attaches at once).
 Checkpoints: ``state_dict()`` holds the full caught-up ``weight`` ``(N, D)`` (an ``nn.Embedding``
 loads it), and the attached optimizer's ``state_dict()`` holds full-table state; both load into
-a cached or an uncached model.
+an uncached model, or a cached one whose optimizer is attached (:meth:`attach` before
+``optimizer.load_state_dict``: an optimizer over ``model.parameters()`` not attached yet holds
+the row buffer too, and torch refuses the checkpoint's smaller group).
 """
 
 from __future__ import annotations
