@@ -85,12 +85,12 @@ def fixed_cache_scaling(
 ) -> list[dict[str, float]]:
     """One cached table of ``cache_rows`` rows per size in ``sizes`` (all in memory at once),
     stepped alternately (Adam; which goes first rotates) so load on the machine hits every size
-    alike. Each is stepped until its cache is full (no free slot) and ``warmup`` steps more (Adam's
-    catch-up window is 286 steps: rows coming back then have missed up to that many), then
-    ``steps`` timed rounds. Per size: ``rows``, ``median_s`` (whole step), ``fwd_s`` (forward:
-    the cache's bookkeeping and row moves), ``misses``, ``evicted`` (per timed step),
-    ``ratio`` (median over the smallest size's) and ``ratio_paired`` (median of the per-round
-    ratios to the smallest size)."""
+    alike. Each is stepped until its cache is full (no free slot) and ``warmup`` steps more
+    (Adam's catch-up window is 181 steps in float32: rows coming back then have missed up to
+    that many), then ``steps`` timed rounds. Per size: ``rows``, ``median_s`` (whole step),
+    ``fwd_s`` (forward: the cache's bookkeeping and row moves), ``misses``, ``evicted`` (per
+    timed step), ``ratio`` (median over the smallest size's) and ``ratio_paired`` (median of
+    the per-round ratios to the smallest size)."""
     tables, opts, gens = [], [], []
     for rows in sizes:
         tables.append(_cached(rows, min(rows, cache_rows)))
@@ -195,12 +195,12 @@ def sparse_comparison(
     rows: int, cache_rows: int, batch: int, warmup: int, steps: int, resident: bool
 ) -> dict[str, float]:
     """Issue 23's table: ``nn.Embedding(sparse=True)`` + ``SparseAdam`` against
-    ``CachedEmbedding`` + ``Adam`` (``cache_rows`` rows; and a resident dense ``nn.Embedding`` +
-    ``Adam`` when ``resident``), the same Zipf batches, stepped alternately with the order
-    rotated each round, after ``warmup`` steps (the cache full and Adam's catch-up window of
-    286 steps passed). Medians in seconds per step (forward + backward + step + zero_grad),
-    and ``paired``: the median over rounds of the round's cached / sparse (the two steps of a
-    round run back to back, so load that drifts over the run hits both alike)."""
+    ``CachedEmbedding`` + ``Adam`` (``cache_rows`` rows; and a resident dense ``nn.Embedding``
+    + ``Adam`` when ``resident``), the same Zipf batches, stepped alternately with the order
+    rotated each round, after ``warmup`` steps (the cache full and Adam's float32 catch-up
+    window of 181 steps passed). Medians in seconds per step (forward + backward + step +
+    zero_grad), and ``paired``: the median over rounds of the round's cached / sparse (the two
+    steps of a round run back to back, so load that drifts over the run hits both alike)."""
     torch.manual_seed(0)
     made: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {}
     sparse = nn.Embedding(rows, DIM, sparse=True)

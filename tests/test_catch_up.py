@@ -62,7 +62,7 @@ def _case(
     if amsgrad:
         state["max_exp_avg_sq"] = v * 1.5
     s = torch.randint(0, T, (rows,), generator=gen)
-    s[:100] = 0  # beyond the 286-step window (float64; float32: 181)
+    s[:100] = 0  # beyond float32's 181-step window (float64's: 373)
     s[100:110] = 1  # the bias correction spreads their scales beyond the series' reach
     m[110:120] = 0  # no first moment, among rows that have one
     p = p.to(dtype)
@@ -123,8 +123,8 @@ def test_the_kept_moments_equal_the_tables(
     for part in (slice(0, 2500), slice(2500, None)):
         sub = {k: v[part] for k, v in got.items()}
         rule.catch_up_rows(got_p[part], sub, s[part], T)
-    if ring > T:  # the ring holds every group: the exact form's tables were kept
-        assert rule._complete_tables[rule.windows[dtype]]
+    if ring > T and rule.windows[dtype] < T:  # complete windows (float32's: 181 < T)
+        assert rule._complete_tables[rule.windows[dtype]]  # the exact form's tables were kept
     want_p, want = _replayed(group, p, state, s)
     moved = (want_p - p.double()).abs()
     if dtype == torch.float64:
@@ -156,3 +156,40 @@ def test_float32_rows_are_caught_up_to_their_own_rounding(
     for key in state:
         tiny = torch.finfo(torch.float32).tiny  # below it float32 keeps fewer digits (beta 0.5)
         assert torch.allclose(got[key].double(), want[key], rtol=1e-6, atol=tiny)
+
+
+def test_float64_rows_sum_every_step_float64_holds_when_the_learning_rate_rises() -> None:
+    """Rows away for 390-450 steps while the learning rate rises 1000x at step 200: the
+    float64 window sums the missed steps until the whole rest is below half an ulp (373 steps
+    at the default betas). Cut at 1e-13 of the first term (286 steps) the rows were 5.2e-11 of
+    their movement off the replayed steps (a helper's find: Adam's dynamics amplified that past
+    1e-12 of a resident twin in training)."""
+    steps = 450
+
+    def lr(k: int) -> float:
+        return 1e-6 if k <= 200 else 1e-3
+
+    group = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+    group["amsgrad"] = False
+    rule = _AdamRule(group, 0)
+    for k in range(1, steps + 1):
+        rule.record(lr(k))
+    assert rule.windows[torch.float64] == 373
+    gen = torch.Generator().manual_seed(0)
+    rows, dim = 400, 16
+    p = torch.randn(rows, dim, dtype=torch.float64, generator=gen) * 1e-3
+    m = torch.randn(rows, dim, dtype=torch.float64, generator=gen) * 1e-6
+    exponent = torch.empty(rows, dim, dtype=torch.float64).uniform_(-12, -4, generator=gen)
+    state = {"exp_avg": m, "exp_avg_sq": (10**exponent) ** 2}
+    s = torch.randint(0, 60, (rows,), generator=gen).sort().values
+    got_p, got = p.clone(), {k: v.clone() for k, v in state.items()}
+    rule.catch_up(got_p, got, s, steps)
+    want_p, want = p.clone(), {k: v.clone() for k, v in state.items()}
+    for k in range(1, steps + 1):
+        idx = (s < k).nonzero().reshape(-1)
+        sub_p, sub = want_p[idx], {key: val[idx] for key, val in want.items()}
+        fused_update("adam", {**group, "lr": lr(k)}, sub_p, torch.zeros_like(sub_p), sub, k)
+        want_p[idx] = sub_p
+        for key, val in sub.items():
+            want[key][idx] = val
+    assert float((got_p - want_p).abs().max() / (want_p - p).abs().max()) <= 1e-12

@@ -27,9 +27,9 @@ an optimizer step post-hook). How, per optimizer (zero gradient on the missed st
   of those matrices in ``O(log steps)`` (closed form, any number of missed steps).
 * ``Adam`` / ``AdamW`` (``amsgrad`` too; weight decay only decoupled): moments decay geometrically
   (closed form); the parameter's updates form a sum over the missed steps whose terms decay at least
-  as ``(beta1 / sqrt(beta2)) ** j``; the first ``K`` terms are summed exactly (float64: ``K`` such
-  that the ratio ** K <= 1e-13, 286 steps at the default betas; float32: until the rest is below
-  half an ulp, 181 steps), the rest are below float precision; decoupled decay is a product (segment
+  as ``(beta1 / sqrt(beta2)) ** j``; the first ``K`` terms are summed exactly, until the whole
+  rest is below half an ulp of the dtype (373 steps at the default betas in float64, 181 in
+  float32); decoupled decay is a product (segment
   tree). Cost ``O(rows × min(missed, K) × dim)``.
 * ``Adagrad`` without weight decay: a zero gradient changes nothing.
 * Refused by name (``ValueError``): L2 ``weight_decay`` with Adam or Adagrad (the update is

@@ -20,9 +20,6 @@ from edo_monitor.nn.adam_series import (
 )
 from edo_monitor.nn.cache_parts import put_rows
 
-_TRUNCATION = 1e-13  # float64: relative size of the first neglected Adam catch-up term
-
-
 _CHUNK_ELEMENTS = 1 << 21  # float64 elements per catch-up chunk (16 MiB)
 _KEPT_TABLES = 1024  # exact-form groups whose tables a rule keeps, per window (4.7 MB at most)
 
@@ -272,14 +269,14 @@ class _AdamRule(_Rule):
         self.keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if self.amsgrad else ())
         # beta2 = 0: v is zero after the first missed step, the terms shrink as beta1 alone
         ratio = self.beta1 if self.amsgrad or not self.beta2 else self.beta1 / math.sqrt(self.beta2)
-        # the missed steps a catch-up sums (terms shrink at least as ratio ** j): in float64 up
-        # to the first term below 1e-13 of the first; in float32 until the whole rest, below
-        # ratio ** W / (1 - ratio) of the first, is under half an ulp (286 and 181 steps at the
-        # default betas)
-        half_ulp = torch.finfo(torch.float32).eps / 2
+        # the missed steps a catch-up sums (terms shrink at least as ratio ** j, at a constant
+        # learning rate): until the whole rest, below ratio ** W / (1 - ratio) of the first, is
+        # under half an ulp of the dtype (373 and 181 steps at the default betas). Cutting
+        # float64 at 1e-13 of the first term (286 steps) left ~1e-13 of a row's movement per
+        # catch-up, which Adam's dynamics amplified past 1e-12 of a resident twin
         self.windows = {
-            torch.float64: _window(ratio, _TRUNCATION),
-            torch.float32: _window(ratio, half_ulp * (1 - ratio)),
+            dtype: _window(ratio, torch.finfo(dtype).eps / 2 * (1 - ratio))
+            for dtype in (torch.float64, torch.float32)
         }
         self.tree = _RangeProduct(1) if self.wd else None
         self._bc = torch.zeros(2, 0, dtype=torch.float64)  # 1 - beta1^k, sqrt(1 - beta2^k)
