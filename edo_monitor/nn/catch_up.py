@@ -321,8 +321,10 @@ class _AdamRule(_Rule):
                 ring.add_step(self.n, lr_over_bc1, root_bc2, decay)
 
     def _ring(self, dtype: torch.dtype, t: int) -> MomentRing | None:
-        """The moments kept for catch-ups in ``dtype`` (made at the first: it keeps the groups
-        of the steps after it), or ``None`` for a catch-up to another step than the latest."""
+        """The moments kept for catch-ups in ``dtype``, or ``None`` for a catch-up to another
+        step than the latest. Made at the first such catch-up, filled from tables with the groups
+        of the steps so far (the latest ``capacity``: a one-time ``O(steps x W x K)``), then
+        kept by :meth:`record`."""
         n = t - self.base_step
         if n != self.n:
             return None
