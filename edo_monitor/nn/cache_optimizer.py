@@ -314,7 +314,7 @@ class _OptimizerBinding:
         put_rows(self.weight.data, r, p)
         for k, v in st.items():
             put_rows(state[k], r, v)
-        self.slot_step[rows] = self.t + 1
+        put_rows(self.slot_step, rows, self.t + 1)
 
     def _keeps_rows(self) -> bool:
         """Whether a training forward keeps its rows in the row buffer (:meth:`_take_rows`): with
@@ -337,15 +337,15 @@ class _OptimizerBinding:
         (loading a state dict, a device move, a new optimizer) drops them (``_pending = None``):
         the step then catches the cache's rows up instead (:meth:`_step_rows`).
         """
-        pos = self._row_pos[rows]
-        new = rows[pos < 0]
+        pos = self._row_pos.index_select(0, rows)
+        new = rows.masked_select(pos < 0)
         if new.numel() == 0:
             return pos
-        s = self.slot_step[new]
+        s = self.slot_step.index_select(0, new)
         stale = int((s < self.t).sum())
         if stale:  # oldest first: the stale rows lead, as the rule sums them
             order = torch.argsort(s, stable=True)
-            new, s = new[order], s[order]
+            new, s = new.index_select(0, order), s.index_select(0, order)
         r = new.to(self.device)
         state = self._cache_state() if self._state_keys() else {}
         p = self.weight.data.index_select(0, r)
@@ -358,7 +358,7 @@ class _OptimizerBinding:
         held = self._pending or {}
         self._pending = {k: torch.cat([held[k], v]) if k in held else v for k, v in st.items()}
         self._append_layout(new, p)
-        return self._row_pos[rows]
+        return self._row_pos.index_select(0, rows)
 
     def _append_layout(self, new: torch.Tensor, values: torch.Tensor) -> None:
         """Append cache rows ``new`` ``(n,)`` (host int64, not in the layout) to the gradient
@@ -379,9 +379,9 @@ class _OptimizerBinding:
         buffer's values ``data`` (both ``(len(rows), D)``)."""
         old = self._layout_rows
         if old.numel():
-            self._row_pos[old] = -1
+            put_rows(self._row_pos, old, -1)
         self._layout_rows = rows
-        self._row_pos[rows] = torch.arange(rows.numel())
+        put_rows(self._row_pos, rows, torch.arange(rows.numel()))
         self.batch_rows.grad = None
         self.batch_rows.data = data
         self.batch_rows.grad = grad

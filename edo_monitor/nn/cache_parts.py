@@ -89,27 +89,32 @@ def rebind_data(param: nn.Parameter, data: torch.Tensor) -> None:
     param.data = data
 
 
-_NUMPY_ROW_DTYPES = (torch.float32, torch.float64, torch.float16, torch.int64)
+_NUMPY_ROW_DTYPES = (torch.float32, torch.float64, torch.float16, torch.int64, torch.bool)
 
 
-def put_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst[index] = src`` along dim 0, in place: ``dst`` ``(N, D)``, ``index`` ``(n,)`` int64
-    distinct rows of ``dst`` on its device, ``src`` ``(n, D)`` of ``dst``'s dtype and device.
+def put_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor | int | bool) -> None:
+    """``dst[index] = src`` along dim 0, in place: ``dst`` ``(N, ...)``, ``index`` ``(n,)`` int64
+    rows of ``dst`` on its device (distinct unless ``src`` is a number), ``src`` ``(n, ...)`` of
+    ``dst``'s dtype and device, or one number for every row.
 
-    On the CPU a row at a time (NumPy's fancy assignment copies each row whole: 0.7x the time
-    of ``index_copy_``, which moves element by element, for the row cache's scatters of a few
-    thousand rows, ``docs/benchmarks.md``); elsewhere, or for a dtype NumPy lacks (bfloat16),
-    ``index_copy_``.
+    On the CPU through NumPy's fancy assignment: a row whole at a time (0.7x the time of
+    ``index_copy_``, which moves element by element, for the row cache's scatters of a few
+    thousand rows, ``docs/benchmarks.md``), and for the cache's ``(C,)`` / ``(N,)`` bookkeeping
+    a third of ``dst[index] = src``'s time (torch's indexing costs ~10 us a call more);
+    elsewhere, or for a dtype NumPy lacks (bfloat16), torch's ``index_copy_`` / ``index_fill_``.
     """
+    number = not isinstance(src, torch.Tensor)
     if (
         dst.is_cpu
-        and src.is_cpu
         and dst.dtype in _NUMPY_ROW_DTYPES
-        and src.dtype == dst.dtype
+        and (number or (src.is_cpu and src.dtype == dst.dtype))
         and dst.is_contiguous()
         and not dst.requires_grad
     ):
-        dst.numpy()[index.numpy()] = (src.detach() if src.requires_grad else src).numpy()
+        value = src if number else (src.detach() if src.requires_grad else src).numpy()
+        dst.numpy()[index.numpy()] = value
+    elif number:
+        dst.index_fill_(0, index, src)
     else:
         dst.index_copy_(0, index, src)
 

@@ -448,8 +448,12 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _RowMovement, _Checkpointing
         ):
             # one gather of every id's row; the backward adds each id's gradient at its row's place
             flat = place.reshape(-1)
-            rows = index[flat]
-            at = rows if positions is index else None if positions is None else positions[flat]
+            rows = index.index_select(0, flat)
+            at = positions
+            if positions is index:
+                at = rows
+            elif positions is not None:
+                at = positions.index_select(0, flat)
             return self._gather(source, rows, at).view(*place.shape, self.embedding_dim)
         rows = self._gather(source, index, positions)
         place = place.to(self.device)
