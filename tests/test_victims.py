@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from edo_monitor.nn import CachedEmbedding, LookAhead
+from edo_monitor.nn.cache_parts import put_rows
 from edo_monitor.nn.victims import VictimOrder, slot_scores
 
 N, D, C = 40_000, 4, 4_000
@@ -75,9 +76,10 @@ def test_the_choice_under_the_bound_is_the_lowest_scores_of_every_slot(
     policy: str, ahead: int
 ) -> None:
     """The full pass picks its victims among the slots scoring at most the bound of its last
-    ``topk`` when they are enough: the same scores as one ``topk`` over every slot, at every
-    eviction; the ``topk`` over every slot runs at a few of them only. The scores it keeps per
-    slot are those of the slots' counts and last uses (free: -1) at every eviction."""
+    selection over every slot when they are enough: the same scores as one ``topk`` over every
+    slot, at every eviction; the selection over every slot runs at a few of them only. The
+    scores it keeps per slot are those of the slots' counts and last uses (free: -1) at every
+    eviction."""
     table = CachedEmbedding(N, D, C, policy=policy)
     opt = torch.optim.Adam(table.parameters(), lr=1e-3)
     full = table._evict_full
@@ -143,3 +145,27 @@ def test_the_bound_is_an_evictable_score_when_kept_rows_rank_among_the_lowest() 
     bound = table._eviction_bound
     assert bound is not None
     assert bound < 2**32 * int(table.block_freq.max() + 1)  # a count-and-last-use score
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bool, torch.bfloat16])
+@pytest.mark.parametrize("number", [False, True])
+@pytest.mark.parametrize("shape", [(50, 3), (50,)])
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_put_rows_is_setitem(
+    dtype: torch.dtype, number: bool, shape: tuple[int, ...], contiguous: bool
+) -> None:
+    """``put_rows`` (NumPy's fancy assignment where it can, else ``index_copy_`` /
+    ``index_fill_``) writes what ``dst[index] = src`` writes: rows of an ``(N, D)`` table or
+    elements of the cache's ``(C,)`` bookkeeping, from a tensor or one number, for every dtype
+    the cache keeps, into a strided ``dst`` too."""
+    gen = torch.Generator().manual_seed(3)
+    values = (torch.rand((2 * shape[0], *shape[1:]), generator=gen) * 9).to(dtype)
+    dst = values[: shape[0]] if contiguous else values[::2]  # every other row: strided
+    index = torch.randperm(shape[0], generator=gen)[:17]
+    src: torch.Tensor | int | bool = (torch.rand((17, *shape[1:]), generator=gen) * 9).to(dtype)
+    if number:
+        src = True if dtype == torch.bool else 5
+    want = dst.clone()
+    want[index] = src
+    put_rows(dst, index, src)
+    assert torch.equal(dst, want)
