@@ -26,8 +26,8 @@ in the same ``O(K x U)``), ``O(U)`` for the protected set, and the victim choice
 (:class:`~edo_monitor.nn.victims.VictimOrder` from 2^17 slots on): ``O(U + need log need)``
 amortized, the rows inside the window left out of it; in smaller caches, and when the rows
 outside the window are too few, one compare over the ``C`` scores the cache keeps and a
-``topk`` over the candidates under a bound (``O(C)`` elementwise, ``O(candidates log need)``;
-a ``topk`` over every slot, the window's rows by next use, every few evictions).
+selection among the candidates under a bound (``O(C)`` elementwise, ``O(candidates)``; a
+selection over every slot, the window's rows by next use, every few evictions).
 
 Without the wrapper the cache works as before (its LFU or LRU policy).
 """
