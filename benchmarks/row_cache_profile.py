@@ -10,7 +10,7 @@ Prints the median step of each, their ratio, and milliseconds per step of the ca
 (cumulative: a part includes the parts it calls); ``--ops`` adds torch.profiler's table of the
 operators of ``--steps`` more cached steps (self CPU time, largest first); ``--eviction`` times,
 at every eviction of ``--steps`` more cached steps, the victim choice both ways on the same state:
-one ``topk`` over every slot (``_evict_full``) and the kept order (``VictimOrder.choose``, its
+one selection over every slot (``_evict_full``) and the kept order (``VictimOrder.choose``, its
 refreshes included), medians and the order's mean.
 """
 
@@ -140,7 +140,7 @@ def _time_eviction(
     used = int((cached.slot_to_block >= 0).sum())
     print(
         f"\nvictim choice, {len(needs)} evictions of {statistics.median(needs):.0f} slots "
-        f"(median), cache {cached.cache_rows:,} rows ({used:,} used): one topk over every slot "
+        f"(median), cache {cached.cache_rows:,} rows ({used:,} used): one selection over every slot "
         f"{statistics.median(full_s) * 1e3:.3f} ms, victim order "
         f"{statistics.median(order_s) * 1e3:.3f} ms (mean {statistics.mean(order_s) * 1e3:.3f} "
         f"ms, its refreshes included)"
