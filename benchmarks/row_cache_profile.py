@@ -140,8 +140,8 @@ def _time_eviction(
     used = int((cached.slot_to_block >= 0).sum())
     print(
         f"\nvictim choice, {len(needs)} evictions of {statistics.median(needs):.0f} slots "
-        f"(median), cache {cached.cache_rows:,} rows ({used:,} used): one selection over every slot "
-        f"{statistics.median(full_s) * 1e3:.3f} ms, victim order "
+        f"(median), cache {cached.cache_rows:,} rows ({used:,} used): one selection over every "
+        f"slot {statistics.median(full_s) * 1e3:.3f} ms, victim order "
         f"{statistics.median(order_s) * 1e3:.3f} ms (mean {statistics.mean(order_s) * 1e3:.3f} "
         f"ms, its refreshes included)"
     )
