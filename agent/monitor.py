@@ -187,9 +187,19 @@ class Monitor(_Lifecycle):
         if loader is not None:
             from edo_monitor.nn.lookahead import LookAhead
 
+            if not isinstance(loader, Iterable):
+                raise ConfigError(
+                    f"loader={loader!r}; expected an iterable of batches (a DataLoader, a list, "
+                    "a generator)"
+                )
+            if loader_ids is not None and not callable(loader_ids):
+                raise ConfigError(
+                    f"loader_ids={loader_ids!r}; expected a function batch -> ids tensor (or "
+                    "mapping)"
+                )
             try:
                 self.loader = LookAhead(loader, ahead, loader_ids, tables=model)
-            except ValueError as e:
+            except ValueError as e:  # LookAhead's ahead=: watch() names it the same
                 raise ConfigError(str(e)) from None
         self.optimizers = optimizers
         self.interval_s = float(interval_s)

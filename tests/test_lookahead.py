@@ -176,6 +176,11 @@ def test_watch_with_a_loader_serves_the_models_cached_tables(db_path) -> None:
     batches = _batches(40)
     with pytest.raises(edo_monitor.ConfigError, match="ahead=0"):
         edo_monitor.watch(model, db=db_path, loader=batches, ahead=0)
+    # each bad argument named as watch() calls it, before anything runs
+    with pytest.raises(edo_monitor.ConfigError, match=r"^loader_ids=3; expected a function"):
+        edo_monitor.watch(model, db=db_path, loader=batches, loader_ids=3)
+    with pytest.raises(edo_monitor.ConfigError, match=r"^loader=5; expected an iterable"):
+        edo_monitor.watch(model, db=db_path, loader=5)
     with edo_monitor.watch(
         model, opt, db=db_path, interval_s=0.01, track_activations=False, loader=batches, ahead=4
     ) as mon:
