@@ -132,6 +132,25 @@ def test_cache_estimate_equals_measured_and_training_equals_the_twin() -> None:
     assert torch.allclose(model.users.weight, twin.users.weight, rtol=0, atol=1e-12)
 
 
+def test_a_new_optimizer_after_the_conversion_steps_the_cached_table_exactly() -> None:
+    """The user does not know the agent cached the table: a new optimizer made from the model's
+    parameters (a second phase of training) steps it as it would step the resident one."""
+    model, opt, twin, twin_opt = _pair()
+    batches = _batches(16)
+    for b in batches[:5]:
+        _step(model, opt, b)
+        _step(twin, twin_opt, b)
+    result = ACTIONS["cache_embedding"].apply(_ctx(model, opt))
+    assert result.status == "applied", result.reason
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+    for b in batches[5:]:
+        _step(model, opt, b)
+        _step(twin, twin_opt, b)
+    assert model.items._optimizer is opt
+    assert torch.allclose(_full(model), _full(twin), rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize(
     "stage", ["host_table_made", "weight_moved", "optimizer_attached", "module_replaced"]
 )
@@ -179,6 +198,9 @@ def test_refusals_name_the_blocker() -> None:
     opt = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=0.1)
     r = ACTIONS["cache_embedding"].plan(_ctx(model, opt))
     assert isinstance(r, Refusal) and "L2, not decoupled" in r.reason
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01))  # float32, float64 table
+    r = ACTIONS["cache_embedding"].plan(_ctx(model, opt))
+    assert isinstance(r, Refusal) and "float32 tensor) on a torch.float64 table" in r.reason
     sparse = nn.Module()
     sparse.items = nn.Embedding(ITEMS, DIM, sparse=True)
     r = ACTIONS["cache_embedding"].plan(

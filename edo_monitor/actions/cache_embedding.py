@@ -114,7 +114,7 @@ def _optimizer_refusal(optimizers: Sequence[torch.optim.Optimizer], param: nn.Pa
         return "stepped by more than one optimizer"
     for opt in holders:
         try:
-            _make_rule(opt, _group_of(opt, param), 0)
+            _make_rule(opt, _group_of(opt, param), 0, dtype=param.dtype)
         except ValueError as exc:
             return str(exc)
     return ""
@@ -267,8 +267,9 @@ class CacheEmbedding(Action):
             places = replace_module(ctx.model, module, table)
             ctx.stage("module_replaced")
         except BaseException:
-            table.detach_optimizer()
+            table._release_optimizer(hand_back=False)
             raise
+        table._auto_attach()  # a new optimizer stepping the model later takes the table over
         return {
             **self.tier_details(ctx),
             "places": places,
@@ -401,5 +402,6 @@ def _to_resident(ctx: ActionContext, module: CachedTable) -> nn.Module:
     plain.train(module.training)
     replace_module(ctx.model, module, plain)
     ctx.stage("module_replaced")
-    module.detach_optimizer()  # last: cannot fail
+    module._cancel_auto_attach()  # the plain table holds the weight: the cache lets it go
+    module._release_optimizer(hand_back=False)  # last: cannot fail
     return plain

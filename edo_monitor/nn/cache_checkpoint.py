@@ -80,6 +80,42 @@ class _Checkpointing:
         self._pending = None  # the step takes the moved cache's rows
         self._side_stream = None
 
+    # ------------------------------------------------------------------ pickle, deepcopy
+    def _pickle_state(self) -> dict[str, Any]:
+        """The module's ``__dict__`` for pickle, ``torch.save(model)`` and ``copy.deepcopy``
+        (``CachedTable.__getstate__``). Every row is brought up to the current step first
+        (:meth:`flush`): the copy has no optimizer to catch rows up with. Left out, as a resident
+        table's pickle leaves out its optimizer: the optimizer binding and its state of the
+        table, the touched rows' layout (a gradient does not pickle either), the agent's lookup
+        listeners, a spill file's allocator and a CUDA side stream. The copy attaches to the
+        optimizer that steps it first."""
+        if self._rule is not None:
+            self.flush()
+        params = dict(self._parameters)
+        rows = self.batch_rows
+        params["batch_rows"] = torch.nn.Parameter(
+            rows.detach().new_zeros(0, self.embedding_dim), requires_grad=rows.requires_grad
+        )
+        params["batch_rows"]._edo_row_buffer = True  # type: ignore[attr-defined]
+        state = dict(self.__dict__)
+        state.update(
+            _parameters=params,
+            _optimizer=None,
+            _rule=None,
+            _kind="",
+            _hooks=[],
+            _auto_hook=None,
+            _stash=None,
+            _pending=None,
+            host_state={},
+            _host_alloc=None,
+            _side_stream=None,
+            _lookup_listeners=type(self._lookup_listeners)(),
+            _layout_rows=torch.zeros(0, dtype=torch.int64),
+            _row_pos=torch.full_like(self._row_pos, -1),
+        )
+        return state
+
     # ------------------------------------------------------------------ flush, resize, resident
     @torch.no_grad()
     def flush(self) -> None:
@@ -289,4 +325,4 @@ class _Checkpointing:
         self._rewrites += 1
         if self._optimizer is not None:
             group = _group_of(self._optimizer, self.weight)
-            self._rule = _make_rule(self._optimizer, group, t, buffers)
+            self._rule = _make_rule(self._optimizer, group, t, buffers, self.weight.dtype)

@@ -3,6 +3,7 @@ by step, the lazy fused step over the batch's rows."""
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Any
 
@@ -16,9 +17,12 @@ from edo_monitor.nn.catch_up import (
     _group_of,
     _make_rule,
     _Rule,
+    check_lr,
     initial_state,
     steps_taken,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class _OptimizerBinding:
@@ -53,7 +57,8 @@ class _OptimizerBinding:
         group = _group_of(optimizer, self.weight)
         state = optimizer.state.get(self.weight, {})
         t = steps_taken(state, 0)
-        rule = _make_rule(optimizer, group, t, state.get("momentum_buffer") is not None)
+        buffers = state.get("momentum_buffer") is not None
+        rule = _make_rule(optimizer, group, t, buffers, self.weight.dtype)
         kind = optimizer_kind(optimizer)
         n, d = self.num_embeddings, self.embedding_dim
         host_state: dict[str, torch.Tensor] = {}
@@ -163,11 +168,25 @@ class _OptimizerBinding:
         ]
 
     def detach_optimizer(self) -> None:
-        """Remove the hooks :meth:`attach` registered and the row buffer from the optimizer's
-        groups (the module forgets the optimizer), after bringing every row up to the current
-        step (:meth:`flush`): without the optimizer nothing could catch them up later."""
+        """Let the optimizer go. Every row is brought up to the current step first
+        (:meth:`flush`: without the optimizer nothing could catch them up later), the optimizer
+        gets its state of this table back whole (``(N, D)`` host tensors in id order, what its
+        ``state_dict()`` held for the table), and the hooks :meth:`attach` registered and the
+        row buffer leave it. The optimizer that steps the table next attaches at that step:
+        this one again takes its state back; a new one starts from its own (none: fresh)."""
+        self._release_optimizer(hand_back=True)
+
+    def _release_optimizer(self, hand_back: bool) -> None:
+        """:meth:`detach_optimizer`; ``hand_back=False`` leaves the optimizer's state of the
+        cache as it is (the agent's conversions have set it themselves)."""
         if self._rule is not None:
             self.flush()
+            state = self._opt_state()
+            if hand_back and state:
+                for key in self._rule.keys:
+                    if key in state and key in self.host_state:
+                        state[key] = self.host_state[key]
+                self.host_state = {}
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -180,26 +199,43 @@ class _OptimizerBinding:
         self._pending = None
 
     def _auto_attach(self) -> None:
-        """Attach to the first optimizer whose step finds ``weight`` in its groups: a global
-        step pre-hook, registered when the table is made (so a first step whose closure runs the
-        first forward attaches too), removed after that step or when the table is collected."""
-        if self._optimizer is not None or self._auto_hook is not None:
+        """Register the global step pre-hook that gives the table to the optimizer stepping it.
+
+        The first optimizer whose step finds ``weight`` in its groups attaches (registered when
+        the table is made, so a first step whose closure runs the first forward attaches too).
+        Another optimizer stepping the table later, such as a new one made for a second phase of
+        training, takes it over: the attached one is detached first (:meth:`detach_optimizer`:
+        rows caught up, its state handed back whole), as a resident table is simply stepped by
+        whichever optimizer steps it. Removed when the table is collected, or by
+        :meth:`_cancel_auto_attach`.
+        """
+        if self._auto_hook is not None:
             return
         ref = weakref.ref(self)
 
         def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             table = ref()
-            if table is None or table._optimizer is not None:
+            if table is None or opt is table._optimizer:
                 return
+            if table.weight.shape[0] != table.slot_step.numel():
+                return  # not the cache's weight (a rolled-back conversion gave it back)
             if any(p is table.weight for g in opt.param_groups for p in g["params"]):
+                if table._optimizer is not None:
+                    logger.info(
+                        "cached table: a %s steps it; the %s attached before is detached (its "
+                        "state of the table handed back whole)",
+                        type(opt).__name__,
+                        type(table._optimizer).__name__,
+                    )
+                    table.detach_optimizer()
                 table.attach(opt)  # registers the instance pre-hook, which runs right after
 
         self._auto_hook = register_optimizer_step_pre_hook(hook)
         weakref.finalize(self, self._auto_hook.remove)
 
     def _cancel_auto_attach(self) -> None:
-        """Remove the auto-attach hook (a table whose optimizer is attached explicitly, such as
-        the agent's conversion, which shares the model's ``weight`` and may roll back)."""
+        """Remove the global hook of :meth:`_auto_attach` (a table the agent converts attaches
+        explicitly and may roll back: it registers the hook once the conversion stands)."""
         if self._auto_hook is not None:
             self._auto_hook.remove()
             self._auto_hook = None
@@ -208,11 +244,14 @@ class _OptimizerBinding:
         if optimizer is not self._optimizer or self._rule is None:
             return
         group = _group_of(optimizer, self.weight)
+        if isinstance(group["lr"], torch.Tensor):  # made a tensor since the attach: refused?
+            check_lr(optimizer, group, self.weight.dtype)
         if _Rule._hyper(group) != self._rule.hyper:
             # hyper-parameters changed: every host row catches up under the old ones first
             old = self._rule
             self.flush()
-            self._rule = _make_rule(optimizer, group, self.t, old.buffers_after(self.t))
+            buffers = old.buffers_after(self.t)
+            self._rule = _make_rule(optimizer, group, self.t, buffers, self.weight.dtype)
             self._state_appears(old.keys, group)
         grad = self.batch_rows.grad
         if grad is None:
@@ -243,7 +282,6 @@ class _OptimizerBinding:
             state.pop(key, None)  # made again from the host rows (_cache_state)
 
     def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self._cancel_auto_attach()  # attached in this step's pre-hooks
         if optimizer is not self._optimizer or self._rule is None:
             return
         self._clear_pins()

@@ -362,12 +362,13 @@ class _RowMovement:
         return slots
 
     # ------------------------------------------------------------------ forward
-    def _remap(
-        self, input: torch.Tensor, *, catch_up: bool = True
-    ) -> tuple[torch.Tensor, torch.Tensor, int | None]:
-        """The batch's unique cache rows ``(U,)`` (host int64, made resident and, unless
-        ``catch_up=False``, current), each id's place among them (host int64, ``input``'s shape)
-        and the padding row's place (``None`` when the batch has no padding id)."""
+    def _host_ids(self, input: torch.Tensor) -> torch.Tensor:
+        """``input``'s ids, flat int64 on the host.
+
+        Raises:
+            TypeError: ``input`` is not an int64 / int32 tensor.
+            IndexError: an id outside ``[0, N)`` (the message gives the range and the ids').
+        """
         flat = input.reshape(-1)
         if flat.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"input must be an integer tensor (int64/int32), got {flat.dtype}")
@@ -379,6 +380,15 @@ class _RowMovement:
                     f"index out of range: ids must be in [0, {self.num_embeddings}), got "
                     f"[{lo}, {hi}]"
                 )
+        return ids
+
+    def _remap(
+        self, input: torch.Tensor, *, catch_up: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+        """The batch's unique cache rows ``(U,)`` (host int64, made resident and, unless
+        ``catch_up=False``, current), each id's place among them (host int64, ``input``'s shape)
+        and the padding row's place (``None`` when the batch has no padding id)."""
+        ids = self._host_ids(input)
         r = self.block_rows
         blocks = ids // r if r > 1 else ids
         uniq, inverse, counts = torch.unique(blocks, return_inverse=True, return_counts=True)

@@ -290,6 +290,15 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _RowMovement, _Checkpointing
         )
 
     # ------------------------------------------------------------------ construction helpers
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle, ``torch.save(model)``, ``copy.deepcopy``: see :meth:`_pickle_state`."""
+        return self._pickle_state()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        if self.weight.requires_grad:
+            self._auto_attach()
+
     @classmethod
     def from_weight(
         cls, weight: torch.Tensor, options: EmbeddingOptions, cache_rows: int, **kwargs: Any
@@ -381,8 +390,12 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _RowMovement, _Checkpointing
 
         On CUDA the copies run on a side stream, overlapping compute. Rows used since the last
         optimizer step are not evicted. Counted as misses, not as hits, in :meth:`stats`.
+
+        Raises:
+            TypeError, IndexError: ids the forward would refuse (not integers, outside
+                ``[0, N)``), with its message.
         """
-        ids = next_ids.reshape(-1).to("cpu", torch.int64)
+        ids = self._host_ids(next_ids)
         if ids.numel() == 0:
             return
         r = self.block_rows

@@ -521,12 +521,39 @@ class _NoopRule(_Rule):
         self.keys = keys
 
 
+def check_lr(optimizer: torch.optim.Optimizer, group: dict[str, Any], dtype: torch.dtype) -> None:
+    """Refuse (``ValueError``, naming it) Adam's or AdamW's ``lr`` given as a tensor of less
+    precision than the table's ``dtype`` (a float32 tensor on a float64 table): torch then
+    computes each step's step size ``lr / (1 - beta1^t)`` and decay ``1 - lr * weight_decay``
+    in the tensor's dtype and rounds them there (AdamW: 3e-7 of a float64 twin after 20 steps),
+    which the catch-up's float64 tables do not reproduce. SGD and Adagrad apply such an ``lr``
+    as the number it holds, as the cache does."""
+    lr = group["lr"]
+    if (
+        isinstance(lr, torch.Tensor)
+        and isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW)
+        and torch.finfo(lr.dtype).eps > torch.finfo(dtype).eps
+    ):
+        raise ValueError(
+            f"{type(optimizer).__name__} with lr={lr!r} (a {lr.dtype} tensor) on a {dtype} "
+            f"table: torch rounds each step's step size and decay to {lr.dtype}, which the row "
+            f"cache does not reproduce; give lr as a float (or a {dtype} tensor)"
+        )
+
+
 def _make_rule(
-    optimizer: torch.optim.Optimizer, group: dict[str, Any], base_step: int, buffers: bool = False
+    optimizer: torch.optim.Optimizer,
+    group: dict[str, Any],
+    base_step: int,
+    buffers: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> _Rule:
     """The catch-up rule for ``group`` of ``optimizer`` from ``base_step`` on (``buffers``: SGD
-    held momentum buffers then); ``ValueError`` naming what is refused."""
+    held momentum buffers then) for a table of ``dtype`` (:func:`check_lr`; ``None``: not
+    checked); ``ValueError`` naming what is refused."""
     name = type(optimizer).__name__
+    if dtype is not None:
+        check_lr(optimizer, group, dtype)
     for flag in ("fused", "capturable"):
         if group.get(flag):
             raise ValueError(f"{name} with {flag}=True is not supported by the row cache")
