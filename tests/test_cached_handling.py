@@ -109,6 +109,9 @@ def test_a_tensor_lr_is_exact_or_refused_by_name(name: str, lr_dtype: torch.dtyp
         opt.param_groups[0]["lr"] = torch.tensor(lr, dtype=lr_dtype)
         with pytest.raises(ValueError, match=r"float32 tensor\) on a torch.float64 table"):
             _train([(later, opt)], 1, gen)
+        whole = CachedEmbedding(N, D, 20, dtype=torch.float64)  # its quotients: float32
+        with pytest.raises(ValueError, match=r"int64 tensor\) .* decay to torch.float32"):
+            whole.attach(type(opt)([whole.weight], lr=torch.tensor(1)))
         return
     _train([(twin, o1), (cached, o2)], 20, gen)
     assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12

@@ -529,14 +529,17 @@ def check_lr(optimizer: torch.optim.Optimizer, group: dict[str, Any], dtype: tor
     which the catch-up's float64 tables do not reproduce. SGD and Adagrad apply such an ``lr``
     as the number it holds, as the cache does."""
     lr = group["lr"]
+    if not isinstance(lr, torch.Tensor):
+        return
+    # an integer tensor's quotients come out in the default dtype
+    rounds_in = lr.dtype if lr.is_floating_point() else torch.get_default_dtype()
     if (
-        isinstance(lr, torch.Tensor)
-        and isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW)
-        and torch.finfo(lr.dtype).eps > torch.finfo(dtype).eps
+        isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW)
+        and torch.finfo(rounds_in).eps > torch.finfo(dtype).eps
     ):
         raise ValueError(
             f"{type(optimizer).__name__} with lr={lr!r} (a {lr.dtype} tensor) on a {dtype} "
-            f"table: torch rounds each step's step size and decay to {lr.dtype}, which the row "
+            f"table: torch rounds each step's step size and decay to {rounds_in}, which the row "
             f"cache does not reproduce; give lr as a float (or a {dtype} tensor)"
         )
 
