@@ -184,10 +184,16 @@ class Monitor(_Lifecycle):
         #: ``watch(loader=)`` wrapped in :class:`edo_monitor.nn.LookAhead` (iterate it instead of
         #: the loader); ``None`` without a loader
         self.loader: Any = None
+        if loader is None and loader_ids is not None:
+            raise ConfigError(
+                f"loader_ids={loader_ids!r} without loader=; it says which ids a loader's batch "
+                "looks up"
+            )
         if loader is not None:
             from edo_monitor.nn.lookahead import LookAhead
 
-            if not isinstance(loader, Iterable):
+            # iterable by __iter__, or as a sequence by __getitem__ (as iter() takes it)
+            if not isinstance(loader, Iterable) and not hasattr(type(loader), "__getitem__"):
                 raise ConfigError(
                     f"loader={loader!r}; expected an iterable of batches (a DataLoader, a list, "
                     "a generator)"

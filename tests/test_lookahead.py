@@ -181,6 +181,17 @@ def test_watch_with_a_loader_serves_the_models_cached_tables(db_path) -> None:
         edo_monitor.watch(model, db=db_path, loader=batches, loader_ids=3)
     with pytest.raises(edo_monitor.ConfigError, match=r"^loader=5; expected an iterable"):
         edo_monitor.watch(model, db=db_path, loader=5)
+    with pytest.raises(edo_monitor.ConfigError, match=r"^loader_ids=.* without loader="):
+        edo_monitor.watch(model, db=db_path, loader_ids=lambda b: b)
+
+    class Indexed:  # iterable as a sequence, through __getitem__ alone (as iter() takes it)
+        def __getitem__(self, i: int) -> torch.Tensor:
+            if i >= len(batches):
+                raise IndexError(i)
+            return batches[i]
+
+    with edo_monitor.watch(model, db=db_path, loader=Indexed(), track_activations=False) as mon:
+        assert len(list(mon.loader)) == len(batches)
     with edo_monitor.watch(
         model, opt, db=db_path, interval_s=0.01, track_activations=False, loader=batches, ahead=4
     ) as mon:

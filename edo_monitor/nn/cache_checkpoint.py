@@ -83,23 +83,18 @@ class _Checkpointing:
     # ------------------------------------------------------------------ pickle, deepcopy
     def _pickle_state(self) -> dict[str, Any]:
         """The module's ``__dict__`` for pickle, ``torch.save(model)`` and ``copy.deepcopy``
-        (``CachedTable.__getstate__``). Every row is brought up to the current step first
-        (:meth:`flush`): the copy has no optimizer to catch rows up with. Left out, as a resident
-        table's pickle leaves out its optimizer: the optimizer binding and its state of the
-        table, the touched rows' layout (a gradient does not pickle either), the agent's lookup
+        (``CachedTable.__getstate__``). Every row is brought up to the current step and the
+        host table made whole first (:meth:`flush`): the copy has no optimizer to catch rows
+        up with, and takes its cache's rows from the host table (:meth:`_unpickled`). The host rows'
+        optimizer state stays (a copy made together with its optimizer, whose state of the
+        table is the cache's rows, attaches to it with nothing lost; a new optimizer starts
+        fresh). Left out: the optimizer binding, the touched rows' layout (a gradient does not
+        pickle either), a ``LookAhead`` serving the table (its loader), the agent's lookup
         listeners, a spill file's allocator and a CUDA side stream. The copy attaches to the
         optimizer that steps it first."""
-        if self._rule is not None:
-            self.flush()
-        params = dict(self._parameters)
-        rows = self.batch_rows
-        params["batch_rows"] = torch.nn.Parameter(
-            rows.detach().new_zeros(0, self.embedding_dim), requires_grad=rows.requires_grad
-        )
-        params["batch_rows"]._edo_row_buffer = True  # type: ignore[attr-defined]
+        self.flush()  # with no optimizer: the cache's rows written back
         state = dict(self.__dict__)
         state.update(
-            _parameters=params,
             _optimizer=None,
             _rule=None,
             _kind="",
@@ -107,7 +102,7 @@ class _Checkpointing:
             _auto_hook=None,
             _stash=None,
             _pending=None,
-            host_state={},
+            _lookahead=None,
             _host_alloc=None,
             _side_stream=None,
             _lookup_listeners=type(self._lookup_listeners)(),
@@ -115,6 +110,18 @@ class _Checkpointing:
             _row_pos=torch.full_like(self._row_pos, -1),
         )
         return state
+
+    @torch.no_grad()
+    def _unpickled(self) -> None:
+        """After :meth:`_pickle_state`'s state is set: the cache's rows taken from the host
+        table, which the flush made whole (a deep copy that met ``weight`` first, through the
+        optimizer, copied it before the flush caught its rows up); the row buffer empty (the
+        layout is), and marked (a deep copy of a ``Parameter`` drops its attributes)."""
+        self.weight.data.copy_(self._gather_rows(self.host_weight))
+        rows = self.batch_rows
+        rows.grad = None
+        rows.data = rows.data.new_zeros(0, self.embedding_dim)
+        rows._edo_row_buffer = True  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ flush, resize, resident
     @torch.no_grad()

@@ -86,6 +86,13 @@ class _OptimizerBinding:
                     hs = hs.to("cpu")
                 host_state[key] = hs
                 new_state[key] = self._gather_rows(hs).to(self.device)
+            elif tuple(value.shape) == tuple(self.weight.shape) and key in self.host_state:
+                # the table kept its host state, every row current since its flush (a copy made
+                # with this optimizer): it holds them all, the optimizer's cache rows are as the
+                # slots were then (rows moved since brought no state, and no step changed any)
+                hs = self.host_state[key]
+                host_state[key] = hs
+                new_state[key] = self._gather_rows(hs).to(self.device, self.weight.dtype)
             elif tuple(value.shape) == tuple(self.weight.shape):  # cache layout: scatter to ids
                 hs = self._host_empty((n, d))
                 hs.fill_(init)  # rows never cached hold the initial state
@@ -221,12 +228,22 @@ class _OptimizerBinding:
                 return  # not the cache's weight (a rolled-back conversion gave it back)
             if any(p is table.weight for g in opt.param_groups for p in g["params"]):
                 if table._optimizer is not None:
+                    old = type(table._optimizer).__name__
                     logger.info(
                         "cached table: a %s steps it; the %s attached before is detached (its "
                         "state of the table handed back whole)",
                         type(opt).__name__,
-                        type(table._optimizer).__name__,
+                        old,
                     )
+                    grad = table.batch_rows.grad
+                    if grad is not None and grad.shape[0] == 0:  # no backward since that step
+                        logger.warning(
+                            "cached table: a %s steps it with no backward since the %s stepped "
+                            "it; that step consumed the gradient (a resident table would be "
+                            "stepped with it twice): step a table with one optimizer",
+                            type(opt).__name__,
+                            old,
+                        )
                     table.detach_optimizer()
                 table.attach(opt)  # registers the instance pre-hook, which runs right after
 

@@ -60,13 +60,15 @@ caught up when loaded again), flushed or checkpointed. Gradients, exactly:
 * Micro-batches before one step accumulate into the same buffer (it grows by the new rows, which
   stay pinned until the step).
 * The step consumes the gradient: after it ``batch_rows.grad`` is an empty ``(0, D)`` tensor, a
-  zero gradient. A resident table that is not zeroed between steps would sum the old gradient
-  into the next step; the cache does not (every training loop zeroes). A backward of a graph
-  built before the last step raises ``RuntimeError`` naming it. An optimizer step with no
-  backward since the last one is skipped for the table when its gradient is ``None`` (after
-  ``zero_grad()``, whose default sets it to ``None``), as torch skips a parameter without a
-  gradient; after ``zero_grad(set_to_none=False)`` it steps every row with a zero gradient
-  (weight decay, momentum, Adam's moments), as torch steps the resident table's zeroed one.
+  zero gradient (two optimizers stepping the table after one backward: the second takes it over
+  and finds no gradient, where a resident table is stepped with it twice; it logs a warning). A
+  resident table that is not zeroed between steps would sum the old gradient into the next step;
+  the cache does not (every training loop zeroes). A backward of a graph built before the last
+  step raises ``RuntimeError`` naming it. An optimizer step with no backward since the last one is
+  skipped for the table when its gradient is ``None`` (after ``zero_grad()``, whose default sets
+  it to ``None``), as torch skips a parameter without a gradient; after
+  ``zero_grad(set_to_none=False)`` it steps every row with a zero gradient (weight decay,
+  momentum, Adam's moments), as torch steps the resident table's zeroed one.
 * ``optimizer.state_dict()`` leaves ``batch_rows`` out (ids renumbered) and holds the full
   caught-up state; it loads into an optimizer over the uncached model and back.
 
@@ -296,6 +298,7 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _RowMovement, _Checkpointing
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        self._unpickled()
         if self.weight.requires_grad:
             self._auto_attach()
 
