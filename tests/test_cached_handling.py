@@ -118,6 +118,33 @@ def test_a_model_copied_with_its_optimizer_goes_on_as_the_twins_copies(
     assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
 
 
+@pytest.mark.parametrize("then", ["resize", "a batch larger than the cache", "copied mid-step"])
+def test_a_copy_with_its_optimizer_whose_cache_changes_before_its_first_step(then: str) -> None:
+    """The copy's cache resized (by hand, or grown by a batch) before its optimizer's first step,
+    or the copy made between forward and backward (the original's rows pinned): the copied
+    optimizer's cache-shaped state no longer fits the cache, and the copy's host state holds
+    every row (it raised "optimizer state 'exp_avg' has shape (20, 4) ...")."""
+    twin, cached, o1, o2, _ = _trained("adam", 6, seed=10)
+    ids = torch.arange(N - 12, N)
+    if then == "copied mid-step":  # a forward whose rows the copy does not look up
+        for module in (twin, cached):
+            module(torch.arange(12)).sum()
+    twin2, o1c = copy.deepcopy((twin, o1))
+    cached2, o2c = copy.deepcopy((cached, o2))
+    if then == "resize":
+        cached2.resize(40)
+    elif then == "a batch larger than the cache":
+        ids = torch.arange(2 * 20)
+    for module, opt in ((twin2, o1c), (cached2, o2c)):
+        opt.zero_grad()
+        module(ids).sin().sum().backward()
+        opt.step()
+    assert cached2.cache_rows == (20 if then == "copied mid-step" else 40)
+    assert _rel(cached2.full_weight(), twin2.weight.detach()) < 1e-12
+    s1, s2 = o1c.state_dict()["state"][0], o2c.state_dict()["state"][0]
+    assert _rel(s2["exp_avg"], s1["exp_avg"]) < 1e-12
+
+
 def test_a_model_whose_table_a_lookahead_serves_pickles_without_it() -> None:
     """A ``LookAhead`` over a generator serves the table: the model pickles (the copy is not
     served; the generator made pickling fail) and the original goes on being served."""

@@ -115,9 +115,11 @@ class _Checkpointing:
     def _unpickled(self) -> None:
         """After :meth:`_pickle_state`'s state is set: the cache's rows taken from the host
         table, which the flush made whole (a deep copy that met ``weight`` first, through the
-        optimizer, copied it before the flush caught its rows up); the row buffer empty (the
-        layout is), and marked (a deep copy of a ``Parameter`` drops its attributes)."""
+        optimizer, copied it before the flush caught its rows up); no slot pinned and the row
+        buffer empty (no gradient is pending), the buffer marked (a deep copy of a ``Parameter``
+        drops its attributes)."""
         self.weight.data.copy_(self._gather_rows(self.host_weight))
+        self._clear_pins()  # no gradient is pending in the copy
         rows = self.batch_rows
         rows.grad = None
         rows.data = rows.data.new_zeros(0, self.embedding_dim)

@@ -86,10 +86,11 @@ class _OptimizerBinding:
                     hs = hs.to("cpu")
                 host_state[key] = hs
                 new_state[key] = self._gather_rows(hs).to(self.device)
-            elif tuple(value.shape) == tuple(self.weight.shape) and key in self.host_state:
+            elif key in self.host_state:
                 # the table kept its host state, every row current since its flush (a copy made
-                # with this optimizer): it holds them all, the optimizer's cache rows are as the
-                # slots were then (rows moved since brought no state, and no step changed any)
+                # with this optimizer): it holds them all; the optimizer's cache rows are as the
+                # slots were then (rows moved or the cache resized since brought no state, and
+                # no step changed any)
                 hs = self.host_state[key]
                 host_state[key] = hs
                 new_state[key] = self._gather_rows(hs).to(self.device, self.weight.dtype)
