@@ -145,6 +145,22 @@ def test_a_copy_with_its_optimizer_whose_cache_changes_before_its_first_step(the
     assert _rel(s2["exp_avg"], s1["exp_avg"]) < 1e-12
 
 
+def test_a_copy_with_its_optimizer_of_a_cache_holding_every_row() -> None:
+    """A cache holding every row (``cache_rows == N``): the copied optimizer's state has the
+    table's shape but the slots' order, not the ids' (rows got each other's moments: 0.6 off)."""
+    torch.manual_seed(11)
+    twin, cached = _pair(torch.randn(N, D, dtype=torch.float64), cache_rows=N)
+    o1, o2 = OPTIMIZERS["adam"]([twin.weight]), OPTIMIZERS["adam"]([cached.weight])
+    gen = torch.Generator().manual_seed(11)
+    _train([(twin, o1), (cached, o2)], 6, gen)
+    twin2, o1c = copy.deepcopy((twin, o1))
+    cached2, o2c = copy.deepcopy((cached, o2))
+    _train([(twin2, o1c), (cached2, o2c)], 6, gen)
+    assert _rel(cached2.full_weight(), twin2.weight.detach()) < 1e-12
+    s1, s2 = o1c.state_dict()["state"][0], o2c.state_dict()["state"][0]
+    assert _rel(s2["exp_avg"], s1["exp_avg"]) < 1e-12
+
+
 def test_a_model_whose_table_a_lookahead_serves_pickles_without_it() -> None:
     """A ``LookAhead`` over a generator serves the table: the model pickles (the copy is not
     served; the generator made pickling fail) and the original goes on being served."""

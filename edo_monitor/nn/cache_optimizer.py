@@ -76,6 +76,15 @@ class _OptimizerBinding:
                 host_state[key] = hs
                 if key in state:  # replaced by the cache's rows of it
                     new_state[key] = self._gather_rows(hs).to(self.device, self.weight.dtype)
+            elif key in self.host_state:
+                # the table kept its host state, every row current since its flush (a copy made
+                # with this optimizer): it holds them all; the optimizer's state is the cache's
+                # rows as the slots were then, of the cache's shape (the table's too when the
+                # cache holds every row: not in id order), and rows moved or the cache resized
+                # since brought no state (no step changed any)
+                hs = self.host_state[key]
+                host_state[key] = hs
+                new_state[key] = self._gather_rows(hs).to(self.device, self.weight.dtype)
             elif tuple(value.shape) == (n, d):  # full-table state in id order
                 hs = value.detach()
                 if self._host_alloc is not None:
@@ -86,14 +95,6 @@ class _OptimizerBinding:
                     hs = hs.to("cpu")
                 host_state[key] = hs
                 new_state[key] = self._gather_rows(hs).to(self.device)
-            elif key in self.host_state:
-                # the table kept its host state, every row current since its flush (a copy made
-                # with this optimizer): it holds them all; the optimizer's cache rows are as the
-                # slots were then (rows moved or the cache resized since brought no state, and
-                # no step changed any)
-                hs = self.host_state[key]
-                host_state[key] = hs
-                new_state[key] = self._gather_rows(hs).to(self.device, self.weight.dtype)
             elif tuple(value.shape) == tuple(self.weight.shape):  # cache layout: scatter to ids
                 hs = self._host_empty((n, d))
                 hs.fill_(init)  # rows never cached hold the initial state
