@@ -263,14 +263,12 @@ class _OptimizerBinding:
         if optimizer is not self._optimizer or self._rule is None:
             return
         group = _group_of(optimizer, self.weight)
-        if isinstance(group["lr"], torch.Tensor):  # made a tensor since the attach: refused?
-            check_lr(optimizer, group, self.weight.dtype)
+        check_lr(optimizer, group, self.weight.dtype)  # lr made a tensor since the attach
         if _Rule._hyper(group) != self._rule.hyper:
             # hyper-parameters changed: every host row catches up under the old ones first
             old = self._rule
             self.flush()
-            buffers = old.buffers_after(self.t)
-            self._rule = _make_rule(optimizer, group, self.t, buffers, self.weight.dtype)
+            self._rule = _make_rule(optimizer, group, self.t, old.buffers_after(self.t))
             self._state_appears(old.keys, group)
         grad = self.batch_rows.grad
         if grad is None:
