@@ -87,6 +87,10 @@ setup() {
     export PIP_CONFIG_FILE=/dev/null
     unset PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_FIND_LINKS PIP_CONSTRAINT PIP_REQUIREMENT
     "$PYTHON" -m venv --system-site-packages "$VENV"
+    # When $PYTHON is itself a venv's (the H200 image: /opt/torch/.venv), --system-site-packages
+    # reaches the base interpreter's packages, not that venv's torch: a .pth adds them (after ours).
+    "$PYTHON" -c 'import site; print("\n".join(site.getsitepackages()))' \
+        >"$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_parent_site.pth"
     local pip=("$VENV/bin/python" -m pip install --no-index --find-links "$WHEEL_DIR"
         --disable-pip-version-check --no-cache-dir --no-compile)
     if [[ $(cat "$WHEEL_DIR/SOURCE" 2>/dev/null) == $(bash "$ROOT/tests/gpu/fingerprint.sh") ]]; then
