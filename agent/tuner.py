@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from edo_monitor.actions.base import ActionContext, ActionResult
 from edo_monitor.actions.registry import ACTIONS
 from edo_monitor.decide.policy import Policy
@@ -64,6 +66,11 @@ class Tuner:
             m.model,
             m.optimizers,
             cuda_mode=m.device_kind == "cuda",
+            device=(
+                torch.device("cuda", m.device_index or 0)
+                if m.device_kind == "cuda"
+                else torch.device("cpu")
+            ),
             reserved_unallocated_bytes=reading.reserved_unallocated_bytes if reading else None,
             release_cache_min_bytes=policy.release_cache_min_bytes,
             activation_profile=m.activation_profile,

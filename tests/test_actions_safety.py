@@ -458,3 +458,34 @@ def test_offload_in_cpu_budget_mode_allocates_no_host_memory() -> None:
     assert isinstance(plan, Plan) and plan.details["host_bytes_needed"] == 0
     result = ACTIONS["offload_embedding"].apply(ctx, plan)
     assert result.status == "applied" and result.details["pinned_bytes"] is None
+
+
+def test_context_device_is_not_the_cpu_of_an_offloaded_first_table() -> None:
+    """After offload_embedding moved the first table to the host, the model's first parameter is
+    on the CPU: the context's device is the first parameter that is not (``meta`` stands in for
+    CUDA here), so release_cache does not read the CPU's allocator (``torch.cuda`` raised
+    "Expected a cuda device, but got: cpu" on a GPU)."""
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 2, device="meta"))
+    assert ActionContext(model).device == torch.device("meta")
+    assert ActionContext(nn.Linear(2, 2)).device == torch.device("cpu")
+
+
+def test_the_tuner_gives_actions_the_watched_cuda_device() -> None:
+    """The agent's context names the watched device, whatever the model's first parameter."""
+    from types import SimpleNamespace
+
+    from agent.tuner import Tuner
+
+    monitor = SimpleNamespace(
+        model=nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 2)),
+        optimizers=(),
+        device_kind="cuda",
+        device_index=1,
+        policy=Policy(),
+        activation_profile=None,
+        _lookups=None,
+        spill_dir=None,
+    )
+    assert Tuner(monitor).action_context().device == torch.device("cuda", 1)
+    monitor.device_kind, monitor.device_index = "cpu-budget", None
+    assert Tuner(monitor).action_context().device == torch.device("cpu")

@@ -65,7 +65,8 @@ class ActionContext:
         cuda_mode: ``True`` when the model trains on CUDA (tier rule of the accounting); ``False``
             in CPU-budget mode.
         device: the training device (``torch.device("cuda:0")`` or ``"cpu"``); ``None`` = taken
-            from the model's first parameter.
+            from the model's first parameter not on the CPU (a table offloaded to the host does
+            not make a CUDA model's device the CPU), else ``"cpu"``.
         reserved_unallocated_bytes: latest allocator slack (``release_cache`` uses it).
         release_cache_min_bytes: below this slack ``release_cache`` is not applicable.
         activation_profile: saved-activation bytes per module from an
@@ -119,8 +120,8 @@ class ActionContext:
     def __post_init__(self) -> None:
         self.optimizers = tuple(self.optimizers)
         if self.device is None:
-            first = next(iter(self.model.parameters()), None)
-            self.device = first.device if first is not None else torch.device("cpu")
+            devices = (p.device for p in self.model.parameters() if p.device.type != "cpu")
+            self.device = next(devices, torch.device("cpu"))
         else:
             self.device = torch.device(self.device)
 
