@@ -85,7 +85,9 @@ class RunSummary:
         budget_bytes: the capacity the policy measures against (``None`` without a budget on a
             CPU).
         peak_in_use_bytes, peak_allocated_bytes, peak_reserved_bytes, peak_activations_bytes:
-            peaks over the run's readings (``None`` where the source was unavailable).
+            peaks over the run's readings (``None`` where the source was unavailable); on CUDA
+            the allocated peak is also the allocator's own peak stat once the run raised it, so
+            it holds a peak between two readings.
         min_free_fraction: lowest ``free_fraction`` seen.
         events: count of events by kind. actions: the ``action`` events' data, in order.
         agent_errors: failures inside the agent by ``"where:ExceptionType"`` (the hooks, the

@@ -57,7 +57,12 @@ class Sampler:
     Attributes:
         samples: readings taken.
         peaks: the highest ``in_use_bytes``, ``allocated_bytes``, ``reserved_bytes`` and
-            ``activations_bytes`` seen (``None`` where the source never gave a value).
+            ``activations_bytes`` seen (``None`` where the source never gave a value). On CUDA
+            ``allocated_bytes`` also takes the allocator's own peak (``allocated_bytes.all.peak``,
+            the reading's ``peak_allocated_bytes``) once it rises above what it was at the run's
+            first reading (or after a ``torch.cuda.reset_peak_memory_stats()`` in the run): the
+            run reached that value, between samples too. A peak from before the run (another
+            run's, the process's start-up) is not the run's, and is left out.
         min_free_fraction: the lowest ``free_fraction`` seen.
         stop_event: the monitor's: set when the run is ending (the thread stops).
     """
@@ -70,6 +75,10 @@ class Sampler:
         self.samples = 0
         self.peaks: dict[str, int | None] = dict.fromkeys(PEAK_FIELDS)
         self.min_free_fraction: float | None = None
+        #: the allocator's peak stat at the first reading (reached before the run: not counted)
+        #: and at the last one (a lower value means the peak was reset)
+        self._peak_stat_before: int | None = None
+        self._peak_stat_last: int | None = None
         #: each cached table's counters at the previous sample, by (module name, object id)
         self._cache_prev: dict[tuple[str, int], dict[str, int]] = {}
 
@@ -174,6 +183,15 @@ class Sampler:
     def _update_peaks(self, r: Reading) -> None:
         for key in self.peaks:
             self.peaks[key] = _max(self.peaks[key], getattr(r, key))
+        stat = r.peak_allocated_bytes
+        if stat is not None:
+            if self._peak_stat_before is None:
+                self._peak_stat_before = stat
+            elif self._peak_stat_last is not None and stat < self._peak_stat_last:
+                self._peak_stat_before = 0  # reset in the run: every later peak is the run's
+            self._peak_stat_last = stat
+            if stat > self._peak_stat_before:
+                self.peaks["allocated_bytes"] = _max(self.peaks["allocated_bytes"], stat)
         f = r.free_fraction
         if f is not None and (self.min_free_fraction is None or f < self.min_free_fraction):
             self.min_free_fraction = f

@@ -207,3 +207,31 @@ def test_allocator_probe_failure_is_reported_once() -> None:
     assert probe.read()["allocated_bytes"] is None
     assert probe.read()["allocated_bytes"] is None
     assert len(events) == 1 and "driver said no" in events[0]
+
+
+def test_run_peak_takes_the_allocator_peak_the_run_reached_between_readings() -> None:
+    """Readings every interval miss a peak between them; the allocator's own peak stat
+    (``allocated_bytes.all.peak``) holds it, but from the process's start: the run's summary takes
+    it only once it rises above its value at the run's first reading (or after a reset)."""
+    import threading
+    from types import SimpleNamespace
+
+    from edo_monitor.agent.sampler import Sampler
+    from edo_monitor.probes.readings import Reading
+
+    sampler = Sampler(SimpleNamespace(interval_s=1.0, _stop=threading.Event()))
+
+    def read(allocated: int, peak_stat: int) -> int | None:
+        r = Reading(0.0, 0, "cuda", allocated_bytes=allocated, peak_allocated_bytes=peak_stat)
+        sampler._update_peaks(r)
+        return sampler.peaks["allocated_bytes"]
+
+    assert read(100, 900) == 100  # 900 was an earlier run's: not this one's
+    assert read(120, 900) == 120
+    assert read(110, 1500) == 1500  # reached between two readings
+    assert read(100, 1500) == 1500
+    assert read(100, 100) == 1500  # torch.cuda.reset_peak_memory_stats() inside the run
+    assert read(90, 1700) == 1700
+    cpu = Sampler(SimpleNamespace(interval_s=1.0, _stop=threading.Event()))
+    cpu._update_peaks(Reading(0.0, 0, "cpu-budget", allocated_bytes=None))
+    assert cpu.peaks["allocated_bytes"] is None
