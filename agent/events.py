@@ -54,14 +54,21 @@ class EventLog:
         self.agent_errors: Counter[str] = Counter()
         self.pending_error: BaseException | None = None
 
-    def emit(self, kind: str, message: str, data: Mapping[str, Any] | None = None) -> None:
+    def emit(
+        self,
+        kind: str,
+        message: str,
+        data: Mapping[str, Any] | None = None,
+        time_s: float | None = None,
+    ) -> None:
         """Record an event of ``kind`` (``"action"``, ``"oom"`` ...) with its message and JSON
-        data at the current step."""
+        data at the current step, at ``time_s`` (Unix seconds; ``None`` = now)."""
         self.counts[kind] += 1
         if kind == "action":
             self.actions.append(dict(data or {}))
         step = self._step()
-        time_s = time.time()
+        if time_s is None:
+            time_s = time.time()
         if self.writer is not None:
             self.writer.put_event(kind, message, step=step, data=data, time_s=time_s)
             if self.snapshots is not None:  # an incident's snapshot, linked to this event

@@ -389,9 +389,15 @@ class Monitor(_Lifecycle):
         )
 
     # ------------------------------------------------------------------ shared helpers
-    def _emit(self, kind: str, message: str, data: Mapping[str, Any] | None = None) -> None:
+    def _emit(
+        self,
+        kind: str,
+        message: str,
+        data: Mapping[str, Any] | None = None,
+        time_s: float | None = None,
+    ) -> None:
         """Record an event (any thread; never blocks): :meth:`EventLog.emit`."""
-        self._log.emit(kind, message, data)
+        self._log.emit(kind, message, data, time_s)
 
     def _agent_error(self, where: str, exc: BaseException) -> None:
         """Count a failure inside the agent (any thread; never raises):

@@ -61,7 +61,13 @@ class MonitorState(Protocol):
     def budget_bytes(self) -> int | None:
         """The capacity the policy measures against."""
 
-    def _emit(self, kind: str, message: str, data: Mapping[str, Any] | None = None) -> None: ...
+    def _emit(
+        self,
+        kind: str,
+        message: str,
+        data: Mapping[str, Any] | None = None,
+        time_s: float | None = None,
+    ) -> None: ...
 
     def _agent_error(self, where: str, exc: BaseException) -> None: ...
 

@@ -14,6 +14,7 @@ A decision the run ends before applying is recorded as ``decision_expired``.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -276,10 +277,11 @@ class Tuner:
         ctx = self.decision_context(decision)
         if refused is None and m._log.snapshots is not None:
             m._log.snapshots.before_action()  # the "before" snapshot of the action's event
+        started_s = time.time()
         result = refused if refused is not None else self._apply(ctx, decision)
         # resolved once: a failed decision is never retried on the same target
         ineffective = policy.resolve(decision, "failed" if refused is not None else result)
-        self._record(decision, result, ineffective, extra)
+        self._record(decision, result, ineffective, extra, started_s)
         err = policy.call_on_action(result)
         if err is not None:
             m._agent_error("on_action hook", err)
@@ -307,7 +309,11 @@ class Tuner:
         result: ActionResult,
         ineffective: str | None,
         extra: dict[str, Any] | None,
+        started_s: float,
     ) -> None:
+        """The result's event, stamped ``started_s`` (when the action began: a reading that
+        sees its effect can record a threshold crossing before the result is measured, and the
+        timeline orders by time), and an ``action_ineffective`` event when it saved too little."""
         m = self.m
         kind = {"applied": "action", "refused": "action_refused"}.get(
             result.status, "action_failed"
@@ -347,7 +353,7 @@ class Tuner:
                 m._lookups.watch_tables(m.model)
         else:
             message = f"{result.action} on {result.target or '-'} {result.status}: {result.reason}"
-        self.m._emit(kind, message, data)
+        self.m._emit(kind, message, data, started_s)
         if ineffective is not None:  # the ladder moves on from this (action, target)
             self.m._emit(
                 "action_ineffective",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -281,3 +282,23 @@ def test_default_ladder_checkpoints_then_compresses_inside_watch(db_path: Path) 
         kinds = [e.kind for e in history.events("latest")]
     assert kinds[0] == "threshold_crossed"
     assert [k for k in kinds if k in ("decision", "action")] == ["decision", "action"] * 2
+
+
+def test_an_action_event_is_stamped_when_the_action_began(db_path: Path) -> None:
+    """A reading taken while an action is being measured can record the crossing back above the
+    re-arm level before the action's result is: the action's event carries the time it began, so
+    the timeline (ordered by time) shows the action before the crossing it caused (on a GPU the
+    crossing came first)."""
+    model, opt = model_and_opt()
+    hook_s: list[float] = []
+    policy = edo_monitor.Policy(
+        on_action=lambda r: hook_s.append(time.time()), ladder=OFFLOAD_LADDER
+    )
+    with edo_monitor.watch(model, db=db_path, budget=BUDGET, policy=policy, interval_s=0.01):
+        train(model, opt, 40)
+    with History(db_path) as history:
+        (event,) = history.events("latest", kind="action")
+    duration_s = event.data["duration_s"]
+    assert duration_s > 0
+    # began, then took duration_s, then the on_action hook ran (after the event was recorded)
+    assert event.time_s + duration_s <= hook_s[0]
