@@ -489,3 +489,18 @@ def test_the_tuner_gives_actions_the_watched_cuda_device() -> None:
     assert Tuner(monitor).action_context().device == torch.device("cuda", 1)
     monitor.device_kind, monitor.device_index = "cpu-budget", None
     assert Tuner(monitor).action_context().device == torch.device("cpu")
+
+
+def test_cuda_mode_counts_only_optimizer_state_in_gpu_memory() -> None:
+    """Adam's ``step`` of a CUDA table is a CPU scalar: on the device tier in CUDA mode only the
+    GPU tensors of the state count (the H200 saw an offload estimate 4 bytes above what it
+    freed). Here every tensor is on the CPU: all of it counts in CPU-budget mode, none in CUDA
+    mode."""
+    from edo_monitor.measure.accounting import optimizer_state_bytes
+
+    table = nn.Embedding(100, 8)
+    opt = torch.optim.Adam(table.parameters())
+    table(torch.arange(10)).sum().backward()
+    opt.step()
+    assert optimizer_state_bytes(opt, table.weight) == 2 * 100 * 8 * 4 + 4
+    assert optimizer_state_bytes(opt, table.weight, cuda_only=True) == 0

@@ -59,7 +59,7 @@ def device_tables(
         on_device = w.is_cuda if cuda_mode else not getattr(w, "_edo_host", False)
         if not on_device:
             continue
-        ob = sum(optimizer_state_bytes(opt, w) for opt in optimizers)
+        ob = sum(optimizer_state_bytes(opt, w, cuda_only=cuda_mode) for opt in optimizers)
         # never read w.grad here: plans are made on the sampler thread, and autograd writes .grad
         # without the GIL during backward (reading it concurrently corrupts memory)
         dense_trainable = w.requires_grad and not getattr(module, "sparse", False)

@@ -91,12 +91,20 @@ def _on_device_tier(tensor: torch.Tensor, owner: torch.Tensor, cuda_mode: bool) 
     return not getattr(owner, "_edo_host", False)
 
 
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> int:
-    """Bytes of every tensor in ``optimizer.state[param]`` (0 before the first step)."""
+def optimizer_state_bytes(
+    optimizer: torch.optim.Optimizer, param: torch.Tensor, *, cuda_only: bool = False
+) -> int:
+    """Bytes of every tensor in ``optimizer.state[param]`` (0 before the first step); with
+    ``cuda_only`` (the device tier in CUDA mode) only those in GPU memory: Adam's ``step`` of a
+    CUDA parameter is a CPU scalar unless ``capturable`` or ``fused``."""
     state = optimizer.state.get(param)
     if not state:
         return 0
-    return sum(tensor_bytes(v) for v in list(state.values()) if isinstance(v, torch.Tensor))
+    return sum(
+        tensor_bytes(v)
+        for v in list(state.values())
+        if isinstance(v, torch.Tensor) and (v.is_cuda or not cuda_only)
+    )
 
 
 @dataclass(frozen=True)
