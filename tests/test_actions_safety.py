@@ -504,3 +504,35 @@ def test_cuda_mode_counts_only_optimizer_state_in_gpu_memory() -> None:
     opt.step()
     assert optimizer_state_bytes(opt, table.weight) == 2 * 100 * 8 * 4 + 4
     assert optimizer_state_bytes(opt, table.weight, cuda_only=True) == 0
+
+
+def test_release_cache_is_not_repeated_before_another_action_frees_memory() -> None:
+    """Under a budget the allocator reserves again what empty_cache() returned: on an H200 the
+    ladder applied release_cache six times in a row (each "effective", 64-78 MiB) and never
+    climbed, until the run ran out of memory. Once applied, it waits for another action; after
+    that one (its freed segments are worth returning) it may come again."""
+    from edo_monitor.actions.base import ActionResult
+
+    policy = Policy(ladder=["release_cache", "offload_embedding"], cooldown_steps=0)
+    plans = {
+        "release_cache": Plan("release_cache", "allocator", 64 * MiB, "wholly free segments"),
+        "offload_embedding": Plan("offload_embedding", "0", 100 * MiB, "largest table"),
+    }
+
+    def decide(step: int) -> Decision:
+        (decision,) = [
+            e for e in policy.evaluate(cuda_reading(step, 0.10), plans) if isinstance(e, Decision)
+        ]
+        return decision
+
+    def applied(decision: Decision) -> None:
+        saved = decision.estimated_saving_bytes
+        result = ActionResult(decision.action, decision.target, "applied", saved, saved, 0)
+        assert policy.resolve(decision, result) is None  # effective
+
+    order = []
+    for step in range(1, 4):
+        decision = decide(step)
+        order.append(decision.action)
+        applied(decision)
+    assert order == ["release_cache", "offload_embedding", "release_cache"]

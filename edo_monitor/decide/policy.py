@@ -12,13 +12,17 @@ applied decision, the policy decides the first applicable lossless action of its
 actions that refuse, ``(action, target)`` pairs that failed before, ``(action, target)`` pairs that
 were *ineffective* in this pressure episode (applied, but the measured saving was below
 :data:`INEFFECTIVE_BELOW_FRACTION` of the estimate; see :meth:`Policy.resolve`), ``release_cache``
-in CPU-budget mode or when the reading's reserved-but-unallocated bytes are below
-``release_cache_min_bytes``. Only when every lossless rung is skipped, and only with
-``allow_lossy``, the lossy rungs: every one is planned, and among the plans that pass the same
-filters the policy decides the one that saves the most bytes per unit of expected error
-(:func:`rank_lossy_plans`: ``estimated_saving_bytes / max(expected_error,``
-:data:`EXPECTED_ERROR_FLOOR` ``)``, plans without an expected error after those with one, ties in
-ladder order). Only one decision is pending at a time.
+in CPU-budget mode, when the reading's reserved-but-unallocated bytes are below
+``release_cache_min_bytes``, or when it was the last action applied in this episode (the slack
+it returns is then the training's own working set, reserved again by the next steps: on an H200
+under a budget it was applied six times in a row while the pressure grew to an out-of-memory
+error; another action has to free memory before releasing the cache helps again). Only when
+every lossless rung is skipped, and only with ``allow_lossy``, the lossy rungs: every one is
+planned, and among the plans that pass the same filters the policy decides the one that saves
+the most bytes per unit of expected error (:func:`rank_lossy_plans`:
+``estimated_saving_bytes / max(expected_error,`` :data:`EXPECTED_ERROR_FLOOR` ``)``, plans
+without an expected error after those with one, ties in ladder order). Only one decision is
+pending at a time.
 
 Growing back: in ``"auto"`` mode, when not under pressure and ``free_fraction`` has stayed at or
 above ``rearm_free_fraction + grow_margin_fraction`` for ``grow_after_readings`` readings in a row,
@@ -240,6 +244,8 @@ class Policy(_Forecasting):
         #: (action, target) -> why it was ineffective; cleared when the pressure episode ends
         self._ineffective: dict[tuple[str, str], str] = {}
         self._advised: set[tuple[str, str]] = set()
+        #: release_cache was the last action applied in this pressure episode
+        self._released_last = False
         self._reported_none = False
 
     def _check_ladder(self, ladder: Sequence[str] | None) -> tuple[str, ...]:
@@ -311,6 +317,7 @@ class Policy(_Forecasting):
             elif self.under_pressure and free >= self.rearm_free_fraction:
                 self.under_pressure = False
                 self._ineffective.clear()
+                self._released_last = False
                 events.append(
                     ThresholdCrossing(
                         "above_rearm", reading.step, reading.time_s, free, self.rearm_free_fraction
@@ -499,6 +506,11 @@ class Policy(_Forecasting):
     def _release_cache_skip(self, reading: Reading) -> str | None:
         if reading.device_kind != "cuda":
             return "not applicable in CPU-budget mode (no allocator cache)"
+        if self._released_last:
+            return (
+                "the last action of this episode already: what it frees now the training "
+                "reserves again; another action has to free memory first"
+            )
         slack = reading.reserved_unallocated_bytes
         if slack is not None and slack < self.release_cache_min_bytes:
             return (
@@ -536,6 +548,8 @@ class Policy(_Forecasting):
                 self.pending = None
             if state != "applied" or why is not None:
                 self.last_decision_step = None
+            if state == "applied":
+                self._released_last = decision.action == "release_cache"
             if state == "failed":
                 self._failed.add((decision.action, decision.target))
             if why is not None:
