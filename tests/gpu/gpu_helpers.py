@@ -11,9 +11,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
+
+from edo_monitor.actions import ActivationRecorder
 
 MiB = 1024**2
 GiB = 1024**3
+
+
+def recorded_profile(model: nn.Module, x: torch.Tensor) -> object:
+    """The activation profile of one forward and backward of ``model`` on ``x`` (what the agent
+    records before it lets a table action change a weight: ``ActionContext.activation_profile``).
+    The backward leaves gradients in ``model``: pass a copy to keep it untouched."""
+    with ActivationRecorder(model) as rec:
+        model(x).float().sum().backward()
+    return rec.profile()
 
 
 def nvidia_smi(*query: str) -> list[list[str]]:

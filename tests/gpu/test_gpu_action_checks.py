@@ -13,18 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
+from gpu_helpers import MiB, recorded_profile
 from torch import nn
 
-from edo_monitor.actions import ACTIONS, ActionContext, ActivationRecorder, Plan, Refusal
+from edo_monitor.actions import ACTIONS, ActionContext, Plan, Refusal
 from edo_monitor.measure.fragmentation import releasable_bytes
-
-MiB = 1024**2
-
-
-def _profile(model: nn.Module, x: torch.Tensor):
-    with ActivationRecorder(model) as rec:
-        model(x).float().sum().backward()
-    return rec.profile()
 
 
 def test_release_cache_estimate_is_what_empty_cache_frees() -> None:
@@ -51,7 +44,7 @@ def test_offload_pins_once_and_records_the_pinned_bytes() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(3000, 32), nn.Linear(32, 4)).to(dev)
     x = torch.randint(0, 3000, (16,), device=dev)
-    profile = _profile(model, x)
+    profile = recorded_profile(model, x)
     table_bytes = 3000 * 32 * 4  # 384,000 bytes; the pinned block is its next power of two
     ctx = ActionContext(model, cuda_mode=True, activation_profile=profile)
     plan = ACTIONS["offload_embedding"].plan(ctx)
@@ -69,7 +62,10 @@ def test_offload_refuses_when_the_host_cannot_hold_the_table() -> None:
     model = nn.Sequential(nn.Embedding(3000, 32), nn.Linear(32, 4)).to(dev)
     x = torch.randint(0, 3000, (16,), device=dev)
     ctx = ActionContext(
-        model, cuda_mode=True, activation_profile=_profile(model, x), host_available_bytes=MiB // 2
+        model,
+        cuda_mode=True,
+        activation_profile=recorded_profile(model, x),
+        host_available_bytes=MiB // 2,
     )
     refusal = ACTIONS["offload_embedding"].plan(ctx)
     assert isinstance(refusal, Refusal)
@@ -91,7 +87,7 @@ class TiedByUse(nn.Module):
 def test_weight_read_outside_its_module_is_refused_on_cuda(name: str) -> None:
     dev = torch.device("cuda", torch.cuda.current_device())
     model = TiedByUse().to(dev)
-    profile = _profile(model, torch.randint(0, 500, (4, 3), device=dev))
+    profile = recorded_profile(model, torch.randint(0, 500, (4, 3), device=dev))
     refusal = ACTIONS[name].plan(ActionContext(model, cuda_mode=True, activation_profile=profile))
     assert isinstance(refusal, Refusal) and "read outside emb's forward" in refusal.reason
 
@@ -111,7 +107,7 @@ class TiedByTranspose(nn.Module):
 def test_weight_read_through_a_view_is_refused_on_cuda(name: str) -> None:
     dev = torch.device("cuda", torch.cuda.current_device())
     model = TiedByTranspose().to(dev)
-    profile = _profile(model, torch.randint(0, 500, (4, 3), device=dev))
+    profile = recorded_profile(model, torch.randint(0, 500, (4, 3), device=dev))
     assert profile.outside_uses == {"emb": ("<model>: matmul (a view of the weight)",)}
     refusal = ACTIONS[name].plan(ActionContext(model, cuda_mode=True, activation_profile=profile))
     assert isinstance(refusal, Refusal) and "read outside emb's forward" in refusal.reason
@@ -127,7 +123,7 @@ def test_offload_on_cuda_leaves_no_device_state_and_saves_its_estimate() -> None
     model = nn.Sequential(nn.Embedding(3000, 32), nn.Linear(32, 4)).to(dev)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     x = torch.randint(0, 3000, (16,), device=dev)
-    profile = _profile(model, x)
+    profile = recorded_profile(model, x)
     opt.step()
     model(x).float().sum().backward()
     ctx = ActionContext(model, [opt], cuda_mode=True, activation_profile=profile)

@@ -10,10 +10,11 @@ from the action's own report. Run them with ``tests/gpu/run.sh`` (docs/gpu.md).
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
-from gpu_helpers import MiB
+from gpu_helpers import MiB, recorded_profile
 from torch import nn
 
 from edo_monitor.actions import ACTIONS, ActionContext, ActivationRecorder, Plan
@@ -100,6 +101,8 @@ def test_offload_embedding_moves_the_table_to_pinned_host_memory() -> None:
     n, d = 200_000, 64
     table_bytes = n * d * 4
     model = _table_model(n, d)
+    profile = recorded_profile(copy.deepcopy(model), torch.zeros(1, dtype=torch.long, device=CUDA0))
+    gc.collect()  # the profiled copy is left in reference cycles: freed before bytes are counted
     twin = copy.deepcopy(model)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     twin_opt = torch.optim.Adam(twin.parameters(), lr=1e-3)
@@ -111,7 +114,8 @@ def test_offload_embedding_moves_the_table_to_pinned_host_memory() -> None:
     allocated_before = _allocated()
     pinned_before = _pinned_in_use_bytes()
 
-    result = ACTIONS["offload_embedding"].apply(ActionContext(model, [opt], cuda_mode=True))
+    ctx = ActionContext(model, [opt], cuda_mode=True, activation_profile=profile)
+    result = ACTIONS["offload_embedding"].apply(ctx)
     allocated_after = _allocated()
     pinned = _pinned_in_use_bytes() - pinned_before
     print(result, f"pinned {pinned}")
@@ -146,13 +150,16 @@ def test_compress_embedding_bf16_halves_the_table_on_the_device() -> None:
     error the largest rounding error; training goes on in bf16 with fp32 outputs."""
     n, d = 100_000, 64
     model = _table_model(n, d)
+    profile = recorded_profile(copy.deepcopy(model), torch.zeros(1, dtype=torch.long, device=CUDA0))
+    gc.collect()  # the profiled copy is left in reference cycles: freed before bytes are counted
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(0)
     _step(model, opt, torch.randint(0, n, (512,), generator=g))
     original = model[0].weight.detach().cpu().clone()
     allocated_before = _allocated()
 
-    result = ACTIONS["compress_embedding"].apply(ActionContext(model, [opt], cuda_mode=True))
+    ctx = ActionContext(model, [opt], cuda_mode=True, activation_profile=profile)
+    result = ACTIONS["compress_embedding"].apply(ctx)
     allocated_after = _allocated()
     print(result)
     assert result.status == "applied", result.reason

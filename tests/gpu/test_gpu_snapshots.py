@@ -30,13 +30,15 @@ CUDA0 = torch.device("cuda", 0)
 
 
 def test_oom_snapshot_is_taken_before_the_tensors_are_freed(tmp_path: Path) -> None:
-    """Under a 512 MiB budget, 48 live 8 MiB tensors (384 MiB) then one 256 MiB request: the
-    observer's snapshot holds the 48 tensors (they are freed when the error unwinds), names
-    the request in its trace, and the blocks carry this file's frame (snapshots=True)."""
+    """Under a budget of 512 MiB beside what the process already holds, 48 live 8 MiB tensors
+    (384 MiB) then one 256 MiB request: the observer's snapshot holds the 48 tensors (they are
+    freed when the error unwinds), names the request in its trace, and the blocks carry this
+    file's frame (snapshots=True)."""
     db = tmp_path / "h.db"
     held: list[torch.Tensor] = []
+    budget = torch.cuda.memory_reserved(0) + 512 * MiB  # an earlier test's leftovers not counted
     model = nn.Linear(4, 4).to(CUDA0)  # a CUDA model: watch(None) would be CPU-budget
-    with edo_monitor.watch(model, db=db, budget="512MiB", snapshots=True, interval_s=10) as mon:
+    with edo_monitor.watch(model, db=db, budget=budget, snapshots=True, interval_s=10) as mon:
         assert mon.device_kind == "cuda"
         for _ in range(48):
             held.append(torch.empty(8 * MiB, dtype=torch.uint8, device=CUDA0))
@@ -61,8 +63,9 @@ def test_oom_snapshot_is_taken_before_the_tensors_are_freed(tmp_path: Path) -> N
 def test_snapshot_command_on_a_cuda_run(tmp_path: Path) -> None:
     """``edo-monitor snapshot --out`` writes the allocator's pickle of an OOM run."""
     db = tmp_path / "h.db"
+    budget = torch.cuda.memory_reserved(0) + 256 * MiB  # an earlier test's leftovers not counted
     model = nn.Linear(4, 4).to(CUDA0)
-    with edo_monitor.watch(model, db=db, budget="256MiB", interval_s=10) as mon:
+    with edo_monitor.watch(model, db=db, budget=budget, interval_s=10) as mon:
         keep = torch.empty(128 * MiB, dtype=torch.uint8, device=CUDA0)
         with pytest.raises(torch.OutOfMemoryError) as caught:
             torch.empty(200 * MiB, dtype=torch.uint8, device=CUDA0)

@@ -52,8 +52,10 @@ def test_without_nvml_one_log_line_and_the_other_readings_go_on(
     assert len(rows) == mon.summary().samples
     _, total_bytes = torch.cuda.mem_get_info()
     for used, process, total, allocated, rss in rows:
-        assert used is None and process is None  # NVML's own numbers: unavailable, not zero
-        assert total == total_bytes  # the device's size from CUDA instead
+        assert process is None  # NVML's own number: unavailable, not zero
+        # the device's size and use from CUDA instead (cudaMemGetInfo: total - free), which the
+        # policy measures against when no budget is given
+        assert total == total_bytes and used is not None and 0 < used < total
         assert allocated is not None and rss is not None and rss > 0
     # the last reading, taken after the last step: what the allocator holds now
     assert rows[-1][3] == torch.cuda.memory_allocated()
