@@ -1,7 +1,7 @@
 """Where the row cache's Adam step spends its time (issue 23): table 8's setup, profiled.
 
     python benchmarks/row_cache_profile.py [--rows 1000000] [--cache-rows 100000] [--warmup 300]
-        [--steps 10] [--ops] [--eviction]
+        [--steps 10] [--ops] [--eviction] [--device cuda]
 
 ``nn.Embedding(sparse=True)`` + ``SparseAdam`` and ``CachedEmbedding`` + ``Adam`` (100,000-row
 cache, batch 4096 Zipf(1.05) ids, dim 64: ``benchmarks/row_cache.py``'s table 8) step the same
@@ -11,7 +11,10 @@ Prints the median step of each, their ratio, and milliseconds per step of the ca
 operators of ``--steps`` more cached steps (self CPU time, largest first); ``--eviction`` times,
 at every eviction of ``--steps`` more cached steps, the victim choice both ways on the same state:
 one selection over every slot (``_evict_full``) and the kept order (``VictimOrder.choose``, its
-refreshes included), medians and the order's mean.
+refreshes included), medians and the order's mean. ``--device cuda``: both tables (the cache's
+rows) on the GPU, the ids moved there in the step, each step ended by
+``torch.cuda.synchronize()`` (a part that waits for the GPU counts the wait); ``--ops`` then
+lists CUDA time too.
 """
 
 from __future__ import annotations
@@ -65,24 +68,32 @@ def main() -> None:
     parser.add_argument("--cache-rows", type=scripting.positive_int, default=100_000, help="cache")
     parser.add_argument("--ops", action="store_true", help="also torch.profiler's operators")
     parser.add_argument("--eviction", action="store_true", help="also time the victim choice")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     args = parser.parse_args()
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
     torch.manual_seed(0)
     sparse = nn.Embedding(args.rows, DIM, sparse=True)
-    sparse_opt = torch.optim.SparseAdam(sparse.parameters(), lr=1e-3)
     weight = sparse.weight.detach().clone()
-    cached = CachedEmbedding(args.rows, DIM, args.cache_rows, _weight=weight)
+    sparse = sparse.to(device)
+    sparse_opt = torch.optim.SparseAdam(sparse.parameters(), lr=1e-3)
+    cached = CachedEmbedding(args.rows, DIM, args.cache_rows, _weight=weight, device=device)
     cached_opt = torch.optim.Adam(cached.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(0)
 
     def step(module: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> float:
         t0 = time.perf_counter()
-        module(ids).pow(2).mean().backward()
+        module(ids.to(device)).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
+        if cuda:
+            torch.cuda.synchronize()
         return time.perf_counter() - t0
 
     for _ in range(args.warmup):
         step(cached, cached_opt, _zipf_batch(args.rows, 4096, gen))
+    for _ in range(5 if cuda else 0):  # the sparse table's kernels start up
+        step(sparse, sparse_opt, _zipf_batch(args.rows, 4096, gen))
     profile = cProfile.Profile()
     times: dict[str, list[float]] = {"sparse": [], "cached": []}
     for _ in range(args.steps):
@@ -103,10 +114,13 @@ def main() -> None:
         total = sum(v[3] for (f, _, fn), v in stats.items() if f.endswith(file) and fn == func)
         print(f"| {file}:{func} | {total / args.steps * 1e3:.2f} |")
     if args.ops:  # a second pass: the cached table alone, --steps more steps
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as ops:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if cuda:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as ops:
             for _ in range(args.steps):
                 step(cached, cached_opt, _zipf_batch(args.rows, 4096, gen))
-        print(ops.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+        print(ops.key_averages().table(sort_by="self_cpu_time_total", row_limit=16))
     if args.eviction:
         _time_eviction(cached, cached_opt, args, gen)
 
@@ -133,7 +147,7 @@ def _time_eviction(
 
     cached._evict = timed  # type: ignore[method-assign]
     for _ in range(args.steps):
-        cached(_zipf_batch(args.rows, 4096, gen)).pow(2).mean().backward()
+        cached(_zipf_batch(args.rows, 4096, gen).to(cached.weight.device)).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
     cached._evict = evict  # type: ignore[method-assign]

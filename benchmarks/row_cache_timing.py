@@ -192,7 +192,13 @@ def full_cache_overhead(rows: int, batch: int, steps: int, counter: bool) -> dic
 
 
 def sparse_comparison(
-    rows: int, cache_rows: int, batch: int, warmup: int, steps: int, resident: bool
+    rows: int,
+    cache_rows: int,
+    batch: int,
+    warmup: int,
+    steps: int,
+    resident: bool,
+    device: str = "cpu",
 ) -> dict[str, float]:
     """Issue 23's table: ``nn.Embedding(sparse=True)`` + ``SparseAdam`` against
     ``CachedEmbedding`` + ``Adam`` (``cache_rows`` rows; and a resident dense ``nn.Embedding``
@@ -200,28 +206,40 @@ def sparse_comparison(
     rotated each round, after ``warmup`` steps (the cache full and Adam's float32 catch-up
     window of 181 steps passed). Medians in seconds per step (forward + backward + step +
     zero_grad), and ``paired``: the median over rounds of the round's cached / sparse (the two
-    steps of a round run back to back, so load that drifts over the run hits both alike)."""
+    steps of a round run back to back, so load that drifts over the run hits both alike).
+    ``device="cuda"``: the tables (the cache's rows) on the GPU, the ids moved there inside the
+    timed step, the clock read after ``torch.cuda.synchronize()``; the host table stays on the
+    host, and the other tables get 5 warm-up steps each (kernel start-up)."""
     torch.manual_seed(0)
     made: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {}
     sparse = nn.Embedding(rows, DIM, sparse=True)
+    host_weight = sparse.weight.detach().clone()
+    sparse = sparse.to(device)
     made["sparse"] = (sparse, torch.optim.SparseAdam(sparse.parameters(), lr=1e-3))
-    cached = CachedEmbedding(rows, DIM, cache_rows, _weight=sparse.weight.detach().clone())
+    cached = CachedEmbedding(rows, DIM, cache_rows, _weight=host_weight, device=device)
     made["cached"] = (cached, torch.optim.Adam(cached.parameters(), lr=1e-3))
     if resident:
-        dense = nn.Embedding(rows, DIM)
+        dense = nn.Embedding(rows, DIM, device=device)
         made["resident"] = (dense, torch.optim.Adam(dense.parameters(), lr=1e-3))
     gen = torch.Generator().manual_seed(0)
+    cuda = torch.device(device).type == "cuda"
 
     def step(name: str, ids: torch.Tensor) -> float:
         module, opt = made[name]
         t0 = time.perf_counter()
-        module(ids).pow(2).mean().backward()
+        module(ids.to(device)).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
+        if cuda:
+            torch.cuda.synchronize()
         return time.perf_counter() - t0
 
     for _ in range(warmup):
         step("cached", _zipf_batch(rows, batch, gen))
+    if cuda:
+        for name in made:
+            for _ in range(5):
+                step(name, _zipf_batch(rows, batch, gen))
     times: dict[str, list[float]] = {k: [] for k in made}
     names = list(made)
     for i in range(steps):
