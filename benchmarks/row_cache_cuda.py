@@ -13,7 +13,6 @@ Needs CUDA (exits 2 without it); ``--device cpu`` runs the same code on the CPU 
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -22,6 +21,7 @@ import torch
 from row_cache_timing import DIM, _zipf_batch, sparse_comparison
 
 from edo_monitor.nn import CachedEmbedding, LookAhead
+from edo_monitor.surfaces import scripting
 
 
 def lookahead_comparison(
@@ -76,13 +76,19 @@ def lookahead_comparison(
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = scripting.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="1000000,8000000", help="table rows, comma list")
-    parser.add_argument("--cache-rows", type=int, default=100_000)
-    parser.add_argument("--batch", type=int, default=4096, help="Zipf ids per step")
-    parser.add_argument("--warmup", type=int, default=300, help="cached warm-up steps")
-    parser.add_argument("--steps", type=int, default=60, help="timed rounds")
-    parser.add_argument("--ahead", type=int, default=8, help="look-ahead window (batches)")
+    parser.add_argument("--cache-rows", type=scripting.positive_int, default=100_000)
+    parser.add_argument(
+        "--batch", type=scripting.positive_int, default=4096, help="Zipf ids per step"
+    )
+    parser.add_argument(
+        "--warmup", type=scripting.positive_int, default=300, help="cached warm-up steps"
+    )
+    parser.add_argument("--steps", type=scripting.positive_int, default=60, help="timed rounds")
+    parser.add_argument(
+        "--ahead", type=scripting.positive_int, default=8, help="look-ahead window (batches)"
+    )
     parser.add_argument("--device", default="cuda", help="cpu: a dry run of the plumbing")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
