@@ -308,6 +308,7 @@ class Policy(_Forecasting):
             if not self.under_pressure and free < self.min_free_fraction:
                 self.under_pressure = True
                 self._advised.clear()
+                self._released_last = False
                 self._reported_none = False
                 events.append(
                     ThresholdCrossing(
