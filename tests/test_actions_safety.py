@@ -474,7 +474,7 @@ def test_the_tuner_gives_actions_the_watched_cuda_device() -> None:
     """The agent's context names the watched device, whatever the model's first parameter."""
     from types import SimpleNamespace
 
-    from agent.tuner import Tuner
+    from edo_monitor.agent.tuner import Tuner
 
     monitor = SimpleNamespace(
         model=nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 2)),
