@@ -49,7 +49,7 @@ def lookahead_comparison(
         tables[name](ids.to(device)).pow(2).mean().backward()
         opts[name].step()
         opts[name].zero_grad()
-        if device == "cuda":
+        if torch.device(device).type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - t0, ids
 
@@ -89,12 +89,20 @@ def main() -> int:
     parser.add_argument(
         "--ahead", type=scripting.positive_int, default=8, help="look-ahead window (batches)"
     )
-    parser.add_argument("--device", default="cuda", help="cpu: a dry run of the plumbing")
+    parser.add_argument(
+        "--device",
+        type=scripting.torch_device,
+        default=None,
+        help="cuda (default) or cuda:N; cpu: a dry run of the plumbing",
+    )
     args = parser.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("row_cache_cuda.py: no CUDA device", file=sys.stderr)
-        return 2
-    name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    if args.device is None:
+        if not torch.cuda.is_available():
+            print("row_cache_cuda.py: no CUDA device (--device cpu: a dry run)", file=sys.stderr)
+            return 2
+        args.device = "cuda"
+    cuda = args.device.startswith("cuda")
+    name = torch.cuda.get_device_name(torch.device(args.device)) if cuda else "cpu"
     print(f"device: {name}, torch {torch.__version__}")
     print(
         f"\nTable 8 on {args.device}: dim {DIM}, batch {args.batch} Zipf ids, "
@@ -116,7 +124,7 @@ def main() -> int:
             f"| {r['paired']:.2f} | {r['cached'] / r['resident']:.2f} |",
             flush=True,
         )
-        if args.device == "cuda":
+        if cuda:
             torch.cuda.empty_cache()
     rows = int(args.sizes.split(",")[0])
     print(

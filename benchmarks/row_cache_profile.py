@@ -68,7 +68,9 @@ def main() -> None:
     parser.add_argument("--cache-rows", type=scripting.positive_int, default=100_000, help="cache")
     parser.add_argument("--ops", action="store_true", help="also torch.profiler's operators")
     parser.add_argument("--eviction", action="store_true", help="also time the victim choice")
-    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument(
+        "--device", type=scripting.torch_device, default="cpu", help="cpu (default) or cuda[:N]"
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
