@@ -102,6 +102,7 @@ from edo_monitor.actions.checkpoint_activations import ActivationRecorder
 from edo_monitor.agent.activations import ActivationTracker
 from edo_monitor.agent.monitor import DEFAULT_INTERVAL_S, Monitor
 from edo_monitor.agent.safe_point import SafePoint
+from edo_monitor.measure.frequency import LookupCounter
 from edo_monitor.probes.readings import Reading
 from edo_monitor.store.engine import open_engine
 from edo_monitor.store.models import Run, Sample
@@ -195,6 +196,7 @@ class AgentTimer:
         ("profile module hooks", ActivationRecorder, "_pre"),
         ("profile module hooks", ActivationRecorder, "_post"),
         ("profile pack hook", ActivationRecorder, "_pack"),
+        ("lookup counter hook", LookupCounter, "_on_forward"),
     )
 
     def __init__(self) -> None:

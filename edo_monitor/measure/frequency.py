@@ -23,6 +23,8 @@ counting stops.
 from __future__ import annotations
 
 import logging
+import threading
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +71,27 @@ class TableFrequency:
         }
 
 
+class _Table:
+    """One watched table's counts and the hook's scratch (see :class:`LookupCounter`)."""
+
+    def __init__(self, num: int) -> None:
+        self.num = num
+        self.pad: int | None = None
+        self.counts = torch.zeros(num, dtype=torch.long)
+        self.peak_unique = 0
+        self.calls = 0
+        # the distinct-id count without a sort (torch.unique sorted the batch: 0.3 ms of a
+        # 1024 x 7 batch, the largest part of the agent's cost on the training thread): each
+        # position of the batch writes its index into `stamp` at its id; duplicates of an id
+        # leave exactly one of their positions there, so the positions that read their own
+        # index back are one per distinct id. O(batch); int32 positions, 4 bytes a row on the
+        # host beside the counts' 8.
+        self.stamp = torch.empty(0, dtype=torch.int32)
+        self.positions = torch.empty(0, dtype=torch.int32)
+        #: ids copied from a GPU without waiting for it: (pinned host copy, the copy's event)
+        self.pending: deque[tuple[torch.Tensor, Any]] = deque()
+
+
 class LookupCounter:
     """Counts lookups per id for the embedding tables of a model.
 
@@ -80,99 +103,131 @@ class LookupCounter:
     training thread); reading from another thread sees a consistent-enough snapshot (counts only
     grow).
 
+    Ids on a GPU are copied to pinned host memory without waiting for the GPU (``non_blocking``,
+    a CUDA event recorded after the copy) and counted once the copy is done: at a later forward
+    of the table (usually the next), or when the counts are read, which waits for the copies
+    still running. At most :data:`MAX_PENDING` copies wait; one more waits for the oldest.
+    Reading ``ids.cpu()`` in the hook made every forward wait for the GPU's queue.
+
     Raises:
         ValueError: for ``sample_every < 1``.
     """
+
+    #: copies of a table's ids from a GPU that may be in flight at once
+    MAX_PENDING = 16
 
     def __init__(self, sample_every: int = 1) -> None:
         if isinstance(sample_every, bool) or not isinstance(sample_every, int) or sample_every < 1:
             raise ValueError(f"sample_every={sample_every!r}; expected an int >= 1")
         self.sample_every = sample_every
-        self._counts: dict[str, torch.Tensor] = {}
-        self._peak_unique: dict[str, int] = {}
-        self._calls: dict[str, int] = {}
+        self._tables: dict[str, _Table] = {}
         self._handles: dict[str, Any] = {}
+        self._lock = threading.Lock()  # the pending copies: the training thread and readers
 
     def watch(self, name: str, module: nn.Module) -> None:
         """Count lookups of ``module`` (an ``nn.Embedding``/``nn.EmbeddingBag`` or EDO table with
         ``num_embeddings``) under ``name``. Watching a name again replaces its hook, keeps counts.
         """
-        num = int(module.num_embeddings)
-        pad = getattr(module, "padding_idx", None)
         if name in self._handles:
             self._handles.pop(name).remove()
-        counts = self._counts.setdefault(name, torch.zeros(num, dtype=torch.long))
-        self._calls.setdefault(name, 0)
-
-        def add(uniq: torch.Tensor, mult: torch.Tensor) -> None:
-            if pad is not None:
-                keep = uniq != pad
-                uniq, mult = uniq[keep], mult[keep]
-            counts.index_add_(0, uniq.cpu(), mult.cpu())
-            if uniq.numel() > self._peak_unique.get(name, 0):
-                self._peak_unique[name] = int(uniq.numel())
-
-        def stop(exc: Exception) -> None:
-            logger.warning("lookup counting stopped for %s: %s", name, exc)
-            handle = self._handles.pop(name, None)
-            if handle is not None:
-                handle.remove()
-
-        def sampled() -> bool:
-            self._calls[name] += 1
-            return (self._calls[name] - 1) % self.sample_every == 0
-
+        table = self._tables.setdefault(name, _Table(int(module.num_embeddings)))
+        table.pad = getattr(module, "padding_idx", None)
         add_listener = getattr(module, "add_lookup_listener", None)
         if callable(add_listener):
             # a row cache computes the batch's unique ids anyway: count from those
-
-            def listener(uniq: torch.Tensor, mult: torch.Tensor) -> None:
-                try:
-                    if sampled():
-                        add(uniq, mult)
-                except Exception as exc:  # never fail the user's forward
-                    stop(exc)
-
-            self._handles[name] = add_listener(listener)
+            self._handles[name] = add_listener(
+                lambda uniq, mult: self._on_unique(name, table, uniq, mult)
+            )
             return
+        self._handles[name] = module.register_forward_pre_hook(
+            lambda _module, args: self._on_forward(name, table, args)
+        )
 
-        # the hook's distinct-id count without a sort (torch.unique sorted the batch: 0.3 ms of
-        # a 1024 x 7 batch, the largest part of the agent's cost on the training thread): each
-        # position of the batch writes its index into `stamp` at its id; duplicates of an id
-        # leave exactly one of their positions there, so the positions that read their own
-        # index back are one per distinct id. O(batch); int32 positions, 4 bytes a row on the
-        # host beside the counts' 8.
-        stamp = torch.empty(0, dtype=torch.int32)
-        positions = torch.empty(0, dtype=torch.int32)
+    def _sampled(self, table: _Table) -> bool:
+        table.calls += 1
+        return (table.calls - 1) % self.sample_every == 0
 
-        def hook(_module: nn.Module, args: tuple[Any, ...]) -> None:
-            nonlocal stamp, positions
-            try:
-                if not sampled() or not args:
-                    return
-                ids = args[0]
-                if not isinstance(ids, torch.Tensor):
-                    return
-                flat = ids.detach().reshape(-1).cpu().long()
-                if pad is not None:
-                    flat = flat[flat != pad]
-                n = flat.numel()
-                if n == 0:
-                    return
-                if stamp.numel() != num:
-                    stamp = torch.zeros(num, dtype=torch.int32)
-                if positions.numel() < n:
-                    positions = torch.arange(max(n, 2 * positions.numel()), dtype=torch.int32)
-                counts.index_add_(0, flat, _ONE.expand(n))
-                own = positions[:n]
-                stamp.scatter_(0, flat, own)  # index_select/scatter_: the fast kernels on CPU
-                distinct = int(stamp.index_select(0, flat).eq_(own).sum())
-                if distinct > self._peak_unique.get(name, 0):
-                    self._peak_unique[name] = distinct
-            except Exception as exc:  # never fail the user's forward
-                stop(exc)
+    def _stop(self, name: str, exc: Exception) -> None:
+        logger.warning("lookup counting stopped for %s: %s", name, exc)
+        handle = self._handles.pop(name, None)
+        if handle is not None:
+            handle.remove()
 
-        self._handles[name] = module.register_forward_pre_hook(hook)
+    def _on_unique(self, name: str, table: _Table, uniq: torch.Tensor, mult: torch.Tensor) -> None:
+        """A row cache's listener: the batch's unique ids and their multiplicities."""
+        try:
+            if not self._sampled(table):
+                return
+            if table.pad is not None:
+                keep = uniq != table.pad
+                uniq, mult = uniq[keep], mult[keep]
+            table.counts.index_add_(0, uniq.cpu(), mult.cpu())
+            table.peak_unique = max(table.peak_unique, int(uniq.numel()))
+        except Exception as exc:  # never fail the user's forward
+            self._stop(name, exc)
+
+    def _on_forward(self, name: str, table: _Table, args: tuple[Any, ...]) -> None:
+        """The forward pre-hook: count the batch's ids (``args[0]``), at once on the CPU, after
+        their copy from a GPU (see the class docstring)."""
+        try:
+            if not self._sampled(table) or not args or not isinstance(args[0], torch.Tensor):
+                return
+            flat = args[0].detach().reshape(-1)
+            with self._lock:
+                if flat.is_cuda:
+                    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+                    host.copy_(flat, non_blocking=True)
+                    done = torch.cuda.Event()
+                    done.record()
+                    table.pending.append((host, done))
+                    self._drain(table, wait=len(table.pending) > self.MAX_PENDING)
+                else:
+                    self._count(table, flat)
+        except Exception as exc:  # never fail the user's forward
+            self._stop(name, exc)
+
+    def _drain(self, table: _Table, wait: bool) -> None:
+        """Count the pending copies that are done, oldest first; with ``wait``, the oldest
+        whatever it takes (lock held)."""
+        while table.pending:
+            host, done = table.pending[0]
+            if wait:
+                done.synchronize()
+                wait = False
+            elif not done.query():
+                return
+            table.pending.popleft()
+            self._count(table, host)
+
+    def _drain_all(self, name: str) -> _Table:
+        """Table ``name`` with every pending copy counted (waits for them).
+
+        Raises:
+            KeyError: for a table that was never watched.
+        """
+        table = self._tables[name]
+        with self._lock:
+            while table.pending:
+                self._drain(table, wait=True)
+        return table
+
+    def _count(self, table: _Table, flat: torch.Tensor) -> None:
+        """Add one batch of host ids to the counts and the distinct-id peak (lock held)."""
+        flat = flat.long()
+        if table.pad is not None:
+            flat = flat[flat != table.pad]
+        n = flat.numel()
+        if n == 0:
+            return
+        if table.stamp.numel() != table.num:
+            table.stamp = torch.zeros(table.num, dtype=torch.int32)
+        if table.positions.numel() < n:
+            table.positions = torch.arange(max(n, 2 * table.positions.numel()), dtype=torch.int32)
+        table.counts.index_add_(0, flat, _ONE.expand(n))
+        own = table.positions[:n]
+        table.stamp.scatter_(0, flat, own)  # index_select/scatter_: the fast kernels on CPU
+        distinct = int(table.stamp.index_select(0, flat).eq_(own).sum())
+        table.peak_unique = max(table.peak_unique, distinct)
 
     def watch_tables(self, model: nn.Module) -> list[str]:
         """Watch every embedding table of ``model`` (as :func:`edo_monitor.measure.accounting.
@@ -192,22 +247,25 @@ class LookupCounter:
         Raises:
             KeyError: for a table that was never watched.
         """
-        return self._counts[name]
+        return self._drain_all(name).counts
 
     def peak_unique_ids(self, name: str) -> int | None:
         """Most distinct ids one counted forward of table ``name`` looked up (``padding_idx``
         left out); ``None`` before its first counted forward. ``cache_embedding`` sizes a cache
         to hold at least this many rows."""
-        return self._peak_unique.get(name)
+        if name not in self._tables:
+            return None
+        peak = self._drain_all(name).peak_unique
+        return peak or None
 
     @property
     def tables(self) -> Iterable[str]:
         """Names of the tables with counts."""
-        return tuple(self._counts)
+        return tuple(self._tables)
 
     def _ranked(self, name: str, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, counts) of the ``k`` most looked-up ids seen, by count desc, then id asc."""
-        counts = self._counts[name]
+        counts = self._drain_all(name).counts
         seen = torch.nonzero(counts, as_tuple=True)[0]  # ascending ids: only these are sorted
         # a stable sort of the negated counts orders ties by id (topk would order them arbitrarily)
         order = seen[torch.sort(-counts[seen], stable=True).indices[: max(0, k)]]
@@ -219,7 +277,7 @@ class LookupCounter:
         Raises:
             KeyError: for a table that was never watched.
         """
-        counts = self._counts[name]
+        counts = self._drain_all(name).counts
         total = int(counts.sum())
         ids, top = self._ranked(name, k)
         return TableFrequency(
@@ -240,7 +298,8 @@ class LookupCounter:
         return self._ranked(name, k)[0]
 
     def close(self) -> None:
-        """Remove every hook (counts stay readable)."""
+        """Remove every hook (counts stay readable; copies still in flight are counted when
+        they are read)."""
         for handle in self._handles.values():
             handle.remove()
         self._handles.clear()
