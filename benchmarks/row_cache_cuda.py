@@ -13,6 +13,7 @@ Needs CUDA (exits 2 without it); ``--device cpu`` runs the same code on the CPU 
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -75,9 +76,21 @@ def lookahead_comparison(
     return out
 
 
+def _sizes(text: str) -> list[int]:
+    """``type=`` for ``--sizes``: a comma list of row counts, each 1 or more."""
+    try:
+        return [scripting.positive_int(part) for part in text.split(",")]
+    except argparse.ArgumentTypeError as exc:
+        if "," not in text:
+            raise
+        raise argparse.ArgumentTypeError(f"in {text!r}: {exc}") from None
+
+
 def main() -> int:
     parser = scripting.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="1000000,8000000", help="table rows, comma list")
+    parser.add_argument(
+        "--sizes", type=_sizes, default=[1_000_000, 8_000_000], help="table rows, comma list"
+    )
     parser.add_argument("--cache-rows", type=scripting.positive_int, default=100_000)
     parser.add_argument(
         "--batch", type=scripting.positive_int, default=4096, help="Zipf ids per step"
@@ -96,6 +109,11 @@ def main() -> int:
         help="cuda (default) or cuda:N; cpu: a dry run of the plumbing",
     )
     args = parser.parse_args()
+    if args.cache_rows >= min(args.sizes):
+        parser.error(
+            f"--cache-rows {args.cache_rows} is not below every table size {args.sizes}: "
+            "a cache holding the whole table caches nothing"
+        )
     if args.device is None:
         if not torch.cuda.is_available():
             print("row_cache_cuda.py: no CUDA device (--device cpu: a dry run)", file=sys.stderr)
@@ -114,7 +132,7 @@ def main() -> int:
         "| paired | cached / resident |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|")
-    for rows in (int(x) for x in args.sizes.split(",")):
+    for rows in args.sizes:
         r = sparse_comparison(
             rows, args.cache_rows, args.batch, args.warmup, args.steps, True, device=args.device
         )
@@ -126,7 +144,7 @@ def main() -> int:
         )
         if cuda:
             torch.cuda.empty_cache()
-    rows = int(args.sizes.split(",")[0])
+    rows = args.sizes[0]
     print(
         f"\nLook-ahead on {args.device}: {rows:,} rows, ahead={args.ahead}, "
         "the same batches alternately\n"
