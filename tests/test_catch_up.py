@@ -193,3 +193,39 @@ def test_float64_rows_sum_every_step_float64_holds_when_the_learning_rate_rises(
         for key, val in sub.items():
             want[key][idx] = val
     assert float((got_p - want_p).abs().max() / (want_p - p).abs().max()) <= 1e-12
+
+
+@pytest.mark.parametrize("eps", [1e-8, 0.0])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_summing_every_row_as_on_a_device_equals_skipping_the_still_ones(
+    dtype: torch.dtype, eps: float
+) -> None:
+    """On a device the catch-up does not read back which rows have no first moment (it would
+    wait for the device): it sums every row and masks those. The rows come out as the host's
+    path, which skips the leading still rows, gives them (the Horner sums may take a term more
+    for some rows: within the dtype's rounding of what the rows move); the still rows only
+    decay, also where their sum is 0 / 0 (``eps = 0`` and no second moment)."""
+    rule, group, p, state, s = _case(False, (0.9, 0.999), dtype, weight_decay=0.1)
+    rule.eps = eps
+    state["exp_avg_sq"][:5] = 0  # still rows (no first moment) without a second one either
+    state["exp_avg_sq"][110:112] = 0
+    still = state["exp_avg"].abs().amax(1) == 0
+    assert int(still.sum()) == 60  # rows 0-49 (the oldest: skipped on the host) and 110-119
+    results = []
+    for skip in (None, False):
+        rule.skip_still_rows = skip
+        got_p, got = p.clone(), {k: v.clone() for k, v in state.items()}
+        rule.catch_up(got_p, got, s, T)
+        results.append((got_p, got))
+    (host_p, host), (device_p, device) = results
+    assert bool(torch.isfinite(device_p[still]).all())
+    assert torch.equal(device_p[still], host_p[still])
+    # eps = 0: rows with a first moment and a zero second one divide by zero, as Adam does
+    finite = torch.isfinite(host_p).all(1)
+    assert torch.equal(torch.isfinite(device_p).all(1), finite)
+    assert int(finite.sum()) == (4990 if eps == 0 else 5000)
+    moved = (host_p[finite].double() - p[finite].double()).abs().max()
+    diff = (device_p[finite].double() - host_p[finite].double()).abs().max()
+    assert float(diff / moved) <= 4 * torch.finfo(dtype).eps
+    for key in state:
+        assert torch.equal(device[key], host[key])  # the moments only decay: the same product

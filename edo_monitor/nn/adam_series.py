@@ -28,6 +28,8 @@ import math
 
 import torch
 
+from edo_monitor.nn.cache_parts import to_device
+
 __all__ = [
     "MAX_SPREAD",
     "MomentRing",
@@ -226,8 +228,9 @@ def exact_sums(
     pieces of :data:`_PIECE_ELEMENTS` ``(rows, D, J)`` (one for a benchmark step's 20-30 rows;
     pieces of 1 MiB took 1.2x the time)."""
     out = torch.empty_like(root)
-    coef, scale = coef.to(root.device, root.dtype), scale.to(root.device, root.dtype)
-    which = which.to(root.device)
+    coef = to_device(coef, root.device, root.dtype)
+    scale = to_device(scale, root.device, root.dtype)
+    which = to_device(which, root.device)
     dim, cols = root.shape[1], coef.shape[1]
     piece = max(1, _PIECE_ELEMENTS // (dim * cols))
     for a in range(0, root.shape[0], piece):
@@ -256,8 +259,8 @@ def horner_sums(
     # rows that take term n: those of the groups with more than n terms
     rows_with = torch.searchsorted(which, (terms > torch.arange(k_terms)[:, None]).sum(1))
     dev, dtype = root.device, root.dtype  # the tables are the host's, float64
-    mom = moments[:k_terms].index_select(1, which).to(dev, dtype)[:, :, None]  # (K, R, 1)
-    b = root * top.index_select(0, which).to(dev, dtype)[:, None]  # root * c
+    mom = to_device(moments[:k_terms].index_select(1, which), dev, dtype)[:, :, None]  # (K, R, 1)
+    b = root * to_device(top.index_select(0, which), dev, dtype)[:, None]  # root * c
     a = b + eps
     neg_y = b.div_(a).neg_()
     acc = torch.zeros_like(root)

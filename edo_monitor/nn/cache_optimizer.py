@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from edo_monitor.nn.cache_parts import put_rows
+from edo_monitor.nn.cache_parts import put_rows, to_device
 from edo_monitor.nn.cache_step import fused_update, optimizer_kind
 from edo_monitor.nn.catch_up import (
     _CHUNK_ELEMENTS,
@@ -339,7 +339,7 @@ class _OptimizerBinding:
         state = self._cache_state() if self._state_keys() else {}
         step = max(1, _CHUNK_ELEMENTS // max(1, self.embedding_dim * 4))
         for start in range(0, rows.numel(), step):
-            r = rows[start : start + step].to(self.device)
+            r = to_device(rows[start : start + step], self.device)
             w = self.weight.data.index_select(0, r)
             st = {k: state[k].index_select(0, r) for k in self._state_keys()}
             self._rule.catch_up_rows(w, st, s[start : start + step], self.t)
@@ -355,7 +355,7 @@ class _OptimizerBinding:
         rows = self._layout_rows
         if rows.numel() == 0:
             return
-        r = rows.to(self.device)
+        r = to_device(rows, self.device)
         state = self._cache_state() if self._state_keys() else {}
         pending, self._pending = self._pending, None
         if pending is not None and set(pending) == set(self._state_keys()):
@@ -401,7 +401,7 @@ class _OptimizerBinding:
         if stale:  # oldest first: the stale rows lead, as the rule sums them
             order = torch.argsort(s, stable=True)
             new, s = new.index_select(0, order), s.index_select(0, order)
-        r = new.to(self.device)
+        r = to_device(new, self.device)
         state = self._cache_state() if self._state_keys() else {}
         p = self.weight.data.index_select(0, r)
         st = {k: state[k].index_select(0, r) for k in self._state_keys()}

@@ -119,6 +119,45 @@ def put_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor | int | b
         dst.index_copy_(0, index, src)
 
 
+def to_device(
+    x: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``x`` on ``device`` (as ``dtype``; ``None``: its own), the host not waiting for the device.
+
+    A CUDA copy from pageable host memory makes the driver synchronize the stream before it
+    starts (CUDA runtime API, "API synchronization behavior"), and torch's blocking copy waits
+    for it to end: the row cache's host index arrays and tables (slot rows, the catch-up's
+    coefficients) cost one such wait each, about 20 a step on an H200. Here a host tensor goes
+    to a CUDA device through pinned memory with ``non_blocking=True`` (torch's caching host
+    allocator keeps the pinned block until the copy is done, so ``x`` may change at once); a
+    dtype change is made on the host first (the same rounding). Elsewhere ``x.to(device,
+    dtype)``.
+    """
+    device = torch.device(device)
+    if dtype is not None and x.dtype != dtype and x.is_cpu:
+        x = x.to(dtype)
+    if device.type != "cuda" or not x.is_cpu:
+        return x.to(device, dtype) if dtype is not None else x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
+
+
+def rows_to_host(parts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Tensors ``(n, D_i)`` on the host, each as ``part.to("cpu")``; device tensors of one dtype
+    and device come back in one copy (concatenated along dim 1, then split as views): a copy to
+    the host waits for the device, and the row cache's write-back moves a row's weight and its
+    optimizer state together (one wait, not one per tensor)."""
+    first = parts[0] if parts else None
+    if (
+        first is None
+        or first.is_cpu
+        or len(parts) == 1
+        or any(p.dtype != first.dtype or p.device != first.device for p in parts)
+    ):
+        return [p.to("cpu") for p in parts]
+    both = torch.cat(list(parts), 1).to("cpu")
+    return list(both.split([p.shape[1] for p in parts], 1))
+
+
 def _pinned_empty(shape: Sequence[int], dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """Every host tensor of the cache (table copies, optimizer state) is allocated here, so a
     tier below host memory (a memory-mapped file) replaces one function."""

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from edo_monitor.nn.cache_parts import _CacheFullError, put_rows
+from edo_monitor.nn.cache_parts import _CacheFullError, put_rows, rows_to_host, to_device
 
 logger = logging.getLogger(__name__)
 
@@ -92,18 +92,22 @@ class _RowMovement:
             return
         ids, rows = self._real_rows(self.slot_to_block.index_select(0, slots), slots)
         state = self._opt_state()
-        moved = 0
-        w = self.weight.detach().index_select(0, rows.to(self.device)).to("cpu")
+        keys = [k for k in self._state_keys() if state.get(k) is not None]
+        dev_rows = to_device(rows, self.device)
+        parts = [self.weight.detach().index_select(0, dev_rows)]
+        for key in keys:
+            value = state[key].detach()
+            at = dev_rows if value.device == dev_rows.device else to_device(rows, value.device)
+            parts.append(value.index_select(0, at))
+        w, *rows_state = rows_to_host(parts)  # one wait for the device, not one per tensor
         put_rows(self.host_weight, ids, w.to(self.host_weight.dtype))
         put_rows(self.last_step, ids, self.slot_step.index_select(0, rows))  # caught up when loaded
-        moved += w.numel() * w.element_size()
-        for key in self._state_keys():
-            value = state.get(key)
-            if value is not None:
-                rows_state = value.detach().index_select(0, rows.to(value.device)).to("cpu")
+        moved = 0
+        for key, value in zip((None, *keys), (w, *rows_state), strict=True):
+            if key is not None:
                 host = self.host_state[key]
-                put_rows(host, ids, rows_state.to(host.dtype))
-                moved += rows_state.numel() * rows_state.element_size()
+                put_rows(host, ids, value.to(host.dtype))
+            moved += value.numel() * value.element_size()
         self._count(d2h_bytes=moved)
 
     def _load_blocks(
@@ -137,8 +141,8 @@ class _RowMovement:
         stream = self._load_stream()
         if stream is not None:  # CUDA: copy on a side stream; the placing waits for it
             with torch.cuda.stream(stream):
-                w = w.to(self.device, non_blocking=True)
-                st = {k: v.to(self.device, non_blocking=True) for k, v in st.items()}
+                w = to_device(w, self.device)
+                st = {k: to_device(v, self.device) for k, v in st.items()}
         return {
             "blocks": blocks,
             "ids": ids,
@@ -155,7 +159,7 @@ class _RowMovement:
         _, rows = self._real_rows(blocks, slots)
         state = self._opt_state()
         moved = w.numel() * w.element_size()
-        dev_rows = rows.to(self.device)
+        dev_rows = to_device(rows, self.device)
         stream = self._load_stream()
         if stream is not None:
             current = torch.cuda.current_stream(self.device)
@@ -167,7 +171,8 @@ class _RowMovement:
         for key in self._state_keys():
             value = state.get(key)
             if value is not None:
-                put_rows(value.data, rows.to(value.device), st[key].to(value.device, value.dtype))
+                at = dev_rows if value.device == dev_rows.device else to_device(rows, value.device)
+                put_rows(value.data, at, st[key].to(value.device, value.dtype))
                 moved += st[key].numel() * st[key].element_size()
         put_rows(self.slot_to_block, slots, blocks)
         freq = self.block_freq.index_select(0, blocks)

@@ -112,6 +112,7 @@ from edo_monitor.nn.cache_parts import (
     CacheStats,
     _CacheFullError,
     _pinned_empty,
+    to_device,
 )
 from edo_monitor.nn.cache_rows import _RowMovement
 from edo_monitor.nn.cache_step import CacheRows
@@ -472,7 +473,7 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _RowMovement, _Checkpointing
                 at = positions.index_select(0, flat)
             return self._gather(source, rows, at).view(*place.shape, self.embedding_dim)
         rows = self._gather(source, index, positions)
-        place = place.to(self.device)
+        place = to_device(place, self.device)
         if o.bag_mode is None:
             out = F.embedding(place, rows, pad_pos, o.max_norm, o.norm_type, o.scale_grad_by_freq)
         else:
@@ -480,19 +481,19 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _RowMovement, _Checkpointing
             out = F.embedding_bag(
                 place,
                 rows,
-                offsets.to(dev) if offsets is not None else None,
+                to_device(offsets, dev) if offsets is not None else None,
                 o.max_norm,
                 o.norm_type,
                 o.scale_grad_by_freq,
                 o.bag_mode,
                 False,
-                per_sample_weights.to(dev) if per_sample_weights is not None else None,
+                to_device(per_sample_weights, dev) if per_sample_weights is not None else None,
                 o.include_last_offset,
                 pad_pos,
             )
         if o.max_norm is not None:  # the renormalised rows are the table's rows now
             with torch.no_grad():
-                source[index.to(self.device)] = rows.detach()
+                source[to_device(index, self.device)] = rows.detach()
         return out
 
     def _gather(
@@ -501,10 +502,11 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _RowMovement, _Checkpointing
         """Rows ``index`` ``(n,)`` (host int64) of ``source`` (the cache or the row buffer) ``(n,
         D)``; with ``positions`` (host, the rows' places in the gradient layout) through
         :class:`~edo_monitor.nn.cache_step.CacheRows`, whose backward adds the gradient there."""
-        index = index.to(self.device)
+        dev_index = to_device(index, self.device)
         if positions is None:
-            return source.index_select(0, index)
-        return CacheRows.apply(self.weight, source, index, self, positions, self._generation)
+            return source.index_select(0, dev_index)
+        at = dev_index if positions is index else to_device(positions, self.device)
+        return CacheRows.apply(self.weight, source, dev_index, self, at, self._generation)
 
 
 def _module_state_dict_hook(

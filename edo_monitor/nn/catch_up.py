@@ -18,7 +18,7 @@ from edo_monitor.nn.adam_series import (
     series_terms,
     table_moments,
 )
-from edo_monitor.nn.cache_parts import put_rows
+from edo_monitor.nn.cache_parts import put_rows, to_device
 
 _CHUNK_ELEMENTS = 1 << 21  # float64 elements per catch-up chunk (16 MiB)
 _KEPT_TABLES = 1024  # exact-form groups whose tables a rule keeps, per window (4.7 MB at most)
@@ -237,7 +237,7 @@ class _SGDRule(_Rule):
         if self.trivial or p.shape[0] == 0:
             return
         prod = self.tree.query(s - self.base_step, torch.full_like(s, t - self.base_step))
-        prod = prod.to(p.device)
+        prod = to_device(prod, p.device)
         a, b = prod[:, 0, 0, None], prod[:, 0, 1, None]
         if self.mu:
             buf = state["momentum_buffer"]
@@ -284,6 +284,10 @@ class _AdamRule(_Rule):
         self._betas = torch.tensor([self.beta1, self.beta2], dtype=torch.float64)
         # the exact form's tables of groups whose window is complete, per window: step -> rows
         self._complete_tables: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        #: skip the rows without a first moment by reading them on the host (``None``: when the
+        #: rows are on the host; on a device the read would wait for it, so every row is summed
+        #: and those rows masked: the same values, more arithmetic)
+        self.skip_still_rows: bool | None = None
         self._saturated = 1
         while any(1 - b**self._saturated != 1.0 for b in (self.beta1, self.beta2)):
             self._saturated *= 2
@@ -357,7 +361,7 @@ class _AdamRule(_Rule):
         if rows > 1 and not bool((s[1:] >= s[:-1]).all()):
             # the sum wants the rows oldest first (then its groups' term counts fall)
             order = torch.argsort(s, stable=True)
-            idx = order.to(p.device)
+            idx = to_device(order, p.device)
             sub_p = p.index_select(0, idx)
             sub_state = {k: v.index_select(0, idx) for k, v in state.items()}
             self.catch_up(sub_p, sub_state, s[order], t)
@@ -376,25 +380,29 @@ class _AdamRule(_Rule):
         if behind == 0:
             return
         m, v = state["exp_avg"], state["exp_avg_sq"]
-        moving = (m[:behind].abs().amax(dim=1) != 0).cpu()  # NaN counts as moving
-        # rows whose first moment is zero get no Adam update, only the decoupled decay: the
-        # leading ones (rows never stepped, at the oldest step) skip the sum
-        lead = int(moving.int().argmax()) if bool(moving.any()) else behind
+        moving = m[:behind].abs().amax(dim=1) != 0  # NaN counts as moving
+        # rows whose first moment is zero get no Adam update, only the decoupled decay: on the
+        # host the leading ones (rows never stepped, at the oldest step) skip the sum; on a
+        # device, where finding them would wait for it, every row is summed and those masked
+        lead = 0
+        if self.skip_still_rows or (self.skip_still_rows is None and moving.is_cpu):
+            on_host = moving.cpu()
+            lead = int(on_host.int().argmax()) if bool(on_host.any()) else behind
         # the sum's coefficients depend on a row only through its step s: one group per
         # distinct s (u <= rows, and <= the steps since the oldest), shared by index
         us, inv = torch.unique_consecutive(s[:behind], return_inverse=True)
         dev = p.device
         if self.wd:  # the decoupled decays of the missed steps
             decay = self._decay(us, torch.full_like(us, t))
-            p[:behind].mul_(decay.to(dev, p.dtype)[inv.to(dev)][:, None])
+            p[:behind].mul_(to_device(decay[inv][:, None], dev, p.dtype))
         if lead < behind:
             denom = state["max_exp_avg_sq"] if self.amsgrad else v
             sums = self._term_sums(us, inv[lead:], t, denom[lead:behind])
-            if self.eps == 0:  # 0 / 0 where a row has no moment: it moves by nothing
-                sums.masked_fill_(~moving[lead:, None].to(dev), 0.0)
+            # a row without a moment moves by nothing (its sum may be 0 / 0 with eps = 0)
+            sums.masked_fill_(~moving[lead:, None], 0.0)
             p[lead:behind].sub_(m[lead:behind] * sums)
         # the moments' decays over the missed steps, beta1^k and beta2^k, in one pass
-        decays = torch.pow(self._betas, missed[:behind, None].double()).to(dev, m.dtype)
+        decays = to_device(torch.pow(self._betas, missed[:behind, None].double()), dev, m.dtype)
         m[:behind].mul_(decays[:, :1])
         v[:behind].mul_(decays[:, 1:])
 
