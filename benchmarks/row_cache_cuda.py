@@ -4,6 +4,9 @@ resident dense ``nn.Embedding`` + Adam), then the look-ahead wrapper's prefetch 
 stream: two caches over the same host table and batches, one read through ``LookAhead(ahead=K)``,
 stepped alternately (order rotated each round); per-step medians with ``torch.cuda.synchronize()``
 before each clock read, and the loads each cache did inside its forward (on the critical path).
+Table 8 also counts each table's waits for the device a step (torch's sync debug mode over 5
+untimed steps, the ids moved to the device in the step as in the timed ones: the cache reads them
+back once).
 
     python benchmarks/row_cache_cuda.py                  # 1 M and 8 M rows, about 2 minutes
     python benchmarks/row_cache_cuda.py --sizes 1000000 --steps 30   # shorter
@@ -76,6 +79,14 @@ def lookahead_comparison(
     return out
 
 
+def _waits(result: dict[str, float]) -> str:
+    """The waits-a-step column: synchronizing CUDA calls per step of each table (CUDA only)."""
+    names = ("sparse", "cached", "resident")
+    if "cached_waits" not in result:
+        return "n/a (not CUDA)"
+    return " / ".join(f"{result[f'{n}_waits']:.1f}" for n in names)
+
+
 def _sizes(text: str) -> list[int]:
     """``type=`` for ``--sizes``: a comma list of row counts, each 1 or more."""
     try:
@@ -129,9 +140,9 @@ def main() -> int:
     )
     print(
         "| rows | sparse + SparseAdam | cached + Adam | resident + Adam | cached / sparse "
-        "| paired | cached / resident |"
+        "| paired | cached / resident | waits a step: sparse / cached / resident |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for rows in args.sizes:
         r = sparse_comparison(
             rows, args.cache_rows, args.batch, args.warmup, args.steps, True, device=args.device
@@ -139,7 +150,7 @@ def main() -> int:
         print(
             f"| {rows:,} | {r['sparse'] * 1e3:.2f} | {r['cached'] * 1e3:.2f} "
             f"| {r['resident'] * 1e3:.2f} | {r['cached'] / r['sparse']:.2f} "
-            f"| {r['paired']:.2f} | {r['cached'] / r['resident']:.2f} |",
+            f"| {r['paired']:.2f} | {r['cached'] / r['resident']:.2f} | {_waits(r)} |",
             flush=True,
         )
         if cuda:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -251,4 +252,30 @@ def sparse_comparison(
         c / s for c, s in zip(times["cached"], times["sparse"], strict=True)
     )
     out["unique"] = float(torch.unique(ids).numel())
+    if cuda:  # waits for the device a step, each table: 5 more steps, not timed
+        for name in names:
+            module, opt = made[name]
+
+            def untimed(module: nn.Module = module, opt: torch.optim.Optimizer = opt) -> None:
+                for _ in range(5):
+                    module(_zipf_batch(rows, batch, gen).to(device)).pow(2).mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+
+            out[f"{name}_waits"] = cuda_waits(untimed) / 5
     return out
+
+
+def cuda_waits(run: Callable[[], None]) -> int:
+    """Synchronizing CUDA calls ``run`` makes: the host waiting for the device (torch's sync
+    debug mode warns at each: a copy to the host, ``.item()``, a blocking copy from pageable
+    memory, ``torch.unique``'s size, ...)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message) for w in caught)

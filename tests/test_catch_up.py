@@ -205,7 +205,7 @@ def test_summing_every_row_as_on_a_device_equals_skipping_the_still_ones(
     path, which skips the leading still rows, gives them (the Horner sums may take a term more
     for some rows: within the dtype's rounding of what the rows move); the still rows only
     decay, also where their sum is 0 / 0 (``eps = 0`` and no second moment)."""
-    rule, group, p, state, s = _case(False, (0.9, 0.999), dtype, weight_decay=0.1)
+    rule, _, p, state, s = _case(False, (0.9, 0.999), dtype, weight_decay=0.1)
     rule.eps = eps
     state["exp_avg_sq"][:5] = 0  # still rows (no first moment) without a second one either
     state["exp_avg_sq"][110:112] = 0

@@ -1,6 +1,7 @@
 """What the row cache is built from: its counters (CacheStats), host tensors (pinned, or in the
-disk tier's file), rebinding a Parameter's data, the options of the cached module types, and how
-optimizer state dicts leave the batch-row buffers out."""
+disk tier's file), copies to the device that do not wait for it and copies back that wait once,
+rebinding a Parameter's data, the options of the cached module types, and how optimizer state
+dicts leave the batch-row buffers out."""
 
 from __future__ import annotations
 
@@ -128,7 +129,7 @@ def to_device(
     starts (CUDA runtime API, "API synchronization behavior"), and torch's blocking copy waits
     for it to end: the row cache's host index arrays and tables (slot rows, the catch-up's
     coefficients) cost one such wait each, about 20 a step on an H200. Here a host tensor goes
-    to a CUDA device through pinned memory with ``non_blocking=True`` (torch's caching host
+    to a CUDA device through a pinned copy with ``non_blocking=True`` (torch's caching host
     allocator keeps the pinned block until the copy is done, so ``x`` may change at once); a
     dtype change is made on the host first (the same rounding). Elsewhere ``x.to(device,
     dtype)``.
@@ -136,9 +137,10 @@ def to_device(
     device = torch.device(device)
     if dtype is not None and x.dtype != dtype and x.is_cpu:
         x = x.to(dtype)
-    if device.type != "cuda" or not x.is_cpu:
+    if device.type != "cuda" or not x.is_cpu or x.requires_grad:  # autograd: torch's own copy
         return x.to(device, dtype) if dtype is not None else x.to(device)
-    return x.pin_memory().to(device, non_blocking=True)
+    staged = torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x)  # never x itself
+    return staged.to(device, non_blocking=True)
 
 
 def rows_to_host(parts: Sequence[torch.Tensor]) -> list[torch.Tensor]:

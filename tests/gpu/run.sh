@@ -7,15 +7,18 @@
 #      the OOM observer's snapshot, the allocator history's frames and its cost per step);
 #   3. the main example (examples/train_embedding.py) on CUDA with its default budget;
 #   4. the overhead benchmark (benchmarks/overhead.py) on CUDA, shortened;
-#   5. edo-monitor daemon for a few seconds, stopped by SIGTERM, its rows beside nvidia-smi.
+#   5. the row cache against a sparse table on CUDA (benchmarks/row_cache_cuda.py), 1 M rows;
+#   6. edo-monitor daemon for a few seconds, stopped by SIGTERM, its rows beside nvidia-smi.
 #
 #   tests/gpu/run.sh [RESULTS_DIR]      # default: $OUT, else <checkout>/gpu-results
 #
 # Everything goes to RESULTS_DIR, flat (the device tool returns at most 8 files, 2 folders deep):
-# summary.txt, setup.log, env.txt, pytest.log, junit.xml, example.log, overhead.log, daemon.log.
+# summary.txt, setup.log (the environment at its end), pytest.log, junit.xml, example.log,
+# overhead.log, rowcache.log, daemon.log.
 # Environment: PYTHON (default python3: the interpreter that has torch), WHEEL_DIR (default
 # <checkout>/.gpu-wheels), VENV (default a fresh temporary folder), BUDGET_S (total seconds,
-# default 460), SETUP_S, PYTEST_S, EXAMPLE_S, BENCH_S (each part's limit: 120, 240, 90, 150).
+# default 540), SETUP_S, PYTEST_S, EXAMPLE_S, BENCH_S, ROWCACHE_S (each part's limit: 120, 240,
+# 90, 150, 90).
 # Exit status: 0 when every part passed, else 1.
 set -uo pipefail
 
@@ -23,8 +26,9 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 RESULTS=${1:-${OUT:-$ROOT/gpu-results}}
 PYTHON=${PYTHON:-python3}
 WHEEL_DIR=${WHEEL_DIR:-$ROOT/.gpu-wheels}
-BUDGET_S=${BUDGET_S:-460}
+BUDGET_S=${BUDGET_S:-540}
 SETUP_S=${SETUP_S:-120} PYTEST_S=${PYTEST_S:-240} EXAMPLE_S=${EXAMPLE_S:-90} BENCH_S=${BENCH_S:-150}
+ROWCACHE_S=${ROWCACHE_S:-90}
 DAEMON_S=${DAEMON_S:-30}
 case $WHEEL_DIR in /*) ;; *) WHEEL_DIR=$ROOT/$WHEEL_DIR ;; esac
 mkdir -p "$RESULTS"
@@ -129,9 +133,9 @@ EOF
     timeout 20 nvidia-smi || echo "(no nvidia-smi)"
     echo "== pip list"
     "$VENV/bin/python" -m pip list --disable-pip-version-check 2>&1
-} >"$RESULTS/env.txt" 2>&1
+} >>"$RESULTS/setup.log" 2>&1
 CUDA=$("${PY[@]}" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/null || echo 0)
-say "$(grep -m1 '^torch ' "$RESULTS/env.txt")"
+say "$(grep -m1 '^torch ' "$RESULTS/setup.log")"
 
 # ---------------------------------------------------------------- 2. the GPU tests
 part pytest "$PYTEST_S" "$RESULTS/pytest.log" "${PY[@]}" -m pytest -m gpu tests/gpu -v -rA \
@@ -176,7 +180,16 @@ part overhead "$BENCH_S" "$RESULTS/overhead.log" "${PY[@]}" benchmarks/overhead.
 sed -n '/^| *mode/,/^$/p' "$RESULTS/overhead.log" | head -12 | sed 's/^/          /' \
     | tee -a "$SUMMARY"
 
-# ---------------------------------------------------------------- 5. the system-wide daemon
+# ---------------------------------------------------------------- 5. the row cache on CUDA
+ROWCACHE_ARGS="--sizes 1000000 --warmup 150 --steps 30"
+((!CUDA)) && ROWCACHE_ARGS="--device cpu --sizes 20000 --cache-rows 2000 --batch 512 --warmup 20 --steps 5"
+# without -P: the script imports its sibling row_cache_timing.py (edo_monitor is the installed one)
+# shellcheck disable=SC2086
+part rowcache "$ROWCACHE_S" "$RESULTS/rowcache.log" "$VENV/bin/python" benchmarks/row_cache_cuda.py \
+    $ROWCACHE_ARGS
+grep -E '^\| [0-9]|^lookahead' "$RESULTS/rowcache.log" | sed 's/^/          /' | tee -a "$SUMMARY"
+
+# ---------------------------------------------------------------- 6. the system-wide daemon
 daemon_check() {
     local db=$WORK/daemon.db rc=0
     "$VENV/bin/edo-monitor" daemon --db "$db" --interval 0.5 &
