@@ -11,7 +11,9 @@ back once).
     python benchmarks/row_cache_cuda.py                  # 1 M and 8 M rows, about 2 minutes
     python benchmarks/row_cache_cuda.py --sizes 1000000 --steps 30   # shorter
 
-Needs CUDA (exits 2 without it); ``--device cpu`` runs the same code on the CPU (a dry run).
+Needs CUDA (exits 2 without it); ``--device cpu`` runs the same code on the CPU (a dry run), and
+with ``--dim 1`` it measures what bounds the step on a GPU: the host's bookkeeping and operator
+calls, the arithmetic (64 columns a row by default) nearly gone.
 """
 
 from __future__ import annotations
@@ -29,14 +31,21 @@ from edo_monitor.surfaces import scripting
 
 
 def lookahead_comparison(
-    rows: int, cache_rows: int, batch: int, ahead: int, warmup: int, steps: int, device: str
+    rows: int,
+    cache_rows: int,
+    batch: int,
+    ahead: int,
+    warmup: int,
+    steps: int,
+    device: str,
+    dim: int = DIM,
 ) -> dict[str, float]:
     """Seconds per step (median; the look-ahead's ``next()`` counted in its step) of a plain
     cache and one read through ``LookAhead(ahead)``, and each one's forward loads per lookup."""
     torch.manual_seed(0)
-    host = torch.randn(rows, DIM)
-    plain = CachedEmbedding(rows, DIM, cache_rows, _weight=host.clone(), device=device)
-    ahead_table = CachedEmbedding(rows, DIM, cache_rows, _weight=host.clone(), device=device)
+    host = torch.randn(rows, dim)
+    plain = CachedEmbedding(rows, dim, cache_rows, _weight=host.clone(), device=device)
+    ahead_table = CachedEmbedding(rows, dim, cache_rows, _weight=host.clone(), device=device)
     opts = {
         "plain": torch.optim.Adam(plain.parameters(), lr=1e-3),
         "lookahead": torch.optim.Adam(ahead_table.parameters(), lr=1e-3),
@@ -114,6 +123,12 @@ def main() -> int:
         "--ahead", type=scripting.positive_int, default=8, help="look-ahead window (batches)"
     )
     parser.add_argument(
+        "--dim",
+        type=scripting.positive_int,
+        default=DIM,
+        help="table columns (1 with --device cpu: the step's host work alone)",
+    )
+    parser.add_argument(
         "--device",
         type=scripting.torch_device,
         default=None,
@@ -134,7 +149,7 @@ def main() -> int:
     name = torch.cuda.get_device_name(torch.device(args.device)) if cuda else "cpu"
     print(f"device: {name}, torch {torch.__version__}")
     print(
-        f"\nTable 8 on {args.device}: dim {DIM}, batch {args.batch} Zipf ids, "
+        f"\nTable 8 on {args.device}: dim {args.dim}, batch {args.batch} Zipf ids, "
         f"cache {args.cache_rows} rows,"
         f" {args.steps} rounds after {args.warmup} warm-up steps (ms per step, medians)\n"
     )
@@ -145,7 +160,14 @@ def main() -> int:
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for rows in args.sizes:
         r = sparse_comparison(
-            rows, args.cache_rows, args.batch, args.warmup, args.steps, True, device=args.device
+            rows,
+            args.cache_rows,
+            args.batch,
+            args.warmup,
+            args.steps,
+            True,
+            device=args.device,
+            dim=args.dim,
         )
         print(
             f"| {rows:,} | {r['sparse'] * 1e3:.2f} | {r['cached'] * 1e3:.2f} "
@@ -161,7 +183,14 @@ def main() -> int:
         "the same batches alternately\n"
     )
     r = lookahead_comparison(
-        rows, args.cache_rows, args.batch, args.ahead, args.warmup, args.steps, args.device
+        rows,
+        args.cache_rows,
+        args.batch,
+        args.ahead,
+        args.warmup,
+        args.steps,
+        args.device,
+        args.dim,
     )
     print("| cache | ms per step | forward loads per lookup | hit rate |")
     print("|---|---:|---:|---:|")
