@@ -4,9 +4,8 @@ from the history while the run goes on (following a newer run when asked)."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from rich.measure import Measurement
 from rich.text import Text
 from textual import on, work
 from textual.app import ComposeResult
@@ -19,6 +18,13 @@ from textual.widgets import DataTable, Footer, Static
 
 from edo_monitor.store.records import EventInfo, ModuleInfo, RunInfo
 from edo_monitor.tui.data import TERMINAL_STATUSES, Latest, Poll, Series, elapsed_s, run_floor
+from edo_monitor.tui.run_format import (
+    _EVENT_STYLES,
+    _chart_data,
+    _Detail,
+    _event_detail,
+    _format_saved,
+)
 from edo_monitor.tui.widgets import (
     STATUS_STYLES,
     ChartData,
@@ -38,32 +44,6 @@ from edo_monitor.tui.base import READ_ERRORS, _call_ui, _code_for, _message_for,
 logger = logging.getLogger(__name__)
 
 
-#: Event kinds shown in the events table (decisions are shown through their actions).
-_EVENT_STYLES = {
-    "threshold_crossed": "yellow",
-    "action": "green",
-    "action_refused": "magenta",
-    "decision_expired": "grey62",
-    "action_failed": "red",
-    "oom": "bold red",
-    "oom_recovered": "green",
-    "oom_unrecovered": "bold red",
-    "micro_batches_merged": "cyan",
-    "leak_suspected": "yellow",
-    "forecast": "yellow",
-    "forecast_outcome": "cyan",
-    "probe_unavailable": "grey62",
-    "samples_dropped": "yellow",
-    "agent_error": "red",
-    "decision": "cyan",
-}
-
-
-def _format_saved(event: EventInfo) -> str:
-    saved = event.data.get("saved_bytes") if event.kind == "action" else None
-    return format_bytes(saved) if isinstance(saved, (int, float)) else ""
-
-
 #: Columns of the events table.
 _EVENT_COLUMNS = ("time", "step", "kind", "detail", "saved")
 
@@ -74,68 +54,6 @@ _CHARTED = frozenset({"action", "oom"})
 
 #: Events shown of a run (the newest).
 _MAX_EVENT_ROWS = 1000
-
-
-def _chart_data(
-    run: RunInfo, series: Series | None, latest: Latest | None, events: tuple[EventInfo, ...]
-) -> ChartData:
-    """The chart's snapshot of ``run``: no floor line without a budget."""
-    budget = latest.budget_bytes if latest is not None else run.budget_bytes
-    floor = run_floor(run)
-    return ChartData.of(
-        series,
-        start_s=run.started_at_s,
-        floor_bytes=None if budget is None else int(budget * (1.0 - floor)),
-        floor_fraction=None if budget is None else floor,
-        events=events,
-    )
-
-
-class _Detail:
-    """An event's detail in its table cell: cut at a word boundary, with ``…``, to the cell's
-    width (the whole text is shown below the table for the selected event). Plain text, never
-    markup."""
-
-    def __init__(self, text: str, max_width: int = 72) -> None:
-        self.text = " ".join(text.split())
-        self.max_width = max_width
-
-    def __rich_measure__(self, console: Any, options: Any) -> Measurement:
-        return Measurement(1, min(len(self.text), self.max_width))
-
-    def __rich_console__(self, console: Any, options: Any) -> Any:
-        width = max(1, options.max_width)
-        yield Text(_cut_at_word(self.text, width), no_wrap=True, overflow="crop")
-
-    def __str__(self) -> str:
-        return self.text
-
-    @property
-    def plain(self) -> str:
-        """The whole text (as ``Text.plain``)."""
-        return self.text
-
-
-def _cut_at_word(text: str, width: int) -> str:
-    """``text`` if it fits ``width`` cells, else its longest prefix of whole words plus ``…``."""
-    if len(text) <= width:
-        return text
-    head = text[: max(0, width - 1)]
-    space = head.rfind(" ")
-    if space > width // 3:
-        head = head[:space]
-    return head.rstrip() + "…"
-
-
-def _event_detail(event: EventInfo) -> str:
-    data = event.data
-    if event.kind == "action" and data.get("action"):
-        target = data.get("target")
-        text = f"{data['action']}" + (f" → {target}" if target else "")
-        if isinstance(data.get("duration_s"), (int, float)):
-            text += f" ({data['duration_s'] * 1000:.0f} ms)"
-        return f"{text}: {event.message}" if event.message else text
-    return event.message
 
 
 class RunScreen(Screen[None]):

@@ -6,7 +6,7 @@ free bytes, utilisation) and one ``process_samples`` row per process on it (PID,
 bytes, and the run id when the process is a watched run), all with the sample's ``time_s``; what
 it notices goes to ``device_events`` (:data:`edo_monitor.store.schema.DEVICE_EVENT_KINDS`).
 
-NVML is read through :class:`edo_monitor.probes.nvml.NvmlDevice`, the agent's own fault
+NVML is read through :class:`edo_monitor.probes.nvml_device.NvmlDevice`, the agent's own fault
 handling: a lost GPU (``NVMLError_GpuIsLost``) is a ``device_lost`` event and the daemon goes on
 with the others; NVML stopping as a whole (driver/library mismatch after an upgrade, driver
 unloaded) is a ``device_unavailable`` event per device (and ``nvml_unavailable`` when the device
@@ -40,7 +40,7 @@ from types import ModuleType
 from typing import Any
 
 from edo_monitor.errors import ConfigError, NvmlUnavailableError
-from edo_monitor.probes.nvml import NvmlDevice, NvmlProcess, _cause, _decode, nvml_module
+from edo_monitor.probes.nvml_device import NvmlDevice, NvmlProcess, _cause, _decode, nvml_module
 
 __all__ = [
     "DEFAULT_INTERVAL_S",

@@ -28,8 +28,11 @@ from __future__ import annotations
 import logging
 import sys
 
-# each module registers its commands on the app when imported
-from edo_monitor.surfaces.cli import advice, data, runs, services  # noqa: F401
+# each module registers its commands on the app when imported, in the order --help lists them
+from edo_monitor.surfaces.cli import advice, export, sql  # noqa: F401
+
+# isort: split
+from edo_monitor.surfaces.cli import data, runs, services  # noqa: F401
 from edo_monitor.surfaces.cli.common import EXIT_CODES, app
 
 __all__ = ["EXIT_CODES", "app", "main"]
