@@ -8,7 +8,6 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-import warnings
 from collections.abc import Callable
 
 import torch
@@ -22,6 +21,7 @@ from edo_monitor.nn import (
     EmbeddingOptions,
     OffloadedEmbedding,
 )
+from edo_monitor.probes.cuda import device_waits
 
 DIM = 64  # embedding columns of every timed table
 
@@ -265,20 +265,5 @@ def sparse_comparison(
                     opt.step()
                     opt.zero_grad()
 
-            out[f"{name}_waits"] = cuda_waits(untimed) / 5
+            out[f"{name}_waits"] = device_waits(untimed) / 5
     return out
-
-
-def cuda_waits(run: Callable[[], None]) -> int:
-    """Synchronizing CUDA calls ``run`` makes: the host waiting for the device (torch's sync
-    debug mode warns at each: a copy to the host, ``.item()``, a blocking copy from pageable
-    memory, ``torch.unique``'s size, ...)."""
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            run()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    return sum("synchroniz" in str(w.message) for w in caught)

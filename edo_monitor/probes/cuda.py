@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -21,7 +22,7 @@ import torch
 from edo_monitor.measure.fragmentation import allocator_fields, snapshot_fragmentation
 from edo_monitor.probes import EventCallback, ignore_event
 
-__all__ = ["AllocatorProbe"]
+__all__ = ["AllocatorProbe", "device_waits"]
 
 logger = logging.getLogger(__name__)
 
@@ -128,3 +129,20 @@ class AllocatorProbe:
                 self._fail("memory_snapshot", exc)
         out.update(self._snapshot)
         return out
+
+
+def device_waits(run: Callable[[], None]) -> int:
+    """How many times ``run`` makes the host wait for the CUDA device: each synchronizing call
+    that torch's sync debug mode (``torch.cuda.set_sync_debug_mode("warn")``) warns about (a copy
+    to the host, ``.item()``, a blocking copy from pageable memory, ``torch.unique``'s size, ...).
+    The device is synchronized first; the mode is reset to 0 afterwards, also when ``run`` raises
+    (which propagates). Needs CUDA (``torch.cuda.synchronize`` raises without it)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message) for w in caught)

@@ -18,7 +18,7 @@ import torch
 from gpu_helpers import MiB, nvidia_smi, run_script, torch_uuid
 
 import edo_monitor
-from edo_monitor.probes.cuda import AllocatorProbe
+from edo_monitor.probes.cuda import AllocatorProbe, device_waits
 from edo_monitor.probes.nvml import NvmlProbe
 
 pytestmark = pytest.mark.gpu
@@ -275,3 +275,19 @@ def test_watch_never_initialises_cuda_for_a_model_on_the_cpu(tmp_path: Path) -> 
     assert out["initialized_after_process"] is False
     assert out["child"][0] == "ok", out["child"]
     assert out["child"][1] == 4.0
+
+
+def test_device_waits_counts_the_host_waiting_for_the_device() -> None:
+    """``.item()`` of a device tensor waits once and a copy to the host once more; work that
+    stays on the device waits never; the sync debug mode is off afterwards, also after a raise."""
+    x = torch.arange(1000, device="cuda", dtype=torch.float32)
+    assert device_waits(lambda: (x * 2).sum()) == 0
+    assert device_waits(lambda: (x.sum().item(), x.cpu())) == 2
+
+    def fails() -> None:
+        x.sum().item()
+        raise RuntimeError("in run")
+
+    with pytest.raises(RuntimeError, match="in run"):
+        device_waits(fails)
+    assert torch.cuda.get_sync_debug_mode() == 0

@@ -7,14 +7,12 @@ the device's, and only a device shows that each operation finds its operands whe
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable
-
 import pytest
 import torch
 from torch import nn
 
 from edo_monitor.nn import CachedEmbedding, LookAhead
+from edo_monitor.probes.cuda import device_waits
 
 pytestmark = pytest.mark.gpu
 
@@ -67,19 +65,6 @@ def test_cached_table_on_cuda_equals_a_resident_twin(
     assert float((got - want).abs().max() / want.abs().max()) <= tolerance
 
 
-def _syncs(run: Callable[[], None]) -> int:
-    """Synchronizing CUDA calls ``run`` makes (torch's sync debug mode warns at each)."""
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            run()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    return sum("synchroniz" in str(w.message) for w in caught)
-
-
 @pytest.mark.parametrize("ids_on", ["cpu", "cuda"])
 def test_a_cached_step_waits_for_the_device_at_most_once(ids_on: str) -> None:
     """The row cache's host index arrays and tables go to the device through pinned memory
@@ -100,7 +85,7 @@ def test_a_cached_step_waits_for_the_device_at_most_once(ids_on: str) -> None:
 
     steps(batches[:40])  # the cache full, the optimizer's state made
     evicted = table.stats().evicted
-    waits = _syncs(lambda: steps(batches[40:]))
+    waits = device_waits(lambda: steps(batches[40:]))
     assert table.stats().evicted - evicted > 20 * 10  # rows left the device in the steps timed
     per_step = 1 if ids_on == "cpu" else 2
     assert waits <= per_step * 20, f"{waits} synchronizing calls in 20 steps"
