@@ -18,9 +18,9 @@ import torch.distributed as dist
 from rich.console import Console
 from test_cli import run
 from test_ranks import run_ranks
-from test_tui import REFRESH_S, run_app, text_of, wait_for
 from textual.pilot import Pilot
 from textual.widgets import DataTable, Static
+from tui_helpers import REFRESH_S, run_app, text_of, wait_for
 
 import edo_monitor
 from edo_monitor.store.history import History

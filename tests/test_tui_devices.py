@@ -12,9 +12,9 @@ import psutil
 import torch
 from fakes.nvml import FakeGpu, FakeNvml
 from rich.console import Console
-from test_tui import REFRESH_S, run_app, text_of, wait_for
 from textual.pilot import Pilot
 from textual.widgets import Static
+from tui_helpers import REFRESH_S, run_app, text_of, wait_for
 
 import edo_monitor
 from edo_monitor.store.history import History

@@ -12,9 +12,9 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from test_tui import db, loaded, run_app, wait_for  # noqa: F401 (db: the fixture)
 from textual.pilot import Pilot
 from textual.screen import Screen
+from tui_helpers import db, loaded, run_app, wait_for  # noqa: F401 (db: the fixture)
 
 from edo_monitor.hindsight.explain import explain
 from edo_monitor.tui.app import EdoTui

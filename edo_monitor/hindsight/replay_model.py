@@ -1,0 +1,199 @@
+"""The modelled state of a run during a replay and the planner the replayed policy calls: each
+action's effect modelled from the recorded attribution (for :mod:`replay`). Imports no torch."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from edo_monitor.decide.plans import Plan, Refusal, cache_rows_for, rounding_expected_error
+from edo_monitor.hindsight.recorded import CACHE_FLOOR_ROWS, MAX_CHECKPOINT_BLOCKS, _est, _Table
+from edo_monitor.units import format_bytes
+
+#: The live plans' minimum resize (``actions.cache_embedding.MIN_RESIZE_BYTES``; this module
+#: imports no torch).
+MIN_RESIZE_BYTES = 64 * 1024
+
+
+@dataclass
+class _Model:
+    """The modelled state of the run during a replay, and the planner the policy calls."""
+
+    tables: dict[str, _Table]
+    activations: dict[str, int]
+    rearm_fraction: float
+    grow_margin_fraction: float
+    in_use_bytes: int = 0
+    budget_bytes: int = 0
+    checkpointed: set[str] = field(default_factory=set)
+
+    def need(self) -> int:
+        return max(0, math.ceil(self.in_use_bytes - (1 - self.rearm_fraction) * self.budget_bytes))
+
+    def device(self) -> list[_Table]:
+        plain = [t for t in self.tables.values() if t.on_device and t.cache_rows is None]
+        return sorted(plain, key=lambda t: -t.total_bytes)
+
+    def __call__(self, name: str) -> Plan | Refusal:
+        if name == "release_cache":
+            return Refusal(
+                name,
+                "allocator",
+                "not modelled offline: the allocator's slack after the step is not in the trace",
+            )
+        if name == "share_embedding":
+            return Refusal(name, "", "not modelled offline: needs the ids' frequency per row")
+        if name == "cache_embedding":
+            return self._cache()
+        if name == "grow_cache":
+            return self._grow()
+        if name == "checkpoint_activations":
+            return self._checkpoint()
+        tables = self.device()
+        if not tables:
+            return Refusal(name, "", "no embedding table left on the device tier")
+        t = tables[0]
+        if name == "offload_embedding":
+            return Plan(
+                name,
+                t.module,
+                t.total_bytes,
+                f"largest table {t.module} ({format_bytes(t.total_bytes)}) moves to host memory",
+                {"model": "offload"},
+            )
+        variant = {
+            "compress_embedding": "bf16",
+            "compress_embedding_bf16": "bf16",
+            "compress_embedding_fp16": "fp16",
+            "compress_embedding_int8": "int8",
+            "compress_embedding_int4": "int4",
+            "compress_embedding_int2": "int2",
+            "compress_embedding_2of8": "2of8",
+            "compress_embedding_lowrank": f"lowrank:{max(1, t.embedding_dim // 2)}",
+        }.get(name)
+        if variant is None:
+            return Refusal(name, "", f"not modelled offline: {name}")
+        saving = t.total_bytes - _est(t, variant)
+        expected = rounding_expected_error(variant) if variant in ("bf16", "fp16") else None
+        return Plan(
+            name,
+            t.module,
+            saving,
+            f"{t.module} to {variant} (the estimator)",
+            {"model": "compress", "compression": variant},
+            expected_error=expected,
+        )
+
+    def _cache(self) -> Plan | Refusal:
+        need = self.need()
+        for t in self.tables.values():
+            if t.cache_rows is None or not t.on_device:
+                continue
+            floor = min(t.num_embeddings, CACHE_FLOOR_ROWS) + 1
+            spare = t.cache_rows - floor
+            if spare < 1:
+                continue
+            give = min(spare, -(-need // t.row_bytes)) or spare
+            return Plan(
+                "cache_embedding",
+                t.module,
+                give * t.row_bytes,
+                f"shrink the row cache of {t.module} from {t.cache_rows} to "
+                f"{t.cache_rows - give} rows",
+                {"model": "cache", "to_rows": t.cache_rows - give},
+            )
+        tables = self.device()
+        if not tables:
+            return Refusal("cache_embedding", "", "no embedding table left on the device tier")
+        for t in tables:
+            n = t.num_embeddings
+            floor = max(1, min(n, CACHE_FLOOR_ROWS))
+            rows = cache_rows_for(n, floor, need, t.row_bytes)
+            if rows >= n:
+                continue
+            saving = n * t.row_bytes - rows * t.cached_row_bytes
+            return Plan(
+                "cache_embedding",
+                t.module,
+                saving,
+                f"largest table {t.module}: keep {rows} of {n} rows on the device",
+                {"model": "cache", "to_rows": rows},
+            )
+        return Refusal("cache_embedding", tables[0].module, "a cache would hold the whole table")
+
+    def _grow(self) -> Plan | Refusal:
+        caches = [t for t in self.tables.values() if t.cache_rows is not None and t.on_device]
+        if not caches:
+            return Refusal("grow_cache", "", "no row cache made by cache_embedding")
+        keep_free = (self.rearm_fraction + self.grow_margin_fraction) * self.budget_bytes
+        spare = self.budget_bytes - self.in_use_bytes - keep_free
+        t = min(caches, key=lambda c: (c.cache_rows or 0) / c.num_embeddings)
+        rows = int(spare // t.cached_row_bytes)
+        if rows < 1:
+            return Refusal("grow_cache", t.module, "spare bytes below one row")
+        n, cached = t.num_embeddings, t.cache_rows or 0
+        grad_bytes = n * (t.row_bytes - t.cached_row_bytes)  # a resident table's dense gradient
+        to_rows = min(n, cached + rows)
+        if to_rows >= n and (n - cached) * t.cached_row_bytes + grad_bytes > spare:
+            to_rows = n - 1  # resident again would not fit with its gradient: stay a cache
+        if to_rows < n and (to_rows - cached) * t.cached_row_bytes < MIN_RESIZE_BYTES:
+            # as the live plan: a growth under the minimum is not worth a re-layout (one row
+            # short of the table, because the gradient does not fit, grows nothing more)
+            return Refusal("grow_cache", t.module, "growing is under the minimum")
+        cost = (to_rows - cached) * t.cached_row_bytes + (grad_bytes if to_rows >= n else 0)
+        return Plan(
+            "grow_cache",
+            t.module,
+            -cost,
+            f"grow the row cache of {t.module} to {to_rows} rows",
+            {"model": "cache", "to_rows": to_rows},
+        )
+
+    def _checkpoint(self) -> Plan | Refusal:
+        cands = [
+            (m, b)
+            for m, b in self.activations.items()
+            if m not in ("<model>", "") and m not in self.tables and m not in self.checkpointed
+        ]
+        cands.sort(key=lambda mb: -mb[1])
+        chosen = cands[:MAX_CHECKPOINT_BLOCKS]
+        if not chosen:
+            return Refusal(
+                "checkpoint_activations", "", "no block with recorded activations to checkpoint"
+            )
+        est = sum(b for _, b in chosen)
+        return Plan(
+            "checkpoint_activations",
+            ",".join(m for m, _ in chosen),
+            est,
+            f"checkpoint {len(chosen)} block(s) saving {format_bytes(est)} of activations",
+            {"model": "checkpoint", "blocks": [m for m, _ in chosen]},
+        )
+
+    def at_in_use(self, in_use_bytes: int) -> _Model:
+        """The planner for another in-use (a forecast decision's); the state is shared, so a
+        plan it makes is committed on this model."""
+        return dataclasses.replace(self, in_use_bytes=in_use_bytes)
+
+    def commit(self, plan: Plan) -> None:
+        """Change the modelled state as the applied action would."""
+        kind = plan.details.get("model")
+        if kind == "checkpoint":
+            self.checkpointed.update(plan.details["blocks"])
+            return
+        t = self.tables.get(plan.target)
+        if t is None:
+            return
+        if kind == "offload":
+            t.on_device = False
+        elif kind == "cache":
+            rows = int(plan.details["to_rows"])
+            t.cache_rows = None if rows >= t.num_embeddings else rows
+        elif kind == "compress":
+            after = _est(t, plan.details["compression"])
+            scale = after / t.total_bytes if t.total_bytes else 0.0
+            t.params_bytes = int(t.params_bytes * scale)
+            t.grads_bytes = int(t.grads_bytes * scale)
+            t.optimizer_state_bytes = after - t.params_bytes - t.grads_bytes
+            t.on_device = False  # compressed once: not planned again
