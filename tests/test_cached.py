@@ -6,7 +6,6 @@ float32 (where the twin's own per-step rounding, ~1e-7 per step, is the floor).
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -234,99 +233,6 @@ def test_more_unique_ids_than_cache_rows_grows_or_errors() -> None:
     assert grow.cache_rows == 30
 
 
-def test_checkpoint_into_fresh_uncached_model_continues_like_the_twin() -> None:
-    torch.manual_seed(0)
-    base = torch.randn(N, D, dtype=torch.float64)
-    twin, cached = _pair(base)
-    o1 = torch.optim.AdamW([twin.weight], lr=0.01, weight_decay=0.01)
-    o2 = torch.optim.AdamW([cached.weight], lr=0.01, weight_decay=0.01)
-    gen = torch.Generator().manual_seed(3)
-    _train([(twin, o1), (cached, o2)], 30, gen)
-    # as saved to a file: nothing shared with the live optimizer (its 'step' tensor included)
-    model_sd, opt_sd = copy.deepcopy(cached.state_dict()), copy.deepcopy(o2.state_dict())
-    assert model_sd["weight"].shape == (N, D)
-    assert opt_sd["state"][0]["exp_avg"].shape == (N, D)
-    fresh = nn.Embedding(N, D, dtype=torch.float64)
-    fresh.load_state_dict(model_sd)
-    o3 = torch.optim.AdamW([fresh.weight], lr=0.01, weight_decay=0.01)
-    o3.load_state_dict(opt_sd)
-    # and into another cached table (attached first, then loaded)
-    other = CachedEmbedding(N, D, C, dtype=torch.float64)
-    o4 = torch.optim.AdamW([other.weight], lr=0.01, weight_decay=0.01)
-    other.attach(o4)
-    other.load_state_dict(model_sd)
-    o4.load_state_dict(copy.deepcopy(opt_sd))
-    gen_state = gen.get_state()
-    _train([(twin, o1), (fresh, o3)], 30, gen)
-    gen.set_state(gen_state)
-    _train([(cached, o2), (other, o4)], 30, gen)
-    assert _rel(fresh.weight.detach(), twin.weight.detach()) < 1e-12
-    assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
-    assert _rel(other.full_weight(), twin.weight.detach()) < 1e-12
-
-
-def _adam_pair_trained(seed: int) -> tuple:
-    """A resident twin and a cached table (float64, each with Adam) after 20 steps on the same
-    batches, and the batches' generator: ``(twin, cached, twin_opt, cached_opt, gen)``."""
-    torch.manual_seed(0)
-    base = torch.randn(N, D, dtype=torch.float64)
-    twin, cached = _pair(base)
-    o1, o2 = OPTIMIZERS["adam"]([twin.weight]), OPTIMIZERS["adam"]([cached.weight])
-    gen = torch.Generator().manual_seed(seed)
-    _train([(twin, o1), (cached, o2)], 20, gen)
-    return twin, cached, o1, o2, gen
-
-
-@pytest.mark.parametrize("replace", ["load_optimizer_state", "new_optimizer"])
-def test_optimizer_state_replaced_mid_training_keeps_every_row_exact(replace: str) -> None:
-    """Rows on the host are behind the current step until looked up; replacing the optimizer's
-    state (a checkpoint loaded into the live optimizer, or a new optimizer attached after
-    ``detach_optimizer``) catches them up first under the state they had, as a resident
-    table's rows are (both lost the missed updates before)."""
-    twin, cached, o1, o2, gen = _adam_pair_trained(seed=6)
-    saved = copy.deepcopy(o1.state_dict())
-    _train([(twin, o1), (cached, o2)], 5, gen)
-    if replace == "load_optimizer_state":
-        o1.load_state_dict(copy.deepcopy(saved))
-        o2.load_state_dict(copy.deepcopy(saved))
-    else:
-        cached.detach_optimizer()
-        o1, o2 = (
-            OPTIMIZERS["sgd_momentum"]([twin.weight]),
-            OPTIMIZERS["sgd_momentum"]([cached.weight]),
-        )
-        cached.attach(o2)
-    _train([(twin, o1), (cached, o2)], 10, gen)
-    assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
-
-
-@pytest.mark.parametrize("between", ["load_module", "load_optimizer", "eval_forward"])
-def test_what_runs_between_backward_and_step_is_seen_by_the_step(between: str) -> None:
-    """The forward keeps the batch's rows caught up for its step; a checkpoint loaded before
-    that step replaces them, and the step updates the loaded rows, as the twin's does; an
-    evaluation forward over the same rows changes nothing."""
-    twin, cached, o1, o2, gen = _adam_pair_trained(seed=5)
-    saved = copy.deepcopy(twin.state_dict()), copy.deepcopy(o1.state_dict())
-    _train([(twin, o1), (cached, o2)], 5, gen)
-    ids, target = _zipf_ids(gen, (4, 6)), torch.randn(4, 6, D, generator=gen, dtype=torch.float64)
-    for module, opt in ((twin, o1), (cached, o2)):
-        opt.zero_grad()
-        ((module(ids) - target) ** 2).sum().backward()
-        if between == "load_module":
-            module.load_state_dict(saved[0])
-        elif between == "load_optimizer":
-            opt.load_state_dict(copy.deepcopy(saved[1]))
-        else:
-            with torch.no_grad():
-                module(torch.cat([ids.reshape(-1), torch.arange(N)]))
-        opt.step()
-    assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
-    s1, s2 = o1.state_dict()["state"][0], o2.state_dict()["state"][0]
-    assert int(s2["step"]) == int(s1["step"])
-    for key in ("exp_avg", "exp_avg_sq"):
-        assert _rel(s2[key], s1[key]) < 1e-12
-
-
 @pytest.mark.parametrize("set_to_none", [False, True])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_a_step_without_a_lookup_matches_the_resident_twin(name: str, set_to_none: bool) -> None:
@@ -348,173 +254,6 @@ def test_a_step_without_a_lookup_matches_the_resident_twin(name: str, set_to_non
             o.step()
             o.zero_grad(set_to_none=set_to_none)
     assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
-
-
-@pytest.mark.parametrize("convert", ["double", "to"])
-def test_module_dtype_conversions_convert_the_host_table_too(convert: str) -> None:
-    """``nn.Module`` converts parameters and buffers only: ``.double()`` made the cache float64
-    over a float32 host table, so every row that left the cache was rounded to float32 (a new
-    user: 5.4e-8 from a float64 twin). Now the host table follows, and training is exact."""
-    torch.manual_seed(0)
-    cached = CachedEmbedding(N, D, C)  # float32
-    cached = cached.double() if convert == "double" else cached.to(torch.float64)
-    assert cached.full_weight().dtype == torch.float64
-    assert cached.state_dict()["weight"].dtype == torch.float64
-    twin = nn.Embedding.from_pretrained(cached.full_weight().clone(), freeze=False)
-    o1, o2 = torch.optim.Adam([twin.weight], lr=0.01), torch.optim.Adam([cached.weight], lr=0.01)
-    _train([(twin, o1), (cached, o2)], 30, torch.Generator().manual_seed(2))
-    assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
-    assert CachedEmbedding(N, D, C).half().full_weight().dtype == torch.float16
-
-
-def test_a_dtype_conversion_with_the_optimizer_attached_is_refused_and_changes_nothing() -> None:
-    torch.manual_seed(0)
-    base = torch.randn(N, D, dtype=torch.float64)
-    _twin, cached = _pair(base)
-    opt = torch.optim.Adam([cached.weight], lr=0.01)
-    _train([(cached, opt)], 3, torch.Generator().manual_seed(2))
-    with pytest.raises(ValueError, match=r"from torch\.float64 to torch\.float32 while Adam holds"):
-        cached.float()
-    assert cached.weight.dtype == torch.float64 and cached.host_weight.dtype == torch.float64
-    assert cached.to(torch.float64) is cached  # no change: nothing to refuse
-
-
-def test_resize_both_ways_mid_training_stays_exact() -> None:
-    torch.manual_seed(0)
-    base = torch.randn(N, D, dtype=torch.float64)
-    twin, cached = _pair(base, 60)
-    o1 = torch.optim.SGD([twin.weight], lr=0.05, momentum=0.9, weight_decay=0.01)
-    o2 = torch.optim.SGD([cached.weight], lr=0.05, momentum=0.9, weight_decay=0.01)
-    gen = torch.Generator().manual_seed(4)
-    _train([(twin, o1), (cached, o2)], 20, gen)
-    _assert_slot_freq(cached)
-    cached.resize(30)
-    assert cached.cache_rows == 30 and o2.state[cached.weight]["momentum_buffer"].shape == (30, D)
-    _assert_slot_freq(cached)
-    _train([(twin, o1), (cached, o2)], 20, gen)
-    _assert_slot_freq(cached)
-    cached.resize(N)
-    assert cached.cache_rows == N
-    _train([(twin, o1), (cached, o2)], 20, gen)
-    _assert_slot_freq(cached)
-    assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
-
-
-def _assert_slot_freq(cached: CachedEmbedding) -> None:
-    """The LFU count kept per slot is its block's count, and the score kept per slot is its
-    count and last use (what eviction ranks by; free slots -1)."""
-    used = (cached.slot_to_block >= 0).nonzero().reshape(-1)
-    assert used.numel() > 0
-    want = cached.block_freq[cached.slot_to_block[used]]
-    assert torch.equal(cached.slot_freq[used], want) and int(want.max()) > 1
-    score = torch.full_like(cached.slot_score, -1)
-    score[used] = want * 2**32 + cached.slot_last_use[used]
-    assert torch.equal(cached.slot_score, score)
-
-
-def test_prefetch_and_warm_start_give_the_same_results() -> None:
-    torch.manual_seed(0)
-    base = torch.randn(N, D, dtype=torch.float64)
-    freq = torch.zeros(N, dtype=torch.int64)
-    freq[:C] = 5
-    twin, cached = _pair(base, 2 * C, id_frequencies=freq)
-    # warm start: the frequent rows are cached, the other slots free
-    assert set(cached.slot_to_block.tolist()) == set(range(C)) | {-1}
-    o1 = torch.optim.Adam([twin.weight], lr=0.01)
-    o2 = torch.optim.Adam([cached.weight], lr=0.01)
-    gen = torch.Generator().manual_seed(5)
-    for _ in range(30):
-        ids = _zipf_ids(gen, (4, 6))
-        target = torch.randn(4, 6, D, generator=gen, dtype=torch.float64)
-        cached.prefetch(ids)
-        assert bool((cached.block_to_slot[ids] >= 0).all())
-        for m, o in ((twin, o1), (cached, o2)):
-            o.zero_grad()
-            ((m(ids) - target) ** 2).sum().backward()
-            o.step()
-    assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
-
-
-def _pinned_ids(table: CachedEmbedding) -> set[int]:
-    return set(table.slot_to_block[table.slot_pinned].tolist())
-
-
-def test_pins_are_the_rows_used_since_the_step_and_clear_at_it() -> None:
-    """The step clears only the slots pinned since the last one (O(batch)); the pinned set is
-    still exactly the rows used since the step: over accumulated forwards, after a resize that
-    renumbers the slots, and after more forwards without a step than the cache has rows."""
-    torch.manual_seed(0)
-    table = CachedEmbedding(N, D, 50, dtype=torch.float64)
-    opt = torch.optim.SGD([table.weight], lr=0.1)
-    first, second = torch.tensor([1, 2, 3, 2]), torch.tensor([3, 40, 41])
-    table(first).sum().backward()
-    table(second).sum().backward()
-    assert _pinned_ids(table) == {1, 2, 3, 40, 41}
-    opt.step()
-    assert _pinned_ids(table) == set()
-    table(first).sum().backward()
-    table.resize(60)  # slots renumbered: the pins move with their rows
-    assert _pinned_ids(table) == {1, 2, 3}
-    table(second).sum().backward()
-    assert _pinned_ids(table) == {1, 2, 3, 40, 41}
-    opt.step()
-    assert _pinned_ids(table) == set()
-    # 25 forwards of 3 ids without a step list 75 slots > 60 rows: the step then clears them all
-    opt.zero_grad()
-    for _ in range(25):
-        table(torch.tensor([5, 6, 7])).sum().backward()
-    assert _pinned_ids(table) == {5, 6, 7}
-    assert table._pinned_since_step is None  # the unlisted path
-    opt.step()
-    assert _pinned_ids(table) == set()
-    with torch.no_grad():  # no gradient pending: nothing pinned
-        table(second)
-    assert _pinned_ids(table) == set()
-
-
-class _CountUnique(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the ``unique`` kernels that run while it is active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if "unique" in func.__name__:
-            self.calls += 1
-        return func(*args, **(kwargs or {}))
-
-
-@pytest.mark.parametrize("block_rows", [1, 8])
-def test_lookup_counter_on_a_cached_table_counts_like_on_a_resident_one(block_rows: int) -> None:
-    """The agent's LookupCounter counts a cached table from the unique ids the cache computes
-    (no forward pre-hook, no second unique): same counts and peak as on an nn.Embedding twin,
-    padding excluded, sampling kept."""
-    from edo_monitor.measure.frequency import LookupCounter
-
-    torch.manual_seed(0)
-    base = torch.randn(N, D)
-    twin, cached = _pair(base, padding_idx=3, block_rows=block_rows)
-    counters = [LookupCounter(sample_every=2), LookupCounter(sample_every=2)]
-    counters[0].watch("t", twin)
-    counters[1].watch("t", cached)
-    assert len(cached._forward_pre_hooks) == 0 and len(cached._lookup_listeners) == 1
-    gen = torch.Generator().manual_seed(2)
-    for i in range(7):
-        ids = _zipf_ids(gen, (5, 4 + i))
-        ids[0, 0] = 3
-        twin(ids)
-        if i == 0:
-            with _CountUnique() as mode:
-                cached(ids)
-            assert mode.calls == (1 if block_rows == 1 else 2)  # the cache's own, shared
-        else:
-            cached(ids)
-    assert torch.equal(counters[1].counts("t"), counters[0].counts("t"))
-    assert int(counters[1].counts("t")[3]) == 0 and int(counters[1].counts("t").sum()) > 0
-    assert counters[1].peak_unique_ids("t") == counters[0].peak_unique_ids("t")
-    counters[1].close()
-    assert len(cached._lookup_listeners) == 0
 
 
 @pytest.mark.parametrize("name", ["adam", "sgd_momentum_dampening_wd", "adagrad"])
@@ -552,43 +291,6 @@ def test_lazy_step_touches_only_the_batch_rows_and_clipping_sees_their_gradient(
     assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
 
 
-def test_checkpoint_of_an_optimizer_over_model_parameters_loads_into_an_uncached_twin() -> None:
-    """The optimizer built from model.parameters() holds the row buffer; its state_dict() does
-    not (ids renumbered), so it loads into an optimizer over the uncached model and back."""
-    torch.manual_seed(0)
-    base = torch.randn(N, D, dtype=torch.float64)
-
-    def model(table: nn.Module) -> nn.Module:
-        torch.manual_seed(1)
-        return nn.Sequential(table, nn.Linear(D, 1, dtype=torch.float64))
-
-    twin_m, cached_m = (model(t) for t in _pair(base, 30))
-    o1 = torch.optim.Adam(twin_m.parameters(), lr=0.01)
-    o2 = torch.optim.Adam(cached_m.parameters(), lr=0.01)
-    gen = torch.Generator().manual_seed(4)
-    for _ in range(20):
-        ids = _zipf_ids(gen, (16,))
-        for m, o in ((twin_m, o1), (cached_m, o2)):
-            o.zero_grad()
-            m(ids).pow(2).sum().backward()
-            o.step()
-    sd = copy.deepcopy(o2.state_dict())  # state_dict() holds the live tensors
-    assert [len(g["params"]) for g in sd["param_groups"]] == [3]  # weight, linear w and b
-    fresh = model(nn.Embedding(N, D, dtype=torch.float64))
-    fresh.load_state_dict(cached_m.state_dict())
-    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.01)
-    fresh_opt.load_state_dict(sd)
-    o2.load_state_dict(copy.deepcopy(o1.state_dict()))  # and the other way round
-    for _ in range(10):
-        ids = _zipf_ids(gen, (16,))
-        for m, o in ((twin_m, o1), (fresh, fresh_opt), (cached_m, o2)):
-            o.zero_grad()
-            m(ids).pow(2).sum().backward()
-            o.step()
-    assert _rel(fresh[0].weight.detach(), twin_m[0].weight.detach()) < 1e-12
-    assert _rel(cached_m[0].full_weight(), twin_m[0].weight.detach()) < 1e-12
-
-
 def test_amsgrad_with_beta1_above_sqrt_beta2_is_caught_up_exactly() -> None:
     """amsgrad divides by the running maximum, which does not decay: its window is beta1's alone,
     so the betas that plain Adam refuses are exact with it."""
@@ -600,26 +302,6 @@ def test_amsgrad_with_beta1_above_sqrt_beta2_is_caught_up_exactly() -> None:
     _train([(twin, o1), (cached, o2)], 60, torch.Generator().manual_seed(2))
     assert cached.stats().evicted > 20
     assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
-
-
-def test_sgd_momentum_state_loaded_into_a_fresh_cached_table_goes_on_exactly() -> None:
-    """SGD keeps no step in its state: a fresh table that loaded a momentum buffer counted itself
-    at step 0 and took its next step for the first, replacing the buffer instead of decaying it
-    (0.18 from the twin after 10 more steps)."""
-    torch.manual_seed(0)
-    base = torch.randn(N, D, dtype=torch.float64)
-    twin, cached = _pair(base)
-    make = lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9)  # noqa: E731
-    o1, o2 = make([twin.weight]), make([cached.weight])
-    gen = torch.Generator().manual_seed(3)
-    _train([(twin, o1), (cached, o2)], 10, gen)
-    fresh = CachedEmbedding(N, D, C, dtype=torch.float64)
-    o3 = make([fresh.weight])
-    fresh.attach(o3)
-    fresh.load_state_dict(copy.deepcopy(cached.state_dict()))
-    o3.load_state_dict(copy.deepcopy(o2.state_dict()))
-    _train([(twin, o1), (fresh, o3)], 10, gen)
-    assert _rel(fresh.full_weight(), twin.weight.detach()) < 1e-12
 
 
 @pytest.mark.slow
@@ -699,51 +381,6 @@ def test_a_step_with_a_closure_stays_exact(as_keyword: bool) -> None:
     assert _rel(cached.full_weight(), twin.weight.detach()) <= 1e-12
 
 
-@pytest.mark.parametrize("between", ["state_dict", "load_state_dict", "to"])
-def test_rows_renormalised_by_max_norm_are_the_tables_before_the_step(between: str) -> None:
-    """A forward with ``max_norm`` renormalises its rows in the table (as ``nn.Embedding``
-    does): a checkpoint taken, a checkpoint loaded or a move between that forward's backward
-    and the step sees and keeps them (they lived only in the row buffer until the step)."""
-    gen = torch.Generator().manual_seed(8)
-    base = torch.randn(N, D, generator=gen, dtype=torch.float64) * 2  # norms above max_norm
-    twin = nn.Embedding.from_pretrained(base.clone(), freeze=False, max_norm=1.0)
-    cached = CachedEmbedding(N, D, C, max_norm=1.0, _weight=base.clone())
-    o1, o2 = OPTIMIZERS["sgd_momentum"]([twin.weight]), OPTIMIZERS["sgd_momentum"]([cached.weight])
-    pairs = ((twin, o1), (cached, o2))
-    for step in range(3):
-        ids = _zipf_ids(gen, (4, 6))
-        for module, opt in pairs:
-            opt.zero_grad()
-            module(ids).pow(2).sum().backward()
-        if step == 1 and between == "state_dict":
-            assert _rel(cached.state_dict()["weight"], twin.weight.detach()) < 1e-12
-        elif step == 1 and between == "load_state_dict":
-            cached.load_state_dict(copy.deepcopy(cached.state_dict()))
-        elif step == 1:
-            cached.to("cpu")
-        for _, opt in pairs:
-            opt.step()
-    assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
-
-
-def test_an_optimizer_checkpoint_without_the_tables_state_restarts_it_like_the_twin() -> None:
-    """An optimizer state dict saved before the table's first step holds no state for it:
-    loaded later, the twin's optimizer starts the table afresh (step 1, zero moments); the
-    cache did too little (kept its moments and step count: 1 % off 3 steps later)."""
-    gen = torch.Generator().manual_seed(9)
-    base = torch.randn(N, D, generator=gen, dtype=torch.float64)
-    twin, cached = _pair(base)
-    o1, o2 = OPTIMIZERS["adam"]([twin.weight]), OPTIMIZERS["adam"]([cached.weight])
-    cached.attach(o2)
-    saved = copy.deepcopy(o1.state_dict()), copy.deepcopy(o2.state_dict())
-    _train([(twin, o1), (cached, o2)], 20, gen)
-    o1.load_state_dict(saved[0])
-    o2.load_state_dict(saved[1])
-    _train([(twin, o1), (cached, o2)], 5, gen)
-    assert int(o2.state_dict()["state"][0]["step"]) == int(o1.state[twin.weight]["step"]) == 5
-    assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
-
-
 def test_momentum_switched_on_and_off_mid_training_follows_the_twin() -> None:
     """``param_groups[0]["momentum"]`` edited between steps: torch makes the buffers at the
     first step with momentum (a copy of the gradient, no dampening) and keeps them, unchanged,
@@ -762,25 +399,6 @@ def test_momentum_switched_on_and_off_mid_training_follows_the_twin() -> None:
     assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
     s1, s2 = o1.state_dict()["state"][0], o2.state_dict()["state"][0]
     assert _rel(s2["momentum_buffer"], s1["momentum_buffer"]) < 1e-12
-
-
-def test_adagrad_state_made_before_the_cache_grew_is_its_initial_state() -> None:
-    """Adagrad makes its ``sum`` state with the optimizer, the cache's shape then; a first
-    batch with more unique ids than cache rows grows the cache before the first step attaches
-    it, and the attach refused the old-shaped state (ValueError) though it is every row's
-    initial value."""
-    gen = torch.Generator().manual_seed(11)
-    base = torch.randn(N, D, generator=gen, dtype=torch.float64)
-    twin, cached = _pair(base, cache_rows=10)
-    make = OPTIMIZERS["adagrad"]
-    o1, o2 = make([twin.weight]), make([cached.weight])
-    ids = torch.arange(50)
-    for module, opt in ((twin, o1), (cached, o2)):
-        module(ids).pow(2).sum().backward()
-        opt.step()
-    assert cached.cache_rows >= 50
-    _train([(twin, o1), (cached, o2)], 10, gen)
-    assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
 
 
 @pytest.mark.parametrize("bag", [None, "sum"])

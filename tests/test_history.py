@@ -14,13 +14,12 @@ from typing import Any
 
 import pytest
 from sqlalchemy import insert
-from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from edo_monitor.errors import ConfigError, RunNotFoundError, StoreError
 from edo_monitor.probes.readings import SAMPLE_FIELDS
 from edo_monitor.store.dialect import is_postgres
-from edo_monitor.store.engine import open_engine, write_samples
+from edo_monitor.store.engine import open_engine
 from edo_monitor.store.history import History
 from edo_monitor.store.models import Event, ModuleStat, Run, Sample
 from edo_monitor.store.prune import prune
@@ -476,6 +475,34 @@ def test_missing_and_empty(tmp_path: Path) -> None:
             h.run("latest")
 
 
+def test_alembic_revision_newer_than_the_code_is_refused(
+    seeded_sqlite: tuple[Path, dict[str, Any]],
+) -> None:
+    """Regression: a database whose ``alembic_version`` is newer than the code but whose
+    ``meta`` row is not was accepted and written to."""
+    path, _ = seeded_sqlite
+    with sqlite3.connect(path) as con:
+        assert con.execute("SELECT version_num FROM alembic_version").fetchone() == (
+            f"{SCHEMA_VERSION:04d}",
+        )
+        newer = f"{SCHEMA_VERSION + 1:04d}"
+        con.execute("UPDATE alembic_version SET version_num = ?", (newer,))
+    before = path.read_bytes()
+    for readonly in (False, True):
+        with pytest.raises(StoreError) as err:
+            open_engine(path, readonly=readonly)
+        assert f"schema version {SCHEMA_VERSION} (meta table)" in str(err.value)
+        assert f"Alembic revision '{newer}'" in str(err.value)
+        assert f"this edo-monitor's schema version is {SCHEMA_VERSION}" in str(err.value)
+    with sqlite3.connect(path) as con:  # a revision this code does not know at all
+        con.execute("UPDATE alembic_version SET version_num = 'f00d'")
+    with pytest.raises(StoreError, match="Alembic revision 'f00d'"):
+        open_engine(path)
+    with sqlite3.connect(path) as con:
+        assert con.execute("SELECT count(*) FROM runs").fetchone() == (5,)
+    assert len(path.read_bytes()) == len(before)
+
+
 def test_to_pandas_needs_pandas(seeded: tuple[Path, dict[str, Any]]) -> None:
     path, _ = seeded
     with History(path) as h:
@@ -487,122 +514,6 @@ def test_to_pandas_needs_pandas(seeded: tuple[Path, dict[str, Any]]) -> None:
             s.to_pandas()
     else:
         assert len(s.to_pandas()) == len(s)
-
-
-# -- rollups kept by the agent's writer path (write_samples) -----------------------------------
-
-
-def _rollup_table(path: Path) -> tuple[list[str], list[tuple]]:
-    con = sqlite3.connect(path)
-    cur = con.execute("SELECT * FROM sample_rollups ORDER BY run_id, level, block")
-    names = [d[0] for d in cur.description]
-    rows = cur.fetchall()
-    con.close()
-    return names, rows
-
-
-def _assert_same_rollups(a: tuple[list[str], list[tuple]], b: tuple[list[str], list[tuple]]):
-    names, rows_a = a
-    assert names == b[0] and len(rows_a) == len(b[1])
-    for ra, rb in zip(rows_a, b[1], strict=True):
-        for name, x, y in zip(names, ra, rb, strict=True):
-            if name.endswith("_sum"):  # float sums: same values, maybe added in another order
-                assert x == pytest.approx(y, rel=1e-12), (name, ra[:3])
-            else:
-                assert x == y and type(x) is type(y), (name, ra[:3], x, y)
-
-
-def _values(run_id: int, i: int, t: float, rng: random.Random) -> tuple:
-    row = _sample(run_id, i, rng)
-    row["time_s"] = t
-    row["device_total_bytes"] = 8 * 10**9  # one value throughout
-    row["fragmentation"] = float("nan") if i % 13 == 0 else rng.random()  # NaN is stored NULL
-    row["allocated_bytes"] = rng.randint(0, 10**9)
-    row["num_ooms"] = 3.0 if i % 2 else 3  # a float in an integer column, as SQLite keeps it
-    return tuple(row[f] for f in SAMPLE_FIELDS)
-
-
-def test_writer_rollups_equal_the_sql_fold(tmp_path: Path) -> None:
-    """The rollups folded in from the writer's tuples are the ones SQLite's GROUP BY gives.
-
-    Which path each batch took is read from the statements SQLite ran (``sqlite3``'s trace
-    callback): the Python fold writes ready-made rows (``INSERT INTO sample_rollups … VALUES``),
-    the SQL fold aggregates the samples (``INSERT INTO sample_rollups … SELECT``; it also runs
-    first when samples of other writers wait, as before the first and the sixth batch)."""
-    folded: list[bool] = []  # per batch: summarised in Python (True) or left to SQL (False)
-    statements: list[str] = []
-    path = tmp_path / "w.db"
-    seed(path)  # run 1 and 2 samples, rolled up by SQL
-    engine = open_engine(path)
-    rng = random.Random(3)
-    t = T0 + N_SAMPLES * INTERVAL
-    i = 0
-    for size in (1, 7, 500, 1000, 3, 250, 2000):  # batch ends fall inside blocks
-        values = []
-        for _ in range(size):
-            t += rng.choice((0.05, 0.1) if size >= 500 else (0.05, 0.5, 3.0, 40.0))
-            values.append(_values(1, i, t, rng))
-            i += 1
-        if size == 250:  # the clock stepped back: SQL fold for this batch
-            values[100], values[101] = values[101], values[100]
-        statements.clear()
-        with engine.begin() as conn:
-            conn.connection.dbapi_connection.set_trace_callback(statements.append)
-            write_samples(conn, 1, values)
-            conn.connection.dbapi_connection.set_trace_callback(None)
-        upserts = [q for q in statements if q.lstrip().startswith("INSERT INTO sample_rollups")]
-        python_fold = any(" VALUES (" in q for q in upserts)
-        sql_fold = any("SELECT" in q for q in upserts)
-        assert python_fold or sql_fold, size  # every batch is folded in, one way or the other
-        folded.append(python_fold)
-        if size == 3:  # another connection's samples, not rolled up yet (< ROLLUP_MIN_ROWS)
-            with engine.begin() as conn:
-                conn.execute(insert(Sample), [_sample(2, k, rng) for k in range(5)])
-    engine.dispose()
-    assert folded == [True, True, True, True, True, False, True]
-    con = sqlite3.connect(path)
-    top = con.execute("SELECT max(id) FROM samples").fetchone()[0]
-    mark = con.execute("SELECT value FROM meta WHERE key = 'rollup_through_id'").fetchone()[0]
-    assert int(mark) == top  # every sample is in the rollups
-    con.close()
-    incremental = _rollup_table(path)
-    # the reference: every sample folded again from scratch by SQL
-    engine = open_engine(path)
-    with engine.begin() as conn:
-        conn.exec_driver_sql("DELETE FROM sample_rollups")
-        conn.exec_driver_sql("UPDATE meta SET value = '0' WHERE key = 'rollup_through_id'")
-        roll_up(conn)
-    engine.dispose()
-    _assert_same_rollups(incremental, _rollup_table(path))
-    with History(path) as h:
-        n1 = h.run(1).sample_count
-        assert n1 == N_SAMPLES + i
-        s = h.samples(1, columns=["allocated_bytes"], max_points=20)
-        assert sum(s.count) == n1
-
-
-def test_rollup_levels_are_powers_of_two_from_16_s(tmp_path: Path) -> None:
-    assert ROLLUP_LEVEL_WIDTHS_S == (16, 256, 4096)
-    path = tmp_path / "w.db"
-    open_engine(path).dispose()
-    con = sqlite3.connect(path)
-    with pytest.raises(ValueError, match="powers of two"):
-        roll_up(con, widths_s=(10, 100))
-    con.close()
-
-
-def test_write_samples_raises_sqlalchemy_operational_error(tmp_path: Path) -> None:
-    """DBAPI errors inside the writer path come out as SQLAlchemy's, so the Writer retries an
-    OperationalError (locked, I/O) instead of dropping the batch as bad data."""
-    path = tmp_path / "w.db"
-    seed(path)
-    engine = open_engine(path)
-    with engine.begin() as conn:
-        conn.exec_driver_sql("DROP TABLE sample_rollups")
-    rng = random.Random(0)
-    with pytest.raises(OperationalError), engine.begin() as conn:
-        write_samples(conn, 1, [_values(1, 0, T0 + 10**5, rng)])
-    engine.dispose()
 
 
 # -- live viewers ------------------------------------------------------------------------------
@@ -668,169 +579,3 @@ def test_series_says_where_samples_since_continues(tmp_path: Path) -> None:
         assert [r.id for r in new] == [top + 1, top + 2, top + 3]
         assert h.samples(1, columns=["in_use_bytes"], max_points=50).last_id == top + 3
         assert h.samples(1, start=T0 + 10**6, columns=["step"]).last_id == top + 3  # empty window
-
-
-def _one_run(path: Path, name: str = "r") -> None:
-    """A history database at ``path`` (written by the writer engine) with one finished run."""
-    engine = open_engine(path)
-    with Session(engine) as s, s.begin():
-        s.add(
-            Run(
-                uuid=UUIDS[0],
-                name=name,
-                host="h",
-                pid=1,
-                status="finished",
-                started_at_s=T0,
-                ended_at_s=T0 + 1,
-                device_kind="cpu-budget",
-                interval_s=1.0,
-                torch_version="2.x",
-                config={},
-                tags=[],
-            )
-        )
-    engine.dispose()
-
-
-@pytest.mark.parametrize(
-    "name", ["runs#1.db", "a?b.db", "100%25.db", "my runs.db", "résumé-日本.db"]
-)
-def test_paths_with_uri_characters_round_trip(tmp_path: Path, name: str) -> None:
-    """Regression: readers opened ``file:{path}?mode=ro`` unescaped, so ``runs#1.db`` read (and
-    created) a file named ``runs`` and ``100%25.db`` failed."""
-    path = tmp_path / name
-    _one_run(path, name="the-run")
-    with History(path) as h:
-        assert [r.name for r in h.runs()] == ["the-run"]
-    with History(str(path)) as h:
-        assert h.run("latest").uuid == UUIDS[0]
-    assert {p.name for p in tmp_path.iterdir()} <= {name, f"{name}-wal", f"{name}-shm"}
-
-
-def test_reader_never_creates_a_file(tmp_path: Path) -> None:
-    for name in ("missing.db", "x#y.db", "a?b.db", "sub/none.db"):
-        with pytest.raises(StoreError, match="no history database"):
-            History(tmp_path / name)
-    assert list(tmp_path.iterdir()) == []
-
-
-def _as_nobody(fn: Any) -> Any:
-    """Run ``fn()`` as an unprivileged user and return its result (or its error, as
-    ``(type name, message)``): in a forked child that drops root to ``nobody``, or here when
-    this process is not root (then permissions hold already)."""
-    import json
-    import os
-    import pwd
-
-    def call() -> Any:
-        try:
-            return ["ok", fn()]
-        except Exception as exc:
-            return ["error", type(exc).__name__, str(exc)]
-
-    if os.geteuid() != 0:
-        return call()
-    try:
-        nobody = pwd.getpwnam("nobody")
-    except KeyError:
-        pytest.skip("running as root and there is no user 'nobody' to drop to")
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover (the child)
-        code = 0
-        try:
-            os.close(r)
-            os.setgid(nobody.pw_gid)
-            os.setuid(nobody.pw_uid)
-            os.write(w, json.dumps(call()).encode())
-        except BaseException:
-            code = 1
-        finally:
-            os._exit(code)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        data = f.read()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0 and data, "the unprivileged child failed"
-    return json.loads(data)
-
-
-def test_wal_database_in_a_folder_the_reader_cannot_write(tmp_path: Path) -> None:
-    """A finished WAL database in a read-only folder is read (immutably: no ``-shm`` needed,
-    nothing created, bytes unchanged); one whose ``-wal`` still holds data cannot be, and the
-    error says why (the folder, the missing ``-shm``), never that a SELECT writes."""
-    import shutil
-    import tempfile
-
-    from edo_monitor.store.paths import readonly_uri
-
-    # a folder an unprivileged user can reach (pytest's tmp_path is private to root)
-    shared = Path(tempfile.mkdtemp(prefix="edo-ro-"))
-    try:
-        shared.chmod(0o755)
-        folder = shared / "results"
-        folder.mkdir()
-        finished = folder / "finished.db"
-        _one_run(tmp_path / "src.db", name="done")
-        shutil.copy(tmp_path / "src.db", finished)  # writer closed: everything in the main file
-        assert finished.read_bytes()[18:20] == b"\x02\x02"  # WAL mode
-        # a killed run: its last transaction is still in the -wal file
-        live = sqlite3.connect(tmp_path / "live.db")
-        live.execute("PRAGMA journal_mode = WAL")
-        live.execute("PRAGMA wal_autocheckpoint = 0")
-        live.execute("CREATE TABLE t (x)")
-        live.execute("INSERT INTO t VALUES (1)")
-        live.commit()
-        shutil.copy(tmp_path / "live.db", folder / "killed.db")
-        shutil.copy(tmp_path / "live.db-wal", folder / "killed.db-wal")
-        live.close()
-        for f in folder.iterdir():
-            f.chmod(0o644)
-        folder.chmod(0o555)  # nobody may write here (root still can: hence _as_nobody)
-        before = {f.name: f.read_bytes() for f in folder.iterdir()}
-
-        def read_finished() -> list[str]:
-            with History(finished) as h:
-                return [r.name for r in h.runs()]
-
-        assert _as_nobody(read_finished) == ["ok", ["done"]]
-        assert _as_nobody(lambda: "immutable=1" in readonly_uri(finished)) == ["ok", True]
-        res = _as_nobody(lambda: History(folder / "killed.db").schema_version)
-        assert res[:2] == ["error", "StoreError"]
-        assert "killed.db-shm" in res[2] and str(folder) in res[2] and "not writable" in res[2]
-        assert "write a readonly" not in res[2]
-        assert {f.name: f.read_bytes() for f in folder.iterdir()} == before  # nothing created
-    finally:
-        for d in (shared / "results", shared):
-            if d.exists():
-                d.chmod(0o755)
-        shutil.rmtree(shared)
-
-
-def test_alembic_revision_newer_than_the_code_is_refused(
-    seeded_sqlite: tuple[Path, dict[str, Any]],
-) -> None:
-    """Regression: a database whose ``alembic_version`` is newer than the code but whose
-    ``meta`` row is not was accepted and written to."""
-    path, _ = seeded_sqlite
-    with sqlite3.connect(path) as con:
-        assert con.execute("SELECT version_num FROM alembic_version").fetchone() == (
-            f"{SCHEMA_VERSION:04d}",
-        )
-        newer = f"{SCHEMA_VERSION + 1:04d}"
-        con.execute("UPDATE alembic_version SET version_num = ?", (newer,))
-    before = path.read_bytes()
-    for readonly in (False, True):
-        with pytest.raises(StoreError) as err:
-            open_engine(path, readonly=readonly)
-        assert f"schema version {SCHEMA_VERSION} (meta table)" in str(err.value)
-        assert f"Alembic revision '{newer}'" in str(err.value)
-        assert f"this edo-monitor's schema version is {SCHEMA_VERSION}" in str(err.value)
-    with sqlite3.connect(path) as con:  # a revision this code does not know at all
-        con.execute("UPDATE alembic_version SET version_num = 'f00d'")
-    with pytest.raises(StoreError, match="Alembic revision 'f00d'"):
-        open_engine(path)
-    with sqlite3.connect(path) as con:
-        assert con.execute("SELECT count(*) FROM runs").fetchone() == (5,)
-    assert len(path.read_bytes()) == len(before)
