@@ -343,9 +343,15 @@ def _wal_db(tmp_path: Path) -> tuple[Path, sqlite3.Connection]:
     return path, con
 
 
-def test_export_refuses_the_database_and_its_companion_files(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "command", [["export", "1", "--out"], ["snapshot", "1", "--out"], ["snapshot", "1", "--html"]]
+)
+def test_every_output_option_refuses_the_database_and_its_companion_files(
+    tmp_path: Path, command: list[str]
+) -> None:
     """Regression: ``export 1 --out k.db-wal`` on a database whose data was still in its WAL
-    wiped every run."""
+    wiped every run; ``snapshot 1 --out k.db`` (and ``--html``) overwrote the database itself
+    (one check for every file the CLI writes where the user says, before anything is read)."""
     import os
 
     path, con = _wal_db(tmp_path)
@@ -365,8 +371,9 @@ def test_export_refuses_the_database_and_its_companion_files(tmp_path: Path) -> 
             "./sub/../k.db-wal",
         ):
             (tmp_path / "sub").mkdir(exist_ok=True)
-            res = run("export", "1", "--out", str(tmp_path / out), db=path)
+            res = run(*command, str(tmp_path / out), db=path)
             assert res.exit_code == 2 and "is the history database" in res.stderr, out
+            assert f"{command[-1]} {str(tmp_path / out)!r}" in res.stderr, out
         assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name in before} == before
         names = [r["name"] for r in json.loads(run("runs", "--json", db=path).stdout)]
         assert "in-wal" in names and len(names) == 6
@@ -384,6 +391,18 @@ def test_export_writes_a_temporary_file_renamed_into_place(db: Path, tmp_path: P
     assert len(rows) == N_SAMPLES
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.csv"]  # no temporary file left
     assert out.stat().st_mode & 0o777 == 0o666 & ~_umask()
+
+
+def test_an_output_that_cannot_be_written_is_one_line_naming_it(db: Path) -> None:
+    """Regression: a folder that cannot be written gave ``OSError: [Errno 30] Read-only file
+    system: '.../.x.csv.1sk7hp7a.tmp'``, naming a temporary file the user never typed (the
+    snapshot's ``--out`` and ``--html`` write through the same ``open_output``). ``/proc``
+    refuses new files even to root, whom a read-only folder does not stop."""
+    target = "/proc/edo-monitor-test-output"
+    res = run("export", "1", "--out", target, db=db)
+    assert res.exit_code == 1, res.output
+    assert res.stderr.startswith(f"edo-monitor: error: cannot write {target!r}: "), res.stderr
+    assert ".tmp" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
 
 
 def _umask() -> int:

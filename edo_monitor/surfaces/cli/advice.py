@@ -83,13 +83,17 @@ def snapshot_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """An incident's memory snapshot (OOM, crossing, action) for PyTorch's memory viewer."""
+    from edo_monitor.surfaces.cli.output import output_target
     from edo_monitor.surfaces.cli.snapshot import snapshot_command
 
+    out_file = None if out is None else output_target(out, db, "--out")
+    html_file = None if html is None else output_target(html, db, "--html")
     _require_database(db)
     with _history(db) as h:
         printed = snapshot_command(
-            h, run, event=event, out=out, html=html, html_kind=html_kind, top=top, as_json=as_json
-        )
+            h, run, event=event, out=out_file, html=html_file, html_kind=html_kind, top=top,
+            as_json=as_json,
+        )  # fmt: skip
     for renderable in printed:
         _c.out.print(renderable)
 

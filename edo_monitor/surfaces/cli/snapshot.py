@@ -11,10 +11,7 @@ mode). Only ``--html`` imports torch.
 from __future__ import annotations
 
 import json
-import os
 import pickle
-import tempfile
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
@@ -23,6 +20,7 @@ from rich.text import Text
 from edo_monitor.errors import ConfigError
 from edo_monitor.measure.snapshots import FrameRow, fragmentation, top_by_frame, totals
 from edo_monitor.store.snapshot_store import SnapshotInfo, find_snapshot, load_snapshot
+from edo_monitor.surfaces.cli.output import OutputFile, write_output
 from edo_monitor.units import format_bytes
 
 if TYPE_CHECKING:
@@ -70,31 +68,13 @@ def describe(info: SnapshotInfo, snapshot: dict[str, Any]) -> str:
     return line
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file in its folder (never half a file)."""
-    folder = path.parent if str(path.parent) else Path(".")
-    if not folder.is_dir():
-        raise ConfigError(f"{str(path)!r}: its folder {str(folder)!r} does not exist")
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # as open() would make it (mkstemp makes 0600)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def snapshot_command(
     history: History,
     run: Any,
     *,
     event: int | None = None,
-    out: Path | None = None,
-    html: Path | None = None,
+    out: OutputFile | None = None,
+    html: OutputFile | None = None,
     html_kind: str = "trace",
     top: int | None = None,
     as_json: bool = False,
@@ -104,14 +84,17 @@ def snapshot_command(
     Args:
         history: the history (read-only).
         run: the run reference. event: the event id (default: the run's latest snapshot).
-        out: write the snapshot's pickle here. html: write the viewer's page here.
+        out: write the snapshot's pickle here. html: write the viewer's page here (both checked
+            by :func:`~edo_monitor.surfaces.cli.output.output_target` before the history was
+            opened: never the database or one of its companion files).
         html_kind: ``"trace"`` (``trace_plot``) or ``"segments"`` (``segment_plot``).
         top: print the ``top`` frames holding the most live bytes (default 10 when neither
             ``out`` nor ``html`` is given).
         as_json: the description, totals, fragmentation and top rows as JSON.
 
     Raises:
-        ConfigError: a bad ``html_kind``, ``top`` below 1, an output folder that does not exist.
+        ConfigError: a bad ``html_kind``, ``top`` below 1.
+        EdoMonitorError: ``out`` or ``html`` cannot be written (a read-only folder, a full disk).
         RunNotFoundError, SnapshotError: no such run; no snapshot for it or the event; a damaged
             blob (naming the event).
     """
@@ -119,23 +102,20 @@ def snapshot_command(
         raise ConfigError(f"--html-kind {html_kind!r}: expected one of {', '.join(HTML_KINDS)}")
     if top is not None and top < 1:
         raise ConfigError(f"--top {top} must be ≥ 1")
-    for p, name in ((out, "--out"), (html, "--html")):
-        if p is not None and p.is_dir():
-            raise ConfigError(f"{name} {str(p)!r} is a folder; expected a file name")
     info = find_snapshot(history, run, event)
     snap = load_snapshot(history, info)
     if top is None and out is None and html is None:
         top = 10
     printed: list[RenderableType] = []
     if out is not None:
-        _write_atomic(out, pickle.dumps(snap))
-        printed.append(Text(f"wrote {out} (open it at https://pytorch.org/memory_viz)"))
+        write_output(out, pickle.dumps(snap))
+        printed.append(Text(f"wrote {out.shown} (open it at https://pytorch.org/memory_viz)"))
     if html is not None:
         from torch.cuda import _memory_viz  # only here: the page is made by PyTorch's own code
 
         page = (_memory_viz.trace_plot if html_kind == "trace" else _memory_viz.segment_plot)(snap)
-        _write_atomic(html, page.encode("utf-8"))
-        printed.append(Text(f"wrote {html} ({html_kind} page of torch.cuda._memory_viz)"))
+        write_output(html, page.encode("utf-8"))
+        printed.append(Text(f"wrote {html.shown} ({html_kind} page of torch.cuda._memory_viz)"))
     rows = top_by_frame(snap, top) if top is not None else []
     t = totals(snap)
     if as_json:
