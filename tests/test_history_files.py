@@ -1,9 +1,11 @@
 """History database files as readers open them: paths with URI characters, a reader that never
-creates a file, a WAL database in a folder the reader cannot write."""
+creates a file, a WAL database in a folder the reader cannot write; a ``db`` of the wrong type and
+a database URL whose driver is missing."""
 
 from __future__ import annotations
 
 import sqlite3
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +13,7 @@ import pytest
 from sqlalchemy.orm import Session
 from test_history import T0, UUIDS
 
-from edo_monitor.errors import StoreError
+from edo_monitor.errors import ConfigError, MissingExtraError, StoreError
 from edo_monitor.store.engine import open_engine
 from edo_monitor.store.history import History
 from edo_monitor.store.models import Run
@@ -153,3 +155,30 @@ def test_wal_database_in_a_folder_the_reader_cannot_write(tmp_path: Path) -> Non
             if d.exists():
                 d.chmod(0o755)
         shutil.rmtree(shared)
+
+
+@pytest.mark.parametrize("bad", [123, 1.5, b"h.db", ["h.db"]])
+def test_a_db_of_the_wrong_type_is_one_clear_error(bad: Any, tmp_path: Path) -> None:
+    """Regression: ``History(123)`` and ``watch(model, db=123)`` raised ``TypeError: expected str,
+    bytes or os.PathLike object, not int`` from deep inside; now the value and what is allowed."""
+    import torch
+
+    import edo_monitor
+
+    want = rf"^db={bad!r} is not a path or URL \(got {type(bad).__name__}\); expected a file path"
+    with pytest.raises(ConfigError, match=want.replace("[", r"\[")):
+        History(bad)
+    with pytest.raises(ConfigError, match=want.replace("[", r"\[")):
+        edo_monitor.watch(torch.nn.Linear(2, 2), db=bad)
+
+
+def test_a_postgresql_url_without_its_driver_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regression: ``runs --db postgresql://...`` without psycopg said only "its driver is not
+    installed"; now it gives the ``pip install 'edo-monitor[postgres]'`` line, as every other
+    optional feature does (the CLI's exit code 1). As if psycopg were not installed: its import
+    fails."""
+    monkeypatch.setitem(sys.modules, "psycopg", None)
+    with pytest.raises(MissingExtraError, match=r"pip install 'edo-monitor\[postgres\]'"):
+        History("postgresql://127.0.0.1:1/x")

@@ -42,7 +42,7 @@ from sqlalchemy.exc import DatabaseError as SADatabaseError
 from sqlalchemy.exc import DBAPIError as SADBAPIError
 from sqlalchemy.exc import OperationalError
 
-from edo_monitor.errors import StoreError
+from edo_monitor.errors import StoreError, missing_extra
 from edo_monitor.probes.readings import SAMPLE_FIELDS
 from edo_monitor.store.dialect import is_postgres
 from edo_monitor.store.migrate import _check_schema
@@ -134,8 +134,11 @@ def open_engine(
 
     Raises:
         ConfigError: bad ``db`` value (see :func:`resolve_db_url`).
+        MissingExtraError: a PostgreSQL URL without psycopg installed (the message gives
+            ``pip install 'edo-monitor[postgres]'``).
         StoreError: the file is missing (readers), is not a database or not an edo-monitor
-            database, comes from a newer edo-monitor, or the server cannot be reached.
+            database, comes from a newer edo-monitor, the server cannot be reached, or another
+            URL's driver is not installed.
     """
     url = db if isinstance(db, URL) else resolve_db_url(db, readonly=readonly)
     new_file = None if readonly else database_file(url)
@@ -206,8 +209,12 @@ def _engine_for(url: URL, *, readonly: bool, shown: str | None = None) -> Engine
             **({"creator": creator} if creator is not None else {}),
         )
     except ImportError as exc:  # the dialect is known, its DBAPI driver is not installed
+        driver = url.get_dialect().driver
+        if url.get_backend_name() == "postgresql" and driver == "psycopg":  # our extra's
+            feature = f"the history database {shown}"
+            raise missing_extra(feature, "psycopg", "postgres", exc) from None
         raise StoreError(
-            f"cannot open history database {shown}: its driver is not installed ({exc})"
+            f"cannot open history database {shown}: its driver {driver!r} is not installed ({exc})"
         ) from None
     if is_sqlite:
         event.listen(engine, "connect", _sqlite_pragmas if readonly else _sqlite_pragmas_rw)

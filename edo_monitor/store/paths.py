@@ -35,13 +35,19 @@ def resolve_db_url(db: str | os.PathLike[str] | None = None, *, readonly: bool =
             a missing file) rather than a bad value.
 
     Raises:
-        ConfigError: the URL's scheme names no installed SQLAlchemy dialect, the string is not a
-            URL, the path is a directory, or (writers) its folder does not exist.
+        ConfigError: ``db`` is neither a string nor a path, the URL's scheme names no installed
+            SQLAlchemy dialect, the string is not a URL, the path is a directory, or (writers)
+            its folder does not exist.
         StoreError: (readers) the path's folder does not exist.
     """
     if db is None:
         db = os.environ.get("EDO_DB") or DEFAULT_DB
-    text_ = os.fspath(db)
+    text_ = os.fspath(db) if isinstance(db, str | os.PathLike) else None
+    if not isinstance(text_, str):
+        raise ConfigError(
+            f"db={db!r} is not a path or URL (got {type(db).__name__}); expected a file path "
+            "(str or os.PathLike of str) or an SQLAlchemy URL string"
+        )
     if not text_:
         raise ConfigError("db='' is empty; expected a file path or an SQLAlchemy URL")
     if "://" in text_:
