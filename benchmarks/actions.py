@@ -270,11 +270,11 @@ def run_part1(args: argparse.Namespace, example: ModuleType) -> None:
     for case in cases:
         if case.refusal is not None or not case.results:
             reason = case.refusal.reason if case.refusal else "no result"
-            rows.append([case.label, "refused", *["-"] * 9, reason])
+            rows.append([case.label, "refused", *["-"] * 8, reason])
             continue
         r = case.results[0]
         if r.status != "applied":
-            rows.append([case.label, r.status, *["-"] * 9, r.reason])
+            rows.append([case.label, r.status, *["-"] * 8, r.reason])
             continue
         durations = [c.duration_s for c in case.results]
         est, saved = r.estimated_saving_bytes, r.saved_bytes

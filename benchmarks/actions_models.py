@@ -149,8 +149,10 @@ class Case:
     def context(
         self, model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
     ) -> ActionContext:
-        """The action's context in CPU-budget mode (with a fresh profile when needed)."""
-        profile = profile_of(model, x, y) if self.needs_profile else None
+        """The action's context in CPU-budget mode with a fresh activation profile (the agent
+        records one at a step: ``checkpoint_activations`` plans from it, and an embedding action
+        is refused without it, not knowing whether the weight is read outside its module)."""
+        profile = profile_of(model, x, y)
         return ActionContext(model, [opt], cuda_mode=False, activation_profile=profile)
 
 
