@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -219,6 +220,14 @@ def test_refused_settings_are_named() -> None:
         CachedEmbedding(N, D, C, policy="mru")
     with pytest.raises(ValueError, match="does not step"):
         table.attach(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1))
+    # regression: CachedEmbedding(0, 4, 2) made a cache of 0 rows (cache_rows=0 itself is
+    # refused) and num_embeddings=-1 raised torch's RuntimeError from deep inside
+    bad = [(0, D, "num_embeddings=0"), (-1, D, "num_embeddings=-1"), (N, 0, "embedding_dim=0")]
+    for n, d, name in [*bad, (float(N), D, f"num_embeddings={float(N)}")]:
+        for module in (CachedEmbedding, CachedEmbeddingBag):
+            with pytest.raises(ValueError, match=rf"^{name}; expected an int >= 1$"):
+                module(n, d, C)
+    assert CachedEmbedding(np.int64(N), D, C).num_embeddings == N  # NumPy's ints are ints
 
 
 def test_more_unique_ids_than_cache_rows_grows_or_errors() -> None:

@@ -253,6 +253,9 @@ def _options(
     bag_mode: str | None,
     include_last_offset: bool,
 ) -> EmbeddingOptions:
+    for name, value in (("num_embeddings", n), ("embedding_dim", d)):  # NumPy's ints are ints
+        if isinstance(value, bool) or not hasattr(value, "__index__") or value < 1:
+            raise ValueError(f"{name}={value!r}; expected an int >= 1")
     if padding_idx is not None:
         if not -n <= padding_idx < n:
             raise ValueError(f"padding_idx={padding_idx} must be within the {n} rows")
