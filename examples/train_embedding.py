@@ -164,11 +164,12 @@ def default_text(max_chars: int = 3_000_000) -> str:
     return "".join(parts)[:max_chars]
 
 
-def build_dataset(text: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Features ``[N, 2*CONTEXT-1]`` (int64 bucket ids) and next-word targets ``[N]``."""
+def build_dataset(text: str, source: str = "the text") -> tuple[torch.Tensor, torch.Tensor]:
+    """Features ``[N, 2*CONTEXT-1]`` (int64 bucket ids) and next-word targets ``[N]``; a text of
+    ``CONTEXT`` words or fewer ends the program (exit 1) with one line naming ``source``."""
     words = TOKEN_RE.findall(text)
     if len(words) <= CONTEXT:
-        raise SystemExit(f"the text has {len(words)} tokens; need more than {CONTEXT}")
+        raise SystemExit(f"{source} has {len(words)} words; need more than {CONTEXT}")
     vocab = {w: i for i, w in enumerate(sorted(set(words)))}
     ids = torch.tensor([vocab[w] for w in words])
     word_hash = torch.tensor([zlib.crc32(w.encode()) % BUCKETS for w in sorted(vocab)])
@@ -264,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     say(f"reading the text of {source}…", flush=True)
     text = args.text.read_text(encoding="utf-8", errors="replace") if args.text else default_text()
     say(f"building the dataset from {len(text):,} characters…", flush=True)
-    features, targets = build_dataset(text)
+    features, targets = build_dataset(text, f"--text {source!r}" if args.text else source)
     device = torch.device(args.device)
     if args.ddp and device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))

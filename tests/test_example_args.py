@@ -130,6 +130,16 @@ def test_a_budget_below_the_model_is_one_line_before_the_text_is_read(tmp_path: 
     assert not (tmp_path / "edo-history.db").exists()
 
 
+def test_a_text_too_short_is_one_line_naming_the_flag(tmp_path: Path) -> None:
+    """Regression: ``--text empty.txt`` said "the text has 0 tokens; need more than 4", naming
+    neither the flag nor the file. A data error (the file had to be read): exit 1."""
+    empty = tmp_path / "empty.txt"
+    empty.write_text("three short words")
+    done = run("train_embedding.py", "--text", str(empty), cwd=tmp_path)
+    line = assert_one_line(done, EXIT_ERROR)
+    assert line == f"--text {str(empty)!r} has 3 words; need more than 4", line
+
+
 def test_cuda_without_cuda_is_a_bad_argument(tmp_path: Path) -> None:
     import torch
 
