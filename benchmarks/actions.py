@@ -79,6 +79,7 @@ import numpy as np
 import torch
 from actions_models import (
     Case,
+    action_context,
     mlp_variant_class,
     profile_of,
     result_is_lossy,
@@ -173,12 +174,7 @@ def run_part1(args: argparse.Namespace, example: ModuleType) -> None:
     model, opt = base.fresh()
     notes: list[tuple[str, str]] = []
     for name in ("release_cache", "checkpoint_activations", "compress_embedding_fp16"):
-        ctx = ActionContext(
-            model,
-            [opt],
-            cuda_mode=False,
-            activation_profile=profile_of(model, probe_x, probe_y),
-        )
+        ctx = action_context(model, opt, probe_x, probe_y)
         plan = ACTIONS[name].plan(ctx)
         if isinstance(plan, Refusal):
             notes.append((name, f"refused on {plan.target or 'the model'}: {plan.reason}"))
@@ -214,7 +210,7 @@ def run_part1(args: argparse.Namespace, example: ModuleType) -> None:
     for case in cases:
         for rep in range(args.repeats):
             model, opt = case.snapshot.fresh(case.frozen)
-            ctx = case.context(model, opt, probe_x, probe_y)
+            ctx = action_context(model, opt, probe_x, probe_y)
             plan = ACTIONS[case.action].plan(ctx)
             if isinstance(plan, Refusal):
                 case.refusal = plan
@@ -235,7 +231,7 @@ def run_part1(args: argparse.Namespace, example: ModuleType) -> None:
         if case.results and case.results[0].status == "applied":
             # the same action between steps, the gradients freed by zero_grad(set_to_none=True)
             model, opt = case.snapshot.fresh(case.frozen, grads=False)
-            result = ACTIONS[case.action].apply(case.context(model, opt, probe_x, probe_y))
+            result = ACTIONS[case.action].apply(action_context(model, opt, probe_x, probe_y))
             if result.status == "applied":
                 case.saved_without_grads = result.saved_bytes
             del model, opt

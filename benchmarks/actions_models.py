@@ -128,6 +128,15 @@ def profile_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Activation
     return rec.profile()
 
 
+def action_context(
+    model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> ActionContext:
+    """An action's context in CPU-budget mode with a fresh activation profile (the agent records
+    one at a step: ``checkpoint_activations`` plans from it, and an embedding action is refused
+    without it, not knowing whether the weight is read outside its module)."""
+    return ActionContext(model, [opt], cuda_mode=False, activation_profile=profile_of(model, x, y))
+
+
 @dataclass
 class Case:
     """One action measured on one model."""
@@ -137,7 +146,7 @@ class Case:
     snapshot: Snapshot
     frozen: bool = False
     twin: str = ""
-    needs_profile: bool = False
+    needs_profile: bool = False  # its saving is activations: re-recorded after the action
     results: list[ActionResult] = field(default_factory=list)
     refusal: Refusal | None = None
     model: nn.Module | None = None
@@ -145,15 +154,6 @@ class Case:
     measured_activation_saving: int | None = None
     row_error_s: float | None = None
     saved_without_grads: int | None = None
-
-    def context(
-        self, model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
-    ) -> ActionContext:
-        """The action's context in CPU-budget mode with a fresh activation profile (the agent
-        records one at a step: ``checkpoint_activations`` plans from it, and an embedding action
-        is refused without it, not knowing whether the weight is read outside its module)."""
-        profile = profile_of(model, x, y)
-        return ActionContext(model, [opt], cuda_mode=False, activation_profile=profile)
 
 
 def result_is_lossy(case: Case) -> bool:
