@@ -153,6 +153,13 @@ def main() -> None:
     dist.init_process_group(
         "gloo", init_method=f"file://{store}", rank=int(rank), world_size=int(world)
     )
+    # every rank has returned from joining before any goes on: gloo can return on one rank while
+    # a peer still connects, and a rank that ends right after joining (``die_rank``) then cut
+    # that peer's join ("Gloo connectFullMesh failed ... Connection closed by peer"). A store of
+    # its own, not a collective of the group.
+    joined = dist.FileStore(f"{store}.joined", int(world))
+    joined.set(rank, "1")
+    joined.wait([str(r) for r in range(int(world))])
     try:
         out = SCENARIOS[scenario](db, int(rank), opts)
     finally:
