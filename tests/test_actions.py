@@ -1,4 +1,5 @@
-"""Actions on real CPU training loops: estimates, twin runs, lossy error, rollback, refusals.
+"""Actions on real CPU training loops: estimates, twin runs, lossy error, rollback (refusals:
+``test_actions_refusals.py``).
 
 The model's embedding table dominates its memory (as in the workloads edo-monitor is for). Every
 "twin" comparison trains two models built from the same seed on the same batches with the same
@@ -7,29 +8,35 @@ global RNG (dropout), one of them changed by an action at a step boundary.
 
 from __future__ import annotations
 
-import copy
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
+from action_helpers import (
+    DIM,
+    PAD,
+    VOCAB,
+    Net,
+    assert_rel_equal,
+    batches,
+    ctx_of,
+    make,
+    profile_of,
+    quiet_profile,
+    train,
+    twin_losses,
+)
 from torch import nn
 
 from edo_monitor.actions import (
     ACTIONS,
-    ActionContext,
-    ActivationRecorder,
     InjectedFailureError,
     Plan,
     Refusal,
-    enforce_budget,
     undo_checkpointing,
 )
-from edo_monitor.errors import BudgetOutOfMemoryError
 from edo_monitor.measure.accounting import account
-from edo_monitor.measure.oom import parse_oom_message
 from edo_monitor.nn import (
     Int8RowwiseEmbedding,
     LowPrecisionEmbedding,
@@ -37,120 +44,6 @@ from edo_monitor.nn import (
     OffloadedEmbedding,
     row_error,
 )
-
-VOCAB, DIM, HIDDEN, CLASSES, PAD = 3000, 32, 64, 5, 0
-
-
-class Block(nn.Module):
-    """Residual MLP block with dropout: saves activations for backward."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(DIM, HIDDEN)
-        self.drop = nn.Dropout(0.1)
-        self.fc2 = nn.Linear(HIDDEN, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(self.drop(torch.relu(self.fc1(x))))
-
-
-class Net(nn.Module):
-    """Embedding (or EmbeddingBag) → two blocks → linear head."""
-
-    def __init__(self, bag_mode: str | None = None, frozen: bool = False, **emb_kwargs) -> None:
-        super().__init__()
-        if bag_mode is None:
-            self.emb: nn.Module = nn.Embedding(VOCAB, DIM, padding_idx=PAD, **emb_kwargs)
-        else:
-            self.emb = nn.EmbeddingBag(VOCAB, DIM, mode=bag_mode, padding_idx=PAD, **emb_kwargs)
-        self.emb.weight.requires_grad_(not frozen)
-        self.blocks = nn.Sequential(Block(), Block())
-        self.head = nn.Linear(DIM, CLASSES)
-        self.bag = bag_mode is not None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.emb(x) if self.bag else self.emb(x).mean(dim=1)
-        return self.head(self.blocks(h))
-
-
-def make(seed: int = 0, **kwargs) -> tuple[Net, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    model = Net(**kwargs)
-    if kwargs.get("frozen"):
-        # A "pretrained" frozen table: smooth rows so that compression error is realistic.
-        with torch.no_grad():
-            basis = torch.randn(8, DIM)
-            model.emb.weight.copy_(torch.randn(VOCAB, 8) @ basis + 0.05 * torch.randn(VOCAB, DIM))
-            model.emb.weight[PAD] = 0
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    return model, opt
-
-
-def batches(n: int, seed: int = 123) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        # every token of a sequence has the class of the sequence (token % CLASSES); ids < 400
-        y = torch.randint(0, CLASSES, (16,), generator=g)
-        x = y.unsqueeze(1) + CLASSES * torch.randint(1, 400 // CLASSES, (16, 6), generator=g)
-        x[:, -1] = PAD  # every sequence ends with padding
-        out.append((x, y))
-    return out
-
-
-def train(
-    model: nn.Module,
-    opt: torch.optim.Optimizer,
-    data: list[tuple[torch.Tensor, torch.Tensor]],
-    at_step: dict[int, Callable[[], None]] | None = None,
-) -> list[float]:
-    """Train over ``data``; ``at_step[i]()`` runs at the step boundary before step ``i``."""
-    losses = []
-    for i, (x, y) in enumerate(data):
-        if at_step and i in at_step:
-            at_step[i]()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-        losses.append(loss.item())
-    return losses
-
-
-def twin_losses(action: Callable[[Net, torch.optim.Optimizer], None], steps: int, at: int, **kw):
-    data = batches(steps)
-    ref_model, ref_opt = make(**kw)
-    torch.manual_seed(99)
-    ref = train(ref_model, ref_opt, data)
-    model, opt = make(**kw)
-    torch.manual_seed(99)
-    got = train(model, opt, data, {at: lambda: action(model, opt)})
-    return ref, got, model, opt
-
-
-def assert_rel_equal(a: list[float], b: list[float], rel: float = 1e-6) -> None:
-    assert len(a) == len(b)
-    for i, (x, y) in enumerate(zip(a, b, strict=True)):
-        assert abs(x - y) <= rel * max(abs(x), 1e-12), (i, x, y)
-
-
-def quiet_profile(model: nn.Module):
-    """A recorded forward that changes nothing: no gradients, the RNG state restored.
-
-    Table actions need one (it tells whether a weight is read outside its module). It runs on a
-    copy: a table with ``max_norm`` renormalises rows in place even under ``no_grad``; the
-    profile refers to modules by name, which the copy shares."""
-    twin = copy.deepcopy(model)
-    with torch.random.fork_rng(), torch.no_grad(), ActivationRecorder(twin) as rec:
-        twin(batches(1, seed=5)[0][0])
-    return rec.profile()
-
-
-def ctx_of(model: nn.Module, opt: torch.optim.Optimizer, **kw) -> ActionContext:
-    if isinstance(model, Net):
-        kw.setdefault("activation_profile", quiet_profile(model))
-    return ActionContext(model=model, optimizers=[opt], cuda_mode=False, **kw)
-
 
 # ---------------------------------------------------------------- lossless: offload_embedding
 
@@ -234,13 +127,6 @@ def test_estimate_is_the_saving_at_the_steps_peak_when_gradients_are_freed(
 
 
 # ---------------------------------------------------------- lossless: checkpoint_activations
-
-
-def profile_of(model: nn.Module, x: torch.Tensor):
-    with ActivationRecorder(model) as rec:
-        out = model(x)
-    out.sum().backward()
-    return rec.profile()
 
 
 def test_checkpoint_estimate_matches_measured_and_losses_equal_and_undo() -> None:
@@ -454,221 +340,3 @@ def test_failure_mid_action_rolls_back_bit_identical(name: str, frozen: bool, st
     torch.random.set_rng_state(rng)
     b = train(twin, twin_opt, data[3:])
     assert a == b
-
-
-# ---------------------------------------------------------------- refusals
-
-
-@pytest.fixture(scope="module")
-def gloo_group() -> Iterator[None]:
-    """A real single-process gloo process group (rank 0 of 1, in-memory rendezvous store)."""
-    import torch.distributed as dist
-
-    if not dist.is_available():
-        pytest.skip("torch.distributed is not available in this torch build")
-    if dist.is_initialized():  # someone else's group: use it, leave it
-        yield
-        return
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-TABLE_ACTIONS = ["offload_embedding", "compress_embedding", "compress_embedding_lowrank"]
-
-
-@pytest.mark.parametrize("name", [*TABLE_ACTIONS, "checkpoint_activations"])
-def test_refuses_ddp_and_fsdp_wrapped_models(name: str, gloo_group: None) -> None:
-    from torch.distributed.fsdp import FullyShardedDataParallel
-    from torch.nn.parallel import DistributedDataParallel
-
-    wrappers = {
-        DistributedDataParallel: lambda m: DistributedDataParallel(m),
-        FullyShardedDataParallel: lambda m: FullyShardedDataParallel(
-            m, device_id=torch.device("cpu")
-        ),
-    }
-    for cls, wrap in wrappers.items():
-        if name == "checkpoint_activations" and cls is DistributedDataParallel:
-            continue  # changes no parameter: applies under DDP (the test after this one)
-        model, _ = make()
-        wrapped = wrap(model)
-        opt = torch.optim.Adam(wrapped.parameters())
-        x, y = batches(1)[0]
-        profile = None
-        if name == "checkpoint_activations":
-            profile = profile_of(wrapped, x)  # a real profile: the plan sees blocks
-            opt.zero_grad()
-        before = [p.detach().clone() for p in wrapped.parameters()]
-        r = ACTIONS[name].plan(ctx_of(wrapped, opt, activation_profile=profile))
-        assert isinstance(r, Refusal) and cls.__name__ in r.reason
-        result = ACTIONS[name].apply(ctx_of(wrapped, opt, activation_profile=profile))
-        assert result.status == "refused" and cls.__name__ in result.reason
-        assert isinstance(wrapped, cls)  # nothing replaced, nothing changed
-        after = list(wrapped.parameters())
-        assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
-        train(wrapped, opt, [(x, y)])  # and the wrapped model still trains
-
-
-def test_checkpoint_activations_under_ddp_is_lossless(gloo_group: None) -> None:
-    """Under DistributedDataParallel checkpointing changes no registered parameter: it applies,
-    and the wrapped model trains on bit-identically to an untouched DDP twin."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    model, _ = make()
-    twin, _ = make()
-    ddp, ddp_twin = DistributedDataParallel(model), DistributedDataParallel(twin)
-    opt = torch.optim.Adam(ddp.parameters())
-    opt_twin = torch.optim.Adam(ddp_twin.parameters())
-    data = batches(4)
-    for m, o in ((ddp, opt), (ddp_twin, opt_twin)):
-        torch.manual_seed(1)  # the same dropout masks for both
-        train(m, o, data[:1])
-    profile = profile_of(ddp, data[1][0])
-    opt.zero_grad()
-    result = ACTIONS["checkpoint_activations"].apply(ctx_of(ddp, opt, activation_profile=profile))
-    assert result.status == "applied", result.reason
-    assert result.target.startswith("module.") and isinstance(ddp, DistributedDataParallel)
-    torch.manual_seed(2)
-    got = train(ddp, opt, data[1:])
-    torch.manual_seed(2)
-    assert_rel_equal(got, train(ddp_twin, opt_twin, data[1:]))
-    for a, b in zip(ddp.parameters(), ddp_twin.parameters(), strict=True):
-        assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
-
-
-@pytest.mark.parametrize("name", TABLE_ACTIONS)
-def test_refuses_tied_weights(name: str) -> None:
-    model, _ = make()
-    tied = nn.Linear(DIM, VOCAB, bias=False)
-    tied.weight = model.emb.weight  # input embedding shared with an output projection
-    model.lm_head = tied
-    opt = torch.optim.Adam(model.parameters())
-    r = ACTIONS[name].plan(ctx_of(model, opt))
-    assert isinstance(r, Refusal) and "tied to lm_head (Linear)" in r.reason
-
-
-@pytest.mark.parametrize(
-    ("name", "emb_kwargs", "frozen", "reason"),
-    [
-        ("compress_embedding", {"sparse": True}, False, "sparse=True"),
-        ("compress_embedding", {"max_norm": 1.0}, False, "max_norm"),
-        ("compress_embedding", {"max_norm": 1.0}, True, "max_norm"),
-        ("compress_embedding_lowrank", {"scale_grad_by_freq": True}, False, "scale_grad_by_freq"),
-        ("compress_embedding_int8", {}, False, "frozen tables"),
-        ("compress_embedding_fp16", {}, False, "eps=1e-08 underflows in fp16"),
-    ],
-)
-def test_refuses_options_it_cannot_preserve(
-    name: str, emb_kwargs: dict, frozen: bool, reason: str
-) -> None:
-    model, opt = make(frozen=frozen, **emb_kwargs)
-    r = ACTIONS[name].plan(ctx_of(model, opt))
-    assert isinstance(r, Refusal) and reason in r.reason, r
-
-
-def test_offload_preserves_options_instead_of_refusing() -> None:
-    def act(model: Net, opt: torch.optim.Optimizer) -> None:
-        assert ACTIONS["offload_embedding"].apply(ctx_of(model, opt)).status == "applied"
-
-    kw = {"max_norm": 1.0, "scale_grad_by_freq": True}
-    ref, got, _, _ = twin_losses(act, steps=15, at=3, **kw)
-    assert_rel_equal(ref[3:], got[3:])
-
-
-def test_offload_refuses_when_no_table_is_left_and_release_cache_in_cpu_mode() -> None:
-    model, opt = make()
-    ctx = ctx_of(model, opt)
-    assert ACTIONS["offload_embedding"].apply(ctx).status == "applied"
-    r = ACTIONS["offload_embedding"].plan(ctx)
-    assert isinstance(r, Refusal) and "no embedding table left" in r.reason
-    r = ACTIONS["release_cache"].plan(ctx)
-    assert isinstance(r, Refusal) and "CPU-budget" in r.reason
-    assert ACTIONS["release_cache"].apply(ctx).status == "refused"
-
-
-def test_apply_refuses_a_stale_plan() -> None:
-    model, opt = make()
-    ctx = ctx_of(model, opt)
-    stale = Plan("offload_embedding", "other_table", 1, "decided earlier")
-    result = ACTIONS["offload_embedding"].apply(ctx, stale)
-    assert result.status == "refused" and "target changed" in result.reason
-    assert isinstance(model.emb, nn.Embedding)
-
-
-# ---------------------------------------------------------------- CPU-budget enforcement
-
-
-def test_enforce_budget_raises_pytorch_style_oom() -> None:
-    enforce_budget(1000, 1000)  # at the budget: fine
-    with pytest.raises(BudgetOutOfMemoryError) as info:
-        # 4 KiB requested with 2 MiB - 2.5 KiB in use before it: 2.5 KiB free
-        enforce_budget(2 * 1024 * 1024, 2 * 1024 * 1024 + 1536, requested_bytes=4096)
-    assert isinstance(info.value, torch.OutOfMemoryError)
-    msg = str(info.value)
-    assert msg.startswith("CPU-budget out of memory. Tried to allocate 4.00 KiB.")
-    assert "Budget of 2.00 MiB of which 2.50 KiB is free." in msg
-    assert "2.00 MiB is accounted to the watched model." in msg  # 2,094,592 bytes
-    parsed = parse_oom_message(msg)
-    assert parsed is not None and parsed.backend == "cpu-budget"
-    # what the message prints, read back: 4.00 KiB, 2.00 MiB, 2.50 KiB, 2.00 MiB
-    assert (parsed.requested_bytes, parsed.total_bytes, parsed.free_bytes) == (4096, 2 << 20, 2560)
-    assert parsed.allocated_bytes == 2 << 20
-
-
-def test_enforce_budget_states_accounted_bytes_over_the_budget_and_zero_free() -> None:
-    """Already over the budget before the request: the true accounted bytes, free 0 (the request
-    is not stretched to the excess, which made the message read "budget accounted, 0 free")."""
-    with pytest.raises(BudgetOutOfMemoryError) as info:
-        enforce_budget(1024, 26_131_000 + 160, requested_bytes=160)
-    msg = str(info.value)
-    assert msg == (
-        "CPU-budget out of memory. Tried to allocate 160 bytes. Budget of 1024 bytes of which "
-        "0 bytes is free. 24.92 MiB is accounted to the watched model."
-    )
-    with pytest.raises(BudgetOutOfMemoryError) as info:
-        enforce_budget(3 << 20, 4 << 20, accounted_bytes=3 << 20 | 512, requested_bytes=4096)
-    assert "of which 0 bytes is free. 3.00 MiB is accounted" in str(info.value)
-
-
-def test_budget_enforcement_fails_untuned_run_and_offload_saves_it() -> None:
-    """Without the action the run goes over budget; offloading the table keeps it under."""
-    model, opt = make()
-    train(model, opt, batches(1))
-    in_use = account(model, [opt]).total_bytes
-    budget = int(in_use * 0.9)
-    with pytest.raises(BudgetOutOfMemoryError):
-        enforce_budget(budget, in_use)
-    assert ACTIONS["offload_embedding"].apply(ctx_of(model, opt)).status == "applied"
-    train(model, opt, batches(3))
-    enforce_budget(budget, account(model, [opt]).total_bytes)
-
-
-def test_the_run_records_whether_its_model_is_replicated_or_sharded(
-    gloo_group: None, tmp_path: Path
-) -> None:
-    """The staged plan's stage 3 differs for replicas (DDP) and shards (FSDP): the run records
-    the wrapper, and explain's plan reads it (tests/test_staged_plan.py checks the figures)."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-    from torch.nn.parallel import DistributedDataParallel
-
-    from edo_monitor import History, watch
-
-    wrappers = {
-        "FullyShardedDataParallel": lambda m: FullyShardedDataParallel(
-            m, device_id=torch.device("cpu")
-        ),
-        "DistributedDataParallel": DistributedDataParallel,
-        None: lambda m: m,
-    }
-    db = tmp_path / "h.db"
-    for name, wrap in wrappers.items():
-        model = wrap(make()[0])
-        opt = torch.optim.Adam(model.parameters())
-        with watch(model, optimizer=opt, db=db, budget="64MiB", run_name=str(name)):
-            train(model, opt, batches(2))
-    with History(db) as h:
-        recorded = {r.name: h.run(r.id).config["parallel_wrapper"] for r in h.runs()}
-    assert recorded == {str(k): k for k in wrappers}
