@@ -23,6 +23,7 @@ pytest.importorskip(
 )
 
 from readme_blocks import readme_python_blocks  # noqa: E402
+from watch_helpers import count  # noqa: E402
 
 from edo_monitor.errors import ConfigError  # noqa: E402
 from edo_monitor.integrations.transformers import (  # noqa: E402
@@ -92,14 +93,6 @@ def runs(db: Path) -> list[dict]:
     con.row_factory = sqlite3.Row
     try:
         return [dict(r) for r in con.execute("SELECT * FROM runs ORDER BY id")]
-    finally:
-        con.close()
-
-
-def count(db: Path, sql: str) -> int:
-    con = sqlite3.connect(db)
-    try:
-        return con.execute(sql).fetchone()[0]
     finally:
         con.close()
 

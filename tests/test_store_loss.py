@@ -20,6 +20,7 @@ import torch
 from sqlalchemy import Engine, event
 from sqlalchemy.orm import Session
 from torch import nn
+from watch_helpers import count
 
 import edo_monitor
 from edo_monitor.errors import ConfigError, StoreError
@@ -55,14 +56,6 @@ def _run_row(engine: Engine) -> int:
 
 def _reading(i: int, **extra: Any) -> Reading:
     return Reading(time_s=T0 + i * 0.1, step=i, device_kind="cpu-budget", in_use_bytes=i, **extra)
-
-
-def _count(path: Path, sql: str) -> Any:
-    con = sqlite3.connect(path)
-    try:
-        return con.execute(sql).fetchone()[0]
-    finally:
-        con.close()
 
 
 def _wait_for(condition: Any, what: str, polls: int = 3000) -> None:
@@ -102,7 +95,7 @@ def test_disk_full_counts_every_row_it_could_not_write(
     path = tmp_path / "full.db"
     engine = open_engine(path)
     run_id = _run_row(engine)
-    pages = _count(path, "PRAGMA page_count")
+    pages = count(path, "PRAGMA page_count")
     engine.dispose()
     page_limit["pages"] = pages  # full from the first new page on
     engine = open_engine(path)
@@ -118,11 +111,11 @@ def test_disk_full_counts_every_row_it_could_not_write(
         writer.close()
     assert writer.written == {"samples": 0, "events": 0, "module_stats": 0, "snapshots": 0}
     assert writer.not_written == {"samples": 123, "events": 4, "module_stats": 3, "snapshots": 0}
-    assert _count(path, "SELECT samples_dropped FROM runs") == 0  # the heartbeat never fit
+    assert count(path, "SELECT samples_dropped FROM runs") == 0  # the heartbeat never fit
     assert writer.dropped == 130
     assert "database or disk is full" in (writer.problem or "")
     assert "123 sample(s), 4 event(s), 3 module row(s), 0 snapshot(s) not written" in caplog.text
-    assert _count(path, "SELECT count(*) FROM samples") == 0
+    assert count(path, "SELECT count(*) FROM samples") == 0
     engine.dispose()
 
 
@@ -152,7 +145,7 @@ def test_disk_filling_mid_run_writes_what_fits_and_counts_the_rest(
     path = tmp_path / "full.db"
     engine = open_engine(path)
     run_id = _run_row(engine)
-    page_limit["pages"] = _count(path, "PRAGMA page_count") + 4
+    page_limit["pages"] = count(path, "PRAGMA page_count") + 4
     engine.dispose()
     engine = open_engine(path)
     writer = Writer(engine, run_id, batch_size=20, flush_interval_s=0.01)
@@ -163,7 +156,7 @@ def test_disk_filling_mid_run_writes_what_fits_and_counts_the_rest(
     for i in range(20, 3_000):
         writer.put_sample(_reading(i))
     writer.close()
-    held = _count(path, "SELECT count(*) FROM samples")
+    held = count(path, "SELECT count(*) FROM samples")
     assert 20 <= held == writer.written["samples"] < 3_000
     assert writer.not_written["samples"] == 3_000 - held
     assert "database or disk is full" in (writer.problem or "")
@@ -192,7 +185,7 @@ def test_watch_on_a_full_disk_counts_in_the_run_row_summary_and_log(
 ) -> None:
     path = tmp_path / "full.db"
     open_engine(path).dispose()  # schema created: the run's own row still fits after this
-    page_limit["pages"] = _count(path, "PRAGMA page_count")  # the run's row fits, little more
+    page_limit["pages"] = count(path, "PRAGMA page_count")  # the run's row fits, little more
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with caplog.at_level(logging.WARNING):
@@ -201,7 +194,7 @@ def test_watch_on_a_full_disk_counts_in_the_run_row_summary_and_log(
             _wait_for(lambda: mon.summary().samples >= 60, "60 samples")
             _steps(model, opt, 5)
         summary = mon.summary()
-    held = _count(path, "SELECT count(*) FROM samples")
+    held = count(path, "SELECT count(*) FROM samples")
     assert summary.samples_written == held  # never more than the database holds
     assert summary.samples == held + summary.rows_not_written["samples"]
     assert summary.rows_not_written["samples"] > 0
@@ -209,10 +202,10 @@ def test_watch_on_a_full_disk_counts_in_the_run_row_summary_and_log(
     assert "database or disk is full" in (summary.store_problem or "")
     assert "NOT WRITTEN" in str(summary)
     assert f"{summary.rows_not_written['samples']} sample(s)" in caplog.text
-    status = _count(path, "SELECT status FROM runs")
+    status = count(path, "SELECT status FROM runs")
     assert summary.recorded_status == (status if status == "finished" else None)
     if status == "finished":  # the end fitted into the run's page: the count is in the row too
-        assert _count(path, "SELECT samples_dropped FROM runs") == summary.samples_dropped
+        assert count(path, "SELECT samples_dropped FROM runs") == summary.samples_dropped
     else:
         assert "still records this run as running" in str(summary)
 
@@ -305,4 +298,4 @@ def test_largest_storable_budget_runs(tmp_path: Path) -> None:
     with edo_monitor.watch(model, db=tmp_path / "h.db", budget=2**63 - 1) as mon:
         _steps(model, torch.optim.SGD(model.parameters(), lr=0.1), 2)
     assert mon.summary().budget_bytes == 2**63 - 1
-    assert _count(tmp_path / "h.db", "SELECT budget_bytes FROM runs") == 2**63 - 1
+    assert count(tmp_path / "h.db", "SELECT budget_bytes FROM runs") == 2**63 - 1
