@@ -1,10 +1,17 @@
 """Bytes saved for backward that are alive now, measured with ``saved_tensors_hooks``.
 
 The pack hook sees every tensor autograd saves during forward (in the training thread, inside the
-``watch()`` block). Instead of the tensor it hands autograd a small holder (:class:`_Saved`) that
-keeps the tensor and a key of its storage; autograd keeps the holder exactly as long as it keeps
-the saved tensor (until ``backward()`` frees the graph, or for as long as a retained graph lives),
-and the unpack hook gives the tensor back. When autograd drops the holder, a weak reference's
+``watch()`` block). With a watched model it counts those of the model's *step window* only: from
+the model's forward (a forward pre-hook opens it) to the step boundary (:meth:`end_step` closes
+it), so the model's activations and its loss's count, and the saved tensors of another model
+trained between two of its steps (another ``watch()``'s, a model not watched) do not: before the
+window, those were charged to the watched model, and under a CPU budget ``enforce=True`` raised
+the out-of-memory error in the other model's forward.
+
+Instead of the tensor the pack hook hands autograd a small holder (:class:`_Saved`) that keeps
+the tensor and a key of its storage; autograd keeps the holder exactly as long as it keeps the
+saved tensor (until ``backward()`` frees the graph, or for as long as a retained graph lives), and
+the unpack hook gives the tensor back. When autograd drops the holder, a weak reference's
 callback hands it back. So the tracker knows, at any moment, the bytes of saved tensors alive:
 
 * each storage counts once while any holder of it is alive (many saved tensors are views of one
@@ -95,6 +102,8 @@ class ActivationTracker:
             they are the model's own memory, counted as ``params_bytes``).
         on_error: called as ``on_error(exc)`` for each error caught inside the pack hook (the
             agent counts them and records the first of each kind); also counted in :attr:`errors`.
+        window_of: the watched model: count only inside its step window (its forward to
+            :meth:`end_step`; see the module docstring). ``None``: every saved tensor counts.
 
     Attributes:
         errors: exceptions caught inside the pack hook (count).
@@ -111,6 +120,7 @@ class ActivationTracker:
         params: Iterable[torch.Tensor] = (),
         *,
         on_error: Callable[[BaseException], None] | None = None,
+        window_of: torch.nn.Module | None = None,
     ) -> None:
         self._param_keys = self._keys(params)
         self._lock = threading.Lock()
@@ -131,6 +141,9 @@ class ActivationTracker:
         self.limit_bytes: int | None = None
         self.static_bytes = 0
         self.on_exceed: Callable[[int, int], None] | None = None
+        self._window_of = window_of
+        self._open = window_of is None  # inside the step window (always, without a model)
+        self._window_hook: Any = None
 
     @staticmethod
     def _keys(params: Iterable[torch.Tensor]) -> frozenset[int]:
@@ -150,6 +163,8 @@ class ActivationTracker:
     def pack(self, tensor: torch.Tensor) -> Any:
         """The pack hook: count ``tensor``'s storage while autograd keeps it; never raises for
         the tracker's own failures (only ``on_exceed``'s out-of-memory error propagates)."""
+        if not self._open:  # outside the watched model's step window: not its memory
+            return tensor
         try:
             if tensor.layout is _STRIDED:  # inline: the common case, on the hot path
                 storage = tensor.untyped_storage()
@@ -262,21 +277,32 @@ class ActivationTracker:
 
     def end_step(self) -> int:
         """Close the current step; returns its peak of live saved bytes (also
-        :attr:`last_step_bytes`). The next step's peak starts from the bytes alive now."""
+        :attr:`last_step_bytes`). The next step's peak starts from the bytes alive now. With a
+        watched model, the step window closes until its next forward."""
         with self._lock:
             self._drain()
             peak = self._peak_step
             self._peak_step = self._live
         self.last_step_bytes = peak
+        if self._window_of is not None:
+            self._open = False  # until the model's next forward
         return peak
+
+    def _open_window(self, module: torch.nn.Module, args: Any) -> None:
+        self._open = True
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> ActivationTracker:
         self._context = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._context.__enter__()
+        if self._window_of is not None:
+            self._window_hook = self._window_of.register_forward_pre_hook(self._open_window)
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._context is not None:
             self._context.__exit__(None, None, None)
             self._context = None
+        if self._window_hook is not None:
+            self._window_hook.remove()
+            self._window_hook = None

@@ -149,6 +149,7 @@ class _Lifecycle:
             self._tracker = ActivationTracker(
                 self._model_tensors(),
                 on_error=lambda exc: self._agent_error("saved-tensor hook", exc),
+                window_of=self.model,
             ).__enter__()
             if self._safe_point.enforcing:
                 self._tracker.limit_bytes = self.budget_bytes

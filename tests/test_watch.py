@@ -414,3 +414,56 @@ def test_running_run_reads_as_crashed_at_the_heartbeat_edge(
     edge = run["heartbeat_at_s"] + stale_s
     assert effective_status("running", **fields, now_s=edge - 0.001) == "running"
     assert effective_status("running", **fields, now_s=edge + 0.001) == "crashed"
+
+
+def _small_watched_model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(1_000, 8), nn.Flatten(), nn.Linear(32, 1))
+    return model, torch.optim.Adam(model.parameters())
+
+
+def _small_step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    model(torch.randint(0, 1_000, (16, 4))).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+# saved by _small_step: the embedding's int64 ids [16, 4], the Linear's input [16, 32] and pow's
+# input [16, 1] (float32); the loss's saved tensors are the watched model's step's too
+SMALL_STEP_ACTIVATIONS_BYTES = 16 * 4 * 8 + 16 * 32 * 4 + 16 * 4
+
+
+def test_another_models_activations_between_steps_are_not_the_watched_models(
+    db_path: Path,
+) -> None:
+    model, opt = _small_watched_model()
+    other = nn.Sequential(nn.Linear(256, 2048), nn.ReLU(), nn.Linear(2048, 1))
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.01)
+    # a 1 MiB budget the watched model fits (~128 KiB) and the other's 4 MiB forward does not
+    with edo_monitor.watch(model, db=db_path, budget="1MiB", enforce=True) as mon:
+        for _ in range(5):
+            _small_step(model, opt)
+            other(torch.randn(512, 256)).pow(2).mean().backward()
+            other_opt.step()
+            other_opt.zero_grad()
+    summary = mon.summary()
+    assert summary.status == "finished"
+    assert summary.peak_activations_bytes == SMALL_STEP_ACTIVATIONS_BYTES
+
+
+def test_an_inner_watch_of_another_model_is_not_charged_to_the_outer(db_path: Path) -> None:
+    model, opt = _small_watched_model()
+    inner = nn.Sequential(nn.Linear(256, 64), nn.ReLU(), nn.Linear(64, 1))
+    inner_opt = torch.optim.SGD(inner.parameters(), lr=0.01)
+    with edo_monitor.watch(model, db=db_path, budget="200KiB", enforce=True) as mon:
+        with edo_monitor.watch(inner, db=db_path) as inner_mon:
+            for _ in range(3):
+                inner(torch.randn(128, 256)).pow(2).mean().backward()
+                inner_opt.step()
+                inner_opt.zero_grad()
+        for _ in range(3):
+            _small_step(model, opt)
+    assert mon.summary().peak_activations_bytes == SMALL_STEP_ACTIVATIONS_BYTES
+    # the inner run's: the first Linear's input [128, 256], ReLU's result [128, 64] (the second
+    # Linear's input: one storage, counted once) and pow's input [128, 1], float32
+    assert inner_mon.summary().peak_activations_bytes == 4 * 128 * (256 + 64 + 1)
