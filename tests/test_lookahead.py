@@ -93,24 +93,24 @@ def test_rows_staged_before_a_checkpoint_load_are_not_placed_after_it() -> None:
     assert float(cached.full_weight().abs().max()) == 0.0
 
 
-def test_rows_of_the_running_and_prefetched_batch_are_never_evicted() -> None:
-    """A cache too small for two batches at times (24 ids a batch, 24 rows): no eviction (when
-    staged rows are placed, or inside a forward) takes a row of the batch about to run or of the
-    next one, although the window's order alone would (they are its nearest uses, evicted last
-    only when nothing else is left)."""
+def test_rows_of_the_running_and_prefetched_batch_are_evicted_only_for_the_running_one() -> None:
+    """A cache too small for two batches at times (24 ids a batch, 24 rows): no eviction takes a
+    row of the batch about to run, and only the running batch's own loads (where it and the next
+    batch's cached rows do not fit) take a row of the next one; the cache never grows, as it
+    would not without the look-ahead (it grew, or raised with overflow="error", before)."""
     base = torch.randn(N, D, dtype=torch.float64)
     cached = CachedEmbedding(N, D, C, _weight=base)
     opt = torch.optim.SGD([cached.weight], lr=0.1)
     batches = _batches(80, shape=(4, 6))
     loader = LookAhead(batches, ahead=3, ids=lambda b: b[0], tables=cached)
-    taken: list[tuple[int, set[int]]] = []
+    taken: list[tuple[int, set[int], bool]] = []
     evict, step = cached._evict, [0]
 
-    def recording(count: int, protect: torch.Tensor) -> torch.Tensor:
+    def recording(count: int, protect: torch.Tensor, for_batch: bool = False) -> torch.Tensor:
         blocks_before = cached.slot_to_block.clone()
-        slots = evict(count, protect)
+        slots = evict(count, protect, for_batch=for_batch)
         gone = blocks_before[slots]
-        taken.append((step[0], set(gone[gone >= 0].tolist())))
+        taken.append((step[0], set(gone[gone >= 0].tolist()), for_batch))
         return slots
 
     cached._evict = recording
@@ -123,13 +123,15 @@ def test_rows_of_the_running_and_prefetched_batch_are_never_evicted() -> None:
         ((cached(ids) - target) ** 2).sum().backward()
         opt.step()
         step[0] = i + 1  # the next() that follows hands out batch i + 1
-    for i, gone in taken:  # evictions at next() for batch i and inside its forward
-        needed = set(batches[i][0].reshape(-1).tolist())
-        needed |= set(batches[min(i + 1, 79)][0].reshape(-1).tolist())
-        assert not gone & needed, (i, gone & needed)
-    assert tight > 5 and sum(len(g) for _, g in taken) > 50
-    # where a batch and the next one's cached rows do not fit, the cache grew (overflow="grow")
-    assert cached.cache_rows > C
+    next_rows_taken = 0
+    for i, gone, for_batch in taken:  # evictions at next() for batch i and inside its forward
+        assert not gone & set(batches[i][0].reshape(-1).tolist()), i
+        next_rows = gone & set(batches[min(i + 1, 79)][0].reshape(-1).tolist())
+        assert for_batch or not next_rows, (i, next_rows)
+        next_rows_taken += len(next_rows)
+    assert tight > 5 and sum(len(g) for _, g, _ in taken) > 50
+    assert next_rows_taken > 0  # the tight steps: the running batch's loads took them
+    assert cached.cache_rows == C
 
 
 def _loads(stream: torch.Tensor, batch: int, cache_rows: int, ahead: int | None) -> tuple:
@@ -213,3 +215,37 @@ def test_no_tables_is_said_when_iterated(caplog: pytest.LogCaptureFixture) -> No
         got = list(LookAhead(batches, ahead=2))
     assert [b.tolist() for b in got] == [b.tolist() for b in batches]
     assert "serves no table" in caplog.text
+
+
+def test_a_batch_that_needs_the_next_ones_rows_takes_them_as_without_a_lookahead() -> None:
+    # a 2-row cache: batch 1 needs both rows, batch 2 reuses row 0 of batch 0; the look-ahead
+    # protected batch 2's cached row 0 from batch 1, which then did not fit (raised, or grew)
+    batches = [torch.tensor([0, 1]), torch.tensor([2, 3]), torch.tensor([0, 2])]
+    for overflow in ("error", "grow"):
+        table = CachedEmbedding(10, 4, 2, overflow=overflow)
+        opt = torch.optim.SGD(table.parameters(), lr=0.1)
+        for ids in LookAhead(batches, ahead=2, tables=table):
+            table(ids).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        assert table.cache_rows == 2
+
+
+def test_a_cache_the_size_of_the_largest_batch_never_grows_under_a_lookahead() -> None:
+    torch.manual_seed(0)
+    base = torch.randn(N, D, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(3)
+    batches = [_zipf(gen, 8) for _ in range(60)]
+    largest = max(int(torch.unique(b).numel()) for b in batches)
+    weights = []
+    for ahead in (None, 8):
+        table = CachedEmbedding(N, D, largest, _weight=base.clone(), overflow="grow")
+        opt = torch.optim.Adam(table.parameters(), lr=0.01)
+        loader = batches if ahead is None else LookAhead(batches, ahead=ahead, tables=table)
+        for ids in loader:
+            table(ids).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        assert table.cache_rows == largest
+        weights.append(table.state_dict()["weight"])
+    torch.testing.assert_close(weights[1], weights[0], rtol=1e-12, atol=0)

@@ -191,7 +191,7 @@ class _RowMovement:
             self._side_stream = torch.cuda.Stream(self.device)
         return self._side_stream
 
-    def _evict(self, count: int, keep: torch.Tensor) -> torch.Tensor:
+    def _evict(self, count: int, keep: torch.Tensor, *, for_batch: bool = False) -> torch.Tensor:
         """``count`` slots for new blocks: free ones first, then victims (written back).
 
         The victims are the ``count - free`` lowest scores (LFU: count, then last use; LRU: last
@@ -204,15 +204,21 @@ class _RowMovement:
         scores, then the candidates under its bound; a selection over every slot every few
         evictions).
 
+        ``for_batch``: the blocks are the running batch's (its forward, or the look-ahead's load
+        of it; ``keep`` its other rows): when they do not fit beside the look-ahead's next
+        batch, that batch's rows go (they load again later), as without a look-ahead, rather
+        than the cache growing or raising where it would not without one.
+
         Raises:
             _CacheFullError: fewer free or evictable slots than ``count``.
         """
         keep_slots, inside = self._eviction_limits(keep)
-        slots = None
-        if self.slot_to_block.numel() >= self._victim_order_min_slots:
-            slots = self._victim_order.choose(self, count, keep_slots, inside)
-        if slots is None:
-            slots = self._evict_full(count, keep_slots)
+        try:
+            slots = self._choose_victims(count, keep_slots, inside)
+        except _CacheFullError:
+            if not for_batch or self._lookahead is None:
+                raise
+            slots = self._choose_victims(count, keep_slots[:2], inside)
         victims = slots.masked_select(self.slot_to_block.index_select(0, slots) >= 0)
         if victims.numel():
             self._write_back(victims)
@@ -221,6 +227,17 @@ class _RowMovement:
             put_rows(self.slot_score, victims, -1)
             self._victim_order.changed(self, victims, "freed")
             self._count(evicted=int(victims.numel()))
+        return slots
+
+    def _choose_victims(
+        self, count: int, keep_slots: list[torch.Tensor], inside: Any
+    ) -> torch.Tensor:
+        """:meth:`_evict`'s choice of ``count`` slots outside ``keep_slots``."""
+        slots = None
+        if self.slot_to_block.numel() >= self._victim_order_min_slots:
+            slots = self._victim_order.choose(self, count, keep_slots, inside)
+        if slots is None:
+            slots = self._evict_full(count, keep_slots)
         return slots
 
     def _eviction_limits(self, keep: torch.Tensor) -> tuple[list[torch.Tensor], Any]:
@@ -344,14 +361,13 @@ class _RowMovement:
             if count:
                 self._count(forward_loads=int(miss.numel()))
             try:
-                new = self._evict(miss.numel(), slots.masked_select(hit))
+                new = self._evict(miss.numel(), slots.masked_select(hit), for_batch=True)
             except _CacheFullError as full:
                 needed = full.needed
                 if self.overflow == "error":
                     raise RuntimeError(
-                        f"the batch needs {needed * self.block_rows} cache rows (its unique ids, "
-                        f"rows used since the last optimizer step and, under a LookAhead, the "
-                        f"next batch's) but the cache holds "
+                        f"the batch needs {needed * self.block_rows} cache rows (its unique ids "
+                        f"and the rows used since the last optimizer step) but the cache holds "
                         f"{self.cache_rows} rows ({full.available} free or evictable blocks); "
                         f"grow the cache or pass overflow='grow'"
                     ) from None

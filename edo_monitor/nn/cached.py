@@ -411,7 +411,7 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _RowMovement, _Checkpointing
             miss = blocks[slots < 0]
             if miss.numel():
                 try:  # the hits of these ids stay too
-                    new = self._evict(miss.numel(), slots[slots >= 0])
+                    new = self._evict(miss.numel(), slots[slots >= 0], for_batch=True)
                 except _CacheFullError:
                     return  # prefetch is a hint: the forward loads what it needs
                 self._load_blocks(miss, new)
