@@ -432,3 +432,26 @@ def test_from_pretrained_is_nn_embeddings_from_pretrained_with_a_cache(bag: str 
     assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
     with pytest.raises(ValueError, match=r"2-dimensional tensor \(N, D\), got \(5,\)"):
         CachedEmbedding.from_pretrained(torch.randn(5), C)
+
+
+def test_a_lookup_under_inference_mode_leaves_the_cache_trainable() -> None:
+    # an evaluation under torch.inference_mode() that grows the cache made its tensors inference
+    # tensors, and the next optimizer step failed ("Inplace update to inference tensor ...")
+    torch.manual_seed(0)
+    base = torch.randn(40, 4, dtype=torch.float64)
+    twin = nn.Embedding.from_pretrained(base.clone(), freeze=False)
+    table = CachedEmbedding(40, 4, 8, _weight=base.clone())
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (twin, table)]
+    for step in range(3):
+        ids = torch.tensor([1, 2, 3]) + step
+        for module, opt in zip((twin, table), opts, strict=True):
+            module(ids).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        with torch.inference_mode():
+            seen = table(torch.arange(40))
+        assert not seen.is_inference()
+        torch.testing.assert_close(seen, twin.weight.detach(), rtol=1e-12, atol=0)
+    torch.testing.assert_close(
+        table.state_dict()["weight"], twin.weight.detach(), rtol=1e-12, atol=0
+    )

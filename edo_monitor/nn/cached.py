@@ -428,12 +428,19 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _RowMovement, _Checkpointing
         ``F.embedding_bag`` with the ids' places among them, so every option keeps its meaning).
         Under ``torch.compile`` this forward runs eagerly (``torch.compiler.disable``): the
         cache's bookkeeping changes sizes every step, and compiling it recompiled at every step;
-        the model around it compiles once per input shape, with one graph break here.
+        the model around it compiles once per input shape, with one graph break here. Under
+        ``torch.inference_mode()`` it runs as under ``no_grad`` (the cache's tensors stay normal
+        ones, trainable at the next step; the output is a normal tensor).
         """
         if offsets is not None and self.options.bag_mode is None:
             raise TypeError("offsets/per_sample_weights are only for bag tables")
         if per_sample_weights is not None and self.options.bag_mode is None:
             raise TypeError("offsets/per_sample_weights are only for bag tables")
+        if torch.is_inference_mode_enabled():
+            # tensors made under inference mode cannot be changed outside it: the cache's own
+            # (grown, loaded, pinned) must stay normal, or the next training step fails
+            with torch.inference_mode(False), torch.no_grad():
+                return self._lookup(input, offsets, per_sample_weights)
         return self._lookup(input, offsets, per_sample_weights)
 
     @torch.compiler.disable
