@@ -197,6 +197,20 @@ def test_embedding_options_padding_max_norm_and_attributes() -> None:
         cached(torch.tensor([200]))
 
 
+class _ShrinkingSGD(torch.optim.SGD):
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.mul_(0.99)
+        return loss
+
+
+class _SameSGD(torch.optim.SGD):
+    """A subclass that keeps SGD's step: stepped by its rule, as SGD is."""
+
+
 def test_refused_settings_are_named() -> None:
     with pytest.raises(ValueError, match="sparse=True"):
         CachedEmbedding(N, D, C, sparse=True)
@@ -204,6 +218,11 @@ def test_refused_settings_are_named() -> None:
         "weight_decay=0.01 \\(L2": lambda p: torch.optim.Adam(p, weight_decay=0.01),
         "Adagrad with weight_decay": lambda p: torch.optim.Adagrad(p, weight_decay=0.01),
         "RMSprop is not supported": lambda p: torch.optim.RMSprop(p),
+        # regression: a subclass overriding step() was stepped by the base class's rule, its
+        # override silently left out for the table (1.57 relative after 100 steps)
+        "_ShrinkingSGD overrides step\\(\\) \\(a subclass of SGD\\)": lambda p: _ShrinkingSGD(
+            p, lr=0.1
+        ),
         # a skipped row's Adam updates grow as (beta1 / sqrt(beta2))^k: no bounded window (the
         # window came out as 1 step, or log(1) divided by zero at equality)
         r"betas=\(0\.95, 0\.9\).*beta1 >= sqrt\(beta2\)": lambda p: torch.optim.Adam(
@@ -220,6 +239,13 @@ def test_refused_settings_are_named() -> None:
         CachedEmbedding(N, D, C, policy="mru")
     with pytest.raises(ValueError, match="does not step"):
         table.attach(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1))
+    table.attach(_SameSGD([table.weight], lr=0.1))
+    # regression: attach("adam") raised AttributeError from inside, attach(None) was accepted
+    for bad, name in (("adam", "str"), (None, "NoneType")):
+        with pytest.raises(
+            TypeError, match=f"^attach\\(\\) takes the torch.optim.Optimizer .*got {name}"
+        ):
+            CachedEmbedding(N, D, C).attach(bad)  # type: ignore[arg-type]
     # regression: CachedEmbedding(0, 4, 2) made a cache of 0 rows (cache_rows=0 itself is
     # refused) and num_embeddings=-1 raised torch's RuntimeError from deep inside
     bad = [(0, D, "num_embeddings=0"), (-1, D, "num_embeddings=-1"), (N, 0, "embedding_dim=0")]

@@ -62,6 +62,23 @@ def test_a_new_optimizer_takes_the_table_over_and_the_old_one_back() -> None:
         assert _rel(b.state_dict()["state"][0][key], a.state_dict()["state"][0][key]) < 1e-12
 
 
+def test_attach_of_a_new_optimizer_takes_the_table_over_to_resume_a_checkpoint() -> None:
+    """The README's resume recipe on the live model: a new optimizer, ``attach`` it, load an
+    older checkpoint of the optimizer into it (``ValueError: another optimizer is already
+    attached`` before), then train on: as the twin's new optimizer loaded with it."""
+    twin, cached, o1, o2, gen = _trained("adam", 10, seed=6)
+    saved = [copy.deepcopy(o.state_dict()) for o in (o1, o2)]
+    _train([(twin, o1), (cached, o2)], 3, gen)
+    n1 = torch.optim.Adam(twin.parameters(), lr=0.01)
+    n2 = torch.optim.Adam(cached.parameters(), lr=0.01)
+    cached.attach(n2)
+    assert cached._optimizer is n2
+    n1.load_state_dict(saved[0])
+    n2.load_state_dict(saved[1])
+    _train([(twin, n1), (cached, n2)], 6, gen)
+    assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
+
+
 def _copied(obj: object, how: str) -> object:
     if how == "deepcopy":
         return copy.deepcopy(obj)

@@ -256,3 +256,48 @@ def test_adagrad_state_made_before_the_cache_grew_is_its_initial_state() -> None
     assert cached.cache_rows >= 50
     _train([(twin, o1), (cached, o2)], 10, gen)
     assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
+
+
+def _restart_run(opt_name: str, detach: bool, replace: bool = False) -> float:
+    """Relative difference after 100 steps of a cached table and a resident twin whose
+    optimizer's state is cleared after 50 (the cached one detached first when ``detach``)."""
+    from collections import defaultdict
+
+    torch.manual_seed(0)
+    base = torch.randn(50, 4, dtype=torch.float64)
+    ids = [torch.randint(0, 50, (6,)) for _ in range(100)]
+    make = {
+        "sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+        "adam": lambda p: torch.optim.Adam(p, lr=0.01),
+    }[opt_name]
+    out = []
+    for table in (
+        nn.Embedding(50, 4, _weight=base.clone()),
+        CachedEmbedding(50, 4, 8, _weight=base.clone()),
+    ):
+        opt = make(table.parameters())
+        for i, batch in enumerate(ids):
+            if i == 50:
+                if detach and isinstance(table, CachedEmbedding):
+                    table.detach_optimizer()
+                if replace:
+                    opt.state = defaultdict(dict)
+                else:
+                    opt.state.clear()
+            (table(batch) - 1).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        out.append(table.state_dict()["weight"])
+    return float((out[1] - out[0]).abs().max() / out[0].abs().max())
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adam"])
+def test_an_optimizer_state_cleared_by_hand_is_refused_and_detaching_first_restarts_exactly(
+    opt_name: str,
+) -> None:
+    # the cache made its rows' state again from stale host rows: 0.13 (SGD) and 0.04 (Adam)
+    # relative to the twin after 100 steps, silently
+    for replace in (False, True):
+        with pytest.raises(RuntimeError, match="detach_optimizer"):
+            _restart_run(opt_name, detach=False, replace=replace)
+    assert _restart_run(opt_name, detach=True) <= 1e-12

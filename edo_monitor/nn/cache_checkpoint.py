@@ -96,6 +96,7 @@ class _Checkpointing:
         state = dict(self.__dict__)
         state.update(
             _optimizer=None,
+            _state_seen=None,
             _rule=None,
             _kind="",
             _hooks=[],
@@ -287,6 +288,14 @@ class _Checkpointing:
         return sd
 
     def _optimizer_load(
+        self, optimizer: torch.optim.Optimizer, sd: dict[str, Any]
+    ) -> dict[str, Any]:
+        try:
+            return self._optimizer_load_state(optimizer, sd)
+        finally:
+            self._state_seen = None  # the load gives the optimizer new state dicts
+
+    def _optimizer_load_state(
         self, optimizer: torch.optim.Optimizer, sd: dict[str, Any]
     ) -> dict[str, Any]:
         sd = _insert_row_buffers(optimizer, sd)

@@ -44,17 +44,27 @@ class _OptimizerBinding:
         Registers step pre/post hooks (steps and learning rates) and state-dict hooks (full-table
         state) on ``optimizer``. Existing state of this table in ``optimizer``: full-table state
         ``(N, D)`` (a loaded checkpoint, a converted live table) moves to the host and the cache
-        gets its slots' rows; cache-shaped state ``(C, D)`` is kept.
+        gets its slots' rows; cache-shaped state ``(C, D)`` is kept. Another optimizer attached
+        before is let go first (:meth:`detach_optimizer`: every row caught up, its state of the
+        table handed back whole), as when a new optimizer steps the table: the new one takes it
+        over (to resume from a checkpoint into a new optimizer on the live model: attach it,
+        then load its state dict).
 
         Raises:
+            TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
             ValueError: the optimizer does not step ``weight``, its class or settings are refused
-                (named), or another optimizer is already attached.
+                (named).
         """
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"attach() takes the torch.optim.Optimizer that steps the table, got "
+                f"{type(optimizer).__name__} ({optimizer!r:.60})"
+            )
         if self._optimizer is optimizer:
             return
-        if self._optimizer is not None:
-            raise ValueError("another optimizer is already attached to this cached table")
         group = _group_of(optimizer, self.weight)
+        if self._optimizer is not None:
+            self.detach_optimizer()
         state = optimizer.state.get(self.weight, {})
         t = steps_taken(state, 0)
         buffers = state.get("momentum_buffer") is not None
@@ -115,6 +125,7 @@ class _OptimizerBinding:
         self.host_state = host_state
         self._pending = None
         self._optimizer = optimizer
+        self._state_seen = None
         self._rule = rule
         self._kind = kind
         self.t = t
@@ -204,6 +215,7 @@ class _OptimizerBinding:
                 if any(p is self.batch_rows for p in g["params"]):
                     g["params"] = [p for p in g["params"] if p is not self.batch_rows]
         self._optimizer = None
+        self._state_seen = None
         self._rule = None
         self._pending = None
 
@@ -316,9 +328,24 @@ class _OptimizerBinding:
     # ------------------------------------------------------------------ lazy rows, fused step
     def _cache_state(self) -> dict[str, Any]:
         """The optimizer's state of the cache ``(C, D)`` per key, made from the host state when
-        absent (before the first step)."""
+        absent (before the first step).
+
+        Raises:
+            RuntimeError: the optimizer's state of the table was cleared or replaced by hand
+                (``optimizer.state.clear()``) since the cache used it: the rows the cache has
+                not caught up yet needed it (a resident table's were current), so no step could
+                be exact; the message gives the way that is (:meth:`detach_optimizer` first).
+        """
         assert self._optimizer is not None
         state = self._optimizer.state[self.weight]
+        if self._state_seen is not None and state is not self._state_seen:
+            raise RuntimeError(
+                "the optimizer's state of this cached table was cleared or replaced outside "
+                "load_state_dict() (optimizer.state.clear()?): rows not caught up yet needed it. "
+                "To restart the optimizer's state, call table.detach_optimizer() before clearing "
+                "it (every row is caught up first; the next step starts afresh)"
+            )
+        self._state_seen = state
         for key in self._state_keys():
             if key not in state:
                 state[key] = self._gather_rows(self.host_state[key]).to(

@@ -225,6 +225,7 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _RowMovement, _Checkpointing
         self.t = 0
         self._tick = 0
         self._optimizer: torch.optim.Optimizer | None = None
+        self._state_seen: dict[str, Any] | None = None  # the optimizer's state of the cache
         self._rule: _Rule | None = None
         self._hooks: list[Any] = []
         self._auto_hook: Any = None

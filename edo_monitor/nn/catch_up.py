@@ -4,6 +4,7 @@ decays and bounded sums, Adagrad), each with its step's learning rate."""
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
@@ -552,6 +553,10 @@ def check_lr(optimizer: torch.optim.Optimizer, group: dict[str, Any], dtype: tor
         )
 
 
+#: the optimizers the row cache steps by their own rule (their step() as torch defines it)
+_STOCK = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, torch.optim.Adagrad)
+
+
 def _make_rule(
     optimizer: torch.optim.Optimizer,
     group: dict[str, Any],
@@ -563,6 +568,14 @@ def _make_rule(
     held momentum buffers then) for a table of ``dtype`` (:func:`check_lr`; ``None``: not
     checked); ``ValueError`` naming what is refused."""
     name = type(optimizer).__name__
+    step = inspect.unwrap(type(optimizer).step)
+    stock = next((k for k in _STOCK if isinstance(optimizer, k)), None)
+    if stock is not None and step is not inspect.unwrap(stock.step):
+        raise ValueError(
+            f"{name} overrides step() (a subclass of {stock.__name__}): the row cache steps the "
+            f"table by {stock.__name__}'s own rule and would miss what the override does; use "
+            f"{stock.__name__} itself, or an uncached table"
+        )
     if dtype is not None:
         check_lr(optimizer, group, dtype)
     for flag in ("fused", "capturable"):
