@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from edo_monitor.nn.cache_parts import _CacheFullError, put_rows, rows_to_host, to_device
+from edo_monitor.nn.embedding import check_ids
 
 logger = logging.getLogger(__name__)
 
@@ -390,18 +391,13 @@ class _RowMovement:
             TypeError: ``input`` is not an int64 / int32 tensor.
             IndexError: an id outside ``[0, N)`` (the message gives the range and the ids').
         """
-        flat = input.reshape(-1)
-        if flat.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"input must be an integer tensor (int64/int32), got {flat.dtype}")
-        ids = flat.to("cpu", torch.int64)
-        if ids.numel():
-            lo, hi = (int(v) for v in torch.aminmax(ids))
-            if lo < 0 or hi >= self.num_embeddings:
-                raise IndexError(
-                    f"index out of range: ids must be in [0, {self.num_embeddings}), got "
-                    f"[{lo}, {hi}]"
-                )
-        return ids
+        if isinstance(input, torch.Tensor):
+            if input.is_meta:
+                raise TypeError("input is a meta tensor: a cached table looks up real ids")
+            if input.dtype in (torch.int64, torch.int32):
+                input = input.reshape(-1).to("cpu", torch.int64)
+        check_ids(input, self.num_embeddings)  # the range on the host: no device assert
+        return input
 
     def _remap(
         self, input: torch.Tensor, *, catch_up: bool = True

@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -172,6 +173,30 @@ def _functional_lookup(
     )
 
 
+def check_ids(input: Any, num_embeddings: int) -> None:
+    """Refuse what ``nn.Embedding`` refuses: ``input`` not an integer tensor (``TypeError``),
+    an id outside ``[0, num_embeddings)`` (``IndexError`` naming the range and the ids'; on a
+    device, an asynchronous device-side assert, as ``nn.Embedding``'s, so the check never waits
+    for the device). Tables that compute rows from ids (hashed, quotient-remainder, hybrid)
+    would return a row for any id: they check here."""
+    if not isinstance(input, torch.Tensor):
+        kind = type(input).__name__
+        raise TypeError(f"input must be an integer tensor (int64/int32), got {kind}")
+    if input.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"input must be an integer tensor (int64/int32), got {input.dtype}")
+    if input.numel() == 0 or input.is_meta:
+        return
+    if input.device.type != "cpu":
+        inside = (input >= 0).logical_and_(input < num_embeddings).all()
+        torch._assert_async(inside, f"index out of range: ids must be in [0, {num_embeddings})")
+        return
+    lo, hi = (int(v) for v in torch.aminmax(input))
+    if lo < 0 or hi >= num_embeddings:
+        raise IndexError(
+            f"index out of range: ids must be in [0, {num_embeddings}), got [{lo}, {hi}]"
+        )
+
+
 def _lookup_from_rows(
     rows_fn: Callable[[torch.Tensor], torch.Tensor],
     options: EmbeddingOptions,
@@ -186,7 +211,12 @@ def _lookup_from_rows(
     ``F.embedding_bag`` over the gathered rows (plus one zero row standing for padding entries), so
     sum/mean/max, ``per_sample_weights``, ``include_last_offset`` and the exclusion of
     ``padding_idx`` entries behave exactly as in ``nn.EmbeddingBag``.
+
+    Raises:
+        TypeError, IndexError: ``input`` is not an integer tensor, or an id is outside
+            ``[0, N)`` (:func:`check_ids`).
     """
+    check_ids(input, options.num_embeddings)
     pad = options.padding_idx
     if options.bag_mode is None:
         flat = input.reshape(-1)

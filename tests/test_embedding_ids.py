@@ -1,0 +1,63 @@
+"""Every edo-monitor embedding table refuses the ids ``nn.Embedding`` refuses, with one message.
+
+Tables that compute a row from an id (hashed, quotient-remainder, hybrid) returned a row for ids
+outside ``[0, N)``, negative ones and floats; the others failed inside torch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from edo_monitor.nn import (
+    CachedEmbedding,
+    EmbeddingOptions,
+    HashedEmbedding,
+    HybridEmbedding,
+    Int8RowwiseEmbedding,
+    LowRankEmbedding,
+    QREmbedding,
+)
+from edo_monitor.nn.lowbit import GroupwiseEmbedding
+
+N, D = 10, 8
+
+
+def _weight() -> torch.Tensor:
+    return torch.randn(N, D, generator=torch.Generator().manual_seed(0))
+
+
+TABLES: dict[str, Callable[[], nn.Module]] = {
+    "hashed": lambda: HashedEmbedding(EmbeddingOptions(N, D), 4),
+    "hashed_two": lambda: HashedEmbedding(EmbeddingOptions(N, D), 4, num_hashes=2),
+    "qr": lambda: QREmbedding(EmbeddingOptions(N, D), num_remainders=4),
+    "hybrid": lambda: HybridEmbedding(EmbeddingOptions(N, D), torch.tensor([0, 1]), 3),
+    "int8": lambda: Int8RowwiseEmbedding(_weight(), EmbeddingOptions(N, D)),
+    "lowrank": lambda: LowRankEmbedding.from_weight(
+        _weight(), 2, EmbeddingOptions(N, D), requires_grad=True
+    ),
+    "int4": lambda: GroupwiseEmbedding(_weight(), EmbeddingOptions(N, D), 4, 8),
+    "cached": lambda: CachedEmbedding(N, D, 4),
+}
+
+
+@pytest.mark.parametrize("name", TABLES)
+def test_ids_outside_the_table_and_non_integer_input_are_refused_by_name(name: str) -> None:
+    table = TABLES[name]()
+    assert table(torch.tensor([0, N - 1])).shape == (2, D)
+    assert table(torch.tensor([0, N - 1], dtype=torch.int32)).shape == (2, D)
+    for ids, seen in (
+        (torch.tensor([3, N]), f"\\[3, {N}\\]"),
+        (torch.tensor([-1, 2]), "\\[-1, 2\\]"),
+    ):
+        with pytest.raises(
+            IndexError, match=f"^index out of range: ids must be in \\[0, {N}\\), got {seen}$"
+        ):
+            table(ids)
+    for bad, kind in ((torch.tensor([1.7]), "torch.float32"), ([1, 2], "list")):
+        with pytest.raises(
+            TypeError, match=f"^input must be an integer tensor \\(int64/int32\\), got {kind}$"
+        ):
+            table(bad)
