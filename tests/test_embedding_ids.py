@@ -61,3 +61,29 @@ def test_ids_outside_the_table_and_non_integer_input_are_refused_by_name(name: s
             TypeError, match=f"^input must be an integer tensor \\(int64/int32\\), got {kind}$"
         ):
             table(bad)
+
+
+def test_options_a_computed_table_cannot_honour_are_refused_by_name() -> None:
+    # regression: LowRankEmbedding ignored max_norm (a row of norm 11.8 where nn.Embedding gives
+    # 0.1), scale_grad_by_freq (gradient 3 where nn.Embedding gives 1) and sparse (a dense
+    # gradient)
+    w = _weight()
+    refused = [
+        (EmbeddingOptions(N, D, max_norm=0.1), True, r"max_norm=0\.1"),
+        (EmbeddingOptions(N, D, scale_grad_by_freq=True), True, "scale_grad_by_freq=True"),
+        (EmbeddingOptions(N, D, sparse=True), False, "sparse=True"),
+    ]
+    for options, trainable, name in refused:
+        with pytest.raises(ValueError, match=f"^LowRankEmbedding cannot honour {name} "):
+            LowRankEmbedding.from_weight(w, 2, options, requires_grad=trainable)
+    frozen = LowRankEmbedding.from_weight(
+        w, 2, EmbeddingOptions(N, D, scale_grad_by_freq=True), requires_grad=False
+    )  # no gradient: nothing to scale
+    assert frozen(torch.tensor([1])).shape == (1, D)
+    for make in (
+        lambda o: Int8RowwiseEmbedding(w, o),
+        lambda o: GroupwiseEmbedding(w, o, 4, 8),
+        lambda o: HashedEmbedding(o, 4),
+    ):
+        with pytest.raises(ValueError, match=r"cannot honour max_norm=0\.1 "):
+            make(EmbeddingOptions(N, D, max_norm=0.1))

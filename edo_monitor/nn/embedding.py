@@ -382,9 +382,30 @@ def dequantize_int8_rowwise(q: torch.Tensor, scale: torch.Tensor) -> torch.Tenso
 
 class _RowComputedEmbedding(_EdoEmbedding):
     """Base of the tables that compute looked-up rows (``_rows(idx) -> (*, D)``) instead of
-    indexing a weight: lookups and bags go through :func:`_lookup_from_rows`."""
+    indexing a weight: lookups and bags go through :func:`_lookup_from_rows`.
+
+    None honours ``max_norm`` (it renormalises looked-up rows of a weight in place); the options
+    in :attr:`_refused_options` are refused too (a table whose gradients do not reach rows per
+    id: ``scale_grad_by_freq``, ``sparse``). Raises ``ValueError`` naming the option."""
 
     padding_row: torch.Tensor | None
+    _refused_options: tuple[str, ...] = ()
+
+    def __init__(self, options: EmbeddingOptions) -> None:
+        name = type(self).__name__
+        if options.max_norm is not None:
+            raise ValueError(
+                f"{name} cannot honour max_norm={options.max_norm} (it renormalises looked-up "
+                "rows of a weight in place; this table computes its rows)"
+            )
+        for option in self._refused_options:
+            value = getattr(options, option)
+            if value:
+                raise ValueError(
+                    f"{name} cannot honour {option}={value!r} (its gradients reach factors or "
+                    "shared rows, not one row per id)"
+                )
+        super().__init__(options)
 
     def _rows(self, idx: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -421,8 +442,6 @@ class Int8RowwiseEmbedding(_RowComputedEmbedding):
         output_dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__(options)
-        if options.max_norm is not None:
-            raise ValueError("Int8RowwiseEmbedding cannot honour max_norm (it renormalises rows)")
         q, scale = quantize_int8_rowwise(weight)
         self.register_buffer("weight", q)
         self.register_buffer("row_scale", scale)
@@ -450,8 +469,11 @@ class LowRankEmbedding(_RowComputedEmbedding):
 
     Build with :meth:`from_weight`. ``left``/``right`` are parameters with ``requires_grad`` as
     given (trainable tables stay trainable: gradients reach both factors). The padding row is kept
-    exact in the ``padding_row`` buffer and gets no gradient.
+    exact in the ``padding_row`` buffer and gets no gradient. ``max_norm``, ``sparse`` and, on
+    trainable factors, ``scale_grad_by_freq`` are refused (``ValueError``): they were ignored.
     """
+
+    _refused_options = ("sparse",)
 
     def __init__(
         self,
@@ -460,6 +482,11 @@ class LowRankEmbedding(_RowComputedEmbedding):
         options: EmbeddingOptions,
         padding_row: torch.Tensor | None = None,
     ) -> None:
+        if options.scale_grad_by_freq and (left.requires_grad or right.requires_grad):
+            raise ValueError(
+                "LowRankEmbedding cannot honour scale_grad_by_freq=True on trainable factors "
+                "(its gradients reach the factors, not one row per id)"
+            )
         super().__init__(options)
         self.left = left
         self.right = right

@@ -327,8 +327,6 @@ class _FrozenLowBit(_RowComputedEmbedding):
         self, weight: torch.Tensor, options: EmbeddingOptions, output_dtype: torch.dtype
     ) -> None:
         super().__init__(options)
-        if options.max_norm is not None:
-            raise ValueError(f"{type(self).__name__} cannot honour max_norm (it renormalises rows)")
         if options.padding_idx is not None:
             self.register_buffer("padding_row", weight.detach()[options.padding_idx].clone())
         else:

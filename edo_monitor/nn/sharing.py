@@ -105,19 +105,6 @@ def hash_ids(ids: torch.Tensor, num_buckets: int, seed: int = 0) -> torch.Tensor
     return torch.remainder(h, num_buckets)
 
 
-def _check_options(options: EmbeddingOptions, cls: str) -> None:
-    if options.max_norm is not None:
-        raise ValueError(
-            f"{cls} cannot honour max_norm={options.max_norm} (it renormalises a looked-up row in "
-            "place, and that row is shared by other ids)"
-        )
-    if options.scale_grad_by_freq:
-        raise ValueError(
-            f"{cls} cannot honour scale_grad_by_freq=True (frequencies are per id, gradients per "
-            "shared row)"
-        )
-
-
 def _positive(value: int, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r}; expected a positive int")
@@ -127,8 +114,9 @@ def _positive(value: int, name: str) -> int:
 class _SharedEmbedding(_RowComputedEmbedding):
     """Common parts: option checks, the exact padding row, and the shared-table lookup."""
 
+    _refused_options = ("scale_grad_by_freq",)
+
     def __init__(self, options: EmbeddingOptions, padding_row: torch.Tensor | None) -> None:
-        _check_options(options, type(self).__name__)
         super().__init__(options)
         if options.padding_idx is not None:
             if padding_row is None:
