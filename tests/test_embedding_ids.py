@@ -1,4 +1,5 @@
-"""Every edo-monitor embedding table refuses the ids ``nn.Embedding`` refuses, with one message.
+"""Every edo-monitor embedding table refuses the ids ``nn.Embedding`` refuses, with one message,
+and the options and arguments it cannot honour, by name.
 
 Tables that compute a row from an id (hashed, quotient-remainder, hybrid) returned a row for ids
 outside ``[0, N)``, negative ones and floats; the others failed inside torch."""
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -87,3 +89,50 @@ def test_options_a_computed_table_cannot_honour_are_refused_by_name() -> None:
     ):
         with pytest.raises(ValueError, match=r"cannot honour max_norm=0\.1 "):
             make(EmbeddingOptions(N, D, max_norm=0.1))
+
+
+def test_bad_options_and_cached_table_arguments_are_refused_by_name() -> None:
+    # regression: each was accepted (and failed later, or lost data: a complex table's catch-up
+    # dropped the imaginary part) or raised from inside torch
+    refused: list[tuple[Callable[[], object], type[Exception], str]] = [
+        (lambda: EmbeddingOptions(-1, 4), ValueError, r"^num_embeddings=-1; expected an int >= 1$"),
+        (lambda: EmbeddingOptions(N, 4, padding_idx=N), ValueError, rf"^padding_idx={N}; "),
+        (lambda: EmbeddingOptions(N, 4, bag_mode="median"), ValueError, r"^bag_mode='median'; "),
+        (lambda: EmbeddingOptions(N, 4, max_norm=-1.0), ValueError, r"^max_norm=-1\.0; "),
+        (lambda: CachedEmbedding(N, D, 4, padding_idx=1.5), ValueError, r"^padding_idx=1\.5; "),
+        (
+            lambda: CachedEmbedding(N, D, 4, _weight=torch.zeros(N, D, dtype=torch.int64)),
+            ValueError,
+            r"^_weight has dtype torch\.int64; a cached table needs a floating-point dtype$",
+        ),
+        (
+            lambda: CachedEmbedding(N, D, 4, _weight=torch.zeros(N, D, dtype=torch.complex64)),
+            ValueError,
+            r"^_weight has dtype torch\.complex64; ",
+        ),
+        (
+            lambda: CachedEmbedding(N, D, 4, dtype=torch.int64),
+            ValueError,
+            r"^dtype is torch\.int64; ",
+        ),
+        (
+            lambda: CachedEmbedding(N, D, 4, _weight=[[0.0] * D] * N),
+            TypeError,
+            r"^_weight must be a tensor",
+        ),
+        (
+            lambda: CachedEmbedding(N, D, 4, id_frequencies=torch.full((N,), -1)),
+            ValueError,
+            r"^id_frequencies must be counts: whole numbers >= 0$",
+        ),
+        (
+            lambda: CachedEmbedding(N, D, 4, id_frequencies=torch.full((N,), 0.5)),
+            ValueError,
+            "counts",
+        ),
+    ]
+    for make, error, message in refused:
+        with pytest.raises(error, match=message):
+            make()
+    table = CachedEmbedding(N, D, np.int64(4), padding_idx=-1, id_frequencies=torch.arange(N * 1.0))
+    assert (table.cache_rows, table.padding_idx) == (4, N - 1)  # NumPy's ints, and from the end

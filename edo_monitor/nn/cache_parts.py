@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from edo_monitor.nn.embedding import BAG_MODES, EmbeddingOptions
+from edo_monitor.nn.embedding import BAG_MODES, EmbeddingOptions, _index
 
 logger = logging.getLogger(__name__)
 
@@ -253,14 +253,10 @@ def _options(
     bag_mode: str | None,
     include_last_offset: bool,
 ) -> EmbeddingOptions:
-    for name, value in (("num_embeddings", n), ("embedding_dim", d)):  # NumPy's ints are ints
-        if isinstance(value, bool) or not hasattr(value, "__index__") or value < 1:
-            raise ValueError(f"{name}={value!r}; expected an int >= 1")
-    if padding_idx is not None:
-        if not -n <= padding_idx < n:
-            raise ValueError(f"padding_idx={padding_idx} must be within the {n} rows")
-        if padding_idx < 0:
-            padding_idx += n
+    n, d = _index(n, "num_embeddings", 1), _index(d, "embedding_dim", 1)
+    is_int = hasattr(padding_idx, "__index__") and not isinstance(padding_idx, bool)
+    if is_int and -n <= padding_idx < 0:
+        padding_idx += n  # from the end, as nn.Embedding's; EmbeddingOptions checks the rest
     return EmbeddingOptions(
         num_embeddings=int(n),
         embedding_dim=int(d),
@@ -274,15 +270,27 @@ def _options(
     )
 
 
+def _check_table_dtype(dtype: Any, what: str) -> None:
+    """A cached table trains real floating-point rows (its catch-up is real arithmetic: a complex
+    table lost its imaginary part, an integer one failed inside torch)."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"{what} {dtype}; a cached table needs a floating-point dtype")
+
+
 def _initial_weight(
     options: EmbeddingOptions, weight: torch.Tensor | None, dtype: torch.dtype | None
 ) -> torch.Tensor:
     n, d = options.num_embeddings, options.embedding_dim
     if weight is not None:
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"_weight must be a tensor ({n}, {d}), got {type(weight).__name__}")
         if tuple(weight.shape) != (n, d):
             raise ValueError(f"_weight has shape {tuple(weight.shape)}; expected {(n, d)}")
+        _check_table_dtype(weight.dtype, "_weight has dtype")
         return weight.detach().to("cpu")
-    w = torch.empty(n, d, dtype=dtype or torch.get_default_dtype())
+    dtype = dtype or torch.get_default_dtype()
+    _check_table_dtype(dtype, "dtype is")
+    w = torch.empty(n, d, dtype=dtype)
     nn.init.normal_(w)
     if options.padding_idx is not None:
         w[options.padding_idx] = 0

@@ -117,7 +117,7 @@ from edo_monitor.nn.cache_parts import (
 from edo_monitor.nn.cache_rows import _RowMovement
 from edo_monitor.nn.cache_step import CacheRows
 from edo_monitor.nn.catch_up import _Rule
-from edo_monitor.nn.embedding import EmbeddingOptions, _EdoEmbedding
+from edo_monitor.nn.embedding import EmbeddingOptions, _EdoEmbedding, _index
 from edo_monitor.nn.victims import VictimOrder
 
 __all__ = ["CachedTable"]
@@ -175,8 +175,7 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _RowMovement, _Checkpointing
         n, d = options.num_embeddings, options.embedding_dim
         if tuple(host_weight.shape) != (n, d):
             raise ValueError(f"host_weight has shape {tuple(host_weight.shape)}; expected {(n, d)}")
-        if isinstance(cache_rows, bool) or not isinstance(cache_rows, int) or cache_rows < 1:
-            raise ValueError(f"cache_rows={cache_rows!r}; expected an int >= 1")
+        cache_rows = _index(cache_rows, "cache_rows", 1)
         device = torch.device(device) if device is not None else host_weight.device
         self.policy = policy
         self.block_rows = block_rows
@@ -201,9 +200,16 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _RowMovement, _Checkpointing
         self.block_to_slot = torch.full((self.num_blocks,), -1, dtype=torch.int64)
         self.block_freq = torch.zeros(self.num_blocks, dtype=torch.int64)
         if id_frequencies is not None:
-            freq = torch.as_tensor(id_frequencies, dtype=torch.int64).reshape(-1)
+            given = torch.as_tensor(id_frequencies).reshape(-1)
+            freq = given.to(torch.int64)
             if freq.numel() != n:
                 raise ValueError(f"id_frequencies has {freq.numel()} entries; expected {n}")
+            if (
+                given.is_complex()
+                or not torch.equal(freq.to(given.dtype), given)
+                or (freq.numel() and int(freq.min()) < 0)
+            ):
+                raise ValueError("id_frequencies must be counts: whole numbers >= 0")
             padded = torch.zeros(self.num_blocks * block_rows, dtype=torch.int64)
             padded[:n] = freq
             self.block_freq = padded.view(self.num_blocks, block_rows).sum(1)

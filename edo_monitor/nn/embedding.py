@@ -58,12 +58,25 @@ logger = logging.getLogger(__name__)
 BAG_MODES: tuple[str, ...] = ("sum", "mean", "max")
 
 
+def _index(value: Any, name: str, low: int) -> int:
+    """``value`` as an int (NumPy's ints too) at least ``low``; ``ValueError`` naming it."""
+    if isinstance(value, bool) or not hasattr(value, "__index__") or value < low:
+        raise ValueError(f"{name}={value!r}; expected an int >= {low}")
+    return int(value)
+
+
 @dataclass(frozen=True)
 class EmbeddingOptions:
     """The options of an ``nn.Embedding`` / ``nn.EmbeddingBag`` that the EDO modules carry over.
 
     ``bag_mode`` is ``None`` for Embedding semantics, else the EmbeddingBag ``mode``.
     ``padding_idx`` is normalised to a non-negative row index (or ``None``).
+
+    Raises:
+        ValueError: ``num_embeddings`` or ``embedding_dim`` not an int >= 1, ``padding_idx`` not
+            an int in ``[0, num_embeddings)``, ``max_norm`` not a number > 0, ``bag_mode`` not
+            one of :data:`BAG_MODES` or ``None`` (each named with what is allowed). NumPy's
+            ints count as ints.
     """
 
     num_embeddings: int
@@ -75,6 +88,20 @@ class EmbeddingOptions:
     sparse: bool = False
     bag_mode: str | None = None
     include_last_offset: bool = False
+
+    def __post_init__(self) -> None:
+        n = _index(self.num_embeddings, "num_embeddings", 1)
+        _index(self.embedding_dim, "embedding_dim", 1)
+        if self.padding_idx is not None:
+            pad = self.padding_idx
+            if isinstance(pad, bool) or not hasattr(pad, "__index__") or not 0 <= pad < n:
+                raise ValueError(f"padding_idx={pad!r}; expected an int in [0, {n}) or None")
+        if self.max_norm is not None and not (
+            isinstance(self.max_norm, int | float) and self.max_norm > 0
+        ):
+            raise ValueError(f"max_norm={self.max_norm!r}; expected a number > 0 or None")
+        if self.bag_mode is not None and self.bag_mode not in BAG_MODES:
+            raise ValueError(f"bag_mode={self.bag_mode!r}; expected one of {BAG_MODES} or None")
 
     @classmethod
     def from_module(cls, module: nn.Module) -> EmbeddingOptions:
