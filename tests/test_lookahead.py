@@ -249,3 +249,22 @@ def test_a_cache_the_size_of_the_largest_batch_never_grows_under_a_lookahead() -
         assert table.cache_rows == largest
         weights.append(table.state_dict()["weight"])
     torch.testing.assert_close(weights[1], weights[0], rtol=1e-12, atol=0)
+
+
+def test_ids_that_are_not_integer_ids_and_tables_that_are_not_cached_are_refused_by_name() -> None:
+    # regression: ids(batch) giving None raised torch's "Could not infer dtype of NoneType", float
+    # ids were truncated to rows silently, and tables="emb" (a string) or a list holding a
+    # non-table served nothing without a word
+    table = CachedEmbedding(N, D, C)
+    batches = [torch.tensor([1, 2])] * 3
+    for ids, what in ((lambda b: None, "NoneType"), (lambda b: b + 0.5, "torch.float32 values")):
+        with pytest.raises(TypeError, match=f"^LookAhead ids\\(batch\\) gave {what}; expected"):
+            list(LookAhead(batches, ahead=2, ids=ids, tables=table))
+    with pytest.raises(ValueError, match=r"^tables='emb'; expected a model"):
+        LookAhead(batches, tables="emb")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^tables\[1\] is a str; expected CachedTable"):
+        LookAhead(batches, tables=[table, "x"])  # type: ignore[list-item]
+    # a generator of tables is kept (it was spent at the first batch: the others went unserved)
+    distinct = [torch.tensor([1, 2]), torch.tensor([3, 4]), torch.tensor([5, 6])]
+    list(LookAhead(distinct, ahead=2, tables=(t for t in [table])))
+    assert table.stats().misses == 6

@@ -136,8 +136,18 @@ class LookAhead:
             ids = first_int_tensor
         if not callable(ids):
             raise ValueError(f"ids={ids!r}; expected a function batch -> ids tensor (or mapping)")
-        if tables is not None and not isinstance(tables, (nn.Module, Iterable)):
+        if isinstance(tables, (str, bytes)) or (
+            tables is not None and not isinstance(tables, (nn.Module, Iterable))
+        ):
             raise ValueError(f"tables={tables!r}; expected a model, a CachedTable or tables")
+        if tables is not None and not isinstance(tables, nn.Module):
+            tables = tuple(tables)  # iterated at every batch: a generator would be spent
+            for i, table in enumerate(tables):
+                if not isinstance(table, CachedTable):
+                    raise ValueError(
+                        f"tables[{i}] is a {type(table).__name__}; expected CachedTable modules "
+                        f"(or pass the model, whose cached tables are found at every batch)"
+                    )
         self.loader = loader
         self.ahead = ahead
         self.ids = ids
@@ -172,11 +182,28 @@ class LookAhead:
                     continue
             else:
                 v = got
-            flat = torch.as_tensor(v).reshape(-1).to("cpu", torch.int64)
+            flat = self._id_tensor(v, name)
             flat = flat[(flat >= 0) & (flat < table.num_embeddings)]
             r = table.block_rows
             out[id(table)] = torch.unique(flat // r if r > 1 else flat)
         return out
+
+    def _id_tensor(self, value: Any, name: str) -> torch.Tensor:
+        """``ids(batch)``'s value for one table, flat int64 on the host; ``TypeError`` naming
+        what it gave when that is not integer ids (a float id was truncated to a row)."""
+        ids = value if isinstance(value, torch.Tensor) else None
+        if ids is None:
+            try:
+                ids = torch.as_tensor(value)
+            except (TypeError, ValueError, RuntimeError):
+                ids = None
+        if ids is None or ids.is_complex() or ids.is_floating_point() or ids.dtype == torch.bool:
+            what = type(value).__name__ if ids is None else f"{ids.dtype} values"
+            table = f" for table {name!r}" if name else ""
+            raise TypeError(
+                f"LookAhead ids(batch) gave {what}{table}; expected an integer tensor of ids"
+            )
+        return ids.reshape(-1).to("cpu", torch.int64)
 
     # ------------------------------------------------------------------ the cache's hooks
     def protected_slots(self, table: CachedTable) -> torch.Tensor:
