@@ -481,3 +481,42 @@ def test_a_lookup_under_inference_mode_leaves_the_cache_trainable() -> None:
     torch.testing.assert_close(
         table.state_dict()["weight"], twin.weight.detach(), rtol=1e-12, atol=0
     )
+
+
+@pytest.mark.parametrize("block_rows", [1, 3])
+@pytest.mark.parametrize("overflow", ["grow", "error"])
+def test_a_lookup_without_gradients_over_more_ids_than_the_cache_leaves_it_as_it_is(
+    block_rows: int, overflow: str
+) -> None:
+    # regression: an evaluation over every id grew an 8-row cache to the whole table for good
+    # (the device memory the cache was there to save), or raised with overflow="error"
+    torch.manual_seed(0)
+    base = torch.randn(100, 4, dtype=torch.float64)
+    twin = nn.Embedding.from_pretrained(base.clone(), freeze=False, padding_idx=5)
+    table = CachedEmbedding(
+        100, 4, 9, _weight=base.clone(), padding_idx=5, block_rows=block_rows, overflow=overflow
+    )
+    opts = [torch.optim.Adam(m.parameters(), lr=0.1) for m in (twin, table)]
+    every = torch.arange(100)
+    for step in range(6):
+        for module, opt in zip((twin, table), opts, strict=True):
+            module(torch.tensor([1, 2, 5]) + step).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        with torch.no_grad():
+            seen = table(every)
+            torch.testing.assert_close(seen, twin.weight, rtol=1e-12, atol=0)
+        assert table.cache_rows == 9
+    with torch.no_grad():
+        torch.testing.assert_close(table(every.reshape(10, 10)), twin(every.reshape(10, 10)))
+    torch.testing.assert_close(
+        table.state_dict()["weight"], twin.weight.detach(), rtol=1e-12, atol=0
+    )
+    bag = CachedEmbeddingBag(100, 4, 9, mode="mean", _weight=base.clone(), padding_idx=5)
+    with torch.no_grad():
+        got = bag(every.reshape(10, 10))
+    want = nn.EmbeddingBag.from_pretrained(base.clone(), mode="mean", padding_idx=5)(
+        every.reshape(10, 10)
+    )
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    assert bag.cache_rows == 9

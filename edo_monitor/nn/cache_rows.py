@@ -346,9 +346,15 @@ class _RowMovement:
         return _CacheFullError(available, int(protect.sum()) + count)
 
     def _ensure(
-        self, blocks: torch.Tensor, *, count: bool, slots: torch.Tensor | None = None
+        self,
+        blocks: torch.Tensor,
+        *,
+        count: bool,
+        slots: torch.Tensor | None = None,
+        grow: bool = True,
     ) -> torch.Tensor:
-        """Make unique ``blocks`` resident; returns their slots. Grows or raises when too many.
+        """Make unique ``blocks`` resident; returns their slots. Grows or raises when too many
+        (``grow=False``: raises :class:`_CacheFullError`, having changed nothing).
 
         ``slots``: ``block_to_slot[blocks]`` when the caller has it already.
         """
@@ -364,6 +370,8 @@ class _RowMovement:
             try:
                 new = self._evict(miss.numel(), slots.masked_select(hit), for_batch=True)
             except _CacheFullError as full:
+                if not grow:
+                    raise
                 needed = full.needed
                 if self.overflow == "error":
                     raise RuntimeError(
@@ -400,11 +408,15 @@ class _RowMovement:
         return input
 
     def _remap(
-        self, input: torch.Tensor, *, catch_up: bool = True
+        self, input: torch.Tensor, *, catch_up: bool = True, grow: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, int | None]:
         """The batch's unique cache rows ``(U,)`` (host int64, made resident and, unless
         ``catch_up=False``, current), each id's place among them (host int64, ``input``'s shape)
-        and the padding row's place (``None`` when the batch has no padding id)."""
+        and the padding row's place (``None`` when the batch has no padding id).
+
+        Raises:
+            _CacheFullError: ``grow=False`` and the rows do not fit (nothing loaded or evicted).
+        """
         ids = self._host_ids(input)
         r = self.block_rows
         blocks = ids // r if r > 1 else ids
@@ -423,7 +435,7 @@ class _RowMovement:
         self.peak_unique_ids = max(self.peak_unique_ids, int(uniq_ids.numel()))
         self._tick += 1
         with torch.no_grad():
-            slots = self._ensure(uniq, count=True, slots=slots)
+            slots = self._ensure(uniq, count=True, slots=slots, grow=grow)
         freq = self.block_freq.index_select(0, uniq) + 1
         put_rows(self.block_freq, uniq, freq)
         put_rows(self.slot_freq, slots, freq)
@@ -437,12 +449,44 @@ class _RowMovement:
         else:  # the unique ids' rows: distinct, in the unique ids' order
             urows = self.block_to_slot[uniq_ids // r] * r + uniq_ids % r
             place = id_place
-        pad_pos = None
+        if catch_up:
+            self._catch_up_rows(urows)
+        return urows, place.reshape(input.shape), self._pad_place(uniq_ids)
+
+    def _pad_place(self, uniq_ids: torch.Tensor) -> int | None:
+        """The padding id's place among ``uniq_ids`` (sorted), or ``None``."""
         pad = self.padding_idx
         if pad is not None and uniq_ids.numel():
             i = int(torch.searchsorted(uniq_ids, pad))
             if i < uniq_ids.numel() and int(uniq_ids[i]) == pad:
-                pad_pos = i  # urows are in the unique ids' order
-        if catch_up:
-            self._catch_up_rows(urows)
-        return urows, place.reshape(input.shape), pad_pos
+                return i
+        return None
+
+    @torch.no_grad()
+    def _current_rows(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+        """For a lookup without gradients whose rows do not fit in the cache: the batch's
+        unique rows ``(U, D)`` on the device, current at step t, each id's place among them
+        (host int64, ``input``'s shape) and the padding row's place. Cached rows are caught up
+        in place; the others are read from the host and caught up in a copy: nothing is loaded,
+        evicted or grown (an evaluation over more ids than the cache holds grew it for good)."""
+        ids = self._host_ids(input)
+        uniq, place = torch.unique(ids, return_inverse=True)
+        r = self.block_rows
+        slots = self.block_to_slot.index_select(0, uniq // r if r > 1 else uniq)
+        cached = slots >= 0
+        dev = self.device
+        rows = torch.empty(uniq.numel(), self.embedding_dim, dtype=self.weight.dtype, device=dev)
+        if bool(cached.any()):
+            at = slots[cached] * r + uniq[cached] % r if r > 1 else slots[cached]
+            self._catch_up_rows(at)
+            cached_rows = self.weight.data.index_select(0, to_device(at, dev))
+            put_rows(rows, to_device(cached.nonzero().reshape(-1), dev), cached_rows)
+        far = uniq[~cached]
+        if far.numel():
+            w = self.host_weight.index_select(0, far)
+            s = self.last_step.index_select(0, far)
+            if self._rule is not None and bool((s < self.t).any()):
+                st = {k: self.host_state[k].index_select(0, far) for k in self._state_keys()}
+                self._rule.catch_up_rows(w, st, s, self.t)
+            put_rows(rows, to_device((~cached).nonzero().reshape(-1), dev), to_device(w, dev))
+        return rows, place.reshape(input.shape), self._pad_place(uniq)

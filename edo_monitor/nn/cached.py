@@ -139,8 +139,12 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _RowMovement, _Checkpointing
         policy: ``"lfu"`` (default) or ``"lru"`` eviction.
         block_rows: rows moved together (1 = row by row; 512–2048 = chunked loading: a miss loads
             its whole aligned block of ids).
-        overflow: more unique blocks in one batch than the cache holds: ``"grow"`` (the cache grows
-            to fit, logged) or ``"error"`` (``RuntimeError`` naming both numbers).
+        overflow: more unique blocks in one training batch than the cache holds: ``"grow"`` (the
+            cache grows to fit, logged) or ``"error"`` (``RuntimeError`` naming both numbers). A
+            lookup without gradients (``no_grad``, ``inference_mode``, a frozen table) that does
+            not fit reads the rows outside the cache from the host, caught up in a copy, and
+            leaves the cache as it is (``max_norm`` tables excepted: they grow, as their lookup
+            writes rows back).
         id_frequencies: optional ``(N,)`` counts from past data: LFU starts from them and the cache
             is pre-filled with the most frequent rows (warm start).
         requires_grad: whether ``weight`` (the cache) is trainable.
@@ -461,7 +465,14 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _RowMovement, _Checkpointing
             self._auto_attach()
         training = torch.is_grad_enabled() and self.weight.requires_grad
         keep = training and self._keeps_rows()
-        urows, place, pad_pos = self._remap(input, catch_up=not keep)
+        o = self.options
+        try:  # rows without a gradient need not be resident: the cache grows for training only
+            urows, place, pad_pos = self._remap(
+                input, catch_up=not keep, grow=training or o.max_norm is not None
+            )
+        except _CacheFullError:
+            rows, place, pad_pos = self._current_rows(input)
+            return self._combine(rows, place, pad_pos, offsets, per_sample_weights)
         positions = None
         if keep:  # the rows caught up in the row buffer (read there, stepped there)
             positions = self._take_rows(urows)
@@ -470,7 +481,6 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _RowMovement, _Checkpointing
             if training:
                 positions = self._layout_add(urows)
             index, source = urows, self.weight.data
-        o = self.options
         if (
             o.bag_mode is None
             and o.max_norm is None
@@ -487,28 +497,40 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _RowMovement, _Checkpointing
                 at = positions.index_select(0, flat)
             return self._gather(source, rows, at).view(*place.shape, self.embedding_dim)
         rows = self._gather(source, index, positions)
-        place = to_device(place, self.device)
-        if o.bag_mode is None:
-            out = F.embedding(place, rows, pad_pos, o.max_norm, o.norm_type, o.scale_grad_by_freq)
-        else:
-            dev = self.device
-            out = F.embedding_bag(
-                place,
-                rows,
-                to_device(offsets, dev) if offsets is not None else None,
-                o.max_norm,
-                o.norm_type,
-                o.scale_grad_by_freq,
-                o.bag_mode,
-                False,
-                to_device(per_sample_weights, dev) if per_sample_weights is not None else None,
-                o.include_last_offset,
-                pad_pos,
-            )
+        out = self._combine(rows, place, pad_pos, offsets, per_sample_weights)
         if o.max_norm is not None:  # the renormalised rows are the table's rows now
             with torch.no_grad():
                 source[to_device(index, self.device)] = rows.detach()
         return out
+
+    def _combine(
+        self,
+        rows: torch.Tensor,
+        place: torch.Tensor,
+        pad_pos: int | None,
+        offsets: torch.Tensor | None,
+        per_sample_weights: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The lookup's output from the batch's unique rows ``(U, D)`` and each id's place
+        among them (host, ``input``'s shape): ``F.embedding`` / ``F.embedding_bag`` with every
+        option (``max_norm`` renormalises ``rows`` in place)."""
+        o, dev = self.options, self.device
+        place = to_device(place, dev)
+        if o.bag_mode is None:
+            return F.embedding(place, rows, pad_pos, o.max_norm, o.norm_type, o.scale_grad_by_freq)
+        return F.embedding_bag(
+            place,
+            rows,
+            to_device(offsets, dev) if offsets is not None else None,
+            o.max_norm,
+            o.norm_type,
+            o.scale_grad_by_freq,
+            o.bag_mode,
+            False,
+            to_device(per_sample_weights, dev) if per_sample_weights is not None else None,
+            o.include_last_offset,
+            pad_pos,
+        )
 
     def _gather(
         self, source: torch.Tensor, index: torch.Tensor, positions: torch.Tensor | None
