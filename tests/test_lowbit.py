@@ -60,6 +60,9 @@ def test_pack_two_int4_and_four_int2_a_byte_and_round_trip() -> None:
 def test_groupwise_round_trip_within_half_a_step_per_group(bits: int, group: int) -> None:
     w = _table()
     q = quantize_groupwise(w, bits, group)
+    # a group is never wider than the row rounded up to 8 columns (64 on 40 columns: 40)
+    assert q.group_size == min(group, 40)
+    group = q.group_size
     x = dequantize_groupwise(q.codes, q.scale, q.zero, bits, group, D)
     step = q.scale.float().repeat_interleave(group, dim=1)[:, :D]
     err = (x - w).abs()
@@ -74,6 +77,23 @@ def test_groupwise_round_trip_within_half_a_step_per_group(bits: int, group: int
     groups = -(-D // group)
     expected = N * (groups * group * bits // 8) + N * groups * 4
     assert q.nbytes == groupwise_bytes(N, D, bits, group) == expected
+
+
+def test_a_group_wider_than_the_row_is_cut_to_it_in_bytes_and_estimate_alike() -> None:
+    # regression: a 32-column table in the default groups of 64 was padded to 64 codes a row, so
+    # int4 took int8's bytes (1,440,000 for 40,000 rows) and a 3-column table grew past float32
+    w = torch.randn(400, 32, generator=torch.Generator().manual_seed(0))
+    q, s = quantize_groupwise(w, 4), sparsify_2of8(w)
+    assert (q.group_size, s.group_size) == (32, 32)
+    assert q.nbytes == groupwise_bytes(400, 32, 4, 64) == 400 * (16 + 4)
+    assert s.nbytes == sparse_2of8_bytes(400, 32, 64) == 400 * (2 + 3 + 4)
+    narrow = quantize_groupwise(torch.randn(10, 3), 4)
+    assert narrow.group_size == 8 and narrow.nbytes == 10 * (4 + 4) < 10 * 3 * 4
+    for compression, per_row in (("int4", 20), ("int2", 12), ("2of8", 9)):
+        assert estimate(40_000, 32, compression=compression).params_bytes == 40_000 * per_row
+    # the same rows as an explicit group of 32
+    same = quantize_groupwise(w, 4, 32)
+    assert torch.equal(q.codes, same.codes) and torch.equal(q.scale, same.scale)
 
 
 def test_constant_and_zero_groups_are_exact() -> None:

@@ -74,11 +74,13 @@ def test_stage_bytes_from_the_recorded_attribution(observed: tuple[Path, int]) -
     table_grads = ROWS * DIM * 4
     assert by["quantize_bf16"].saving_bytes == ROWS * DIM * 4 * 2
     assert by["quantize_int8"].saving_bytes == TABLE_BYTES - (ROWS * DIM + ROWS * 4)
-    # D = 32 padded to one group of 64 codes (32 bytes at int4, 16 at int2) + a float16 scale
-    # and zero-point; 2:8: 8 groups of 8 at 10 bits (2 codes + 2 positions) + the same 4 bytes
-    assert by["quantize_int4"].saving_bytes == TABLE_BYTES - ROWS * (32 + 4)
-    assert by["quantize_int2"].saving_bytes == TABLE_BYTES - ROWS * (16 + 4)
-    assert by["quantize_2of8"].saving_bytes == TABLE_BYTES - ROWS * (8 * 10 // 8 + 4)
+    # D = 32 in one group of 32 codes (16 bytes at int4, 8 at int2; the default group of 64 is
+    # never wider than the row: it padded every row to 64 codes, int4 at int8's bytes) + a
+    # float16 scale and zero-point; 2:8: 4 blocks of 8 at 10 bits (2 codes + 2 positions) + the
+    # same 4 bytes
+    assert by["quantize_int4"].saving_bytes == TABLE_BYTES - ROWS * (16 + 4)
+    assert by["quantize_int2"].saving_bytes == TABLE_BYTES - ROWS * (8 + 4)
+    assert by["quantize_2of8"].saving_bytes == TABLE_BYTES - ROWS * (4 * 10 // 8 + 4)
     assert (
         by["quantize_int8"].cumulative_bytes
         == s1 - table_grads // 2 + by["quantize_int8"].saving_bytes

@@ -446,10 +446,10 @@ def lowbit_expected_error(
     def squared_error(rows: torch.Tensor) -> torch.Tensor:
         if fmt == "groupwise":
             q = quantize_groupwise(rows, bits, group_size)
-            approx = dequantize_groupwise(q.codes, q.scale, q.zero, bits, group_size, d)
+            approx = dequantize_groupwise(q.codes, q.scale, q.zero, bits, q.group_size, d)
         elif fmt == "2of8":
             s = sparsify_2of8(rows, group_size)
-            approx = dequantize_sparse_2of8(s.codes, s.positions, s.scale, s.zero, group_size, d)
+            approx = dequantize_sparse_2of8(s.codes, s.positions, s.scale, s.zero, s.group_size, d)
         else:
             raise ValueError(f"fmt={fmt!r}; expected 'groupwise' or '2of8'")
         return (approx.double() - rows).pow(2).sum(dim=1)

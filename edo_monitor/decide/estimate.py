@@ -54,8 +54,9 @@ device memory. The estimate therefore reports it apart, as ``step_state_bytes``:
   ``params_bytes``).
 
 * ``"int4"`` / ``"int2"`` (or ``"int4:G"`` / ``"int2:G"``, group size ``G``, a multiple of 8,
-  default 64): group-wise affine codes, ``ceil(D/G)·G`` codes a row packed two int4 / four int2 a
-  byte, plus a float16 scale and a float16 zero-point per group (4 bytes per ``G`` columns).
+  default 64, never wider than the row rounded up to 8 columns): group-wise affine codes,
+  ``ceil(D/G)·G`` codes a row packed two int4 / four int2 a byte, plus a float16 scale and a
+  float16 zero-point per group (4 bytes per ``G`` columns).
   Frozen: no gradients, no optimizer state.
 * ``"2of8"`` (or ``"2of8:G"``): 2 of every 8 values kept, at 2 bits, each with a 3-bit position
   (10 bits per 8 columns), plus a float16 scale and zero-point per group of ``G`` columns.
@@ -261,14 +262,23 @@ def _compression(value: object) -> tuple[str | None, tuple[int, ...]]:
     return kind, numbers
 
 
+def _stored_group(cols: int, group: int) -> int:
+    """The group size a ``cols``-column row is stored with: never wider than the row rounded up
+    to 8 columns (as :func:`edo_monitor.nn.lowbit.quantize_groupwise` stores it; this module
+    does not import torch)."""
+    return min(group, max(8, -(-cols // 8) * 8))
+
+
 def _lowbit_row_bytes(cols: int, bits: int, group: int) -> int:
     """Bytes of one group-wise row: packed codes + float16 scale and zero-point a group."""
+    group = _stored_group(cols, group)
     groups = -(-cols // group)
     return -(-groups * group * bits // 8) + groups * 4
 
 
 def _sparse_row_bytes(cols: int, group: int) -> int:
     """Bytes of one 2:8-sparse 2-bit row: codes, 3-bit positions, scale and zero-point."""
+    group = _stored_group(cols, group)
     groups = -(-cols // group)
     kept = groups * group // 8 * 2
     return -(-kept * 2 // 8) + -(-kept * 3 // 8) + groups * 4

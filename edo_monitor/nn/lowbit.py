@@ -13,7 +13,9 @@ group minimum rounded *down* to float16 and ``s = (max − z) / (2^bits − 1)``
 float16, so every value of the group lies on ``[z, z + (2^bits − 1) s]`` and the round-trip error is
 at most ``s / 2`` per element (plus float32 rounding of ``q·s + z``). Codes are packed
 little-endian into bytes: two int4 or four int2 per byte (:func:`pack_bits`). Bytes of a table:
-``N·ceil(D/g)·g·bits/8`` codes + ``N·ceil(D/g)·4`` scales and zero-points (+ the padding row).
+``N·ceil(D/g)·g·bits/8`` codes + ``N·ceil(D/g)·4`` scales and zero-points (+ the padding row),
+``g`` never wider than the row rounded up to 8 columns (a group of 64 on a 32-column table would
+pad every row to 64: int4 at int8's bytes).
 Values beyond float16's range (``|x| > 65504``) cannot be described by float16 scales:
 :func:`quantize_groupwise` raises ``ValueError``.
 
@@ -70,13 +72,17 @@ _FP16_MAX = 65504.0
 _CHUNK_ROWS = 4096  # rows quantised / reconstructed at a time
 
 
-def _check_group(bits: int, group_size: int) -> None:
+def _check_group(bits: int, group_size: int, d: int) -> int:
+    """The group size a ``d``-column table is stored with: ``group_size``, but never wider
+    than the row rounded up to 8 columns (a wider group padded every row to it: int4 on 32
+    columns took the bytes of int8). Raises ``ValueError`` naming a bad ``bits`` or size."""
     if bits not in LOW_BITS:
         raise ValueError(f"bits={bits!r}; expected one of {LOW_BITS}")
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 8:
         raise ValueError(f"group_size={group_size!r}; expected an int >= 8, a multiple of 8")
     if group_size % 8:
         raise ValueError(f"group_size={group_size}; expected a multiple of 8")
+    return min(group_size, max(8, -(-d // 8) * 8))
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -188,8 +194,8 @@ def quantize_groupwise(weight: torch.Tensor, bits: int, group_size: int = 64) ->
         ValueError: ``bits`` not in :data:`LOW_BITS`, ``group_size`` not a positive multiple of 8,
             or a value beyond float16's range.
     """
-    _check_group(bits, group_size)
     n, d = weight.shape
+    group_size = _check_group(bits, group_size, d)
     parts = []
     for start in range(0, n, _CHUNK_ROWS):  # bounded temporaries (the bit planes are int32)
         groups = _grouped(weight[start : start + _CHUNK_ROWS], group_size)
@@ -216,7 +222,7 @@ def dequantize_groupwise(
 def groupwise_bytes(n: int, d: int, bits: int, group_size: int) -> int:
     """Bytes of :func:`quantize_groupwise`'s output for an ``n × d`` table (codes, scales,
     zero-points; no padding row)."""
-    _check_group(bits, group_size)
+    group_size = _check_group(bits, group_size, d)
     g = -(-d // group_size)
     return n * (-(-g * group_size * bits // 8)) + n * g * (_SCALE_BYTES + _ZERO_BYTES)
 
@@ -257,8 +263,8 @@ def sparsify_2of8(weight: torch.Tensor, group_size: int = 64) -> SparseQuantized
         ValueError: ``group_size`` not a positive multiple of 8, or a value beyond float16's
             range.
     """
-    _check_group(2, group_size)
     n, d = weight.shape
+    group_size = _check_group(2, group_size, d)
     if n > _CHUNK_ROWS:  # bounded temporaries: one chunk of rows at a time
         chunks = [
             sparsify_2of8(weight[s : s + _CHUNK_ROWS], group_size) for s in range(0, n, _CHUNK_ROWS)
@@ -312,7 +318,7 @@ def dequantize_sparse_2of8(
 def sparse_2of8_bytes(n: int, d: int, group_size: int) -> int:
     """Bytes of :func:`sparsify_2of8`'s output for an ``n × d`` table (codes, 3-bit positions,
     scales and zero-points; no padding row)."""
-    _check_group(2, group_size)
+    group_size = _check_group(2, group_size, d)
     g = -(-d // group_size)
     kept = g * group_size // SPARSE_BLOCK * _SPARSE_KEEP
     return n * (-(-kept * 2 // 8) + -(-kept * _POSITION_BITS // 8)) + n * g * (
@@ -373,7 +379,7 @@ class GroupwiseEmbedding(_FrozenLowBit):
     ) -> None:
         super().__init__(weight, options, output_dtype)
         qt = quantize_groupwise(weight, bits, group_size)
-        self.bits, self.group_size = bits, group_size
+        self.bits, self.group_size = bits, qt.group_size
         self.register_buffer("codes", qt.codes)
         self.register_buffer("scale", qt.scale)
         self.register_buffer("zero", qt.zero)
@@ -406,7 +412,7 @@ class Sparse2of8Embedding(_FrozenLowBit):
     ) -> None:
         super().__init__(weight, options, output_dtype)
         st = sparsify_2of8(weight, group_size)
-        self.group_size = group_size
+        self.group_size = st.group_size
         self.register_buffer("codes", st.codes)
         self.register_buffer("positions", st.positions)
         self.register_buffer("scale", st.scale)
@@ -453,8 +459,8 @@ class PerRowPrecisionEmbedding(_FrozenLowBit):
             raise ValueError(f"full_ids must lie in [0, {n}); got {int(ids[0])}..{int(ids[-1])}")
         low = torch.ones(n, dtype=torch.bool, device=w.device)
         low[ids] = False
-        self.bits, self.group_size = bits, group_size
         qt = quantize_groupwise(w[low], bits, group_size)
+        self.bits, self.group_size = bits, qt.group_size
         self.register_buffer("full_ids", ids)
         self.register_buffer("full_rows", w[ids].clone())
         self.register_buffer("codes", qt.codes)
