@@ -301,3 +301,21 @@ def test_an_optimizer_state_cleared_by_hand_is_refused_and_detaching_first_resta
         with pytest.raises(RuntimeError, match="detach_optimizer"):
             _restart_run(opt_name, detach=False, replace=replace)
     assert _restart_run(opt_name, detach=True) <= 1e-12
+
+
+def test_a_full_table_of_the_wrong_shape_is_refused_with_one_reason_and_nothing_changes() -> None:
+    # regression: the message began with 'Missing key(s) in state_dict: "emb.weight"' (the key
+    # was there) and the real reason came second
+    model = nn.Sequential()
+    model.emb = CachedEmbedding(N, D, C)
+    before = model.state_dict()["emb.weight"].clone()
+    sd = model.state_dict()
+    sd["emb.weight"] = torch.zeros(N + 1, D)
+    with pytest.raises(RuntimeError) as caught:
+        model.load_state_dict(sd)
+    lines = str(caught.value).splitlines()
+    assert lines[1:] == [
+        f"\temb.weight: a cached table loads the full table {(N, D)}, got {(N + 1, D)}"
+    ]
+    assert "Missing key" not in str(caught.value)
+    assert torch.equal(model.state_dict()["emb.weight"], before)

@@ -574,7 +574,9 @@ def _module_load_pre_hook(
         error_msgs.append(
             f"{key}: a cached table loads the full table {(n, d)}, got {tuple(value.shape)}"
         )
-        state_dict.pop(key)
+        # the cache's own rows in its place (a copy onto itself): taken out, torch reported the
+        # key missing too, and the real reason came second
+        state_dict[key] = module.weight.detach()
         return
     with torch.no_grad():
         module.flush()  # host optimizer state current before every row is declared current
