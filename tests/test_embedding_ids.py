@@ -103,7 +103,7 @@ def test_bad_options_and_cached_table_arguments_are_refused_by_name() -> None:
         (
             lambda: CachedEmbedding(N, D, 4, _weight=torch.zeros(N, D, dtype=torch.int64)),
             ValueError,
-            r"^_weight has dtype torch\.int64; a cached table needs a floating-point dtype$",
+            r"^_weight has dtype torch\.int64; expected a floating-point table$",
         ),
         (
             lambda: CachedEmbedding(N, D, 4, _weight=torch.zeros(N, D, dtype=torch.complex64)),
@@ -113,7 +113,7 @@ def test_bad_options_and_cached_table_arguments_are_refused_by_name() -> None:
         (
             lambda: CachedEmbedding(N, D, 4, dtype=torch.int64),
             ValueError,
-            r"^dtype is torch\.int64; ",
+            r"^dtype=torch\.int64; expected a floating-point dtype$",
         ),
         (
             lambda: CachedEmbedding(N, D, 4, _weight=[[0.0] * D] * N),
@@ -136,3 +136,35 @@ def test_bad_options_and_cached_table_arguments_are_refused_by_name() -> None:
             make()
     table = CachedEmbedding(N, D, np.int64(4), padding_idx=-1, id_frequencies=torch.arange(N * 1.0))
     assert (table.cache_rows, table.padding_idx) == (4, N - 1)  # NumPy's ints, and from the end
+
+
+def test_a_table_weight_of_another_shape_or_kind_and_bad_sizes_are_refused_by_name() -> None:
+    # regression: a weight that did not match the options failed at a lookup inside torch;
+    # rank=2.5 raised "slice indices must be integers", rank=True was taken as 1, and
+    # hash_ids(ids, 5.5) gave float buckets
+    from edo_monitor.nn import OffloadedEmbedding, hash_ids
+
+    options = EmbeddingOptions(N, D)
+    wide = torch.randn(N, D + 1)
+    for make in (
+        lambda w: Int8RowwiseEmbedding(w, options),
+        lambda w: GroupwiseEmbedding(w, options, 4, 8),
+        lambda w: LowRankEmbedding.from_weight(w, 2, options, requires_grad=False),
+        lambda w: OffloadedEmbedding(nn.Parameter(w, requires_grad=False), options, "cpu"),
+    ):
+        with pytest.raises(
+            ValueError, match=rf"^weight has shape \({N}, {D + 1}\); expected \({N}, {D}\)$"
+        ):
+            make(wide)
+        with pytest.raises(
+            ValueError, match=r"^weight has dtype torch\.int64; expected a floating-point"
+        ):
+            make(torch.zeros(N, D, dtype=torch.int64))
+    for rank in (2.5, True, 0, D + 1):
+        with pytest.raises(ValueError, match=f"^rank={rank!r}; expected an int in \\[1, {D}\\]$"):
+            LowRankEmbedding.from_weight(_weight(), rank, options, requires_grad=False)
+    assert (
+        LowRankEmbedding.from_weight(_weight(), np.int64(2), options, requires_grad=False).rank == 2
+    )
+    with pytest.raises(ValueError, match=r"^num_buckets=5\.5; expected an int >= 1$"):
+        hash_ids(torch.tensor([1, 2]), 5.5)  # type: ignore[arg-type]

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from edo_monitor.nn.embedding import BAG_MODES, EmbeddingOptions, _index
+from edo_monitor.nn.embedding import BAG_MODES, EmbeddingOptions, _index, check_weight
 
 logger = logging.getLogger(__name__)
 
@@ -270,11 +270,11 @@ def _options(
     )
 
 
-def _check_table_dtype(dtype: Any, what: str) -> None:
+def _check_table_dtype(dtype: Any) -> None:
     """A cached table trains real floating-point rows (its catch-up is real arithmetic: a complex
     table lost its imaginary part, an integer one failed inside torch)."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"{what} {dtype}; a cached table needs a floating-point dtype")
+        raise ValueError(f"dtype={dtype}; expected a floating-point dtype")
 
 
 def _initial_weight(
@@ -282,14 +282,10 @@ def _initial_weight(
 ) -> torch.Tensor:
     n, d = options.num_embeddings, options.embedding_dim
     if weight is not None:
-        if not isinstance(weight, torch.Tensor):
-            raise TypeError(f"_weight must be a tensor ({n}, {d}), got {type(weight).__name__}")
-        if tuple(weight.shape) != (n, d):
-            raise ValueError(f"_weight has shape {tuple(weight.shape)}; expected {(n, d)}")
-        _check_table_dtype(weight.dtype, "_weight has dtype")
+        check_weight(weight, options, "_weight")
         return weight.detach().to("cpu")
     dtype = dtype or torch.get_default_dtype()
-    _check_table_dtype(dtype, "dtype is")
+    _check_table_dtype(dtype)
     w = torch.empty(n, d, dtype=dtype)
     nn.init.normal_(w)
     if options.padding_idx is not None:

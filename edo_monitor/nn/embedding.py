@@ -200,6 +200,19 @@ def _functional_lookup(
     )
 
 
+def check_weight(weight: Any, options: EmbeddingOptions, name: str = "weight") -> None:
+    """Refuse a table that is not a floating-point tensor of the options' shape ``(N, D)``
+    (``TypeError`` / ``ValueError`` naming it and the shape expected): a wrong one failed
+    later, at a lookup, inside torch."""
+    n, d = options.num_embeddings, options.embedding_dim
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor ({n}, {d}), got {type(weight).__name__}")
+    if tuple(weight.shape) != (n, d):
+        raise ValueError(f"{name} has shape {tuple(weight.shape)}; expected {(n, d)}")
+    if not weight.dtype.is_floating_point:
+        raise ValueError(f"{name} has dtype {weight.dtype}; expected a floating-point table")
+
+
 def check_ids(input: Any, num_embeddings: int) -> None:
     """Refuse what ``nn.Embedding`` refuses: ``input`` not an integer tensor (``TypeError``),
     an id outside ``[0, num_embeddings)`` (``IndexError`` naming the range and the ids'; on a
@@ -322,6 +335,7 @@ class OffloadedEmbedding(_EdoEmbedding):
         options: EmbeddingOptions,
         output_device: torch.device | str,
     ) -> None:
+        check_weight(weight, options)
         super().__init__(options)
         self.weight = weight
         self.output_device = torch.device(output_device)
@@ -368,6 +382,7 @@ class LowPrecisionEmbedding(_EdoEmbedding):
     def __init__(
         self, weight: nn.Parameter, options: EmbeddingOptions, output_dtype: torch.dtype
     ) -> None:
+        check_weight(weight, options)
         super().__init__(options)
         self.weight = weight
         self.output_dtype = output_dtype
@@ -468,6 +483,7 @@ class Int8RowwiseEmbedding(_RowComputedEmbedding):
         options: EmbeddingOptions,
         output_dtype: torch.dtype = torch.float32,
     ) -> None:
+        check_weight(weight, options)
         super().__init__(options)
         q, scale = quantize_int8_rowwise(weight)
         self.register_buffer("weight", q)
@@ -538,11 +554,14 @@ class LowRankEmbedding(_RowComputedEmbedding):
         on ``weight.device``.
 
         Raises:
-            ValueError: when ``rank`` is not in ``[1, min(N, D)]``.
+            ValueError: ``rank`` not an int in ``[1, min(N, D)]``; ``weight`` not of the
+                options' shape (:func:`check_weight`).
         """
+        check_weight(weight, options)
         n, d = weight.shape
-        if not 1 <= rank <= min(n, d):
-            raise ValueError(f"rank={rank} is not in [1, {min(n, d)}]")
+        if isinstance(rank, bool) or not hasattr(rank, "__index__") or not 1 <= rank <= min(n, d):
+            raise ValueError(f"rank={rank!r}; expected an int in [1, {min(n, d)}]")
+        rank = int(rank)
         w = weight.detach().float()
         u, s, vh = torch.linalg.svd(w, full_matrices=False)
         left = (u[:, :rank] * s[:rank]).to(weight.dtype).contiguous()

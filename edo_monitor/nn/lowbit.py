@@ -38,7 +38,7 @@ import logging
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from edo_monitor.nn.embedding import EmbeddingOptions, _RowComputedEmbedding
+from edo_monitor.nn.embedding import EmbeddingOptions, _RowComputedEmbedding, check_weight
 
 __all__ = [
     "LOW_BITS",
@@ -332,6 +332,7 @@ class _FrozenLowBit(_RowComputedEmbedding):
     def __init__(
         self, weight: torch.Tensor, options: EmbeddingOptions, output_dtype: torch.dtype
     ) -> None:
+        check_weight(weight, options)
         super().__init__(options)
         if options.padding_idx is not None:
             self.register_buffer("padding_row", weight.detach()[options.padding_idx].clone())
