@@ -46,7 +46,7 @@ def test_victims_are_the_lowest_scores_of_every_slot(
         refreshes += 1
         refresh(*args)  # type: ignore[arg-type]
 
-    def checked(count: int, keep: torch.Tensor) -> torch.Tensor:
+    def checked(count: int, keep: torch.Tensor, for_batch: bool = False) -> torch.Tensor:
         nonlocal compared
         limits, inside = table._eviction_limits(keep)
         fast = table._victim_order.choose(table, count, limits, inside)
@@ -56,7 +56,7 @@ def test_victims_are_the_lowest_scores_of_every_slot(
             got, want = slot_scores(table, fast).sort().values, slot_scores(table, full)
             assert torch.equal(got, want.sort().values)
             compared += 1
-        return evict(count, keep)
+        return evict(count, keep, for_batch=for_batch)
 
     table._evict = checked  # type: ignore[method-assign]
     table._victim_order.refresh = counted_refresh  # type: ignore[method-assign]
