@@ -145,6 +145,24 @@ def _release(exc: BaseException) -> None:
         todo += [e.__context__, e.__cause__]
 
 
+def _check_loss(loss: Any) -> None:
+    """``step_fn``'s result must be a one-element tensor (what ``backward()`` takes).
+
+    Raises:
+        ConfigError: anything else, named with its type (and shape, for a tensor).
+    """
+    if not isinstance(loss, torch.Tensor):
+        raise ConfigError(
+            f"step_fn returned {loss!r:.80} ({type(loss).__name__}); expected the micro-batch's "
+            "loss, a scalar tensor"
+        )
+    if loss.numel() != 1:
+        raise ConfigError(
+            f"step_fn returned a tensor of shape {list(loss.shape)}; expected the micro-batch's "
+            "loss, a scalar tensor (reduce it with .mean() or .sum())"
+        )
+
+
 class StepRecovery:
     """The split state of one monitor's :meth:`Monitor.run_step` (see the module docstring).
 
@@ -200,11 +218,26 @@ class StepRecovery:
     ) -> torch.Tensor:
         """One training step with recovery; returns the whole batch's loss (detached).
 
+        An empty batch (0 rows) is run as it is: ``step_fn`` called once on it, its loss not
+        scaled (what the caller's own loop would do).
+
         Raises:
-            ConfigError: bad ``reduction`` or batch (see :func:`batch_rows`).
+            ConfigError: bad ``step_fn``, ``optimizer``, ``reduction`` or batch (see
+                :func:`batch_rows`), checked before any work; ``step_fn`` returned something
+                other than a one-element tensor (names what it returned).
             torch.OutOfMemoryError: the step's first one, when even micro-batches of
                 ``min_micro_batch_rows`` rows run out of memory; or one from ``optimizer.step()``.
         """
+        if not callable(step_fn):
+            raise ConfigError(
+                f"step_fn={step_fn!r} is not callable; expected a function micro_batch -> loss "
+                "(a scalar tensor)"
+            )
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(
+                f"optimizer={optimizer!r} is not a torch.optim.Optimizer (or None: the caller "
+                "steps)"
+            )
         if reduction not in ("mean", "sum"):
             raise ConfigError(f"reduction={reduction!r}; expected 'mean' or 'sum'")
         rows = batch_rows(batch)
@@ -260,10 +293,13 @@ class StepRecovery:
         no_sync = getattr(self.monitor.model, "no_sync", None)
         total: torch.Tensor | None = None
         for i, part in enumerate(parts):
-            scale = 1.0 if reduction == "sum" else batch_rows(part) / rows
+            # the whole batch (an empty one included): its loss as it is
+            whole = reduction == "sum" or len(parts) == 1
+            scale = 1.0 if whole else batch_rows(part) / rows
             sync_off = no_sync() if no_sync is not None and i < len(parts) - 1 else None
             with sync_off if sync_off is not None else contextlib.nullcontext():
                 loss = step_fn(part)
+                _check_loss(loss)
                 (loss * scale if scale != 1.0 else loss).backward()
             value = loss.detach() * scale
             total = value if total is None else total + value

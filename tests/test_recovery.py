@@ -243,3 +243,73 @@ def test_the_split_merges_back_when_memory_was_freed(db_path: Path) -> None:
     with History(db_path) as history:
         (merged,) = history.events("latest", kind="micro_batches_merged")
     assert merged.data == {"batch_rows": 64, "micro_batch_rows": 64}
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_an_empty_batch_is_run_once_as_the_users_own_loop_would(
+    db_path: Path, reduction: str
+) -> None:
+    """It was a ZeroDivisionError (the loss scaled by 0 rows / 0 rows) and the run failed."""
+    model = make_model()
+    reference = make_model()  # the same initial weights: the user's own loop on the batch
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = data(0, seed=1)
+    rows_seen: list[int] = []
+
+    def loss_of(m: nn.Module, mb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        err = (m(mb[0]) - mb[1]).pow(2)
+        return err.mean() if reduction == "mean" else err.sum()
+
+    def step_fn(mb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        rows_seen.append(mb[0].shape[0])
+        return loss_of(model, mb)
+
+    with edo_monitor.watch(model, opt, db=db_path, interval_s=0.05) as mon:
+        loss = mon.run_step(step_fn, batch, reduction=reduction)
+        grads = [p.grad.clone() for p in model.parameters()]
+        mon.run_step(step_fn, batch, optimizer=opt, reduction=reduction)
+    ref_loss = loss_of(reference, batch)
+    ref_loss.backward()
+    assert rows_seen == [0, 0]  # called once per step, on the batch as it is
+    assert (loss.isnan().item(), ref_loss.isnan().item()) == ((reduction == "mean"),) * 2
+    for g, p in zip(grads, reference.parameters(), strict=True):
+        assert torch.equal(g, p.grad)
+    assert mon.status == "finished" and mon.summary().steps == 1  # the optimizer's step
+
+
+def test_misuse_is_a_config_error_naming_the_argument(db_path: Path) -> None:
+    """Raw errors before: ``'int' object is not callable``, ``'str' object has no attribute
+    'step'``, ``'NoneType' object has no attribute 'backward'``."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = data(8, seed=1)
+    calls: list[int] = []
+
+    def returning(value: Any) -> Any:
+        def step_fn(mb: tuple[torch.Tensor, torch.Tensor]) -> Any:
+            calls.append(mb[0].shape[0])
+            return value(mb) if callable(value) else value
+
+        return step_fn
+
+    before = [p.detach().clone() for p in model.parameters()]
+    with edo_monitor.watch(model, opt, db=db_path, interval_s=0.05) as mon:
+        with pytest.raises(ConfigError, match=r"^step_fn=5 is not callable; expected a function"):
+            mon.run_step(5, batch, optimizer=opt)  # type: ignore[arg-type]
+        with pytest.raises(
+            ConfigError, match=r"^optimizer='sgd' is not a torch.optim.Optimizer \(or None"
+        ):
+            mon.run_step(returning(lambda mb: mse(model, mb)), batch, optimizer="sgd")  # type: ignore[arg-type]
+        assert calls == []  # refused before the step ran
+        for value, said in [
+            (None, "step_fn returned None (NoneType)"),
+            (1.5, "step_fn returned 1.5 (float)"),
+            (lambda mb: model(mb[0]), "step_fn returned a tensor of shape [8, 1]"),
+        ]:
+            with pytest.raises(ConfigError) as err:
+                mon.run_step(returning(value), batch, optimizer=opt)
+            assert str(err.value).startswith(said), str(err.value)
+            assert "expected the micro-batch's loss, a scalar tensor" in str(err.value)
+    assert calls == [8, 8, 8]
+    for b, p in zip(before, model.parameters(), strict=True):
+        assert torch.equal(b, p.detach())  # no optimizer step ran
