@@ -42,6 +42,7 @@ from edo_monitor.store.queries import (
     _MAX_TAIL_ROWS,
     _PEAK_COLUMNS,
     RunRef,
+    _count,
     _int_or_none,
     _merge,
     _statuses,
@@ -183,10 +184,11 @@ class History(_JobQueries, _DeviceQueries, _SampleQueries):
             limit: at most this many runs (after filtering).
 
         Raises:
-            ConfigError: an unknown status or a bad ``since``.
+            ConfigError: an unknown status, a bad ``since``, ``limit`` not an int >= 0 or None.
         """
         wanted = _statuses(status, "run")
         since_s = _to_epoch(since, "since")
+        limit = _count(limit, "limit", 0)
         if self._empty:
             return []
         stmt = select(*self._run_cols).order_by(

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 from sqlalchemy import func, select
 
+from edo_monitor.errors import ConfigError
+from edo_monitor.store.queries import _count
 from edo_monitor.store.records import (
     DeviceEventInfo,
     DeviceInfo,
@@ -35,7 +37,16 @@ class _DeviceQueries:
         Returns:
             By host, then NVML index; each device's processes largest first. ``[]`` when no
             daemon has written (or the file predates schema 7).
+
+        Raises:
+            ConfigError: ``within_s`` not a number >= 0.
         """
+        if (
+            isinstance(within_s, bool)
+            or not isinstance(within_s, (int, float))
+            or not within_s >= 0
+        ):
+            raise ConfigError(f"within_s={within_s!r}: expected a number of seconds >= 0")
         if not self._has_devices:
             return []
         ds, ps, runs = device_samples_table, process_samples_table, runs_table
@@ -102,7 +113,12 @@ class _DeviceQueries:
         self, *, limit: int | None = 100, kind: str | Sequence[str] | None = None
     ) -> list[DeviceEventInfo]:
         """The daemon's events (GPUs appearing or lost, NVML faults, starts and stops), the
-        newest ``limit`` in time order; ``[]`` before schema 7."""
+        newest ``limit`` in time order; ``[]`` before schema 7.
+
+        Raises:
+            ConfigError: ``limit`` not an int >= 0 or None.
+        """
+        limit = _count(limit, "limit", 0)
         if not self._has_devices:
             return []
         de = device_events_table

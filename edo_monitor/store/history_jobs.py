@@ -10,6 +10,7 @@ from sqlalchemy import select
 
 from edo_monitor.errors import JobNotFoundError
 from edo_monitor.store.queries import (
+    _count,
     _statuses,
     _to_epoch,
 )
@@ -46,10 +47,11 @@ class _JobQueries:
             One :class:`JobInfo` per job (``[]`` for a database of schema < 6).
 
         Raises:
-            ConfigError: an unknown status or a bad ``since``.
+            ConfigError: an unknown status, a bad ``since``, ``limit`` not an int >= 0 or None.
         """
         wanted = _statuses(status, "job")
         since_s = _to_epoch(since, "since")
+        limit = _count(limit, "limit", 0)
         if self._empty or not self._has_jobs:
             return []
         stmt = select(*jobs_table.columns).order_by(

@@ -17,6 +17,7 @@ from edo_monitor.store.queries import (
     NUMERIC_SAMPLE_COLUMNS,
     RunRef,
     _bucket_series,
+    _count,
     _merge,
     _raw_series,
     _to_epoch,
@@ -60,11 +61,11 @@ class _SampleQueries:
             max_points: most buckets to return; ``None`` returns every sample.
 
         Raises:
-            RunNotFoundError: no such run. ConfigError: unknown column, ``max_points < 1``.
+            RunNotFoundError: no such run. ConfigError: unknown column, ``max_points`` not an
+                int >= 1 or None.
         """
         cols = self._columns(columns)
-        if max_points is not None and max_points < 1:
-            raise ConfigError(f"max_points={max_points!r} must be ≥ 1 (or None for every sample)")
+        max_points = _count(max_points, "max_points", 1)
         run_id = self._find(run)["id"]
         lo = _to_epoch(start, "start")
         hi = _to_epoch(end, "end")
@@ -311,9 +312,12 @@ class _SampleQueries:
         """Raw samples of a run with ``id > after_id``, oldest first (feed the last id back in).
 
         Raises:
-            RunNotFoundError: no such run. ConfigError: unknown column.
+            RunNotFoundError: no such run. ConfigError: unknown column; ``after_id`` not an
+                int >= 0, ``limit`` not an int >= 0 or None.
         """
         cols = self._columns(columns)
+        after_id = _count(after_id, "after_id", 0, none=False)
+        limit = _count(limit, "limit", 0)
         run_id = run if isinstance(run, int) and not isinstance(run, bool) else None
         if run_id is None:
             run_id = self._find(run)["id"]
@@ -340,9 +344,9 @@ class _SampleQueries:
         """Events of a run with ``id > after_id``, oldest first.
 
         Raises:
-            RunNotFoundError: no such run.
+            RunNotFoundError: no such run. ConfigError: ``after_id`` not an int >= 0.
         """
-        return self._events(run, None, after_id)
+        return self._events(run, None, _count(after_id, "after_id", 0, none=False))
 
     # -- events, modules ---------------------------------------------------------------------
     def events(self, run: RunRef, *, kind: str | Sequence[str] | None = None) -> list[EventInfo]:

@@ -65,9 +65,32 @@ def _to_epoch(value: float | datetime | None, name: str) -> float | None:
         return None
     if isinstance(value, datetime):
         return value.timestamp()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:  # nan
         raise ConfigError(f"{name}={value!r} is not a time; expected Unix seconds or a datetime")
     return float(value)
+
+
+#: Counts above this are clamped to it: more rows than any table holds, and ``count + 1`` still
+#: fits SQL's 64-bit integers.
+_MAX_COUNT = 2**62
+
+
+def _count(value: Any, name: str, minimum: int, *, none: bool = True) -> int | None:
+    """A count argument (``max_points``, ``limit``, ``after_id``) checked before it reaches SQL:
+    an int ``>= minimum`` (not a bool), or ``None`` when ``none``; one larger than
+    :data:`_MAX_COUNT` is clamped to it (it means "all" as well).
+
+    Raises:
+        ConfigError: anything else (a float such as nan, inf or 2.5, a string, a bool, too
+            small), naming the value and what is allowed.
+    """
+    if value is None and none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(
+            f"{name}={value!r}: expected an int >= {minimum}{' or None' if none else ''}"
+        )
+    return min(value, _MAX_COUNT)
 
 
 def _merge(acc: dict[int, list[Any]], b: int, part: Sequence[Any], ncols: int) -> None:
