@@ -222,6 +222,10 @@ class Monitor(_Lifecycle):
         #: the disk tier's folder (``spill_embedding``'s file; edo_monitor.nn.spill)
         self.spill_dir = resolve_spill_dir(spill_dir, self.db_url)
         self.run_name = run_name or (type(model).__name__ if model is not None else "process")
+        if tags is not None and not isinstance(tags, (str, Iterable)):
+            raise ConfigError(
+                f"tags={tags!r}: expected a string (one tag), an iterable of strings, or None"
+            )
         self.tags = [tags] if isinstance(tags, str) else [str(t) for t in (tags or [])]
         self.strict = strict
         self.policy = policy
@@ -231,11 +235,12 @@ class Monitor(_Lifecycle):
         self.queue_size = queue_size
         self.profile_interval_s = float(profile_interval_s)
         self.user_config = dict(config or {})
-        try:
-            json.dumps(self.user_config)
+        try:  # strict JSON: NaN and infinities are not JSON (show --json would print them)
+            json.dumps(self.user_config, allow_nan=False)
         except (TypeError, ValueError) as exc:
             raise ConfigError(
-                f"config={config!r} cannot be stored: {exc}; expected JSON-serialisable values"
+                f"config={config!r} cannot be stored: {exc}; expected JSON-serialisable values "
+                "(finite numbers: strict JSON has no NaN or Infinity)"
             ) from None
 
         self.run_uuid: str = str(uuidlib.uuid4())
@@ -492,7 +497,8 @@ class Monitor(_Lifecycle):
             The whole batch's loss, detached.
 
         Raises:
-            ConfigError: a bad argument or batch.
+            ConfigError: a bad argument or batch (checked before the step runs), or ``step_fn``
+                returned something other than a scalar tensor (the message names it).
             torch.OutOfMemoryError: the step's first one, when micro-batches of
                 ``min_micro_batch_rows`` rows still run out of memory; or one raised by
                 ``optimizer.step()`` (that step has run: not retried).

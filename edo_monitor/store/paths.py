@@ -148,10 +148,15 @@ def _check_file_path(path: Path, shown: str, readonly: bool = False) -> None:
     """The one check of a history path, for readers and writers alike, before SQLite sees it.
 
     Raises:
-        ConfigError: the path (or a name in it) is longer than the system allows, or it names
-            a directory, a FIFO, a socket or a device (SQLite would block forever on a FIFO).
+        ConfigError: the path holds a NUL character, the path (or a name in it) is longer than
+            the system allows, or it names a directory, a FIFO, a socket or a device (SQLite
+            would block forever on a FIFO).
         StoreError: (readers) its folder does not exist.
     """
+    if "\0" in os.fspath(path):  # no file system allows one (os.stat raises ValueError)
+        raise ConfigError(
+            f"db={_short(shown)!r} holds a NUL character (\\0); expected a file path without one"
+        )
     try:
         mode = path.stat().st_mode
     except FileNotFoundError:

@@ -1,0 +1,83 @@
+"""watch()'s arguments that are stored with the run or name its file: a bad one is a ConfigError
+naming the value, raised by watch() itself (not a raw TypeError/ValueError from deep inside, not
+a value that breaks a reader later)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from typer.testing import CliRunner
+from watch_helpers import agent_threads, make_model, run_row, train
+
+import edo_monitor
+from edo_monitor.errors import ConfigError
+from edo_monitor.store.history import History
+from edo_monitor.surfaces.cli import app
+
+
+def test_tags_that_are_neither_a_string_nor_an_iterable_are_refused(db_path: Path) -> None:
+    """``tags=5`` was ``TypeError: 'int' object is not iterable``."""
+    with pytest.raises(ConfigError) as err:
+        edo_monitor.watch(make_model(), db=db_path, tags=5)  # type: ignore[arg-type]
+    assert str(err.value) == (
+        "tags=5: expected a string (one tag), an iterable of strings, or None"
+    )
+    with edo_monitor.watch(db=db_path, tags=("nightly", 3)):  # items are made strings, as before
+        pass
+    assert json.loads(run_row(db_path)["tags"]) == ["nightly", "3"]
+
+
+@pytest.mark.parametrize("db", ["x\0y.db", "sqlite:///x\0y.db"])
+def test_a_db_path_with_a_nul_character_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, db: str
+) -> None:
+    """It was ``ValueError: embedded null byte`` from ``os.stat``."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as err:
+        edo_monitor.watch(make_model(), db=db)
+    assert str(err.value) == (
+        f"db={db!r} holds a NUL character (\\0); expected a file path without one"
+    )
+    with pytest.raises(ConfigError, match="holds a NUL character"):
+        History(db)  # a reader: the same check
+    assert list(tmp_path.iterdir()) == [] and agent_threads() == []
+
+
+@pytest.mark.parametrize(
+    ("config", "shown"),
+    [
+        ({"lr": float("nan")}, "{'lr': nan}"),
+        ({"lr": float("inf")}, "{'lr': inf}"),
+        ({"schedule": {"floor": [0.1, float("-inf")]}}, "{'schedule': {'floor': [0.1, -inf]}}"),
+    ],
+)
+def test_config_without_a_strict_json_form_is_refused(
+    db_path: Path, config: dict[str, Any], shown: str
+) -> None:
+    """NaN and infinities were accepted, and ``show --json`` then printed ``NaN``/``Infinity``,
+    which is not JSON."""
+    with pytest.raises(ConfigError) as err:
+        edo_monitor.watch(make_model(), db=db_path, config=config)
+    message = str(err.value)
+    assert message.startswith(f"config={shown} cannot be stored: "), message
+    assert "strict JSON has no NaN or Infinity" in message
+    assert not db_path.exists()
+
+
+def test_a_finite_config_is_strict_json_in_show(db_path: Path) -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with edo_monitor.watch(model, opt, db=db_path, config={"lr": 0.1, "ramp": [1, 2.5]}):
+        train(model, opt, 3)
+    res = CliRunner().invoke(app, ["show", "latest", "--json", "--db", str(db_path)])
+    assert res.exit_code == 0, res.output
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"not strict JSON: {constant}")
+
+    data = json.loads(res.output, parse_constant=refuse)
+    assert data["run"]["config"]["lr"] == 0.1 and data["run"]["config"]["ramp"] == [1, 2.5]
