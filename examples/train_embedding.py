@@ -241,15 +241,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.budget is not None and args.device == "cpu":  # the budget is enforced on a CPU
         with torch.device("meta"):  # the model's shapes only: no memory, no random numbers
             shapes = HashedWordModel(blocks=2 if args.ddp else 0)
-        model_bytes = sum(p.numel() * p.element_size() for p in shapes.parameters())
-        if args.budget < model_bytes:  # one line before the text is read (watch() says it later)
+        too_small = scripting.budget_below_params(args.budget, shapes)
+        if too_small:  # one line before the text is read (watch() says it later)
             print(
-                f"train_embedding: --budget {format_bytes(args.budget)} is smaller than the "
-                f"model's parameters ({format_bytes(model_bytes)}); give a larger budget (the "
-                "default, 158 MiB, is the pressure demo)",
+                f"train_embedding: {too_small}; give a larger budget (the default, 158 MiB, is "
+                "the pressure demo)",
                 file=sys.stderr,
             )
-            return 2
+            return scripting.EXIT_USAGE
     scripting.check_history_db(args.db)  # unusable: one line, exit 1, before the slow work
     cuda = args.device.startswith("cuda")
     budget = args.budget or ("236MiB" if args.ddp else "396MiB" if cuda else "158MiB")

@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import csv
 import logging
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,20 +34,50 @@ from edo_monitor.nn import CachedTable
 from edo_monitor.surfaces import scripting
 from edo_monitor.units import format_bytes
 
+#: the columns of ``ratings.csv`` that are read (MovieLens also has ``timestamp``)
+COLUMNS = ("userId", "movieId", "rating")
+
 
 def load_ratings(data_dir: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
-    """``(users [N], items [N], ratings [N] float32, num_users, num_items)`` with dense ids."""
+    """``(users [N], items [N], ratings [N] float32, num_users, num_items)`` with dense ids.
+
+    A file that cannot be trained on (empty, another header, a rating that is not a number,
+    fewer than 2 ratings: nothing to split into train and test) ends the program with one line
+    naming the file and what is wrong (exit 1).
+    """
     path = data_dir / "ratings.csv"
     if not path.is_file():
         raise SystemExit(f"{path} not found; pass --data DIR with MovieLens ratings.csv")
     users, items, ratings = [], [], []
     user_ids: dict[str, int] = {}
     item_ids: dict[str, int] = {}
-    with path.open(newline="") as f:
-        for row in csv.DictReader(f):
+    with path.open(newline="", encoding="utf-8", errors="replace") as f:
+        reader = csv.DictReader(f)
+        expected = "expected MovieLens ratings: userId,movieId,rating,timestamp"
+        if not reader.fieldnames:
+            raise SystemExit(f"{path} is empty; {expected}, then one line per rating")
+        missing = [c for c in COLUMNS if c not in reader.fieldnames]
+        if missing:
+            raise SystemExit(
+                f"{path}: no column {', '.join(missing)} in its header line "
+                f"({','.join(reader.fieldnames)}); {expected}"
+            )
+        for row in reader:
+            try:
+                rating = float(row["rating"])
+            except (TypeError, ValueError):  # not a number; a short row's is None
+                rating = math.nan
+            if not math.isfinite(rating):
+                raise SystemExit(
+                    f"{path} line {reader.line_num}: rating {row['rating']!r} is not a number"
+                )
             users.append(user_ids.setdefault(row["userId"], len(user_ids)))
             items.append(item_ids.setdefault(row["movieId"], len(item_ids)))
-            ratings.append(float(row["rating"]))
+            ratings.append(rating)
+    if len(ratings) < 2:
+        raise SystemExit(
+            f"{path} has {len(ratings)} rating(s); need at least 2 (90% train, 10% test)"
+        )
     return (
         torch.tensor(users),
         torch.tensor(items),
@@ -167,11 +198,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dim", type=scripting.positive_int, default=64)
     parser.add_argument("--batch-size", type=scripting.positive_int, default=1024)
     args = parser.parse_args(argv)
+    if args.forecast is not None and args.budget is None:
+        parser.error(
+            "--forecast needs --budget: the auto-tuner that acts on forecasts runs only "
+            "under a budget"
+        )
     logging.basicConfig(level=logging.WARNING)
     scripting.check_history_db(args.db)  # unusable: one line, exit 1, before the slow work
 
     torch.manual_seed(0)
-    users, items, ratings, num_users, num_items = load_ratings(args.data)
+    users, items, ratings, num_users, num_items = load_ratings(args.data)  # bad data: exit 1
+    with torch.device("meta"):  # the model's shapes only: no memory, no random numbers
+        shapes = MatrixFactorization(num_users, num_items, args.dim)
+    too_small = scripting.budget_below_params(args.budget, shapes)
+    if too_small:  # its size is known once the ids are counted: before training
+        print(
+            f"train_recommender: {too_small}; give a larger budget (8MiB runs the auto-tuner on "
+            "MovieLens small)",
+            file=sys.stderr,
+        )
+        return scripting.EXIT_USAGE
     perm = torch.randperm(len(ratings))
     split = int(0.9 * len(ratings))
     train_idx, test_idx = perm[:split], perm[split:]

@@ -166,6 +166,57 @@ def test_bad_arguments_of_the_recommender(
     assert_one_line(done, EXIT_USAGE, *names)
 
 
+def test_forecast_without_budget_is_a_bad_argument_of_the_recommender(
+    tmp_path: Path, movielens: Path
+) -> None:
+    """``--forecast 5`` without ``--budget`` was silently ignored (no tuner runs without one)."""
+    done = run("train_recommender.py", "--data", str(movielens), "--forecast", "5", cwd=tmp_path)
+    line = assert_one_line(done, EXIT_USAGE, "--forecast needs --budget")
+    assert line.startswith("train_recommender.py: error: ")
+    assert list(tmp_path.glob("*.db")) == []
+
+
+def test_a_budget_below_the_recommenders_model_is_one_line_exit_2(
+    tmp_path: Path, movielens: Path
+) -> None:
+    """``--budget 1KiB`` logged a WARNING and trained anyway (exit 0). 4 users x 3 items, dim 64:
+    (4 + 3) x (64 + 1) floats = 1,820 bytes of parameters."""
+    done = run("train_recommender.py", "--data", str(movielens), "--budget", "1KiB", cwd=tmp_path)
+    line = assert_one_line(done, EXIT_USAGE)
+    assert line == (
+        "train_recommender: --budget 1 KiB is smaller than the model's parameters (1.78 KiB); "
+        "give a larger budget (8MiB runs the auto-tuner on MovieLens small)"
+    )
+    assert "training" not in done.stdout and "WARNING" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        ("", "ratings.csv is empty; expected MovieLens ratings: userId,movieId,rating,timestamp"),
+        (
+            "a,b\n1,2\n",
+            "ratings.csv: no column userId, movieId, rating in its header line (a,b); expected "
+            "MovieLens ratings: userId,movieId,rating,timestamp",
+        ),
+        ("userId,movieId,rating\n1,2,4\n1,3,four\n", "ratings.csv line 3: rating 'four' is not"),
+        ("userId,movieId,rating\n1,2,4\n", "ratings.csv has 1 rating(s); need at least 2"),
+    ],
+    ids=["empty", "another header", "not a number", "one rating"],
+)
+def test_ratings_that_cannot_be_trained_on_are_one_line_exit_1(
+    tmp_path: Path, content: str, says: str
+) -> None:
+    """An empty file ended in ``ZeroDivisionError`` at ``rmse``, another header in
+    ``KeyError: 'userId'``: data errors, found by reading the file (exit 1)."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "ratings.csv").write_text(content)
+    done = run("train_recommender.py", "--data", str(folder), cwd=tmp_path)
+    line = assert_one_line(done, EXIT_ERROR)
+    assert line.startswith(f"{folder / 'ratings.csv'}") and says in line, line
+
+
 def newer_database(path: Path) -> Path:
     open_engine(path).dispose()
     with sqlite3.connect(path) as con:

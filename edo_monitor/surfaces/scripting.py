@@ -25,16 +25,17 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from edo_monitor.errors import ConfigError, EdoMonitorError
-from edo_monitor.units import parse_bytes
+from edo_monitor.units import format_bytes, parse_bytes
 
 __all__ = [
     "EXIT_ERROR",
     "EXIT_INTERRUPTED",
     "EXIT_USAGE",
     "ArgumentParser",
+    "budget_below_params",
     "byte_size",
     "check_history_db",
     "history_db",
@@ -192,6 +193,26 @@ def history_db(text: str) -> str:
             f"{text!r} is an in-memory database; expected a file path or a server URL"
         )
     return text
+
+
+def budget_below_params(budget_bytes: int | None, model: Any) -> str | None:
+    """Why ``--budget`` cannot hold ``model``, or ``None`` when it can (or there is no budget).
+
+    ``model`` is a ``torch.nn.Module``; one built under ``torch.device("meta")`` (shapes only, no
+    memory) is enough. The answer is ``"--budget 1 MiB is smaller than the model's parameters
+    (24.92 MiB)"`` when the budget is below the bytes of its parameters: the script prints it
+    with its own advice and exits with code 2, before the slow work (``watch()`` would only
+    warn, or with ``enforce=True`` refuse when the run starts).
+    """
+    if budget_bytes is None:
+        return None
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if budget_bytes >= model_bytes:
+        return None
+    return (
+        f"--budget {format_bytes(budget_bytes)} is smaller than the model's parameters "
+        f"({format_bytes(model_bytes)})"
+    )
 
 
 def check_history_db(db: str | os.PathLike[str] | None) -> None:
