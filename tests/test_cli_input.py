@@ -194,3 +194,34 @@ def test_an_older_schema_is_said_once(tmp_path: Path, command: str) -> None:
     assert done.returncode == 0, done.stderr
     line = one_line(done, 0, "older than", str(SCHEMA_VERSION - 1))
     assert "old.db" in line
+
+
+def test_a_truncated_history_is_a_damaged_database_not_another_kind_of_file(
+    tmp_path: Path,
+) -> None:
+    """A real history cut in half said "'trunc.db' is not an SQLite database (database disk
+    image is malformed)"; it is one, damaged. Still exit 1, as any database that cannot be used."""
+    import torch
+
+    import edo_monitor
+
+    good = tmp_path / "good.db"
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with edo_monitor.watch(model, opt, db=good, interval_s=0.01) as mon:
+        for _ in range(200):
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            mon.step()
+    data = good.read_bytes()
+    trunc = tmp_path / "trunc.db"
+    trunc.write_bytes(data[: len(data) // 2])
+    for command in ("doctor", "runs"):
+        line = one_line(
+            run("edo-monitor", command, "--db", str(trunc)),
+            EXIT_ERROR,
+            "trunc.db",
+            "is a damaged SQLite database (database disk image is malformed)",
+        )
+        assert "not an SQLite database" not in line

@@ -233,7 +233,12 @@ def _engine_for(url: URL, *, readonly: bool, shown: str | None = None) -> Engine
             err = _readonly_error(shown, exc.orig)
             if isinstance(err, StoreError):
                 raise err from None
-        if "file is not a database" in reason or "malformed" in reason:
+        if "malformed" in reason:  # an SQLite file, cut short or overwritten in part
+            raise StoreError(
+                f"{shown!r} is a damaged SQLite database ({reason}); edo-monitor neither reads "
+                "nor writes it (copy out what you need with sqlite3, or start a new database)"
+            ) from None
+        if "file is not a database" in reason:
             raise StoreError(
                 f"{shown!r} is not an SQLite database ({reason}); expected an edo-monitor history "
                 "database file"
