@@ -60,13 +60,16 @@ class EventLog:
         message: str,
         data: Mapping[str, Any] | None = None,
         time_s: float | None = None,
+        step: int | None = None,
     ) -> None:
         """Record an event of ``kind`` (``"action"``, ``"oom"`` ...) with its message and JSON
-        data at the current step, at ``time_s`` (Unix seconds; ``None`` = now)."""
+        data at ``step`` (``None``: the current step; the events a reading leads to give the
+        reading's), at ``time_s`` (Unix seconds; ``None`` = now)."""
         self.counts[kind] += 1
         if kind == "action":
             self.actions.append(dict(data or {}))
-        step = self._step()
+        if step is None:
+            step = self._step()
         if time_s is None:
             time_s = time.time()
         if self.writer is not None:

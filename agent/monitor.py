@@ -400,9 +400,10 @@ class Monitor(_Lifecycle):
         message: str,
         data: Mapping[str, Any] | None = None,
         time_s: float | None = None,
+        step: int | None = None,
     ) -> None:
         """Record an event (any thread; never blocks): :meth:`EventLog.emit`."""
-        self._log.emit(kind, message, data, time_s)
+        self._log.emit(kind, message, data, time_s, step)
 
     def _agent_error(self, where: str, exc: BaseException) -> None:
         """Count a failure inside the agent (any thread; never raises):

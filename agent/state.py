@@ -67,6 +67,7 @@ class MonitorState(Protocol):
         message: str,
         data: Mapping[str, Any] | None = None,
         time_s: float | None = None,
+        step: int | None = None,
     ) -> None: ...
 
     def _agent_error(self, where: str, exc: BaseException) -> None: ...

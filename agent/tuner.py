@@ -85,7 +85,9 @@ class Tuner:
         )
 
     def evaluate(self, reading: Reading) -> None:
-        """Sampler thread: crossings and at most one decision per reading (applied later)."""
+        """Sampler thread: crossings and at most one decision per reading (applied later). Their
+        events record the reading's step (planning may take steps: the decision event said a
+        later step than its ``decided_at_step``)."""
         m = self.m
         policy = self._policy
         planner = make_planner(self.action_context(reading)) if m.model is not None else None
@@ -105,6 +107,7 @@ class Tuner:
                         "in_use_bytes": reading.in_use_bytes,
                         "budget_bytes": reading.budget_bytes,
                     },
+                    step=reading.step,
                 )
                 self.pressure_queue.append(event)
             elif isinstance(event, Decision):
@@ -129,6 +132,7 @@ class Tuner:
                     + (f", expected error {err:.2g})" if err is not None else ")")
                     + (" ahead of a forecast crossing" if event.forecast is not None else ""),
                     data,
+                    step=reading.step,
                 )
             elif isinstance(event, Forecast):
                 self.emit_forecast(event)
@@ -147,6 +151,7 @@ class Tuner:
                         ],
                         **({"forecast": True} if event.forecast else {}),
                     },
+                    step=reading.step,
                 )
 
     def emit_forecast(self, forecast: Forecast) -> None:

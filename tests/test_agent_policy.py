@@ -302,3 +302,33 @@ def test_an_action_event_is_stamped_when_the_action_began(db_path: Path) -> None
     assert duration_s > 0
     # began, then took duration_s, then the on_action hook ran (after the event was recorded)
     assert event.time_s + duration_s <= hook_s[0]
+
+
+class _SlowPlanningPolicy(edo_monitor.Policy):
+    """Plans as slowly as a large model's estimates can: the training thread takes steps while
+    the sampler plans a reading's decision."""
+
+    def evaluate(self, reading, planner=None):  # type: ignore[no-untyped-def]
+        def slow(name):  # type: ignore[no-untyped-def]
+            time.sleep(0.1)
+            return planner(name)
+
+        return super().evaluate(reading, slow if planner is not None else None)
+
+
+def test_the_events_of_a_reading_record_the_readings_step(db_path: Path) -> None:
+    # regression: they recorded the step at which planning ended (a decision at step 40 whose
+    # action and decision_expired said decided_at_step 24)
+    model, opt = model_and_opt()
+    policy = _SlowPlanningPolicy(ladder=OFFLOAD_LADDER)
+    with edo_monitor.watch(model, db=db_path, budget=BUDGET, policy=policy, interval_s=0.01):
+        for _ in range(60):
+            train(model, opt, 1)
+            time.sleep(0.01)
+    with History(db_path) as history:
+        events = history.events("latest")
+    decision = next(e for e in events if e.kind == "decision")
+    crossing = next(e for e in events if e.kind == "threshold_crossed")
+    outcome = next(e for e in events if e.kind in ("action", "decision_expired"))
+    assert outcome.data["decided_at_step"] == decision.step == crossing.step
+    assert outcome.step > decision.step  # the steps planning took
