@@ -154,8 +154,8 @@ def test_replay_ranks_lossy_plans_by_expected_error_where_the_trace_allows(
 
 def test_replay_models_the_low_bit_compress_modes(runs: tuple[Path, int, int]) -> None:
     """The low-bit actions (issue 24) were "not modelled offline" in a replayed ladder; their
-    saving is the recorded table's bytes less the estimator's, as for int8 (at 32 columns int4's
-    one padded group of 64 is as large as int8's row)."""
+    saving is the recorded table's bytes less the estimator's, as for int8 (at 32 columns a group
+    is the row's 32 columns: int4's padded group of 64 made it as large as int8's row)."""
     from edo_monitor.decide.estimate import estimate
 
     db, _, observed = runs
@@ -170,7 +170,7 @@ def test_replay_models_the_low_bit_compress_modes(runs: tuple[Path, int, int]) -
         mode: TABLE_BYTES - estimate(ROWS, DIM, optimizer="adam", compression=mode).total_bytes
         for mode in saving
     }
-    assert saving == want and want["int4"] == want["int8"] < want["int2"] < want["2of8"]
+    assert saving == want and want["int8"] < want["int4"] < want["int2"] < want["2of8"]
 
 
 def test_explain_the_crossing(runs: tuple[Path, int, int]) -> None:
