@@ -9,7 +9,7 @@ import io
 
 import pytest
 import torch
-from test_cached import OPTIMIZERS, _pair, _rel, _train
+from test_cached import OPTIMIZERS, C, _pair, _rel, _train
 
 from edo_monitor.nn import CachedEmbedding
 
@@ -256,3 +256,31 @@ def test_bad_ids_are_refused_by_the_forward_and_by_prefetch_alike() -> None:
         with pytest.raises(TypeError, match=r"integer tensor .* got torch\.float32"):
             call(torch.tensor([1.0, 2.0]))
     assert table.stats().misses == 0
+
+
+def test_a_table_collected_inside_an_optimizer_step_leaves_the_step_alone() -> None:
+    """Each table had a global step pre-hook of its own, removed by a finalizer: a table the
+    garbage collector freed while torch looped over the global hooks changed that dict, and the
+    user's ``optimizer.step()`` raised ``RuntimeError: OrderedDict mutated during iteration``."""
+    import gc
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    def collect(*_: object) -> None:
+        gc.collect()
+
+    collecting = register_optimizer_step_pre_hook(collect)
+    gc.disable()  # the tables below stay uncollected until the step's hook collects them
+    try:
+        for _ in range(3):  # tables only the cyclic collector frees
+            table = CachedEmbedding(N, D, C)
+            table.__dict__["_cycle"] = table
+        del table
+        param = torch.nn.Parameter(torch.ones(2))
+        opt = torch.optim.SGD([param], lr=0.5)
+        param.sum().backward()
+        opt.step()
+        assert param.tolist() == [0.5, 0.5]
+    finally:
+        gc.enable()
+        collecting.remove()

@@ -24,6 +24,17 @@ from edo_monitor.nn.catch_up import (
 
 logger = logging.getLogger(__name__)
 
+#: the cached tables that take the optimizer stepping them (:meth:`_OptimizerBinding._auto_attach`)
+_WAITING: weakref.WeakSet[Any] = weakref.WeakSet()
+_STEP_HOOK: Any = None  # the one global step pre-hook over them, registered at the first table
+
+
+def _step_pre_hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Every optimizer's step, first: each waiting table that ``opt`` steps attaches to it (a
+    snapshot of the weak set: a table collected meanwhile just leaves it)."""
+    for table in list(_WAITING):
+        table._on_any_step(opt)
+
 
 class _OptimizerBinding:
     """The row cache's optimizer: attached to the user's optimizer, its hyper-parameters followed
@@ -220,56 +231,60 @@ class _OptimizerBinding:
         self._pending = None
 
     def _auto_attach(self) -> None:
-        """Register the global step pre-hook that gives the table to the optimizer stepping it.
+        """Give the table to the optimizer stepping it, through the module's one global step
+        pre-hook (:func:`_step_pre_hook`, over a weak set of the tables waiting for one).
 
         The first optimizer whose step finds ``weight`` in its groups attaches (registered when
         the table is made, so a first step whose closure runs the first forward attaches too).
         Another optimizer stepping the table later, such as a new one made for a second phase of
         training, takes it over: the attached one is detached first (:meth:`detach_optimizer`:
         rows caught up, its state handed back whole), as a resident table is simply stepped by
-        whichever optimizer steps it. Removed when the table is collected, or by
-        :meth:`_cancel_auto_attach`.
+        whichever optimizer steps it. Left when the table is collected, or by
+        :meth:`_cancel_auto_attach`. (One hook a table, removed by a finalizer, made a table
+        collected by the garbage collector inside torch's loop over the global hooks change
+        that dict: ``RuntimeError: OrderedDict mutated during iteration`` in the user's
+        ``optimizer.step()``.)
         """
-        if self._auto_hook is not None:
+        global _STEP_HOOK
+        if _STEP_HOOK is None:
+            _STEP_HOOK = register_optimizer_step_pre_hook(_step_pre_hook)
+        _WAITING.add(self)
+        self._auto_hook = True
+
+    def _on_any_step(self, opt: torch.optim.Optimizer) -> None:
+        """:func:`_step_pre_hook` for this table: ``opt`` steps it and is not its optimizer yet:
+        it takes the table over."""
+        if opt is self._optimizer:
             return
-        ref = weakref.ref(self)
-
-        def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            table = ref()
-            if table is None or opt is table._optimizer:
-                return
-            if table.weight.shape[0] != table.slot_step.numel():
-                return  # not the cache's weight (a rolled-back conversion gave it back)
-            if any(p is table.weight for g in opt.param_groups for p in g["params"]):
-                if table._optimizer is not None:
-                    old = type(table._optimizer).__name__
-                    logger.info(
-                        "cached table: a %s steps it; the %s attached before is detached (its "
-                        "state of the table handed back whole)",
-                        type(opt).__name__,
-                        old,
-                    )
-                    grad = table.batch_rows.grad
-                    if grad is not None and grad.shape[0] == 0:  # no backward since that step
-                        logger.warning(
-                            "cached table: a %s steps it with no backward since the %s stepped "
-                            "it; that step consumed the gradient (a resident table would be "
-                            "stepped with it twice): step a table with one optimizer",
-                            type(opt).__name__,
-                            old,
-                        )
-                    table.detach_optimizer()
-                table.attach(opt)  # registers the instance pre-hook, which runs right after
-
-        self._auto_hook = register_optimizer_step_pre_hook(hook)
-        weakref.finalize(self, self._auto_hook.remove)
+        if self.weight.shape[0] != self.slot_step.numel():
+            return  # not the cache's weight (a rolled-back conversion gave it back)
+        if not any(p is self.weight for g in opt.param_groups for p in g["params"]):
+            return
+        if self._optimizer is not None:
+            old = type(self._optimizer).__name__
+            logger.info(
+                "cached table: a %s steps it; the %s attached before is detached (its "
+                "state of the table handed back whole)",
+                type(opt).__name__,
+                old,
+            )
+            grad = self.batch_rows.grad
+            if grad is not None and grad.shape[0] == 0:  # no backward since that step
+                logger.warning(
+                    "cached table: a %s steps it with no backward since the %s stepped "
+                    "it; that step consumed the gradient (a resident table would be "
+                    "stepped with it twice): step a table with one optimizer",
+                    type(opt).__name__,
+                    old,
+                )
+            self.detach_optimizer()
+        self.attach(opt)  # registers the instance pre-hook, which runs right after
 
     def _cancel_auto_attach(self) -> None:
-        """Remove the global hook of :meth:`_auto_attach` (a table the agent converts attaches
+        """Leave the global hook of :meth:`_auto_attach` (a table the agent converts attaches
         explicitly and may roll back: it registers the hook once the conversion stands)."""
-        if self._auto_hook is not None:
-            self._auto_hook.remove()
-            self._auto_hook = None
+        _WAITING.discard(self)
+        self._auto_hook = None
 
     def _before_step(self, optimizer: torch.optim.Optimizer) -> None:
         if optimizer is not self._optimizer or self._rule is None:
