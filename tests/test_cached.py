@@ -520,3 +520,17 @@ def test_a_lookup_without_gradients_over_more_ids_than_the_cache_leaves_it_as_it
     )
     torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
     assert bag.cache_rows == 9
+
+
+def test_an_init_written_into_the_cache_weight_is_refused_at_the_first_lookup() -> None:
+    # regression: weight is the cache (C, D); nn.init on it wrote free slots only, the table
+    # kept its N(0, 1) rows and training went on from them (2.0 to 9.4 relative to a twin
+    # initialised the same way after 150 steps)
+    table = CachedEmbedding(N, D, C)
+    nn.init.uniform_(table.weight, -0.01, 0.01)
+    with pytest.raises(ValueError, match=r"^CachedEmbedding\.weight is the device cache"):
+        table(torch.tensor([5]))
+    w = torch.empty(N, D).uniform_(-0.01, 0.01)
+    for table in (CachedEmbedding(N, D, C, _weight=w), CachedEmbedding(N, D, C)):
+        table.load_state_dict({"weight": w})  # the ways the message gives
+        torch.testing.assert_close(table(torch.arange(N)), w, rtol=0, atol=0)

@@ -392,6 +392,27 @@ class _RowMovement:
         return slots
 
     # ------------------------------------------------------------------ forward
+    def _check_free_slots(self) -> None:
+        """At the first lookup: the cache's free slots are as made (zero). ``weight`` is the
+        cache ``(C, D)``, not the table: ``nn.init.normal_(table.weight)`` wrote only slots that
+        no row used, the table kept its own values, and training went on from them, silently.
+
+        Raises:
+            ValueError: a free slot holds a value, with the ways that initialise the table.
+        """
+        self._cache_checked = True
+        free = (self.slot_to_block < 0).nonzero().reshape(-1)
+        if free.numel() == 0:
+            return
+        rows = to_device(self._slot_rows(free), self.device)
+        if bool(self.weight.data.index_select(0, rows).any()):  # one wait for the device, once
+            raise ValueError(
+                "CachedEmbedding.weight is the device cache (cache_rows, D), not the table, and "
+                "was written before any row was loaded (nn.init on .weight?): that changes no "
+                "row of the table. Give the table at construction (_weight=w), or load it: "
+                "table.load_state_dict({'weight': w}) with w (num_embeddings, D)"
+            )
+
     def _host_ids(self, input: torch.Tensor) -> torch.Tensor:
         """``input``'s ids, flat int64 on the host.
 

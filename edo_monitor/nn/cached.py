@@ -236,6 +236,7 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _RowMovement, _Checkpointing
         self._tick = 0
         self._optimizer: torch.optim.Optimizer | None = None
         self._state_seen: dict[str, Any] | None = None  # the optimizer's state of the cache
+        self._cache_checked = False  # the first lookup checks that no one wrote the free slots
         self._rule: _Rule | None = None
         self._hooks: list[Any] = []
         self._auto_hook: Any = None
@@ -463,6 +464,8 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _RowMovement, _Checkpointing
     ) -> torch.Tensor:
         if self._optimizer is None and self.weight.requires_grad:
             self._auto_attach()
+        if not getattr(self, "_cache_checked", True):
+            self._check_free_slots()
         training = torch.is_grad_enabled() and self.weight.requires_grad
         keep = training and self._keeps_rows()
         o = self.options
