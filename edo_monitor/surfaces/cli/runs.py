@@ -182,7 +182,11 @@ def show_cmd(
     run: RunArg,
     db: DbOpt = None,
     modules: Annotated[
-        bool, typer.Option("--modules", help="Only the module x category bytes table.")
+        bool,
+        typer.Option(
+            "--modules",
+            help="Only the module tables: bytes by module and category, and the row caches.",
+        ),
     ] = False,
     max_events: Annotated[
         int,
