@@ -275,3 +275,13 @@ def test_module_rows_hold_every_device_tier_byte_once_and_add_up_to_the_totals()
         assert getattr(acc, cat) == sum(getattr(r, cat) for r in rows.values())
     assert acc.params_bytes == lin + bn + 2 * 2 * 4 + 8
     assert acc.host_bytes == 3 * table
+
+
+def test_int8_refuses_values_beyond_float32_instead_of_reading_back_nan() -> None:
+    # regression: a float64 row with values near 1e300 was quantised in float32 and read back
+    # as NaN, silently
+    w = torch.tensor([[1e300, -2e300, 3e300], [1e-3, 2e-3, -3e-3]], dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"^a value of magnitude 3e\+300 exceeds float32's range"):
+        Int8RowwiseEmbedding(w, EmbeddingOptions(2, 3), output_dtype=torch.float64)
+    fine = Int8RowwiseEmbedding(w[1:], EmbeddingOptions(1, 3), output_dtype=torch.float64)
+    assert torch.allclose(fine(torch.tensor([0])), w[1:], rtol=0.01)

@@ -409,8 +409,20 @@ def quantize_int8_rowwise(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     Returns:
         ``(q, scale)``: ``q`` ``(N, D)`` int8 in [-127, 127] and ``scale`` ``(N,)`` float32 with
         ``row ≈ q * scale``; an all-zero row gets scale 0 and is reconstructed exactly.
+
+    Raises:
+        ValueError: a value beyond float32's range (a float64 table's): its row's scale cannot
+            be stored (the row read back as NaN).
     """
-    w = weight.detach().float()
+    w = weight.detach()
+    if w.numel() and w.dtype.itemsize > 4:
+        top = float(w.abs().max())
+        if top > torch.finfo(torch.float32).max:
+            raise ValueError(
+                f"a value of magnitude {top:g} exceeds float32's range; the row's int8 scale "
+                "(float32) cannot be stored"
+            )
+    w = w.float()
     scale = w.abs().amax(dim=1) / 127.0
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.clamp(torch.round(w / safe.unsqueeze(1)), -127, 127).to(torch.int8)
