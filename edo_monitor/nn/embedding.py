@@ -142,9 +142,7 @@ class _EdoEmbedding(nn.Module):
 
     def __init__(self, options: EmbeddingOptions) -> None:
         super().__init__()
-        if options.bag_mode is not None and options.bag_mode not in BAG_MODES:
-            raise ValueError(f"bag_mode={options.bag_mode!r}; expected one of {BAG_MODES} or None")
-        self.options = options
+        self.options = options  # its values checked when it was made
         # the replaced module's attributes, readable as on nn.Embedding / nn.EmbeddingBag
         self.num_embeddings = options.num_embeddings
         self.embedding_dim = options.embedding_dim

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from edo_monitor.nn.embedding import EmbeddingOptions, _RowComputedEmbedding
+from edo_monitor.nn.embedding import EmbeddingOptions, _index, _RowComputedEmbedding
 
 __all__ = [
     "HashedEmbedding",
@@ -95,8 +95,7 @@ def hash_ids(ids: torch.Tensor, num_buckets: int, seed: int = 0) -> torch.Tensor
     Raises:
         ValueError: for ``num_buckets < 1`` or a bad seed.
     """
-    if isinstance(num_buckets, bool) or not hasattr(num_buckets, "__index__") or num_buckets < 1:
-        raise ValueError(f"num_buckets={num_buckets!r}; expected an int >= 1")
+    _index(num_buckets, "num_buckets", 1)
     a, b, c = hash_params(seed)
     x = ids.long()
     lo = torch.remainder(x, _P)
