@@ -100,7 +100,6 @@ class _Checkpointing:
             _rule=None,
             _kind="",
             _hooks=[],
-            _auto_hook=None,
             _stash=None,
             _pending=None,
             _lookahead=None,

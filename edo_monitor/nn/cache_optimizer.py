@@ -249,7 +249,6 @@ class _OptimizerBinding:
         if _STEP_HOOK is None:
             _STEP_HOOK = register_optimizer_step_pre_hook(_step_pre_hook)
         _WAITING.add(self)
-        self._auto_hook = True
 
     def _on_any_step(self, opt: torch.optim.Optimizer) -> None:
         """:func:`_step_pre_hook` for this table: ``opt`` steps it and is not its optimizer yet:
@@ -277,14 +276,14 @@ class _OptimizerBinding:
                     type(opt).__name__,
                     old,
                 )
-            self.detach_optimizer()
-        self.attach(opt)  # registers the instance pre-hook, which runs right after
+        # attach lets the one before go first, and registers the instance pre-hook (it runs
+        # right after this one)
+        self.attach(opt)
 
     def _cancel_auto_attach(self) -> None:
         """Leave the global hook of :meth:`_auto_attach` (a table the agent converts attaches
         explicitly and may roll back: it registers the hook once the conversion stands)."""
         _WAITING.discard(self)
-        self._auto_hook = None
 
     def _before_step(self, optimizer: torch.optim.Optimizer) -> None:
         if optimizer is not self._optimizer or self._rule is None:

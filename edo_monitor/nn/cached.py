@@ -239,7 +239,6 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _RowMovement, _Checkpointing
         self._cache_checked = False  # the first lookup checks that no one wrote the free slots
         self._rule: _Rule | None = None
         self._hooks: list[Any] = []
-        self._auto_hook: Any = None
         self._side_stream: Any = None
         self._counters = dict.fromkeys(
             (
