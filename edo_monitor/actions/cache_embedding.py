@@ -49,7 +49,7 @@ from edo_monitor.decide.plans import Plan, Refusal, cache_rows_for
 from edo_monitor.nn import EmbeddingOptions
 from edo_monitor.nn.cache_parts import rebind_data
 from edo_monitor.nn.cached import CachedTable
-from edo_monitor.nn.catch_up import _group_of, _make_rule
+from edo_monitor.nn.optimizers import _group_of, _make_rule
 from edo_monitor.units import format_bytes
 
 __all__ = ["CacheEmbedding", "GrowCache", "peak_batch_ids"]

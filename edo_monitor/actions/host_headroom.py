@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from edo_monitor.actions.base import ActionContext
-from edo_monitor.nn.catch_up import _group_of, optimizer_row_state_keys
+from edo_monitor.nn.optimizers import _group_of, optimizer_row_state_keys
 
 __all__ = ["HOST_MARGIN_BYTES", "HostHeadroom", "host_headroom"]
 

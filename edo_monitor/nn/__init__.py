@@ -6,16 +6,18 @@ from __future__ import annotations
 from edo_monitor.nn.cache_parts import CACHE_POLICIES, CacheStats
 from edo_monitor.nn.cached import CachedTable
 from edo_monitor.nn.cached_modules import CachedEmbedding, CachedEmbeddingBag
-from edo_monitor.nn.embedding import (
-    BAG_MODES,
-    EmbeddingOptions,
+from edo_monitor.nn.compressed import (
     Int8RowwiseEmbedding,
-    LowPrecisionEmbedding,
     LowRankEmbedding,
-    OffloadedEmbedding,
     dequantize_int8_rowwise,
     quantize_int8_rowwise,
     row_error,
+)
+from edo_monitor.nn.embedding import (
+    BAG_MODES,
+    EmbeddingOptions,
+    LowPrecisionEmbedding,
+    OffloadedEmbedding,
 )
 from edo_monitor.nn.lookahead import LookAhead
 from edo_monitor.nn.sharing import HashedEmbedding, HybridEmbedding, QREmbedding, hash_ids

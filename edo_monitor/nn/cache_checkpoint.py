@@ -15,13 +15,8 @@ from edo_monitor.nn.cache_parts import (
     _strip_row_buffers,
     rebind_data,
 )
-from edo_monitor.nn.catch_up import (
-    _CHUNK_ELEMENTS,
-    _group_of,
-    _make_rule,
-    initial_state,
-    steps_taken,
-)
+from edo_monitor.nn.catch_up import _CHUNK_ELEMENTS
+from edo_monitor.nn.optimizers import _group_of, _make_rule, initial_state, steps_taken
 
 logger = logging.getLogger(__name__)
 

@@ -12,15 +12,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from edo_monitor.nn.cache_parts import put_rows, to_device
 from edo_monitor.nn.cache_step import fused_update, optimizer_kind
-from edo_monitor.nn.catch_up import (
-    _CHUNK_ELEMENTS,
-    _group_of,
-    _make_rule,
-    _Rule,
-    check_lr,
-    initial_state,
-    steps_taken,
-)
+from edo_monitor.nn.catch_up import _CHUNK_ELEMENTS, _Rule
+from edo_monitor.nn.optimizers import _group_of, _make_rule, check_lr, initial_state, steps_taken
 
 logger = logging.getLogger(__name__)
 
