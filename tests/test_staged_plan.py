@@ -203,3 +203,27 @@ def test_sharding_when_the_model_is_already_sharded() -> None:
     assert (
         line.ranks is None and line.saving_bytes == 0 and line.target == "no rank count is enough"
     )
+
+
+def test_low_bit_stages_name_the_group_width_the_tables_get() -> None:
+    """A narrow table's groups are its row rounded up to 8 (estimate's and the module's rule):
+    the int4 / int2 lines name the widths their estimate used, not always 64."""
+
+    def table(name: str, dim: int) -> dict[str, object]:
+        n = 10_000
+        return {
+            "time_s": 1.0, "module": name, "kind": "Embedding", "num_embeddings": n,
+            "embedding_dim": dim, "dtype": "float32", "params_bytes": n * dim * 4,
+            "grads_bytes": 0, "optimizer_state_bytes": 0, "placement": "device",
+        }  # fmt: skip
+
+    def notes(rows: list[dict[str, object]]) -> dict[str, str]:
+        plan = staged_plan(1, None, _tables_at(rows, None), {})
+        return {s.action: s.detail for s in plan.stages if s.stage == 2}
+
+    narrow = notes([table("emb", 20)])
+    assert narrow["quantize_int4"].startswith("int4, groups of 24 with")
+    assert narrow["quantize_int2"].startswith("int2, groups of 24 with")
+    both = notes([table("emb", 20), table("wide", 300)])
+    assert both["quantize_int4"].startswith("int4, groups of 24 / 64 with")
+    assert notes([table("wide", 300)])["quantize_int4"].startswith("int4, groups of 64 with")

@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from edo_monitor.decide.estimate import _LOWBIT_DEFAULT_GROUP, _stored_group
 from edo_monitor.errors import ConfigError
 from edo_monitor.units import format_bytes
 
@@ -52,8 +53,8 @@ ENERGY_SHARES = (0.90, 0.99)
 QUANTIZATION_MODES = (
     ("bf16", "bf16 table, grads and state"),
     ("int8", "int8 rows + a scale a row; frozen"),
-    ("int4", "int4, groups of 64 with scale and zero-point; frozen"),
-    ("int2", "int2, groups of 64 with scale and zero-point; frozen"),
+    ("int4", "int4, groups of {group} with scale and zero-point; frozen"),
+    ("int2", "int2, groups of {group} with scale and zero-point; frozen"),
     ("2of8", "2 of 8 kept at 2 bits + positions; frozen"),
 )
 #: Ranks stage 3 proposes at most for a one-rank run.
@@ -233,12 +234,14 @@ def staged_plan(
     halved_table_grads = sum(t.grads_bytes // 2 for t in on_device)
     for mode, note in QUANTIZATION_MODES:
         saving = after = 0
+        groups: set[int] = set()  # a narrow table's groups are its row (estimate's rule)
         for t in on_device:
             try:
                 est = _est(t, mode)
             except ConfigError:
                 continue
             saving, after = saving + max(0, t.total_bytes - est), after + est
+            groups.add(_stored_group(t.embedding_dim, _LOWBIT_DEFAULT_GROUP))
         if saving <= 0:
             continue
         add(
@@ -249,7 +252,8 @@ def staged_plan(
             stage1 - halved_table_grads + saving,
             True,
             None,
-            f"{note}: estimate {format_bytes(after)}",
+            f"{note.format(group=' / '.join(map(str, sorted(groups))))}: estimate "
+            f"{format_bytes(after)}",
         )
     # stage 3
     ranks_now = world_size if world_size and world_size > 1 else None
