@@ -54,6 +54,7 @@ from edo_monitor.agent.safe_point import SafePoint
 from edo_monitor.agent.sampler import Sampler
 from edo_monitor.agent.snapshots import DEFAULT_CAP_BYTES, SnapshotRecorder
 from edo_monitor.agent.tuner import Tuner
+from edo_monitor.checks import whole_number
 from edo_monitor.decide.policy import Policy
 from edo_monitor.errors import ConfigError
 from edo_monitor.exporters.prometheus import (
@@ -143,8 +144,7 @@ class Monitor(_Lifecycle):
             raise ConfigError(f"interval_s={interval_s!r} must be a finite number of seconds > 0")
         if not snapshot_interval_s >= 0:
             raise ConfigError(f"snapshot_interval_s={snapshot_interval_s!r} must be >= 0")
-        if isinstance(queue_size, bool) or not isinstance(queue_size, int) or queue_size < 1:
-            raise ConfigError(f"queue_size={queue_size!r} must be an int >= 1")
+        queue_size = whole_number(queue_size, "queue_size", 1, error=ConfigError)
         optimizers: list[torch.optim.Optimizer] = []
         if optimizer is not None:
             optimizers = (
@@ -161,12 +161,7 @@ class Monitor(_Lifecycle):
             raise ConfigError(f"profile_interval_s={profile_interval_s!r} must be > 0")
         if enforce and budget is None:
             raise ConfigError("enforce=True needs a budget= to enforce")
-        if (
-            isinstance(sync_every_steps, bool)
-            or not isinstance(sync_every_steps, int)
-            or sync_every_steps < 1
-        ):
-            raise ConfigError(f"sync_every_steps={sync_every_steps!r} must be an int >= 1")
+        sync_every_steps = whole_number(sync_every_steps, "sync_every_steps", 1, error=ConfigError)
         if snapshots not in (None, True, False):
             raise ConfigError(f"snapshots={snapshots!r} must be None (auto), True or False")
         #: ``watch(snapshots=)``: None = at incidents, no allocator history; True = with it

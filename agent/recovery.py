@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from edo_monitor.checks import whole_number
 from edo_monitor.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -201,8 +202,7 @@ class StepRecovery:
         ):
             if value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name}={value!r} must be an int >= 1")
+            value = whole_number(value, name, 1, error=ConfigError)
             if name == "merge_after_steps" and value != self.merge_after_steps:
                 self._merge_wait_steps = value  # a new interval; an unchanged one keeps backing off
             setattr(self, name, value)

@@ -316,12 +316,12 @@ def test_grow_is_held_back_while_a_crossing_is_forecast() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"forecast_steps": 0}, r"forecast_steps=0 is not allowed; expected an int >= 1 or None"),
+        ({"forecast_steps": 0}, r"forecast_steps=0; expected an int >= 1 or None"),
         ({"forecast_steps": -3}, r"forecast_steps=-3"),
         ({"forecast_steps": 2.5}, r"forecast_steps=2\.5"),
         ({"forecast_steps": True}, r"forecast_steps=True"),
         ({"forecast_steps": "5"}, r"forecast_steps='5'"),
-        ({"forecast_window_steps": 7}, r"forecast_window_steps=7 .*int >= 8"),
+        ({"forecast_window_steps": 7}, r"forecast_window_steps=7; expected an int >= 8"),
         ({"forecast_window_steps": None}, r"forecast_window_steps=None"),
     ],
 )

@@ -49,7 +49,7 @@ def history(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_max_points_must_be_an_int_of_at_least_1(history: Path, value: Any, shown: str) -> None:
     with History(history) as h, pytest.raises(ConfigError) as err:
         h.samples("latest", max_points=value)
-    assert str(err.value) == f"max_points={shown}: expected an int >= 1 or None"
+    assert str(err.value) == f"max_points={shown}; expected an int >= 1 or None"
 
 
 def test_a_huge_max_points_is_every_sample(history: Path) -> None:
@@ -63,28 +63,28 @@ def test_a_huge_max_points_is_every_sample(history: Path) -> None:
 
 
 CALLS: list[tuple[str, Callable[[History], Any], str]] = [
-    ("runs limit", lambda h: h.runs(limit=-1), "limit=-1: expected an int >= 0 or None"),
-    ("runs limit", lambda h: h.runs(limit=1.5), "limit=1.5: expected an int >= 0 or None"),
-    ("jobs limit", lambda h: h.jobs(limit="3"), "limit='3': expected an int >= 0 or None"),
+    ("runs limit", lambda h: h.runs(limit=-1), "limit=-1; expected an int >= 0 or None"),
+    ("runs limit", lambda h: h.runs(limit=1.5), "limit=1.5; expected an int >= 0 or None"),
+    ("jobs limit", lambda h: h.jobs(limit="3"), "limit='3'; expected an int >= 0 or None"),
     (
         "samples_since after_id",
         lambda h: h.samples_since("latest", float("nan")),
-        "after_id=nan: expected an int >= 0",
+        "after_id=nan; expected an int >= 0",
     ),
     (
         "samples_since limit",
         lambda h: h.samples_since("latest", 0, limit=float("nan")),
-        "limit=nan: expected an int >= 0 or None",
+        "limit=nan; expected an int >= 0 or None",
     ),
     (
         "events_since after_id",
         lambda h: h.events_since("latest", None),
-        "after_id=None: expected an int >= 0",
+        "after_id=None; expected an int >= 0",
     ),
     (
         "device_events limit",
         lambda h: h.device_events(limit=2.5),
-        "limit=2.5: expected an int >= 0 or None",
+        "limit=2.5; expected an int >= 0 or None",
     ),
     (
         "devices within_s",

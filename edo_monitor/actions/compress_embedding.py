@@ -74,6 +74,7 @@ from edo_monitor.actions.tables import (
     replace_param_in_optimizers,
     sharing_users,
 )
+from edo_monitor.checks import whole_number
 from edo_monitor.decide.plans import Plan, Refusal, rounding_expected_error
 from edo_monitor.measure.accounting import tensor_bytes, tensor_bytes_as
 from edo_monitor.nn import (
@@ -147,16 +148,14 @@ class CompressEmbedding(Action):
         """
         if variant not in VARIANTS:
             raise ValueError(f"variant={variant!r}; expected one of {VARIANTS}")
-        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 8:
-            raise ValueError(f"group_size={group_size!r}; expected a positive multiple of 8")
+        group_size = whole_number(group_size, "group_size", 8)
         if group_size % 8:
             raise ValueError(f"group_size={group_size}; expected a positive multiple of 8")
         if per_row not in PER_ROW_MODES:
             raise ValueError(f"per_row={per_row!r}; expected one of {PER_ROW_MODES}")
         if per_row_bits not in (2, 4):
             raise ValueError(f"per_row_bits={per_row_bits!r}; expected 4 or 2")
-        if isinstance(cold_below, bool) or not isinstance(cold_below, int) or cold_below < 1:
-            raise ValueError(f"cold_below={cold_below!r}; expected a positive int")
+        cold_below = whole_number(cold_below, "cold_below", 1)
         self.variant = variant
         self.group_size = group_size
         self.per_row = per_row

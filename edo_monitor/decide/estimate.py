@@ -83,6 +83,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+from edo_monitor.checks import whole_number
 from edo_monitor.errors import ConfigError
 
 __all__ = ["OPTIMIZERS", "Estimate", "estimate"]
@@ -196,9 +197,7 @@ class Estimate:
 
 
 def _positive_int(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name}={value!r} is not allowed; expected a positive int")
-    return value
+    return whole_number(value, name, 1, error=ConfigError)
 
 
 def _dtype(value: object) -> tuple[str, int]:
@@ -248,9 +247,11 @@ def _compression(value: object) -> tuple[str | None, tuple[int, ...]]:
             raise bad from None
     elif isinstance(value, tuple) and value and isinstance(value[0], str):
         kind = value[0].strip().lower()
-        numbers = value[1:]
-        if any(isinstance(n, bool) or not isinstance(n, int) for n in numbers):
-            raise bad
+        try:
+            # ints (NumPy's too); their range is checked below, by kind
+            numbers = tuple(whole_number(n, "", None) for n in value[1:])
+        except ValueError:
+            raise bad from None
     else:
         raise bad
     if kind in ("int4", "int2", "2of8") and not numbers:

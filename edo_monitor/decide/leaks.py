@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from edo_monitor.checks import whole_number
 from edo_monitor.decide.trend import StepSeries
 from edo_monitor.errors import ConfigError
 
@@ -57,8 +58,7 @@ class GrowthDetector:
         min_rising_fraction: float = 0.9,
         min_growth_bytes_per_step: float = 1.0,
     ) -> None:
-        if isinstance(window_steps, bool) or not isinstance(window_steps, int) or window_steps < 2:
-            raise ConfigError(f"window_steps={window_steps!r} must be an int >= 2")
+        window_steps = whole_number(window_steps, "window_steps", 2, error=ConfigError)
         if not 0 < min_rising_fraction <= 1:
             raise ConfigError(f"min_rising_fraction={min_rising_fraction!r} must be in (0, 1]")
         if not min_growth_bytes_per_step > 0:

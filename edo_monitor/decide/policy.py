@@ -62,6 +62,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
+from edo_monitor.checks import whole_number
 from edo_monitor.decide.forecast import _Forecasting
 from edo_monitor.decide.plans import (
     DEFAULT_LOSSLESS_LADDER,
@@ -161,15 +162,7 @@ class Policy(_Forecasting):
                 f"rearm_free_fraction={rearm_free_fraction!r} is not allowed; expected a value "
                 f"above min_free_fraction={min_free_fraction!r}"
             )
-        if (
-            isinstance(cooldown_steps, bool)
-            or not isinstance(cooldown_steps, int)
-            or cooldown_steps < 0
-        ):
-            raise ConfigError(
-                f"cooldown_steps={cooldown_steps!r} is not allowed; expected an int >= 0"
-            )
-        self.cooldown_steps = cooldown_steps
+        self.cooldown_steps = whole_number(cooldown_steps, "cooldown_steps", 0, error=ConfigError)
         if mode not in MODES:
             raise ConfigError(f"mode={mode!r} is not allowed; expected one of {', '.join(MODES)}")
         self.mode = mode
@@ -195,33 +188,15 @@ class Policy(_Forecasting):
                 "in [0, 1)"
             )
         self.grow_margin_fraction = float(grow_margin_fraction)
-        if (
-            isinstance(grow_after_readings, bool)
-            or not isinstance(grow_after_readings, int)
-            or grow_after_readings < 1
-        ):
-            raise ConfigError(
-                f"grow_after_readings={grow_after_readings!r} is not allowed; expected an int >= 1"
-            )
-        self.grow_after_readings = grow_after_readings
-        if forecast_steps is not None and (
-            isinstance(forecast_steps, bool)
-            or not isinstance(forecast_steps, int)
-            or forecast_steps < 1
-        ):
-            raise ConfigError(
-                f"forecast_steps={forecast_steps!r} is not allowed; expected an int >= 1 or None"
-            )
-        self.forecast_steps = forecast_steps
-        if (
-            isinstance(forecast_window_steps, bool)
-            or not isinstance(forecast_window_steps, int)
-            or forecast_window_steps < FORECAST_MIN_STEPS
-        ):
-            raise ConfigError(
-                f"forecast_window_steps={forecast_window_steps!r} is not allowed; expected an int "
-                f">= {FORECAST_MIN_STEPS}"
-            )
+        self.grow_after_readings = whole_number(
+            grow_after_readings, "grow_after_readings", 1, error=ConfigError
+        )
+        self.forecast_steps = whole_number(
+            forecast_steps, "forecast_steps", 1, none=True, error=ConfigError
+        )
+        forecast_window_steps = whole_number(
+            forecast_window_steps, "forecast_window_steps", FORECAST_MIN_STEPS, error=ConfigError
+        )
         self.forecast_window_steps = forecast_window_steps
         # forecasting state (used only with forecast_steps): the in-use series with savings added
         # back, per-category series, savings of applied decisions not yet / already in force

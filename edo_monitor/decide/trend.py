@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from edo_monitor.checks import whole_number
 from edo_monitor.errors import ConfigError
 
 __all__ = ["StepSeries", "Trend", "fit_trend", "student_t_tail"]
@@ -49,9 +50,7 @@ class StepSeries:
     """
 
     def __init__(self, window_steps: int) -> None:
-        if isinstance(window_steps, bool) or not isinstance(window_steps, int) or window_steps < 1:
-            raise ConfigError(f"window_steps={window_steps!r} must be an int >= 1")
-        self.window_steps = window_steps
+        self.window_steps = whole_number(window_steps, "window_steps", 1, error=ConfigError)
         self._points: deque[list[float]] = deque()
         #: bumped whenever the points change (callers cache fits on it)
         self.version = 0

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
+from edo_monitor.checks import whole_number
 from edo_monitor.errors import ConfigError, missing_extra
 from edo_monitor.signals import stop_on_signals
 
@@ -111,9 +112,7 @@ def require_prometheus() -> Any:
 
 
 def _check_port(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
-        raise ConfigError(f"{name}={value!r} is not a TCP port; expected an int in 0..65535")
-    return value
+    return whole_number(value, name, 0, 65535, error=ConfigError)
 
 
 def resolve_metrics_port(

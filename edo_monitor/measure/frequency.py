@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from edo_monitor.checks import whole_number
+
 __all__ = ["LookupCounter", "TableFrequency"]
 
 logger = logging.getLogger(__name__)
@@ -117,9 +119,7 @@ class LookupCounter:
     MAX_PENDING = 16
 
     def __init__(self, sample_every: int = 1) -> None:
-        if isinstance(sample_every, bool) or not isinstance(sample_every, int) or sample_every < 1:
-            raise ValueError(f"sample_every={sample_every!r}; expected an int >= 1")
-        self.sample_every = sample_every
+        self.sample_every = whole_number(sample_every, "sample_every", 1)
         self._tables: dict[str, _Table] = {}
         self._handles: dict[str, Any] = {}
         self._lock = threading.Lock()  # the pending copies: the training thread and readers

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from edo_monitor.checks import whole_number
 from edo_monitor.nn.cache_parts import (
     _insert_row_buffers,
     _is_row_buffer,
@@ -158,8 +159,7 @@ class _Checkpointing:
         Raises:
             ValueError: ``cache_rows < 1``, or fewer rows than those used since the last step.
         """
-        if isinstance(cache_rows, bool) or not isinstance(cache_rows, int) or cache_rows < 1:
-            raise ValueError(f"cache_rows={cache_rows!r}; expected an int >= 1")
+        cache_rows = whole_number(cache_rows, "cache_rows", 1)
         new_slots = min(-(-cache_rows // self.block_rows), self.num_blocks)
         old_slots = self.slot_to_block.numel()
         if new_slots == old_slots:

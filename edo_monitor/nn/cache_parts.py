@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from edo_monitor.nn.embedding import BAG_MODES, EmbeddingOptions, _index, check_weight
+from edo_monitor.checks import whole_number
+from edo_monitor.nn.embedding import BAG_MODES, EmbeddingOptions, check_weight
 
 logger = logging.getLogger(__name__)
 
@@ -253,7 +254,7 @@ def _options(
     bag_mode: str | None,
     include_last_offset: bool,
 ) -> EmbeddingOptions:
-    n, d = _index(n, "num_embeddings", 1), _index(d, "embedding_dim", 1)
+    n, d = whole_number(n, "num_embeddings", 1), whole_number(d, "embedding_dim", 1)
     is_int = hasattr(padding_idx, "__index__") and not isinstance(padding_idx, bool)
     if is_int and -n <= padding_idx < 0:
         padding_idx += n  # from the end, as nn.Embedding's; EmbeddingOptions checks the rest

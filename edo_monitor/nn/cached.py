@@ -105,6 +105,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from edo_monitor.checks import whole_number
 from edo_monitor.nn.cache_checkpoint import _Checkpointing
 from edo_monitor.nn.cache_optimizer import _OptimizerBinding
 from edo_monitor.nn.cache_parts import (
@@ -117,7 +118,7 @@ from edo_monitor.nn.cache_parts import (
 from edo_monitor.nn.cache_rows import _RowMovement
 from edo_monitor.nn.cache_step import CacheRows
 from edo_monitor.nn.catch_up import _Rule
-from edo_monitor.nn.embedding import EmbeddingOptions, _EdoEmbedding, _index
+from edo_monitor.nn.embedding import EmbeddingOptions, _EdoEmbedding
 from edo_monitor.nn.victims import VictimOrder
 
 __all__ = ["CachedTable"]
@@ -174,12 +175,11 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _RowMovement, _Checkpointing
             raise ValueError(f"policy={policy!r}; expected one of {CACHE_POLICIES}")
         if overflow not in ("grow", "error"):
             raise ValueError(f"overflow={overflow!r}; expected 'grow' or 'error'")
-        if isinstance(block_rows, bool) or not isinstance(block_rows, int) or block_rows < 1:
-            raise ValueError(f"block_rows={block_rows!r}; expected an int >= 1")
+        block_rows = whole_number(block_rows, "block_rows", 1)
         n, d = options.num_embeddings, options.embedding_dim
         if tuple(host_weight.shape) != (n, d):
             raise ValueError(f"host_weight has shape {tuple(host_weight.shape)}; expected {(n, d)}")
-        cache_rows = _index(cache_rows, "cache_rows", 1)
+        cache_rows = whole_number(cache_rows, "cache_rows", 1)
         device = torch.device(device) if device is not None else host_weight.device
         self.policy = policy
         self.block_rows = block_rows

@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
+from edo_monitor.checks import whole_number
+
 __all__ = [
     "BAG_MODES",
     "EmbeddingOptions",
@@ -51,13 +53,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 BAG_MODES: tuple[str, ...] = ("sum", "mean", "max")
-
-
-def _index(value: Any, name: str, low: int) -> int:
-    """``value`` as an int (NumPy's ints too) at least ``low``; ``ValueError`` naming it."""
-    if isinstance(value, bool) or not hasattr(value, "__index__") or value < low:
-        raise ValueError(f"{name}={value!r}; expected an int >= {low}")
-    return int(value)
 
 
 @dataclass(frozen=True)
@@ -85,8 +80,8 @@ class EmbeddingOptions:
     include_last_offset: bool = False
 
     def __post_init__(self) -> None:
-        n = _index(self.num_embeddings, "num_embeddings", 1)
-        _index(self.embedding_dim, "embedding_dim", 1)
+        n = whole_number(self.num_embeddings, "num_embeddings", 1)
+        whole_number(self.embedding_dim, "embedding_dim", 1)
         if self.padding_idx is not None:
             pad = self.padding_idx
             if isinstance(pad, bool) or not hasattr(pad, "__index__") or not 0 <= pad < n:

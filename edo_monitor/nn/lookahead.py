@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from edo_monitor.checks import whole_number
 from edo_monitor.nn.cache_parts import _CacheFullError
 from edo_monitor.nn.cached import CachedTable
 
@@ -130,8 +131,7 @@ class LookAhead:
         ids: IdsFn | None = None,
         tables: nn.Module | Iterable[CachedTable] | None = None,
     ) -> None:
-        if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 1:
-            raise ValueError(f"ahead={ahead!r}; expected an int >= 1")
+        ahead = whole_number(ahead, "ahead", 1)
         if ids is None:
             ids = first_int_tensor
         if not callable(ids):

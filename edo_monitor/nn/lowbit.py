@@ -38,6 +38,7 @@ import logging
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from edo_monitor.checks import whole_number
 from edo_monitor.nn.embedding import EmbeddingOptions, _RowComputedEmbedding, check_weight
 
 __all__ = [
@@ -78,8 +79,7 @@ def _check_group(bits: int, group_size: int, d: int) -> int:
     columns took the bytes of int8). Raises ``ValueError`` naming a bad ``bits`` or size."""
     if bits not in LOW_BITS:
         raise ValueError(f"bits={bits!r}; expected one of {LOW_BITS}")
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 8:
-        raise ValueError(f"group_size={group_size!r}; expected an int >= 8, a multiple of 8")
+    group_size = whole_number(group_size, "group_size", 8)
     if group_size % 8:
         raise ValueError(f"group_size={group_size}; expected a multiple of 8")
     return min(group_size, max(8, -(-d // 8) * 8))

@@ -41,7 +41,8 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from edo_monitor.nn.embedding import EmbeddingOptions, _index, _RowComputedEmbedding
+from edo_monitor.checks import whole_number
+from edo_monitor.nn.embedding import EmbeddingOptions, _RowComputedEmbedding
 
 __all__ = [
     "HashedEmbedding",
@@ -73,8 +74,7 @@ def hash_params(seed: int) -> tuple[int, int, int]:
     Raises:
         ValueError: when ``seed`` is not a non-negative int.
     """
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed={seed!r}; expected a non-negative int")
+    seed = whole_number(seed, "seed", 0)
     state, a = _splitmix64(seed)
     state, b = _splitmix64(state)
     _, c = _splitmix64(state)
@@ -95,19 +95,13 @@ def hash_ids(ids: torch.Tensor, num_buckets: int, seed: int = 0) -> torch.Tensor
     Raises:
         ValueError: for ``num_buckets < 1`` or a bad seed.
     """
-    _index(num_buckets, "num_buckets", 1)
+    num_buckets = whole_number(num_buckets, "num_buckets", 1)
     a, b, c = hash_params(seed)
     x = ids.long()
     lo = torch.remainder(x, _P)
     hi = torch.div(x, _P, rounding_mode="floor")
     h = torch.remainder(a * lo + c * hi + b, _P)
     return torch.remainder(h, num_buckets)
-
-
-def _positive(value: int, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r}; expected a positive int")
-    return value
 
 
 class _SharedEmbedding(_RowComputedEmbedding):
@@ -176,7 +170,7 @@ class HashedEmbedding(_SharedEmbedding):
         device: torch.device | str | None = None,
         padding_row: torch.Tensor | None = None,
     ) -> None:
-        num_buckets = _positive(num_buckets, "num_buckets")
+        num_buckets = whole_number(num_buckets, "num_buckets", 1)
         if num_hashes not in (1, 2):
             raise ValueError(f"num_hashes={num_hashes!r}; expected 1 or 2")
         hash_params(seed)  # validates the seed
@@ -251,7 +245,7 @@ class QREmbedding(_SharedEmbedding):
     ) -> None:
         n, d = options.num_embeddings, options.embedding_dim
         r = math.isqrt(n - 1) + 1 if num_remainders is None else num_remainders
-        r = _positive(r, "num_remainders")
+        r = whole_number(r, "num_remainders", 1)
         if operation not in ("sum", "mult"):
             raise ValueError(f"operation={operation!r}; expected 'sum' or 'mult'")
         if options.padding_idx is not None and padding_row is None:
@@ -316,7 +310,7 @@ class HybridEmbedding(_SharedEmbedding):
         padding_row: torch.Tensor | None = None,
     ) -> None:
         n, d = options.num_embeddings, options.embedding_dim
-        num_buckets = _positive(num_buckets, "num_buckets")
+        num_buckets = whole_number(num_buckets, "num_buckets", 1)
         hash_params(seed)
         hot = torch.as_tensor(hot_ids).long().reshape(-1)
         if hot.numel() and (int(hot.min()) < 0 or int(hot.max()) >= n):

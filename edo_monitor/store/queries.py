@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
+from edo_monitor.checks import whole_number
 from edo_monitor.errors import ConfigError
 from edo_monitor.probes.readings import SAMPLE_FIELDS
 from edo_monitor.store.records import (
@@ -77,20 +78,15 @@ _MAX_COUNT = 2**62
 
 def _count(value: Any, name: str, minimum: int, *, none: bool = True) -> int | None:
     """A count argument (``max_points``, ``limit``, ``after_id``) checked before it reaches SQL:
-    an int ``>= minimum`` (not a bool), or ``None`` when ``none``; one larger than
+    an int ``>= minimum`` (NumPy's ints too, not a bool), or ``None`` when ``none``; one larger than
     :data:`_MAX_COUNT` is clamped to it (it means "all" as well).
 
     Raises:
         ConfigError: anything else (a float such as nan, inf or 2.5, a string, a bool, too
             small), naming the value and what is allowed.
     """
-    if value is None and none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(
-            f"{name}={value!r}: expected an int >= {minimum}{' or None' if none else ''}"
-        )
-    return min(value, _MAX_COUNT)
+    count = whole_number(value, name, minimum, none=none, error=ConfigError)
+    return None if count is None else min(count, _MAX_COUNT)
 
 
 def _merge(acc: dict[int, list[Any]], b: int, part: Sequence[Any], ncols: int) -> None:
