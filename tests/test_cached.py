@@ -436,6 +436,24 @@ def test_momentum_switched_on_and_off_mid_training_follows_the_twin() -> None:
     assert _rel(s2["momentum_buffer"], s1["momentum_buffer"]) < 1e-12
 
 
+def test_amsgrad_switched_off_and_on_again_follows_the_twin() -> None:
+    """``amsgrad`` off for some steps, on again: a row stepped only meanwhile comes back with a
+    stale maximum below its second moment (torch takes ``max(max, v)`` at its next step). The
+    catch-up divided by the stale maximum: the row went to -1.8e6 where the twin's is 2.5."""
+    gen = torch.Generator().manual_seed(11)
+    base = torch.randn(N, D, generator=gen, dtype=torch.float64)
+    twin, cached = _pair(base)
+    make = OPTIMIZERS["adam_amsgrad"]
+    o1, o2 = make([twin.weight]), make([cached.weight])
+    for amsgrad in (True, False, True, False, True):
+        for opt in (o1, o2):
+            opt.param_groups[0]["amsgrad"] = amsgrad
+        _train([(twin, o1), (cached, o2)], 12, gen)
+    assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
+    s1, s2 = o1.state_dict()["state"][0], o2.state_dict()["state"][0]
+    assert _rel(s2["max_exp_avg_sq"], s1["max_exp_avg_sq"]) < 1e-12
+
+
 @pytest.mark.parametrize("bag", [None, "sum"])
 def test_from_pretrained_is_nn_embeddings_from_pretrained_with_a_cache(bag: str | None) -> None:
     """``CachedEmbedding(Bag).from_pretrained(weights, cache_rows, freeze=...)`` as ``nn``'s

@@ -359,6 +359,12 @@ class _AdamRule(_Rule):
         if self.wd:  # the decoupled decays of the missed steps
             decay = self._decay(us, torch.full_like(us, t))
             p[:behind].mul_(to_device(decay[inv][:, None], dev, p.dtype))
+        if self.amsgrad:
+            # torch's first missed step takes max(max, beta2 v), the largest of them all (v only
+            # decays after it): a max below it (amsgrad switched on since the row's step, its
+            # max made at 0 or left stale) is raised to it before the sum divides by it
+            mx = state["max_exp_avg_sq"][:behind]
+            mx.copy_(torch.maximum(mx, v[:behind] * self.beta2))
         if lead < behind:
             denom = state["max_exp_avg_sq"] if self.amsgrad else v
             sums = self._term_sums(us, inv[lead:], t, denom[lead:behind])
