@@ -98,6 +98,7 @@ class _Checkpointing:
             _hooks=[],
             _stash=None,
             _pending=None,
+            _forwards=[],
             _lookahead=None,
             _host_alloc=None,
             _side_stream=None,
@@ -338,3 +339,51 @@ class _Checkpointing:
         if self._optimizer is not None:
             group = _group_of(self._optimizer, self.weight)
             self._rule = _make_rule(self._optimizer, group, t, buffers, self.weight.dtype)
+
+
+def _module_state_dict_hook(
+    module: Any, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
+    """The module's ``state_dict()`` holds the full caught-up table ``(N, D)`` as ``weight``
+    (it loads into an uncached model) and no ``batch_rows``."""
+    key = prefix + "weight"
+    if key in state_dict:
+        state_dict[key] = module.full_weight().detach().clone()
+    state_dict.pop(prefix + "batch_rows", None)  # the touched rows' gradient holder: not state
+
+
+def _module_load_pre_hook(
+    module: Any,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: Any,
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    """``load_state_dict``: a full table ``(N, D)`` becomes the host table, every row current
+    at step t, and the cache takes its slots' rows from it; another shape is one error."""
+    state_dict[prefix + "batch_rows"] = module.batch_rows.detach().clone()
+    key = prefix + "weight"
+    value = state_dict.get(key)
+    if value is None:
+        return
+    n, d = module.num_embeddings, module.embedding_dim
+    if tuple(value.shape) != (n, d):
+        error_msgs.append(
+            f"{key}: a cached table loads the full table {(n, d)}, got {tuple(value.shape)}"
+        )
+        # the cache's own rows in its place (a copy onto itself): taken out, torch reported the
+        # key missing too, and the real reason came second
+        state_dict[key] = module.weight.detach()
+        return
+    with torch.no_grad():
+        module.flush()  # host optimizer state current before every row is declared current
+        module.host_weight.copy_(value)
+        module.last_step.fill_(module.t)
+        module.slot_step.fill_(module.t)
+        module._pending = None  # the step takes the loaded rows
+        module._rewrites += 1
+        rows = module._gather_rows(module.host_weight)
+    state_dict[key] = rows.to(module.weight.dtype)

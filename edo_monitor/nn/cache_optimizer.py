@@ -250,7 +250,16 @@ class _OptimizerBinding:
             return
         if self.weight.shape[0] != self.slot_step.numel():
             return  # not the cache's weight (a rolled-back conversion gave it back)
-        if not any(p is self.weight for g in opt.param_groups for p in g["params"]):
+        params = [p for g in opt.param_groups for p in g["params"]]
+        if not any(p is self.weight for p in params):
+            if any(p is self.batch_rows for p in params):
+                raise ValueError(
+                    f"a {type(opt).__name__} that does not step the cached table's weight holds "
+                    "its batch_rows (the buffer of the rows its own optimizer steps, in "
+                    "model.parameters()): it would step those rows, or drop their gradient at "
+                    "its zero_grad(); build it without the table's parameters: [p for p in "
+                    "model.parameters() if p is not table.weight and p is not table.batch_rows]"
+                )
             return
         if self._optimizer is not None:
             old = type(self._optimizer).__name__
@@ -283,12 +292,15 @@ class _OptimizerBinding:
             return
         group = _group_of(optimizer, self.weight)
         check_lr(optimizer, group, self.weight.dtype)  # lr made a tensor since the attach
+        direct = self._direct_grad()
         if _Rule._hyper(group) != self._rule.hyper:
             # hyper-parameters changed: every host row catches up under the old ones first
             old = self._rule
             self.flush()
             self._rule = _make_rule(optimizer, group, self.t, old.buffers_after(self.t))
             self._state_appears(old.keys, group)
+        if direct is not None:
+            self._add_direct_grad(direct)
         grad = self.batch_rows.grad
         if grad is None:
             return  # as a resident table with no gradient: the optimizer skips it
@@ -300,6 +312,63 @@ class _OptimizerBinding:
             self._cache_state()["step"] = torch.tensor(float(self.t))
         # hidden from the optimizer's own step (it skips parameters without a gradient)
         self._stash, self.batch_rows.grad = grad, None
+
+    def _direct_grad(self) -> torch.Tensor | None:
+        """A gradient that reached ``weight`` ``(C, D)`` itself, not through a lookup (a loss
+        term over ``.weight`` or over every parameter), taken from it before the optimizer's
+        own step could step the cache with it (Adam stepped the table twice a step).
+
+        All zero (``0 * p.sum()`` over the parameters, DDP's way to touch them all): the
+        resident table's gradient is then its lookups' alone, and the step is exact; with no
+        lookup since the last step it is a zero gradient for every row, stepped as one.
+        Otherwise no exact step exists: the cache holds only some rows, each at its own step.
+        A table the user made refuses it; one the agent made
+        (``edo_action_made``) must not fail the training it watches: the gradient reaches the
+        cached rows it touches (:meth:`_add_direct_grad`, returned here) and a warning says
+        the rows on the host got none.
+
+        Raises:
+            RuntimeError: a non-zero gradient on the weight of a table the user made (the
+                weight keeps it; nothing is stepped).
+        """
+        wgrad = self.weight.grad
+        if wgrad is None:
+            return None
+        if not bool(wgrad.any()):
+            self.weight.grad = None
+            if self.batch_rows.grad is None:
+                self.batch_rows.grad = torch.zeros_like(self.batch_rows)
+            return None
+        if not getattr(self, "edo_action_made", False):
+            raise RuntimeError(
+                "a gradient reached the cached table's weight directly (a loss term over "
+                ".weight or over every parameter, such as an L2 penalty): the weight is the "
+                "cache, some rows of the table each at its own step, so no step of it is the "
+                "resident table's; take such a term over the looked-up rows, or use the "
+                "optimizer's weight_decay"
+            )
+        self.weight.grad = None
+        if not getattr(self, "_direct_grad_warned", False):
+            self._direct_grad_warned = True
+            logger.warning(
+                "cached table: a gradient reached its weight directly (a loss term over the "
+                "model's parameters?); it steps the cached rows it touches, at their cached "
+                "values, and not the rows on the host, as the resident table's would"
+            )
+        return wgrad
+
+    def _add_direct_grad(self, grad: torch.Tensor) -> None:
+        """Add ``grad`` ``(C, D)`` (a gradient on ``weight``) into the batch's gradient at the
+        cache rows it touches that hold table rows (a free slot holds none)."""
+        rows = grad.ne(0).any(dim=1).nonzero().reshape(-1).cpu()
+        rows = rows[self.slot_to_block.index_select(0, rows // self.block_rows) >= 0]
+        if rows.numel() == 0:
+            return
+        pos = self._take_rows(rows) if self._keeps_rows() else self._layout_add(rows)
+        g = self.batch_rows.grad
+        if g is None:
+            g = self.batch_rows.grad = torch.zeros_like(self.batch_rows)
+        g.index_add_(0, to_device(pos, g.device), grad.index_select(0, to_device(rows, g.device)))
 
     def _state_appears(self, old_keys: tuple[str, ...], group: dict[str, Any]) -> None:
         """State keys the new rule keeps and ``old_keys`` did not (momentum switched on): made
@@ -500,6 +569,7 @@ class _OptimizerBinding:
                 "forward; run backward before optimizer.step() (the cache's gradient rows of "
                 "that forward are no longer laid out)"
             )
+        self._backward_seen = True
         with torch.no_grad():
             g = self.batch_rows.grad
             if g is None:

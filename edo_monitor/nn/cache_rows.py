@@ -56,6 +56,27 @@ class _RowMovement:
             put_rows(self.slot_pinned, torch.cat(listed), False)
         self._pinned_since_step = []
         self._pinned_listed = 0
+        self._forwards = []
+        self._backward_seen = False
+
+    def _release_dropped_forwards(self) -> None:
+        """Let the rows of the forwards since the last step go when no backward reached the
+        cache since and every one of their graphs is gone (an evaluation run with gradients
+        on, its results dropped): no backward can come, so nothing is pending. Their rows were
+        pinned and kept in the gradient layout until a step that may never come: 200 such
+        batches grew a 100-row cache to 7,218 rows (``overflow="error"``: raised at the
+        second). The cache's rows are as they were (a forward catches rows up in the row
+        buffer, not in the cache); a zero gradient (``zero_grad(set_to_none=False)``) stays
+        one."""
+        forwards = self._forwards
+        if not forwards or self._backward_seen or any(f() is not None for f in forwards):
+            return
+        self._clear_pins()
+        self._pending = None
+        self._generation += 1
+        empty = self.batch_rows.new_zeros(0, self.embedding_dim)
+        grad = None if self.batch_rows.grad is None else empty.clone()
+        self._set_layout(torch.zeros(0, dtype=torch.int64), grad, empty)
 
     # ------------------------------------------------------------------ moving rows
     def _real_rows(
@@ -408,9 +429,11 @@ class _RowMovement:
         if bool(self.weight.data.index_select(0, rows).any()):  # one wait for the device, once
             raise ValueError(
                 "CachedEmbedding.weight is the device cache (cache_rows, D), not the table, and "
-                "was written before any row was loaded (nn.init on .weight?): that changes no "
-                "row of the table. Give the table at construction (_weight=w), or load it: "
-                "table.load_state_dict({'weight': w}) with w (num_embeddings, D)"
+                "was written before any row was loaded (nn.init on .weight, or an average of "
+                "the parameters such as AveragedModel / EMA?): that changes no row of the table. "
+                "Give the table at construction (_weight=w), or load it: "
+                "table.load_state_dict({'weight': w}) with w (num_embeddings, D); average "
+                "tables through their state_dict()"
             )
 
     def _host_ids(self, input: torch.Tensor) -> torch.Tensor:

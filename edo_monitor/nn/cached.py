@@ -71,6 +71,14 @@ caught up when loaded again), flushed or checkpointed. Gradients, exactly:
   momentum, Adam's moments), as torch steps the resident table's zeroed one.
 * ``optimizer.state_dict()`` leaves ``batch_rows`` out (ids renumbered) and holds the full
   caught-up state; it loads into an optimizer over the uncached model and back.
+* A gradient on ``weight`` itself (a loss term over it or over every parameter) never reaches
+  the optimizer's own step: an all-zero one (DDP's ``0 * p.sum()``) is the resident table's
+  (exact; a step without a lookup is a zero gradient for every row), a non-zero one has no
+  exact step and is refused (``RuntimeError`` at the step; on a table the agent made, the
+  cached rows it touches take it, with a warning: :meth:`_direct_grad`). An optimizer that
+  holds ``batch_rows`` without ``weight`` is refused at its step (``ValueError``).
+* The rows of forwards whose graphs are all gone with no backward since the step (an
+  evaluation with gradients on) are let go at the next forward (:meth:`_release_dropped_forwards`).
 
 Adam's catch-up sum over a row's missed steps is, per element, one series in ``y = root c /
 (root c + eps)`` (``c``: the largest of the steps' scales) that converges for every ``root =
@@ -96,6 +104,7 @@ the row buffer too, and torch refuses the checkpoint's smaller group).
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -106,7 +115,11 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from edo_monitor.checks import whole_number
-from edo_monitor.nn.cache_checkpoint import _Checkpointing
+from edo_monitor.nn.cache_checkpoint import (
+    _Checkpointing,
+    _module_load_pre_hook,
+    _module_state_dict_hook,
+)
 from edo_monitor.nn.cache_optimizer import _OptimizerBinding
 from edo_monitor.nn.cache_parts import (
     CACHE_POLICIES,
@@ -296,6 +309,10 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _RowMovement, _Checkpointing
         # O(cache); None: too many listed (or the slots were renumbered), clear them all
         self._pinned_since_step: list[torch.Tensor] | None = []
         self._pinned_listed = 0
+        # the graphs of the training forwards since the last step (their CacheRows nodes), and
+        # whether a backward reached the cache since: _release_dropped_forwards
+        self._forwards: list[weakref.ref[Any]] = []
+        self._backward_seen = False
         rows = slots * self.block_rows
         self.slot_step = torch.zeros(rows, dtype=torch.int64)  # the step each cache row is at
         self.weight = nn.Parameter(
@@ -466,6 +483,8 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _RowMovement, _Checkpointing
         if not getattr(self, "_cache_checked", True):
             self._check_free_slots()
         training = torch.is_grad_enabled() and self.weight.requires_grad
+        if training:
+            self._release_dropped_forwards()
         keep = training and self._keeps_rows()
         o = self.options
         try:  # rows without a gradient need not be resident: the cache grows for training only
@@ -544,48 +563,7 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _RowMovement, _Checkpointing
         if positions is None:
             return source.index_select(0, dev_index)
         at = dev_index if positions is index else to_device(positions, self.device)
-        return CacheRows.apply(self.weight, source, dev_index, self, at, self._generation)
-
-
-def _module_state_dict_hook(
-    module: CachedTable, state_dict: dict[str, Any], prefix: str, local_metadata: Any
-) -> None:
-    key = prefix + "weight"
-    if key in state_dict:
-        state_dict[key] = module.full_weight().detach().clone()
-    state_dict.pop(prefix + "batch_rows", None)  # the touched rows' gradient holder: not state
-
-
-def _module_load_pre_hook(
-    module: CachedTable,
-    state_dict: dict[str, Any],
-    prefix: str,
-    local_metadata: Any,
-    strict: bool,
-    missing_keys: list[str],
-    unexpected_keys: list[str],
-    error_msgs: list[str],
-) -> None:
-    state_dict[prefix + "batch_rows"] = module.batch_rows.detach().clone()
-    key = prefix + "weight"
-    value = state_dict.get(key)
-    if value is None:
-        return
-    n, d = module.num_embeddings, module.embedding_dim
-    if tuple(value.shape) != (n, d):
-        error_msgs.append(
-            f"{key}: a cached table loads the full table {(n, d)}, got {tuple(value.shape)}"
-        )
-        # the cache's own rows in its place (a copy onto itself): taken out, torch reported the
-        # key missing too, and the real reason came second
-        state_dict[key] = module.weight.detach()
-        return
-    with torch.no_grad():
-        module.flush()  # host optimizer state current before every row is declared current
-        module.host_weight.copy_(value)
-        module.last_step.fill_(module.t)
-        module.slot_step.fill_(module.t)
-        module._pending = None  # the step takes the loaded rows
-        module._rewrites += 1
-        rows = module._gather_rows(module.host_weight)
-    state_dict[key] = rows.to(module.weight.dtype)
+        out = CacheRows.apply(self.weight, source, dev_index, self, at, self._generation)
+        if out.grad_fn is not None:
+            self._forwards.append(weakref.ref(out.grad_fn))
+        return out
