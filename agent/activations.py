@@ -2,11 +2,16 @@
 
 The pack hook sees every tensor autograd saves during forward (in the training thread, inside the
 ``watch()`` block). With a watched model it counts those of the model's *step window* only: from
-the model's forward (a forward pre-hook opens it) to the step boundary (:meth:`end_step` closes
-it), so the model's activations and its loss's count, and the saved tensors of another model
-trained between two of its steps (another ``watch()``'s, a model not watched) do not: before the
-window, those were charged to the watched model, and under a CPU budget ``enforce=True`` raised
-the out-of-memory error in the other model's forward.
+the model's forward to the step boundary (:meth:`end_step` closes it), so the model's activations
+and its loss's count, and the saved tensors of another model trained between two of its steps
+(another ``watch()``'s, a model not watched) do not: before the window, those were charged to
+the watched model, and under a CPU budget ``enforce=True`` raised the out-of-memory error in the
+other model's forward. The window opens at the model's forward (a forward pre-hook), or else at
+the first of its parameters saved: a step that calls the model's parts, not the model (a
+LightningModule's ``training_step`` calls its children), read 0 bytes of activations with the
+model's hook alone. From the step after one that opened so on, the model's children get the
+hook too (a hook costs ~7 us a call: models called whole never get them); a step through a
+grandchild still opens at its first parameter saved, missing what was saved before it.
 
 Instead of the tensor the pack hook hands autograd a small holder (:class:`_Saved`) that keeps
 the tensor and a key of its storage; autograd keeps the holder exactly as long as it keeps the
@@ -102,8 +107,9 @@ class ActivationTracker:
             they are the model's own memory, counted as ``params_bytes``).
         on_error: called as ``on_error(exc)`` for each error caught inside the pack hook (the
             agent counts them and records the first of each kind); also counted in :attr:`errors`.
-        window_of: the watched model: count only inside its step window (its forward to
-            :meth:`end_step`; see the module docstring). ``None``: every saved tensor counts.
+        window_of: the watched model: count only inside its step window (its forward, or its
+            first parameter saved, to :meth:`end_step`; see the module docstring). ``None``:
+            every saved tensor counts.
 
     Attributes:
         errors: exceptions caught inside the pack hook (count).
@@ -143,7 +149,8 @@ class ActivationTracker:
         self.on_exceed: Callable[[int, int], None] | None = None
         self._window_of = window_of
         self._open = window_of is None  # inside the step window (always, without a model)
-        self._window_hook: Any = None
+        self._window_hooks: list[Any] = []
+        self._parts_called = False  # a window opened at a parameter: hook the children too
 
     @staticmethod
     def _keys(params: Iterable[torch.Tensor]) -> frozenset[int]:
@@ -164,6 +171,7 @@ class ActivationTracker:
         """The pack hook: count ``tensor``'s storage while autograd keeps it; never raises for
         the tracker's own failures (only ``on_exceed``'s out-of-memory error propagates)."""
         if not self._open:  # outside the watched model's step window: not its memory
+            self._open_at_own_parameter(tensor)
             return tensor
         try:
             if tensor.layout is _STRIDED:  # inline: the common case, on the hot path
@@ -286,23 +294,41 @@ class ActivationTracker:
         self.last_step_bytes = peak
         if self._window_of is not None:
             self._open = False  # until the model's next forward
+            if self._parts_called and len(self._window_hooks) == 1:
+                self._window_hooks += [
+                    m.register_forward_pre_hook(self._open_window)
+                    for m in self._window_of.children()
+                ]
         return peak
 
     def _open_window(self, module: torch.nn.Module, args: Any) -> None:
         self._open = True
+
+    def _open_at_own_parameter(self, tensor: torch.Tensor) -> None:
+        """A closed window opens when one of the model's parameters is saved: its computation
+        began without a forward of the model (or of a hooked child); the parameter itself is not
+        counted. The step boundary then hooks the children (:meth:`end_step`)."""
+        try:
+            if tensor.layout is _STRIDED and tensor.untyped_storage().data_ptr() in (
+                self._param_keys
+            ):
+                self._open = True
+                self._parts_called = True
+        except Exception as exc:
+            self._failed(exc)
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> ActivationTracker:
         self._context = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._context.__enter__()
         if self._window_of is not None:
-            self._window_hook = self._window_of.register_forward_pre_hook(self._open_window)
+            self._window_hooks = [self._window_of.register_forward_pre_hook(self._open_window)]
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._context is not None:
             self._context.__exit__(None, None, None)
             self._context = None
-        if self._window_hook is not None:
-            self._window_hook.remove()
-            self._window_hook = None
+        for hook in self._window_hooks:
+            hook.remove()
+        self._window_hooks = []

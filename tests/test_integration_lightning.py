@@ -334,5 +334,8 @@ def test_the_readme_lightning_section_runs_as_written(
     assert summary.status == "finished" and summary.steps == 30
     assert summary.run_name == "lightning_logs/version_0"
     assert [a["action"] for a in summary.actions][:1] == ["cache_embedding"], summary
+    # training_step calls the module's children, never the module: its activations read 0
+    # (the README printed 13 KiB before, and the policy planned without them)
+    assert summary.peak_activations_bytes >= 64 * 8 * 8, summary  # a batch's ids, at least
     (run,) = runs(tmp_path / "edo-history.db")
     assert run["status"] == "finished"

@@ -467,3 +467,44 @@ def test_an_inner_watch_of_another_model_is_not_charged_to_the_outer(db_path: Pa
     # the inner run's: the first Linear's input [128, 256], ReLU's result [128, 64] (the second
     # Linear's input: one storage, counted once) and pow's input [128, 1], float32
     assert inner_mon.summary().peak_activations_bytes == 4 * 128 * (256 + 64 + 1)
+
+
+class _CallsItsParts(nn.Module):
+    """A LightningModule's way: the step calls the children, never the module itself; or a
+    grandchild directly (``self.body[0]``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Embedding(1_000, 8), nn.Flatten(), nn.Linear(32, 1))
+
+    def step_through_children(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.body(ids)
+
+    def step_through_a_grandchild(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.body[2](self.body[1](self.body[0](ids)))
+
+
+@pytest.mark.parametrize("way", ["step_through_children", "step_through_a_grandchild"])
+def test_a_step_that_calls_the_models_parts_counts_their_activations(
+    db_path: Path, way: str
+) -> None:
+    """The window opened only at the watched model's own forward: a step that calls its children
+    (Lightning's training_step) read 0 bytes of activations, and the policy planned without
+    them. The first saved parameter opens it (what was saved before it is missed: the ids the
+    embedding saved, the Linear's input saved before its weight); from the next step on, the
+    children's forwards open it: the peak is the whole step's. A grandchild called directly
+    keeps opening it at its parameter: pow's input only."""
+    model = _CallsItsParts()
+    opt = torch.optim.Adam(model.parameters())
+    with edo_monitor.watch(model, db=db_path) as mon:
+        for _ in range(3):
+            getattr(model, way)(torch.randint(0, 1_000, (16, 4))).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            mon.step()
+    seen = mon.summary().peak_activations_bytes
+    if way == "step_through_children":
+        assert seen == SMALL_STEP_ACTIVATIONS_BYTES
+    else:
+        assert seen == 16 * 4
