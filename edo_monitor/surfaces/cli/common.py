@@ -134,7 +134,9 @@ def _handle_errors(func: F) -> F:
             sys.stderr.close()
             raise typer.Exit(EXIT_OK) from None
         except (KeyboardInterrupt, _InterruptedError):
-            raise _fail("interrupted", EXIT_INTERRUPTED) from None
+            # the way to stop metrics, daemon and a long sql: not an error (as the examples')
+            _c.err.print("edo-monitor: interrupted")
+            raise typer.Exit(EXIT_INTERRUPTED) from None
         except MissingExtraError as exc:  # the command was right; a package is missing
             raise _fail(str(exc), EXIT_ERROR) from None
         except ConfigError as exc:

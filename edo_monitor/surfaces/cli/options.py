@@ -111,7 +111,7 @@ class CliGroup(TyperGroup):
             sys.stderr.write(f"edo-monitor: error: {one_line(exc)}\n")
             code = EXIT_USAGE if isinstance(exc, click.UsageError) else exc.exit_code
         except typer.Abort:
-            sys.stderr.write("edo-monitor: error: interrupted\n")
+            sys.stderr.write("edo-monitor: interrupted\n")
             code = 130
         code = code if isinstance(code, int) else 0
         if standalone_mode:
