@@ -13,7 +13,13 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from edo_monitor.nn.cache_parts import put_rows, to_device
 from edo_monitor.nn.cache_step import fused_update, optimizer_kind
 from edo_monitor.nn.catch_up import _CHUNK_ELEMENTS, _Rule
-from edo_monitor.nn.optimizers import _group_of, _make_rule, check_lr, initial_state, steps_taken
+from edo_monitor.nn.optimizers import (
+    _group_of,
+    _make_rule,
+    check_hyper_tensors,
+    initial_state,
+    steps_taken,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -291,7 +297,7 @@ class _OptimizerBinding:
         if optimizer is not self._optimizer or self._rule is None:
             return
         group = _group_of(optimizer, self.weight)
-        check_lr(optimizer, group, self.weight.dtype)  # lr made a tensor since the attach
+        check_hyper_tensors(optimizer, group, self.weight.dtype)  # made tensors since
         direct = self._direct_grad()
         if _Rule._hyper(group) != self._rule.hyper:
             # hyper-parameters changed: every host row catches up under the old ones first

@@ -99,8 +99,18 @@ class _Rule:
 
     @staticmethod
     def _hyper(group: dict[str, Any]) -> tuple:
+        """The group's hyper-parameters but the learning rate, as numbers (a tensor's value,
+        also inside ``betas``: one changed in place is a change), to compare step to step."""
+
+        def number(v: Any) -> Any:
+            if isinstance(v, torch.Tensor):
+                return float(v)
+            if isinstance(v, tuple | list):
+                return tuple(number(x) for x in v)
+            return v
+
         return tuple(
-            (k, v if not isinstance(v, torch.Tensor) else float(v))
+            (k, number(v))
             for k, v in sorted(group.items())
             if k not in ("params", "lr", "initial_lr", "foreach")
         )

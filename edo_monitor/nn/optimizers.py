@@ -1,6 +1,6 @@
 """The optimizers the row cache steps: what it reads off them (a table's group, the steps taken,
 the per-element state keys and their initial values) and which catch-up rule each one gets, with
-what is refused and why (:func:`_make_rule`)."""
+what is refused and why (:func:`_make_rule`, :func:`check_hyper_tensors`)."""
 
 from __future__ import annotations
 
@@ -49,27 +49,87 @@ def initial_state(group: dict[str, Any], key: str) -> float:
     return float(group.get("initial_accumulator_value", 0.0)) if key == "sum" else 0.0
 
 
-def check_lr(optimizer: torch.optim.Optimizer, group: dict[str, Any], dtype: torch.dtype) -> None:
-    """Refuse (``ValueError``, naming it) Adam's or AdamW's ``lr`` given as a tensor of less
-    precision than the table's ``dtype`` (a float32 tensor on a float64 table): torch then
-    computes each step's step size ``lr / (1 - beta1^t)`` and decay ``1 - lr * weight_decay``
-    in the tensor's dtype and rounds them there (AdamW: 3e-7 of a float64 twin after 20 steps),
-    which the catch-up's float64 tables do not reproduce. SGD and Adagrad apply such an ``lr``
-    as the number it holds, as the cache does."""
-    lr = group["lr"]
-    if not isinstance(lr, torch.Tensor):
+#: hyper-parameters torch computes with in their own dtype when given as tensors, per optimizer
+#: kind: (name in the group, what it rounds there at every step); read off ``torch/optim``'s
+#: single- and multi-tensor steps (torch 2.13) and measured (:func:`check_hyper_tensors`)
+_ROUNDED_IN_OWN_DTYPE: dict[str, tuple[tuple[str, str], ...]] = {
+    "adam": (
+        ("lr", "each step's step size and decay"),
+        ("betas[0]", "each step's bias correction 1 - beta1^t"),
+        ("betas[1]", "1 - beta2 and each step's bias correction 1 - beta2^t"),
+    ),
+    "adamw": (("weight_decay", "each step's decay 1 - lr * weight_decay"),),
+    "sgd": (("dampening", "1 - dampening"),),
+    "adagrad": (
+        ("lr_decay", "each step's learning rate lr / (1 + (t - 1) * lr_decay)"),
+        ("lr", "each step's learning rate lr / (1 + (t - 1) * lr_decay)"),
+    ),
+}
+
+
+def check_hyper_tensors(
+    optimizer: torch.optim.Optimizer, group: dict[str, Any], dtype: torch.dtype
+) -> None:
+    """Refuse a hyper-parameter of ``group`` that torch rounds in its own dtype, given as a tensor
+    less precise than the table's ``dtype`` (a float32 tensor on a float64 table; an integer or
+    bool tensor counts as torch's default dtype, the dtype of the quotients torch makes of it).
+
+    torch computes with such a tensor in its dtype and rounds the result there at every step;
+    the row cache (its fused step and its float64 catch-up) computes with the number the tensor
+    holds, so the two part (relative difference to a resident float64 twin, float32 tensors,
+    every row cached, 50 steps, 4 x 6 ids per step):
+
+    * Adam and AdamW: ``lr`` (step size ``lr / (1 - beta1^t)`` and decay ``1 - lr *
+      weight_decay``: 5e-10), ``betas[0]`` (``1 - beta1^t``: 4e-9), ``betas[1]`` (``1 - beta2``,
+      ``1 - beta2^t``: 6e-8); decoupled decay (AdamW, or ``decoupled_weight_decay=True``) also
+      ``weight_decay`` (``1 - lr * weight_decay``: 7e-7);
+    * SGD: ``dampening`` (``1 - dampening``: 5e-8);
+    * Adagrad: ``lr_decay`` (``lr / (1 + (t - 1) * lr_decay)``: 5e-9), and ``lr`` unless
+      ``lr_decay`` is 0 (the same quotient: 5e-9).
+
+    Taken as given, since torch applies them as the numbers they hold (a Python scalar, or a
+    factor of a tensor of the table's dtype), as the cache does (measured: 1e-15, i.e.
+    rounding; ``tests/test_cached_hyper_tensors.py``): SGD's ``lr``, ``momentum``,
+    ``weight_decay``; Adam's ``eps`` (and its L2 ``weight_decay``, refused by
+    :func:`_make_rule` when not 0); Adagrad's ``lr`` with ``lr_decay`` 0, ``eps``,
+    ``initial_accumulator_value``. A tensor of the table's dtype or a more precise one is
+    taken everywhere. ``betas`` may be a tuple of tensors.
+
+    Called at the attach and at every step (a hyper-parameter made a tensor since).
+
+    Raises:
+        ValueError: naming the optimizer, the hyper-parameter, its value and dtype, the table's
+            dtype, and what to give instead (a float, or a tensor of the table's dtype).
+    """
+    if isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        kinds = ["adam"]
+        if isinstance(optimizer, torch.optim.AdamW) or group.get("decoupled_weight_decay"):
+            kinds.append("adamw")
+    elif isinstance(optimizer, torch.optim.SGD):
+        kinds = ["sgd"]
+    elif isinstance(optimizer, torch.optim.Adagrad):
+        kinds = ["adagrad"]
+    else:
         return
-    # an integer tensor's quotients come out in the default dtype
-    rounds_in = lr.dtype if lr.is_floating_point() else torch.get_default_dtype()
-    if (
-        isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW)
-        and torch.finfo(rounds_in).eps > torch.finfo(dtype).eps
-    ):
-        raise ValueError(
-            f"{type(optimizer).__name__} with lr={lr!r} (a {lr.dtype} tensor) on a {dtype} "
-            f"table: torch rounds each step's step size and decay to {rounds_in}, which the row "
-            f"cache does not reproduce; give lr as a float (or a {dtype} tensor)"
-        )
+    betas = group.get("betas")
+    for kind in kinds:
+        for key, what in _ROUNDED_IN_OWN_DTYPE[kind]:
+            if key.startswith("betas["):
+                value = betas[int(key[6])] if isinstance(betas, tuple | list) else None
+            else:
+                value = group.get(key)
+            if not isinstance(value, torch.Tensor):
+                continue
+            if kind == "adagrad" and key == "lr" and not float(group.get("lr_decay", 0.0)):
+                continue  # lr / 1: the number it holds
+            rounds_in = value.dtype if value.is_floating_point() else torch.get_default_dtype()
+            if torch.finfo(rounds_in).eps <= torch.finfo(dtype).eps:
+                continue
+            raise ValueError(
+                f"{type(optimizer).__name__} with {key}={value!r} (a {value.dtype} tensor) on a "
+                f"{dtype} table: torch rounds {what} to {rounds_in}, which the row cache does "
+                f"not reproduce; give {key} as a float (or a {dtype} tensor)"
+            )
 
 
 #: the optimizers the row cache steps by their own rule (their step() as torch defines it)
@@ -84,7 +144,7 @@ def _make_rule(
     dtype: torch.dtype | None = None,
 ) -> _Rule:
     """The catch-up rule for ``group`` of ``optimizer`` from ``base_step`` on (``buffers``: SGD
-    held momentum buffers then) for a table of ``dtype`` (:func:`check_lr`; ``None``: not
+    held momentum buffers then) for a table of ``dtype`` (:func:`check_hyper_tensors`; ``None``: not
     checked); ``ValueError`` naming what is refused."""
     name = type(optimizer).__name__
     step = inspect.unwrap(type(optimizer).step)
@@ -96,7 +156,7 @@ def _make_rule(
             f"{stock.__name__} itself, or an uncached table"
         )
     if dtype is not None:
-        check_lr(optimizer, group, dtype)
+        check_hyper_tensors(optimizer, group, dtype)
     for flag in ("fused", "capturable"):
         if group.get(flag):
             raise ValueError(f"{name} with {flag}=True is not supported by the row cache")
