@@ -5,6 +5,9 @@ Real tables, real training loops, a real resident twin; the streams are Zipf ids
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -268,3 +271,156 @@ def test_ids_that_are_not_integer_ids_and_tables_that_are_not_cached_are_refused
     distinct = [torch.tensor([1, 2]), torch.tensor([3, 4]), torch.tensor([5, 6])]
     list(LookAhead(distinct, ahead=2, tables=(t for t in [table])))
     assert table.stats().misses == 6
+
+
+# ------------------------------------------------------------ reused buffers, loader errors
+def _refilled(count: int, view: bool = False) -> Iterator[Any]:
+    """A loader that refills one buffer for every batch (``buf.fill_(i); yield buf``)."""
+    buf = torch.zeros(3, dtype=torch.int64)
+    target = torch.zeros(3, D, dtype=torch.float64)
+    for i in range(count):
+        buf.fill_(i)
+        target.fill_(float(i))
+        yield (buf[:], target) if view else buf
+
+
+@pytest.mark.parametrize("view", [False, True])
+def test_a_loader_that_refills_one_buffer_is_refused_before_a_wrong_batch_is_handed_out(
+    view: bool,
+) -> None:
+    """A loader reusing one tensor for its batches: the read-ahead held references to the one
+    buffer, so the batches came out as [3, 4, 5, 5, 5, 5] (ahead=3) and the model trained on
+    the wrong ones without a word; now the read that writes into a waiting batch is refused,
+    naming the batch and the fix, before anything is handed out. Copies work as the loader
+    meant them."""
+    table = CachedEmbedding(N, D, C)
+    with pytest.raises(ValueError, match=r"wrote into batch 0 .* while giving batch 1") as err:
+        next(iter(LookAhead(_refilled(6, view), ahead=3, tables=table)))
+    assert "reuses one buffer" in str(err.value)
+    assert "yield a new tensor for every batch (e.g. `yield buf.clone()`)" in str(err.value)
+    copies = (b.clone() for b in _refilled(6))
+    got = [int(b[0]) for b in LookAhead(copies, ahead=3, tables=table)]
+    assert got == list(range(6))
+
+
+def test_the_same_tensor_yielded_again_and_edited_by_the_step_is_not_refused() -> None:
+    """Yielding one unchanged tensor again is no reuse, and neither is the training step's own
+    in-place edit of a batch (it reaches the same tensor waiting later, as without LookAhead):
+    only a write made while the loader gives the next batch counts."""
+    ids = torch.tensor([1, 2, 3])
+    table = CachedEmbedding(N, D, C)
+    got = []
+    for batch in LookAhead([ids, ids, ids, ids], ahead=2, tables=table):
+        got.append(batch.tolist())
+        batch.add_(1)  # the step edits its batch in place
+    assert got == [[1, 2, 3], [2, 3, 4], [3, 4, 5], [4, 5, 6]]  # as the plain loop sees them
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_dataloader_is_never_taken_for_a_reused_buffer(workers: int) -> None:
+    """A ``DataLoader`` yields new tensors for every batch (collated, from worker processes),
+    and, with ``batch_size=None``, views of its dataset: the same rows drawn again within the
+    window are views of the same memory, unchanged, and pass. Every batch is handed out as the
+    plain loader gives it, and the table is trained by them."""
+    from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+
+    gen = torch.Generator().manual_seed(2)
+    ids = _zipf(gen, 64 * 4).reshape(64, 4)
+    data = TensorDataset(ids, torch.randn(64, 4, D, generator=gen, dtype=torch.float64))
+    batched = DataLoader(data, batch_size=4, num_workers=workers)
+    sampler = RandomSampler(data, replacement=True, num_samples=40, generator=gen)
+    single = DataLoader(data, batch_size=None, sampler=sampler)  # views of the dataset
+    for loader in (batched, single):
+        plain = [b[0].clone() for b in loader] if loader is batched else None
+        table = CachedEmbedding(N, D, C, dtype=torch.float64)
+        opt = torch.optim.SGD(table.parameters(), lr=0.1)
+        got = []
+        for batch_ids, target in LookAhead(loader, ahead=4, tables=table):
+            got.append(batch_ids.clone())
+            opt.zero_grad()
+            ((table(batch_ids) - target) ** 2).sum().backward()
+            opt.step()
+        if plain is not None:
+            assert len(got) == len(plain) and all(map(torch.equal, got, plain))
+        else:  # each a row of the dataset; some drawn again within the window
+            assert len(got) == 40 and all(bool((ids == b).all(1).any()) for b in got)
+            assert any(
+                torch.equal(got[i], got[j]) for i in range(40) for j in range(i + 1, min(i + 5, 40))
+            )
+        assert table.stats().misses > 0
+
+
+def test_a_loader_error_is_raised_where_the_loader_raised_it() -> None:
+    """A loader failing at batch 6 with ahead=3: the batches it gave before (0-5) are handed
+    out and trained, then the loader's own exception object is raised (it was raised at the
+    read ahead, after batch 2, and batches 3-5 were never trained)."""
+    failure = RuntimeError("disk gone at batch 6")
+
+    def failing() -> Iterator[torch.Tensor]:
+        for i in range(6):
+            yield torch.tensor([i, i + 10])
+        raise failure
+
+    table = CachedEmbedding(N, D, C)
+    opt = torch.optim.SGD(table.parameters(), lr=0.1)
+    got = []
+    with pytest.raises(RuntimeError) as err:
+        for ids in LookAhead(failing(), ahead=3, tables=table):
+            got.append(int(ids[0]))
+            opt.zero_grad()
+            table(ids).sum().backward()
+            opt.step()
+    assert err.value is failure
+    assert got == [0, 1, 2, 3, 4, 5]
+    assert table._lookahead is None  # the hook is gone with the error too
+
+
+def test_an_ids_error_is_raised_at_its_own_batchs_turn() -> None:
+    """``ids(batch)`` failing for batch 4 (read ahead while batch 1 runs): batches 0-3 are
+    handed out first, then its error, the same object."""
+    failure = KeyError("no ids in batch 4")
+
+    def ids(batch: torch.Tensor) -> torch.Tensor:
+        if int(batch[0]) == 4:
+            raise failure
+        return batch
+
+    batches = [torch.tensor([i, i + 10]) for i in range(8)]
+    got = []
+    with pytest.raises(KeyError) as err:
+        for batch in LookAhead(batches, ahead=3, ids=ids, tables=CachedEmbedding(N, D, C)):
+            got.append(int(batch[0]))
+    assert err.value is failure
+    assert got == [0, 1, 2, 3]
+
+
+# ------------------------------------------------------------ tables that serve nothing
+def test_a_plain_table_is_refused_and_a_model_without_cached_tables_is_said_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``tables=nn.Embedding(...)`` (a module holding no cached table, where none can appear:
+    the agent replaces a table in its parent) served nothing without a word: refused, naming
+    it. A model with no cached table (yet: the agent may convert one) and ``tables=None`` are
+    served as before, with a warning once per LookAhead, not at every pass."""
+    batches = [torch.tensor([1, 2]), torch.tensor([3, 4])]
+    with pytest.raises(
+        ValueError, match=r"^tables=Embedding\(200, 4\) holds no cached table, and none can "
+    ):
+        LookAhead(batches, tables=nn.Embedding(N, D))
+    model = nn.Sequential(nn.Embedding(N, D), nn.Linear(D, 1))
+    for tables, said in (
+        (model, "LookAhead(tables=<Sequential>) finds no cached table"),
+        (None, "LookAhead(tables=None) reads ahead but serves no table"),
+    ):
+        loader = LookAhead(batches, ahead=2, tables=tables)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="edo_monitor.nn.lookahead"):
+            for _ in range(2):  # two epochs
+                assert [b.tolist() for b in loader] == [b.tolist() for b in batches]
+        messages = [r.getMessage() for r in caplog.records]
+        assert len(messages) == 1 and said in messages[0]
+    model[0] = CachedEmbedding(N, D, C)  # a model holding a cached table: nothing said
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="edo_monitor.nn.lookahead"):
+        list(LookAhead(batches, ahead=2, tables=model))
+    assert not caplog.records

@@ -102,10 +102,57 @@ class _Window:
         self.indexed = blocks
 
 
+def _versioned(t: torch.Tensor) -> bool:
+    """Whether ``t`` keeps a version counter (torch's count of in-place writes to it and its
+    views): an inference tensor, and some tensor subclasses, do not."""
+    if t.is_inference():
+        return False
+    try:
+        t._version  # noqa: B018 - read to see that it can be
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+    return True
+
+
+class _Entry:
+    """A batch read ahead: its number, the batch, its tensors one level deep (the batch, its
+    tuple/list items, its dict values: watched for the loader writing into them), its unique
+    blocks per table (``None``: not indexed yet) and the error ``ids(batch)`` raised for it."""
+
+    __slots__ = ("batch", "blocks", "error", "number", "tensors")
+
+    def __init__(self, number: int, batch: Any) -> None:
+        self.number = number
+        self.batch = batch
+        if isinstance(batch, torch.Tensor):
+            items: Iterable[Any] = (batch,)
+        elif isinstance(batch, Mapping):
+            items = batch.values()
+        else:
+            items = batch if isinstance(batch, (tuple, list)) else ()
+        self.tensors = [t for t in items if isinstance(t, torch.Tensor) and _versioned(t)]
+        self.blocks: dict[int, torch.Tensor] | None = None
+        self.error: Exception | None = None
+
+
 class LookAhead:
     """Iterate ``loader`` with ``ahead`` batches read in advance, prefetching and evicting by them.
 
     ``for batch in LookAhead(loader, ahead=8, ids=lambda b: b[0], tables=model): ...``
+
+    The batches are handed out as the loader gave them, in its order, and each is held from its
+    read until it is handed out: a loader must yield a new tensor for every batch. One that
+    refills a single buffer (``buf.fill_(i); yield buf``) would have overwritten the batches
+    still waiting by the time they are handed out; a torch write into a waiting batch's tensor
+    (one level deep: the batch, its tuple/list items, its dict values, and views of them)
+    while the loader reads the next one is refused (``ValueError``, below). A write torch does
+    not see (through NumPy into ``torch.from_numpy(buf)``) is not detected. A ``DataLoader``
+    yields new tensors (``pin_memory`` and workers too); so does ``yield buf.clone()``. The
+    same unchanged tensor yielded twice is fine.
+
+    An exception from the loader surfaces where iterating the loader itself would have raised
+    it: the batches read before it are handed out first, then the same exception object is
+    raised; an error of ``ids(batch)`` likewise surfaces at that batch's turn.
 
     Args:
         loader: any iterable of batches (a ``DataLoader``); read ``ahead + 1`` batches ahead.
@@ -115,13 +162,18 @@ class LookAhead:
             from the table (the module, or its name in ``tables`` when that is a model) to its
             tensor. Tables the mapping leaves out are
             served without look-ahead; ids outside a table's ``[0, N)`` are ignored (the forward
-            names them). Errors it raises propagate.
+            names them). Errors it raises propagate, at that batch's turn.
         tables: the cached tables: a model (its :class:`CachedTable` modules are found at every
-            batch, so tables converted later by the agent are served from then on), one table,
-            or an iterable of tables; ``None`` serves none (a warning when iterated).
+            batch, so tables converted later by the agent are served from then on; a warning,
+            once, when a pass starts with none), one table, or an iterable of tables; ``None``
+            serves none (a warning, once, when iterated).
 
     Raises:
-        ValueError: ``ahead`` not an int >= 1, ``ids`` not callable, ``tables`` of another type.
+        ValueError: ``ahead`` not an int >= 1, ``ids`` not callable, ``tables`` of another type
+            or a module that is no cached table and holds none (a plain ``nn.Embedding``: the
+            agent converts a table by replacing it in its parent, where this reference would
+            not see it); when iterated, a loader that wrote into a batch still waiting in the
+            window (naming the batch and the fix).
     """
 
     def __init__(
@@ -140,6 +192,17 @@ class LookAhead:
             tables is not None and not isinstance(tables, (nn.Module, Iterable))
         ):
             raise ValueError(f"tables={tables!r}; expected a model, a CachedTable or tables")
+        if (
+            isinstance(tables, nn.Module)
+            and not isinstance(tables, CachedTable)
+            and next(tables.children(), None) is None
+        ):
+            raise ValueError(
+                f"tables={tables!r} holds no cached table, and none can appear in it (a "
+                f"{type(tables).__name__} with no submodules: the agent converts a table by "
+                "replacing it in its parent); pass the model (its cached tables are found at "
+                "every batch, those converted later too) or the CachedEmbedding modules"
+            )
         if tables is not None and not isinstance(tables, nn.Module):
             tables = tuple(tables)  # iterated at every batch: a generator would be spent
             for i, table in enumerate(tables):
@@ -156,6 +219,7 @@ class LookAhead:
         #: blocks loaded for a batch at its own ``next()`` (not staged one batch ahead): the first
         #: batch's, and those whose staging was dropped; on the critical path like forward loads
         self.late_loads = 0
+        self._warned = False  # serving no table said (once)
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
@@ -236,22 +300,28 @@ class LookAhead:
 
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[Any]:
-        if self.tables is None:  # a model without cached tables yet is served as they appear
-            logger.warning(
-                "LookAhead(tables=None) reads ahead but serves no table: pass the model, a "
-                "cached table or the cached tables as tables="
-            )
+        self._say_if_serving_none()
         it = iter(self.loader)
-        window: deque[list[Any]] = deque()  # [batch number, batch, {id(table): blocks}]
+        window: deque[_Entry] = deque()
         count = 0
+        failed: list[Exception] = []  # the loader's exception, raised once the window drains
 
         def pull() -> bool:
             nonlocal count
+            if failed:
+                return False
+            waiting = [(e, t, t._version) for e in window for t in e.tensors]
             try:
                 batch = next(it)
             except StopIteration:
                 return False
-            window.append([count, batch, None])
+            except Exception as err:  # the plain loop raises it after the batches read before
+                failed.append(err)
+                return False
+            for entry, t, version in waiting:
+                if t._version != version:
+                    raise self._reused_buffer(entry, t, count)
+            window.append(_Entry(count, batch))
             count += 1
             return True
 
@@ -262,21 +332,60 @@ class LookAhead:
             while window:
                 tables = self._named_tables()
                 for entry in window:
-                    if entry[2] is None or any(id(t) not in entry[2] for _, t in tables):
-                        entry[2] = self._blocks(entry[1], tables)
-                batch = window[0][1]
+                    if entry.error is None and (
+                        entry.blocks is None or any(id(t) not in entry.blocks for _, t in tables)
+                    ):
+                        try:
+                            entry.blocks = self._blocks(entry.batch, tables)
+                        except Exception as err:  # raised at this batch's turn
+                            entry.blocks, entry.error = {}, err
+                head = window[0]
+                if head.error is not None:
+                    raise head.error
                 for _, table in tables:
                     self._serve(table, window, served)
-                yield batch
+                yield head.batch
                 window.popleft()
                 pull()
+            if failed:
+                raise failed[0]
         finally:
             for table in served:
                 if table._lookahead is self:
                     table._lookahead = None
             self._windows.clear()
 
-    def _serve(self, table: CachedTable, window: deque[list[Any]], served: list) -> None:
+    def _say_if_serving_none(self) -> None:
+        """Warn (once) that this look-ahead serves no table: ``tables=None``, or a model holding
+        no cached table yet (a table the agent converts later is served from then on)."""
+        if self._warned or not (self.tables is None or not self._named_tables()):
+            return
+        self._warned = True
+        if self.tables is None:
+            logger.warning(
+                "LookAhead(tables=None) reads ahead but serves no table: pass the model, a "
+                "cached table or the cached tables as tables="
+            )
+        else:
+            logger.warning(
+                "LookAhead(tables=<%s>) finds no cached table in it: it reads ahead but serves "
+                "none until one appears (a table the agent converts is served from the next "
+                "batch); convert its tables (CachedEmbedding) or pass the model that holds them",
+                type(self.tables).__name__,
+            )
+
+    def _reused_buffer(self, entry: _Entry, t: torch.Tensor, reading: int) -> ValueError:
+        """The error for a loader that wrote into ``t`` of ``entry`` (still waiting) while
+        giving batch ``reading``."""
+        return ValueError(
+            f"LookAhead: the loader wrote into batch {entry.number} (counting from 0; a "
+            f"{t.dtype} tensor of shape {tuple(t.shape)}) while giving batch {reading}: it "
+            f"reuses one buffer for its batches, and batch {entry.number}, read ahead "
+            f"(ahead={self.ahead}) and not handed out yet, would be handed out holding a later "
+            "batch's values; yield a new tensor for every batch (e.g. `yield buf.clone()`)"
+        )
+
+    def _serve(self, table: CachedTable, window: deque[_Entry], served: list) -> None:
         """Before batch ``window[0]`` runs (the step before it has run): place the rows staged for
         it into the cache, load what is still missing (counted in :attr:`late_loads`), and stage
         the misses of batch ``window[1]`` (host gather, catch-up and, on CUDA, the copy to the
@@ -289,7 +398,7 @@ class LookAhead:
         if table._lookahead is not self:
             table._lookahead = self
             served.append(table)
-        ahead = [(e[0], e[2][key]) for e in window if key in e[2]]
+        ahead = [(e.number, e.blocks[key]) for e in window if e.blocks and key in e.blocks]
         staged, w.staged = w.staged, None
         if not ahead:
             w.index([])
