@@ -3,33 +3,9 @@
 from __future__ import annotations
 
 import numbers
-from typing import Any, Literal, overload
+from typing import Any
 
-__all__ = ["whole_number"]
-
-
-@overload
-def whole_number(
-    value: Any,
-    name: str,
-    low: int | None,
-    high: int | None = None,
-    *,
-    none: Literal[False] = False,
-    error: type[Exception] = ValueError,
-) -> int: ...
-
-
-@overload
-def whole_number(
-    value: Any,
-    name: str,
-    low: int | None,
-    high: int | None = None,
-    *,
-    none: bool,
-    error: type[Exception] = ValueError,
-) -> int | None: ...
+__all__ = ["whole_number", "whole_number_or_none"]
 
 
 def whole_number(
@@ -38,22 +14,41 @@ def whole_number(
     low: int | None,
     high: int | None = None,
     *,
-    none: bool = False,
     error: type[Exception] = ValueError,
-) -> int | None:
+) -> int:
     """``value`` as a Python ``int``, checked before it is used.
 
     Allowed: an ``int`` or a NumPy integer (anything registered as ``numbers.Integral``) in
-    ``[low, high]`` (``None``: no bound that side), and ``None`` when ``none`` (returned as
-    is). Refused: a bool (``True`` is not a count), a float even when whole (``2.0``, ``nan``),
-    a string, a tensor.
+    ``[low, high]`` (``None``: no bound that side). Refused: a bool (``True`` is not a count),
+    a float even when whole (``2.0``, ``nan``), a string, a tensor.
 
     Raises:
         error: (``ValueError`` unless the caller names its own, e.g. ``ConfigError``) naming
             ``name``, the value and what is allowed.
     """
-    if value is None and none:
-        return None
+    return _checked(value, name, low, high, error, "")
+
+
+def whole_number_or_none(
+    value: Any,
+    name: str,
+    low: int | None,
+    high: int | None = None,
+    *,
+    error: type[Exception] = ValueError,
+) -> int | None:
+    """:func:`whole_number`, or ``None`` as given (the refusal says ``or None`` is allowed)."""
+    return None if value is None else _checked(value, name, low, high, error, " or None")
+
+
+def _checked(
+    value: Any,
+    name: str,
+    low: int | None,
+    high: int | None,
+    error: type[Exception],
+    also: str,
+) -> int:
     if (
         isinstance(value, bool)
         or not isinstance(value, numbers.Integral)
@@ -64,5 +59,5 @@ def whole_number(
             allowed = f"an int in {low}..{high}"
         else:
             allowed = "an int" if low is None else f"an int >= {low}"
-        raise error(f"{name}={value!r}; expected {allowed}{' or None' if none else ''}")
+        raise error(f"{name}={value!r}; expected {allowed}{also}")
     return int(value)

@@ -416,42 +416,36 @@ def test_a_step_with_a_closure_stays_exact(as_keyword: bool) -> None:
     assert _rel(cached.full_weight(), twin.weight.detach()) <= 1e-12
 
 
-def test_momentum_switched_on_and_off_mid_training_follows_the_twin() -> None:
-    """``param_groups[0]["momentum"]`` edited between steps: torch makes the buffers at the
-    first step with momentum (a copy of the gradient, no dampening) and keeps them, unchanged,
-    while momentum is 0. The cache raised KeyError at the first step with momentum."""
+# a setting edited between steps: (optimizer, key, its values in turn, steps each, the state
+# key compared)
+SWITCHED = {
+    # torch makes the buffers at the first step with momentum (a copy of the gradient, no
+    # dampening) and keeps them, unchanged, while momentum is 0. The cache raised KeyError at
+    # the first step with momentum.
+    "momentum": ("sgd_momentum_dampening_wd", (0.0, 0.9, 0.0, 0.8), 15, "momentum_buffer"),
+    # a row stepped only while amsgrad was off comes back with a stale maximum below its second
+    # moment (torch takes max(max, v) at its next step); the catch-up divided by the stale
+    # maximum: the row went to -1.8e6 where the twin's is 2.5.
+    "amsgrad": ("adam_amsgrad", (True, False, True, False, True), 12, "max_exp_avg_sq"),
+}
+
+
+@pytest.mark.parametrize("key", sorted(SWITCHED))
+def test_a_setting_switched_on_and_off_mid_training_follows_the_twin(key: str) -> None:
+    """``param_groups[0][key]`` edited between steps: the table and the optimizer's state of it
+    stay the twin's."""
+    name, values, steps, state_key = SWITCHED[key]
     gen = torch.Generator().manual_seed(10)
     base = torch.randn(N, D, generator=gen, dtype=torch.float64)
     twin, cached = _pair(base)
-    make = OPTIMIZERS["sgd_momentum_dampening_wd"]
-    o1, o2 = make([twin.weight]), make([cached.weight])
-    for opt in (o1, o2):
-        opt.param_groups[0]["momentum"] = 0.0
-    for momentum in (0.0, 0.9, 0.0, 0.8):
+    o1, o2 = OPTIMIZERS[name]([twin.weight]), OPTIMIZERS[name]([cached.weight])
+    for value in values:
         for opt in (o1, o2):
-            opt.param_groups[0]["momentum"] = momentum
-        _train([(twin, o1), (cached, o2)], 15, gen)
+            opt.param_groups[0][key] = value
+        _train([(twin, o1), (cached, o2)], steps, gen)
     assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
     s1, s2 = o1.state_dict()["state"][0], o2.state_dict()["state"][0]
-    assert _rel(s2["momentum_buffer"], s1["momentum_buffer"]) < 1e-12
-
-
-def test_amsgrad_switched_off_and_on_again_follows_the_twin() -> None:
-    """``amsgrad`` off for some steps, on again: a row stepped only meanwhile comes back with a
-    stale maximum below its second moment (torch takes ``max(max, v)`` at its next step). The
-    catch-up divided by the stale maximum: the row went to -1.8e6 where the twin's is 2.5."""
-    gen = torch.Generator().manual_seed(11)
-    base = torch.randn(N, D, generator=gen, dtype=torch.float64)
-    twin, cached = _pair(base)
-    make = OPTIMIZERS["adam_amsgrad"]
-    o1, o2 = make([twin.weight]), make([cached.weight])
-    for amsgrad in (True, False, True, False, True):
-        for opt in (o1, o2):
-            opt.param_groups[0]["amsgrad"] = amsgrad
-        _train([(twin, o1), (cached, o2)], 12, gen)
-    assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
-    s1, s2 = o1.state_dict()["state"][0], o2.state_dict()["state"][0]
-    assert _rel(s2["max_exp_avg_sq"], s1["max_exp_avg_sq"]) < 1e-12
+    assert _rel(s2[state_key], s1[state_key]) < 1e-12
 
 
 @pytest.mark.parametrize("bag", [None, "sum"])

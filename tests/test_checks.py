@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from edo_monitor.checks import whole_number
+from edo_monitor.checks import whole_number, whole_number_or_none
 from edo_monitor.decide.estimate import estimate
 from edo_monitor.decide.policy import Policy
 from edo_monitor.errors import ConfigError
@@ -45,11 +45,12 @@ def test_everything_else_is_refused_by_name(value: Any, shown: str) -> None:
 
 
 def test_none_only_where_allowed() -> None:
-    assert whole_number(None, "limit", 0, none=True) is None
+    assert whole_number_or_none(None, "limit", 0) is None
+    assert whole_number_or_none(np.int64(3), "limit", 0) == 3
     with pytest.raises(ValueError, match=r"^limit=None; expected an int >= 0$"):
         whole_number(None, "limit", 0)
     with pytest.raises(ValueError, match=r"^limit=-1; expected an int >= 0 or None$"):
-        whole_number(-1, "limit", 0, none=True)
+        whole_number_or_none(-1, "limit", 0)
 
 
 def _resized(table: CachedEmbedding, cache_rows: Any) -> int:

@@ -62,7 +62,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from edo_monitor.checks import whole_number
+from edo_monitor.checks import whole_number, whole_number_or_none
 from edo_monitor.decide.forecast import _Forecasting
 from edo_monitor.decide.plans import (
     DEFAULT_LOSSLESS_LADDER,
@@ -191,8 +191,8 @@ class Policy(_Forecasting):
         self.grow_after_readings = whole_number(
             grow_after_readings, "grow_after_readings", 1, error=ConfigError
         )
-        self.forecast_steps = whole_number(
-            forecast_steps, "forecast_steps", 1, none=True, error=ConfigError
+        self.forecast_steps = whole_number_or_none(
+            forecast_steps, "forecast_steps", 1, error=ConfigError
         )
         forecast_window_steps = whole_number(
             forecast_window_steps, "forecast_window_steps", FORECAST_MIN_STEPS, error=ConfigError

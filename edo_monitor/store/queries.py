@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from edo_monitor.checks import whole_number
+from edo_monitor.checks import whole_number, whole_number_or_none
 from edo_monitor.errors import ConfigError
 from edo_monitor.probes.readings import SAMPLE_FIELDS
 from edo_monitor.store.records import (
@@ -85,7 +85,10 @@ def _count(value: Any, name: str, minimum: int, *, none: bool = True) -> int | N
         ConfigError: anything else (a float such as nan, inf or 2.5, a string, a bool, too
             small), naming the value and what is allowed.
     """
-    count = whole_number(value, name, minimum, none=none, error=ConfigError)
+    if none:
+        count = whole_number_or_none(value, name, minimum, error=ConfigError)
+    else:
+        count = whole_number(value, name, minimum, error=ConfigError)
     return None if count is None else min(count, _MAX_COUNT)
 
 
