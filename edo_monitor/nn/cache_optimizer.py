@@ -260,7 +260,7 @@ class _OptimizerBinding:
         if not any(p is self.weight for p in params):
             if any(p is self.batch_rows for p in params):
                 raise ValueError(
-                    f"a {type(opt).__name__} that does not step the cached table's weight holds "
+                    f"{type(opt).__name__} optimizer without the cached table's weight holds "
                     "its batch_rows (the buffer of the rows its own optimizer steps, in "
                     "model.parameters()): it would step those rows, or drop their gradient at "
                     "its zero_grad(); build it without the table's parameters: [p for p in "
