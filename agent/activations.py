@@ -67,6 +67,7 @@ from typing import Any
 import torch
 
 from edo_monitor.measure.accounting import tensor_bytes
+from edo_monitor.measure.module_hooks import add_forward_pre_hook
 
 __all__ = ["ActivationTracker"]
 
@@ -296,8 +297,7 @@ class ActivationTracker:
             self._open = False  # until the model's next forward
             if self._parts_called and len(self._window_hooks) == 1:
                 self._window_hooks += [
-                    m.register_forward_pre_hook(self._open_window)
-                    for m in self._window_of.children()
+                    add_forward_pre_hook(m, self._open_window) for m in self._window_of.children()
                 ]
         return peak
 
@@ -322,7 +322,9 @@ class ActivationTracker:
         self._context = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._context.__enter__()
         if self._window_of is not None:
-            self._window_hooks = [self._window_of.register_forward_pre_hook(self._open_window)]
+            # not torch's own hook: a copy of the model (deepcopy, torch.save) would copy the
+            # tracker behind a bound method, and fail on its lock
+            self._window_hooks = [add_forward_pre_hook(self._window_of, self._open_window)]
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import sqlite3
@@ -508,3 +509,25 @@ def test_a_step_that_calls_the_models_parts_counts_their_activations(
         assert seen == SMALL_STEP_ACTIVATIONS_BYTES
     else:
         assert seen == 16 * 4
+
+
+def test_the_watched_model_copies_and_saves_while_watched(db_path: Path, tmp_path: Path) -> None:
+    """The hooks the agent puts on the model (the activations' step window, the tables' lookup
+    counting) were torch's own: ``copy.deepcopy(model)``, ``torch.save(model)`` and
+    ``AveragedModel(model)`` copied the tracker behind them and raised ``TypeError: cannot
+    pickle '_thread.lock' object``. The copies train and count nothing of the watched run."""
+    model, opt = _small_watched_model()
+    with edo_monitor.watch(model, db=db_path) as mon:
+        for _ in range(3):
+            _small_step(model, opt)
+            mon.step()
+        ema = torch.optim.swa_utils.AveragedModel(model)
+        copied = copy.deepcopy(model)
+        torch.save(model, tmp_path / "model.pt")
+        loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+        ids = torch.randint(0, 1_000, (16, 4))
+        copied(ids).pow(2).mean().backward()  # another model's step: not the watched run's
+        with torch.no_grad():
+            for other in (ema, copied, loaded):
+                assert torch.equal(other(ids), model(ids))
+    assert mon.summary().peak_activations_bytes == SMALL_STEP_ACTIVATIONS_BYTES

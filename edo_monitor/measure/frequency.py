@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from edo_monitor.checks import whole_number
+from edo_monitor.measure.module_hooks import add_forward_pre_hook
 
 __all__ = ["LookupCounter", "TableFrequency"]
 
@@ -139,8 +140,9 @@ class LookupCounter:
                 lambda uniq, mult: self._on_unique(name, table, uniq, mult)
             )
             return
-        self._handles[name] = module.register_forward_pre_hook(
-            lambda _module, args: self._on_forward(name, table, args)
+        # not torch's own hook: a copy or pickle of the model would carry the lambda
+        self._handles[name] = add_forward_pre_hook(
+            module, lambda _module, args: self._on_forward(name, table, args)
         )
 
     def _sampled(self, table: _Table) -> bool:

@@ -1,0 +1,84 @@
+"""Forward pre-hooks on the user's modules that a copy of the model survives.
+
+The agent watches forwards of the user's modules (the step window of the activation tracker, the
+lookup counting of embedding tables). A hook torch keeps on the module is copied and pickled with
+it: ``copy.deepcopy(model)``, ``torch.save(model)`` and ``AveragedModel(model)`` then copied the
+tracker behind a bound-method hook (``TypeError: cannot pickle '_thread.lock' object``) or failed
+on a lambda. Here the module holds one module-level function, :func:`_dispatch`, which pickles
+by name and copies as itself; the callbacks live in a weak table keyed by the module, so a copy
+(a different module) finds none and its hook does nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+__all__ = ["PreHookHandle", "add_forward_pre_hook"]
+
+#: per module: torch's handle of its one dispatching hook, and the callbacks by key
+_HOOKS: weakref.WeakKeyDictionary[nn.Module, tuple[Any, dict[int, Callable[..., None]]]] = (
+    weakref.WeakKeyDictionary()
+)
+_LOCK = threading.Lock()
+_KEYS = iter(range(1 << 62))
+
+
+def _dispatch(module: nn.Module, args: Any) -> None:
+    """The forward pre-hook torch keeps on a module: its callbacks, if it is the module they
+    were added to (a copy of it is not); their results are ignored (the forward's arguments
+    are never replaced)."""
+    entry = _HOOKS.get(module)
+    if entry is not None:
+        for callback in list(entry[1].values()):
+            callback(module, args)
+
+
+class PreHookHandle:
+    """What :func:`add_forward_pre_hook` returns: ``remove()`` takes the callback off (the last
+    one takes the dispatching hook off the module too)."""
+
+    def __init__(self, module: nn.Module, key: int) -> None:
+        self._module = weakref.ref(module)
+        self._key = key
+
+    def remove(self) -> None:
+        """Take the callback off; again, or after the module is gone, does nothing."""
+        module = self._module()
+        if module is None:
+            return
+        with _LOCK:
+            entry = _HOOKS.get(module)
+            if entry is None or entry[1].pop(self._key, None) is None or entry[1]:
+                return
+            del _HOOKS[module]
+            entry[0].remove()
+
+
+def add_forward_pre_hook(
+    module: nn.Module, callback: Callable[[nn.Module, Any], None]
+) -> PreHookHandle:
+    """Call ``callback(module, args)`` before each forward of ``module`` (``args``: the forward's
+    positional arguments; the result is ignored), the way ``register_forward_pre_hook`` does,
+    except that a copy or pickle of the module carries no reference to ``callback``.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module`` or ``callback`` not callable.
+    """
+    if not isinstance(module, nn.Module) or not callable(callback):
+        raise TypeError(
+            f"add_forward_pre_hook takes a module and a callable, got {type(module).__name__} "
+            f"and {type(callback).__name__}"
+        )
+    with _LOCK:
+        entry = _HOOKS.get(module)
+        if entry is None:
+            entry = (module.register_forward_pre_hook(_dispatch), {})
+            _HOOKS[module] = entry
+        key = next(_KEYS)
+        entry[1][key] = callback
+    return PreHookHandle(module, key)
