@@ -76,6 +76,8 @@ class SafePoint:
         self._recorder: ActivationRecorder | None = None
         self._profiled_at_s = -float("inf")
         self._leaks = GrowthDetector()  # steady growth of saved tensors across steps
+        #: the optimizer whose step post-hook runs the boundary now (ActionContext.stepped_by)
+        self.stepped_by: torch.optim.Optimizer | None = None
 
     # ------------------------------------------------------------------ hooks
     def install(self) -> None:
@@ -101,7 +103,11 @@ class SafePoint:
             if optimizer is not self.primary and not self._classify(optimizer):
                 return
             if optimizer is self.primary:
-                self.run(count=True)
+                self.stepped_by = optimizer
+                try:
+                    self.run(count=True)
+                finally:
+                    self.stepped_by = None
         except BudgetOutOfMemoryError:
             raise  # enforce=True: the budget's out-of-memory error is the user's to see
         except Exception as exc:

@@ -73,7 +73,7 @@ def test_a_table_the_agent_made_steps_the_cached_rows_with_a_warning(
     before = cached.full_weight().clone()
     opt.zero_grad()
     (cached(ids).sum() + cached.weight.pow(2).sum()).backward()
-    with caplog.at_level(logging.WARNING, logger="edo_monitor.nn.cache_optimizer"):
+    with caplog.at_level(logging.WARNING, logger="edo_monitor.nn.cache_grads"):
         opt.step()
     assert "reached its weight directly" in caplog.text
     after = cached.full_weight()

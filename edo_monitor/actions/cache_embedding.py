@@ -112,6 +112,11 @@ def _optimizer_refusal(optimizers: Sequence[torch.optim.Optimizer], param: nn.Pa
     holders = _holders(optimizers, param)
     if len(holders) > 1:
         return "stepped by more than one optimizer"
+    if not holders and param.requires_grad:
+        return (
+            "no optimizer of the run steps it (a loop without torch.optim updates the "
+            "parameters itself; the row cache steps its rows by the table's optimizer)"
+        )
     for opt in holders:
         try:
             _make_rule(opt, _group_of(opt, param), 0, dtype=param.dtype)
@@ -254,13 +259,19 @@ class CacheEmbedding(Action):
         grad = weight.grad
         weight.grad = None
         rebind_data(weight, cache.data)
-        if grad is not None:  # a zero gradient (as after zero_grad(set_to_none=False))
-            table.batch_rows.grad = torch.zeros_like(table.batch_rows)
         ctx.stage("weight_moved")
         holders = _holders(ctx.optimizers, weight)
         try:
             for opt in holders:
                 table.attach(opt)
+            if grad is not None and ctx.stepped_by in holders:
+                # spent by the step this safe point follows: a zero gradient from here on (as
+                # after zero_grad(set_to_none=False)), as the cache's own steps leave it
+                table.batch_rows.grad = torch.zeros_like(table.batch_rows)
+            elif grad is not None:
+                # maybe waiting for the table's step (a safe point between the backward and it:
+                # Monitor.step() there, another optimizer stepped first): it is the step's
+                table.take_table_grad(grad)
             ctx.stage("optimizer_attached")
             table.train(module.training)
             table.edo_action_made = True

@@ -120,6 +120,7 @@ from edo_monitor.nn.cache_checkpoint import (
     _module_load_pre_hook,
     _module_state_dict_hook,
 )
+from edo_monitor.nn.cache_grads import _GradientLayout
 from edo_monitor.nn.cache_optimizer import _OptimizerBinding
 from edo_monitor.nn.cache_parts import (
     CACHE_POLICIES,
@@ -139,7 +140,7 @@ __all__ = ["CachedTable"]
 logger = logging.getLogger(__name__)
 
 
-class CachedTable(_EdoEmbedding, _OptimizerBinding, _RowMovement, _Checkpointing):
+class CachedTable(_EdoEmbedding, _OptimizerBinding, _GradientLayout, _RowMovement, _Checkpointing):
     """The row cache (see the module docstring); use
     :class:`~edo_monitor.nn.cached_modules.CachedEmbedding` or ``CachedEmbeddingBag``, or
     :meth:`from_weight` to wrap an existing table.

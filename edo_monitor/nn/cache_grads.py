@@ -1,0 +1,223 @@
+"""The row cache's gradient: the layout of the rows touched since the last step (the row buffer
+``batch_rows`` and its gradient), the forward taking rows into it, the backward adding to it, and
+gradients that reach the table another way (on ``weight`` itself, or a replaced table's pending
+one)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from edo_monitor.nn.cache_parts import put_rows, to_device
+
+logger = logging.getLogger(__name__)
+
+
+class _GradientLayout:
+    """The rows touched since the last step and their gradient (a mixin of
+    :class:`~edo_monitor.nn.cached.CachedTable`)."""
+
+    def _keeps_rows(self) -> bool:
+        """Whether a training forward keeps its rows in the row buffer (:meth:`_take_rows`): with
+        an optimizer attached, without ``max_norm`` (a lookup renormalises rows: the cache must
+        hold them), when every row of the layout was taken that way."""
+        return (
+            self._rule is not None
+            and self.options.max_norm is None  # renormalised rows belong in the cache at once
+            and (self._pending is not None or self._layout_rows.numel() == 0)
+        )
+
+    def _take_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Positions ``(U,)`` of unique cache ``rows`` (host int64) in the gradient layout.
+
+        Rows new to the layout are gathered once with their optimizer state, caught up to step
+        ``t`` there (not in the cache, whose rows stay at their own steps) and appended: the row
+        buffer's values ``batch_rows.data`` ``(L, D)`` and the state in ``_pending`` (``{key:
+        (L, D)}``) are the layout's rows at step ``t``, which the forward reads and the step
+        updates and scatters once. Anything that rewrites the cache's rows before the step
+        (loading a state dict, a device move, a new optimizer) drops them (``_pending = None``):
+        the step then catches the cache's rows up instead (:meth:`_step_rows`).
+        """
+        pos = self._row_pos.index_select(0, rows)
+        new = rows.masked_select(pos < 0)
+        if new.numel() == 0:
+            return pos
+        s = self.slot_step.index_select(0, new)
+        stale = int((s < self.t).sum())
+        if stale:  # oldest first: the stale rows lead, as the rule sums them
+            order = torch.argsort(s, stable=True)
+            new, s = new.index_select(0, order), s.index_select(0, order)
+        r = to_device(new, self.device)
+        state = self._cache_state() if self._state_keys() else {}
+        p = self.weight.data.index_select(0, r)
+        st = {k: state[k].index_select(0, r) for k in self._state_keys()}
+        if stale:
+            assert self._rule is not None
+            self._rule.catch_up_rows(
+                p[:stale], {k: v[:stale] for k, v in st.items()}, s[:stale], self.t
+            )
+        held = self._pending or {}
+        self._pending = {k: torch.cat([held[k], v]) if k in held else v for k, v in st.items()}
+        self._append_layout(new, p)
+        return self._row_pos.index_select(0, rows)
+
+    def _append_layout(self, new: torch.Tensor, values: torch.Tensor) -> None:
+        """Append cache rows ``new`` ``(n,)`` (host int64, not in the layout) to the gradient
+        layout, with the row buffer's ``values`` ``(n, D)`` for them and a zero gradient."""
+        grad = self.batch_rows.grad
+        if grad is not None:
+            grad = torch.cat([grad.detach(), grad.new_zeros(new.numel(), self.embedding_dim)])
+        if self._layout_rows.numel() == 0:  # a step's first forward: nothing to append to
+            self._set_layout(new, grad, values)
+            return
+        data = torch.cat([self.batch_rows.data, values])
+        self._set_layout(torch.cat([self._layout_rows, new]), grad, data)
+
+    def _set_layout(
+        self, rows: torch.Tensor, grad: torch.Tensor | None, data: torch.Tensor
+    ) -> None:
+        """The gradient layout becomes ``rows`` (host int64 cache rows) with ``grad`` and the row
+        buffer's values ``data`` (both ``(len(rows), D)``)."""
+        old = self._layout_rows
+        if old.numel():
+            put_rows(self._row_pos, old, -1)
+        self._layout_rows = rows
+        put_rows(self._row_pos, rows, torch.arange(rows.numel()))
+        self.batch_rows.grad = None
+        self.batch_rows.data = data
+        self.batch_rows.grad = grad
+
+    def _layout_slots(self) -> torch.Tensor:
+        """Slots of the rows holding a gradient (never evicted: it would lose it)."""
+        return self._layout_rows // self.block_rows  # repeats allowed: used as an index
+
+    def _layout_add(self, rows: torch.Tensor) -> torch.Tensor:
+        """Positions ``(U,)`` of unique cache ``rows`` in the gradient layout (appended, the row
+        buffer's values zero: the forward reads the cache's rows)."""
+        pos = self._row_pos[rows]
+        new = rows[pos < 0]
+        if new.numel():
+            zeros = self.batch_rows.new_zeros(new.numel(), self.embedding_dim)
+            self._append_layout(new, zeros)
+            pos = self._row_pos[rows]
+        return pos
+
+    def _accumulate_grad(
+        self, positions: torch.Tensor, generation: int, grad: torch.Tensor
+    ) -> None:
+        """Backward of :class:`CacheRows`: add ``grad`` ``(U, D)`` at ``positions``."""
+        if generation != self._generation:
+            raise RuntimeError(
+                "cached table: a backward ran after the optimizer step that followed its "
+                "forward; run backward before optimizer.step() (the cache's gradient rows of "
+                "that forward are no longer laid out)"
+            )
+        self._backward_seen = True
+        with torch.no_grad():
+            g = self.batch_rows.grad
+            if g is None:
+                g = torch.zeros_like(self.batch_rows)
+                g.index_add_(0, positions.to(g.device), grad.to(g.dtype))
+                self.batch_rows.grad = g
+            else:
+                g.index_add_(0, positions.to(g.device), grad.to(g.dtype))
+
+    def dense_grad(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The cache's pending gradient as ``(ids (U,) int64 host, grad (U, D))``, or ``None``."""
+        g = self.batch_rows.grad
+        if g is None:
+            return None
+        rows = self._layout_rows
+        r = self.block_rows
+        blocks = self.slot_to_block[rows // r]
+        ids = blocks * r + rows % r
+        return ids, g
+
+    def _direct_grad(self) -> torch.Tensor | None:
+        """A gradient that reached ``weight`` ``(C, D)`` itself, not through a lookup (a loss
+        term over ``.weight`` or over every parameter), taken from it before the optimizer's
+        own step could step the cache with it (Adam stepped the table twice a step).
+
+        All zero (``0 * p.sum()`` over the parameters, DDP's way to touch them all): the
+        resident table's gradient is then its lookups' alone, and the step is exact; with no
+        lookup since the last step it is a zero gradient for every row, stepped as one.
+        Otherwise no exact step exists: the cache holds only some rows, each at its own step.
+        A table the user made refuses it; one the agent made
+        (``edo_action_made``) must not fail the training it watches: the gradient reaches the
+        cached rows it touches (:meth:`_add_direct_grad`, returned here) and a warning says
+        the rows on the host got none.
+
+        Raises:
+            RuntimeError: a non-zero gradient on the weight of a table the user made (the
+                weight keeps it; nothing is stepped).
+        """
+        wgrad = self.weight.grad
+        if wgrad is None:
+            return None
+        if not bool(wgrad.any()):
+            self.weight.grad = None
+            if self.batch_rows.grad is None:
+                self.batch_rows.grad = torch.zeros_like(self.batch_rows)
+            return None
+        if not getattr(self, "edo_action_made", False):
+            raise RuntimeError(
+                "a gradient reached the cached table's weight directly (a loss term over "
+                ".weight or over every parameter, such as an L2 penalty): the weight is the "
+                "cache, some rows of the table each at its own step, so no step of it is the "
+                "resident table's; take such a term over the looked-up rows, or use the "
+                "optimizer's weight_decay"
+            )
+        self.weight.grad = None
+        if not getattr(self, "_direct_grad_warned", False):
+            self._direct_grad_warned = True
+            logger.warning(
+                "cached table: a gradient reached its weight directly (a loss term over the "
+                "model's parameters?); it steps the cached rows it touches, at their cached "
+                "values, and not the rows on the host, as the resident table's would"
+            )
+        return wgrad
+
+    def _add_direct_grad(self, grad: torch.Tensor) -> None:
+        """Add ``grad`` ``(C, D)`` (a gradient on ``weight``) into the batch's gradient at the
+        cache rows it touches that hold table rows (a free slot holds none)."""
+        rows = grad.ne(0).any(dim=1).nonzero().reshape(-1).cpu()
+        rows = rows[self.slot_to_block.index_select(0, rows // self.block_rows) >= 0]
+        self._add_row_grads(rows, grad.index_select(0, to_device(rows, grad.device)))
+
+    @torch.no_grad()
+    def take_table_grad(self, grad: torch.Tensor) -> None:
+        """Take a whole table's pending gradient ``(N, D)`` (the replaced module's
+        ``weight.grad``, when the agent caches a table between a backward and the table's
+        optimizer step): its non-zero rows are made resident (pinned until the step) and their
+        gradient becomes the batch's, so the step is the one the resident table would have
+        taken; an all-zero one (``zero_grad(set_to_none=False)``) is a zero gradient.
+
+        Raises:
+            ValueError: ``grad`` is not ``(num_embeddings, D)``.
+        """
+        n, d = self.num_embeddings, self.embedding_dim
+        if tuple(grad.shape) != (n, d):
+            raise ValueError(f"grad has shape {tuple(grad.shape)}; expected {(n, d)}")
+        ids = grad.ne(0).any(dim=1).nonzero().reshape(-1).cpu()
+        if ids.numel() == 0:
+            if self.batch_rows.grad is None:
+                self.batch_rows.grad = torch.zeros_like(self.batch_rows)
+            return
+        r = self.block_rows
+        blocks = torch.unique(ids // r) if r > 1 else ids
+        slots = self._ensure(blocks, count=False)
+        self._pin_slots(slots)
+        rows = self.block_to_slot.index_select(0, ids // r) * r + ids % r if r > 1 else slots
+        self._add_row_grads(rows, grad.index_select(0, to_device(ids, grad.device)))
+
+    def _add_row_grads(self, rows: torch.Tensor, grads: torch.Tensor) -> None:
+        """Add ``grads`` ``(n, D)`` into the batch's gradient at cache ``rows`` ``(n,)`` (host
+        int64, distinct, resident), laid out as a lookup lays its rows out."""
+        if rows.numel() == 0:
+            return
+        pos = self._take_rows(rows) if self._keeps_rows() else self._layout_add(rows)
+        g = self.batch_rows.grad
+        if g is None:
+            g = self.batch_rows.grad = torch.zeros_like(self.batch_rows)
+        g.index_add_(0, to_device(pos, g.device), grads.to(g.device, g.dtype))
