@@ -190,3 +190,41 @@ def test_parameters_sliced_from_one_flat_buffer_are_not_each_others_reads() -> N
         "emb": ("<no module>: __getitem__", "<no module>: matmul (a view of the weight)")
     }  # and none for head's own weight, in the same storage
     assert logits.shape == (32, N // 2)
+
+
+@pytest.mark.parametrize("save", [False, True])
+def test_a_state_dict_taken_in_the_recorded_step_is_not_a_read(tmp_path: Path, save: bool) -> None:
+    """``model.state_dict()`` (``torch.save`` of it) in the recorded step detaches every
+    parameter: that was a read outside the table's forward ("<no module>: detach"), and every
+    table action was refused until the next profile. A detached alias read later still is."""
+
+    class Plain(nn.Module):
+        def __init__(self, read_alias: bool) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(N, D)
+            self.head = nn.Linear(D, N)
+            self.read_alias = read_alias
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.emb(x)
+            if self.read_alias:
+                h = h + self.emb.weight.detach()[0]
+            return F.cross_entropy(self.head(h), x)
+
+    for read_alias in (False, True):
+        torch.manual_seed(0)
+        model = Plain(read_alias)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        x = torch.randint(0, N, (32,), generator=torch.Generator().manual_seed(0))
+        with ActivationRecorder(model) as rec:
+            state = model.state_dict()
+            if save:
+                torch.save(state, tmp_path / "ckpt.pt")
+            model(x).backward()
+            opt.step()
+            opt.zero_grad()
+        uses = rec.profile().outside_uses
+        if read_alias:
+            assert "<model>: __getitem__ (a view of the weight)" in uses["emb"], uses
+        else:
+            assert uses == {}, uses
