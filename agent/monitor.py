@@ -229,6 +229,8 @@ class Monitor(_Lifecycle):
         self.snapshot_interval_s = snapshot_interval_s
         self.queue_size = queue_size
         self.profile_interval_s = float(profile_interval_s)
+        if config is not None and not isinstance(config, Mapping):
+            raise ConfigError(f"config={config!r}: expected a mapping of names to values, or None")
         self.user_config = dict(config or {})
         try:  # strict JSON: NaN and infinities are not JSON (show --json would print them)
             json.dumps(self.user_config, allow_nan=False)

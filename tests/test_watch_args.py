@@ -47,6 +47,16 @@ def test_a_db_path_with_a_nul_character_is_refused(
     assert list(tmp_path.iterdir()) == [] and agent_threads() == []
 
 
+@pytest.mark.parametrize("config", [[1], "lr=0.1", [("lr", 0.1)], 3])
+def test_config_that_is_not_a_mapping_is_refused_by_name(db_path: Path, config: Any) -> None:
+    """``config=[1]`` raised ``TypeError: cannot convert dictionary update sequence element #0``
+    from inside watch(); a list of pairs was taken as a mapping."""
+    with pytest.raises(ConfigError) as err:
+        edo_monitor.watch(make_model(), db=db_path, config=config)
+    assert str(err.value) == f"config={config!r}: expected a mapping of names to values, or None"
+    assert not db_path.exists()
+
+
 @pytest.mark.parametrize(
     ("config", "shown"),
     [
