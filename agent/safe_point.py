@@ -29,6 +29,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from edo_monitor.actions.checkpoint_activations import ActivationRecorder
@@ -76,8 +77,14 @@ class SafePoint:
         self._recorder: ActivationRecorder | None = None
         self._profiled_at_s = -float("inf")
         self._leaks = GrowthDetector()  # steady growth of saved tensors across steps
-        #: the optimizer whose step post-hook runs the boundary now (ActionContext.stepped_by)
-        self.stepped_by: torch.optim.Optimizer | None = None
+        # per table weight: its gradient (a weak reference) and version as its optimizer's last
+        # step left it (grad_spent); per optimizer: the table weights it steps
+        # (by id: a tensor is no dictionary key) the weight's and its gradient's weak
+        # references and the gradient's version
+        self._spent: dict[int, tuple[Any, Any, int]] = {}
+        self._tables_of: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[Any]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     # ------------------------------------------------------------------ hooks
     def install(self) -> None:
@@ -102,12 +109,9 @@ class SafePoint:
         try:
             if optimizer is not self.primary and not self._classify(optimizer):
                 return
+            self._note_spent(optimizer)
             if optimizer is self.primary:
-                self.stepped_by = optimizer
-                try:
-                    self.run(count=True)
-                finally:
-                    self.stepped_by = None
+                self.run(count=True)
         except BudgetOutOfMemoryError:
             raise  # enforce=True: the budget's out-of-memory error is the user's to see
         except Exception as exc:
@@ -157,6 +161,36 @@ class SafePoint:
                 self.m._tuner.apply_pending_decision()
         except Exception as exc:
             self.m._agent_error("recovery point", exc)
+
+    def _note_spent(self, optimizer: torch.optim.Optimizer) -> None:
+        """After ``optimizer``'s step: the gradients of the embedding tables it steps are spent
+        (the step took them); their identity and version say so until a backward changes them."""
+        tables = self._tables_of.get(optimizer)
+        if tables is None:
+            model = self.m.model
+            held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+            tables = [
+                m.weight
+                for m in (model.modules() if model is not None else ())
+                if isinstance(m, nn.Embedding | nn.EmbeddingBag) and id(m.weight) in held
+            ]
+            self._tables_of[optimizer] = tables
+        for weight in tables:
+            grad = weight.grad
+            if grad is not None:
+                self._spent[id(weight)] = (weakref.ref(weight), weakref.ref(grad), grad._version)
+
+    def grad_spent(self, weight: torch.Tensor) -> bool:
+        """Whether ``weight``'s gradient is the one its optimizer's last step took (the same
+        tensor, unchanged since: no backward added to it), as :meth:`_note_spent` saw it."""
+        seen, grad = self._spent.get(id(weight)), weight.grad
+        return (
+            grad is not None
+            and seen is not None
+            and seen[0]() is weight
+            and seen[1]() is grad
+            and seen[2] == grad._version
+        )
 
     # ------------------------------------------------------------------ the boundary
     def run(self, *, count: bool) -> None:

@@ -250,7 +250,7 @@ class Tuner:
         """The context ``decision`` is planned and applied in: the latest reading's, sized for
         the decision's in-use forecast ahead when it has one."""
         ctx = self.action_context(self.m.latest)
-        ctx.stepped_by = self.m._safe_point.stepped_by
+        ctx.grad_spent = self.m._safe_point.grad_spent
         if decision.planning_in_use_bytes is not None:  # sized for the in-use forecast ahead
             ctx.in_use_bytes = max(ctx.in_use_bytes or 0, decision.planning_in_use_bytes)
         return ctx

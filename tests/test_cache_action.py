@@ -90,7 +90,7 @@ def _profile(model: nn.Module) -> object:
 def _ctx(model: nn.Module, opt: torch.optim.Optimizer, **kw) -> ActionContext:
     in_use = account(model, [opt]).total_bytes
     kw.setdefault("activation_profile", _profile(model))
-    kw.setdefault("stepped_by", opt)  # a safe point after the step: its gradients are spent
+    kw.setdefault("grad_spent", lambda p: True)  # after the step: its gradients are spent
     return ActionContext(
         model, [opt], budget_bytes=kw.pop("budget_bytes", in_use), in_use_bytes=in_use, **kw
     )

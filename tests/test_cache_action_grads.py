@@ -22,10 +22,10 @@ def _loss(model: nn.Module, batch: tuple) -> torch.Tensor:
     return ((model(users, items) - target) ** 2).mean()
 
 
-def _convert(model: nn.Module, opt: torch.optim.Optimizer, stepped_by: object) -> None:
+def _convert(model: nn.Module, opt: torch.optim.Optimizer, grad_spent: object) -> None:
     in_use = account(model, [opt]).total_bytes
     ctx = _ctx(model, opt, budget_bytes=int(in_use / 1.5), rearm_free_fraction=0.25)
-    ctx.stepped_by = stepped_by
+    ctx.grad_spent = grad_spent
     result = ACTIONS["cache_embedding"].apply(ctx, ACTIONS["cache_embedding"].plan(ctx))
     assert result.status == "applied", result.reason
     assert isinstance(model.items, CachedTable)
@@ -33,8 +33,9 @@ def _convert(model: nn.Module, opt: torch.optim.Optimizer, stepped_by: object) -
 
 def test_a_gradient_waiting_for_its_step_is_the_steps() -> None:
     """Converted between the backward and the table's step (``Monitor.step()`` there, or
-    another optimizer's step first): the step takes the gradient, as the twin's does."""
-    for stepped_by in (None, torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)):
+    another optimizer's step first; not known spent, or known not): the step takes the
+    gradient, as the twin's does."""
+    for grad_spent in (None, lambda p: False):
         model, opt, twin, twin_opt = _pair()
         batches = _batches(30)
         for i, batch in enumerate(batches):
@@ -42,7 +43,7 @@ def test_a_gradient_waiting_for_its_step_is_the_steps() -> None:
                 o.zero_grad()
                 _loss(m, batch).backward()
             if i == 10:
-                _convert(model, opt, stepped_by)
+                _convert(model, opt, grad_spent)
             opt.step()
             twin_opt.step()
         assert torch.allclose(_full(model), _full(twin), rtol=0, atol=1e-12)
@@ -100,3 +101,34 @@ def test_two_optimizers_the_tables_stepped_second_under_watch(db_path: Path) -> 
     train(*twin, batches)
     assert "cache_embedding" in [a["action"] for a in mon.summary().actions]
     assert torch.allclose(_full(model), _full(twin[0]), rtol=0, atol=1e-12)
+
+
+def test_mon_step_between_the_backward_and_the_step_under_watch(db_path: Path) -> None:
+    """``backward(); mon.step(); opt.step()``: the conversion at ``mon.step()`` keeps the
+    waiting gradient (it was dropped: the batch's rows missed that step), while a conversion
+    after ``opt.step(); mon.step()`` finds it spent (measured saving = estimate)."""
+    for between in (True, False):
+        model, opt, twin, twin_opt = _pair()
+        budget = int(account(model, [opt]).total_bytes * 1.05)
+        batches = _batches(400)
+        with edo_monitor.watch(
+            model, opt, budget=budget, policy=edo_monitor.Policy(), db=db_path, interval_s=0.01
+        ) as mon:
+            for batch in batches:
+                for m, o in ((model, opt), (twin, twin_opt)):
+                    o.zero_grad()
+                    _loss(m, batch).backward()
+                if between:
+                    mon.step()
+                opt.step()
+                twin_opt.step()
+                if not between:
+                    mon.step()
+                if isinstance(model.items, CachedTable):
+                    break
+                time.sleep(0.002)
+        assert isinstance(model.items, CachedTable), between
+        (action,) = [a for a in mon.summary().actions if a["action"] == "cache_embedding"]
+        if not between:
+            assert action["saved_bytes"] == action["estimated_saving_bytes"], action
+        assert torch.allclose(_full(model), _full(twin), rtol=0, atol=1e-12)

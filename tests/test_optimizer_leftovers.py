@@ -67,6 +67,7 @@ def _setup(name: str) -> tuple[Model, torch.optim.Optimizer, ActionContext]:
         budget_bytes=10**9,
         in_use_bytes=10**9,
         rearm_free_fraction=0.25,
+        grad_spent=lambda p: True,  # as after opt's step: the gradients spent, not carried
     )
     return model, opt, ctx
 

@@ -387,7 +387,8 @@ def test_loop_reacts_within_one_step_and_free_memory_returns_above_the_floor() -
     # params alone fit with room; params + grads + Adam state (4x) do not
     budget = int(account(model).total_bytes * 3.5)
     policy = Policy()
-    ctx = ActionContext(model=model, optimizers=[opt], cuda_mode=False)
+    # its boundary follows opt's step: the table's gradient is spent, not carried
+    ctx = ActionContext(model=model, optimizers=[opt], cuda_mode=False, grad_spent=lambda p: True)
     planner = make_planner(ctx)
     g = torch.Generator().manual_seed(1)
     pending: Decision | None = None

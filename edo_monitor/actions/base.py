@@ -94,9 +94,9 @@ class ActionContext:
             their headroom against it.
         spill_dir: the folder of the disk tier's file (``watch(spill_dir=)``); ``None`` =
             ``spill_embedding`` is not applicable.
-        stepped_by: the optimizer whose step this safe point follows (its step post-hook): its
-            parameters' gradients are spent; ``None`` (``Monitor.step()``, a recovery point, a
-            direct call), a table's gradient may be waiting for its optimizer's step.
+        grad_spent: ``grad_spent(weight)`` is ``True`` when ``weight``'s gradient is the one its
+            optimizer's last step took (no backward since: the agent notes each step); ``None``
+            (or ``False``): it may be waiting for that step, and a conversion keeps it.
     """
 
     model: nn.Module
@@ -119,7 +119,7 @@ class ActionContext:
     memory_snapshot: Callable[[], Any] | None = None
     host_available_bytes: int | None = None
     spill_dir: str | os.PathLike[str] | None = None
-    stepped_by: torch.optim.Optimizer | None = None
+    grad_spent: Callable[[nn.Parameter], bool] | None = None
 
     def __post_init__(self) -> None:
         self.optimizers = tuple(self.optimizers)

@@ -257,6 +257,7 @@ class CacheEmbedding(Action):
         cache = table._parameters["weight"]
         table._parameters["weight"] = weight  # the same Parameter object becomes the cache
         grad = weight.grad
+        spent = grad is not None and ctx.grad_spent is not None and ctx.grad_spent(weight)
         weight.grad = None
         rebind_data(weight, cache.data)
         ctx.stage("weight_moved")
@@ -264,12 +265,12 @@ class CacheEmbedding(Action):
         try:
             for opt in holders:
                 table.attach(opt)
-            if grad is not None and ctx.stepped_by in holders:
-                # spent by the step this safe point follows: a zero gradient from here on (as
-                # after zero_grad(set_to_none=False)), as the cache's own steps leave it
+            if spent:
+                # spent by the table's last step: a zero gradient from here on (as after
+                # zero_grad(set_to_none=False)), as the cache's own steps leave it
                 table.batch_rows.grad = torch.zeros_like(table.batch_rows)
             elif grad is not None:
-                # maybe waiting for the table's step (a safe point between the backward and it:
+                # waiting for the table's step (a safe point between the backward and it:
                 # Monitor.step() there, another optimizer stepped first): it is the step's
                 table.take_table_grad(grad)
             ctx.stage("optimizer_attached")
