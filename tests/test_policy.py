@@ -195,6 +195,30 @@ def test_lossy_only_with_allow_lossy_and_after_lossless() -> None:
     assert kinds(p.evaluate(reading(1, 0.1), refused))[-1] == "auto:compress_embedding"
 
 
+def test_no_action_is_reported_again_when_its_reasons_change_not_their_figures() -> None:
+    """Regression: a no-action was recorded once per episode, so a first, passing reason ("no
+    activation profile yet") stayed the recorded one while the real one went unsaid."""
+
+    def refused(why: str) -> dict[str, Refusal]:
+        return {
+            "offload_embedding": Refusal("offload_embedding", "", "none left"),
+            "checkpoint_activations": Refusal("checkpoint_activations", "", why),
+        }
+
+    p = Policy()
+    first = p.evaluate(reading(1, 0.1), refused("no activation profile yet"))
+    assert kinds(first) == ["below_floor", "none"]
+    assert kinds(p.evaluate(reading(2, 0.1), refused("no activation profile yet"))) == []
+    (again,) = p.evaluate(reading(3, 0.1), refused("saves 1.5 MiB of 20 blocks, under 2 MiB"))
+    assert isinstance(again, NoActionAvailable) and again.step == 3
+    assert again.refusals[-1].reason == "saves 1.5 MiB of 20 blocks, under 2 MiB"
+    # the same reason about other amounts is not news
+    assert (
+        kinds(p.evaluate(reading(4, 0.1), refused("saves 900 KiB of 8 blocks, under 2 MiB"))) == []
+    )
+    assert kinds(p.evaluate(reading(5, 0.1), refused("no activation profile yet"))) == ["none"]
+
+
 # ---------------------------------------------------------------- ranking the lossy rungs
 
 LOSSY_LADDER = [

@@ -163,7 +163,7 @@ def test_the_tied_language_model_trains_under_pressure_bit_identical_to_its_twin
     assert type(model.emb) is nn.Embedding
     with History(db) as history:
         assert not history.events("latest", kind="action")
-        (no_action, *_) = history.events("latest", kind="no_action")
+        *_, no_action = history.events("latest", kind="no_action")  # the settled reasons
     refusals = {r["action"]: r["reason"] for r in no_action.data["refusals"]}
     read = READS["T"]
     for name in ("cache_embedding", "offload_embedding"):  # the lossless ladder's table actions

@@ -159,7 +159,7 @@ class _Forecasting:
             )
             self._forecast = forecast
             self._forecast_saved_from = self._saved_in_force
-            self._forecast_none_reported = False
+            self._forecast_none_reported = None
             self._advised.clear()  # a forecast is an episode of its own for these filters
             self._ineffective.clear()
             events.append(forecast)
@@ -175,13 +175,12 @@ class _Forecasting:
             reading, _at_in_use(planner, prediction.horizon_in_use_bytes)
         )
         if decision is None:
-            if not self._forecast_none_reported:
-                self._forecast_none_reported = True
-                events.append(
-                    NoActionAvailable(
-                        reading.step, reading.time_s, free, tuple(refusals), forecast=True
-                    )
-                )
+            none = NoActionAvailable(
+                reading.step, reading.time_s, free, tuple(refusals), forecast=True
+            )
+            if none.key() != self._forecast_none_reported:
+                self._forecast_none_reported = none.key()
+                events.append(none)
             return events
         decision = dataclasses.replace(
             decision,

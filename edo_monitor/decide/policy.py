@@ -208,7 +208,7 @@ class Policy(_Forecasting):
         self._saved_in_force = 0
         self._forecast: Forecast | None = None  # the open forecast
         self._forecast_saved_from = 0  # _saved_in_force when it opened
-        self._forecast_none_reported = False
+        self._forecast_none_reported: tuple[tuple[str, str, str], ...] | None = None
         self._forecasts = 0
         self._calm_readings = 0
         self._lock = threading.Lock()
@@ -221,7 +221,8 @@ class Policy(_Forecasting):
         self._advised: set[tuple[str, str]] = set()
         #: release_cache was the last action applied in this pressure episode
         self._released_last = False
-        self._reported_none = False
+        #: the key of the no-action last reported in this episode (``None``: none yet)
+        self._reported_none: tuple[tuple[str, str, str], ...] | None = None
 
     def _check_ladder(self, ladder: Sequence[str] | None) -> tuple[str, ...]:
         if ladder is None:
@@ -284,7 +285,7 @@ class Policy(_Forecasting):
                 self.under_pressure = True
                 self._advised.clear()
                 self._released_last = False
-                self._reported_none = False
+                self._reported_none = None
                 events.append(
                     ThresholdCrossing(
                         "below_floor", reading.step, reading.time_s, free, self.min_free_fraction
@@ -333,11 +334,11 @@ class Policy(_Forecasting):
                     self.last_decision_step = reading.step
                 else:
                     self._advised.add((decision.action, decision.target))
-            elif not self._reported_none:
-                self._reported_none = True
-                events.append(
-                    NoActionAvailable(reading.step, reading.time_s, free, tuple(refusals))
-                )
+            else:
+                none = NoActionAvailable(reading.step, reading.time_s, free, tuple(refusals))
+                if none.key() != self._reported_none:
+                    self._reported_none = none.key()
+                    events.append(none)
         return events
 
     # ------------------------------------------------------------------ growing back

@@ -4,6 +4,7 @@ events the agent records), and the forecast's constants."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -95,13 +96,23 @@ class Decision:
 @dataclass(frozen=True)
 class NoActionAvailable:
     """Under pressure (or, with ``forecast=True``, a crossing forecast) but nothing on the ladder
-    applies; once per pressure episode (or forecast)."""
+    applies. Reported once per pressure episode (or forecast), and again whenever the refusals
+    change other than in their figures (:meth:`key`): a first, passing reason ("no activation
+    profile yet") does not stay the recorded one."""
 
     step: int
     time_s: float
     free_fraction: float
     refusals: tuple[Refusal, ...]
     forecast: bool = False
+
+    def key(self) -> tuple[tuple[str, str, str], ...]:
+        """The refusals with every figure (a number, with its byte unit if any) replaced by
+        ``#``: equal keys say the same thing about other amounts."""
+        return tuple((r.action, r.target, _FIGURE.sub("#", r.reason)) for r in self.refusals)
+
+
+_FIGURE = re.compile(r"(?<![\w.])-?\d[\d.,]*(?:e[-+]?\d+)?(?:\s*(?:[KMGTP]i?B|B|bytes)\b)?%?")
 
 
 @dataclass(frozen=True)
