@@ -114,11 +114,16 @@ class ActivationTracker:
 
     Attributes:
         errors: exceptions caught inside the pack hook (count).
-        limit_bytes, static_bytes, on_exceed: CPU-budget enforcement during forward: when
-            ``static_bytes`` + the live saved bytes with a new storage would go over
-            ``limit_bytes``, ``on_exceed(requested_bytes, in_use_bytes)`` is called before the
-            storage is counted (it raises the out-of-memory error, so the failing forward never
+        limit_bytes, static_bytes, grads_bytes, on_exceed: CPU-budget enforcement during the
+            step: when ``static_bytes`` (parameters and optimizer state) + ``grads_bytes`` (the
+            gradients alive now, kept by :class:`~edo_monitor.agent.grads_alive.GradientsAlive`)
+            + the live saved bytes with a new storage (:meth:`pack`) or a new gradient
+            (:meth:`add_grad_bytes`) would go over ``limit_bytes``,
+            ``on_exceed(requested_bytes, in_use_bytes, category)`` (``"activations_bytes"`` or
+            ``"grads_bytes"``: what the request is) is called before the bytes are counted
+            (it raises the out-of-memory error, so the failing forward or backward never
             reaches the optimizer).
+        on_open: called when the step window opens (the step's first forward of the model).
         last_step_bytes: the peak of the last step closed by :meth:`end_step`.
     """
 
@@ -147,7 +152,9 @@ class ActivationTracker:
         self._context: Any = None
         self.limit_bytes: int | None = None
         self.static_bytes = 0
-        self.on_exceed: Callable[[int, int], None] | None = None
+        self.grads_bytes = 0
+        self.on_open: Callable[[], None] | None = None
+        self.on_exceed: Callable[[int, int, str], None] | None = None
         self._window_of = window_of
         self._open = window_of is None  # inside the step window (always, without a model)
         self._window_hooks: list[Any] = []
@@ -195,17 +202,49 @@ class ActivationTracker:
                     self._refs[key] = refs + 1
                     return self._holder(tensor, key)
                 limit = self.limit_bytes
-                in_use = self.static_bytes + self._live + nbytes
+                in_use = self.static_bytes + self.grads_bytes + self._live + nbytes
                 if limit is None or in_use <= limit or self.on_exceed is None:
                     self._count(key, nbytes)
                     return self._holder(tensor, key)
         except Exception as exc:
             self._failed(exc)
             return tensor
-        self.on_exceed(nbytes, in_use)  # raises: the allocation failed, nothing was counted
+        self.on_exceed(
+            nbytes, in_use, "activations_bytes"
+        )  # raises: the allocation failed, nothing was counted
         with self._lock:  # an on_exceed that returns lets the storage be counted
             self._count(key, nbytes)
             return self._holder(tensor, key)
+
+    def add_grad_bytes(self, delta: int, undo: Callable[[], None] | None = None) -> None:
+        """Gradients alive grew by ``delta`` bytes (a parameter's gradient accumulated in
+        backward; negative: shrank): checked against ``limit_bytes``, then counted in
+        :attr:`grads_bytes`. Over the limit, ``undo()`` (taking the gradient back) runs before
+        ``on_exceed``.
+
+        The check counts the step's peak of saved bytes (:attr:`step_peak_bytes`), not those
+        alive now: the backward frees the saved tensors as it goes, but makes the gradients of
+        the activations they were, which no hook sees (the embedding's backward holds the
+        gradient of its output, the output's size, while it makes the table's gradient); the
+        forward's peak stands in for them until the step boundary.
+
+        Raises:
+            Exception: what ``on_exceed`` raises (the CPU-budget out-of-memory error); the bytes
+            are then not counted.
+        """
+        with self._lock:
+            if self._released:
+                self._drain()
+            in_use = self.static_bytes + self.grads_bytes + self._peak_step + delta
+            limit = self.limit_bytes
+            if delta <= 0 or limit is None or in_use <= limit or self.on_exceed is None:
+                self.grads_bytes += delta
+                return
+        if undo is not None:
+            undo()
+        self.on_exceed(delta, in_use, "grads_bytes")
+        with self._lock:  # an on_exceed that returns lets the bytes be counted
+            self.grads_bytes += delta
 
     def _holder(self, tensor: torch.Tensor, key: int) -> _Saved:
         """A holder of ``tensor`` whose release hands ``key`` back (lock held)."""
@@ -302,7 +341,27 @@ class ActivationTracker:
         return peak
 
     def _open_window(self, module: torch.nn.Module, args: Any) -> None:
+        if not self._open:
+            self._opened()
+
+    def end_attempt(self) -> None:
+        """An out-of-memory error ended the step's attempt (its graph is freed as the error
+        unwinds): the next forward opens the window afresh (:meth:`_opened`)."""
+        if self._window_of is not None:
+            self._open = False
+
+    def _opened(self) -> None:
+        """The window opens: the step's peak starts from the saved bytes alive now (an attempt
+        an out-of-memory error ended does not count), then ``on_open``."""
+        with self._lock:
+            self._drain()
+            self._peak_step = self._live
         self._open = True
+        if self.on_open is not None:
+            try:
+                self.on_open()
+            except Exception as exc:  # never fails the user's forward
+                self._failed(exc)
 
     def _open_at_own_parameter(self, tensor: torch.Tensor) -> None:
         """A closed window opens when one of the model's parameters is saved: its computation
@@ -312,8 +371,8 @@ class ActivationTracker:
             if tensor.layout is _STRIDED and tensor.untyped_storage().data_ptr() in (
                 self._param_keys
             ):
-                self._open = True
                 self._parts_called = True
+                self._opened()
         except Exception as exc:
             self._failed(exc)
 

@@ -152,9 +152,7 @@ class _Lifecycle:
                 window_of=self.model,
             ).__enter__()
             if self._safe_point.enforcing:
-                self._tracker.limit_bytes = self.budget_bytes
-                self._tracker.static_bytes = self.accounting.total_bytes
-                self._tracker.on_exceed = self._safe_point.budget_exceeded
+                self._safe_point.start_enforcing()
         if self.model is not None:
             self._lookups = LookupCounter()
             self._lookups.watch_tables(self.model)

@@ -28,7 +28,9 @@ def record_oom(monitor: MonitorState, exc: BaseException) -> None:
     event's data: ``exception`` (type name), ``parsed`` (the message's fields, ``None`` when it does
     not parse), ``raw`` (the message, first 4,000 characters), ``last_reading`` (the latest reading
     as a dict) and ``top_consumers`` (the five largest tables of the latest accounting: ``module``,
-    ``total_bytes``, ``placement``). Never raises: a failure is an ``agent_error``.
+    ``total_bytes``, ``placement``); for a CPU-budget error also ``in_use`` (what was alive with
+    the request, by category: :meth:`SafePoint.budget_exceeded`). Never raises: a failure is an
+    ``agent_error``.
     """
     try:
         info = parse_oom_message(str(exc))
@@ -46,6 +48,9 @@ def record_oom(monitor: MonitorState, exc: BaseException) -> None:
                 for t in tables[:5]
             ],
         }
+        alive = getattr(exc, "_edo_in_use", None)
+        if alive is not None:  # a CPU-budget error: what was alive with the request
+            data["in_use"] = alive
         monitor._emit("oom", f"out of memory: {str(exc).splitlines()[0][:300]}", data)
     except Exception as err:
         monitor._agent_error("oom capture", err)

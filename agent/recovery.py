@@ -42,7 +42,12 @@ DDP: when the watched model has ``no_sync`` (``DistributedDataParallel``), every
 the last runs inside it, so gradients are all-reduced once per step. Each rank splits on its own:
 a rank that splits while another does not would call ``backward`` a different number of times;
 DDP's all-reduce happens only on the last micro-batch, so this stays correct as long as every rank
-reaches that last ``backward`` (it does), but the ranks' step times differ.
+reaches that last ``backward`` (it does), but the ranks' step times differ. An out-of-memory error
+inside a synced ``backward`` leaves DDP's reducer waiting for the gradients that never came (the
+next forward raised "Expected to have finished reduction in the prior iteration"): before the
+retry its state is reset (``reducer._reset_state()``, what DDP's own ``_update_process_group``
+calls). With several ranks, one that fails inside a synced ``backward`` leaves the others in that
+step's all-reduce: only an error in the forward or an unsynced ``backward`` is safe there.
 """
 
 from __future__ import annotations
@@ -265,6 +270,7 @@ class StepRecovery:
                     first = exc
                 del exc
             self._zero_grads()
+            _reset_reducer(self.monitor.model)
             gc.collect()
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 torch.cuda.empty_cache()
@@ -377,3 +383,11 @@ class StepRecovery:
             f"(floor {self.min_micro_batch_rows}; tried {attempts}); the recovery gave up"
         )
         raise first
+
+
+def _reset_reducer(model: Any) -> None:
+    """A DDP model's reducer back to "no backward under way" after a failed attempt (see the
+    module docstring); nothing for other models, or a torch without the call."""
+    reset = getattr(getattr(model, "reducer", None), "_reset_state", None)
+    if callable(reset):
+        reset()

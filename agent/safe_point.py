@@ -34,6 +34,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from edo_monitor.actions.checkpoint_activations import ActivationRecorder
 from edo_monitor.actions.enforce import enforce_budget
+from edo_monitor.agent.grads_alive import GradientsAlive
 from edo_monitor.decide.leaks import GrowthDetector
 from edo_monitor.errors import BudgetOutOfMemoryError
 from edo_monitor.measure.accounting import Accounting
@@ -54,6 +55,8 @@ class SafePoint:
 
     Attributes:
         enforcing: the CPU budget is enforced (``enforce=True`` in CPU-budget mode).
+        grads_alive: while enforcing with a tracker, the gradients alive in the step
+            (:class:`GradientsAlive`); else ``None``.
         step_accounting: the accounting of the last step boundary (``None`` before one); the
             readings use it.
         want_accounting: the sampler has taken a reading since: account at the next boundary.
@@ -63,6 +66,7 @@ class SafePoint:
     def __init__(self, monitor: MonitorState) -> None:
         self.m = monitor
         self.enforcing = False
+        self.grads_alive: GradientsAlive | None = None
         self.step_accounting: Accounting | None = None
         self.want_accounting = False
         self.primary: torch.optim.Optimizer | None = (
@@ -93,7 +97,10 @@ class SafePoint:
         self._hook_handle = register_optimizer_step_post_hook(self.on_optimizer_step)
 
     def remove(self) -> None:
-        """Remove the step hook (idempotent)."""
+        """Remove the step hook and the gradients' hooks (idempotent)."""
+        if self.grads_alive is not None:
+            self.grads_alive.remove()
+            self.grads_alive = None
         if self._hook_handle is not None:
             self._hook_handle.remove()
             self._hook_handle = None
@@ -226,14 +233,18 @@ class SafePoint:
                 self.want_accounting = False
                 self.step_accounting = m._account()
             if self.enforcing and self.step_accounting is not None:
-                static = self.step_accounting.total_bytes
-                if tracker is not None:
-                    tracker.static_bytes = static
-                # the highest saved bytes alive at once during this step (retained ones included)
-                activations = tracker.step_peak_bytes if tracker is not None else 0
-                last_static, self._last_static_bytes = self._last_static_bytes, static
-                if static + activations > (m.budget_bytes or 0):
-                    self.budget_exceeded(static - last_static, static + activations)
+                acc = self.step_accounting
+                self.rebase(acc)
+                # the forward and backward were checked as they ran (the tracker, with the
+                # gradients alive); here the optimizer's step: parameters, its state and the
+                # gradients, with the saved tensors still alive (a retained graph). The request
+                # is what grew unchecked since the last boundary: the optimizer state (and the
+                # gradients, without a tracker to check them in the backward)
+                unchecked = acc.total_bytes - (acc.grads_bytes if self.grads_alive else 0)
+                in_use = acc.total_bytes + (tracker.live_bytes if tracker is not None else 0)
+                last, self._last_static_bytes = self._last_static_bytes, unchecked
+                if in_use > (m.budget_bytes or 0):
+                    self.budget_exceeded(unchecked - last, in_use)
             if forecasting and self.step_accounting is not None:
                 acc = self.step_accounting
                 activations = tracker.step_peak_bytes if tracker is not None else 0
@@ -290,15 +301,53 @@ class SafePoint:
                 dataclasses.asdict(suspicion),
             )
 
-    def budget_exceeded(self, requested_bytes: int, in_use_bytes: int) -> None:
+    def start_enforcing(self) -> None:
+        """Check the CPU budget inside each step (``enforce=True`` without CUDA): the tracker's
+        saved tensors and the gradients alive, against parameters and optimizer state."""
+        m = self.m
+        tracker = m._tracker
+        if tracker is None or m.model is None:
+            return
+        tracker.limit_bytes = m.budget_bytes
+        tracker.on_exceed = self.budget_exceeded
+        self.grads_alive = GradientsAlive(tracker, m.model)
+        self.rebase(m.accounting)
+        self._last_static_bytes = tracker.static_bytes
+
+    def rebase(self, acc: Accounting, *, rehook: bool = False) -> None:
+        """The budget check's base after an accounting on the training thread: parameters and
+        optimizer state; the gradients are counted anew (``rehook``: the parameters changed)."""
+        tracker = self.m._tracker
+        if tracker is None:
+            return
+        tracker.static_bytes = acc.total_bytes - acc.grads_bytes
+        if self.grads_alive is not None:
+            if rehook:
+                self.grads_alive.watch()
+            else:
+                self.grads_alive.refresh()
+        else:
+            tracker.grads_bytes = acc.grads_bytes
+
+    def budget_exceeded(
+        self, requested_bytes: int, in_use_bytes: int, category: str | None = None
+    ) -> None:
         """Raise the CPU-budget out-of-memory error, recorded as an ``oom`` event first (so it is
-        in the history even when the user catches it).
+        in the history even when the user catches it). The event's ``in_use`` is what was alive
+        with the request, by category (``params_bytes``, ``grads_bytes``,
+        ``optimizer_state_bytes``, ``activations_bytes``: an accounting now and the saved bytes
+        the check counted, the request added to its ``category``), ``request`` (``category``, or
+        ``"step"`` for the boundary's growth, already in the accounting) and
+        ``requested_bytes``.
 
         Args:
             requested_bytes: the request that failed (a saved tensor's storage from the tracker's
-                pack hook; the growth of static bytes since the last boundary from :meth:`run`).
+                pack hook, a new gradient from its backward hook; the growth of static bytes since
+                the last boundary from :meth:`run`).
             in_use_bytes: device-tier bytes in use with it; the message's accounted bytes are
                 ``in_use_bytes - requested_bytes`` and its free bytes ``max(0, budget - that)``.
+            category: ``"activations_bytes"`` or ``"grads_bytes"``: what the request is
+                (``None``: the boundary's growth).
 
         Raises:
             BudgetOutOfMemoryError: always.
@@ -317,9 +366,38 @@ class SafePoint:
                 requested_bytes=requested,
             )
         except BudgetOutOfMemoryError as exc:
+            exc._edo_in_use = self._alive_with(requested, category)  # type: ignore[attr-defined]
             self.m._record_oom(exc)
             exc._edo_recorded = True  # type: ignore[attr-defined]
+            if self.m._tracker is not None:
+                self.m._tracker.end_attempt()
             raise
+
+    def _alive_with(self, requested_bytes: int, category: str | None) -> dict[str, Any] | None:
+        """What :meth:`budget_exceeded` records as alive with the request, as the check counted
+        it (``None`` when it cannot be read): a new gradient is checked against the step's peak
+        of saved bytes (:meth:`ActivationTracker.add_grad_bytes`), the rest against those alive."""
+        m = self.m
+        try:
+            acc = m._account()
+            tracker = m._tracker
+            saved = 0
+            if tracker is not None:
+                saved = tracker.step_peak_bytes if category == "grads_bytes" else tracker.live_bytes
+            alive: dict[str, Any] = {
+                "params_bytes": acc.params_bytes,
+                "grads_bytes": acc.grads_bytes,
+                "optimizer_state_bytes": acc.optimizer_state_bytes,
+                "activations_bytes": saved,
+                "request": category or "step",
+                "requested_bytes": requested_bytes,
+            }
+        except Exception as exc:
+            m._agent_error("out-of-memory breakdown", exc)
+            return None
+        if category is not None:
+            alive[category] += requested_bytes
+        return alive
 
     # ------------------------------------------------------------------ activation profile
     def arm_activation_profile(self) -> None:

@@ -254,12 +254,19 @@ class SnapshotRecorder:
             # the reading the crossing was decided on: its accounting and activations
             acc = m.accounting
             activations = m.latest.activations_bytes or 0
-        else:  # the training thread (oom, action): the accounting of the last step boundary
-            acc = m._safe_point.step_accounting or m.accounting
+        else:  # the training thread (oom, action)
+            # an action: the accounting of the step boundary it ran at; an out-of-memory error
+            # (in the forward, the backward or at the boundary): what is alive at that moment
+            acc = (m._account() if why == "oom" else m._safe_point.step_accounting) or m.accounting
             activations = tracker.live_bytes if tracker is not None else 0
             if why == "oom":
                 parsed = (data or {}).get("parsed") or {}
                 request = parsed.get("requested_bytes")
+                alive = (data or {}).get("in_use")
+                if alive:  # the CPU-budget check's own saved bytes, without the request
+                    activations = alive["activations_bytes"]
+                    if alive["request"] == "activations_bytes":
+                        activations -= alive["requested_bytes"]
         blocks = list(_accounting_blocks(acc))
         blocks += self._activation_blocks(int(activations))
         budget = m.budget_bytes

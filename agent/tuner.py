@@ -353,7 +353,7 @@ class Tuner:
             acc = m._account()
             if m._tracker is not None:
                 m._tracker.set_params(m._model_tensors())
-                m._tracker.static_bytes = acc.total_bytes
+                m._safe_point.rebase(acc, rehook=True)
             m._safe_point.step_accounting = acc
             if m._lookups is not None:  # the action may have swapped a table: count the new one
                 m._lookups.watch_tables(m.model)

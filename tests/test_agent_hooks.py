@@ -305,10 +305,10 @@ def test_a_budget_error_at_the_step_boundary_still_counts_the_step(db_path: Path
     torch.manual_seed(0)
     model = nn.Linear(100, 100)  # 10,100 floats: 40,400 bytes
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    # forward: params 40,400 + the input 8 x 100 floats (3,200) fit in 60,000; at the boundary
-    # params + grads + Adam's two new states (4 x 40,400) do not: the boundary raises, after the
-    # optimizer step has run (it is a step)
-    with edo_monitor.watch(model, db=db_path, budget=60_000, enforce=True) as mon:
+    # forward: params 40,400 + the input 8 x 100 floats (3,200) fit in 100,000, and so do params
+    # + grads in the backward; at the boundary params + grads + Adam's two new states
+    # (4 x 40,400) do not: the boundary raises, after the optimizer step has run (it is a step)
+    with edo_monitor.watch(model, db=db_path, budget=100_000, enforce=True) as mon:
         model(torch.randn(8, 100)).sum().backward()
         with pytest.raises(edo_monitor.BudgetOutOfMemoryError):
             opt.step()
@@ -325,15 +325,17 @@ def test_budget_error_messages_state_the_accounted_bytes_and_what_is_free(db_pat
     model = nn.Linear(10, 10)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     with edo_monitor.watch(model, db=db_path, budget=1_000, enforce=True):
-        # forward saves the input [1, 10] (40 bytes): 440 + 40 fit; at the boundary params +
-        # grads + momentum (1,320) + the step's 40 saved bytes do not. The request is the growth
-        # since entering (880); before it 480 bytes were accounted, 520 free
+        # forward saves the input [1, 10] (40 bytes): 440 + 40 fit, and the backward's gradients
+        # with it (920); at the boundary params + grads + momentum (1,320) do not (the graph and
+        # its saved input are freed by then). The request is the momentum (440): before it 880
+        # bytes were accounted, 120 free (it read "880 bytes ... 480 accounted": the step's
+        # saved bytes added to the gradients made after them)
         model(torch.randn(1, 10)).sum().backward()
         with pytest.raises(edo_monitor.BudgetOutOfMemoryError) as boundary:
             opt.step()
         assert str(boundary.value) == (
-            "CPU-budget out of memory. Tried to allocate 880 bytes. Budget of 1000 bytes of which "
-            "520 bytes is free. 480 bytes is accounted to the watched model."
+            "CPU-budget out of memory. Tried to allocate 440 bytes. Budget of 1000 bytes of which "
+            "120 bytes is free. 880 bytes is accounted to the watched model."
         )
         # caught, training goes on with the gradients kept (zeroed in place): 1,320 bytes are
         # accounted before the next input is saved, more than the budget: 0 free (the message

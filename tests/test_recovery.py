@@ -205,6 +205,11 @@ def test_ddp_syncs_only_on_the_last_micro_batch(db_path: Path, tmp_path: Path) -
         # warm-up: one batch, synced; then 64 rows (synced: it failed), 32 unsynced, 32 synced
         assert syncing == [True, True, False, True]
         assert mon.summary().events["oom_recovered"] == 1
+        # it failed inside the synced backward (at a gradient): the retry reset DDP's reducer,
+        # which had raised "Expected to have finished reduction in the prior iteration"
+        with History(db_path) as history:
+            (oom,) = history.events(mon.run_id, kind="oom")
+        assert oom.data["in_use"]["request"] == "grads_bytes"
     finally:
         dist.destroy_process_group()
 

@@ -232,7 +232,8 @@ def _remedies(
         state = int(sample.get("optimizer_state_bytes") or 0)
         params = int(sample.get("params_bytes") or 0)
         if in_use_bytes is not None and sample.get("device_kind") != "cuda":
-            # at an OOM the failing request is itself an activation: what is not static is
+            # at an OOM recorded without what was alive (before the CPU-budget error said),
+            # the failing request is taken for an activation: what is not static is
             act = max(act, in_use_bytes - params - grads - state)
         if act > 0:
             if act > shortfall:
@@ -324,6 +325,9 @@ def explain(db: Any, run: Any, *, event: int | None = None) -> Explanation:
                     shortfall = max(0, int(last.get("in_use_bytes") or 0) - int(budget or 0))
                 in_use = (int(budget) - int(free or 0) + int(requested or 0)) if budget else None
                 sample = {**last} if last else _sample_at(history, info.id, e.time_s)
+                alive = e.data.get("in_use")  # a CPU-budget error: alive with the request
+                if alive and sample is not None:
+                    sample = {**sample, **alive}
                 incidents.append(
                     Incident(
                         e.id,
@@ -341,7 +345,7 @@ def explain(db: Any, run: Any, *, event: int | None = None) -> Explanation:
                                 sample,
                                 _tables_at(module_rows, e.time_s, counts_step=cpu),
                                 _activations_at(module_rows, e.time_s),
-                                in_use,
+                                None if alive else in_use,
                             )
                         ),
                     )

@@ -1,0 +1,95 @@
+"""``enforce=True`` without CUDA checks what is alive at once inside the step: the forward counts
+the gradients alive (none after ``zero_grad()``), the backward each new gradient, and an error
+there comes before the optimizer's step, as a GPU's would (agent/grads_alive.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import edo_monitor
+from edo_monitor.hindsight.explain import explain
+from edo_monitor.store.history import History
+
+ROWS, DIM, HIDDEN, BATCH = 50_000, 16, 512, 1024
+TABLE_BYTES = ROWS * DIM * 4  # 3,200,000
+HEAD_BYTES = (DIM * HIDDEN + HIDDEN + HIDDEN + 1) * 4  # 36,868
+MiB = 2**20
+
+
+class Model(nn.Module):
+    """A table and a head whose ReLU saves ``BATCH x HIDDEN`` floats (2 MiB) for backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(ROWS, DIM)
+        self.head = nn.Sequential(nn.Linear(DIM, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 1))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids)).squeeze(-1)
+
+
+def setup() -> tuple[Model, torch.optim.Optimizer, torch.Tensor]:
+    torch.manual_seed(0)
+    model = Model()
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randint(0, ROWS, (BATCH,))
+
+
+def test_the_first_step_fails_in_the_backward_at_the_gradient_before_the_optimizer_step(
+    db_path: Path,
+) -> None:
+    """Params (3.09 MiB) + the forward's saved bytes (2.07 MiB) fit in 6 MiB; the table's
+    gradient (3.05 MiB) does not. Before, the first step's check came at the step boundary,
+    after ``opt.step()`` had changed the weights; now the backward raises at that gradient, the
+    gradient is not kept (the allocation failed) and the weights are as they were."""
+    model, opt, ids = setup()
+    before = [p.detach().clone() for p in model.parameters()]
+    with edo_monitor.watch(model, opt, db=db_path, budget=6 * MiB, enforce=True) as mon:
+        loss = model(ids).pow(2).mean()
+        with pytest.raises(edo_monitor.BudgetOutOfMemoryError) as caught:
+            loss.backward()
+        assert model.emb.weight.grad is None
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+        del loss
+    assert str(caught.value).startswith("CPU-budget out of memory. Tried to allocate 3.05 MiB.")
+    assert mon.summary().events["oom"] == 1
+    with History(db_path) as history:
+        (oom,) = history.events(mon.run_id, kind="oom")
+        facts = explain(history, mon.run_id, event=oom.id).incidents[0].snapshot
+    alive = oom.data["in_use"]
+    assert alive["request"] == "grads_bytes" and alive["requested_bytes"] == TABLE_BYTES
+    assert alive["params_bytes"] == TABLE_BYTES + HEAD_BYTES
+    assert alive["grads_bytes"] == HEAD_BYTES + TABLE_BYTES  # the head's, then the table's
+    assert alive["optimizer_state_bytes"] == 0
+    # the saved bytes the check counts in the backward: the forward's peak (ids 8 KiB, the
+    # Linear's input 64 KiB, ReLU's output 2 MiB, the last Linear's output...)
+    assert 2 * MiB < alive["activations_bytes"] < 2.2 * MiB
+    # the snapshot shows what the message says was accounted before the request
+    in_use = sum(alive[k] for k in ("params_bytes", "grads_bytes", "activations_bytes"))
+    assert facts is not None
+    assert facts["allocated_bytes"] == in_use - TABLE_BYTES
+    assert facts["fragmentation"]["fits_in_largest_free_block"] is False
+
+
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["freed", "zero-filled"])
+def test_the_forward_counts_only_the_gradients_alive(db_path: Path, set_to_none: bool) -> None:
+    """A step fits 8.5 MiB (params 3.09 + gradients 3.09 + the saved peak 2.07 MiB). Then a
+    forward of a batch twice as large (an evaluation with gradients on): 3.09 MiB of params +
+    4.14 MiB saved fit, unless the last step's gradients are still alive (``zero_grad`` filling
+    them with zeros: 3.09 MiB more). Before, the forward counted the gradients of the last step
+    boundary, ``zero_grad()``'s freed ones too, and failed either way."""
+    model, opt, ids = setup()
+    with edo_monitor.watch(model, opt, db=db_path, budget=int(8.5 * MiB), enforce=True) as mon:
+        model(ids).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+        double = torch.cat([ids, ids.flip(0)])
+        if set_to_none:
+            model(double).sum()
+        else:
+            with pytest.raises(edo_monitor.BudgetOutOfMemoryError):
+                model(double).sum()
+    assert mon.summary().events.get("oom", 0) == (0 if set_to_none else 1)
