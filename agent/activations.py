@@ -68,6 +68,7 @@ import torch
 
 from edo_monitor.measure.accounting import tensor_bytes
 from edo_monitor.measure.module_hooks import add_forward_pre_hook
+from edo_monitor.measure.saved_version import checked, stamp
 
 __all__ = ["ActivationTracker"]
 
@@ -75,13 +76,16 @@ _STRIDED = torch.strided
 
 
 class _Saved:
-    """What autograd keeps instead of a counted saved tensor: the tensor, and a slot for the
-    weak reference whose callback reports the holder's release (see the module docstring)."""
+    """What autograd keeps instead of a counted saved tensor: the tensor, its version counter
+    when saved (checked on unpacking: :mod:`edo_monitor.measure.saved_version`), and a slot for
+    the weak reference whose callback reports the holder's release (see the module docstring).
+    An uncounted saved tensor is kept as ``(tensor, version)``."""
 
-    __slots__ = ("__weakref__", "tensor")
+    __slots__ = ("__weakref__", "tensor", "version")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
+        self.version = tensor._version
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
@@ -180,18 +184,18 @@ class ActivationTracker:
         the tracker's own failures (only ``on_exceed``'s out-of-memory error propagates)."""
         if not self._open:  # outside the watched model's step window: not its memory
             self._open_at_own_parameter(tensor)
-            return tensor
+            return stamp(tensor)
         try:
             if tensor.layout is _STRIDED:  # inline: the common case, on the hot path
                 storage = tensor.untyped_storage()
                 key = storage.data_ptr()
                 if key in self._param_keys:
-                    return tensor
+                    return stamp(tensor)
                 nbytes = storage.nbytes()
             else:
                 key, nbytes = _storage_key(tensor)
             if nbytes == 0 or key in self._param_keys:
-                return tensor
+                return stamp(tensor)
             if tensor.requires_grad:
                 tensor = tensor.detach()  # no cycle through the output's grad_fn (see above)
             with self._lock:
@@ -208,10 +212,9 @@ class ActivationTracker:
                     return self._holder(tensor, key)
         except Exception as exc:
             self._failed(exc)
-            return tensor
-        self.on_exceed(
-            nbytes, in_use, "activations_bytes"
-        )  # raises: the allocation failed, nothing was counted
+            return stamp(tensor)
+        # raises: the allocation failed, nothing was counted
+        self.on_exceed(nbytes, in_use, "activations_bytes")
         with self._lock:  # an on_exceed that returns lets the storage be counted
             self._count(key, nbytes)
             return self._holder(tensor, key)
@@ -255,8 +258,14 @@ class ActivationTracker:
 
     @staticmethod
     def unpack(packed: Any) -> torch.Tensor:
-        """The unpack hook: the tensor the pack hook was given (or its detached alias)."""
-        return packed.tensor if type(packed) is _Saved else packed
+        """The unpack hook: the tensor the pack hook was given (or its detached alias).
+
+        Raises:
+            RuntimeError: it was modified in place after it was saved (autograd's check).
+        """
+        if type(packed) is _Saved:
+            return checked(packed.tensor, packed.version)
+        return checked(*packed)
 
     def _count(self, key: int, nbytes: int) -> None:
         """A first holder of ``key``: its bytes become live (lock held)."""

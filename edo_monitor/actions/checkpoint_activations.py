@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
@@ -46,6 +47,7 @@ from edo_monitor.actions.base import Action, ActionContext, ActionResult, find_w
 from edo_monitor.actions.use_watch import _METADATA_OPS, _element_span, _UseWatcher
 from edo_monitor.decide.plans import Plan, Refusal
 from edo_monitor.measure.accounting import is_table_module, tensor_bytes
+from edo_monitor.measure.saved_version import checked, stamp
 from edo_monitor.units import format_bytes
 
 __all__ = [
@@ -311,10 +313,11 @@ class ActivationRecorder:
             self._record(t, self._stack)
         except Exception as exc:  # a hook must never fail the user's forward
             self.errors.append(exc)
-        return t if self._chain is None else self._chain[0](t)
+        return stamp(t) if self._chain is None else self._chain[0](t)
 
     def _unpack(self, packed: Any) -> torch.Tensor:
-        return packed if self._chain is None else self._chain[1](packed)
+        # autograd's in-place check, which hooks switch off (edo_monitor.measure.saved_version)
+        return checked(*packed) if self._chain is None else self._chain[1](packed)
 
     def note_held(self, args: tuple, kwargs: dict, block: str) -> None:
         """Count the inputs a checkpointed ``block`` keeps alive, attributed outside the block."""
@@ -329,7 +332,8 @@ class ActivationRecorder:
 
     def __enter__(self) -> ActivationRecorder:
         for t in list(self.model.parameters()) + list(self.model.buffers()):
-            self._static.add(self._key(t)[0])
+            if not is_lazy(t):  # a lazy module's parameter has no storage yet
+                self._static.add(self._key(t)[0])
         for m in self.model.modules():
             self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
             self._handles.append(m.register_forward_hook(self._post, with_kwargs=True))
