@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from edo_monitor.agent.activations import ActivationTracker
 from edo_monitor.measure.accounting import tensor_bytes
@@ -58,7 +59,7 @@ class GradientsAlive:
         """(Re)hook the model's parameters (after an action changed them) and count anew."""
         self.remove()
         for p in self._model.parameters():
-            if p.requires_grad and p.is_leaf:
+            if p.requires_grad and not is_lazy(p) and p.is_leaf:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._accumulated))
         self.refresh()
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from edo_monitor.actions.checkpoint_activations import ActivationRecorder
@@ -67,6 +68,10 @@ class SafePoint:
         self.m = monitor
         self.enforcing = False
         self.grads_alive: GradientsAlive | None = None
+        #: the model has a lazy module's parameters not yet materialised (``nn.LazyLinear``)
+        self._lazy = monitor.model is not None and any(
+            is_lazy(p) for p in monitor.model.parameters()
+        )
         self.step_accounting: Accounting | None = None
         self.want_accounting = False
         self.primary: torch.optim.Optimizer | None = (
@@ -274,6 +279,11 @@ class SafePoint:
     def _close_step(self, count: bool) -> None:
         """Step bookkeeping; each part guarded so one failure cannot skip the others."""
         m = self.m
+        if self._lazy:
+            try:
+                self._after_materialising()
+            except Exception as exc:
+                m._agent_error("lazy parameters", exc)
         if count:
             m.steps += 1
             writer = m._run.writer
@@ -328,6 +338,19 @@ class SafePoint:
                 self.grads_alive.refresh()
         else:
             tracker.grads_bytes = acc.grads_bytes
+
+    def _after_materialising(self) -> None:
+        """Once a lazy module's parameters exist (its first forward), the hooks that skipped them
+        take them in: the tracker stops counting them as saved activations, and with
+        ``enforce=True`` their gradients are checked."""
+        m = self.m
+        if m.model is None or any(is_lazy(p) for p in m.model.parameters()):
+            return
+        self._lazy = False
+        if m._tracker is not None:
+            m._tracker.set_params(m._model_tensors())
+        if self.grads_alive is not None:
+            self.grads_alive.watch()
 
     def budget_exceeded(
         self, requested_bytes: int, in_use_bytes: int, category: str | None = None

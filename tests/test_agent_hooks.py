@@ -461,3 +461,67 @@ def test_watch_on_a_cpu_model_never_asks_cuda(db_path: Path) -> None:
     assert mon.device_kind == "cpu-budget" and process_only.device_kind == "cpu-budget"
     assert calls == []
     assert torch.cuda.is_initialized() == initialised
+
+
+@pytest.mark.parametrize("steps_before", [0, 3], ids=["profiled-step", "tracked-step"])
+def test_a_saved_tensor_changed_in_place_fails_the_backward_as_without_watch(
+    db_path: Path, steps_before: int
+) -> None:
+    """Regression: with saved-tensor hooks installed autograd skips its version check, so under
+    ``watch()`` ``sigmoid(...).mul_(2)`` trained on wrong gradients (-2.71 for 2.33) where
+    PyTorch raises. The hooks check the version themselves (the first step is also profiled)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    x = torch.randn(8, 4)
+    with edo_monitor.watch(lin, opt, db=db_path):
+        for _ in range(steps_before):
+            lin(x).sigmoid().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        y = lin(x).sigmoid()
+        y.mul_(2)  # changes the output sigmoid saved for its backward
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
+
+
+def test_the_activation_profile_alone_keeps_the_in_place_check() -> None:
+    from edo_monitor.actions.checkpoint_activations import ActivationRecorder
+
+    lin = nn.Linear(4, 4)
+    with ActivationRecorder(lin):
+        y = lin(torch.randn(8, 4)).sigmoid()
+    y.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+@pytest.mark.parametrize("enforce", [False, True], ids=["watched", "enforced"])
+def test_a_lazy_module_is_watched_from_its_first_forward(db_path: Path, enforce: bool) -> None:
+    """Regression: ``watch()`` of a model with ``nn.LazyLinear`` failed on entering
+    (``ValueError: Attempted to use an uninitialized parameter``). Its parameters count 0 bytes
+    until the first forward makes them; from the next step on they are parameters, not saved
+    activations, and with ``enforce=True`` their gradients are checked."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(100, 8), nn.LazyLinear(1))
+    opt: torch.optim.Optimizer | None = None
+    with edo_monitor.watch(model, db=db_path, budget="64MiB", enforce=enforce, strict=True) as mon:
+        assert mon.accounting.params_bytes == 100 * 8 * 4
+        for _ in range(3):
+            loss = model(torch.randint(0, 100, (32,))).sum()
+            if opt is None:  # the parameters exist now
+                opt = torch.optim.Adam(model.parameters(), lr=0.01)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        # the table's output (32 x 8 floats) and the ids (32 int64), not the Linear's weight
+        assert mon._tracker.last_step_bytes == 32 * 8 * 4 + 32 * 8
+        if enforce:
+            grads = mon._safe_point.grads_alive
+            assert grads is not None and len(grads._handles) == 3  # table, weight, bias
+    summary = mon.summary()
+    assert summary.status == "finished" and "agent_error" not in summary.events
+    params = (100 * 8 + 8 + 1) * 4
+    with History(db_path) as history:
+        last = list(history.samples(mon.run_id).rows())[-1]
+    assert (last["params_bytes"], last["grads_bytes"]) == (params, params)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.nn.parameter import UninitializedTensorMixin
 
 __all__ = [
     "Accounting",
@@ -47,9 +48,13 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
     ``indices()`` plus ``values()``; a compressed layout (CSR, CSC, BSR, BSC) as its compressed
     and plain index tensors plus ``values()``. The sparse gradient of an ``Embedding(1_000_000, 64,
     sparse=True)`` after 4 lookups is 4 x 8 index bytes + 4 x 64 x 4 value bytes, not 256 MB.
+    A lazy module's parameter not yet materialised (``nn.LazyLinear`` before its first forward)
+    holds no elements: 0 bytes.
     """
     layout = tensor.layout
     if layout == torch.strided:
+        if isinstance(tensor, UninitializedTensorMixin):
+            return 0
         return tensor.numel() * tensor.element_size()
     if layout == torch.sparse_coo:
         return tensor_bytes(tensor._indices()) + tensor_bytes(tensor._values())
