@@ -38,6 +38,13 @@ Batches: a tensor (split on dim 0), or tuples, lists (named tuples included) and
 nested; other leaves are passed whole to every micro-batch. Every tensor must have the same size
 on dim 0.
 
+Batch statistics: a failed attempt's forward updated the batch-norm layers' running statistics
+(``BatchNorm*``, ``InstanceNorm*`` with ``track_running_stats``): they are put back before the
+retry (a copy of them is taken before each step; they are small). Split, each micro-batch is
+normalised with its own statistics and updates the running ones once (``num_batches_tracked``
+grows by the number of micro-batches): for such a model the update is not the whole batch's, and
+a warning says so once. Dropout draws other masks for a retried step, as for any other step.
+
 DDP: when the watched model has ``no_sync`` (``DistributedDataParallel``), every micro-batch but
 the last runs inside it, so gradients are all-reduced once per step. Each rank splits on its own:
 a rank that splits while another does not would call ``backward`` a different number of times;
@@ -62,6 +69,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.nn.modules.batchnorm import _NormBase
 
 from edo_monitor.checks import whole_number
 from edo_monitor.errors import ConfigError
@@ -194,6 +202,7 @@ class StepRecovery:
         self.configure(min_micro_batch_rows, merge_after_steps)
         self._clean_steps = 0
         self.recoveries = 0
+        self._warned_batch_statistics = False
 
     def configure(self, min_micro_batch_rows: int | None, merge_after_steps: int | None) -> None:
         """Set the floor and the merge interval (``None`` keeps the current value).
@@ -254,14 +263,18 @@ class StepRecovery:
         failed_attempts = 0
         lost_s = 0.0
         attempts: list[int] = []
+        stats = _running_stats(self.monitor.model)
         while True:
             attempts.append(micro)
             t0 = time.perf_counter()
             self._zero_grads()
+            if micro < rows:
+                self._warn_batch_statistics(stats)
             try:
                 loss = self._accumulate(step_fn, batch, rows, micro, reduction)
                 break
             except torch.OutOfMemoryError as exc:
+                _restore(stats)  # the failed attempt's forward counted for nothing
                 if not getattr(exc, "_edo_recorded", False):
                     self.monitor._record_oom(exc)
                     exc._edo_recorded = True  # type: ignore[attr-defined]
@@ -312,6 +325,17 @@ class StepRecovery:
             del loss
         assert total is not None
         return total
+
+    def _warn_batch_statistics(self, stats: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Once per run: a split model normalises by batch statistics (see the module
+        docstring)."""
+        if stats and not self._warned_batch_statistics:
+            self._warned_batch_statistics = True
+            logger.warning(
+                "edo-monitor run_step: the model has batch-norm layers in training mode; "
+                "split into micro-batches, each normalises with its own statistics and updates "
+                "the running ones once, so the update differs from the whole batch's"
+            )
 
     def _zero_grads(self) -> None:
         model = self.monitor.model
@@ -391,3 +415,24 @@ def _reset_reducer(model: Any) -> None:
     reset = getattr(getattr(model, "reducer", None), "_reset_state", None)
     if callable(reset):
         reset()
+
+
+def _running_stats(model: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(buffer, copy)`` of the running statistics a forward in training mode updates
+    (``BatchNorm*``, ``InstanceNorm*`` with ``track_running_stats``, ``SyncBatchNorm``)."""
+    if not isinstance(model, torch.nn.Module):
+        return []
+    out = []
+    for module in model.modules():
+        if isinstance(module, _NormBase) and module.training and module.track_running_stats:
+            for buffer in (module.running_mean, module.running_var, module.num_batches_tracked):
+                if buffer is not None:
+                    out.append((buffer, buffer.detach().clone()))
+    return out
+
+
+def _restore(stats: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Put the running statistics back as they were before the attempt."""
+    with torch.no_grad():
+        for buffer, copy in stats:
+            buffer.copy_(copy)

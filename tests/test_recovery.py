@@ -4,6 +4,7 @@ CPU budget enforced (``enforce=True`` raises ``BudgetOutOfMemoryError``, a
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections import namedtuple
 from pathlib import Path
@@ -318,3 +319,30 @@ def test_misuse_is_a_config_error_naming_the_argument(db_path: Path) -> None:
     assert calls == [8, 8, 8]
     for b, p in zip(before, model.parameters(), strict=True):
         assert torch.equal(b, p.detach())  # no optimizer step ran
+
+
+def test_a_failed_attempt_leaves_the_batch_norm_statistics_as_they_were(
+    db_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression: each failed attempt's forward updated BatchNorm's running statistics, so one
+    recovered step counted 6 batches (2 failed attempts + 4 micro-batches) and the running mean
+    was 4x a plain step's. Now they are put back before the retry: the statistics are those of
+    the micro-batches that ran, and a warning says the split changes the batch statistics."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 1024), nn.BatchNorm1d(1024), nn.ReLU(), nn.Linear(1024, 1))
+    twin = copy.deepcopy(model[:2])
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(64, 8), torch.randn(64, 1)
+    with edo_monitor.watch(model, opt, db=db_path, budget=300_000, enforce=True) as mon:
+        mon.run_step(lambda mb: (model(mb[0]) - mb[1]).pow(2).mean(), (x, y), optimizer=opt)
+    with History(db_path) as history:
+        (recovered,) = history.events(mon.run_id, kind="oom_recovered")
+    assert recovered.data["failed_attempts"] >= 1
+    micro, n = recovered.data["micro_batch_rows"], recovered.data["micro_batches"]
+    for part in x.split(micro):  # the micro-batches that ran, and only them
+        twin(part)
+    bn, bn_twin = model[1], twin[1]
+    assert bn.num_batches_tracked.item() == bn_twin.num_batches_tracked.item() == n
+    assert torch.equal(bn.running_mean, bn_twin.running_mean)
+    assert torch.equal(bn.running_var, bn_twin.running_var)
+    assert "batch-norm layers in training mode" in caplog.text
