@@ -159,8 +159,19 @@ class Monitor(_Lifecycle):
             raise ConfigError(f"policy={policy!r} is not an edo_monitor.Policy (or None)")
         if not profile_interval_s > 0:
             raise ConfigError(f"profile_interval_s={profile_interval_s!r} must be > 0")
+        for name, flag in (
+            ("strict", strict),
+            ("enforce", enforce),
+            ("track_activations", track_activations),
+        ):
+            if not isinstance(flag, bool):
+                raise ConfigError(f"{name}={flag!r}; expected True or False")
+        if run_name is not None and not isinstance(run_name, str):
+            raise ConfigError(f"run_name={run_name!r}; expected a string (or None: the model's)")
         if enforce and budget is None:
             raise ConfigError("enforce=True needs a budget= to enforce")
+        # checked with or without a loader: a value that would fail with one is refused now
+        ahead = whole_number(ahead, "ahead", 1, error=ConfigError)
         sync_every_steps = whole_number(sync_every_steps, "sync_every_steps", 1, error=ConfigError)
         if snapshots not in (None, True, False):
             raise ConfigError(f"snapshots={snapshots!r} must be None (auto), True or False")
@@ -476,7 +487,8 @@ class Monitor(_Lifecycle):
         ``step_fn(micro_batch)`` runs the forward and returns the loss: a scalar tensor, the mean
         over the micro-batch's rows (``reduction="sum"``: their sum). ``run_step`` sets the
         model's gradients to ``None``, calls ``backward`` on each micro-batch's loss scaled by its
-        share of the rows (the update equals the whole batch's), then, with ``optimizer``, runs
+        share of the rows (the update equals the whole batch's, but for batch-norm layers in
+        training mode: see :mod:`edo_monitor.agent.recovery`), then, with ``optimizer``, runs
         ``optimizer.step()`` and ``optimizer.zero_grad()``. On ``torch.OutOfMemoryError`` in
         forward or backward it releases what the attempt held, applies a pending policy action,
         halves the micro-batch and retries; the split is kept for later steps and merged back

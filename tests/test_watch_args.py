@@ -31,6 +31,30 @@ def test_tags_that_are_neither_a_string_nor_an_iterable_are_refused(db_path: Pat
     assert json.loads(run_row(db_path)["tags"]) == ["nightly", "3"]
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"strict": "no"}, "strict='no'; expected True or False"),
+        ({"track_activations": "no"}, "track_activations='no'; expected True or False"),
+        ({"enforce": "yes", "budget": "1GiB"}, "enforce='yes'; expected True or False"),
+        ({"enforce": 1}, "enforce=1; expected True or False"),
+        ({"run_name": 5}, "run_name=5; expected a string (or None: the model's)"),
+        ({"ahead": 0}, "ahead=0; expected an int >= 1"),
+        ({"ahead": 1.5}, "ahead=1.5; expected an int >= 1"),
+        ({"ahead": True}, "ahead=True; expected an int >= 1"),
+    ],
+)
+def test_flags_names_and_ahead_are_checked_with_or_without_what_they_go_with(
+    db_path: Path, kwargs: dict[str, Any], message: str
+) -> None:
+    """Regression: ``strict="no"`` and ``track_activations="no"`` were read as True,
+    ``enforce="yes"`` without a budget said "enforce=True needs a budget=", ``run_name=5`` was
+    stored, and ``ahead=0`` passed unless ``loader=`` was given."""
+    with pytest.raises(ConfigError) as err:
+        edo_monitor.watch(make_model(), db=db_path, **kwargs)
+    assert str(err.value) == message
+
+
 @pytest.mark.parametrize("db", ["x\0y.db", "sqlite:///x\0y.db"])
 def test_a_db_path_with_a_nul_character_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, db: str
