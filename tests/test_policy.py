@@ -11,7 +11,12 @@ from torch import nn
 
 from edo_monitor.actions import ACTIONS, ActionContext, ActivationRecorder, Plan, Refusal
 from edo_monitor.decide.policy import Policy
-from edo_monitor.decide.policy_events import Decision, NoActionAvailable, ThresholdCrossing
+from edo_monitor.decide.policy_events import (
+    GROW_LOOKBACK_STEPS,
+    Decision,
+    NoActionAvailable,
+    ThresholdCrossing,
+)
 from edo_monitor.decide.ranking import (
     EXPECTED_ERROR_FLOOR,
     lossy_score,
@@ -469,3 +474,30 @@ def test_reading_of_equals_the_constructor() -> None:
     ]
     with pytest.raises(TypeError, match="in_use"):
         Reading.of(1.5, 7, "cuda", in_use=10)
+
+
+def test_a_cache_grows_back_only_when_the_recent_steps_peak_leaves_room() -> None:
+    """Regression: with batches alternating (5 small steps, 5 large), the cache grew back in
+    each small phase into the next large one's crossing (7 round trips in 80 steps). Calm is now
+    judged at the highest in-use of the last GROW_LOOKBACK_STEPS steps."""
+    grow = Plan("grow_cache", "items", -10, "grow the row cache of items")
+    policy = Policy(grow_after_readings=3, cooldown_steps=0)
+
+    def at(step: int, in_use: int) -> Reading:
+        return Reading(
+            time_s=float(step),
+            step=step,
+            device_kind="cpu-budget",
+            in_use_bytes=in_use,
+            budget_bytes=100,
+            free_fraction=(100 - in_use) / 100,
+        )
+
+    plans = {"grow_cache": grow}
+    # large steps leave 28 % free: above re-arm (25 %), below re-arm + margin (30 %)
+    phases = [72] * 5 + [40] * 5
+    decided = [e for s in range(40) for e in policy.evaluate(at(s, phases[s % 10]), plans)]
+    assert decided == []  # before: a grow in each small phase
+    # once the large steps are GROW_LOOKBACK_STEPS behind, the small ones are calm: it grows
+    steps = [e.step for s in range(40, 80) for e in policy.evaluate(at(s, 40), plans)]
+    assert steps == [34 + GROW_LOOKBACK_STEPS + 2]  # the last large step is 34; 3 calm readings

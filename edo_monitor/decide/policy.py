@@ -27,6 +27,10 @@ pending at a time.
 Growing back: in ``"auto"`` mode, when not under pressure and ``free_fraction`` has stayed at or
 above ``rearm_free_fraction + grow_margin_fraction`` for ``grow_after_readings`` readings in a row,
 the policy decides ``grow_cache`` (a row cache takes rows back, up to the whole table) if it plans.
+Calm is judged, and the growth sized, at the highest in-use of the last
+:data:`GROW_LOOKBACK_STEPS` steps since the last applied decision, not at the reading alone: a
+workload whose batches alternate (small, large) grew the cache back in each small phase, into
+the next large one's crossing (7 shrink-and-grow round trips in 80 steps of a recommender).
 
 Forecasting (``forecast_steps=N``; off by default): each reading's in-use bytes, and each step's
 peak where the agent measures it at the step boundary (:meth:`Policy.observe_step`), with the
@@ -73,6 +77,7 @@ from edo_monitor.decide.plans import (
 from edo_monitor.decide.policy_events import (
     FORECAST_CATEGORIES,
     FORECAST_MIN_STEPS,
+    GROW_LOOKBACK_STEPS,
     MODES,
     Decision,
     Forecast,
@@ -222,6 +227,9 @@ class Policy(_Forecasting):
         #: release_cache was the last action applied in this pressure episode
         self._released_last = False
         #: the key of the no-action last reported in this episode (``None``: none yet)
+        #: step -> highest in-use of its readings, for the steps since the last applied
+        #: decision within the last GROW_LOOKBACK_STEPS
+        self._recent_in_use: dict[int, int] = {}
         self._reported_none: tuple[tuple[str, str, str], ...] | None = None
 
     def _check_ladder(self, ladder: Sequence[str] | None) -> tuple[str, ...]:
@@ -259,6 +267,17 @@ class Policy(_Forecasting):
             f"{forecast})"
         )
 
+    def _note_in_use(self, reading: Reading) -> int:
+        """Keep each recent step's highest in-use (lock held); returns the highest of the last
+        :data:`GROW_LOOKBACK_STEPS` steps since the last applied decision (0: none known)."""
+        if reading.in_use_bytes is None:
+            return 0
+        recent = self._recent_in_use
+        recent[reading.step] = max(recent.get(reading.step, 0), int(reading.in_use_bytes))
+        for step in [s for s in recent if s <= reading.step - GROW_LOOKBACK_STEPS]:
+            del recent[step]
+        return max(recent.values())
+
     def evaluate(self, reading: Reading, planner: Planner | None = None) -> list[PolicyEvent]:
         """Events for one reading: crossings first, then at most one decision (or a no-action).
 
@@ -281,6 +300,7 @@ class Policy(_Forecasting):
             return []
         events: list[PolicyEvent] = []
         with self._lock:
+            recent_peak = self._note_in_use(reading)
             if not self.under_pressure and free < self.min_free_fraction:
                 self.under_pressure = True
                 self._advised.clear()
@@ -311,7 +331,7 @@ class Policy(_Forecasting):
                 if self._forecast is not None:  # never grow back into a forecast crossing
                     self._calm_readings = 0
                     return events
-                grow = self._maybe_grow(reading, planner, prediction)
+                grow = self._maybe_grow(reading, planner, prediction, recent_peak)
                 if grow is not None:
                     events.append(grow)
                 return events
@@ -343,18 +363,27 @@ class Policy(_Forecasting):
 
     # ------------------------------------------------------------------ growing back
     def _maybe_grow(
-        self, reading: Reading, planner: Planner | None, prediction: _Prediction | None = None
+        self,
+        reading: Reading,
+        planner: Planner | None,
+        prediction: _Prediction | None = None,
+        recent_peak_bytes: int = 0,
     ) -> Decision | None:
         """A ``grow_cache`` decision after enough calm readings (auto mode, lock held).
 
-        With a growth ``prediction`` (forecasting), the calm test and the plan use the in-use
-        predicted ``forecast_steps`` ahead, so a cache shrunk ahead of a crossing is not grown
-        back into it."""
+        The calm test and the plan use the highest in-use of the recent steps
+        (``recent_peak_bytes``) when it is above the reading's; with a growth ``prediction``
+        (forecasting), the in-use predicted ``forecast_steps`` ahead when higher still, so a
+        cache shrunk ahead of a crossing is not grown back into it."""
         free = now = float(reading.free_fraction or 0.0)
         planning = None
-        if prediction is not None and reading.budget_bytes:
-            planning = prediction.horizon_in_use_bytes
-            free = min(free, (reading.budget_bytes - planning) / reading.budget_bytes)
+        budget = reading.budget_bytes
+        if budget and recent_peak_bytes > (reading.in_use_bytes or 0):
+            planning = recent_peak_bytes
+        if prediction is not None and budget:
+            planning = max(planning or 0, prediction.horizon_in_use_bytes)
+        if planning is not None and budget:
+            free = min(free, (budget - planning) / budget)
         if free < self.rearm_free_fraction + self.grow_margin_fraction:
             self._calm_readings = 0
             return None
@@ -385,7 +414,13 @@ class Policy(_Forecasting):
             estimated_saving_bytes=plan.estimated_saving_bytes,
             reason=(
                 f"free {free:.1%}"
-                + ("" if planning is None else f" in {self.forecast_steps} steps (trend)")
+                + (
+                    ""
+                    if planning is None
+                    else f" in {self.forecast_steps} steps (trend)"
+                    if prediction is not None and planning == prediction.horizon_in_use_bytes
+                    else f" at the highest in-use of the last {GROW_LOOKBACK_STEPS} steps"
+                )
                 + f" above re-arm {self.rearm_free_fraction:.0%} + margin "
                 f"{self.grow_margin_fraction:.0%}: {plan.reason}"
             ),
@@ -527,6 +562,7 @@ class Policy(_Forecasting):
                 self.last_decision_step = None
             if state == "applied":
                 self._released_last = decision.action == "release_cache"
+                self._recent_in_use.clear()  # the memory is another from here on
             if state == "failed":
                 self._failed.add((decision.action, decision.target))
             if why is not None:

@@ -37,6 +37,11 @@ FORECAST_MAX_P_VALUE = 1e-6
 FORECAST_GRACE_STEPS = 2
 
 
+#: A row cache grows back only when the highest in-use of this many recent steps (since the last
+#: applied decision) leaves room for it (:meth:`Policy._maybe_grow`).
+GROW_LOOKBACK_STEPS = 20
+
+
 #: Reading fields whose per-step trends a forecast reports (bytes per step), besides the total.
 FORECAST_CATEGORIES = ("params_bytes", "grads_bytes", "optimizer_state_bytes", "activations_bytes")
 
