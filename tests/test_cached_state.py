@@ -131,7 +131,13 @@ def test_a_dtype_conversion_with_the_optimizer_attached_is_refused_and_changes_n
     _twin, cached = _pair(base)
     opt = torch.optim.Adam([cached.weight], lr=0.01)
     _train([(cached, opt)], 3, torch.Generator().manual_seed(2))
-    with pytest.raises(ValueError, match=r"from torch\.float64 to torch\.float32 while Adam holds"):
+    # the message says what holds the old dtype: the cache (it read "while SGD holds its state"
+    # to a user whose plain SGD holds none)
+    with pytest.raises(
+        ValueError,
+        match=r"from torch\.float64 to torch\.float32 once Adam steps it is not supported \(the "
+        r"row cache keeps",
+    ):
         cached.float()
     assert cached.weight.dtype == torch.float64 and cached.host_weight.dtype == torch.float64
     assert cached.to(torch.float64) is cached  # no change: nothing to refuse

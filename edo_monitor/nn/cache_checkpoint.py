@@ -44,9 +44,11 @@ class _Checkpointing:
         if new_dtype != weight.dtype:
             if self._optimizer is not None:
                 raise ValueError(
-                    f"cached table: converting it from {weight.dtype} to {new_dtype} while "
-                    f"{type(self._optimizer).__name__} holds its state; convert the model "
-                    "before creating the optimizer"
+                    f"cached table: converting it from {weight.dtype} to {new_dtype} once "
+                    f"{type(self._optimizer).__name__} steps it is not supported (the row "
+                    f"cache keeps the rows it has not caught up yet, and their optimizer state, "
+                    f"in {weight.dtype}); convert the model before its optimizer is created "
+                    "(a table the agent cached: before watch())"
                 )
             if self._host_alloc is not None:
                 raise ValueError(
