@@ -161,6 +161,28 @@ def test_checkpoint_estimate_matches_measured_and_losses_equal_and_undo() -> Non
     assert "forward" not in model.blocks[0].__dict__
 
 
+def test_checkpointing_a_block_counts_the_inputs_it_keeps_alive() -> None:
+    """Regression: in ``Linear -> GELU -> Dropout -> Linear`` the plan checkpointed the Dropout
+    for an estimated 2 MiB (its mask), but checkpointing keeps its input, the GELU's output, that
+    nothing saved before: measured, nothing was freed. The estimate is the exclusive bytes less
+    such inputs; no block of this model frees anything, so the plan refuses."""
+    from edo_monitor.actions.checkpoint_activations import _wrap
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Dropout(0.1), nn.Linear(1024, 256))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(512, 256)
+    before = profile_of(model, x)
+    gelu_out = 512 * 1024 * 4
+    assert before.held_input_bytes.get("2") == gelu_out  # the Dropout's input: saved by none
+    assert before.exclusive_bytes["2"] > 0 and before.net_saving_bytes("2") <= 0
+    refusal = ACTIONS["checkpoint_activations"].plan(ctx_of(model, opt, activation_profile=before))
+    assert isinstance(refusal, Refusal) and "no block" in refusal.reason
+    _wrap(model[2], "2")  # what the old plan did: the measured saving is the net one
+    after = profile_of(model, x)
+    assert before.total_bytes - after.total_bytes == before.net_saving_bytes("2")
+
+
 def test_checkpoint_refuses_without_profile() -> None:
     model, opt = make()
     r = ACTIONS["checkpoint_activations"].plan(ctx_of(model, opt, activation_profile=None))

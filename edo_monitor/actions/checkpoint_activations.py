@@ -93,6 +93,9 @@ class ActivationProfile:
         buffer_mutating: names of the modules during whose forward a buffer of the model changed
             (its version counter moved, or a buffer was rebound): BatchNorm's running statistics,
             any custom running state. Recomputing such a forward would change them again.
+        held_input_bytes: per module name, the bytes of its inputs that nothing saved for
+            backward (parameters excluded): what checkpointing it would keep alive besides (see
+            :meth:`net_saving_bytes`).
         outside_uses: per embedding-table module name, where its parameters were read outside
             its own forward during the recorded step (``"<innermost module>: <op>"``, or
             ``"<no module>: <op>"`` for the user's code around the model), e.g. an output
@@ -106,6 +109,13 @@ class ActivationProfile:
     called: frozenset[str] = frozenset()
     buffer_mutating: frozenset[str] = frozenset()
     outside_uses: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    held_input_bytes: dict[str, int] = field(default_factory=dict)
+
+    def net_saving_bytes(self, name: str) -> int:
+        """What checkpointing module ``name`` frees: its exclusive bytes less its inputs that
+        nothing saved (checkpointing keeps them alive to recompute from). A Dropout between a GELU
+        and a Linear frees its mask but keeps the GELU's output, which was freed before: 0."""
+        return self.exclusive_bytes.get(name, 0) - self.held_input_bytes.get(name, 0)
 
 
 class ActivationRecorder:
@@ -141,7 +151,7 @@ class ActivationRecorder:
         self._stack: list[str] = []
         self._bytes: dict[int, int] = {}
         self._owners: dict[int, frozenset[str]] = {}
-        self._inputs: dict[str, set[int]] = {}
+        self._inputs: dict[str, dict[int, int]] = {}  # module -> its inputs' storages: bytes
         self._called: set[str] = set()
         self._static: set[int] = set()
         self._handles: list[Any] = []
@@ -284,9 +294,10 @@ class ActivationRecorder:
         self._stack.append(name)
         self._called.add(name)
         try:
-            keys = self._inputs.setdefault(name, set())
+            keys = self._inputs.setdefault(name, {})
             for t in _tensors(args, kwargs):
-                keys.add(self._key(t)[0])
+                ptr, nbytes = self._key(t)
+                keys[ptr] = nbytes
         except Exception as exc:  # a hook must never fail the user's forward
             self.errors.append(exc)
 
@@ -372,12 +383,22 @@ class ActivationRecorder:
                 if ptr in self._inputs.get(name, ()):
                     continue
                 exclusive[name] = exclusive.get(name, 0) + self._bytes[ptr]
+        held = {
+            name: n
+            for name, inputs in self._inputs.items()
+            if (
+                n := sum(
+                    b for p, b in inputs.items() if p not in self._bytes and p not in self._static
+                )
+            )
+        }
         return ActivationProfile(
             total,
             exclusive,
             frozenset(self._called),
             frozenset(self._mutating),
             {k: tuple(sorted(v)) for k, v in self._outside.items()},
+            held,
         )
 
 
@@ -460,7 +481,8 @@ class CheckpointActivations(Action):
     lossy = False
 
     def plan(self, ctx: ActionContext) -> Plan | Refusal:
-        """Choose up to ``ctx.max_checkpoint_blocks`` blocks by exclusive saved bytes."""
+        """Choose up to ``ctx.max_checkpoint_blocks`` blocks by what checkpointing each frees
+        (:meth:`ActivationProfile.net_saving_bytes`)."""
         wrapper = find_wrapped_parallel(ctx.model)
         # DistributedDataParallel is fine: non-reentrant checkpointing changes no parameter (the
         # reducer's hooks fire once per parameter, in the recomputing backward); FSDP's
@@ -486,8 +508,8 @@ class CheckpointActivations(Action):
         ]
         cands = [c for c in cands if c not in stateful]
         cands = [c for c in cands if sum(1 for o in cands if o.startswith(c + ".")) < 2]
-        cands = [c for c in cands if profile.exclusive_bytes.get(c, 0) > 0]
-        cands.sort(key=lambda c: profile.exclusive_bytes[c], reverse=True)
+        cands = [c for c in cands if profile.net_saving_bytes(c) > 0]
+        cands.sort(key=profile.net_saving_bytes, reverse=True)
         chosen: list[str] = []
         for c in cands:
             if len(chosen) >= ctx.max_checkpoint_blocks:
@@ -503,7 +525,7 @@ class CheckpointActivations(Action):
                     f"{', '.join(stateful[:5])}"
                 )
             return self.refuse("", why)
-        est = sum(profile.exclusive_bytes[c] for c in chosen)
+        est = sum(profile.net_saving_bytes(c) for c in chosen)
         return Plan(
             self.name,
             ",".join(chosen),
