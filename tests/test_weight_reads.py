@@ -169,6 +169,13 @@ def test_the_tied_language_model_trains_under_pressure_bit_identical_to_its_twin
     for name in ("cache_embedding", "offload_embedding"):  # the lossless ladder's table actions
         assert f"read outside emb's forward ({read})" in refusals[name]
     assert "checkpoint_activations" in refusals  # the ladder moved on past the tables
+    # explain does not offer what the live agent refused on the table: it says why not
+    # (it listed offloading and caching emb as the best lossless remedies)
+    (incident, *_) = edo_monitor.explain(db, "latest").incidents
+    assert all(r.target != "emb" or r.lossy for r in incident.remedies)
+    not_remedies = {(r.action, r.target): r.detail for r in incident.refused_live}
+    for name in ("cache_embedding", "offload_embedding"):
+        assert f"read outside emb's forward ({read})" in not_remedies[(name, "emb")]
 
 
 def test_parameters_sliced_from_one_flat_buffer_are_not_each_others_reads() -> None:

@@ -114,6 +114,8 @@ class Incident:
             sample); ``peak_in_use_bytes``: the episode's highest in-use (crossings).
         shortfall_bytes: bytes that had to go (see the module docstring).
         remedies: ranked, largest saving first.
+        refused_live: remedies on a table the live agent refused to act on (tied to another
+            layer, read outside its forward, ...): its reason is their ``detail``.
         snapshot: from the incident's memory snapshot, when it has one
             (:func:`edo_monitor.hindsight.snapshot.memory_at`): largest blocks by frame and the
             fragmentation then; else ``None``.
@@ -132,6 +134,7 @@ class Incident:
     message: str
     remedies: tuple[Remedy, ...]
     snapshot: dict[str, Any] | None = None
+    refused_live: tuple[Remedy, ...] = ()
     staged_plan: Any = None  # edo_monitor.hindsight.staged.StagedPlan (stages 1-3, a dimension)
 
 
@@ -161,6 +164,43 @@ def _peak_in_episode(history: Any, run_id: int, start_s: float, end_s: float | N
             ),
             {"r": run_id, "a": start_s, "b": end_s},
         ).scalar()
+
+
+def _refused_live(events: list[Any]) -> dict[tuple[str, str], str]:
+    """``(action, table) -> reason`` for each table action the live agent refused on a table
+    in the run (its ``no_action`` and ``action_refused`` events): a refusal names each table
+    it refused, ``"<table>: <why>"``, joined by ``"; "``."""
+    out: dict[tuple[str, str], str] = {}
+    for e in events:
+        if e.kind == "no_action":
+            items = e.data.get("refusals") or []
+        elif e.kind == "action_refused":
+            items = [e.data]
+        else:
+            continue
+        for r in items:
+            action = str(r.get("action") or "")
+            for part in str(r.get("reason") or "").split("; "):
+                table, sep, why = part.partition(": ")
+                if sep and table:  # the latest reason stands
+                    out[(action, table)] = why
+    return out
+
+
+def _split_refused(
+    remedies: tuple[Remedy, ...], refused: dict[tuple[str, str], str]
+) -> dict[str, tuple[Remedy, ...]]:
+    """``remedies`` less those the live agent refused on their table, and those (with its
+    reason as their ``detail``): an offload of a table tied to the output layer is not a remedy."""
+    kept, out = [], []
+    for r in remedies:
+        live = "compress_embedding" if r.action.startswith("compress_embedding") else r.action
+        why = refused.get((live, r.target))
+        if why is None:
+            kept.append(r)
+        else:
+            out.append(dataclasses.replace(r, enough=False, detail=f"refused live: {why}"))
+    return {"remedies": tuple(kept), "refused_live": tuple(out)}
 
 
 def _remedies(
@@ -394,9 +434,11 @@ def explain(db: Any, run: Any, *, event: int | None = None) -> Explanation:
         from edo_monitor.hindsight.snapshot import memory_at
         from edo_monitor.hindsight.staged import plan_for_incident
 
+        refused = _refused_live(events)
         incidents = [  # schema 8: what the incident's memory snapshot shows
             dataclasses.replace(
                 i,
+                **_split_refused(i.remedies, refused),
                 snapshot=memory_at(history, info.id, i.event_id),
                 staged_plan=plan_for_incident(history, info, module_rows, events, i),
             )

@@ -89,6 +89,8 @@ def explain_renderables(result: Explanation, *, top: int = 12) -> list[Renderabl
         out.append(table)
         if len(inc.remedies) > top:
             out.append(Text(f"  … {len(inc.remedies) - top} more (--top, --json)"))
+        for r in inc.refused_live:
+            out.append(Text(f"  not a remedy: {r.action} on {r.target}, {r.detail}"))
         from edo_monitor.hindsight.snapshot import snapshot_renderables
 
         out.extend(snapshot_renderables(inc.snapshot))
