@@ -372,6 +372,13 @@ def test_window_and_raw_and_columns(seeded: tuple[Path, dict[str, Any]]) -> None
         assert h.samples(3).time_s == []  # a run without samples
         with pytest.raises(ConfigError, match="not sample columns"):
             h.samples(1, columns=["bogus"])
+        # an empty list was raw SQL (near "FROM": syntax error)
+        for empty in ([], ()):
+            for max_points in (10, None):
+                with pytest.raises(ConfigError, match=r"columns=.* is empty; expected one"):
+                    h.samples(1, columns=empty, max_points=max_points)
+            with pytest.raises(ConfigError, match=r"is empty"):
+                h.samples_since(1, 0, columns=empty)
         with pytest.raises(ConfigError, match="max_points"):
             h.samples(1, max_points=0)
         # a column outside the rollups takes the raw GROUP BY path and agrees on the count

@@ -132,6 +132,11 @@ class _SampleQueries:
             return self._default_columns
         if isinstance(columns, str):
             columns = [columns]
+        if not columns:
+            raise ConfigError(
+                f"columns={columns!r} is empty; expected one or more of "
+                f"{', '.join(NUMERIC_SAMPLE_COLUMNS)} (or None: every column)"
+            )
         bad = [c for c in columns if c not in NUMERIC_SAMPLE_COLUMNS]
         if bad:
             raise ConfigError(
