@@ -68,7 +68,7 @@ from edo_monitor.measure.frequency import LookupCounter
 from edo_monitor.probes.readings import Reading
 from edo_monitor.store.paths import check_writable, resolve_db_url
 from edo_monitor.store.spill_files import resolve_spill_dir
-from edo_monitor.units import parse_bytes
+from edo_monitor.units import STORABLE_BYTES, parse_bytes
 
 if TYPE_CHECKING:
     from edo_monitor.exporters.tensorboard import TensorBoardSink
@@ -218,7 +218,7 @@ class Monitor(_Lifecycle):
         self.budget_bytes_requested = None if budget is None else parse_bytes(budget, name="budget")
         if self.budget_bytes_requested == 0:
             raise ConfigError("budget=0 leaves no memory; expected a positive size")
-        if self.budget_bytes_requested is not None and self.budget_bytes_requested >= 2**63:
+        if self.budget_bytes_requested is not None and self.budget_bytes_requested > STORABLE_BYTES:
             raise ConfigError(
                 f"budget={budget!r} is {self.budget_bytes_requested} bytes; expected less than "
                 "2**63 bytes (8 EiB), the largest size the history stores"

@@ -10,7 +10,10 @@ import humanfriendly
 
 from edo_monitor.errors import ConfigError
 
-__all__ = ["format_bytes", "parse_bytes"]
+__all__ = ["STORABLE_BYTES", "format_bytes", "parse_bytes"]
+
+#: The largest byte count the history stores (a signed 64-bit column): a budget must be below it.
+STORABLE_BYTES = 2**63 - 1
 
 _ALLOWED = "a non-negative int of bytes or a string such as '512MiB', '2GB', '1.5 GiB', '4096'"
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from edo_monitor.errors import ConfigError, EdoMonitorError
-from edo_monitor.units import format_bytes, parse_bytes
+from edo_monitor.units import STORABLE_BYTES, format_bytes, parse_bytes
 
 __all__ = [
     "EXIT_ERROR",
@@ -77,6 +77,11 @@ def byte_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size; {allowed}") from None
     if size_bytes <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} leaves no memory; {allowed}")
+    if size_bytes > STORABLE_BYTES:  # what watch() refuses, refused before anything is read
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is {size_bytes} bytes; expected less than 2**63 bytes (8 EiB), the "
+            "largest size the history stores"
+        )
     return size_bytes
 
 
