@@ -6,6 +6,8 @@ error message edo-monitor promises (the bad value and what is allowed).
 
 from __future__ import annotations
 
+import re
+
 import humanfriendly
 
 from edo_monitor.errors import ConfigError
@@ -18,13 +20,17 @@ STORABLE_BYTES = 2**63 - 1
 _ALLOWED = "a non-negative int of bytes or a string such as '512MiB', '2GB', '1.5 GiB', '4096'"
 
 
+#: An IEC unit without its "B" ("512Mi", "2Gi"): humanfriendly reads "Mi" as "M", powers of 1000.
+_IEC_SHORT = re.compile(r"\d\s*[KMGTPE]i$", re.IGNORECASE)
+
+
 def parse_bytes(value: int | str, *, name: str = "budget") -> int:
     """Return ``value`` as a number of bytes.
 
     Args:
-        value: an ``int`` (bytes) or a string with a unit. IEC units (KiB, MiB, GiB, TiB) are powers
-            of 1024, SI units (KB, MB, GB, TB) powers of 1000, as ``humanfriendly.parse_size``
-            reads them.
+        value: an ``int`` (bytes) or a string with a unit. IEC units (KiB, MiB, GiB, TiB, also
+            written Ki, Mi, Gi, Ti as Kubernetes does) are powers of 1024, SI units (KB, MB, GB,
+            TB) powers of 1000, as ``humanfriendly.parse_size`` reads them.
         name: the argument's name, used in the error message.
 
     Returns:
@@ -39,8 +45,11 @@ def parse_bytes(value: int | str, *, name: str = "budget") -> int:
     if isinstance(value, int):
         result = value
     else:
+        text = value.strip()
+        if _IEC_SHORT.search(text):  # "8Mi" (Kubernetes' form) is 8 MiB, not 8 MB
+            text += "B"
         try:
-            result = int(humanfriendly.parse_size(value.strip()))
+            result = int(humanfriendly.parse_size(text))
         except (humanfriendly.InvalidSize, ValueError):
             raise ConfigError(f"{name}={value!r} is not a size; expected {_ALLOWED}") from None
     if result < 0:
