@@ -250,6 +250,25 @@ def test_exit_code_1_when_quitting_from_the_runs_view_with_an_error(tmp_path: Pa
     assert app.exit_code == 1
 
 
+@pytest.mark.parametrize("view", ["x", "m"], ids=["explain", "snapshot"])
+def test_q_quits_from_the_explain_and_snapshot_views(db: Path, view: str) -> None:  # noqa: F811
+    """Regression: the help says "q quit", but with the explain (x) or snapshot (m) view open
+    it did nothing."""
+    app = EdoTui(db, refresh_s=REFRESH_S)
+
+    async def body(pilot: Pilot[None]) -> None:
+        await wait_for(pilot, lambda: loaded(app))
+        await pilot.press(view)
+        await wait_for(
+            pilot, lambda: type(app.screen).__name__ in {"ExplainScreen", "SnapshotScreen"}
+        )
+        await pilot.press("q")
+        await wait_for(pilot, lambda: not app.is_running)
+
+    run_app(app, body)
+    assert app.exit_code == EXIT_OK
+
+
 def test_exit_code_usage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main(["--refresh-s", "0"])

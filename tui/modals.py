@@ -82,6 +82,7 @@ class ExplainScreen(ModalScreen[None]):
     BINDINGS = [  # noqa: RUF012
         Binding("escape", "close", "close"),
         Binding("x", "close", "close", show=False),
+        Binding("q", "app.quit", "quit", show=False),  # as the help says, from any view
     ]
 
     def __init__(self, run: RunInfo, event_id: int | None = None) -> None:

@@ -46,6 +46,7 @@ class SnapshotScreen(ModalScreen[None]):
     BINDINGS = [  # noqa: RUF012
         Binding("escape", "close", "close"),
         Binding("m", "close", "close", show=False),
+        Binding("q", "app.quit", "quit", show=False),  # as the help says, from any view
     ]
 
     def __init__(self, run: RunInfo, event_id: int | None = None) -> None:
