@@ -49,6 +49,12 @@ def test_runs_table_and_json(db: Path) -> None:
     assert len(data) == 5 and {"status", "peak_in_use_bytes", "steps_per_s"} <= set(data[0])
     crashed = json.loads(run("runs", "--json", "--status", "crashed", db=db).stdout)
     assert [r["name"] for r in crashed] == ["dead"]
+    # filters that leave none say so, not "no runs recorded" (it read as an empty database)
+    res = run("runs", "--name", "zzz", "--tag", "a", db=db)
+    assert res.exit_code == 0
+    assert (
+        res.output.strip() == "no runs match --name 'zzz', --tag 'a' (the database holds 5 run(s))"
+    )
 
 
 def test_db_from_env_and_global_option(db: Path, monkeypatch: pytest.MonkeyPatch) -> None:

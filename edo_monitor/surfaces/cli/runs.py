@@ -61,11 +61,18 @@ def runs_cmd(
     with _history(db) as h:
         runs = h.runs(status=status, since=since_s, name=name, tag=tag, limit=limit)
         refs = h.uuid_references() if runs and not as_json else {}
+        filters = {"--status": status, "--since": since, "--name": name, "--tag": tag}
+        given = [f"{k} {v!r}" for k, v in filters.items() if v is not None]
+        recorded = len(h.runs()) if given and not runs and not as_json else 0
     if as_json:
         _print_json([_info_dict(r) for r in runs])
         return
-    if not runs:
-        _c.out.print("no runs recorded")
+    if not runs:  # say whether the filters left none or there are none
+        _c.out.print(
+            f"no runs match {', '.join(given)} (the database holds {recorded} run(s))"
+            if recorded
+            else "no runs recorded"
+        )
         return
     table = Table(title=None, show_lines=False)
     for col, just in (
