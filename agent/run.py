@@ -187,6 +187,8 @@ class RunRecord:
         self.run_id = -1
         self.engine: Any = None
         self.writer: Writer | None = None
+        #: when the run ended (set by :meth:`close_writer`; ``None`` before)
+        self.ended_at_s: float | None = None
         self.recorded_status: str | None = None
 
     def open(
@@ -239,7 +241,10 @@ class RunRecord:
         return self.run_id
 
     def close_writer(self, steps: int) -> None:
-        """Flush and stop the writer thread, the run's step count written with the last batch."""
+        """Flush and stop the writer thread, the run's step count written with the last batch.
+        The run ended now (:meth:`record_end` records this time): a flush that waits for a
+        locked database does not stretch its duration."""
+        self.ended_at_s = time.time()
         if self.writer is not None:
             self.writer.run_values["steps"] = steps
             self.writer.close()
@@ -264,7 +269,7 @@ class RunRecord:
                         .values(
                             status=status,
                             error=error,
-                            ended_at_s=time.time(),
+                            ended_at_s=self.ended_at_s or time.time(),
                             heartbeat_at_s=time.time(),
                             steps=steps,
                             samples_dropped=writer.dropped if writer else 0,

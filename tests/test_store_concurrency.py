@@ -323,6 +323,30 @@ def test_writer_retries_after_an_operational_error(
     engine.dispose()
 
 
+def test_the_reconnect_event_counts_the_outage_from_the_first_try(tmp_path: Path) -> None:
+    """Regression: ``outage_s`` was counted from the first *failed* try, which SQLite fails only
+    after its busy timeout: a 45 s lock read "0.0 s" (the timeout was most of it). Here a 1 s
+    busy timeout and a lock held 1.5 s: the outage is the 1.5 s, not 0.5."""
+    engine, run_id = _writer_db(tmp_path)
+    _short_busy_timeout(engine, timeout_ms=1000)
+    locker = sqlite3.connect(tmp_path / "w.db", isolation_level=None)
+    locker.execute("BEGIN EXCLUSIVE")
+    writer = Writer(engine, run_id, batch_size=100, flush_interval_s=0.01)
+    writer.put_sample(_reading(0))
+    started = time.monotonic()
+    writer.start()
+    time.sleep(1.5)
+    locker.execute("ROLLBACK")
+    locker.close()
+    writer.close()
+    held_s = time.monotonic() - started
+    con = sqlite3.connect(tmp_path / "w.db")
+    (data,) = con.execute("SELECT data FROM events WHERE kind = 'store_reconnected'").fetchone()
+    con.close()
+    engine.dispose()
+    assert 1.4 <= json.loads(data)["outage_s"] <= held_s
+
+
 @pytest.mark.slow
 def test_writers_opening_a_new_file_at_the_same_moment_all_start(tmp_path: Path) -> None:
     """The ranks of a job open one new SQLite file at the same instant. Switching it to WAL

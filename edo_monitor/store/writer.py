@@ -440,24 +440,25 @@ class Writer:
         dropped = self._dropped
         new_drops = dropped - self._dropped_recorded
         now = time.time()
+        tried_at = time.monotonic()  # a locked database fails only after the busy timeout
         drop_table = None
         if new_drops:
             drop_table, drop_row = self._drop_row(now, new_drops, dropped)
             pending[drop_table].append(drop_row)
         outage = self._outage
         back_table = None
-        if outage is not None:  # written in the transaction that shows the database works again
-            first_error, since, tries = outage
-            back = {
-                "tries": tries,
-                "outage_s": round(time.monotonic() - since, 3),
-                "error": first_error,
-            }
-            back_table, back_row = self._reconnect_row(now, back)
-            pending[back_table].append(back_row)
         try:
             conn = self._connection()
             with conn.begin():
+                if outage is not None:  # in the transaction that shows the database works again
+                    first_error, since, tries = outage
+                    back = {  # the lock is held from here on: the outage is over
+                        "tries": tries,
+                        "outage_s": round(time.monotonic() - since, 3),
+                        "error": first_error,
+                    }
+                    back_table, back_row = self._reconnect_row(now, back)
+                    pending[back_table].append(back_row)
                 if pending["samples"]:
                     tuples = list(map(_SAMPLE_VALUES, pending["samples"]))
                     write_samples(conn, self.run_id, tuples)  # type: ignore[arg-type]
@@ -484,7 +485,7 @@ class Writer:
                     self._count(table, len(rows))
                 return True
             if self._outage is None:  # one line per outage; nothing is lost yet
-                self._outage = (self._last_error, time.monotonic(), 1)
+                self._outage = (self._last_error, tried_at, 1)
                 logger.warning(
                     "history writer cannot write to %s (%s); keeping the rows and retrying",
                     self.engine.url,
