@@ -292,6 +292,9 @@ def test_run_references(seeded: tuple[Path, dict[str, Any]]) -> None:
             h.run(99)
         with pytest.raises(RunNotFoundError, match="uuid prefix"):
             h.run("zzz-not-hex")
+        # other scripts' digits are not ids ("\u0967" is Devanagari one: it opened run 1)
+        with pytest.raises(RunNotFoundError, match="expected a run id, a uuid prefix"):
+            h.run("\u0967")
 
         # a prefix shared by several uuids is ambiguous; an all-digit one is an id
         with pytest.raises(RunNotFoundError, match="several runs"):

@@ -269,7 +269,10 @@ class History(_JobQueries, _DeviceQueries, _SampleQueries):
         with self._read() as conn:
             if isinstance(ref, bool):
                 raise RunNotFoundError(f"{ref!r} is not a run reference")
-            if isinstance(ref, int) or (isinstance(ref, str) and ref.strip().isdigit()):
+            # ASCII digits only: int() also reads other scripts' digits ("५" is 5)
+            if isinstance(ref, int) or (
+                isinstance(ref, str) and ref.strip().isascii() and ref.strip().isdigit()
+            ):
                 if not 0 <= int(ref) < 2**63:  # no row has it (ids are int64 in SQL)
                     raise RunNotFoundError(f"no run with id {int(ref)}")
                 row = conn.execute(select(*cols).where(runs_table.c.id == int(ref))).first()
