@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import threading
+import unicodedata
 import uuid as uuidlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
@@ -233,6 +234,12 @@ class Monitor(_Lifecycle):
                 f"tags={tags!r}: expected a string (one tag), an iterable of strings, or None"
             )
         self.tags = [tags] if isinstance(tags, str) else [str(t) for t in (tags or [])]
+        for what, text in (("run_name", run_name or ""), *(("tags", t) for t in self.tags)):
+            # a terminal escape in a stored name would reach every reader's terminal
+            if any(unicodedata.category(ch) == "Cc" for ch in text):
+                raise ConfigError(
+                    f"{what} {text!r} holds a control character; expected printable text"
+                )
         self.strict = strict
         self.policy = policy
         self.enforce = enforce

@@ -42,6 +42,15 @@ def test_tags_that_are_neither_a_string_nor_an_iterable_are_refused(db_path: Pat
         ({"ahead": 0}, "ahead=0; expected an int >= 1"),
         ({"ahead": 1.5}, "ahead=1.5; expected an int >= 1"),
         ({"ahead": True}, "ahead=True; expected an int >= 1"),
+        # a terminal escape in a stored name reached every reader's terminal (runs, show, TUI)
+        (
+            {"run_name": "\x1b[31mred"},
+            "run_name '\\x1b[31mred' holds a control character; expected printable text",
+        ),
+        (
+            {"tags": ["ok", "a\x07"]},
+            "tags 'a\\x07' holds a control character; expected printable text",
+        ),
     ],
 )
 def test_flags_names_and_ahead_are_checked_with_or_without_what_they_go_with(
