@@ -50,6 +50,10 @@ class Tuner:
     def __init__(self, monitor: MonitorState) -> None:
         self.m = monitor
         self.pressure_queue: list[ThresholdCrossing] = []
+        #: the last decision whose event is recorded: the policy makes a decision pending inside
+        #: ``evaluate`` (sampler thread), and the training thread applied it before its event
+        #: was written, so the action came before its decision in the history
+        self._announced: Decision | None = None
 
     @property
     def _policy(self) -> Policy:
@@ -134,6 +138,7 @@ class Tuner:
                     data,
                     step=reading.step,
                 )
+                self._announced = event
             elif isinstance(event, Forecast):
                 self.emit_forecast(event)
             elif isinstance(event, ForecastOutcome):
@@ -242,8 +247,8 @@ class Tuner:
         if policy is None or m.model is None:
             return
         decision = policy.pending
-        if decision is None or decision.advisory:
-            return
+        if decision is None or decision.advisory or decision is not self._announced:
+            return  # not recorded yet: applied at the next boundary
         self.apply_decision(decision)
 
     def decision_context(self, decision: Decision) -> ActionContext:
