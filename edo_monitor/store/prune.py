@@ -32,49 +32,28 @@ _DELTA_COLUMNS = tuple(c for c in CACHE_FIELDS if c != "cache_rows")
 
 def _fold_counters(conn: Any, run_id: int, cut: float, kept: set[int]) -> None:
     """Add the counts of each sample about to be thinned (before ``cut``, not in ``kept``) to
-    the next kept sample of the run (in time order), so ``show``'s row-cache sums, the rollups
-    and ``export`` keep every lookup; counts after the last kept sample go to that one."""
-    cols = ", ".join(_DELTA_COLUMNS)
+    the next kept sample of the run in time order, so ``show``'s row-cache sums, the rollups and
+    ``export`` keep every lookup. Each bucket's last sample is kept, so every thinned sample has
+    a kept one after it."""
     rows = conn.execute(
         text(
-            f"SELECT id, {cols} FROM samples WHERE run_id = :r AND time_s < :cut "
-            "ORDER BY time_s, id"
+            f"SELECT id, {', '.join(_DELTA_COLUMNS)} FROM samples "
+            "WHERE run_id = :r AND time_s < :cut ORDER BY time_s, id"
         ),
         {"r": run_id, "cut": cut},
     ).fetchall()
-    pending: list[int | None] = [None] * len(_DELTA_COLUMNS)
-    updates: dict[int, list[int | None]] = {}
-    last_kept: int | None = None
-
-    def add(into: list[int | None], values: Any) -> list[int | None]:
-        return [
-            a if b is None else (b if a is None else a + b)
-            for a, b in zip(into, values, strict=True)
-        ]
-
-    for row in rows:
-        sample_id, values = int(row[0]), tuple(row[1:])
-        if sample_id in kept:
-            if any(v is not None for v in pending):
-                updates[sample_id] = add(list(values), pending)
-                pending = [None] * len(_DELTA_COLUMNS)
-            last_kept = sample_id
-        else:
-            pending = add(pending, values)
-    if last_kept is not None and any(v is not None for v in pending):
-        updates[last_kept] = add(
-            updates.get(last_kept) or list(_values_of(rows, last_kept)), pending
-        )
     assign = ", ".join(f"{c} = :{c}" for c in _DELTA_COLUMNS)
-    for sample_id, values in updates.items():
-        conn.execute(
-            text(f"UPDATE samples SET {assign} WHERE id = :id"),
-            {"id": sample_id, **dict(zip(_DELTA_COLUMNS, values, strict=True))},
-        )
-
-
-def _values_of(rows: list[Any], sample_id: int) -> tuple[Any, ...]:
-    return next(tuple(r[1:]) for r in rows if int(r[0]) == sample_id)
+    pending: list[int | None] = [None] * len(_DELTA_COLUMNS)
+    for row in rows:
+        values = [b if a is None else a + (b or 0) for a, b in zip(pending, row[1:], strict=True)]
+        if int(row[0]) not in kept:
+            pending = values
+        elif pending != [None] * len(_DELTA_COLUMNS):
+            conn.execute(
+                text(f"UPDATE samples SET {assign} WHERE id = :id"),
+                {"id": int(row[0]), **dict(zip(_DELTA_COLUMNS, values, strict=True))},
+            )
+            pending = [None] * len(_DELTA_COLUMNS)
 
 
 def prune(
