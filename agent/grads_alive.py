@@ -1,21 +1,24 @@
 """The watched model's gradients alive now, on the device tier: CPU-budget enforcement inside the
 step (``watch(..., enforce=True)`` without CUDA).
 
-The budget is checked against what is alive *at once*, as a GPU's allocator would fail: during
-the forward, parameters + optimizer state + the gradients still alive (none after
-``zero_grad()``'s default ``set_to_none=True``; all of them with gradient accumulation) + the
-saved tensors; during the backward, each parameter's new gradient against the saved tensors still
-alive then (autograd frees a node's saved tensors once the node has run, so a table's gradient,
-made last, meets few of them). Before, the step boundary added the forward's peak of saved
-tensors to the gradients measured after the backward, and the forward counted the previous step's
-gradients: a step that fits on a GPU ran out of its CPU budget.
+The budget is checked as the step runs, against what is alive then:
+
+* in the forward: parameters + optimizer state + the gradients alive (none after ``zero_grad()``'s
+  default ``set_to_none=True``; the earlier micro-batches' with gradient accumulation) + the saved
+  tensors alive. Before, the forward counted the last step boundary's gradients, freed or not;
+* in the backward: each parameter's new gradient, with the gradients alive and the step's *peak*
+  of saved tensors. The backward frees saved tensors as it goes but makes the gradients of the
+  activations they were, which no hook sees; the peak stands in for them. The error comes
+  before the optimizer's step (the first step's came at the boundary, after the weights had
+  changed), and the gradient is taken back off the parameter (the allocation failed; the error's
+  snapshot shows what was alive before it);
+* at the step boundary (:class:`~edo_monitor.agent.safe_point.SafePoint`): the optimizer state
+  its step made.
 
 How: a post-accumulate-grad hook on each parameter that requires a gradient
 (``Tensor.register_post_accumulate_grad_hook``; it is not copied with the module, so
 ``deepcopy``/``torch.save`` of the model are unaffected) hands the growth of that parameter's
-``.grad`` to :meth:`ActivationTracker.add_grad_bytes`, which checks the budget (a new gradient
-over it is taken back off the parameter before the out-of-memory error is raised: the allocation
-failed, and the error's snapshot shows what was alive before it). ``zero_grad()``
+``.grad`` to :meth:`ActivationTracker.add_grad_bytes`, which checks the budget. ``zero_grad()``
 has no hook: the gradients alive are walked again when the step window opens (the step's first
 forward) and at the step boundary. A parameter on the host tier (``_edo_host``, an offloaded
 table) is not counted, as in :func:`edo_monitor.measure.accounting.account`.
