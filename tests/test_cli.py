@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_history import N_SAMPLES, seed
+from history_seed import N_SAMPLES, seed
 from typer.testing import CliRunner
 
 from edo_monitor.store.schema import SCHEMA_VERSION

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import typer
+from history_seed import seed
 from test_cli import DB_COMMANDS, runner
-from test_history import seed
 
 from edo_monitor.surfaces.cli import app
 from edo_monitor.surfaces.cli.dispatch import app_for

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from history_seed import T0, UUIDS
 from sqlalchemy.orm import Session
-from test_history import T0, UUIDS
 
 from edo_monitor.errors import ConfigError, MissingExtraError, StoreError
 from edo_monitor.store.engine import open_engine

@@ -9,9 +9,9 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+from history_seed import INTERVAL, N_SAMPLES, T0, sample_row, seed
 from sqlalchemy import insert
 from sqlalchemy.exc import OperationalError
-from test_history import INTERVAL, N_SAMPLES, T0, _sample, seed
 
 from edo_monitor.probes.readings import SAMPLE_FIELDS
 from edo_monitor.store.engine import open_engine, write_samples
@@ -42,7 +42,7 @@ def _assert_same_rollups(a: tuple[list[str], list[tuple]], b: tuple[list[str], l
 
 
 def _values(run_id: int, i: int, t: float, rng: random.Random) -> tuple:
-    row = _sample(run_id, i, rng)
+    row = sample_row(run_id, i, rng)
     row["time_s"] = t
     row["device_total_bytes"] = 8 * 10**9  # one value throughout
     row["fragmentation"] = float("nan") if i % 13 == 0 else rng.random()  # NaN is stored NULL
@@ -86,7 +86,7 @@ def test_writer_rollups_equal_the_sql_fold(tmp_path: Path) -> None:
         folded.append(python_fold)
         if size == 3:  # another connection's samples, not rolled up yet (< ROLLUP_MIN_ROWS)
             with engine.begin() as conn:
-                conn.execute(insert(Sample), [_sample(2, k, rng) for k in range(5)])
+                conn.execute(insert(Sample), [sample_row(2, k, rng) for k in range(5)])
     engine.dispose()
     assert folded == [True, True, True, True, True, False, True]
     con = sqlite3.connect(path)

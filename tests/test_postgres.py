@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 import torch
+from history_seed import INTERVAL, N_SAMPLES, T0, sample_row, seed
 from sqlalchemy import text
 from test_cli import run
-from test_history import INTERVAL, N_SAMPLES, T0, _sample, seed
 from test_watch import make_model, train
 
 import edo_monitor
@@ -92,7 +92,7 @@ def test_writer_rollups_equal_an_sql_fold(pg_url: str) -> None:
             {"t": T0},
         )
     rng = random.Random(3)
-    rows = [_sample(1, i, rng) for i in range(3000)]
+    rows = [sample_row(1, i, rng) for i in range(3000)]
     rows[10]["time_s"], rows[11]["time_s"] = rows[11]["time_s"], rows[10]["time_s"]
     tuples = [tuple(r[f] for f in SAMPLE_FIELDS) for r in rows]
     for k in range(0, len(tuples), 250):
