@@ -60,6 +60,9 @@ class SafePoint:
             (:class:`GradientsAlive`); else ``None``.
         step_accounting: the accounting of the last step boundary (``None`` before one); the
             readings use it.
+        oom_accounting: while a CPU-budget out-of-memory error is recorded, the accounting its
+            check read (the ``oom`` snapshot uses it rather than walking the model again);
+            otherwise ``None``.
         want_accounting: the sampler has taken a reading since: account at the next boundary.
         primary: the optimizer whose steps are counted (``None`` until found).
     """
@@ -73,6 +76,7 @@ class SafePoint:
             is_lazy(p) for p in monitor.model.parameters()
         )
         self.step_accounting: Accounting | None = None
+        self.oom_accounting: Accounting | None = None
         self.want_accounting = False
         self.primary: torch.optim.Optimizer | None = (
             monitor.optimizers[0] if monitor.optimizers else None
@@ -390,7 +394,10 @@ class SafePoint:
             )
         except BudgetOutOfMemoryError as exc:
             exc._edo_in_use = self._alive_with(requested, category)  # type: ignore[attr-defined]
-            self.m._record_oom(exc)
+            try:
+                self.m._record_oom(exc)
+            finally:
+                self.oom_accounting = None
             exc._edo_recorded = True  # type: ignore[attr-defined]
             if self.m._tracker is not None:
                 self.m._tracker.end_attempt()
@@ -402,7 +409,7 @@ class SafePoint:
         of saved bytes (:meth:`ActivationTracker.add_grad_bytes`), the rest against those alive."""
         m = self.m
         try:
-            acc = m._account()
+            acc = self.oom_accounting = m._account()
             tracker = m._tracker
             saved = 0
             if tracker is not None:

@@ -257,7 +257,10 @@ class SnapshotRecorder:
         else:  # the training thread (oom, action)
             # an action: the accounting of the step boundary it ran at; an out-of-memory error
             # (in the forward, the backward or at the boundary): what is alive at that moment
-            acc = (m._account() if why == "oom" else m._safe_point.step_accounting) or m.accounting
+            if why == "oom":  # the budget check's own walk when it raised the error
+                acc = m._safe_point.oom_accounting or m._account()
+            else:
+                acc = m._safe_point.step_accounting or m.accounting
             activations = tracker.live_bytes if tracker is not None else 0
             if why == "oom":
                 parsed = (data or {}).get("parsed") or {}
