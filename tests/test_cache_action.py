@@ -24,6 +24,7 @@ from edo_monitor.actions import (
     InjectedFailureError,
     Refusal,
 )
+from edo_monitor.actions.host_headroom import host_headroom
 from edo_monitor.measure.accounting import account
 from edo_monitor.measure.frequency import LookupCounter
 from edo_monitor.nn import CachedTable
@@ -518,3 +519,52 @@ def test_the_action_on_a_compiled_model_stays_within_eagers_difference() -> None
     assert run(torch.float64, compiled=True) < 1e-12
     eager32, compiled32 = run(torch.float32, compiled=False), run(torch.float32, compiled=True)
     assert 0 < compiled32 <= 2 * eager32, (compiled32, eager32)
+
+
+def test_momentum_switched_off_and_back_across_caching_and_going_resident_stays_exact() -> None:
+    """Regression: SGD keeps a switched-off momentum buffer and uses it again when momentum
+    comes back. Caching a table whose optimizer held one dropped it (momentum restarted from
+    zero), and going resident again kept the cache's ``(C, D)`` copy (the next step with momentum
+    raised a size mismatch). The cache keeps every such key whole on the host."""
+    torch.manual_seed(0)
+    model = Recommender()
+    twin = copy.deepcopy(model)
+    opt, twin_opt = (torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, twin))
+    batches = iter(_batches(40))
+
+    def run(steps: int, momentum: float | None = None) -> None:
+        for o in (opt, twin_opt):
+            if momentum is not None:
+                o.param_groups[0]["momentum"] = momentum
+        for b in [next(batches) for _ in range(steps)]:
+            _step(model, opt, b)
+            _step(twin, twin_opt, b)
+
+    run(5)
+    run(5, momentum=0.0)
+    cached = ACTIONS["cache_embedding"].apply(_ctx(model, opt, budget_bytes=None))
+    assert cached.status == "applied" and isinstance(model.items, CachedTable)
+    run(10, momentum=0.9)  # the buffer kept since the switch
+    assert torch.allclose(_full(model), twin.items.weight, rtol=0, atol=1e-12)
+    run(5, momentum=0.0)
+    ctx = ActionContext(model, [opt], budget_bytes=10**12, in_use_bytes=1, rearm_free_fraction=0.25)
+    back = ACTIONS["grow_cache"].apply(ctx)
+    assert back.status == "applied" and type(model.items) is nn.Embedding
+    assert opt.state[model.items.weight]["momentum_buffer"].shape == (ITEMS, DIM)
+    run(10, momentum=0.9)
+    assert torch.allclose(model.items.weight, twin.items.weight, rtol=0, atol=1e-12)
+
+
+def test_the_host_headroom_counts_a_state_key_a_setting_switched_off() -> None:
+    """The cache keeps such a key on the host with the table (above): the host bytes a cache of
+    the table needs count it (they counted only the keys in use: the table alone)."""
+    torch.manual_seed(0)
+    model = Recommender()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    _step(model, opt, _batches(1)[0])
+    weight = model.items.weight
+    ctx = ActionContext(model, [opt], budget_bytes=None, in_use_bytes=None)
+    table_bytes = weight.numel() * weight.element_size()
+    assert host_headroom(ctx, weight, [opt]).table_bytes == 2 * table_bytes
+    opt.param_groups[0]["momentum"] = 0.0
+    assert host_headroom(ctx, weight, [opt]).table_bytes == 2 * table_bytes

@@ -325,3 +325,68 @@ def test_a_full_table_of_the_wrong_shape_is_refused_with_one_reason_and_nothing_
     ]
     assert "Missing key" not in str(caught.value)
     assert torch.equal(model.state_dict()["emb.weight"], before)
+
+
+#: a setting that stops an optimizer using a per-row state key: (setting, off, on, key)
+SWITCHED = {
+    "sgd_momentum": ("momentum", 0.0, 0.9, "momentum_buffer"),
+    "adam_amsgrad": ("amsgrad", False, True, "max_exp_avg_sq"),
+}
+
+
+@pytest.mark.parametrize(
+    "resume", ["live", "detached", "into_uncached", "into_cached", "loaded_then_attached"]
+)
+@pytest.mark.parametrize("cache_rows", [C, N], ids=["cache", "every_row"])
+@pytest.mark.parametrize("name", sorted(SWITCHED))
+def test_state_a_setting_switched_off_is_kept_whole_like_the_twins(
+    name: str, cache_rows: int, resume: str
+) -> None:
+    """Regression: with ``momentum`` set to 0 (or ``amsgrad`` off) mid-run, the optimizer keeps
+    the key's state as it was and uses it again when the setting comes back. The cache handed
+    out its own stale ``(C, D)`` copy, in slot order: ``state_dict()`` held it (a checkpoint that
+    crashed an uncached model once momentum was back, or, when the cache held every row, loaded
+    silently and trained 0.155 away from the twin), ``detach_optimizer()`` handed it back, a
+    cached table refused its own checkpoint, and one attached with the key in the optimizer's
+    state dropped it. Now the host keeps the key whole, as last kept."""
+    setting, off, on, key = SWITCHED[name]
+    torch.manual_seed(0)
+    base = torch.randn(N, D, dtype=torch.float64)
+    twin, cached = _pair(base, cache_rows)
+    o1, o2 = OPTIMIZERS[name]([twin.weight]), OPTIMIZERS[name]([cached.weight])
+    gen = torch.Generator().manual_seed(4)
+    _train([(twin, o1), (cached, o2)], 15, gen)
+    for o in (o1, o2):
+        o.param_groups[0][setting] = off
+    _train([(twin, o1), (cached, o2)], 15, gen)
+    kept = o1.state[twin.weight][key]
+    model_sd, opt_sd = copy.deepcopy(cached.state_dict()), copy.deepcopy(o2.state_dict())
+    assert opt_sd["state"][0][key].shape == (N, D)
+    assert _rel(opt_sd["state"][0][key], kept) < 1e-12
+    table: nn.Embedding = cached
+    if resume == "detached":  # the optimizer gets the key back whole and attaches again
+        cached.detach_optimizer()
+        assert _rel(o2.state[cached.weight][key], kept) < 1e-12
+    elif resume == "into_uncached":
+        table = nn.Embedding(N, D, dtype=torch.float64)
+        table.load_state_dict(model_sd)
+        o2 = OPTIMIZERS[name]([table.weight])
+        o2.load_state_dict(opt_sd)
+    elif resume == "into_cached":  # a cached table loads its own checkpoint
+        table = CachedEmbedding(N, D, cache_rows, dtype=torch.float64)
+        o2 = OPTIMIZERS[name]([table.weight])
+        table.attach(o2)
+        table.load_state_dict(model_sd)
+        o2.load_state_dict(opt_sd)
+    elif resume == "loaded_then_attached":  # its first step attaches, the setting still off
+        table = CachedEmbedding(N, D, cache_rows, dtype=torch.float64)
+        table.load_state_dict(model_sd)
+        o2 = OPTIMIZERS[name]([table.weight])
+        o2.load_state_dict(opt_sd)
+        _train([(twin, o1), (table, o2)], 5, gen)
+    for o in (o1, o2):
+        o.param_groups[0][setting] = on
+    _train([(twin, o1), (table, o2)], 15, gen)
+    weight = table.full_weight() if isinstance(table, CachedEmbedding) else table.weight.detach()
+    assert _rel(weight, twin.weight.detach()) < 1e-12
+    assert _rel(o2.state_dict()["state"][0][key], o1.state[twin.weight][key]) < 1e-12

@@ -389,8 +389,8 @@ def _to_resident(ctx: ActionContext, module: CachedTable) -> nn.Module:
     if pending is not None and new_grad is not None:
         new_grad[pending[0].to(device)] = pending[1].to(full.dtype)
     state = module._opt_state()
-    new_state = {
-        k: module.host_state[k].to(device, copy=True) for k in module._state_keys() if k in state
+    new_state = {  # the keys in use and those a setting switched off, whole on the host
+        k: module.host_state[k].to(device, copy=True) for k in module.host_state if k in state
     }
     weight.grad = None
     rebind_data(weight, full)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from edo_monitor.actions.base import ActionContext
-from edo_monitor.nn.optimizers import _group_of, optimizer_row_state_keys
+from edo_monitor.nn.optimizers import ROW_STATE_KEYS, _group_of, optimizer_row_state_keys
 
 __all__ = ["HOST_MARGIN_BYTES", "HostHeadroom", "host_headroom"]
 
@@ -70,7 +70,9 @@ def host_headroom(
     states = 0
     for opt in optimizers:
         if any(p is weight for g in opt.param_groups for p in g["params"]):
-            states += len(optimizer_row_state_keys(opt, _group_of(opt, weight)))
+            held = opt.state.get(weight, {})  # and a key a setting switched off, kept
+            keys = set(optimizer_row_state_keys(opt, _group_of(opt, weight)))
+            states += len(keys | {k for k in ROW_STATE_KEYS if held.get(k) is not None})
     table_bytes = weight.numel() * weight.element_size() * (1 + states)
     available = _available_bytes(ctx)
     short = available is not None and available - HOST_MARGIN_BYTES < table_bytes

@@ -17,7 +17,13 @@ from edo_monitor.nn.cache_parts import (
     rebind_data,
 )
 from edo_monitor.nn.catch_up import _CHUNK_ELEMENTS
-from edo_monitor.nn.optimizers import _group_of, _make_rule, initial_state, steps_taken
+from edo_monitor.nn.optimizers import (
+    ROW_STATE_KEYS,
+    _group_of,
+    _make_rule,
+    initial_state,
+    steps_taken,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -276,7 +282,9 @@ class _Checkpointing:
             return sd
         self.flush()
         entry = dict(sd["state"][idx])
-        for key in self._state_keys():
+        # the keys in use and those a setting switched off: the host holds each whole (the
+        # cache's copy of a switched-off key is stale for rows loaded since it was switched off)
+        for key in self.host_state:
             if key in entry:
                 entry[key] = self.host_state[key].clone()
         sd = dict(sd)
@@ -311,7 +319,8 @@ class _Checkpointing:
         entry = dict(sd["state"][idx])
         n, d = self.num_embeddings, self.embedding_dim
         t = steps_taken(entry, self.t)
-        keys = [key for key in self._state_keys() if entry.get(key) is not None]
+        # the keys in use and those a setting switched off (kept for when it comes back)
+        keys = [key for key in ROW_STATE_KEYS if entry.get(key) is not None]
         for key in keys:
             if tuple(entry[key].shape) != (n, d):
                 raise ValueError(
@@ -322,8 +331,12 @@ class _Checkpointing:
         # table's are, before that state is replaced
         self.flush()
         for key in keys:
+            if key not in self.host_state:
+                self.host_state[key] = self._host_empty((n, d))
             self.host_state[key].copy_(entry[key])
             entry[key] = self._gather_rows(self.host_state[key])
+        for key in [k for k in self.host_state if k not in keys and k not in self._state_keys()]:
+            del self.host_state[key]  # switched off and not in the loaded state: gone there too
         sd = dict(sd)
         sd["state"] = dict(sd["state"])
         sd["state"][idx] = entry

@@ -14,6 +14,7 @@ from edo_monitor.nn.cache_parts import put_rows, to_device
 from edo_monitor.nn.cache_step import fused_update, optimizer_kind
 from edo_monitor.nn.catch_up import _CHUNK_ELEMENTS, _Rule
 from edo_monitor.nn.optimizers import (
+    ROW_STATE_KEYS,
     _group_of,
     _make_rule,
     check_hyper_tensors,
@@ -83,7 +84,9 @@ class _OptimizerBinding:
         n, d = self.num_embeddings, self.embedding_dim
         host_state: dict[str, torch.Tensor] = {}
         new_state: dict[str, torch.Tensor] = {}
-        for key in rule.keys:
+        # the keys in use, then those a setting switched off that the state still holds
+        unused = [k for k in ROW_STATE_KEYS if k not in rule.keys and state.get(k) is not None]
+        for key in (*rule.keys, *unused):
             value = state.get(key)
             init = initial_state(group, key)
             if value is not None and t == 0 and bool((value == init).all()):
@@ -213,8 +216,8 @@ class _OptimizerBinding:
             self.flush()
             state = self._opt_state()
             if hand_back and state:
-                for key in self._rule.keys:
-                    if key in state and key in self.host_state:
+                for key in self.host_state:  # in use or switched off: whole, as last kept
+                    if key in state:
                         state[key] = self.host_state[key]
                 self.host_state = {}
         for h in self._hooks:

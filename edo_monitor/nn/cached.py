@@ -70,7 +70,9 @@ caught up when loaded again), flushed or checkpointed. Gradients, exactly:
   ``zero_grad(set_to_none=False)`` it steps every row with a zero gradient (weight decay,
   momentum, Adam's moments), as torch steps the resident table's zeroed one.
 * ``optimizer.state_dict()`` leaves ``batch_rows`` out (ids renumbered) and holds the full
-  caught-up state; it loads into an optimizer over the uncached model and back.
+  caught-up state; it loads into an optimizer over the uncached model and back. State a
+  setting switched off (``momentum=0``, ``amsgrad=False``) is kept whole on the host as it was,
+  as torch keeps it for when the setting comes back: the checkpoint holds it ``(N, D)`` too.
 * A gradient on ``weight`` itself (a loss term over it or over every parameter) never reaches
   the optimizer's own step: an all-zero one (DDP's ``0 * p.sum()``) is the resident table's
   (exact; a step without a lookup is a zero gradient for every row), a non-zero one has no

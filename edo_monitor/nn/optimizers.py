@@ -31,6 +31,13 @@ def steps_taken(state: dict[str, Any], default: int) -> int:
     return max(default, 1) if state.get("momentum_buffer") is not None else default
 
 
+#: every per-element state key of the optimizers the cache steps (SGD, Adam, AdamW, Adagrad),
+#: whether or not a group's settings use it now: a key a setting switched off (``momentum=0``,
+#: ``amsgrad=False``) stays in the optimizer's state as it was, and is used again when the
+#: setting comes back, so the cache keeps it whole on the host like the keys in use
+ROW_STATE_KEYS = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "sum")
+
+
 def optimizer_row_state_keys(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> tuple:
     """The per-element state keys ``optimizer`` keeps for a parameter of ``group``."""
     if isinstance(optimizer, torch.optim.SGD):
