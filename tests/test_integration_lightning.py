@@ -21,6 +21,7 @@ from readme_blocks import readme_python_blocks  # noqa: E402
 import edo_monitor  # noqa: E402
 from edo_monitor.errors import ConfigError  # noqa: E402
 from edo_monitor.integrations.lightning import EdoMonitorCallback  # noqa: E402
+from edo_monitor.nn import CachedTable  # noqa: E402
 from edo_monitor.store.history import History  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings(
@@ -270,6 +271,41 @@ def test_a_fit_resumed_after_a_conversion_trains_as_its_twin_and_names_its_run(
         assert origin["step"] == 6 and origin["checkpoint"].endswith("watched.ckpt")
         (event,) = h.events(new_id, kind="resumed_from")
         assert event.data == origin
+
+
+def test_the_same_module_cached_in_one_fit_resumes_from_a_checkpoint_in_the_next(
+    db_path: Path, tmp_path: Path
+) -> None:
+    """Regression: after a fit that cached the table, ``fit(module, ckpt_path=)`` on the same
+    module object (a notebook's second cell) failed in Lightning's restore of the optimizer:
+    ``configure_optimizers()`` over ``self.parameters()`` holds the cache's row buffer, and torch
+    refused the checkpoint ("doesn't match the size of optimizer's group"). The callback now
+    attaches cached tables to the new optimizers first; the fit trains as an untouched twin
+    resumed from the same checkpoint."""
+    callback = EdoMonitorCallback(
+        db=db_path, budget=12_000_000, policy=edo_monitor.Policy(), interval_s=0.01
+    )
+    module = BagOfWords()
+    first = trainer(callback, 6, logger=False)
+    first.fit(module, loader())
+    first.save_checkpoint(tmp_path / "cached.ckpt")
+    assert isinstance(module.emb, CachedTable)
+    trainer(callback, 12, logger=False).fit(module, loader(), ckpt_path=tmp_path / "cached.ckpt")
+    twin = BagOfWords()
+    trainer_twin = pl.Trainer(
+        max_steps=12,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer_twin.fit(twin, loader(), ckpt_path=tmp_path / "cached.ckpt")
+    assert callback.monitor is not None and callback.monitor.steps == 6
+    for (name, a), (_, b) in zip(
+        module.state_dict().items(), twin.state_dict().items(), strict=True
+    ):  # the cache's host-side Adam differs from the eager one by ~5e-7 in 6 steps
+        assert a.shape == b.shape and torch.allclose(a, b, rtol=0, atol=1e-5), name
 
 
 def test_an_option_watch_does_not_take_is_refused() -> None:

@@ -13,6 +13,7 @@ from typing import Any
 from edo_monitor.agent.monitor import Monitor
 from edo_monitor.errors import ConfigError
 from edo_monitor.integrations._common import record_resume, torch_optimizers, watch_options
+from edo_monitor.nn import attach_cached_tables
 
 __all__ = ["LightningCallbackMixin", "lightning_run_name"]
 
@@ -95,6 +96,10 @@ class LightningCallbackMixin:
             resumed = {**resumed, "checkpoint": str(getattr(trainer, "ckpt_path", None))}
             kwargs["config"]["resumed_from"] = resumed
         optimizers = torch_optimizers(getattr(trainer, "optimizers", None) or [])
+        # tables an earlier fit cached: the optimizers configure_optimizers() just made hold
+        # their row buffers, and a checkpoint's optimizer state (restored after this hook)
+        # loads only into an attached one
+        attach_cached_tables(pl_module, optimizers)
         self.monitor = Monitor(
             pl_module,
             optimizers or None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from edo_monitor.nn.cache_parts import CACHE_POLICIES, CacheStats
 from edo_monitor.nn.cached import CachedTable
-from edo_monitor.nn.cached_modules import CachedEmbedding, CachedEmbeddingBag
+from edo_monitor.nn.cached_modules import CachedEmbedding, CachedEmbeddingBag, attach_cached_tables
 from edo_monitor.nn.compressed import (
     Int8RowwiseEmbedding,
     LowRankEmbedding,
@@ -38,6 +38,7 @@ __all__ = [
     "LowRankEmbedding",
     "OffloadedEmbedding",
     "QREmbedding",
+    "attach_cached_tables",
     "dequantize_int8_rowwise",
     "hash_ids",
     "quantize_int8_rowwise",

@@ -5,6 +5,7 @@ the cache's options), and their ``from_pretrained``; the cache itself is
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -12,7 +13,37 @@ import torch
 from edo_monitor.nn.cache_parts import _check_bag_mode, _initial_weight, _options
 from edo_monitor.nn.cached import CachedTable
 
-__all__ = ["CachedEmbedding", "CachedEmbeddingBag"]
+__all__ = ["CachedEmbedding", "CachedEmbeddingBag", "attach_cached_tables"]
+
+
+def attach_cached_tables(model: torch.nn.Module, optimizers: Sequence[Any]) -> list[str]:
+    """Attach every row-cached table of ``model`` to the optimizer that steps its weight.
+
+    A model the agent converted stays converted after ``watch()``; an optimizer built from its
+    ``parameters()`` afterwards holds each cache's row buffer too, and torch refuses to load a
+    checkpoint into it ("doesn't match the size of optimizer's group") until the table is
+    attached (:meth:`CachedTable.attach`). Call this before ``optimizer.load_state_dict``; the
+    Lightning callback calls it at the start of each fit.
+
+    Args:
+        model: the model, searched with ``modules()``.
+        optimizers: the optimizers; objects that are not a ``torch.optim.Optimizer`` (a
+            framework's wrapper) are skipped, and so is a table no optimizer steps.
+
+    Returns:
+        The names of the tables attached (``named_modules`` names), in model order.
+    """
+    attached = []
+    opts = [o for o in optimizers if isinstance(o, torch.optim.Optimizer)]
+    for name, module in model.named_modules():
+        if not isinstance(module, CachedTable):
+            continue
+        for opt in opts:
+            if any(p is module.weight for g in opt.param_groups for p in g["params"]):
+                module.attach(opt)  # already attached to it: nothing to do
+                attached.append(name)
+                break
+    return attached
 
 
 class CachedEmbedding(CachedTable):
