@@ -305,3 +305,18 @@ def test_a_resumed_train_after_a_conversion_trains_as_its_twin_and_names_its_run
         }
         (event,) = h.events(new_id, kind="resumed_from")
         assert event.data == origin
+
+
+def test_a_fused_optimizer_under_an_acting_policy_is_warned_about(
+    db_path: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """transformers 5 defaults to ``optim="adamw_torch_fused"``, which every table action
+    refuses: the run only recorded ``no_action`` reasons. The callback now says how to fix it."""
+    import edo_monitor
+
+    for optim, warned in (("adamw_torch_fused", True), ("adamw_torch", False)):
+        caplog.clear()
+        callback = EdoMonitorCallback(db=db_path, policy=edo_monitor.Policy(), interval_s=0.05)
+        make_trainer(tiny_bert(), callback, tmp_path / optim, 1, optim=optim).train()
+        fused = [r for r in caplog.records if "optim='adamw_torch'" in r.getMessage()]
+        assert len(fused) == int(warned), optim

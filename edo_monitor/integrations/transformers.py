@@ -216,6 +216,13 @@ class EdoMonitorCallback(TrainerCallback):
         monitor.start()
         self.monitor = monitor
         _track(self)
+        policy = monitor.policy
+        if policy is not None and policy.mode == "auto" and _fused(optimizers):
+            logger.warning(
+                "edo-monitor: the Trainer's optimizer is fused (transformers' default "
+                "optim='adamw_torch_fused'), and the embedding-table actions refuse fused "
+                "optimizers; pass TrainingArguments(optim='adamw_torch') for them to apply"
+            )
         saved = getattr(state, "stateful_callbacks", None)
         if isinstance(saved, dict):  # saved with every checkpoint's trainer_state.json
             saved[STATE_KEY] = {"run_id": monitor.run_id, "run_uuid": str(monitor.run_uuid)}
@@ -249,3 +256,8 @@ class EdoMonitorCallback(TrainerCallback):
         _untrack(self)
         if self.monitor is not None:
             self.monitor.stop(exc)
+
+
+def _fused(optimizers: list[Any]) -> bool:
+    """Whether a group of one of ``optimizers`` is fused (``fused=True``)."""
+    return any(g.get("fused") for o in optimizers for g in o.param_groups)
