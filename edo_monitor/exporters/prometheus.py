@@ -421,7 +421,8 @@ def start_for_monitor(monitor: Any, base_port: int, host: str) -> MetricsServer 
     try:
         server = MetricsServer(MonitorCollector(monitor), host, port)
     except OSError as exc:
-        logger.warning("edo-monitor: cannot serve metrics on %s:%d: %s", host, port, exc)
+        # the error names the address already (MetricsServer)
+        logger.warning("edo-monitor: %s; training goes on without them", exc.strerror or exc)
         return None
     logger.info("edo-monitor: metrics of run %d on %s", monitor.run_id, server.url)
     return server
