@@ -11,6 +11,7 @@ from torch import nn
 
 import edo_monitor
 from edo_monitor.actions import ACTIONS, ActionContext, ActivationRecorder
+from edo_monitor.actions.expected_error import LookupDistribution
 from edo_monitor.measure.frequency import LookupCounter
 from edo_monitor.nn import HybridEmbedding, hash_ids
 from edo_monitor.store.history import History
@@ -124,12 +125,14 @@ def test_share_converts_the_table_keeps_training_and_estimate_equals_saving() ->
     assert all(p is not old_weight for p in opt.state)
     assert any(p is new.hot_weight for p in group_params)
     assert any(p is new.cold_weight for p in group_params)
-    # the frequency-weighted error, recomputed here from its definition
-    ids = torch.nonzero(counts).flatten()
-    c = counts[ids].double()
-    got = new(ids).detach().double()
-    ref = old[ids].double()
-    expected_err = float((c * (ref - got).pow(2).sum(1)).sum() / (c * ref.pow(2).sum(1)).sum())
+    # the error under the lookups' distribution, recomputed here from its definition: each
+    # counted id its Good-Turing probability, the ids not counted sharing p0 evenly
+    dist = LookupDistribution.from_counts(counts)
+    p = torch.full((N,), dist.p0 / (N - dist.seen_ids.numel()), dtype=torch.float64)
+    p[dist.seen_ids] = dist.seen_probs
+    got = new(torch.arange(N)).detach().double()
+    ref = old.double()
+    expected_err = float((p * (ref - got).pow(2).sum(1)).sum() / (p * ref.pow(2).sum(1)).sum())
     assert result.error is not None
     assert result.error["lookup_relative_error"] == pytest.approx(expected_err, rel=1e-9)
     # training goes on with the same optimizer, and the loss still falls

@@ -365,7 +365,7 @@ def share_expected_error(
     without counts, where the estimate is ``(1 − q) V / E‖r‖²``). ``cold_share`` follows from the
     lookups' distribution (ids not counted yet are cold); ``μ, V, V_c, E_all ‖r‖²``
     come from :func:`sample_lookups` (exact weighted sums for a small table). The action records
-    the exact value over the counted lookups after converting (``lookup_relative_error``).
+    the exact value under ``dist`` over every row after converting (``lookup_relative_error``).
 
     Args:
         weight: the ``(N, D)`` table.

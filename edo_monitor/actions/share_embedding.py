@@ -22,9 +22,12 @@ Conversion keeps the model working and the optimizer consistent:
 Refused: DDP/FSDP models, tied weights, ``max_norm``, ``scale_grad_by_freq``, non-float tables,
 and tables the sizes would not make smaller. The recorded error compares the rows the model now
 computes with the rows before: :func:`edo_monitor.nn.row_error` over every row, and
-``lookup_relative_error`` = Σ c_i ‖w_i − w'_i‖² / Σ c_i ‖w_i‖² over the counted lookups (``c_i``
-the counts), which is what the next batches will feel; without counts it is the same over rows.
-The plan's :attr:`~edo_monitor.decide.plans.Plan.expected_error` estimates that same quantity before
+``lookup_relative_error`` = Σ p_i ‖w_i − w'_i‖² / Σ p_i ‖w_i‖² over every id, ``p`` the lookups'
+distribution (:func:`~edo_monitor.actions.expected_error.table_distribution`: Good–Turing from
+the counts, ids not counted yet sharing their estimated share; uniform without counts), which is
+what the next batches will feel. (Over the counted lookups alone it read 0 whenever every
+counted id was hot, where the next batches saw 0.57.) The plan's
+:attr:`~edo_monitor.decide.plans.Plan.expected_error` estimates that same quantity before
 converting, from bounded samples of rows
 (:func:`~edo_monitor.actions.expected_error.share_expected_error`: the cold lookups' share times
 the error of replacing a row by its bucket's mean).
@@ -39,7 +42,11 @@ import torch
 from torch import nn
 
 from edo_monitor.actions.base import Action, ActionContext, find_wrapped_parallel
-from edo_monitor.actions.expected_error import share_expected_error, table_distribution
+from edo_monitor.actions.expected_error import (
+    LookupDistribution,
+    share_expected_error,
+    table_distribution,
+)
 from edo_monitor.actions.tables import (
     TableCandidate,
     device_tables,
@@ -209,29 +216,26 @@ class ShareEmbedding(Action):
         n = options.num_embeddings
         skip = (options.padding_idx,) if options.padding_idx is not None else ()
         error = row_error(weight.detach(), _Rows(new, n), skip)
-        error["lookup_relative_error"] = self._lookup_error(weight.detach(), new, counter, plan)
+        dist = table_distribution(counter, plan.target, n)
+        error["lookup_relative_error"] = self._lookup_error(weight.detach(), new, dist)
         return {"places": places, "hot_ids": k, "buckets": b}, error
 
     @staticmethod
     def _lookup_error(
-        original: torch.Tensor, new: HybridEmbedding, counter: Any, plan: Plan
+        original: torch.Tensor, new: HybridEmbedding, dist: LookupDistribution
     ) -> float:
-        """Σ c_i ‖w_i − w'_i‖² / Σ c_i ‖w_i‖² over counted ids (all rows, weight 1, without)."""
+        """Σ p_i ‖w_i − w'_i‖² / Σ p_i ‖w_i‖² over every id, ``p`` from ``dist`` (the ids not
+        counted share ``dist.p0`` evenly). One pass over the table, in chunks."""
         n = original.shape[0]
-        if counter is not None and plan.target in counter.tables:
-            counts = counter.counts(plan.target)
-            ids = torch.nonzero(counts).flatten()
-            weights = counts[ids].double()
-        else:
-            ids = torch.arange(n)
-            weights = torch.ones(n, dtype=torch.float64)
+        probs = torch.full((n,), dist.p0 / max(1, n - dist.seen_ids.numel()), dtype=torch.float64)
+        probs[dist.seen_ids] = dist.seen_probs
         num = den = 0.0
         chunk = 65536
-        for start in range(0, ids.numel(), chunk):
-            part = ids[start : start + chunk].to(original.device)
+        for start in range(0, n, chunk):
+            part = torch.arange(start, min(n, start + chunk), device=original.device)
             ref = original[part].double()
             got = new.rows(part).detach().double()
-            c = weights[start : start + chunk].to(ref.device)
-            num += float((c * (ref - got).pow(2).sum(1)).sum())
-            den += float((c * ref.pow(2).sum(1)).sum())
+            p = probs[start : start + chunk].to(ref.device)
+            num += float((p * (ref - got).pow(2).sum(1)).sum())
+            den += float((p * ref.pow(2).sum(1)).sum())
         return num / den if den else 0.0
