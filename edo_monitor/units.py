@@ -23,6 +23,27 @@ _ALLOWED = "a non-negative int of bytes or a string such as '512MiB', '2GB', '1.
 #: An IEC unit without its "B" ("512Mi", "2Gi"): humanfriendly reads "Mi" as "M", powers of 1000.
 _IEC_SHORT = re.compile(r"\d\s*[KMGTPE]i$", re.IGNORECASE)
 
+#: A number and its unit. humanfriendly reads only a unit's first letter ("12 potatoes" was 12
+#: PB), so the unit is checked against :data:`_UNITS` first.
+_SIZE = re.compile(r"^\s*\d+(?:\.\d+)?\s*(?P<unit>[a-z]*)\s*$", re.IGNORECASE)
+_PREFIXES = (
+    ("k", "kilo", "kibi"),
+    ("m", "mega", "mebi"),
+    ("g", "giga", "gibi"),
+    ("t", "tera", "tebi"),
+    ("p", "peta", "pebi"),
+    ("e", "exa", "exbi"),
+)
+_UNITS = frozenset(
+    {"", "b", "byte", "bytes"}
+    | {
+        form
+        for p, si, iec in _PREFIXES
+        for form in (p, p + "b", p + "i", p + "ib", si + "byte", si + "bytes", iec + "byte")
+    }
+    | {iec + "bytes" for _, _, iec in _PREFIXES}
+)
+
 
 def parse_bytes(value: int | str, *, name: str = "budget") -> int:
     """Return ``value`` as a number of bytes.
@@ -38,7 +59,9 @@ def parse_bytes(value: int | str, *, name: str = "budget") -> int:
 
     Raises:
         ConfigError: (a ``ValueError``) when the value is negative, a bool, a float, or a string
-            that is not a size, e.g. ``"12 apples"``.
+            that is not a size, e.g. ``"12 apples"`` or ``"12 potatoes"`` (a unit is one of
+            B, K, M, G, T, P, E with or without ``B``/``iB``/``i``, or written out:
+            ``"12 gigabytes"``, ``"12 gibibytes"``; a bare ``"12G"`` is 12 * 1000**3).
     """
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise ConfigError(f"{name}={value!r} is not a size; expected {_ALLOWED}")
@@ -46,6 +69,9 @@ def parse_bytes(value: int | str, *, name: str = "budget") -> int:
         result = value
     else:
         text = value.strip()
+        match = _SIZE.match(text)
+        if match is None or match["unit"].lower() not in _UNITS:
+            raise ConfigError(f"{name}={value!r} is not a size; expected {_ALLOWED}")
         if _IEC_SHORT.search(text):  # "8Mi" (Kubernetes' form) is 8 MiB, not 8 MB
             text += "B"
         try:

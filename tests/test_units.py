@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from edo_monitor.errors import ConfigError
 from edo_monitor.units import format_bytes, parse_bytes
 
 
@@ -23,4 +24,30 @@ def test_a_negative_byte_count_is_formatted_as_a_positive_one_is() -> None:
 )
 def test_an_iec_unit_without_its_b_is_binary(text: str, expected: int) -> None:
     """Regression: "8Mi" (Kubernetes' quantity) was read as 8,000,000 bytes: 5 % less than meant."""
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["12 potatoes", "1 tonne", "4 kilos", "12 gigs", "12 megs", "3 x"])
+def test_a_unit_that_is_no_unit_is_refused(text: str) -> None:
+    """Regression: humanfriendly reads only a unit's first letter, so "12 potatoes" was a budget
+    of 12 PB (the monitor never saw pressure) and "4 kilos" 4,000 bytes."""
+    with pytest.raises(ConfigError, match=rf"budget='{text}' is not a size"):
+        parse_bytes(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("4096", 4096),
+        ("12 bytes", 12),
+        ("12 k", 12_000),
+        ("12kb", 12_000),
+        ("12 kilobytes", 12_000),
+        ("1.5 GiB", 3 * 2**29),
+        ("2 gibibytes", 2 * 2**30),
+        ("12G", 12 * 10**9),
+        ("1 PB", 10**15),
+    ],
+)
+def test_units_of_every_form_are_read(text: str, expected: int) -> None:
     assert parse_bytes(text) == expected
