@@ -90,6 +90,14 @@ def test_invalid_arguments_raise_config_error_naming_the_value(kwargs: dict, mat
     assert isinstance(info.value, ValueError)
 
 
+@pytest.mark.parametrize(("floor", "rearm"), [(0.2, 0.25), (0.3, 0.35), (0.5, 0.55), (0.97, 0.985)])
+def test_the_default_rearm_level_follows_the_floor(floor: float, rearm: float) -> None:
+    """Regression: ``Policy(min_free_fraction=0.3)`` was refused, naming a re-arm level of 0.25
+    the user never gave (also ``replay --policy min_free_fraction=0.3``)."""
+    policy = Policy(min_free_fraction=floor)
+    assert policy.rearm_free_fraction == pytest.approx(rearm)
+
+
 def test_default_ladders() -> None:
     assert Policy().ladder == (
         "release_cache",

@@ -110,13 +110,18 @@ __all__ = ["Policy"]
 
 logger = logging.getLogger(__name__)
 
+#: the default re-arm level's distance above the floor (free fraction)
+REARM_ABOVE_FLOOR = 0.05
+
 
 class Policy(_Forecasting):
     """When to act and what to do (see the module docstring).
 
     Args:
         min_free_fraction: the floor; pressure starts below it. In (0, 1).
-        rearm_free_fraction: pressure ends at or above it. In (0, 1), above ``min_free_fraction``.
+        rearm_free_fraction: pressure ends at or above it. In (0, 1), above ``min_free_fraction``;
+            ``None`` (default): :data:`REARM_ABOVE_FLOOR` above the floor (0.25 for the default
+            floor), or halfway from the floor to 1 when that is nearer.
         cooldown_steps: optimizer steps between two applied decisions (int >= 0).
         mode: ``"auto"``, ``"advise"`` or ``"observe"``.
         allow_lossy: allow lossy actions (``compress_embedding*``, ``share_embedding``).
@@ -147,7 +152,7 @@ class Policy(_Forecasting):
     def __init__(
         self,
         min_free_fraction: float = 0.20,
-        rearm_free_fraction: float = 0.25,
+        rearm_free_fraction: float | None = None,
         cooldown_steps: int = 5,
         mode: str = "auto",
         allow_lossy: bool = False,
@@ -161,6 +166,9 @@ class Policy(_Forecasting):
         forecast_window_steps: int = 20,
     ) -> None:
         self.min_free_fraction = _fraction("min_free_fraction", min_free_fraction)
+        if rearm_free_fraction is None:  # follows the floor ("keep 30 % free" just works)
+            floor = self.min_free_fraction
+            rearm_free_fraction = min(floor + REARM_ABOVE_FLOOR, (floor + 1) / 2)
         self.rearm_free_fraction = _fraction("rearm_free_fraction", rearm_free_fraction)
         if self.rearm_free_fraction <= self.min_free_fraction:
             raise ConfigError(
