@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import csv
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -270,3 +272,16 @@ def test_user_strings_are_shown_as_is(tmp_path: Path) -> None:
         assert app.is_running
 
     run_app(app, body)
+
+
+def test_the_screenshot_tool_names_itself() -> None:
+    """Regression: its usage named ``python -m edo_monitor.tui.basehot``, a module that does not
+    exist (a replace of "screens" gone wrong)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "edo_monitor.tui.screenshot", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    assert out.startswith("usage: python -m edo_monitor.tui.screenshot ")

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m edo_monitor.tui.basehot [DB] [--run RUN] [--view live|runs] [--out FILE]
+    python -m edo_monitor.tui.screenshot [DB] [--run RUN] [--view live|runs] [--out FILE]
                                          [--size 140x45]
 
 Opens the database read-only like ``edo-tui``, waits until the view has loaded, and writes the
@@ -59,7 +59,7 @@ async def screenshot(
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Command line entry point."""
-    parser = argparse.ArgumentParser(prog="python -m edo_monitor.tui.basehot")
+    parser = argparse.ArgumentParser(prog="python -m edo_monitor.tui.screenshot")
     parser.add_argument("db", nargs="?", default=None, help="database path or URL")
     parser.add_argument("--run", default=None, help="run id, uuid prefix or 'latest'")
     parser.add_argument("--view", choices=("live", "runs"), default="live")
