@@ -452,3 +452,22 @@ def test_downsampling_keeps_the_row_cache_counts_whole(
         after = conn.execute(sums).fetchone()
     assert after[0] < before[0] // 2  # thinned
     assert after[1:] == before[1:]
+
+
+def test_a_run_info_is_a_run_reference_and_other_objects_are_named(
+    seeded: tuple[Path, dict[str, Any]],
+) -> None:
+    """Regression: ``h.samples(h.run("latest"))`` raised ``no run 'RunInfo(id=1, …'`` with the
+    whole repr (900 characters). A ``RunInfo`` now stands for its id; another object's error
+    names its type."""
+    path, _ = seeded
+    with History(path) as h:
+        info = h.run(1)
+        assert h.run(info).id == 1
+        assert len(h.events(info)) == len(h.events(1)) > 0
+        assert sum(h.samples(info, columns=["step"], max_points=10).count) == N_SAMPLES
+        with pytest.raises(RunNotFoundError) as caught:
+            h.run(1.0)  # type: ignore[arg-type]
+        assert str(caught.value) == (
+            "a float is not a run reference; expected a run id, a uuid prefix or 'latest'"
+        )

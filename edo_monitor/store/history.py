@@ -215,7 +215,8 @@ class History(_JobQueries, _DeviceQueries, _SampleQueries):
         """One run by id (int or digits), uuid prefix, or ``"latest"`` (most recently started).
 
         Args:
-            ref: the run reference.
+            ref: the run reference (every method taking a run also takes the :class:`RunInfo`
+                this returns, for its id).
             stats: also summarise its samples and events (count, first/last sample time, peaks,
                 minimum free fraction, event/action/OOM counts). ``False`` returns the stored row
                 only (status, steps, heartbeat, …; one indexed lookup), with those fields left at
@@ -266,9 +267,14 @@ class History(_JobQueries, _DeviceQueries, _SampleQueries):
         if self._empty:
             raise RunNotFoundError(f"no run {ref!r}: the history database has no runs")
         cols = self._run_cols
+        if isinstance(ref, RunInfo):  # what run() returned: its id
+            ref = ref.id
+        if isinstance(ref, bool) or not isinstance(ref, int | str):
+            raise RunNotFoundError(
+                f"a {type(ref).__name__} is not a run reference; expected a run id, a uuid prefix "
+                "or 'latest'"
+            )
         with self._read() as conn:
-            if isinstance(ref, bool):
-                raise RunNotFoundError(f"{ref!r} is not a run reference")
             # ASCII digits only: int() also reads other scripts' digits ("५" is 5)
             if isinstance(ref, int) or (
                 isinstance(ref, str) and ref.strip().isascii() and ref.strip().isdigit()
