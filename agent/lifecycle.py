@@ -196,6 +196,13 @@ class _Lifecycle:
                 self._record_oom(exc)
         else:
             status, error = "finished", None
+            if self.steps == 0 and self.policy is not None and self.policy.mode == "auto":
+                logger.warning(
+                    "edo-monitor: run %s saw no optimizer step, so the policy had no step "
+                    "boundary to act at; a loop that updates the parameters itself calls "
+                    "monitor.step() after each update",
+                    self.run_id,
+                )
         self._record_lookup_frequency()
         if self._coordinator is not None and self._coordinator.syncs:
             stats = self._coordinator.stats()

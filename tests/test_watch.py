@@ -233,6 +233,27 @@ def test_step_without_optimizer_and_process_only(db_path: Path) -> None:
     assert count(db_path, host_only) == samples
 
 
+def test_a_loop_with_no_step_under_an_acting_policy_is_warned_about(
+    db_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A loop that updates the parameters by hand gives the policy no step boundary: the run
+    read "steps 0" and nothing said why the policy never acted."""
+    model = nn.Linear(4, 1)
+    for by_hand_step in (False, True):
+        caplog.clear()
+        with edo_monitor.watch(model, db=db_path, policy=edo_monitor.Policy()) as mon:
+            for _ in range(3):
+                model(torch.randn(8, 4)).pow(2).mean().backward()
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p -= 0.1 * p.grad
+                        p.grad = None
+                if by_hand_step:
+                    mon.step()
+        warned = [r for r in caplog.records if "saw no optimizer step" in r.getMessage()]
+        assert (mon.steps, len(warned)) == ((3, 0) if by_hand_step else (0, 1))
+
+
 def test_step_is_not_double_counted_with_an_optimizer(db_path: Path) -> None:
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
