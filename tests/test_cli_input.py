@@ -90,6 +90,9 @@ def test_a_path_too_long_is_said_in_words(tmp_path: Path) -> None:
         (("explain", "latest", "--top", "-3"), ("--top", "-3", "allowed: 1 to")),
         (("metrics", "--port", "70000"), ("--port", "70000", "allowed: 0 to 65535")),
         (("runs", "--bogus"), ("--bogus",)),
+        # the allowed values as a list, not a Python tuple ("('running', 'finished', ...)")
+        (("runs", "--status", "bogus"), ("'bogus'", "expected one of running, finished, ")),
+        (("runs", "--since", "yesterday"), ("'yesterday'", "expected seconds or a number with")),
         (
             ("estimate", "--num-embeddings", "100000000000000000000000000", "--embedding-dim", "4"),
             ("--num-embeddings", "out of range", "allowed: 1 to 9223372036854775807"),

@@ -56,7 +56,8 @@ def _statuses(status: str | Iterable[str] | None, what: str) -> set[str]:
     wanted = {status} if isinstance(status, str) else set(status or ())
     if wanted - set(STATUSES):
         raise ConfigError(
-            f"status={status!r} is not a {what} status; expected one of {sorted(STATUSES)}"
+            f"status={status!r} is not a {what} status; expected one of "
+            + ", ".join(sorted(STATUSES))
         )
     return wanted
 

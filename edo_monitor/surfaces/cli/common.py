@@ -215,7 +215,7 @@ def _parse_duration(value: str, name: str) -> float:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", value or "")
     if not m:
         raise ConfigError(
-            f"{name}={value!r} is not a duration; expected a number with a unit such as "
+            f"{name}={value!r} is not a duration; expected seconds or a number with a unit such as "
             "'45s', '90m', '12h', '30d' or '2w'"
         )
     scale = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}[m.group(2)]

@@ -56,7 +56,9 @@ def runs_cmd(
     from edo_monitor.store.queries import STATUSES
 
     if status is not None and status not in STATUSES:
-        raise ConfigError(f"--status {status!r} is not a run status; expected one of {STATUSES}")
+        raise ConfigError(
+            f"--status {status!r} is not a run status; expected one of {', '.join(STATUSES)}"
+        )
     since_s = None if since is None else time.time() - _parse_duration(since, "--since")
     with _history(db) as h:
         runs = h.runs(status=status, since=since_s, name=name, tag=tag, limit=limit)
@@ -335,7 +337,9 @@ def jobs_cmd(
     from edo_monitor.store.queries import STATUSES
 
     if status is not None and status not in STATUSES:
-        raise ConfigError(f"--status {status!r} is not a job status; expected one of {STATUSES}")
+        raise ConfigError(
+            f"--status {status!r} is not a job status; expected one of {', '.join(STATUSES)}"
+        )
     since_s = None if since is None else time.time() - _parse_duration(since, "--since")
     with _history(db) as h:
         jobs = h.jobs(status=status, since=since_s, limit=limit)
