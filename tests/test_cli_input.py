@@ -228,3 +228,15 @@ def test_a_truncated_history_is_a_damaged_database_not_another_kind_of_file(
             "is a damaged SQLite database (database disk image is malformed)",
         )
         assert "not an SQLite database" not in line
+
+
+def test_version_is_printed() -> None:
+    """``edo-monitor --version`` was "No such option"."""
+    import edo_monitor
+
+    done = run("edo-monitor", "--version")
+    assert (done.returncode, done.stdout, done.stderr) == (
+        0,
+        f"edo-monitor {edo_monitor.__version__}\n",
+        "",
+    )

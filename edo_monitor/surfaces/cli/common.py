@@ -158,8 +158,25 @@ def _handle_errors(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from edo_monitor import __version__
+
+        sys.stdout.write(f"edo-monitor {__version__}\n")
+        raise typer.Exit()
+
+
 @app.callback()
-def _global(ctx: typer.Context, db: DbOpt = None) -> None:
+def _global(
+    ctx: typer.Context,
+    db: DbOpt = None,
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", help="Print the version and exit.", callback=_print_version, is_eager=True
+        ),
+    ] = False,
+) -> None:
     """Questions about recorded edo-monitor runs (history database); exit codes: see --help."""
     if db is not None:  # `edo-monitor --db X cmd`: the command's own --db/EDO_DB default
         before = os.environ.get("EDO_DB")
