@@ -5,11 +5,12 @@ table's recorded singular spectrum. Reads only the history; never imports torch.
 
 * **stage 1** mixed precision + activation checkpointing: the ``MAX_CHECKPOINT_BLOCKS`` blocks
   with the most recorded activation bytes are freed (``ckpt = min(act, Σ top blocks)``), the
-  other activations and all gradients halved: ``ckpt + (act - ckpt) // 2 + grads // 2``;
+  other activations halved: ``ckpt + (act - ckpt) // 2``. Gradients are not: under bf16
+  autocast the parameters stay float32, and so do their gradients (it counted them halved);
 * **stage 2** quantization of the tables on the device, one line per compress mode (``bf16``,
   ``int8``, ``int4``, ``int2``, ``2of8``): ``Σ (recorded table bytes - estimate(mode))`` with
-  :func:`edo_monitor.decide.estimate.estimate` and the run's optimizer; its cumulative figure counts
-  the tables' gradients once (stage 1 halved them; stage 2 replaces that);
+  :func:`edo_monitor.decide.estimate.estimate` and the run's optimizer; its cumulative figure adds
+  stage 1's;
 * **stage 3** sharding across ``N`` ranks of the recorded optimizer state (ZeRO-1), + gradients
   (ZeRO-2), + parameters (ZeRO-3 / FSDP): ``X · (N - 1) / N`` of the sharded bytes ``X``. With
   a multi-rank run ``N`` is its world size; for a one-rank run ``N`` is the smallest that covers
@@ -217,7 +218,7 @@ def staged_plan(
     blocks = {m: b for m, b in activations.items() if m not in ("<model>", "") and m not in tables}
     top = sorted(blocks.items(), key=lambda kv: -kv[1])[:MAX_CHECKPOINT_BLOCKS]
     ckpt = min(act, sum(b for _, b in top))
-    stage1 = ckpt + (act - ckpt) // 2 + grads // 2
+    stage1 = ckpt + (act - ckpt) // 2
     add(
         1,
         "mixed_precision+checkpointing",
@@ -227,11 +228,10 @@ def staged_plan(
         True,
         None,
         (f"{format_bytes(ckpt)} checkpointed; " if top else "no block recorded; ")
-        + f"activations {format_bytes(act - ckpt)} and gradients {format_bytes(grads)} halved",
+        + f"activations {format_bytes(act - ckpt)} halved (float32 parameters and gradients)",
     )
     # stage 2
     on_device = _device_tables(tables)
-    halved_table_grads = sum(t.grads_bytes // 2 for t in on_device)
     for mode, note in QUANTIZATION_MODES:
         saving = after = 0
         groups: set[int] = set()  # a narrow table's groups are its row (estimate's rule)
@@ -249,7 +249,7 @@ def staged_plan(
             f"quantize_{mode}",
             ", ".join(t.module for t in on_device),
             saving,
-            stage1 - halved_table_grads + saving,
+            stage1 + saving,
             True,
             None,
             f"{note.format(group=' / '.join(map(str, sorted(groups))))}: estimate "
