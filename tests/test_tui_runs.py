@@ -285,3 +285,19 @@ def test_the_screenshot_tool_names_itself() -> None:
         check=True,
     ).stdout
     assert out.startswith("usage: python -m edo_monitor.tui.screenshot ")
+
+
+def test_the_screenshot_tool_saves_the_settled_view_of_a_finished_run(
+    db: Path,  # noqa: F811 (the fixture)
+    tmp_path: Path,
+) -> None:
+    """The README's image comes from this tool; it saves once two renders agree (under load a
+    table was once saved before its columns were laid out)."""
+    import asyncio
+
+    from edo_monitor.tui.screenshot import screenshot
+
+    out = asyncio.run(screenshot(str(db), tmp_path / "shot.svg", run="1", size=(120, 40)))
+    svg = out.read_text(encoding="utf-8")
+    assert out == tmp_path / "shot.svg" and svg.startswith("<svg")
+    assert "old-finished" in svg and "offloaded&#160;table" in svg

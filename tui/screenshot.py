@@ -5,8 +5,9 @@ Usage::
     python -m edo_monitor.tui.screenshot [DB] [--run RUN] [--view live|runs] [--out FILE]
                                          [--size 140x45]
 
-Opens the database read-only like ``edo-tui``, waits until the view has loaded, and writes the
-screen as SVG (Textual's ``save_screenshot``); the path written is logged and printed.
+Opens the database read-only like ``edo-tui``, waits until the view has loaded and two renders
+0.2 s apart agree, and writes the screen as SVG (Textual's ``save_screenshot``); the path written
+is logged and printed.
 """
 
 from __future__ import annotations
@@ -50,7 +51,15 @@ async def screenshot(
             await pilot.press("r")
             while app.runs_screen.loads == 0 and loop.time() < deadline:
                 await pilot.pause(0.05)
-        await pilot.pause(0.3)
+        # settled: two renders 0.2 s apart agree (under load a table's columns were once laid
+        # out before its rows; a live run's clock keeps changing: then the deadline decides)
+        before = app.export_screenshot()
+        for _ in range(50):
+            await pilot.pause(0.2)
+            now = app.export_screenshot()
+            if now == before or loop.time() >= deadline:
+                break
+            before = now
         out.parent.mkdir(parents=True, exist_ok=True)
         path = app.save_screenshot(filename=out.name, path=str(out.parent))
     logger.info("saved %s", path)
