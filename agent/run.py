@@ -25,8 +25,10 @@ from sqlalchemy.exc import SQLAlchemyError
 from torch import nn
 
 from edo_monitor.errors import AlreadyWatchedError, StoreError
+from edo_monitor.store.dialect import is_postgres
 from edo_monitor.store.engine import insert_job, open_engine
 from edo_monitor.store.models import Run
+from edo_monitor.store.schema import next_run_id
 from edo_monitor.store.writer import Writer
 from edo_monitor.units import format_bytes
 
@@ -215,8 +217,11 @@ class RunRecord:
             with self.engine.begin() as conn:
                 if job is not None:
                     insert_job(conn, {**job, "created_at_s": now})
+                # SQLite: never a pruned run's id (PostgreSQL's sequence never reuses one)
+                fresh_id = {} if is_postgres(conn) else {"id": next_run_id()}
                 result = conn.execute(
                     insert(Run).values(
+                        **fresh_id,
                         uuid=self.run_uuid,
                         host=socket.gethostname(),
                         started_at_s=now,

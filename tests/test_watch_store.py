@@ -212,3 +212,27 @@ def test_a_locked_database_at_the_end_does_not_stretch_the_runs_duration(
     row = run_row(db_path)
     assert row["status"] == "finished" and row["ended_at_s"] - ended < 0.5
     assert count(db_path, "SELECT count(*) FROM samples") == mon.summary().samples
+
+
+def test_a_new_run_never_takes_a_pruned_runs_id(db_path: Path) -> None:
+    """Regression: SQLite gives a new row the highest id + 1, so after the newest runs were
+    pruned the next run was "run 1" again, and notes, ``compare`` commands and exported files
+    naming the old id meant another run. Ids now go on from the highest the database held."""
+    from edo_monitor.store.history import History
+    from edo_monitor.store.prune import prune
+
+    model = make_model()
+    for _ in range(3):
+        with edo_monitor.watch(model, db=db_path):
+            pass
+    with History(db_path, readonly=False) as h:
+        assert prune(h, keep_last=0)["run_ids_deleted"] == [1, 2, 3]
+    for expected in (4, 5):
+        with edo_monitor.watch(model, db=db_path) as mon:
+            pass
+        assert mon.run_id == expected
+    with History(db_path, readonly=False) as h:  # again, below the remembered id
+        prune(h, keep_last=0)
+    with edo_monitor.watch(model, db=db_path) as mon:
+        pass
+    assert mon.run_id == 6

@@ -9,12 +9,13 @@ from typing import Any
 from sqlalchemy import text
 
 from edo_monitor.errors import ConfigError
+from edo_monitor.store.dialect import is_postgres
 from edo_monitor.store.history import History
 from edo_monitor.store.queries import (
     _PEAK_COLUMNS,
 )
 from edo_monitor.store.rollups import run_mark_key
-from edo_monitor.store.schema import CACHE_FIELDS
+from edo_monitor.store.schema import CACHE_FIELDS, RUNS_HIGH_ID_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +137,8 @@ def prune(
         if dry_run:
             report["runs_downsampled"] = len(thin)
             return report
+        if doomed and not is_postgres(conn):  # SQLite would give their ids to new runs
+            _remember_high_id(conn)
         delete_runs_snapshots(conn, ids)  # schema 8: before the events they link to
         conn.execute(text(f"DELETE FROM runs WHERE id IN ({ids})"))
         for table in ("samples", "events", "module_stats", "sample_rollups"):
@@ -189,3 +192,16 @@ def prune(
             raw.execute("VACUUM")  # type: ignore[union-attr]
     logger.info("prune: %s", report)
     return report
+
+
+def _remember_high_id(conn: Any) -> None:
+    """Record the highest run id there ever was (:data:`RUNS_HIGH_ID_KEY`) before runs are
+    deleted: a new run takes the id after it (:func:`~edo_monitor.store.schema.next_run_id`)."""
+    top = conn.execute(text("SELECT max(id) FROM runs")).scalar()
+    old = conn.execute(
+        text("SELECT value FROM meta WHERE key = :k"), {"k": RUNS_HIGH_ID_KEY}
+    ).scalar()
+    high = max(int(top or 0), int(old or 0))
+    conn.execute(text("DELETE FROM meta WHERE key = :k"), {"k": RUNS_HIGH_ID_KEY})
+    row = {"k": RUNS_HIGH_ID_KEY, "v": str(high)}
+    conn.execute(text("INSERT INTO meta (key, value) VALUES (:k, :v)"), row)

@@ -27,6 +27,9 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    cast,
+    func,
+    select,
 )
 
 from edo_monitor.probes.readings import SAMPLE_FIELDS
@@ -36,6 +39,7 @@ __all__ = [
     "DEVICE_EVENT_KINDS",
     "ROLLUP_FIELDS",
     "ROLLUP_LEVEL_WIDTHS_S",
+    "RUNS_HIGH_ID_KEY",
     "SCHEMA_VERSION",
     "device_events_table",
     "device_samples_table",
@@ -44,6 +48,7 @@ __all__ = [
     "meta_table",
     "metadata",
     "module_stats_table",
+    "next_run_id",
     "process_samples_table",
     "runs_table",
     "sample_rollups",
@@ -82,6 +87,26 @@ meta_table = Table(
     Column("key", String(64), primary_key=True),
     Column("value", Text, nullable=False),
 )
+
+#: ``meta`` key: the highest run id the database ever held, written when runs are deleted.
+#: SQLite gives a new row the highest id + 1, so once the newest runs were pruned the next run
+#: took a deleted run's id, and notes, ``compare`` commands and exported files naming that id
+#: silently meant another run (:func:`next_run_id`).
+RUNS_HIGH_ID_KEY = "runs_high_id"
+
+
+def next_run_id() -> Any:
+    """The id a new run takes on SQLite, as a scalar SQL expression evaluated inside its
+    ``INSERT`` (atomic): one above both the highest id there and :data:`RUNS_HIGH_ID_KEY`.
+    PostgreSQL's sequence never gives an id twice and needs none of it."""
+    top = select(func.max(runs_table.c.id)).scalar_subquery()
+    high = (
+        select(cast(meta_table.c.value, Integer))
+        .where(meta_table.c.key == RUNS_HIGH_ID_KEY)
+        .scalar_subquery()
+    )
+    return func.max(func.coalesce(top, 0), func.coalesce(high, 0)) + 1
+
 
 #: One ``watch()`` block: who, where, what device, with which settings, and how it ended.
 runs_table = Table(
