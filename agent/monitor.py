@@ -167,8 +167,10 @@ class Monitor(_Lifecycle):
         ):
             if not isinstance(flag, bool):
                 raise ConfigError(f"{name}={flag!r}; expected True or False")
-        if run_name is not None and not isinstance(run_name, str):
-            raise ConfigError(f"run_name={run_name!r}; expected a string (or None: the model's)")
+        if run_name is not None and (not isinstance(run_name, str) or not run_name.strip()):
+            raise ConfigError(
+                f"run_name={run_name!r}; expected a non-empty string (or None: the model's)"
+            )
         if enforce and budget is None:
             raise ConfigError("enforce=True needs a budget= to enforce")
         # checked with or without a loader: a value that would fail with one is refused now

@@ -38,7 +38,9 @@ def test_tags_that_are_neither_a_string_nor_an_iterable_are_refused(db_path: Pat
         ({"track_activations": "no"}, "track_activations='no'; expected True or False"),
         ({"enforce": "yes", "budget": "1GiB"}, "enforce='yes'; expected True or False"),
         ({"enforce": 1}, "enforce=1; expected True or False"),
-        ({"run_name": 5}, "run_name=5; expected a string (or None: the model's)"),
+        ({"run_name": 5}, "run_name=5; expected a non-empty string (or None: the model's)"),
+        # an empty name silently became the model's class name
+        ({"run_name": " "}, "run_name=' '; expected a non-empty string (or None: the model's)"),
         ({"ahead": 0}, "ahead=0; expected an int >= 1"),
         ({"ahead": 1.5}, "ahead=1.5; expected an int >= 1"),
         ({"ahead": True}, "ahead=True; expected an int >= 1"),
