@@ -110,7 +110,10 @@ def test_the_ladder_spills_only_when_the_host_is_short(tmp_path, monkeypatch) ->
     assert plan.details["host_table_bytes"] == TABLE_HOST_BYTES
     assert plan.details["host_available_bytes"] == roomy - 1
     refusal = ACTIONS["cache_embedding"].plan(ctx())
-    assert "host memory is short" in refusal.reason and refusal.target == "items"
+    # two tables refused, each named in the reason: the target is neither (it was "items",
+    # and the users table's reason read as the items table's)
+    assert refusal.reason.startswith("items: host memory is short") and refusal.target == ""
+    assert "; users: a cache of the peak ids" in refusal.reason
     # no spill folder: spill refuses, and the ladder moves on to offload
     assert _first_plan(ctx(None)).action == "offload_embedding"
 

@@ -344,6 +344,13 @@ class Action:
         """A :class:`Refusal` of this action."""
         return Refusal(self.name, target, reason)
 
+    def refuse_tables(self, tables: Sequence[Any], reasons: Sequence[str]) -> Refusal:
+        """A refusal of every candidate table (``tables``, each with a ``name``): ``reasons``
+        ``"<table>: <why>"`` joined by ``"; "`` (``explain`` reads them per table). Its target
+        is the table when there is one, else ``""``: the reasons name the tables (a first
+        table named as the target read as if the others' reasons were its own)."""
+        return self.refuse(tables[0].name if len(tables) == 1 else "", "; ".join(reasons))
+
     def apply(self, ctx: ActionContext, plan: Plan | None = None) -> ActionResult:
         """Apply ``plan`` (or a fresh :meth:`plan`) at a step boundary; training thread only.
 

@@ -231,7 +231,7 @@ class CacheEmbedding(Action):
                     "host_available_bytes": headroom.available_bytes,
                 },
             )
-        return self.refuse(tables[0].name, "; ".join(reasons))
+        return self.refuse_tables(tables, reasons)
 
     def _apply(
         self, ctx: ActionContext, plan: Plan

@@ -342,7 +342,7 @@ class CompressEmbedding(Action):
                 details,
                 expected_error=err,
             )
-        return self.refuse(tables[0].name, "; ".join(reasons))
+        return self.refuse_tables(tables, reasons)
 
     def _apply(
         self, ctx: ActionContext, plan: Plan

@@ -108,7 +108,7 @@ class OffloadEmbedding(Action):
                     "host_available_bytes": available,
                 },
             )
-        return self.refuse(tables[0].name, "; ".join(reasons))
+        return self.refuse_tables(tables, reasons)
 
     def _apply(
         self, ctx: ActionContext, plan: Plan
