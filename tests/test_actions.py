@@ -161,6 +161,38 @@ def test_checkpoint_estimate_matches_measured_and_losses_equal_and_undo() -> Non
     assert "forward" not in model.blocks[0].__dict__
 
 
+def test_a_checkpointed_model_copies_and_saves_whole() -> None:
+    """Regression: the wrapper was a closure over the block's bound ``forward``, so a
+    ``copy.deepcopy`` of the model (a best-model or EMA snapshot) computed with the original's
+    weights, and ``torch.save(model)`` failed ("Can't pickle local object")."""
+    import copy
+    import io
+
+    model, opt = make()
+    x, _ = batches(1, seed=7)[0]
+    ctx = ctx_of(model, opt, activation_profile=profile_of(model, x))
+    assert ACTIONS["checkpoint_activations"].apply(ctx).status == "applied"
+    model.eval()  # no dropout: outputs comparable
+    expected = model(x).detach()
+    snapshot = copy.deepcopy(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # the original trains on
+    for other in (snapshot, loaded):
+        assert torch.equal(other(x), expected)  # with grad: through the checkpoint
+        with torch.no_grad():
+            assert torch.equal(other(x), expected)
+        other(x).sum().backward()
+        assert all(p.grad is not None for p in other.blocks[0].parameters())
+    assert not torch.equal(model(x), expected)
+    assert undo_checkpointing(snapshot) == ["blocks.0", "blocks.1"]
+    assert torch.equal(snapshot(x), expected)
+
+
 def test_checkpointing_a_block_counts_the_inputs_it_keeps_alive() -> None:
     """Regression: in ``Linear -> GELU -> Dropout -> Linear`` the plan checkpointed the Dropout
     for an estimated 2 MiB (its mask), but checkpointing keeps its input, the GELU's output, that

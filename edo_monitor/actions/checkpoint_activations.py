@@ -416,20 +416,39 @@ def checkpointed_modules(model: nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if _MARK in m.__dict__]
 
 
-def _wrap(module: nn.Module, name: str) -> None:
-    had_own = "forward" in module.__dict__
-    orig = module.forward
+class _CheckpointedForward:
+    """The forward of a checkpointed block (set as the module's instance ``forward``): a class
+    holding its module, not a closure over the module's bound ``forward``, so that
+    ``copy.deepcopy`` and pickling of the model carry it over to the copy's own module (a copy
+    made by deepcopy computed with the original's weights, and ``torch.save(model)`` failed:
+    "Can't pickle local object")."""
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
+    def __init__(self, module: nn.Module, name: str, own: Any) -> None:
+        self.module = module
+        self.name = name
+        #: the module's own instance ``forward`` before it was wrapped (``None``: its class's)
+        self.own = own
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.own is not None:
+            return self.own(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
-            return orig(*args, **kwargs)
+            return self._forward(*args, **kwargs)
         rec = _current_recorder()
         if rec is not None:
-            rec.note_held(args, kwargs, name)
-        return checkpoint(orig, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+            rec.note_held(args, kwargs, self.name)
+        return checkpoint(
+            self._forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs
+        )
 
-    module.__dict__[_MARK] = (had_own, orig)
-    module.forward = forward
+
+def _wrap(module: nn.Module, name: str) -> None:
+    own = module.__dict__.get("forward")
+    module.__dict__[_MARK] = True
+    module.forward = _CheckpointedForward(module, name, own)
 
 
 def undo_checkpointing(model: nn.Module, names: Iterable[str] | None = None) -> list[str]:
@@ -439,11 +458,10 @@ def undo_checkpointing(model: nn.Module, names: Iterable[str] | None = None) -> 
     for n, m in model.named_modules():
         if _MARK not in m.__dict__ or (wanted is not None and n not in wanted):
             continue
-        had_own, orig = m.__dict__.pop(_MARK)
-        if had_own:
-            m.forward = orig
-        else:
-            del m.__dict__["forward"]
+        del m.__dict__[_MARK]
+        wrapper = m.__dict__.pop("forward")
+        if wrapper.own is not None:
+            m.forward = wrapper.own
         done.append(n)
     return done
 
