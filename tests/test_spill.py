@@ -66,3 +66,28 @@ def test_row_cache_over_the_disk_tier_matches_a_resident_twin(tmp_path):
     err = (cached.full_weight().detach() - twin.weight.detach()).abs().max().item()
     assert err <= 1e-12
     sf.remove()
+
+
+def test_a_spill_file_without_room_is_an_error_not_a_sigbus(tmp_path, monkeypatch):
+    """Regression: the file grew by ``truncate`` alone (sparse), so on a full disk the first
+    write through the mapping killed the process with SIGBUS: no exception, no rollback, a
+    ``crashed`` run. The range is now reserved on disk first; no room is an ``OSError``
+    (ENOSPC) the action's transaction rolls back, and the file is as it was. The disk's answer
+    is faked here as the kernel gives it (a 64 KiB tmpfs gave it for real)."""
+    import errno
+
+    import pytest
+
+    spill = SpillFile(tmp_path)
+    first = spill.alloc((4, 8), torch.float64)
+    size = spill.path.stat().st_size
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OSError, match=r"no room for 512000 bytes in spill file .*No space left"):
+        spill.alloc((4000, 16), torch.float64)
+    assert spill.path.stat().st_size == size == spill.size_bytes
+    first.fill_(1.0)  # what was allocated before stays usable
+    assert float(first.sum()) == 32.0

@@ -13,6 +13,7 @@ mappings stay valid until their tensors are freed: Linux keeps the inode). A pro
 from __future__ import annotations
 
 import atexit
+import errno
 import logging
 import os
 import secrets
@@ -69,15 +70,32 @@ class SpillFile:
         self.size_bytes = 0
 
     def alloc(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """A zero-filled CPU tensor of ``shape`` and ``dtype`` backed by a new range of the file."""
+        """A zero-filled CPU tensor of ``shape`` and ``dtype`` backed by a new range of the file.
+
+        Raises:
+            OSError: the folder's file system has no room for it (``ENOSPC``): the range is
+                reserved on disk here (``posix_fallocate``), not at a later write through the
+                mapping, which a full disk answers with ``SIGBUS``: the process died with no
+                exception, no rollback and a ``crashed`` run.
+        """
         numel = 1
         for s in shape:
             numel *= int(s)
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
         offset = -(-self.size_bytes // _ALIGN_BYTES) * _ALIGN_BYTES
-        self.size_bytes = offset + nbytes
         with open(self.path, "r+b") as f:
-            f.truncate(self.size_bytes)
+            f.truncate(offset + nbytes)
+            if nbytes and hasattr(os, "posix_fallocate"):
+                try:
+                    os.posix_fallocate(f.fileno(), offset, nbytes)
+                except OSError as exc:
+                    f.truncate(self.size_bytes)  # the file as it was
+                    if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                        raise OSError(
+                            exc.errno,
+                            f"no room for {nbytes} bytes in spill file {self.path}: {exc.strerror}",
+                        ) from None
+        self.size_bytes = offset + nbytes
         if nbytes == 0:
             return torch.empty(tuple(shape), dtype=dtype)
         arr = np.memmap(self.path, dtype=np.uint8, mode="r+", offset=offset, shape=(nbytes,))
