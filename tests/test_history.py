@@ -471,3 +471,21 @@ def test_a_run_info_is_a_run_reference_and_other_objects_are_named(
         assert str(caught.value) == (
             "a float is not a run reference; expected a run id, a uuid prefix or 'latest'"
         )
+
+
+def test_prune_keeps_a_run_whose_process_lives_though_its_heartbeat_is_stale(
+    seeded_sqlite: tuple[Path, dict[str, Any]],
+) -> None:
+    """Regression: a run whose process was stopped (SIGSTOP, a debugger, swapping) for longer
+    than the heartbeat bound reads ``crashed``, and ``prune --keep-last 0`` deleted it and all it
+    had recorded while the process lived on to write again. Its process on this host is alive
+    (run 4: this test's own pid), so prune leaves it; run 5's process is gone."""
+    path, _ = seeded_sqlite
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE runs SET heartbeat_at_s = ? WHERE id = 4", (time.time() - 3600,))
+    with History(path, readonly=False) as h:
+        assert [h.run(i).status for i in (4, 5)] == ["crashed", "crashed"]
+        report = prune(h, keep_last=0)
+    assert report["run_ids_deleted"] == [1, 2, 3, 5]
+    with History(path) as h:
+        assert [r.id for r in h.runs()] == [4]

@@ -16,6 +16,7 @@ from edo_monitor.store.queries import (
 )
 from edo_monitor.store.rollups import run_mark_key
 from edo_monitor.store.schema import CACHE_FIELDS, RUNS_HIGH_ID_KEY
+from edo_monitor.store.status import process_alive_here
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +69,9 @@ def prune(
     vacuum: bool = False,
     now_s: float | None = None,
 ) -> dict[str, Any]:
-    """Delete old runs and/or thin old samples; runs whose effective status is ``running`` are
-    never touched. ``history`` must be writable (``readonly=False``) unless ``dry_run``.
+    """Delete old runs and/or thin old samples; runs whose effective status is ``running``, or
+    whose process on this host is alive though its heartbeat is stale, are never touched.
+    ``history`` must be writable (``readonly=False``) unless ``dry_run``.
 
     Args:
         older_than_s: delete runs started more than this many seconds ago.
@@ -109,7 +111,7 @@ def prune(
         doomed |= {r.id for r in runs if r.started_at_s < now - older_than_s}
     if keep_last is not None:
         doomed |= {r.id for r in runs[keep_last:]}
-    doomed -= {r.id for r in runs if r.status == "running"}
+    doomed -= {r.id for r in runs if _may_be_running(r)}
     report: dict[str, Any] = {
         "runs_deleted": len(doomed),
         "run_ids_deleted": sorted(doomed),
@@ -124,7 +126,7 @@ def prune(
             r.id
             for r in runs
             if r.id not in doomed
-            and r.status != "running"
+            and not _may_be_running(r)
             and r.first_sample_s is not None
             and r.first_sample_s < cut
         ]
@@ -205,3 +207,12 @@ def _remember_high_id(conn: Any) -> None:
     conn.execute(text("DELETE FROM meta WHERE key = :k"), {"k": RUNS_HIGH_ID_KEY})
     row = {"k": RUNS_HIGH_ID_KEY, "v": str(high)}
     conn.execute(text("INSERT INTO meta (key, value) VALUES (:k, :v)"), row)
+
+
+def _may_be_running(run: Any) -> bool:
+    """A run prune leaves alone: it reads ``running``, or ``crashed`` only for a stale heartbeat
+    while its process on this host is alive (stopped, swapping, in a debugger, waiting on a
+    lock): it may write again, and a prune had deleted everything it recorded."""
+    if run.status == "running":
+        return True
+    return run.stored_status == "running" and process_alive_here(run.host, run.pid)

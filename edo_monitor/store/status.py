@@ -11,7 +11,7 @@ from __future__ import annotations
 import socket
 import time
 
-__all__ = ["effective_status", "stale_after_s"]
+__all__ = ["effective_status", "process_alive_here", "stale_after_s"]
 
 _HOSTNAME = socket.gethostname()
 
@@ -41,7 +41,7 @@ def effective_status(
     """
     if status != "running":
         return status
-    if host == _HOSTNAME and not _pid_alive(pid):
+    if host == _HOSTNAME and not process_alive_here(host, pid):
         return "crashed"
     now = time.time() if now_s is None else now_s
     if heartbeat_at_s is not None and now - heartbeat_at_s > stale_after_s(interval_s):
@@ -49,7 +49,11 @@ def effective_status(
     return status
 
 
-def _pid_alive(pid: int) -> bool:
+def process_alive_here(host: str, pid: int) -> bool:
+    """Whether process ``pid`` of ``host`` is alive on this host (``False`` for another host;
+    ``True`` when the process exists but may not be inspected)."""
+    if host != _HOSTNAME:
+        return False
     import psutil  # only for running runs on this host: readers of finished runs skip its import
 
     try:
