@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from history_seed import INTERVAL, N_SAMPLES, T0, sample_row, seed
-from sqlalchemy import insert
+from sqlalchemy import insert, text
 
 from edo_monitor.errors import ConfigError, RunNotFoundError, StoreError
 from edo_monitor.store.engine import open_engine
@@ -489,3 +489,28 @@ def test_prune_keeps_a_run_whose_process_lives_though_its_heartbeat_is_stale(
     assert report["run_ids_deleted"] == [1, 2, 3, 5]
     with History(path) as h:
         assert [r.id for r in h.runs()] == [4]
+
+
+def test_name_filters_take_only_star_and_question_mark_as_wildcards_on_every_backend(
+    seeded: tuple[Path | str, dict[str, Any]],
+) -> None:
+    """Regression: the filter went to SQL ``LIKE`` unescaped, so ``_`` and ``%`` were wildcards
+    too (``my_run`` matched ``myXrun``), and letter case was ignored for ASCII alone on SQLite
+    and not at all on PostgreSQL."""
+    path, _ = seeded
+    engine = open_engine(path)
+    with engine.begin() as conn:
+        for run_id, name in ((1, "my_run"), (2, "myXrun"), (3, "100%done"), (5, "Über-Lauf")):
+            conn.execute(text("UPDATE runs SET name = :n WHERE id = :i"), {"n": name, "i": run_id})
+    engine.dispose()
+    with History(path) as h:
+
+        def names(pattern: str) -> list[str]:
+            return sorted(r.name for r in h.runs(name=pattern))
+
+        assert names("my_run") == ["my_run"]
+        assert names("MY_*") == ["my_run"]
+        assert names("my?run") == ["myXrun", "my_run"]
+        assert names("100%") == ["100%done"]
+        assert names("über") == ["Über-Lauf"]
+        assert names("LIVE") == ["live"]

@@ -18,6 +18,7 @@ the samples themselves.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import logging
 import os
 import re
@@ -179,7 +180,8 @@ class History(_JobQueries, _DeviceQueries, _SampleQueries):
             status: keep runs with this effective status (or any of these): ``running``,
                 ``finished``, ``failed``, ``interrupted``, ``crashed``.
             since: keep runs started at or after this time (Unix seconds or datetime).
-            name: keep runs whose name matches (``*`` and ``?`` wildcards; else a substring).
+            name: keep runs whose name matches (``*`` and ``?`` wildcards, else a substring;
+                letter case ignored, every other character literal).
             tag: keep runs carrying this tag.
             limit: at most this many runs (after filtering).
 
@@ -196,12 +198,10 @@ class History(_JobQueries, _DeviceQueries, _SampleQueries):
         )
         if since_s is not None:
             stmt = stmt.where(runs_table.c.started_at_s >= since_s)
-        if name:
-            wild = any(ch in name for ch in "*?")
-            pattern = name.replace("*", "%").replace("?", "_") if wild else f"%{name}%"
-            stmt = stmt.where(runs_table.c.name.like(pattern))
         with self._read() as conn:
             rows = [dict(r._mapping) for r in conn.execute(stmt)]
+        if name:  # here, not SQL LIKE: "_" and "%" were wildcards, case differed by backend
+            rows = [r for r in rows if _name_matches(r["name"], name)]
         if tag is not None:
             rows = [r for r in rows if tag in (r["tags"] or [])]
         infos = [self._base_info(r) for r in rows]
@@ -481,3 +481,12 @@ class History(_JobQueries, _DeviceQueries, _SampleQueries):
         if top - mark > _MAX_TAIL_ROWS:
             return None  # rollups far behind (e.g. rows written by another tool): read raw
         return mark
+
+
+def _name_matches(run_name: str, wanted: str) -> bool:
+    """``wanted`` (``*`` any characters, ``?`` one; without them a substring) in ``run_name``,
+    letter case ignored (``casefold``: "Üb" matches "üb")."""
+    text, pattern = run_name.casefold(), wanted.casefold()
+    if not any(ch in pattern for ch in "*?"):
+        return pattern in text
+    return fnmatch.fnmatchcase(text, pattern.replace("[", "[[]"))
