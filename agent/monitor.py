@@ -68,6 +68,7 @@ from edo_monitor.measure.accounting import Accounting, account
 from edo_monitor.measure.frequency import LookupCounter
 from edo_monitor.probes.readings import Reading
 from edo_monitor.store.paths import check_writable, resolve_db_url
+from edo_monitor.store.schema import RUN_NAME_MAX_CHARS
 from edo_monitor.store.spill_files import resolve_spill_dir
 from edo_monitor.units import STORABLE_BYTES, parse_bytes
 
@@ -170,6 +171,12 @@ class Monitor(_Lifecycle):
         if run_name is not None and (not isinstance(run_name, str) or not run_name.strip()):
             raise ConfigError(
                 f"run_name={run_name!r}; expected a non-empty string (or None: the model's)"
+            )
+        if run_name is not None and len(run_name) > RUN_NAME_MAX_CHARS:
+            # PostgreSQL refused the row ("value too long"); SQLite took it: refused alike
+            raise ConfigError(
+                f"run_name is {len(run_name)} characters ({run_name[:40]!r}...); expected at "
+                f"most {RUN_NAME_MAX_CHARS}"
             )
         if enforce and budget is None:
             raise ConfigError("enforce=True needs a budget= to enforce")

@@ -41,6 +41,11 @@ def test_tags_that_are_neither_a_string_nor_an_iterable_are_refused(db_path: Pat
         ({"run_name": 5}, "run_name=5; expected a non-empty string (or None: the model's)"),
         # an empty name silently became the model's class name
         ({"run_name": " "}, "run_name=' '; expected a non-empty string (or None: the model's)"),
+        # PostgreSQL refused the row (value too long for varchar(200)); SQLite took it
+        (
+            {"run_name": "r" * 201},
+            f"run_name is 201 characters ({'r' * 40!r}...); expected at most 200",
+        ),
         ({"ahead": 0}, "ahead=0; expected an int >= 1"),
         ({"ahead": 1.5}, "ahead=1.5; expected an int >= 1"),
         ({"ahead": True}, "ahead=True; expected an int >= 1"),

@@ -14,6 +14,7 @@ from edo_monitor.agent.monitor import Monitor
 from edo_monitor.errors import ConfigError
 from edo_monitor.integrations._common import record_resume, torch_optimizers, watch_options
 from edo_monitor.nn import attach_cached_tables
+from edo_monitor.store.schema import RUN_NAME_MAX_CHARS
 
 __all__ = ["LightningCallbackMixin", "lightning_run_name"]
 
@@ -82,7 +83,7 @@ class LightningCallbackMixin:
             self.monitor.stop()  # a fit whose end never came (no-op when it ended)
         kwargs = dict(self._watch_kwargs)
         if kwargs.get("run_name") is None:
-            kwargs["run_name"] = lightning_run_name(trainer, pl_module)
+            kwargs["run_name"] = lightning_run_name(trainer, pl_module)[:RUN_NAME_MAX_CHARS]
         kwargs["config"] = {
             "integration": "lightning",
             "lightning_package": type(trainer).__module__.split(".")[0],

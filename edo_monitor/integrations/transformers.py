@@ -46,6 +46,7 @@ except ImportError as exc:
 
 from edo_monitor.agent.monitor import Monitor
 from edo_monitor.integrations._common import record_resume, torch_optimizers, watch_options
+from edo_monitor.store.schema import RUN_NAME_MAX_CHARS
 
 __all__ = ["EdoMonitorCallback", "TrainingDidNotEnd"]
 
@@ -200,7 +201,8 @@ class EdoMonitorCallback(TrainerCallback):
             return
         kwargs = dict(self._watch_kwargs)
         if kwargs.get("run_name") is None:
-            kwargs["run_name"] = getattr(args, "run_name", None) or type(model).__name__
+            name = getattr(args, "run_name", None) or type(model).__name__
+            kwargs["run_name"] = str(name)[:RUN_NAME_MAX_CHARS]  # the Trainer's may be a long path
         kwargs["config"] = {
             "integration": "transformers",
             "max_steps": getattr(state, "max_steps", None),

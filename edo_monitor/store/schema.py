@@ -40,6 +40,7 @@ __all__ = [
     "ROLLUP_FIELDS",
     "ROLLUP_LEVEL_WIDTHS_S",
     "RUNS_HIGH_ID_KEY",
+    "RUN_NAME_MAX_CHARS",
     "SCHEMA_VERSION",
     "device_events_table",
     "device_samples_table",
@@ -108,13 +109,16 @@ def next_run_id() -> Any:
     return func.max(func.coalesce(top, 0), func.coalesce(high, 0)) + 1
 
 
+#: the longest run name the ``runs.name`` column holds (``watch(run_name=)`` refuses longer)
+RUN_NAME_MAX_CHARS = 200
+
 #: One ``watch()`` block: who, where, what device, with which settings, and how it ended.
 runs_table = Table(
     "runs",
     metadata,
     Column("id", _INT, primary_key=True, autoincrement=True),
     Column("uuid", String(36), nullable=False, unique=True, index=True),
-    Column("name", String(200), nullable=False),
+    Column("name", String(RUN_NAME_MAX_CHARS), nullable=False),
     Column("host", String(255), nullable=False),
     Column("pid", _INT, nullable=False),
     Column("started_at_s", Float, nullable=False, index=True),
