@@ -112,6 +112,15 @@ def test_export_formats(db: Path, tmp_path: Path) -> None:
     assert bad.exit_code == 2 and "csv, json or jsonl" in bad.stderr
 
 
+def test_json_output_is_strict_json(db: Path) -> None:
+    """Regression: ``sql --json`` wrote ``Infinity`` and ``NaN``, which JSON has not (``jq`` and
+    strict parsers refused the output); a non-finite number is ``null`` in every JSON output."""
+    res = run("sql", "SELECT 1e308 * 10 AS inf, -1e308 * 10 AS ninf, 0.5 AS half", "--json", db=db)
+    assert res.exit_code == 0
+    strict = json.loads(res.stdout, parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
+    assert strict == [{"inf": None, "ninf": None, "half": 0.5}]
+
+
 def test_sql_reads_and_refuses_writes(db: Path) -> None:
     res = run("sql", "SELECT count(*) AS n FROM samples", "--json", db=db)
     assert res.exit_code == 0 and json.loads(res.stdout) == [{"n": N_SAMPLES + 300}]

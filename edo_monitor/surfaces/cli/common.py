@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import os
 import re
 import sqlite3
@@ -245,8 +246,27 @@ def _json_default(obj: Any) -> Any:
     return str(obj)
 
 
+def _finite(obj: Any) -> Any:
+    """``obj`` with every non-finite float (``inf``, ``nan``) as ``None``: JSON has no such
+    numbers (``json.dumps`` wrote ``Infinity`` and ``NaN``, which strict parsers and ``jq``
+    reject)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def json_text(obj: Any, *, indent: int | None = None) -> str:
+    """``obj`` as strict JSON: non-finite floats as ``null`` (:func:`_finite`), bytes as hex,
+    other unknown objects as their ``str``."""
+    return json.dumps(_finite(obj), indent=indent, default=_json_default, allow_nan=False)
+
+
 def _print_json(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2, default=_json_default) + "\n")
+    sys.stdout.write(json_text(obj, indent=2) + "\n")
 
 
 def _info_dict(info: Any) -> dict[str, Any]:

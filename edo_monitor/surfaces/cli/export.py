@@ -6,7 +6,6 @@ database or one of its companion files."""
 from __future__ import annotations
 
 import csv
-import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,8 +21,8 @@ from edo_monitor.surfaces.cli.common import (
     _handle_errors,
     _history,
     _info_dict,
-    _json_default,
     app,
+    json_text,
 )
 from edo_monitor.surfaces.cli.output import open_output, output_target
 
@@ -69,13 +68,13 @@ def export_cmd(
                 for row in samples():
                     writer.writerow(row)
             elif fmt == "jsonl":
-                stream.write(json.dumps({"type": "run", **_info_dict(info)}) + "\n")
+                stream.write(json_text({"type": "run", **_info_dict(info)}) + "\n")
                 for row in samples():
-                    stream.write(json.dumps({"type": "sample", **row}) + "\n")
+                    stream.write(json_text({"type": "sample", **row}) + "\n")
                 for e in h.events(info.id):
-                    stream.write(json.dumps({"type": "event", **dataclasses.asdict(e)}) + "\n")
+                    stream.write(json_text({"type": "event", **dataclasses.asdict(e)}) + "\n")
                 for m in h.modules(info.id):
-                    stream.write(json.dumps({"type": "module", **dataclasses.asdict(m)}) + "\n")
+                    stream.write(json_text({"type": "module", **dataclasses.asdict(m)}) + "\n")
             else:
                 doc = {
                     "run": _info_dict(info),
@@ -83,7 +82,7 @@ def export_cmd(
                     "events": [dataclasses.asdict(e) for e in h.events(info.id)],
                     "modules": [dataclasses.asdict(m) for m in h.modules(info.id)],
                 }
-                json.dump(doc, stream, indent=2, default=_json_default)
+                stream.write(json_text(doc, indent=2))
                 stream.write("\n")
 
         if target is None:

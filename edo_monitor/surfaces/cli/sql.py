@@ -7,7 +7,6 @@ back."""
 from __future__ import annotations
 
 import csv
-import json
 import math
 import re
 import sqlite3
@@ -30,8 +29,8 @@ from edo_monitor.surfaces.cli.common import (
     _c,
     _handle_errors,
     _InterruptedError,
-    _json_default,
     app,
+    json_text,
 )
 
 _READ_PRAGMAS = {
@@ -254,7 +253,7 @@ def _print_rows(
         out.write("[")
         first = True
         for r in rows:
-            obj = json.dumps(dict(zip(names, r, strict=True)), default=_json_default)
+            obj = json_text(dict(zip(names, r, strict=True)))
             out.write(("\n  " if first else ",\n  ") + obj)
             first = False
         out.write("\n]\n" if not first else "]\n")
