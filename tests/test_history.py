@@ -286,7 +286,10 @@ def test_prune(seeded: tuple[Path, dict[str, Any]]) -> None:
     with History(path, readonly=False) as h:
         dry = prune(h, keep_last=3, dry_run=True, now_s=now)
         assert dry["runs_deleted"] == 2
+        # a dry run of downsampling says what would go (it said 0 samples, 0 snapshots)
+        dry = prune(h, downsample_older_than_s=0, bucket_s=60, now_s=now, dry_run=True)
         rep = prune(h, downsample_older_than_s=0, bucket_s=60, now_s=now)
+        assert dry == rep
         assert rep["runs_downsampled"] >= 1 and rep["samples_deleted"] > N_SAMPLES // 2
     with History(path) as h:
         after = h.run(1)

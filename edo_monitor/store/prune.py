@@ -136,8 +136,17 @@ def prune(
             conn.execute(text(f"SELECT count(*) FROM samples WHERE run_id IN ({ids})")).scalar()
             or 0
         )
-        if dry_run:
-            report["runs_downsampled"] = len(thin)
+        if dry_run:  # what would go: the same conditions, counted
+            for run_id in thin:
+                params = {"r": run_id, "cut": cut, "w": bucket_s}
+                n = conn.execute(
+                    text(f"SELECT count(*) {_THINNED.format(keeps=_keeps(history))}"), params
+                ).scalar()
+                if n:
+                    report["samples_deleted"] += int(n)
+                    report["runs_downsampled"] += 1
+            if thin:
+                report["snapshots_deleted"] = thin_snapshots(conn, thin, cut, count_only=True)
             return report
         if doomed and not is_postgres(conn):  # SQLite would give their ids to new runs
             _remember_high_id(conn)
@@ -147,28 +156,11 @@ def prune(
             if table != "sample_rollups" or history._has_rollups:  # FK cascade, made explicit
                 conn.execute(text(f"DELETE FROM {table} WHERE run_id IN ({ids})"))
         for run_id in thin:
-            bucket = history._sql.trunc("time_s / :w")
-            keeps = [
-                f"SELECT id FROM (SELECT id, row_number() OVER (PARTITION BY {bucket} "
-                f"ORDER BY {order}) AS rn FROM samples WHERE run_id = :r AND time_s < :cut) "
-                "AS k WHERE rn = 1"
-                for order in (
-                    "time_s, id",
-                    "time_s DESC, id DESC",
-                    *(f"{c} DESC NULLS LAST, id" for c in _KEEP_MAX),
-                    *(f"{c} ASC NULLS LAST, id" for c in _KEEP_MIN),
-                )
-            ]
+            keeps = _keeps(history)
             params = {"r": run_id, "cut": cut, "w": bucket_s}
-            kept = {int(i) for (i,) in conn.execute(text(" UNION ".join(keeps)), params).fetchall()}
+            kept = {int(i) for (i,) in conn.execute(text(keeps), params).fetchall()}
             _fold_counters(conn, run_id, cut, kept)
-            res = conn.execute(
-                text(
-                    "DELETE FROM samples WHERE run_id = :r AND time_s < :cut AND id NOT IN "
-                    f"({' UNION '.join(keeps)})"
-                ),
-                params,
-            )
+            res = conn.execute(text(f"DELETE {_THINNED.format(keeps=keeps)}"), params)
             if res.rowcount:
                 report["samples_deleted"] += res.rowcount
                 report["runs_downsampled"] += 1
@@ -194,6 +186,27 @@ def prune(
             raw.execute("VACUUM")  # type: ignore[union-attr]
     logger.info("prune: %s", report)
     return report
+
+
+#: the samples downsampling deletes from run ``:r`` (after ``SELECT count(*)`` or ``DELETE``)
+_THINNED = "FROM samples WHERE run_id = :r AND time_s < :cut AND id NOT IN ({keeps})"
+
+
+def _keeps(history: History) -> str:
+    """The ids downsampling keeps of run ``:r`` before ``:cut``, per ``:w``-second bucket: the
+    first and last sample and those holding a peak column's maximum or minimum (SQL)."""
+    bucket = history._sql.trunc("time_s / :w")
+    return " UNION ".join(
+        f"SELECT id FROM (SELECT id, row_number() OVER (PARTITION BY {bucket} "
+        f"ORDER BY {order}) AS rn FROM samples WHERE run_id = :r AND time_s < :cut) "
+        "AS k WHERE rn = 1"
+        for order in (
+            "time_s, id",
+            "time_s DESC, id DESC",
+            *(f"{c} DESC NULLS LAST, id" for c in _KEEP_MAX),
+            *(f"{c} ASC NULLS LAST, id" for c in _KEEP_MIN),
+        )
+    )
 
 
 def _remember_high_id(conn: Any) -> None:

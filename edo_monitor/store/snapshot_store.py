@@ -153,17 +153,21 @@ def load_snapshot(history: History, snap: SnapshotInfo) -> dict[str, Any]:
     return decode(blob, snap.encoding, event=snap.event_id)
 
 
-def thin_snapshots(conn: Connection, run_ids: Sequence[int], cut_s: float) -> int:
+def thin_snapshots(
+    conn: Connection, run_ids: Sequence[int], cut_s: float, *, count_only: bool = False
+) -> int:
     """``prune --downsample-older-than``: in the runs ``run_ids``, of the snapshots older than
     ``cut_s`` keep those of ``oom`` events and the last one of each event kind; delete the
-    rest. Returns the rows deleted (0 without the table)."""
+    rest. Returns the rows deleted (0 without the table); ``count_only``: those it would
+    delete, deleting none (``prune --dry-run``)."""
     if not run_ids or "snapshots" not in set(inspect(conn).get_table_names()):
         return 0
     deleted = 0
+    verb = "SELECT count(*)" if count_only else "DELETE"
     for run_id in run_ids:
         res = conn.execute(
             text(
-                "DELETE FROM snapshots WHERE run_id = :r AND time_s < :cut AND id NOT IN ("
+                f"{verb} FROM snapshots WHERE run_id = :r AND time_s < :cut AND id NOT IN ("
                 "SELECT s.id FROM snapshots s JOIN events e ON e.id = s.event_id "
                 "WHERE s.run_id = :r AND e.kind = 'oom' "
                 "UNION SELECT max(s.id) FROM snapshots s LEFT JOIN events e ON e.id = s.event_id "
@@ -171,7 +175,7 @@ def thin_snapshots(conn: Connection, run_ids: Sequence[int], cut_s: float) -> in
             ),
             {"r": run_id, "cut": cut_s},
         )
-        deleted += res.rowcount or 0
+        deleted += int(res.scalar() or 0) if count_only else res.rowcount or 0
     return deleted
 
 
