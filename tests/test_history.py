@@ -457,6 +457,32 @@ def test_downsampling_keeps_the_row_cache_counts_whole(
     assert after[1:] == before[1:]
 
 
+def test_downsampling_keeps_the_row_caches_first_sample(
+    seeded_sqlite: tuple[Path, dict[str, Any]],
+) -> None:
+    """Regression: a cache made mid-run (its first sample inside a bucket) lost its first sample
+    to thinning; the counts moved on, but ``show``'s row-cache steps began later ("steps 2-300"
+    read "steps 144-300"), so its bytes per step doubled. That sample is kept."""
+    path, _ = seeded_sqlite
+    with sqlite3.connect(path) as conn:
+        (start,) = conn.execute(
+            "SELECT min(id) + 1001 FROM samples WHERE run_id = 1"  # not a bucket's first
+        ).fetchone()
+        conn.execute(
+            "UPDATE samples SET cache_rows = 100, cache_lookups = 10, cache_lookup_hits = 7, "
+            "cache_rows_loaded = 3, cache_rows_evicted = 1, cache_moved_bytes = 128 "
+            "WHERE run_id = 1 AND id >= ?",
+            (start,),
+        )
+    with History(path) as h:
+        before = h.cache_summary(1)
+    with History(path, readonly=False) as h:
+        prune(h, downsample_older_than_s=0, bucket_s=60, now_s=T0 + 20_000)
+    with History(path) as h:
+        assert h.cache_summary(1) == before
+        assert h.run(1).sample_count < N_SAMPLES // 2  # thinned
+
+
 def test_a_run_info_is_a_run_reference_and_other_objects_are_named(
     seeded: tuple[Path, dict[str, Any]],
 ) -> None:
