@@ -543,3 +543,28 @@ def test_name_filters_take_only_star_and_question_mark_as_wildcards_on_every_bac
         assert names("100%") == ["100%done"]
         assert names("über") == ["Über-Lauf"]
         assert names("LIVE") == ["live"]
+
+
+def test_a_naive_datetime_is_utc_as_the_cli_prints_times(
+    seeded_sqlite: tuple[Path, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: ``start=datetime(...)`` without a zone was read as local time, so a window
+    copied from ``show`` (UTC) found nothing under ``TZ=America/New_York``."""
+    from datetime import datetime, timezone
+
+    path, _ = seeded_sqlite
+    monkeypatch.setenv("TZ", "America/New_York")
+    time.tzset()
+    try:
+
+        def naive(t: float) -> datetime:
+            return datetime.fromtimestamp(t, tz=timezone.utc).replace(tzinfo=None)
+
+        with History(path) as h:
+            by_seconds = h.samples(1, start=T0 + 100, end=T0 + 200, columns=["step"])
+            by_dates = h.samples(1, start=naive(T0 + 100), end=naive(T0 + 200), columns=["step"])
+            assert len(by_seconds) > 0 and by_dates.time_s == by_seconds.time_s
+            assert {r.id for r in h.runs(since=naive(T0))} == {r.id for r in h.runs(since=T0)}
+    finally:
+        monkeypatch.delenv("TZ")
+        time.tzset()

@@ -183,6 +183,23 @@ def test_export_writes_the_open_runs_samples(db: Path, tmp_path: Path) -> None: 
     assert [int(r["id"]) for r in rows] == [e[0] for e in expected]
 
 
+def test_export_of_a_run_with_a_long_name_cuts_the_file_name(db: Path, tmp_path: Path) -> None:  # noqa: F811
+    """Regression: a 300-character run name (an older history's: watch() now refuses over 200)
+    made "File name too long", and the export failed."""
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE runs SET name = ? WHERE id = 1", ("x" * 300,))
+    app = EdoTui(db, run="1", refresh_s=REFRESH_S, export_dir=tmp_path)
+
+    async def body(pilot: Pilot[None]) -> None:
+        await wait_for(pilot, lambda: loaded(app))
+        await pilot.press("e")
+        await wait_for(pilot, lambda: app.last_export is not None)
+
+    run_app(app, body)
+    assert app.last_export == tmp_path / f"edo-run-1-{'x' * 80}.csv"
+    assert app.last_export.stat().st_size > 0
+
+
 def test_export_defaults_to_current_folder(
     db: Path,  # noqa: F811
     tmp_path: Path,

@@ -391,7 +391,8 @@ class DataSource:
         memory.
         """
         history = self.open()
-        safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", run.name).strip("_") or "run"
+        # a file name of at most ~100 bytes (a 300-character run name was "File name too long")
+        safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", run.name).strip("_")[:80] or "run"
         path = Path(directory) / f"edo-run-{run.id}-{safe}.csv"
         after = 0
         columns: list[str] | None = None

@@ -179,7 +179,8 @@ class History(_JobQueries, _DeviceQueries, _SampleQueries):
         Args:
             status: keep runs with this effective status (or any of these): ``running``,
                 ``finished``, ``failed``, ``interrupted``, ``crashed``.
-            since: keep runs started at or after this time (Unix seconds or datetime).
+            since: keep runs started at or after this time (Unix seconds or datetime; a naive
+                datetime is UTC, as the CLI prints times).
             name: keep runs whose name matches (``*`` and ``?`` wildcards, else a substring;
                 letter case ignored, every other character literal).
             tag: keep runs carrying this tag.

@@ -55,7 +55,8 @@ class _SampleQueries:
 
         Args:
             run: run reference (see :meth:`run`).
-            start, end: window (Unix seconds or datetime; both inclusive); default the whole run.
+            start, end: window (Unix seconds or datetime, a naive one UTC; both inclusive);
+                default the whole run.
             columns: sample columns (default: every numeric quantity, ``ROLLUP_FIELDS``, that the
                 file has; any of :data:`NUMERIC_SAMPLE_COLUMNS` may be asked for).
             max_points: most buckets to return; ``None`` returns every sample.

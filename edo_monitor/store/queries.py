@@ -4,7 +4,7 @@ merge of raw tails into rollup buckets."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any
 
 from edo_monitor.checks import whole_number, whole_number_or_none
@@ -65,7 +65,9 @@ def _statuses(status: str | Iterable[str] | None, what: str) -> set[str]:
 def _to_epoch(value: float | datetime | None, name: str) -> float | None:
     if value is None:
         return None
-    if isinstance(value, datetime):
+    if isinstance(value, datetime):  # a naive one is UTC, as every time the CLI prints
+        if value.tzinfo is None:  # (timestamp() took it as local time: off by the zone)
+            value = value.replace(tzinfo=timezone.utc)
         return value.timestamp()
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:  # nan
         raise ConfigError(f"{name}={value!r} is not a time; expected Unix seconds or a datetime")
