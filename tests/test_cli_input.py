@@ -240,3 +240,11 @@ def test_version_is_printed() -> None:
         f"edo-monitor {edo_monitor.__version__}\n",
         "",
     )
+
+
+@pytest.mark.parametrize("command", ["doctor", "runs"])
+@pytest.mark.parametrize("url", ["sqlite:///:memory:", "sqlite://"])
+def test_an_in_memory_url_is_no_history(command: str, url: str) -> None:
+    """Regression: a reader opened a new, empty in-memory database: ``doctor`` said the
+    database was fine and ``runs`` "no runs recorded", both exit 0."""
+    one_line(run("edo-monitor", command, "--db", url), 1, "no history database", "in-memory")

@@ -38,7 +38,8 @@ def resolve_db_url(db: str | os.PathLike[str] | None = None, *, readonly: bool =
         ConfigError: ``db`` is neither a string nor a path, the URL's scheme names no installed
             SQLAlchemy dialect, the string is not a URL, the path is a directory, or (writers)
             its folder does not exist.
-        StoreError: (readers) the path's folder does not exist.
+        StoreError: (readers) the path's folder does not exist, or the URL is an in-memory
+            SQLite database (no history can be there).
     """
     if db is None:
         db = os.environ.get("EDO_DB") or DEFAULT_DB
@@ -59,6 +60,12 @@ def resolve_db_url(db: str | os.PathLike[str] | None = None, *, readonly: bool =
                 f"db={text_!r} is not a usable database URL ({exc}); expected a file path or an "
                 "SQLAlchemy URL such as 'sqlite:///runs.db' or 'postgresql://host/db'"
             ) from None
+        if readonly and url.get_backend_name() == "sqlite" and _is_memory(url):
+            # a new, empty database: doctor said "ok", runs "no runs recorded" (exit 0)
+            raise StoreError(
+                f"no history database at {text_!r}: an in-memory SQLite database holds no "
+                "recorded runs; give the history's file path or URL"
+            )
         if url.get_backend_name() == "sqlite" and url.database and url.database != ":memory:":
             _check_file_path(Path(url.database), text_, readonly)
         return url
