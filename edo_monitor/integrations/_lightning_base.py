@@ -100,7 +100,12 @@ class LightningCallbackMixin:
         # tables an earlier fit cached: the optimizers configure_optimizers() just made hold
         # their row buffers, and a checkpoint's optimizer state (restored after this hook)
         # loads only into an attached one
-        attach_cached_tables(pl_module, optimizers)
+        try:
+            attach_cached_tables(pl_module, optimizers)
+        except (TypeError, ValueError) as exc:  # a new optimizer the cache refuses: its step says
+            logger.warning(
+                "edo-monitor: a cached table could not attach at the fit's start: %s", exc
+            )
         self.monitor = Monitor(
             pl_module,
             optimizers or None,
