@@ -98,3 +98,43 @@ def test_the_forward_counts_only_the_gradients_alive(db_path: Path, set_to_none:
             with pytest.raises(edo_monitor.BudgetOutOfMemoryError):
                 model(double).sum()
     assert mon.summary().events.get("oom", 0) == (0 if set_to_none else 1)
+
+
+def test_explain_counts_what_was_alive_when_the_message_says_nothing_is_free(
+    db_path: Path,
+) -> None:
+    """Regression: after Adam's first state pushed the static bytes over the budget, the next
+    forward's error says "0 bytes is free" (the message stops at 0) and ``explain`` took the
+    shortfall as the request alone, 8 KiB, where what was alive exceeded the budget by 111 KiB.
+    It now counts the event's categories, with the request in its own, less the exact budget;
+    and its ``mixed_precision`` remedy halves the activations only (bf16 autocast keeps the
+    gradients float32)."""
+    from edo_monitor.measure.accounting import account
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 64))
+    opt = torch.optim.Adam(model.parameters(), 1e-2)
+    budget = int(account(model).total_bytes * 2.6)
+    x = torch.randn(32, 64)
+    with edo_monitor.watch(model, opt, db=db_path, budget=budget, enforce=True) as mon:
+        for _ in range(2):
+            try:
+                model(x).pow(2).mean().backward()
+                opt.step()
+            except torch.OutOfMemoryError:
+                pass
+            opt.zero_grad()
+    with History(db_path) as history:
+        ooms = history.events(mon.run_id, kind="oom")
+        incidents = {i.event_id: i for i in explain(history, mon.run_id).incidents}
+    forward = ooms[-1]
+    assert "0 bytes is free" in forward.message
+    alive = forward.data["in_use"]
+    total = sum(
+        alive[k]
+        for k in ("params_bytes", "grads_bytes", "optimizer_state_bytes", "activations_bytes")
+    )
+    incident = incidents[forward.id]
+    assert incident.shortfall_bytes == total - budget > alive["requested_bytes"]
+    mixed = next(r for r in incident.remedies if r.action == "mixed_precision")
+    assert mixed.saving_bytes == alive["activations_bytes"] // 2

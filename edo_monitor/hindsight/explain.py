@@ -7,7 +7,9 @@ never imports torch.
 with its estimated saving from the recorded attribution and whether it is enough:
 
 * shortfall of an OOM: ``requested - free`` of the parsed message (the bytes the failing
-  allocation lacked); of a crossing: the bytes to free so that the episode's highest in-use
+  allocation lacked), for a CPU-budget error what its event says was alive with the request
+  less the budget (its message's free bytes stop at 0); of a crossing: the bytes to free so
+  that the episode's highest in-use
   (until free memory was back above the re-arm level, or the run ended) stays at the floor,
   ``max(in_use) - (1 - floor) * budget``;
 * tables (latest ``module_stats`` row of each embedding table at the incident, on the device
@@ -19,8 +21,9 @@ with its estimated saving from the recorded attribution and whether it is enough
 * ``checkpoint_activations`` of the ``MAX_CHECKPOINT_BLOCKS`` modules with the most recorded
   activation bytes (an upper bound: each block's input stays saved);
 * ``smaller_batch`` (activations scale with the batch: the largest batch fraction that is enough),
-  ``mixed_precision`` (activations and gradients halved), ``optimizer`` (Adam → Adagrad / SGD: the
-  estimator's state tensors per element), all from the sample at the incident;
+  ``mixed_precision`` (activations halved; bf16 autocast keeps float32 gradients),
+  ``optimizer`` (Adam → Adagrad / SGD: the estimator's state tensors per element), all from the
+  sample at the incident;
 * ``expandable_segments`` (CUDA only, when fragmentation was above ``FRAGMENTATION_HIGH``): the
   reserved-but-unallocated bytes outside the largest free block.
 
@@ -187,6 +190,16 @@ def _refused_live(events: list[Any]) -> dict[tuple[str, str], str]:
     return out
 
 
+def _alive_total(alive: Mapping[str, Any]) -> int:
+    """The bytes an ``oom`` event's ``in_use`` says were alive with the request: the sum of its
+    categories (a gradient or saved tensor refused is in its category; a step boundary's
+    optimizer-state growth is in the state already)."""
+    return sum(int(alive.get(k) or 0) for k in _ALIVE_CATEGORIES)
+
+
+_ALIVE_CATEGORIES = ("params_bytes", "grads_bytes", "optimizer_state_bytes", "activations_bytes")
+
+
 def _split_refused(
     remedies: tuple[Remedy, ...], refused: dict[tuple[str, str], str]
 ) -> dict[str, tuple[Remedy, ...]]:
@@ -293,12 +306,12 @@ def _remedies(
                     True,
                     f"activations {format_bytes(act)} scale with the batch; not enough alone",
                 )
-        add(
+        add(  # autocast keeps parameters, and so gradients, float32: they were halved too
             "mixed_precision",
             "bf16 autocast",
-            act // 2 + grads // 2,
+            act // 2,
             True,
-            f"activations {format_bytes(act)} and gradients {format_bytes(grads)} halved",
+            f"activations {format_bytes(act)} halved (float32 parameters and gradients)",
         )
         states = round(state / params) if params else 0
         if states >= 2:
@@ -366,6 +379,10 @@ def explain(db: Any, run: Any, *, event: int | None = None) -> Explanation:
                 in_use = (int(budget) - int(free or 0) + int(requested or 0)) if budget else None
                 sample = {**last} if last else _sample_at(history, info.id, e.time_s)
                 alive = e.data.get("in_use")  # a CPU-budget error: alive with the request
+                if alive and budget:  # the message's free bytes stop at 0: count from the parts
+                    budget = last.get("budget_bytes") or budget  # exact (the message rounds)
+                    in_use = _alive_total(alive)
+                    shortfall = max(0, in_use - int(budget))
                 if alive and sample is not None:
                     sample = {**sample, **alive}
                 incidents.append(
