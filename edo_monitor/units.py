@@ -36,12 +36,8 @@ _PREFIXES = (
 )
 _UNITS = frozenset(
     {"", "b", "byte", "bytes"}
-    | {
-        form
-        for p, si, iec in _PREFIXES
-        for form in (p, p + "b", p + "i", p + "ib", si + "byte", si + "bytes", iec + "byte")
-    }
-    | {iec + "bytes" for _, _, iec in _PREFIXES}
+    | {form for p, _, _ in _PREFIXES for form in (p, p + "b", p + "i", p + "ib")}
+    | {name + end for _, si, iec in _PREFIXES for name in (si, iec) for end in ("byte", "bytes")}
 )
 
 

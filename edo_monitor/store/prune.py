@@ -136,11 +136,12 @@ def prune(
             conn.execute(text(f"SELECT count(*) FROM samples WHERE run_id IN ({ids})")).scalar()
             or 0
         )
+        keeps = _keeps(history)
         if dry_run:  # what would go: the same conditions, counted
             for run_id in thin:
                 params = {"r": run_id, "cut": cut, "w": bucket_s}
                 n = conn.execute(
-                    text(f"SELECT count(*) {_THINNED.format(keeps=_keeps(history))}"), params
+                    text(f"SELECT count(*) {_THINNED.format(keeps=keeps)}"), params
                 ).scalar()
                 if n:
                     report["samples_deleted"] += int(n)
@@ -156,7 +157,6 @@ def prune(
             if table != "sample_rollups" or history._has_rollups:  # FK cascade, made explicit
                 conn.execute(text(f"DELETE FROM {table} WHERE run_id IN ({ids})"))
         for run_id in thin:
-            keeps = _keeps(history)
             params = {"r": run_id, "cut": cut, "w": bucket_s}
             kept = {int(i) for (i,) in conn.execute(text(keeps), params).fetchall()}
             _fold_counters(conn, run_id, cut, kept)
