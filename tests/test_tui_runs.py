@@ -8,6 +8,7 @@ clicks (``tui_helpers``).
 from __future__ import annotations
 
 import csv
+import re
 import sqlite3
 import subprocess
 import sys
@@ -304,6 +305,11 @@ def test_the_screenshot_tool_names_itself() -> None:
     assert out.startswith("usage: python -m edo_monitor.tui.screenshot ")
 
 
+def _svg_text(svg: str) -> str:
+    """The words of a saved screenshot, for a failure message."""
+    return " ".join(re.findall(r">([^<]*)</text>", svg)).replace("&#160;", " ")
+
+
 def test_the_screenshot_tool_saves_the_settled_view_of_a_finished_run(
     db: Path,  # noqa: F811 (the fixture)
     tmp_path: Path,
@@ -317,4 +323,28 @@ def test_the_screenshot_tool_saves_the_settled_view_of_a_finished_run(
     out = asyncio.run(screenshot(str(db), tmp_path / "shot.svg", run="1", size=(120, 40)))
     svg = out.read_text(encoding="utf-8")
     assert out == tmp_path / "shot.svg" and svg.startswith("<svg")
-    assert "old-finished" in svg and "offloaded&#160;table" in svg
+    assert "old-finished" in svg and "offloaded&#160;table" in svg, _svg_text(svg)
+
+
+def test_the_screenshot_tool_waits_out_a_read_that_failed_once(
+    db: Path,  # noqa: F811 (the fixture)
+    tmp_path: Path,
+) -> None:
+    """Regression: the first read's error ended the wait, so a read that failed once (here: the
+    file not there yet) was saved as the picture, where the dashboard itself reads again."""
+    import asyncio
+    import threading
+
+    from edo_monitor.tui.screenshot import screenshot
+
+    later = tmp_path / "later"  # the folder appears (a link to the database's) after 0.3 s
+    arrive = threading.Timer(0.3, later.symlink_to, args=(db.parent,))
+    arrive.start()
+    try:
+        out = asyncio.run(
+            screenshot(str(later / db.name), tmp_path / "shot.svg", run="1", size=(120, 40))
+        )
+    finally:
+        arrive.join()
+    svg = out.read_text(encoding="utf-8")
+    assert "old-finished" in svg and "offloaded&#160;table" in svg, _svg_text(svg)

@@ -5,9 +5,9 @@ Usage::
     python -m edo_monitor.tui.screenshot [DB] [--run RUN] [--view live|runs] [--out FILE]
                                          [--size 140x45]
 
-Opens the database read-only like ``edo-tui``, waits until the view has loaded and two renders
-0.2 s apart agree, and writes the screen as SVG (Textual's ``save_screenshot``); the path written
-is logged and printed.
+Opens the database read-only like ``edo-tui``, waits until the view has loaded (or its error
+stayed over four reads, about 2 s) and two renders 0.2 s apart agree, and writes the screen as
+SVG (Textual's ``save_screenshot``); the path written is logged and printed.
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ __all__ = ["main", "screenshot"]
 
 logger = logging.getLogger(__name__)
 
+#: reads that must all fail before the error is what the screenshot shows
+_ERROR_READS = 4
+
 
 async def screenshot(
     db: str | None,
@@ -42,7 +45,12 @@ async def screenshot(
         screen = app.run_screen
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while not (screen.loaded or screen.error) and loop.time() < deadline:
+        # loaded, or an error that stayed over several reads (the screen reads again every
+        # refresh: a file not there yet, or a read that failed once, must not end the wait)
+        while not (screen.loaded or (screen.error and screen.loads >= _ERROR_READS)):
+            if loop.time() >= deadline:
+                logger.warning("the view did not load in %.0f s: saving it as it is", timeout_s)
+                break
             await pilot.pause(0.05)
         chart = screen.query_one(MemoryChart)
         while chart.lines_size != chart.wanted_size and loop.time() < deadline:
