@@ -9,7 +9,8 @@ that order:
 2. the accounting while gradients and optimizer state are all alive (the step's peak of static
    memory; asked for by the sampler after each reading, or every step when enforcing or
    forecasting: the step's peak then goes to ``Policy.observe_step``);
-3. the CPU budget enforced against this step's peak (``enforce=True``);
+3. the CPU budget enforced against this step's peak (``enforce=True``; the model's other
+   optimizers' steps are checked too, each right after it, without a boundary);
 4. the policy's ``on_pressure`` hooks, then its pending decision applied (the tuner); in a
    multi-rank job only every ``sync_every_steps`` counted steps, after the ranks agreed on one
    decision (:class:`edo_monitor.agent.ranks.Coordinator`);
@@ -128,6 +129,8 @@ class SafePoint:
             self._note_spent(optimizer)
             if optimizer is self.primary:
                 self.run(count=True)
+            elif self.enforcing:  # its state was made in this step, after the primary's check
+                self._check_step(self.m._account())
         except BudgetOutOfMemoryError:
             raise  # enforce=True: the budget's out-of-memory error is the user's to see
         except Exception as exc:
@@ -242,18 +245,7 @@ class SafePoint:
                 self.want_accounting = False
                 self.step_accounting = m._account()
             if self.enforcing and self.step_accounting is not None:
-                acc = self.step_accounting
-                self.rebase(acc)
-                # the forward and backward were checked as they ran (the tracker, with the
-                # gradients alive); here the optimizer's step: parameters, its state and the
-                # gradients, with the saved tensors still alive (a retained graph). The request
-                # is what grew unchecked since the last boundary: the optimizer state (and the
-                # gradients, without a tracker to check them in the backward)
-                unchecked = acc.total_bytes - (acc.grads_bytes if self.grads_alive else 0)
-                in_use = acc.total_bytes + (tracker.live_bytes if tracker is not None else 0)
-                last, self._last_static_bytes = self._last_static_bytes, unchecked
-                if in_use > (m.budget_bytes or 0):
-                    self.budget_exceeded(unchecked - last, in_use)
+                self._check_step(self.step_accounting)
             if forecasting and self.step_accounting is not None:
                 acc = self.step_accounting
                 activations = tracker.step_peak_bytes if tracker is not None else 0
@@ -279,6 +271,27 @@ class SafePoint:
             err = m._log.take_pending_error()
             if err is not None:
                 raise err
+
+    def _check_step(self, acc: Accounting) -> None:
+        """``enforce=True``: an optimizer's step against the CPU budget (every optimizer of the
+        model, each right after its step: a second optimizer's state is made in its own step).
+
+        The forward and backward were checked as they ran (the tracker, with the gradients
+        alive); here the step: parameters, optimizer state and the gradients, with the saved
+        tensors still alive (a retained graph). The request is what grew unchecked since the last
+        check: the optimizer state (and the gradients, without a tracker to check them in the
+        backward).
+
+        Raises:
+            BudgetOutOfMemoryError: what is alive exceeds the budget.
+        """
+        tracker = self.m._tracker
+        self.rebase(acc)
+        unchecked = acc.total_bytes - (acc.grads_bytes if self.grads_alive else 0)
+        in_use = acc.total_bytes + (tracker.live_bytes if tracker is not None else 0)
+        last, self._last_static_bytes = self._last_static_bytes, unchecked
+        if in_use > (self.m.budget_bytes or 0):
+            self.budget_exceeded(unchecked - last, in_use)
 
     def _close_step(self, count: bool) -> None:
         """Step bookkeeping; each part guarded so one failure cannot skip the others."""

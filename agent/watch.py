@@ -70,8 +70,9 @@ def watch(
         enforce: CPU-budget mode: raise :class:`edo_monitor.BudgetOutOfMemoryError` (a
             ``torch.OutOfMemoryError``) when the accounted bytes exceed the budget (needs
             ``budget``): during forward, from the saved-tensor hook, when the activations would
-            overflow it (before the optimizer step, as a GPU would); at the step boundary when
-            gradients or new optimizer state did (that optimizer step has run). Ignored on CUDA,
+            overflow it (before the optimizer step, as a GPU would); right after each of the
+            model's optimizers' steps when gradients or new optimizer state did (that step has
+            run; with several optimizers, each one's step is checked). Ignored on CUDA,
             where the allocator enforces the budget. Each one is recorded as an ``oom`` event.
         track_activations: measure bytes saved for backward with saved-tensor hooks.
         snapshot_interval_s: seconds between allocator snapshots for fragmentation (0 = never).

@@ -138,3 +138,33 @@ def test_explain_counts_what_was_alive_when_the_message_says_nothing_is_free(
     assert incident.shortfall_bytes == total - budget > alive["requested_bytes"]
     mixed = next(r for r in incident.remedies if r.action == "mixed_precision")
     assert mixed.saving_bytes == alive["activations_bytes"] // 2
+
+
+@pytest.mark.parametrize("order", ["dense-first", "table-first"])
+def test_each_optimizers_step_is_checked(db_path: Path, order: str) -> None:
+    """Two optimizers (a dense one for the head, Adam for the table, as recommenders often
+    have): the table's Adam makes 6.10 MiB of state in its first step, which the 12 MiB budget
+    cannot hold beside the params (3.09 MiB) and the table's gradient (3.05 MiB). Regression:
+    only the first optimizer passed was checked, so step 0 went over the budget unseen and the
+    error came a step later, at the wrong optimizer. Now it comes at the table optimizer's first
+    step, in either order, asking for exactly its state."""
+    model, _, ids = setup()
+    head = torch.optim.SGD(model.head.parameters(), lr=0.1)
+    table = torch.optim.Adam(model.emb.parameters(), lr=0.1)
+    steps = [head, table] if order == "dense-first" else [table, head]
+    failed_at = None
+    with edo_monitor.watch(model, [head, table], db=db_path, budget=12 * MiB, enforce=True):
+        for step in range(2):
+            model(ids).pow(2).mean().backward()
+            try:
+                for opt in steps:
+                    opt.step()
+                    opt.zero_grad()
+            except edo_monitor.BudgetOutOfMemoryError as exc:
+                failed_at = (step, opt, str(exc))
+                break
+    assert failed_at is not None
+    step, opt, message = failed_at
+    assert (step, opt) == (0, table)
+    state = 2 * TABLE_BYTES  # Adam's two moments
+    assert message.startswith(f"CPU-budget out of memory. Tried to allocate {state / MiB:.2f} MiB.")
