@@ -37,7 +37,7 @@ EXIT_CODES = {
     EXIT_OK: "ok",
     EXIT_ERROR: "runtime or data error (no such run, job or database, unusable database, refused "
     "write, sql timeout, doctor problem, no NVML for daemon)",
-    EXIT_USAGE: "usage error (bad option or value; nothing was opened)",
+    EXIT_USAGE: "usage error (bad option or value, or a sql statement that does not compile)",
     EXIT_INTERNAL: "internal error",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
 }
