@@ -322,6 +322,9 @@ def test_missing_and_empty(tmp_path: Path) -> None:
         assert h.runs() == []
         with pytest.raises(RunNotFoundError, match="no runs"):
             h.run("latest")
+    # regression: after close() it answered, its engine opening connections again
+    with pytest.raises(StoreError, match=r"empty\.db was closed; open a new one"):
+        h.runs()
 
 
 def test_alembic_revision_newer_than_the_code_is_refused(

@@ -31,7 +31,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, inspect, select, text
 from sqlalchemy.engine import URL
 
-from edo_monitor.errors import RunNotFoundError
+from edo_monitor.errors import RunNotFoundError, StoreError
 from edo_monitor.probes.readings import SAMPLE_FIELDS
 from edo_monitor.store.dialect import is_postgres, sql_dialect
 from edo_monitor.store.engine import open_engine
@@ -103,6 +103,7 @@ class History(_JobQueries, _DeviceQueries, _SampleQueries):
             self.engine = open_engine(db, readonly=readonly)
             self._owns_engine = True
         self.readonly = readonly
+        self._closed = False
         with self._read() as conn:
             self.schema_version: int | None = schema_version(conn)
             inspector = inspect(conn)
@@ -132,7 +133,16 @@ class History(_JobQueries, _DeviceQueries, _SampleQueries):
     # -- lifecycle ---------------------------------------------------------------------------
     @contextmanager
     def _read(self) -> Iterator[Connection]:
-        """A connection reading one consistent snapshot (one transaction on SQLite)."""
+        """A connection reading one consistent snapshot (one transaction on SQLite).
+
+        Raises:
+            StoreError: this object was closed (its engine would quietly open connections again).
+        """
+        if self._closed:
+            raise StoreError(
+                f"this History of {self.engine.url.render_as_string(hide_password=True)} was "
+                "closed; open a new one to read it"
+            )
         with self.engine.connect() as conn:
             if self.engine.dialect.name == "sqlite":
                 conn.exec_driver_sql("SELECT 1")  # autobegin (writer engines: BEGIN IMMEDIATE)
@@ -144,7 +154,9 @@ class History(_JobQueries, _DeviceQueries, _SampleQueries):
             yield conn
 
     def close(self) -> None:
-        """Release the database connections (when this object opened them)."""
+        """Release the database connections (when this object opened them); reading after
+        it raises :class:`StoreError`."""
+        self._closed = True
         if self._owns_engine:
             self.engine.dispose()
 
