@@ -114,10 +114,15 @@ class ModuleRows:
 
     def write_activations(self, exclusive_bytes: Mapping[str, int], now: float) -> None:
         """An activation profile's bytes saved by each module's own forward (``""``: the model
-        itself, recorded as ``<model>``)."""
-        for module, nbytes in sorted(exclusive_bytes.items()):
+        itself, recorded as ``<model>``). The profile is the module's whole state: a module it
+        does not list saved nothing in that step (frozen, run under ``no_grad``, checkpointed
+        or not called), so a row that had activations goes to 0."""
+        profiled = {module or "<model>": nbytes for module, nbytes in exclusive_bytes.items()}
+        gone = {name for name, row in self.rows.items() if row["activations_bytes"]}
+        for module in sorted(profiled.keys() | gone):
+            nbytes = profiled.get(module, 0)
             if nbytes > 0 or module in self.rows:
-                self.update(module or "<model>", now, activations_bytes=nbytes)
+                self.update(module, now, activations_bytes=nbytes)
 
     def breakdown(self, latest: Reading | None) -> list[dict[str, Any]]:
         """What :meth:`Monitor.breakdown` returns (largest first, then ``other`` on CUDA)."""

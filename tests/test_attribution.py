@@ -94,6 +94,53 @@ def test_breakdown_and_history_modules_put_the_table_first(db_path: Path) -> Non
     assert top.optimizer_state_bytes == 512_004
 
 
+class Frozen(nn.Module):
+    """An encoder that saves for backward until frozen (then run under ``no_grad``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(16, 128), nn.Tanh(), nn.Linear(128, 16))
+        self.head = nn.Linear(16, 1)
+        self.scale = nn.Parameter(torch.ones(16))
+        self.frozen = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.frozen:
+            with torch.no_grad():
+                h = self.enc(x)
+            return self.head(h)
+        return self.head(self.enc(x) * self.scale)
+
+
+def test_a_module_that_stops_saving_reads_zero_activations(db_path: Path) -> None:
+    """Regression: a module missing from the latest profile (frozen and run under ``no_grad``)
+    kept its last activations for the rest of the run, in ``module_stats``, ``breakdown()`` and
+    ``show --modules``."""
+    model = Frozen()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(64, 16)
+    with edo_monitor.watch(model, db=db_path, interval_s=0.01, profile_interval_s=1e-6) as mon:
+        for step in range(6):
+            if step == 3:
+                model.frozen = True
+                for p in [*model.enc.parameters(), model.scale]:
+                    p.requires_grad_(False)
+            if step == 2:
+                before = {r["module"]: r["activations_bytes"] for r in mon.breakdown()}
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        after = {r["module"]: r["activations_bytes"] for r in mon.breakdown()}
+    # while training: Tanh's output [64, 128] (Tanh's and enc.2's), the enc output (mul's)
+    assert before["enc"] == 64 * 128 * 4
+    assert before["<model>"] > 0
+    # frozen: only head's input, saved inside the model's forward (not the head's: its input)
+    assert after["enc"] == 0 and after["<model>"] == 64 * 16 * 4
+    with History(db_path) as history:
+        latest = {m.module: m.activations_bytes for m in history.modules(mon.run_id)}
+    assert latest["enc"] == 0 and latest["<model>"] == 64 * 16 * 4
+
+
 def test_oom_inside_watch_is_recorded_and_reraised_unchanged(db_path: Path) -> None:
     message = (
         "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.15 GiB "
