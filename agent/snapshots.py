@@ -35,6 +35,7 @@ import weakref
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from edo_monitor.measure.module_tree import own_bytes
 from edo_monitor.measure.snapshots import ENCODING, build_cpu_snapshot, encode, totals
 from edo_monitor.units import format_bytes
 
@@ -291,13 +292,14 @@ class SnapshotRecorder:
 
     def _activation_blocks(self, activations: int) -> list[tuple[str, str, int]]:
         """``activations`` bytes split over modules in the shares of the last activation profile
-        (its exclusive bytes); what no module holds alone is one block of ``<model>``."""
+        (each module's bytes less its listed submodules': a block's bytes include its layers');
+        what no module holds alone is one block of ``<model>``."""
         if activations <= 0:
             return []
         profile = self.m.activation_profile
         out: list[tuple[str, str, int]] = []
         if profile is not None and profile.total_bytes > 0:
-            for name, nbytes in sorted(profile.exclusive_bytes.items()):
+            for name, nbytes in sorted(own_bytes(profile.exclusive_bytes).items()):
                 share = activations * nbytes // profile.total_bytes
                 if share > 0:
                     out.append((name or "<model>", "activations", share))

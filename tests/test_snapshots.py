@@ -337,3 +337,63 @@ def test_snapshots_round_trip_in_postgresql(pg_url: str) -> None:
     with History(pg_url, readonly=False) as h:
         prune(h, keep_last=0)
         assert snapshot_infos(h, mon.run_id) == []
+
+
+class _Attention(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.q = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.q(x) @ x.transpose(-1, -2), -1) @ x  # saves (B, T, T)
+
+
+class _Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.attn = _Attention(dim)
+        self.ff = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ff(self.attn(x))
+
+
+def test_nested_blocks_are_counted_once_in_the_snapshot_and_in_explain(tmp_path: Path) -> None:
+    """A block's recorded activations include its attention layer's. Regression: the crossing
+    snapshot gave a share to each of ``<model>``, ``b1``, ``b1.attn`` … (27.4 MB of blocks for
+    a reading of 23.4 MB in use), and ``explain``'s checkpointing remedy and staged plan added
+    up ``b1``, ``b1.attn``, ``b2``, ``b2.attn``. Now the snapshot's blocks add up to the reading
+    and the remedy names the two blocks with their recorded bytes."""
+    from edo_monitor.hindsight.explain import explain
+
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("b1", _Block(32))
+    model.add_module("b2", _Block(32))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    db = tmp_path / "nested.db"
+    small, large = torch.randn(4, 256, 32), torch.randn(16, 256, 32)  # 2.9 and 11 MiB saved
+    policy = edo_monitor.Policy(mode="observe")
+    with edo_monitor.watch(
+        model, db=db, budget="12MiB", interval_s=0.01, profile_interval_s=0.01, policy=policy
+    ) as mon:
+        for step in range(200):  # the modules' rows are recorded before the large batches
+            model(small if step < 5 else large).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if mon.summary().events.get("threshold_crossed"):
+                break
+            time.sleep(0.01)
+    with History(db) as h:
+        crossing = h.events(mon.run_id, kind="threshold_crossed")[0]
+        info = find_snapshot(h, mon.run_id, crossing.id)
+        snap = load_snapshot(h, info)
+        recorded = {m.module: m.activations_bytes for m in h.modules(mon.run_id)}
+        incident = explain(h, mon.run_id, event=crossing.id).incidents[0]
+    assert totals(snap).allocated_bytes == crossing.data["in_use_bytes"]
+    assert recorded["b1"] > recorded["b1.attn"] > 0  # a block holds its layer's bytes
+    (remedy,) = [r for r in incident.remedies if r.action == "checkpoint_activations"]
+    assert sorted(remedy.target.split(", ")) == ["b1", "b2"]
+    assert remedy.saving_bytes == recorded["b1"] + recorded["b2"]
+    stage1 = incident.staged_plan.stages[0]
+    assert sorted(stage1.target.partition("checkpoint ")[2].split(", ")) == ["b1", "b2"]

@@ -47,6 +47,7 @@ from edo_monitor.actions.base import Action, ActionContext, ActionResult, find_w
 from edo_monitor.actions.use_watch import _METADATA_OPS, _element_span, _UseWatcher
 from edo_monitor.decide.plans import Plan, Refusal
 from edo_monitor.measure.accounting import is_table_module, tensor_bytes
+from edo_monitor.measure.module_tree import largest_disjoint, nested
 from edo_monitor.measure.saved_version import checked, stamp
 from edo_monitor.units import format_bytes
 
@@ -513,10 +514,7 @@ class CheckpointActivations(Action):
         done = checkpointed_modules(ctx.model)
         cands = [c for c in _block_candidates(ctx.model) if c in profile.called]
 
-        def overlaps(a: str, b: str) -> bool:
-            return a == b or a.startswith(b + ".") or b.startswith(a + ".")
-
-        cands = [c for c in cands if not any(overlaps(c, d) for d in done)]
+        cands = [c for c in cands if not any(nested(c, d) for d in done)]
         # lossless means bit-identical state, buffers included: a block whose forward changes a
         # buffer (running statistics) would change it again when recomputed during backward
         stateful = [
@@ -526,14 +524,8 @@ class CheckpointActivations(Action):
         ]
         cands = [c for c in cands if c not in stateful]
         cands = [c for c in cands if sum(1 for o in cands if o.startswith(c + ".")) < 2]
-        cands = [c for c in cands if profile.net_saving_bytes(c) > 0]
-        cands.sort(key=profile.net_saving_bytes, reverse=True)
-        chosen: list[str] = []
-        for c in cands:
-            if len(chosen) >= ctx.max_checkpoint_blocks:
-                break
-            if not any(overlaps(c, o) for o in chosen):
-                chosen.append(c)
+        savings = {c: profile.net_saving_bytes(c) for c in cands}
+        chosen = [c for c, _ in largest_disjoint(savings, ctx.max_checkpoint_blocks)]
         if not chosen:
             why = "no block with saved activations left to checkpoint"
             if stateful:

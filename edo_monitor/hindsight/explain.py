@@ -19,7 +19,8 @@ with its estimated saving from the recorded attribution and whether it is enough
   buckets (saving = recorded bytes minus :func:`edo_monitor.decide.estimate.estimate` of the new
   table with the run's optimizer);
 * ``checkpoint_activations`` of the ``MAX_CHECKPOINT_BLOCKS`` modules with the most recorded
-  activation bytes (an upper bound: each block's input stays saved);
+  activation bytes, none inside another (a block's bytes include its layers'; an upper bound:
+  each block's input stays saved);
 * ``smaller_batch`` (activations scale with the batch: the largest batch fraction that is enough),
   ``mixed_precision`` (activations halved; bf16 autocast keeps float32 gradients),
   ``optimizer`` (Adam → Adagrad / SGD: the estimator's state tensors per element), all from the
@@ -66,6 +67,7 @@ from edo_monitor.hindsight.recorded import (
     _Table,
     _tables_at,
 )
+from edo_monitor.measure.module_tree import largest_disjoint
 from edo_monitor.units import format_bytes
 
 __all__ = ["Explanation", "Incident", "Remedy", "explain"]
@@ -271,7 +273,7 @@ def _remedies(
             add(action, t.module, current - after, True, f"{note}: estimate {format_bytes(after)}")
     blocks = {m: b for m, b in activations.items() if m not in ("<model>", "") and m not in tables}
     if blocks:
-        top = sorted(blocks.items(), key=lambda kv: -kv[1])[:MAX_CHECKPOINT_BLOCKS]
+        top = largest_disjoint(blocks, MAX_CHECKPOINT_BLOCKS)  # a block holds its layers'
         add(
             "checkpoint_activations",
             ", ".join(m for m, _ in top),

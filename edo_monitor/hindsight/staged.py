@@ -4,7 +4,7 @@ sample at the incident and the ``module_stats`` rows), and a smaller embedding d
 table's recorded singular spectrum. Reads only the history; never imports torch.
 
 * **stage 1** mixed precision + activation checkpointing: the ``MAX_CHECKPOINT_BLOCKS`` blocks
-  with the most recorded activation bytes are freed (``ckpt = min(act, Σ top blocks)``), the
+  with the most recorded activation bytes, none inside another, are freed (``ckpt = min(act, Σ top blocks)``), the
   other activations halved: ``ckpt + (act - ckpt) // 2``. Gradients are not: under bf16
   autocast the parameters stay float32, and so do their gradients (it counted them halved);
 * **stage 2** quantization of the tables on the device, one line per compress mode (``bf16``,
@@ -34,6 +34,7 @@ from typing import Any
 
 from edo_monitor.decide.estimate import _LOWBIT_DEFAULT_GROUP, _stored_group
 from edo_monitor.errors import ConfigError
+from edo_monitor.measure.module_tree import largest_disjoint
 from edo_monitor.units import format_bytes
 
 __all__ = [
@@ -216,7 +217,7 @@ def staged_plan(
 
     # stage 1
     blocks = {m: b for m, b in activations.items() if m not in ("<model>", "") and m not in tables}
-    top = sorted(blocks.items(), key=lambda kv: -kv[1])[:MAX_CHECKPOINT_BLOCKS]
+    top = largest_disjoint(blocks, MAX_CHECKPOINT_BLOCKS)  # a block holds its layers'
     ckpt = min(act, sum(b for _, b in top))
     stage1 = ckpt + (act - ckpt) // 2
     add(
