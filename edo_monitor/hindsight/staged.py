@@ -4,9 +4,10 @@ sample at the incident and the ``module_stats`` rows), and a smaller embedding d
 table's recorded singular spectrum. Reads only the history; never imports torch.
 
 * **stage 1** mixed precision + activation checkpointing: the ``MAX_CHECKPOINT_BLOCKS`` blocks
-  with the most recorded activation bytes, none inside another, are freed (``ckpt = min(act, Σ top blocks)``), the
-  other activations halved: ``ckpt + (act - ckpt) // 2``. Gradients are not: under bf16
-  autocast the parameters stay float32, and so do their gradients (it counted them halved);
+  with the most recorded activation bytes, none inside another, are freed
+  (``ckpt = min(act, Σ top blocks)``), the other activations halved:
+  ``ckpt + (act - ckpt) // 2``. Gradients are not: under bf16 autocast the parameters stay
+  float32, and so do their gradients (it counted them halved);
 * **stage 2** quantization of the tables on the device, one line per compress mode (``bf16``,
   ``int8``, ``int4``, ``int2``, ``2of8``): ``Σ (recorded table bytes - estimate(mode))`` with
   :func:`edo_monitor.decide.estimate.estimate` and the run's optimizer; its cumulative figure adds
