@@ -146,6 +146,36 @@ def test_modules_keep_padding_row_full_rows_and_bags() -> None:
         quantize_groupwise(torch.full((1, 8), 1e6), 4, 8)
 
 
+@pytest.mark.parametrize("bag", [None, "sum", "mean", "max"])
+def test_an_empty_batch_of_ids_gives_what_nn_embedding_gives(bag: str | None) -> None:
+    """No ids: ``(0, D)`` (Embedding), one zero row a bag (EmbeddingBag): ``unpack_bits`` and
+    the reconstructions used a ``-1`` dimension, which is ambiguous with 0 rows (RuntimeError)."""
+    w = _table()
+    opts = EmbeddingOptions(N, D, padding_idx=7, bag_mode=bag)
+    ref: nn.Module = nn.Embedding(N, D) if bag is None else nn.EmbeddingBag(N, D, mode=bag)
+    empty = torch.empty(0, dtype=torch.long)
+    args = (empty,) if bag is None else (empty, torch.tensor([0, 0]))
+    expected = ref(*args)
+    assert tuple(expected.shape) == ((0, D) if bag is None else (2, D))
+    for module in (
+        GroupwiseEmbedding(w, opts, 4),
+        GroupwiseEmbedding(w, opts, 2, 8),
+        Sparse2of8Embedding(w, opts),
+        PerRowPrecisionEmbedding(w, torch.tensor([1, 2]), opts),
+    ):
+        got = module(*args)
+        assert got.shape == expected.shape and got.dtype == expected.dtype
+        assert torch.equal(got, torch.zeros_like(got)), type(module).__name__
+    if bag is None:  # a 2-D batch of no ids: (B, 0, D)
+        assert tuple(GroupwiseEmbedding(w, opts, 4)(torch.empty(3, 0, dtype=torch.long)).shape) == (
+            3,
+            0,
+            D,
+        )
+    assert unpack_bits(torch.zeros(0, 5, dtype=torch.uint8), 4, 9).shape == (0, 9)
+    assert pack_bits(torch.zeros(0, 9, dtype=torch.long), 4).shape == (0, 5)
+
+
 class Model(nn.Module):
     def __init__(self, n: int = N, d: int = D, **kw: object) -> None:
         super().__init__()

@@ -104,15 +104,17 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if pad:
         flat = F.pad(flat, (0, pad))
     weights = 1 << torch.arange(8, device=codes.device, dtype=torch.int32)
-    return (flat.reshape(n, -1, 8) * weights).sum(-1).to(torch.uint8)
+    # explicit sizes, never -1: with no rows (an empty batch of ids) -1 is ambiguous
+    return (flat.reshape(n, flat.shape[1] // 8, 8) * weights).sum(-1).to(torch.uint8)
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, fields: int) -> torch.Tensor:
-    """Inverse of :func:`pack_bits`: ``(N, B)`` uint8 → ``(N, fields)`` int64."""
-    n = packed.shape[0]
+    """Inverse of :func:`pack_bits`: ``(N, B)`` uint8 → ``(N, fields)`` int64 (``N`` may be 0:
+    an empty batch of ids gives ``(0, fields)``)."""
+    n, width = packed.shape
     shifts = torch.arange(8, device=packed.device, dtype=torch.int32)
     bit = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & 1  # (N, B, 8)
-    flat = bit.reshape(n, -1)[:, : fields * bits].reshape(n, fields, bits)
+    flat = bit.reshape(n, width * 8)[:, : fields * bits].reshape(n, fields, bits)
     weights = 1 << torch.arange(bits, device=packed.device, dtype=torch.int32)
     return (flat * weights).sum(-1).to(torch.long)
 
@@ -141,7 +143,7 @@ def _grouped(weight: torch.Tensor, group_size: int) -> torch.Tensor:
     pad = (-d) % group_size
     if pad:
         w = torch.cat([w, w[:, -1:].expand(n, pad)], dim=1)
-    return w.reshape(n, -1, group_size)
+    return w.reshape(n, w.shape[1] // group_size, group_size)
 
 
 class GroupQuantized:
@@ -200,7 +202,7 @@ def quantize_groupwise(weight: torch.Tensor, bits: int, group_size: int = 64) ->
     for start in range(0, n, _CHUNK_ROWS):  # bounded temporaries (the bit planes are int32)
         groups = _grouped(weight[start : start + _CHUNK_ROWS], group_size)
         q, scale, zero = _affine(groups, bits)
-        parts.append((pack_bits(q.reshape(q.shape[0], -1), bits), scale, zero))
+        parts.append((pack_bits(q.flatten(1), bits), scale, zero))
     if not parts:  # no rows
         g = -(-d // group_size)
         empty = torch.zeros(0, g, dtype=torch.float16)
@@ -212,11 +214,12 @@ def quantize_groupwise(weight: torch.Tensor, bits: int, group_size: int = 64) ->
 def dequantize_groupwise(
     codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group_size: int, d: int
 ) -> torch.Tensor:
-    """Rows from packed codes ``(M, B)``, ``scale``/``zero`` ``(M, G)`` → ``(M, d)`` float32."""
+    """Rows from packed codes ``(M, B)``, ``scale``/``zero`` ``(M, G)`` → ``(M, d)`` float32
+    (``M`` may be 0)."""
     m, g = scale.shape
     q = unpack_bits(codes, bits, g * group_size).reshape(m, g, group_size).float()
     x = q * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
-    return x.reshape(m, -1)[:, :d]
+    return x.reshape(m, g * group_size)[:, :d]
 
 
 def groupwise_bytes(n: int, d: int, bits: int, group_size: int) -> int:
@@ -283,11 +286,11 @@ def sparsify_2of8(weight: torch.Tensor, group_size: int = 64) -> SparseQuantized
     # stable top-2 by magnitude: ties go to the lower column
     order = torch.sort(blocks.abs(), dim=-1, descending=True, stable=True).indices
     pos = torch.sort(order[..., :_SPARSE_KEEP], dim=-1).values  # (N, G, b, 2), ascending
-    kept = torch.gather(blocks, -1, pos).reshape(n, g, -1)
+    kept = torch.gather(blocks, -1, pos).reshape(n, g, group_size // SPARSE_BLOCK * _SPARSE_KEEP)
     q, scale, zero = _affine(kept, 2)
     return SparseQuantized(
-        pack_bits(q.reshape(n, -1), 2),
-        pack_bits(pos.reshape(n, -1), _POSITION_BITS),
+        pack_bits(q.flatten(1), 2),
+        pack_bits(pos.flatten(1), _POSITION_BITS),
         scale,
         zero,
         group_size,
@@ -303,7 +306,8 @@ def dequantize_sparse_2of8(
     group_size: int,
     d: int,
 ) -> torch.Tensor:
-    """Rows of a :class:`SparseQuantized` slice → ``(M, d)`` float32 (dropped values zero)."""
+    """Rows of a :class:`SparseQuantized` slice → ``(M, d)`` float32 (dropped values zero; ``M``
+    may be 0)."""
     m, g = scale.shape
     per_group = group_size // SPARSE_BLOCK * _SPARSE_KEEP
     q = unpack_bits(codes, 2, g * per_group).reshape(m, g, per_group).float()
@@ -312,7 +316,7 @@ def dequantize_sparse_2of8(
     pos = pos.reshape(m, g, group_size // SPARSE_BLOCK, _SPARSE_KEEP)
     out = torch.zeros(m, g, group_size // SPARSE_BLOCK, SPARSE_BLOCK, device=codes.device)
     out.scatter_(-1, pos, vals.reshape(pos.shape))
-    return out.reshape(m, -1)[:, :d]
+    return out.reshape(m, g * group_size)[:, :d]
 
 
 def sparse_2of8_bytes(n: int, d: int, group_size: int) -> int:
