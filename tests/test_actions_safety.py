@@ -262,6 +262,38 @@ def test_a_model_that_is_a_table_is_accounted_once() -> None:
     assert acc.modules == ()  # no second, empty row for the root
 
 
+class _TiedOnMeta(nn.Module):
+    """A tied table and output head, built on ``meta`` and loaded with ``assign=True`` (the fast
+    loading path): two ``Parameter`` objects over one storage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(1_000, 64)
+        self.head = nn.Linear(64, 1_000, bias=False)
+        self.head.weight = self.emb.weight
+
+
+def test_memory_is_counted_once_per_region_and_meta_tensors_hold_none() -> None:
+    """Regression: two parameters over one storage were counted twice (10,240,000 for 5,120,000
+    bytes: the dedup was by object), and parameters on ``meta`` were counted as device bytes
+    (a head never materialised made ``enforce=True`` refuse the run). Disjoint views of one
+    buffer stay counted each."""
+    with torch.device("meta"):
+        model = _TiedOnMeta()
+    table = torch.randn(1_000, 64)
+    model.load_state_dict({"emb.weight": table, "head.weight": table}, assign=True)
+    assert model.emb.weight is not model.head.weight
+    assert account(model).params_bytes == 1_000 * 64 * 4
+    with torch.device("meta"):
+        unused = nn.Linear(4_096, 4_096)
+    assert account(nn.Sequential(nn.Linear(8, 8), unused)).params_bytes == (64 + 8) * 4
+    flat = torch.zeros(2 * 8 * 8)  # one buffer, two parameters as disjoint views of it
+    two = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False))
+    two[0].weight = nn.Parameter(flat[:64].view(8, 8))
+    two[1].weight = nn.Parameter(flat[64:].view(8, 8))
+    assert account(two).params_bytes == 2 * 64 * 4
+
+
 def test_converted_sizes_of_sparse_tensors_keep_their_indices() -> None:
     grad = torch.sparse_coo_tensor(torch.tensor([[1, 5, 9, 12]]), torch.ones(4, 64), (1000, 64))
     assert tensor_bytes(grad) == 4 * 8 + 4 * 64 * 4

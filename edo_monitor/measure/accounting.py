@@ -49,11 +49,11 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
     and plain index tensors plus ``values()``. The sparse gradient of an ``Embedding(1_000_000, 64,
     sparse=True)`` after 4 lookups is 4 x 8 index bytes + 4 x 64 x 4 value bytes, not 256 MB.
     A lazy module's parameter not yet materialised (``nn.LazyLinear`` before its first forward)
-    holds no elements: 0 bytes.
+    and a tensor on the ``meta`` device hold no memory: 0 bytes.
     """
     layout = tensor.layout
     if layout == torch.strided:
-        if isinstance(tensor, UninitializedTensorMixin):
+        if isinstance(tensor, UninitializedTensorMixin) or tensor.is_meta:
             return 0
         return tensor.numel() * tensor.element_size()
     if layout == torch.sparse_coo:
@@ -195,7 +195,7 @@ def account(
     """
     if model is None:
         return Accounting()
-    seen: set[int] = set()
+    seen: set[object] = set()
 
     class _Row:
         """One module's bytes: device tier by category, and the host tier."""
@@ -204,11 +204,11 @@ def account(
             self.params = self.grads = self.optim = self.host = 0
 
         def add(self, cat: str, tensor: torch.Tensor, owner: torch.Tensor) -> None:
-            key = id(tensor)
+            n = tensor_bytes(tensor)
+            key = _memory_key(tensor, n)
             if key in seen:  # a tied or shared tensor belongs to the first module that has it
                 return
             seen.add(key)
-            n = tensor_bytes(tensor)
             if not _on_device_tier(tensor, owner, cuda_mode):
                 self.host += n
             else:
@@ -297,6 +297,18 @@ def account(
         tables=tuple(tables),
         modules=tuple(others),
     )
+
+
+def _memory_key(tensor: torch.Tensor, nbytes: int) -> object:
+    """What makes two tensors the same memory: a dense tensor's device, first byte and length
+    (two ``Parameter`` objects over one storage, as ``load_state_dict(assign=True)`` of a tied
+    model makes them, are one; disjoint views of one buffer are not); else the object."""
+    if tensor.layout != torch.strided or nbytes == 0:
+        return id(tensor)
+    try:
+        return (str(tensor.device), tensor.data_ptr(), nbytes)
+    except RuntimeError:  # a tensor subclass without memory of its own
+        return id(tensor)
 
 
 def _within(name: str, ancestor: str) -> bool:
