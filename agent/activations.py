@@ -349,7 +349,7 @@ class ActivationTracker:
                 ]
         return peak
 
-    def _open_window(self, module: torch.nn.Module, args: Any) -> None:
+    def _open_window(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         if not self._open:
             self._opened()
 

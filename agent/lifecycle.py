@@ -149,7 +149,7 @@ class _Lifecycle:
             self._tracker = ActivationTracker(
                 self._model_tensors(),
                 on_error=lambda exc: self._agent_error("saved-tensor hook", exc),
-                window_of=self.model,
+                window_of=None if self.scripted else self.model,
             ).__enter__()
             if self._safe_point.enforcing:
                 self._safe_point.start_enforcing()

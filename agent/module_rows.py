@@ -74,8 +74,8 @@ class ModuleRows:
             return type(self.model).__name__
         try:
             return type(self.model.get_submodule(module)).__name__
-        except AttributeError:
-            return "module"
+        except (AttributeError, RuntimeError):  # no such module; a TorchScript module has no
+            return "module"  # get_submodule
 
     def write_accounting(self, acc: Accounting, now: float) -> None:
         """Each table's and module's bytes from the accounting the sample's totals come from.

@@ -253,6 +253,14 @@ class Monitor(_Lifecycle):
         self.policy = policy
         self.enforce = enforce
         self.track_activations = track_activations and model is not None
+        #: a TorchScript module takes no module hooks: no step windows, no activation profiles
+        self.scripted = isinstance(model, torch.jit.ScriptModule)
+        if self.scripted:
+            logger.warning(
+                "edo-monitor: the model is a TorchScript module, which takes no module hooks: "
+                "per-module activation profiles are off, and so are the table actions and "
+                "checkpointing that need one; watch the module before torch.jit.script for them"
+            )
         self.snapshot_interval_s = snapshot_interval_s
         self.queue_size = queue_size
         self.profile_interval_s = float(profile_interval_s)

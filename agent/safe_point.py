@@ -449,6 +449,7 @@ class SafePoint:
         if (
             not m.track_activations
             or m.model is None
+            or m.scripted
             or self._recorder is not None
             or time.monotonic() - self._profiled_at_s < m.profile_interval_s
         ):

@@ -45,3 +45,24 @@ def test_a_batch_of_padding_counts_nothing() -> None:
     emb(torch.tensor([3, 5, 5, 9]))
     assert counter.counts("emb").tolist() == [0, 0, 0, 0, 0, 2, 0, 0, 0, 1]
     assert counter.peak_unique_ids("emb") == 2
+
+
+def test_ids_given_by_keyword_are_counted() -> None:
+    """Regression: ``emb(input=ids)`` and ``bag(input=ids, offsets=...)`` were not counted (the
+    hook read the first positional argument only): 6 lookups of 12, and 0 of 6."""
+    emb, bag = nn.Embedding(100, 4), nn.EmbeddingBag(100, 4, mode="sum")
+    counter = LookupCounter()
+    counter.watch("emb", emb)
+    counter.watch("bag", bag)
+    ids = torch.tensor([1, 2, 2, 3, 3, 3])
+    emb(input=ids)
+    emb(ids)
+    bag(input=ids, offsets=torch.tensor([0, 3]))
+    for name, times in (("emb", 2), ("bag", 1)):
+        freq = counter.frequency(name, k=3)
+        assert freq.sampled_lookups == 6 * times
+        assert list(zip(freq.top_ids, freq.top_counts, strict=True)) == [
+            (3, 3 * times),
+            (2, 2 * times),
+            (1, times),
+        ]

@@ -552,3 +552,30 @@ def test_the_watched_model_copies_and_saves_while_watched(db_path: Path, tmp_pat
             for other in (ema, copied, loaded):
                 assert torch.equal(other(ids), model(ids))
     assert mon.summary().peak_activations_bytes == SMALL_STEP_ACTIVATIONS_BYTES
+
+
+def test_a_torchscript_model_is_watched_without_module_hooks(
+    db_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression: ``watch(torch.jit.script(model))`` failed on entering (``RuntimeError:
+    register_forward_pre_hook is not supported on ScriptModules``), so training never started,
+    and the sampler then failed at the modules' rows (``get_submodule``). The run is recorded
+    with its accounting and saved bytes, without module hooks, and says so once."""
+    torch.manual_seed(0)
+    scripted = torch.jit.script(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
+    opt = torch.optim.SGD(scripted.parameters(), lr=0.1)
+    with (
+        caplog.at_level("WARNING", logger="edo_monitor"),
+        edo_monitor.watch(scripted, db=db_path, budget="1MiB", strict=True) as mon,
+    ):
+        for _ in range(3):
+            scripted(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    summary = mon.summary()
+    assert summary.status == "finished" and summary.steps == 3
+    assert summary.events.get("agent_error", 0) == 0
+    assert sum("TorchScript" in r.getMessage() for r in caplog.records) == 1
+    with History(db_path) as history:
+        modules = {m.module: m.params_bytes for m in history.modules(mon.run_id)}
+    assert modules["0"] == (8 * 16 + 16) * 4 and modules["2"] == (16 + 1) * 4

@@ -142,7 +142,7 @@ class LookupCounter:
             return
         # not torch's own hook: a copy or pickle of the model would carry the lambda
         self._handles[name] = add_forward_pre_hook(
-            module, lambda _module, args: self._on_forward(name, table, args)
+            module, lambda _module, args, kwargs: self._on_forward(name, table, args, kwargs)
         )
 
     def _sampled(self, table: _Table) -> bool:
@@ -168,13 +168,17 @@ class LookupCounter:
         except Exception as exc:  # never fail the user's forward
             self._stop(name, exc)
 
-    def _on_forward(self, name: str, table: _Table, args: tuple[Any, ...]) -> None:
-        """The forward pre-hook: count the batch's ids (``args[0]``), at once on the CPU, after
-        their copy from a GPU (see the class docstring)."""
+    def _on_forward(
+        self, name: str, table: _Table, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """The forward pre-hook: count the batch's ids (the first argument, or ``input=``, the
+        name torch's tables give it), at once on the CPU, after their copy from a GPU (see the
+        class docstring)."""
         try:
-            if not self._sampled(table) or not args or not isinstance(args[0], torch.Tensor):
+            ids = args[0] if args else kwargs.get("input")
+            if not self._sampled(table) or not isinstance(ids, torch.Tensor):
                 return
-            flat = args[0].detach().reshape(-1)
+            flat = ids.detach().reshape(-1)
             with self._lock:
                 if flat.is_cuda:
                     host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)

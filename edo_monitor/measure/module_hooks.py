@@ -28,14 +28,15 @@ _LOCK = threading.Lock()
 _KEYS = iter(range(1 << 62))
 
 
-def _dispatch(module: nn.Module, args: Any) -> None:
-    """The forward pre-hook torch keeps on a module: its callbacks, if it is the module they
-    were added to (a copy of it is not); their results are ignored (the forward's arguments
-    are never replaced)."""
+def _dispatch(module: nn.Module, args: Any, kwargs: Any = None) -> None:
+    """The forward pre-hook torch keeps on a module (with its keyword arguments: a model pickled
+    before they were passed calls it without): its callbacks, if it is the module they were
+    added to (a copy of it is not); their results are ignored (the forward's arguments are
+    never replaced)."""
     entry = _HOOKS.get(module)
     if entry is not None:
         for callback in list(entry[1].values()):
-            callback(module, args)
+            callback(module, args, kwargs or {})
 
 
 class PreHookHandle:
@@ -62,9 +63,10 @@ class PreHookHandle:
 def add_forward_pre_hook(
     module: nn.Module, callback: Callable[[nn.Module, Any], None]
 ) -> PreHookHandle:
-    """Call ``callback(module, args)`` before each forward of ``module`` (``args``: the forward's
-    positional arguments; the result is ignored), the way ``register_forward_pre_hook`` does,
-    except that a copy or pickle of the module carries no reference to ``callback``.
+    """Call ``callback(module, args, kwargs)`` before each forward of ``module`` (the forward's
+    positional and keyword arguments; the result is ignored), the way
+    ``register_forward_pre_hook(..., with_kwargs=True)`` does, except that a copy or pickle of
+    the module carries no reference to ``callback``.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module`` or ``callback`` not callable.
@@ -77,7 +79,7 @@ def add_forward_pre_hook(
     with _LOCK:
         entry = _HOOKS.get(module)
         if entry is None:
-            entry = (module.register_forward_pre_hook(_dispatch), {})
+            entry = (module.register_forward_pre_hook(_dispatch, with_kwargs=True), {})
             _HOOKS[module] = entry
         key = next(_KEYS)
         entry[1][key] = callback
