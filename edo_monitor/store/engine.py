@@ -50,6 +50,7 @@ from edo_monitor.store.paths import (
     BUSY_TIMEOUT_S,
     _connect_readonly,
     _readonly_error,
+    absolute_url,
     database_file,
     readonly_uri,
     resolve_db_url,
@@ -140,7 +141,8 @@ def open_engine(
             database, comes from a newer edo-monitor, the server cannot be reached, or another
             URL's driver is not installed.
     """
-    url = db if isinstance(db, URL) else resolve_db_url(db, readonly=readonly)
+    # a URL made elsewhere: its relative SQLite path, too, fixed to the working folder now
+    url = absolute_url(db) if isinstance(db, URL) else resolve_db_url(db, readonly=readonly)
     new_file = None if readonly else database_file(url)
     if new_file is not None and not new_file.exists():
         _create_history_file(new_file)

@@ -9,7 +9,7 @@ import os
 import sqlite3
 import stat
 from pathlib import Path
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
@@ -40,6 +40,9 @@ def resolve_db_url(db: str | os.PathLike[str] | None = None, *, readonly: bool =
             its folder does not exist.
         StoreError: (readers) the path's folder does not exist, or the URL is an in-memory
             SQLite database (no history can be there).
+
+    An SQLite file's path comes back absolute (:func:`absolute_url`): what is opened later
+    does not depend on the working folder.
     """
     if db is None:
         db = os.environ.get("EDO_DB") or DEFAULT_DB
@@ -68,10 +71,33 @@ def resolve_db_url(db: str | os.PathLike[str] | None = None, *, readonly: bool =
             )
         if url.get_backend_name() == "sqlite" and url.database and url.database != ":memory:":
             _check_file_path(Path(url.database), text_, readonly)
-        return url
+        return absolute_url(url)
     path = Path(text_).expanduser()
     _check_file_path(path, text_, readonly)
-    return URL.create("sqlite", database=str(path))
+    return absolute_url(URL.create("sqlite", database=str(path)))
+
+
+def absolute_url(url: URL) -> URL:
+    """``url`` with an SQLite file's relative path made absolute against the working folder
+    now; other URLs (and in-memory SQLite) unchanged.
+
+    Resolved once, where a history is opened: a program that changes its working folder later
+    (an output folder per run) would otherwise have its writer stat, reconnect to and create
+    a different file, and count every row after the change as not written ("the file was
+    deleted"). The path is not normalised (``..`` and symbolic links mean what they meant).
+    A URI filename (``file:NAME?...``) keeps its parameters.
+    """
+    if url.get_backend_name() != "sqlite" or _is_memory(url):
+        return url
+    database = url.database or ""
+    if database.startswith("file:"):
+        name, sep, query = database[5:].partition("?")
+        if name.startswith("/"):
+            return url
+        absolute = quote(str(Path(unquote(name)).expanduser().absolute()))
+        return url.set(database=f"file:{absolute}{sep}{query}")
+    path = Path(database).expanduser()
+    return url if path.is_absolute() else url.set(database=str(path.absolute()))
 
 
 def database_file(url: URL) -> Path | None:
