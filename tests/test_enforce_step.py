@@ -107,8 +107,8 @@ def test_explain_counts_what_was_alive_when_the_message_says_nothing_is_free(
     forward's error says "0 bytes is free" (the message stops at 0) and ``explain`` took the
     shortfall as the request alone, 8 KiB, where what was alive exceeded the budget by 111 KiB.
     It now counts the event's categories, with the request in its own, less the exact budget;
-    and its ``mixed_precision`` remedy halves the activations only (bf16 autocast keeps the
-    gradients float32)."""
+    its ``mixed_precision`` remedy halves the activations only (bf16 autocast keeps the
+    gradients float32), and the staged plan counts the same bytes."""
     from edo_monitor.measure.accounting import account
 
     torch.manual_seed(0)
@@ -138,6 +138,11 @@ def test_explain_counts_what_was_alive_when_the_message_says_nothing_is_free(
     assert incident.shortfall_bytes == total - budget > alive["requested_bytes"]
     mixed = next(r for r in incident.remedies if r.action == "mixed_precision")
     assert mixed.saving_bytes == alive["activations_bytes"] // 2
+    # the staged plan reads the same attribution (it took the last reading's activations, and
+    # the request for more: 268,552 bytes where the remedy said 4,096)
+    stages = {s.action: s for s in incident.staged_plan.stages}
+    assert stages["mixed_precision+checkpointing"].saving_bytes == mixed.saving_bytes
+    assert stages["zero1"].saving_bytes == alive["optimizer_state_bytes"] // 2
 
 
 @pytest.mark.parametrize("order", ["dense-first", "table-first"])

@@ -379,14 +379,11 @@ def explain(db: Any, run: Any, *, event: int | None = None) -> Explanation:
                 else:
                     shortfall = max(0, int(last.get("in_use_bytes") or 0) - int(budget or 0))
                 in_use = (int(budget) - int(free or 0) + int(requested or 0)) if budget else None
-                sample = {**last} if last else _sample_at(history, info.id, e.time_s)
-                alive = e.data.get("in_use")  # a CPU-budget error: alive with the request
+                sample, alive = oom_sample(history, info.id, e)
                 if alive and budget:  # the message's free bytes stop at 0: count from the parts
                     budget = last.get("budget_bytes") or budget  # exact (the message rounds)
                     in_use = _alive_total(alive)
                     shortfall = max(0, in_use - int(budget))
-                if alive and sample is not None:
-                    sample = {**sample, **alive}
                 incidents.append(
                     Incident(
                         e.id,
@@ -467,6 +464,21 @@ def explain(db: Any, run: Any, *, event: int | None = None) -> Explanation:
     finally:
         if owned:
             history.close()
+
+
+def oom_sample(
+    history: Any, run_id: int, event: Any
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The attribution at an ``oom`` event, as its remedies and its staged plan both read it:
+    its last reading (else the sample at its time), with what a CPU-budget error says was alive
+    with the request (its ``in_use``: categories, the request in its own) laid over it; and
+    that ``in_use`` (``None`` for an error without one, e.g. CUDA's)."""
+    last = event.data.get("last_reading") or {}
+    sample = {**last} if last else _sample_at(history, run_id, event.time_s)
+    alive = event.data.get("in_use") or None
+    if alive and sample is not None:
+        sample = {**sample, **alive}
+    return sample, alive
 
 
 # -- replay -------------------------------------------------------------------------------------

@@ -352,14 +352,16 @@ def plan_for_incident(
     incident: Any,
 ) -> StagedPlan:
     """:func:`staged_plan` for one :class:`edo_monitor.hindsight.explain.Incident` of a recorded
-    run: its sample (an OOM's last reading, else the sample at the incident), its tables and
+    run: its sample (an OOM's, as its remedies read it: :func:`~edo_monitor.hindsight.explain.
+    oom_sample`; else the sample at the incident), its tables and
     activations, the run's world size and its ``table_spectrum`` events."""
+    from edo_monitor.hindsight.explain import oom_sample
     from edo_monitor.hindsight.recorded import _activations_at, _sample_at, _tables_at
 
     e = next((e for e in events if e.id == incident.event_id), None)
-    sample = None
+    sample, alive = None, None
     if e is not None and e.kind == "oom":
-        sample = dict(e.data.get("last_reading") or {}) or None
+        sample, alive = oom_sample(history, info.id, e)
     if sample is None:
         sample = _sample_at(history, info.id, incident.time_s)
     cpu = info.device_kind != "cuda"
@@ -368,7 +370,8 @@ def plan_for_incident(
         sample,
         _tables_at(module_rows, incident.time_s, counts_step=cpu),
         _activations_at(module_rows, incident.time_s),
-        in_use_bytes=incident.in_use_bytes if incident.kind == "oom" else None,
+        # what was alive is known by category: the request is not taken for activations
+        in_use_bytes=incident.in_use_bytes if incident.kind == "oom" and not alive else None,
         world_size=getattr(info, "world_size", None),
         sharded_by=_sharding_wrapper((getattr(info, "config", None) or {}).get("parallel_wrapper")),
         spectra=[e.data for e in events if e.kind == "table_spectrum"],
