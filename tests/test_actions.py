@@ -257,19 +257,19 @@ def test_compress_estimate_error_and_loss_after_50_steps(
     name: str, frozen: bool, cls: type
 ) -> None:
     results = []
+    befores: list[int] = []
 
     def act(model: Net, opt: torch.optim.Optimizer) -> None:
         original = model.emb.weight.detach().clone()
         ctx = ctx_of(model, opt)
         plan = ACTIONS[name].plan(ctx)
         assert isinstance(plan, Plan), plan
-        before = account(model, [opt])
+        befores.append(account(model, [opt]).total_bytes)
         result = ACTIONS[name].apply(ctx, plan)
-        after = account(model, [opt])
         assert result.status == "applied", result.reason
         assert isinstance(model.emb, cls)
-        assert before.total_bytes - after.total_bytes == plan.estimated_saving_bytes > 0
-        assert result.saved_bytes == plan.estimated_saving_bytes
+        # estimate and recorded saving: the bytes once training went on (checked below)
+        assert result.saved_bytes == plan.estimated_saving_bytes > 0
         # the recorded error is the error of the table the model now computes with
         if isinstance(model.emb, Int8RowwiseEmbedding):
             approx = model.emb.dequantized()
@@ -289,8 +289,11 @@ def test_compress_estimate_error_and_loss_after_50_steps(
         assert all(id(p) in {id(q) for q in model.parameters()} for p in opt.state)
         results.append(result)
 
-    ref, got, _, _ = twin_losses(act, steps=LOSSY_STEPS, at=LOSSY_AT, frozen=frozen)
+    ref, got, model, opt = twin_losses(act, steps=LOSSY_STEPS, at=LOSSY_AT, frozen=frozen)
     assert results and results[0].lossy
+    # a trainable low-rank table's factors get their gradient and Adam state at the next step:
+    # the saving that lasts is what was planned and recorded
+    assert befores[0] - account(model, [opt]).total_bytes == results[0].saved_bytes
     final_ref, final_got = ref[-1], got[-1]
     assert LOSSY_STEPS - LOSSY_AT == 50
     if frozen:

@@ -37,6 +37,22 @@ outside its module's forward (``actions.tables.outside_use_blocker``; needs a re
 ``sparse=True`` and ``max_norm`` (both not preserved), ``scale_grad_by_freq`` on a trainable
 low-rank table, tables already at 16 bits or less.
 
+**Bytes saved.** The plan's ``estimated_saving_bytes`` and the recorded ``saved_bytes`` are the
+saving *after the next optimizer step*: the table's bytes now (weight, the dense gradient it has
+at every step, its optimizer state) less :func:`bytes_after_next_step`, the count
+``edo_monitor.estimate`` makes (:func:`edo_monitor.decide.estimate.table_bytes`), with the new
+tensors' gradient and as many per-element state tensors as the old weight had. bf16/fp16 convert
+gradient and state in place, so what is measured right after the swap is already that. The
+trainable low-rank factors have no gradient and no state until their first step: measured right
+after the swap, the old table's gradient and Adam moments counted as freed while the factors'
+own came one step later (17.9 MB recorded for 10.2 MB saved on a 20,000 × 64 table with Adam at
+rank 32). So this action's :meth:`~CompressEmbedding._measure` adds what the factors still lack
+(their gradient, and the state the old weight had, per element and per tensor) to the bytes it
+measures: the recorded saving is what stays saved for the rest of the run, which is what the
+policy's ineffective check, the forecast's saved-bytes add-back and explain/replay read it as.
+Before the table's first step (no optimizer state yet) neither side counts state: the saving is
+then understated, never overstated.
+
 The recorded error compares the table as the model now computes it with the table before:
 ``max_abs_error`` and the row cosine (mean, min), padding row excluded.
 
@@ -75,8 +91,9 @@ from edo_monitor.actions.tables import (
     sharing_users,
 )
 from edo_monitor.checks import whole_number
+from edo_monitor.decide.estimate import TableBytes, table_bytes
 from edo_monitor.decide.plans import Plan, Refusal, rounding_expected_error
-from edo_monitor.measure.accounting import tensor_bytes, tensor_bytes_as
+from edo_monitor.measure.accounting import tensor_bytes
 from edo_monitor.nn import (
     EmbeddingOptions,
     Int8RowwiseEmbedding,
@@ -88,12 +105,10 @@ from edo_monitor.nn.lowbit import (
     GroupwiseEmbedding,
     PerRowPrecisionEmbedding,
     Sparse2of8Embedding,
-    groupwise_bytes,
-    sparse_2of8_bytes,
 )
 from edo_monitor.units import format_bytes
 
-__all__ = ["VARIANTS", "CompressEmbedding"]
+__all__ = ["VARIANTS", "CompressEmbedding", "bytes_after_next_step", "state_layout"]
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +137,71 @@ def _group_values(ctx: ActionContext, param: nn.Parameter, key: str) -> list[Any
         for g in opt.param_groups
         if key in g and any(p is param for p in g["params"])
     ]
+
+
+def state_layout(ctx: ActionContext, param: nn.Parameter) -> tuple[int, int]:
+    """What the optimizers keep for ``param`` now: ``(per-element state tensors, bytes of the
+    other state tensors)``, summed over the optimizers holding it (Adam after a step: ``(2, 4)``
+    on a CPU budget; ``(2, 0)`` on CUDA, whose ``step`` is a host scalar; ``(0, 0)`` before the
+    first step). Only tensors of the device tier count, as ``TableCandidate`` counts them."""
+    per_element = other_bytes = 0
+    for opt in ctx.optimizers:
+        for v in list((opt.state.get(param) or {}).values()):
+            if not isinstance(v, torch.Tensor):
+                continue
+            if v.shape == param.shape:
+                per_element += 1
+            elif v.is_cuda or not ctx.cuda_mode:
+                other_bytes += tensor_bytes(v)
+    return per_element, other_bytes
+
+
+def bytes_after_next_step(
+    ctx: ActionContext, t: TableCandidate, compression: str | tuple[Any, ...]
+) -> TableBytes:
+    """Bytes of table ``t`` under ``compression`` once the next optimizer step has run:
+    :func:`edo_monitor.decide.estimate.table_bytes` (the count ``edo_monitor.estimate`` makes)
+    with ``t``'s element size, whether it trains, the state the optimizers keep for it now
+    (:func:`state_layout`: the new tensors get as many) and its padding row (kept in a buffer).
+
+    Raises:
+        edo_monitor.errors.ConfigError: a compression the table's sizes do not allow.
+    """
+    w = t.weight
+    per_element, other_bytes = state_layout(ctx, w)
+    return table_bytes(
+        int(t.module.num_embeddings),
+        int(t.module.embedding_dim),
+        compression,
+        element_bytes=w.element_size(),
+        trainable=w.requires_grad,
+        state_tensors=per_element,
+        step_bytes_per_tensor=other_bytes,
+        padding_row=t.module.padding_idx is not None,
+    )
+
+
+#: Attribute of a trainable low-rank factor made by this action: the optimizer state bytes it gets
+#: at its first step, while it has none yet (the codebase marks parameters so, as ``_edo_host``).
+#: Read by :meth:`CompressEmbedding._measure`; removed once the factor has a gradient and state.
+FIRST_STEP_STATE_ATTR = "_edo_first_step_state_bytes"
+
+
+def _first_step_bytes(ctx: ActionContext) -> int:
+    """The gradient and optimizer state the low-rank factors of ``ctx.model`` made by this
+    action still lack and get at their first step (training thread: reads ``.grad``)."""
+    total = 0
+    for p in ctx.model.parameters():
+        state_bytes = getattr(p, FIRST_STEP_STATE_ATTR, None)
+        if state_bytes is None:
+            continue
+        has_grad = p.grad is not None
+        has_state = any(opt.state.get(p) for opt in ctx.optimizers)
+        if has_grad and has_state:
+            delattr(p, FIRST_STEP_STATE_ATTR)
+            continue
+        total += (0 if has_grad else tensor_bytes(p)) + (0 if has_state else state_bytes)
+    return total
 
 
 class CompressEmbedding(Action):
@@ -207,7 +287,8 @@ class CompressEmbedding(Action):
         elif variant == "lowrank":
             if w.requires_grad and opts.scale_grad_by_freq:
                 return "scale_grad_by_freq is not preserved by a trainable low-rank table"
-            if self._lowrank_bytes(ctx, t) >= t.params_bytes:
+            factors = bytes_after_next_step(ctx, t, ("lowrank", self._rank(ctx, t)))
+            if factors.params_bytes >= t.params_bytes:
                 return f"rank {self._rank(ctx, t)} would not be smaller than the table"
         return None
 
@@ -217,38 +298,23 @@ class CompressEmbedding(Action):
         n = int(t.module.num_embeddings)
         return max(1, min(n, d, round(d * ctx.low_rank_fraction)))
 
-    def _lowrank_bytes(self, ctx: ActionContext, t: TableCandidate) -> int:
-        n, d = t.weight.shape
-        k = self._rank(ctx, t)
-        pad = d if t.module.padding_idx is not None else 0
-        return (n * k + k * d + pad) * t.weight.element_size()
-
-    def _estimate(self, ctx: ActionContext, t: TableCandidate, variant: str) -> int:
-        w = t.weight
-        n, d = w.shape
-        if variant in _DTYPES:
-            dtype = _DTYPES[variant]
-            # the weight and its (dense, derived) gradient halve; so does per-element state
-            saved = (t.params_bytes - tensor_bytes_as(w, dtype)) * (2 if t.grads_bytes else 1)
-            for opt in ctx.optimizers:
-                for v in list((opt.state.get(w) or {}).values()):
-                    if isinstance(v, torch.Tensor) and v.shape == w.shape and v.is_floating_point():
-                        saved += tensor_bytes(v) - tensor_bytes_as(v, dtype)
-            return saved
-        pad = d * w.element_size() if t.module.padding_idx is not None else 0
-        if variant == "int8":
-            return t.total_bytes - (n * d + n * 4 + pad)
-        if variant in _LOW_BITS:
-            return t.total_bytes - (
-                groupwise_bytes(n, d, _LOW_BITS[variant], self.group_size) + pad
-            )
-        if variant == "2of8":
-            return t.total_bytes - (sparse_2of8_bytes(n, d, self.group_size) + pad)
+    def _compression(self, ctx: ActionContext, t: TableCandidate, variant: str) -> Any:
+        """``variant`` on ``t`` as a compression of :func:`~edo_monitor.decide.estimate.table_bytes`
+        (``("lowrank", rank)``, ``("int4", group_size)``, ``("perrow", K, bits, group_size)`` …)."""
+        if variant == "lowrank":
+            return ("lowrank", self._rank(ctx, t))
+        if variant in ("int4", "int2", "2of8"):
+            return (variant, self.group_size)
         if variant == "perrow":
             k = int(self._full_ids(ctx, t.name).numel())
-            low = groupwise_bytes(n - k, d, self.per_row_bits, self.group_size) if n > k else 0
-            return t.total_bytes - (k * d * w.element_size() + k * 8 + low + pad)
-        return t.total_bytes - self._lowrank_bytes(ctx, t)
+            return ("perrow", k, self.per_row_bits, self.group_size)
+        return variant  # bf16, fp16, int8
+
+    def _estimate(self, ctx: ActionContext, t: TableCandidate, variant: str) -> int:
+        """Bytes saved once the next step has run: ``t``'s bytes now less
+        :func:`bytes_after_next_step` (the new tensors' gradient and optimizer state counted)."""
+        after = bytes_after_next_step(ctx, t, self._compression(ctx, t, variant))
+        return t.total_bytes - after.total_with_step_bytes
 
     def _full_ids(self, ctx: ActionContext, table: str) -> torch.Tensor:
         """``perrow``: the ids that keep full precision, from the lookup counts (a pass over the
@@ -344,6 +410,13 @@ class CompressEmbedding(Action):
             )
         return self.refuse_tables(tables, reasons)
 
+    def _measure(self, ctx: ActionContext) -> int:
+        """The device-tier bytes (:meth:`Action._measure`) plus the gradient and optimizer state
+        that trainable low-rank factors made by this action get at their first step and lack
+        until then (:func:`_first_step_bytes`), so the recorded ``saved_bytes`` is the saving
+        after the next step (module docstring)."""
+        return super()._measure(ctx) + _first_step_bytes(ctx)
+
     def _apply(
         self, ctx: ActionContext, plan: Plan
     ) -> tuple[dict[str, Any], dict[str, float] | None]:
@@ -386,6 +459,7 @@ class CompressEmbedding(Action):
             approx = new.dequantized()
         else:
             rank = int(plan.details["rank"])
+            per_element, other_bytes = state_layout(ctx, weight)  # before it leaves the optimizer
             new = LowRankEmbedding.from_weight(
                 original, rank, options, requires_grad=weight.requires_grad
             )
@@ -393,6 +467,10 @@ class CompressEmbedding(Action):
             replace_param_in_optimizers(
                 ctx.optimizers, weight, [new.left, new.right] if weight.requires_grad else []
             )
+            if weight.requires_grad:  # what the factors get at their first step (see _measure)
+                for factor in (new.left, new.right):
+                    state_bytes = per_element * tensor_bytes(factor) + other_bytes
+                    setattr(factor, FIRST_STEP_STATE_ATTR, state_bytes)
             ctx.stage("optimizer_updated")
             approx = new.reconstructed()
         new.train(module.training)

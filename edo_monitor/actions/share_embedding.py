@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from edo_monitor.actions.base import Action, ActionContext, find_wrapped_parallel
+from edo_monitor.actions.compress_embedding import bytes_after_next_step
 from edo_monitor.actions.expected_error import (
     LookupDistribution,
     share_expected_error,
@@ -56,7 +57,6 @@ from edo_monitor.actions.tables import (
     sharing_users,
 )
 from edo_monitor.decide.plans import Plan, Refusal
-from edo_monitor.measure.accounting import tensor_bytes
 from edo_monitor.nn import EmbeddingOptions, row_error
 from edo_monitor.nn.sharing import HybridEmbedding
 from edo_monitor.units import format_bytes
@@ -115,25 +115,10 @@ class ShareEmbedding(Action):
 
     @staticmethod
     def _new_bytes(ctx: ActionContext, t: TableCandidate, k: int, b: int) -> int:
-        """Device bytes of the hybrid: rows, hot ids, padding row, gradient, optimizer state."""
-        w = t.weight
-        d = int(t.module.embedding_dim)
-        elements = (k + b) * d
-        tensors = 2 if k else 1
-        params = elements * w.element_size() + k * 8
-        if t.module.padding_idx is not None:
-            params += d * w.element_size()
-        grads = elements * w.element_size() if t.grads_bytes else 0
-        state = 0
-        for opt in ctx.optimizers:
-            for v in (opt.state.get(w) or {}).values():
-                if not isinstance(v, torch.Tensor):
-                    continue
-                if v.shape == w.shape:
-                    state += elements * v.element_size()
-                else:
-                    state += tensors * tensor_bytes(v)
-        return params + grads + state
+        """Device bytes of the hybrid after the next step: rows, hot ids, padding row, gradient,
+        optimizer state (:func:`~edo_monitor.actions.compress_embedding.bytes_after_next_step`,
+        the count ``edo_monitor.estimate`` makes for ``"hybrid:K:B"``)."""
+        return bytes_after_next_step(ctx, t, ("hybrid", k, b)).total_with_step_bytes
 
     def plan(self, ctx: ActionContext) -> Plan | Refusal:
         """Pick the largest table that sharing makes smaller; estimate = bytes saved right after;

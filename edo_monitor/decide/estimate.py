@@ -61,13 +61,20 @@ device memory. The estimate therefore reports it apart, as ``step_state_bytes``:
 * ``"2of8"`` (or ``"2of8:G"``): 2 of every 8 values kept, at 2 bits, each with a 3-bit position
   (10 bits per 8 columns), plus a float16 scale and zero-point per group of ``G`` columns.
   Frozen.
-* ``"perrow:K"`` (or ``"perrow:K:BITS"``, ``BITS`` 4 or 2, default 4; ``("perrow", K)``): ``K``
-  rows in ``dtype`` with their sorted int64 ids (``K × 8`` bytes) and the other rows group-wise
-  at ``BITS`` bits with ``G = 64``. Frozen.
+* ``"perrow:K"`` (or ``"perrow:K:BITS"`` / ``"perrow:K:BITS:G"``, ``BITS`` 4 or 2, default 4,
+  ``G`` default 64; ``("perrow", K)``): ``K`` rows in ``dtype`` with their sorted int64 ids
+  (``K × 8`` bytes) and the other rows group-wise at ``BITS`` bits in groups of ``G``. Frozen.
 
 These are the tables of :mod:`edo_monitor.nn.lowbit`, byte for byte (padding row aside).
 
 The sharing kinds are the tables of :mod:`edo_monitor.nn.sharing`, byte for byte.
+
+**One count for every caller.** :func:`table_bytes` is the count itself, for any element size,
+trainable or frozen, any number of per-element state tensors and per-tensor state bytes, and an
+exact padding row kept in a buffer: :func:`estimate` names the optimizer, the
+``compress_embedding`` and ``share_embedding`` actions pass the state the optimizers keep for
+the table now (their plans and recorded savings are the bytes after the next step), and
+``replay`` passes the recorded table (:mod:`edo_monitor.hindsight.recorded`).
 
 Everything here is arithmetic; nothing touches a device, and torch is not imported (a
 ``torch.dtype`` is recognised when the caller has imported torch).
@@ -86,7 +93,7 @@ if TYPE_CHECKING:
 from edo_monitor.checks import whole_number
 from edo_monitor.errors import ConfigError
 
-__all__ = ["OPTIMIZERS", "Estimate", "estimate"]
+__all__ = ["OPTIMIZERS", "Estimate", "TableBytes", "estimate", "table_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +150,7 @@ _COMPRESSION_ARGS = {
     "int4": 1,
     "int2": 1,
     "2of8": 1,
-    "perrow": 2,
+    "perrow": 3,
 }
 
 
@@ -258,6 +265,8 @@ def _compression(value: object) -> tuple[str | None, tuple[int, ...]]:
         numbers = (_LOWBIT_DEFAULT_GROUP,)
     if kind == "perrow" and len(numbers) == 1:
         numbers = (numbers[0], 4)
+    if kind == "perrow" and len(numbers) == 2:
+        numbers = (*numbers, _LOWBIT_DEFAULT_GROUP)
     if _COMPRESSION_ARGS.get(kind) != len(numbers):
         raise bad
     return kind, numbers
@@ -326,39 +335,137 @@ def estimate(
     opt = _optimizer(optimizer)
     if not isinstance(master_weights, bool):
         raise ConfigError(f"master_weights={master_weights!r} is not allowed; expected a bool")
-    kind, args = _compression(compression)
+    states_per_element, has_step = _OPTIMIZER_STATE[opt]
+    counted = table_bytes(
+        rows,
+        cols,
+        compression,
+        element_bytes=dtype_bytes,
+        state_tensors=states_per_element,
+        step_bytes_per_tensor=_STEP_TENSOR_BYTES if has_step else 0,
+        master_weights=master_weights,
+    )
+    result = Estimate(
+        num_embeddings=rows,
+        embedding_dim=cols,
+        dtype=dtype_name,
+        optimizer=opt,
+        compression=counted.compression,
+        master_weights=master_weights,
+        params_bytes=counted.params_bytes,
+        grads_bytes=counted.grads_bytes,
+        optimizer_state_bytes=counted.optimizer_state_bytes,
+        step_state_bytes=counted.step_state_bytes,
+    )
+    logger.debug("estimate: %s", result)
+    return result
 
+
+@dataclass(frozen=True)
+class TableBytes:
+    """Bytes of one (compressed) table once an optimizer step has run on it: what
+    :func:`table_bytes` returns.
+
+    Attributes:
+        compression: the canonical compression (as :attr:`Estimate.compression`).
+        params_bytes: parameters and buffers (scales, ids, the padding row's buffer).
+        grads_bytes: the dense gradients of the trainable tensors (0 when frozen).
+        optimizer_state_bytes: the per-element optimizer state (moments, master copy).
+        step_state_bytes: the optimizer's other state, per trainable tensor (Adam's ``step``).
+        trainable_tensors: how many trainable parameter tensors the table has.
+    """
+
+    compression: str | None
+    params_bytes: int
+    grads_bytes: int
+    optimizer_state_bytes: int
+    step_state_bytes: int
+    trainable_tensors: int
+
+    @property
+    def total_bytes(self) -> int:
+        """params + grads + per-element optimizer state."""
+        return self.params_bytes + self.grads_bytes + self.optimizer_state_bytes
+
+    @property
+    def total_with_step_bytes(self) -> int:
+        """Every byte, the per-tensor state included."""
+        return self.total_bytes + self.step_state_bytes
+
+
+def table_bytes(
+    num_embeddings: int,
+    embedding_dim: int,
+    compression: str | tuple[Any, ...] | None = None,
+    *,
+    element_bytes: int = 4,
+    trainable: bool = True,
+    state_tensors: int = 0,
+    step_bytes_per_tensor: int = 0,
+    master_weights: bool = False,
+    padding_row: bool = False,
+) -> TableBytes:
+    """Bytes of one table under an optimizer and a compression, after the next optimizer step.
+
+    The one count of a table's bytes: :func:`estimate` calls it with an optimizer's state by name,
+    the ``compress_embedding`` and ``share_embedding`` actions with the state the optimizers keep
+    for the table now, the replay with the recorded table. Rules: the module docstring.
+
+    Args:
+        num_embeddings, embedding_dim: the table's rows and columns (ints >= 1).
+        compression: as :func:`estimate`'s, plus ``"perrow:K:BITS:G"`` / ``("perrow", K, BITS,
+            G)`` (the low-bit rows' group size, default 64).
+        element_bytes: bytes per element of the uncompressed table (4 for float32).
+        trainable: whether the kinds that can train do (``None``, ``"fp16"``, ``"bf16"``, the
+            low-rank factors, the shared rows): a frozen table has no gradient and no state. The
+            quantised kinds (``"int8"``, ``"int4"``, ``"int2"``, ``"2of8"``, ``"perrow"``) are
+            frozen whatever it says.
+        state_tensors: optimizer state tensors the size of each trainable tensor (Adam 2, SGD 0;
+            summed over the optimizers holding it), each in the trainable storage's dtype.
+        step_bytes_per_tensor: the optimizer's other state bytes per trainable tensor (Adam's
+            4-byte ``step``; 0 where not counted).
+        master_weights: an fp32 master copy and fp32 state (16-bit trainable storage only).
+        padding_row: the compressed module keeps the ``padding_idx`` row exact in a buffer of
+            ``embedding_dim`` elements of ``element_bytes`` (every kind but ``None``/16-bit,
+            whose padding row is a row of the weight).
+
+    Returns:
+        A :class:`TableBytes` (ints).
+
+    Raises:
+        ConfigError: (a ``ValueError``) a bad compression or argument, named.
+    """
+    rows = _positive_int(num_embeddings, "num_embeddings")
+    cols = _positive_int(embedding_dim, "embedding_dim")
+    kind, args = _compression(compression)
     # (elements of each trainable tensor, bytes per element of the trainable storage)
-    trainable: list[int] = []
-    storage_bytes = dtype_bytes
+    tensors: list[int] = []
+    storage_bytes = element_bytes
     params = 0
     if kind is None:
-        trainable = [rows * cols]
+        tensors = [rows * cols]
     elif kind in ("fp16", "bf16"):
         storage_bytes = 2
-        trainable = [rows * cols]
+        tensors = [rows * cols]
     elif kind == "int8":
         params = rows * cols + rows * 4  # int8 weights + one float32 scale per row
     elif kind in ("int4", "int2", "2of8"):
         (group,) = args
-        if group < 8 or group % 8:
-            raise ConfigError(
-                f"compression='{kind}:{group}' is not allowed; the group size G must be a "
-                "positive multiple of 8"
-            )
+        _check_lowbit_group(kind, group)
         if kind == "2of8":
             params = rows * _sparse_row_bytes(cols, group)
         else:
             params = rows * _lowbit_row_bytes(cols, _LOWBIT_BITS[kind], group)
     elif kind == "perrow":
-        k, bits = args
+        k, bits, group = args
         if not 0 <= k <= rows or bits not in (2, 4):
             raise ConfigError(
                 f"compression='perrow:{k}:{bits}' is not allowed; the full-precision rows K must "
                 f"be between 0 and num_embeddings = {rows}, BITS 4 or 2"
             )
-        low = (rows - k) * _lowbit_row_bytes(cols, bits, _LOWBIT_DEFAULT_GROUP)
-        params = k * cols * dtype_bytes + k * 8 + low
+        _check_lowbit_group("perrow", group)
+        low = (rows - k) * _lowbit_row_bytes(cols, bits, group)
+        params = k * cols * element_bytes + k * 8 + low
     elif kind == "lowrank":
         (k,) = args
         if not 1 <= k <= min(rows, cols):
@@ -366,7 +473,7 @@ def estimate(
                 f"compression='lowrank:{k}' is not allowed; the rank K must be between 1 and "
                 f"min(num_embeddings, embedding_dim) = {min(rows, cols)}"
             )
-        trainable = [rows * k, k * cols]
+        tensors = [rows * k, k * cols]
     elif kind in ("hash", "hash2"):
         (b,) = args
         if not 1 <= b <= rows:
@@ -374,7 +481,7 @@ def estimate(
                 f"compression='{kind}:{b}' is not allowed; the number of buckets B must be "
                 f"between 1 and num_embeddings = {rows}"
             )
-        trainable = [b * cols] if kind == "hash" else [b * cols, rows * 2]
+        tensors = [b * cols] if kind == "hash" else [b * cols, rows * 2]
     elif kind == "qr":
         (r,) = args
         if not 1 <= r <= rows:
@@ -382,7 +489,7 @@ def estimate(
                 f"compression='qr:{r}' is not allowed; the number of remainders R must be "
                 f"between 1 and num_embeddings = {rows}"
             )
-        trainable = [-(-rows // r) * cols, r * cols]
+        tensors = [-(-rows // r) * cols, r * cols]
     else:  # hybrid
         k, b = args
         if not 0 <= k < rows or not 1 <= b <= rows - k:
@@ -391,38 +498,46 @@ def estimate(
                 f"and num_embeddings - 1 = {rows - 1}, the buckets B between 1 and "
                 f"num_embeddings - K"
             )
-        trainable = [k * cols, b * cols] if k else [b * cols]  # no hot rows: no hot tensor
+        tensors = [k * cols, b * cols] if k else [b * cols]  # no hot rows: no hot tensor
         params = k * 8  # the sorted hot ids, int64
-
-    if master_weights and (not trainable or storage_bytes != 2):
+    if padding_row and kind not in (None, "fp16", "bf16"):
+        params += cols * element_bytes
+    numel = sum(tensors)
+    params += numel * storage_bytes
+    if master_weights and (not tensors or not trainable or storage_bytes != 2):
         raise ConfigError(
-            f"master_weights=True is not allowed with dtype={dtype_name!r} and "
-            f"compression={compression!r}; it needs a trainable 16-bit table "
-            "(dtype float16/bfloat16, or compression 'fp16'/'bf16')"
+            f"master_weights=True is not allowed with {element_bytes}-byte elements and "
+            f"compression={compression!r}; it needs a trainable 16-bit table (dtype "
+            "float16/bfloat16, or compression 'fp16'/'bf16')"
+        )
+    if not trainable:
+        tensors, numel = [], 0
+    if master_weights:
+        state = numel * 4 + numel * 4 * state_tensors
+    else:
+        state = numel * storage_bytes * state_tensors
+    return TableBytes(
+        compression=_canonical(kind, args),
+        params_bytes=params,
+        grads_bytes=numel * storage_bytes,
+        optimizer_state_bytes=state,
+        step_state_bytes=step_bytes_per_tensor * len(tensors),
+        trainable_tensors=len(tensors),
+    )
+
+
+def _check_lowbit_group(kind: str, group: int) -> None:
+    if group < 8 or group % 8:
+        raise ConfigError(
+            f"compression='{kind}:{group}' is not allowed; the group size G must be a "
+            "positive multiple of 8"
         )
 
-    numel = sum(trainable)
-    states_per_element, has_step = _OPTIMIZER_STATE[opt]
-    params += numel * storage_bytes
-    grads = numel * storage_bytes
-    if master_weights:
-        optimizer_state = numel * 4 + numel * 4 * states_per_element
-    else:
-        optimizer_state = numel * storage_bytes * states_per_element
-    step_state = _STEP_TENSOR_BYTES * len(trainable) if has_step else 0
 
-    canonical = ":".join([kind, *map(str, args)]) if kind is not None else None
-    result = Estimate(
-        num_embeddings=rows,
-        embedding_dim=cols,
-        dtype=dtype_name,
-        optimizer=opt,
-        compression=canonical,
-        master_weights=master_weights,
-        params_bytes=params,
-        grads_bytes=grads,
-        optimizer_state_bytes=optimizer_state,
-        step_state_bytes=step_state,
-    )
-    logger.debug("estimate: %s", result)
-    return result
+def _canonical(kind: str | None, args: tuple[int, ...]) -> str | None:
+    """``"lowrank:8"``, ``"perrow:K:BITS"`` (``":G"`` added when not 64) …; ``None``."""
+    if kind is None:
+        return None
+    if kind == "perrow" and args[2] == _LOWBIT_DEFAULT_GROUP:
+        args = args[:2]
+    return ":".join([kind, *map(str, args)])
