@@ -7,14 +7,21 @@ cursor (``SampleSeries.last_id``); the end of a run on a dropped connection; the
 from __future__ import annotations
 
 import os
+import socket
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from sqlalchemy import text
 from watch_helpers import make_model, run_row, train
 
 import edo_monitor
+from edo_monitor.probes.readings import SAMPLE_FIELDS
+from edo_monitor.store.engine import open_engine, write_samples
+from edo_monitor.store.history import History
 from edo_monitor.store.paths import resolve_db_url
+from edo_monitor.store.prune import prune
 
 # -- a relative path and os.chdir inside the block --------------------------------------------
 
@@ -67,3 +74,101 @@ def test_resolve_db_url_makes_sqlite_paths_absolute(
     assert resolve_db_url(str(tmp_path / "a.db")).database == str(tmp_path / "a.db")
     pg = "postgresql+psycopg://u@h/db"
     assert resolve_db_url(pg).render_as_string(hide_password=False) == pg
+
+
+# -- the live reader's cursor: the run's own newest sample id ----------------------------------
+
+
+def _record_two_runs(db: str) -> None:
+    """Two short runs recorded by the real agent: run 1 ``live``, run 2 ``other`` (newer ids)."""
+    for name in ("live", "other"):
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with edo_monitor.watch(model, db=db, interval_s=0.01, run_name=name):
+            train(model, opt, 10, sleep_s=0.005)
+
+
+def _sample(t: float, step: int) -> tuple[object, ...]:
+    values = dict.fromkeys(SAMPLE_FIELDS)
+    values.update(time_s=t, step=step, device_kind="cpu-budget", in_use_bytes=1000 + step)
+    return tuple(values[f] for f in SAMPLE_FIELDS)
+
+
+def test_last_id_is_the_runs_own_after_prune_frees_the_top_ids(db_path: Path) -> None:
+    """SQLite gives ids freed by ``prune`` (the newer run deleted) to the live run's next
+    samples; ``last_id`` was the table's largest id, above them, so ``samples_since`` never
+    returned them (0 rows, expected 2)."""
+    _record_two_runs(str(db_path))
+    writer = open_engine(db_path)
+    with writer.begin() as conn:  # run 1 live again: this process, a fresh heartbeat
+        conn.execute(
+            text(
+                "UPDATE runs SET status = 'running', pid = :p, host = :h, heartbeat_at_s = :t, "
+                "ended_at_s = NULL WHERE id = 1"
+            ),
+            {"p": os.getpid(), "h": socket.gethostname(), "t": time.time()},
+        )
+    history = History(db_path)
+    series = history.samples(1, max_points=None)  # a live reader opens run 1
+    with writer.connect() as conn:
+        run_top, table_top = conn.execute(
+            text("SELECT (SELECT max(id) FROM samples WHERE run_id = 1), max(id) FROM samples")
+        ).one()
+    assert run_top < table_top  # run 2's ids are above run 1's
+    assert series.last_id == run_top
+    pruner = History(db_path, readonly=False)
+    assert prune(pruner, keep_last=0)["run_ids_deleted"] == [2]  # the running run stays
+    pruner.close()
+    now = time.time()
+    with writer.begin() as conn:  # run 1's writer flushes two samples: run 2's freed ids
+        write_samples(conn, 1, [_sample(now, 1000), _sample(now + 0.01, 1001)])
+    new = history.samples_since(1, series.last_id)
+    assert [r.step for r in new] == [1000, 1001]
+    assert [r.id for r in new] == [run_top + 1, run_top + 2]  # below the table's old top
+    assert history.samples_since(1, new[-1].id) == []
+    history.close()
+    writer.dispose()
+
+
+def test_samples_since_zero_of_a_run_without_samples(db_path: Path) -> None:
+    """A run with no sample yet hands out cursor 0 (not the table's top, which another run's
+    open batch may be under); reading from 0 finds nothing and, once it has one, finds it."""
+    _record_two_runs(str(db_path))
+    writer = open_engine(db_path)
+    with writer.begin() as conn:
+        conn.execute(text("DELETE FROM samples WHERE run_id = 1"))
+    history = History(db_path)
+    series = history.samples(1, max_points=None)
+    assert (len(series), series.last_id) == (0, 0)
+    assert history.samples_since(1, 0) == []
+    with writer.begin() as conn:
+        write_samples(conn, 1, [_sample(time.time(), 7)])
+    assert [r.step for r in history.samples_since(1, series.last_id)] == [7]
+    history.close()
+    writer.dispose()
+
+
+@pytest.mark.postgres
+def test_last_id_is_the_runs_own_with_another_run_committing_first(pg_url: str) -> None:
+    """PostgreSQL: run 2's batch takes higher ids and commits while run 1's batch is still
+    open; a reader between the two got ``last_id`` = the table's top and missed run 1's rows
+    (``samples_since`` -> 0 rows, expected 2)."""
+    _record_two_runs(pg_url)
+    writer = open_engine(pg_url)
+    history = History(pg_url)
+    now = time.time()
+    with writer.connect() as one, writer.connect() as two:
+        one.begin()
+        write_samples(one, 1, [_sample(now, 1000), _sample(now + 0.1, 1001)])  # in flight
+        two.begin()
+        write_samples(two, 2, [_sample(now, 5000)])
+        two.commit()  # higher ids, committed first
+        series = history.samples(1, max_points=None)  # the reader opens run 1 now
+        one.commit()
+    new = history.samples_since(1, series.last_id)
+    assert [r.step for r in new] == [1000, 1001]
+    with writer.connect() as conn:
+        table_top = conn.execute(text("SELECT max(id) FROM samples")).scalar()
+    assert max(r.id for r in new) < table_top  # below run 2's committed id
+    history.close()
+    writer.dispose()

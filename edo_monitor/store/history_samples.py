@@ -71,7 +71,15 @@ class _SampleQueries:
         lo = _to_epoch(start, "start")
         hi = _to_epoch(end, "end")
         with self._read() as conn:
-            last_id = int(conn.execute(text("SELECT max(id) FROM samples")).scalar() or 0)
+            # the run's own newest id, not the table's: another run's higher ids commit before
+            # this run's open batch (PostgreSQL), and SQLite gives ids freed by prune again;
+            # a cursor above the run's next rows would skip them for good
+            last_id = int(
+                conn.execute(
+                    text("SELECT max(id) FROM samples WHERE run_id = :r"), {"r": run_id}
+                ).scalar()
+                or 0
+            )
             series = self._samples_in(conn, run_id, cols, lo, hi, max_points)
         return dataclasses.replace(series, last_id=last_id)
 
@@ -337,6 +345,8 @@ class _SampleQueries:
             q += f" LIMIT {int(limit)}"
         names = [c for c in cols if c != "step"]
         with self._read() as conn:
+            if after_id == 0 and not self._pg and not self._has_sample(conn, run_id):
+                return []  # a run with no sample yet: no walk of every row of the table
             rows = conn.execute(text(q), {"a": after_id, "r": run_id}).all()
         out = []
         for r in rows:
@@ -345,6 +355,14 @@ class _SampleQueries:
                 values["step"] = r[2]
             out.append(SampleRow(r[0], r[1], r[2], values))
         return out
+
+    @staticmethod
+    def _has_sample(conn: Any, run_id: int) -> bool:
+        """Whether the run has a sample (one seek of the ``(run_id, time_s)`` index)."""
+        found = conn.execute(
+            text("SELECT 1 FROM samples WHERE run_id = :r LIMIT 1"), {"r": run_id}
+        ).first()
+        return found is not None
 
     def events_since(self, run: RunRef, after_id: int = 0) -> list[EventInfo]:
         """Events of a run with ``id > after_id``, oldest first.

@@ -265,9 +265,12 @@ class SampleSeries:
     time in the bucket, ``time_end_s`` the last. ``bucket_s`` is the bucket width (seconds; None
     when not downsampled).
 
-    ``last_id`` is the largest sample id in the database when the series was read (same
-    snapshot): every sample of the run in the window with ``id <= last_id`` is in the series, and
-    ``History.samples_since(run, last_id)`` returns exactly the ones written after it.
+    ``last_id`` is the run's largest sample id when the series was read (same snapshot; 0 for a
+    run without samples): every sample of the run in the window with ``id <= last_id`` is in the
+    series, and ``History.samples_since(run, last_id)`` returns exactly the ones written after
+    it. Not the table's largest id: on PostgreSQL another run's higher ids can commit while this
+    run's batch is open, and SQLite gives the ids of pruned samples to new ones; the run's own
+    ids grow in commit order on both.
     """
 
     run_id: int
