@@ -8,6 +8,7 @@ clicks (``tui_helpers``).
 from __future__ import annotations
 
 import csv
+import io
 import re
 import sqlite3
 import subprocess
@@ -35,6 +36,7 @@ from tui_helpers import (
 
 from edo_monitor.store.engine import open_engine
 from edo_monitor.tui.app import EdoTui
+from edo_monitor.tui.data import DataSource
 from edo_monitor.tui.modals import HelpScreen
 from edo_monitor.tui.run_screen import RunScreen
 from edo_monitor.tui.runs_screen import RunsScreen
@@ -182,6 +184,30 @@ def test_export_writes_the_open_runs_samples(db: Path, tmp_path: Path) -> None: 
     expected = conn.execute("SELECT id FROM samples WHERE run_id = 1 ORDER BY id").fetchall()
     conn.close()
     assert [int(r["id"]) for r in rows] == [e[0] for e in expected]
+
+
+def test_the_dashboards_export_is_the_export_commands(db: Path, tmp_path: Path) -> None:  # noqa: F811
+    """Regression: the two wrote their own CSV: the columns in another order, and the command's
+    left ``nvml_memory_info_version`` empty (it read the default columns under a header of all
+    of them). Now one writer: the same rows, every recorded value."""
+    from typer.testing import CliRunner
+
+    from edo_monitor.surfaces.cli import app as cli
+
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE samples SET nvml_memory_info_version = 2 WHERE run_id = 1")
+    source = DataSource(str(db))
+    try:
+        path = source.export_csv(source.resolve("1"), tmp_path)
+    finally:
+        source.close()
+    command = CliRunner().invoke(cli, ["export", "1", "--format", "csv", "--db", str(db)])
+    assert command.exit_code == 0
+    with path.open(newline="") as fh:
+        written = list(csv.reader(fh))
+    assert written == list(csv.reader(io.StringIO(command.stdout)))
+    column = written[0].index("nvml_memory_info_version")
+    assert {row[column] for row in written[1:]} == {"2"}
 
 
 def test_export_of_a_run_with_a_long_name_cuts_the_file_name(db: Path, tmp_path: Path) -> None:  # noqa: F811

@@ -12,7 +12,6 @@ served from the rollup tables on SQLite); while a run is live only what is new i
 
 from __future__ import annotations
 
-import csv
 import logging
 import os
 import re
@@ -24,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from edo_monitor.errors import ConfigError, StoreError
+from edo_monitor.exporters.samples_file import write_samples_csv
 from edo_monitor.hindsight.jobs import JobReport, job_report
 from edo_monitor.store.history import History
 from edo_monitor.store.paths import resolve_db_url
-from edo_monitor.store.queries import NUMERIC_SAMPLE_COLUMNS
 from edo_monitor.store.records import (
     DeviceEventInfo,
     DeviceInfo,
@@ -77,8 +76,6 @@ GAUGE_COLUMNS = (
     "free_fraction",
     "fragmentation",
 )
-#: Rows per read when exporting.
-_EXPORT_PAGE = 20_000
 
 
 def run_floor(run: RunInfo) -> float:
@@ -385,33 +382,15 @@ class DataSource:
         return Jobs(jobs, job_report(history, ref), time.time())
 
     def export_csv(self, run: RunInfo, directory: str | os.PathLike[str] = ".") -> Path:
-        """Write the run's samples (every column, in id order) to ``edo-run-<id>-<name>.csv``.
-
-        Returns the path written. Rows are read a page at a time, so a long run does not fill
-        memory.
+        """Write the run's samples to ``edo-run-<id>-<name>.csv``, as ``edo-monitor export RUN
+        --format csv`` writes them (:func:`edo_monitor.exporters.samples_file.write_samples_csv`:
+        every column, in id order, a page at a time). Returns the path written.
         """
         history = self.open()
         # a file name of at most ~100 bytes (a 300-character run name was "File name too long")
         safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", run.name).strip("_")[:80] or "run"
         path = Path(directory) / f"edo-run-{run.id}-{safe}.csv"
-        after = 0
-        columns: list[str] | None = None
         with path.open("w", newline="") as fh:
-            writer = csv.writer(fh)
-            while True:
-                page = history.samples_since(
-                    run.id, after, columns=NUMERIC_SAMPLE_COLUMNS, limit=_EXPORT_PAGE
-                )
-                if columns is None:  # the columns History returns, in its order
-                    first = page[0].values if page else dict.fromkeys(NUMERIC_SAMPLE_COLUMNS)
-                    columns = [c for c in first if c != "step"]
-                    writer.writerow(["id", "time_s", "step", "device_kind", *columns])
-                if not page:
-                    break
-                writer.writerows(
-                    [r.id, r.time_s, r.step, run.device_kind, *(r.values.get(c) for c in columns)]
-                    for r in page
-                )
-                after = page[-1].id
+            write_samples_csv(history, run, fh)
         logger.info("exported run %d to %s", run.id, path)
         return path

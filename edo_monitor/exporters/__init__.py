@@ -1,2 +1,3 @@
-"""Where a live run's readings go out besides the history: Prometheus exposition (live and over a
-history) and TensorBoard scalars and events. Takes readings and events; hands on metric families."""
+"""Where a run's readings go out besides the history: Prometheus exposition (live and over a
+history), TensorBoard scalars and events, a run's samples as files. Takes readings, events and
+stored samples; hands on metric families and rows."""

@@ -5,9 +5,7 @@ database or one of its companion files."""
 
 from __future__ import annotations
 
-import csv
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -41,35 +39,20 @@ def export_cmd(
     jsonl = one object per line, each with a "type" (run, sample, event, module)."""
     import dataclasses
 
-    from edo_monitor.store.queries import NUMERIC_SAMPLE_COLUMNS
+    from edo_monitor.exporters.samples_file import sample_rows, write_samples_csv
 
     if fmt not in ("csv", "json", "jsonl"):
         raise ConfigError(f"--format {fmt!r} is not supported; expected csv, json or jsonl")
     target = None if out_file is None else output_target(out_file, db, "--out")
-    columns = ["id", "time_s", "device_kind", *NUMERIC_SAMPLE_COLUMNS]
     with _history(db) as h:
         info = h.run(run)
-        kind = info.device_kind
-
-        def samples() -> Iterator[dict[str, Any]]:
-            after = 0
-            while True:
-                page = h.samples_since(info.id, after, limit=10_000)
-                if not page:
-                    return
-                for s in page:  # a run's samples all have the run's device kind
-                    yield {"id": s.id, "time_s": s.time_s, "device_kind": kind, **s.values}
-                after = page[-1].id
 
         def write(stream: Any) -> None:
             if fmt == "csv":
-                writer = csv.DictWriter(stream, fieldnames=columns, extrasaction="ignore")
-                writer.writeheader()
-                for row in samples():
-                    writer.writerow(row)
+                write_samples_csv(h, info, stream)
             elif fmt == "jsonl":
                 stream.write(json_text({"type": "run", **_info_dict(info)}) + "\n")
-                for row in samples():
+                for row in sample_rows(h, info):
                     stream.write(json_text({"type": "sample", **row}) + "\n")
                 for e in h.events(info.id):
                     stream.write(json_text({"type": "event", **dataclasses.asdict(e)}) + "\n")
@@ -78,7 +61,7 @@ def export_cmd(
             else:
                 doc = {
                     "run": _info_dict(info),
-                    "samples": list(samples()),
+                    "samples": list(sample_rows(h, info)),
                     "events": [dataclasses.asdict(e) for e in h.events(info.id)],
                     "modules": [dataclasses.asdict(m) for m in h.modules(info.id)],
                 }
