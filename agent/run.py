@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from sqlalchemy import insert, update
+from sqlalchemy import Connection, insert, select, update
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import SQLAlchemyError
 from torch import nn
@@ -28,6 +28,7 @@ from edo_monitor.errors import AlreadyWatchedError, StoreError
 from edo_monitor.store.dialect import is_postgres
 from edo_monitor.store.engine import insert_job, open_engine
 from edo_monitor.store.models import Run
+from edo_monitor.store.retry import retried
 from edo_monitor.store.schema import next_run_id
 from edo_monitor.store.writer import Writer
 from edo_monitor.units import format_bytes
@@ -205,6 +206,10 @@ class RunRecord:
         ``created_at_s``), the job's row is inserted first unless another rank did, in the same
         transaction.
 
+        The transaction is tried again on a transient error (a dropped connection, a locked
+        file: :func:`edo_monitor.store.retry.retried`, as the writer does); a try whose commit
+        went through unanswered is found by the run's UUID, not inserted twice.
+
         Returns:
             The new ``runs.id``.
 
@@ -213,27 +218,33 @@ class RunRecord:
         """
         self.engine = open_engine(self.db_url)
         now = time.time()
-        try:
-            with self.engine.begin() as conn:
-                if job is not None:
-                    insert_job(conn, {**job, "created_at_s": now})
-                # SQLite: never a pruned run's id (PostgreSQL's sequence never reuses one)
-                fresh_id = {} if is_postgres(conn) else {"id": next_run_id()}
-                result = conn.execute(
-                    insert(Run).values(
-                        **fresh_id,
-                        uuid=self.run_uuid,
-                        host=socket.gethostname(),
-                        started_at_s=now,
-                        heartbeat_at_s=now,
-                        status="running",
-                        torch_version=torch.__version__,
-                        steps=0,
-                        samples_dropped=0,
-                        **values,
-                    )
+
+        def insert_run(conn: Connection) -> int:
+            done = conn.execute(select(Run.id).where(Run.uuid == self.run_uuid)).scalar()
+            if done is not None:  # an earlier try committed; its answer was lost
+                return int(done)
+            if job is not None:
+                insert_job(conn, {**job, "created_at_s": now})
+            # SQLite: never a pruned run's id (PostgreSQL's sequence never reuses one)
+            fresh_id = {} if is_postgres(conn) else {"id": next_run_id()}
+            result = conn.execute(
+                insert(Run).values(
+                    **fresh_id,
+                    uuid=self.run_uuid,
+                    host=socket.gethostname(),
+                    started_at_s=now,
+                    heartbeat_at_s=now,
+                    status="running",
+                    torch_version=torch.__version__,
+                    steps=0,
+                    samples_dropped=0,
+                    **values,
                 )
-                self.run_id = int(result.inserted_primary_key[0])
+            )
+            return int(result.inserted_primary_key[0])
+
+        try:
+            self.run_id = retried(self.engine, insert_run, what="edo-monitor: the run's row")
         except SQLAlchemyError as exc:
             raise StoreError(
                 f"cannot record the run in history database {self.db_url.database or self.db_url}"
@@ -257,6 +268,8 @@ class RunRecord:
     def record_end(self, status: str, error: str | None, steps: int) -> None:
         """Write how the run ended (after :meth:`close_writer`) and dispose of the engine.
 
+        The update is tried again on a transient error (a dropped connection, a failover, a
+        locked file), as the writer's last flush is (:func:`edo_monitor.store.retry.retried`).
         Never raises: a failure is logged, and :attr:`recorded_status` stays ``None``.
         """
         writer = self.writer
@@ -266,21 +279,20 @@ class RunRecord:
                 "edo-monitor: the end of run %d is not recorded: %s", self.run_id, writer.problem
             )
         elif self.engine is not None and self.run_id >= 0:
+            end = {
+                "status": status,
+                "error": error,
+                "ended_at_s": self.ended_at_s or time.time(),
+                "steps": steps,
+                "samples_dropped": writer.dropped if writer else 0,
+            }
+
+            def update_run(conn: Connection) -> int:
+                stmt = update(Run).where(Run.id == self.run_id)
+                return conn.execute(stmt.values(**end, heartbeat_at_s=time.time())).rowcount
+
             try:
-                with self.engine.begin() as conn:
-                    updated = conn.execute(
-                        update(Run)
-                        .where(Run.id == self.run_id)
-                        .values(
-                            status=status,
-                            error=error,
-                            ended_at_s=self.ended_at_s or time.time(),
-                            heartbeat_at_s=time.time(),
-                            steps=steps,
-                            samples_dropped=writer.dropped if writer else 0,
-                        )
-                    )
-                if updated.rowcount == 1:
+                if retried(self.engine, update_run, what="edo-monitor: the end of the run") == 1:
                     self.recorded_status = status
             except Exception:
                 logger.exception("edo-monitor: could not record the end of run %d", self.run_id)

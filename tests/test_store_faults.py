@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -172,3 +173,94 @@ def test_last_id_is_the_runs_own_with_another_run_committing_first(pg_url: str) 
     assert max(r.id for r in new) < table_top  # below run 2's committed id
     history.close()
     writer.dispose()
+
+
+# -- the run's own row on a dropped connection ---------------------------------------------------
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize(
+    ("when", "statement"),
+    [
+        ("BEFORE INSERT", "INSERT INTO runs%"),  # RunRecord.open
+        ("BEFORE UPDATE", "UPDATE runs SET%status%"),  # RunRecord.record_end
+    ],
+)
+def test_the_runs_row_survives_one_dropped_connection(
+    pg_url: str, when: str, statement: str
+) -> None:
+    """One terminated backend (an administrator, a failover) while the run's row is inserted or
+    its end recorded: the insert raised StoreError / the end stayed ``running`` (read
+    ``crashed``) with a traceback; both are tried again now, as the writer's flushes are."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    engine = open_engine(pg_url)  # the schema, and a trigger that makes the statement last 1 s
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "CREATE FUNCTION slow_row() RETURNS trigger LANGUAGE plpgsql AS "
+                "$$ BEGIN PERFORM pg_sleep(1); RETURN NEW; END $$"
+            )
+        )
+        only_end = " WHEN (NEW.status <> 'running')" if "UPDATE" in when else ""
+        conn.execute(
+            text(
+                f"CREATE TRIGGER slow_row {when} ON runs FOR EACH ROW{only_end} "
+                "EXECUTE FUNCTION slow_row()"
+            )
+        )
+    engine.dispose()
+    dsn = make_url(pg_url).set(drivername="postgresql", query={})
+    terminated: list[int] = []
+    stop = threading.Event()
+
+    def administrator() -> None:  # terminates the statement's backend once
+        with psycopg.connect(dsn.render_as_string(hide_password=False), autocommit=True) as c:
+            while not stop.is_set() and not terminated:
+                row = c.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = "
+                    "current_database() AND state = 'active' AND query LIKE %s "
+                    "AND pid <> pg_backend_pid()",
+                    (statement,),
+                ).fetchone()
+                if row is not None and row[0]:
+                    terminated.append(1)
+                time.sleep(0.02)
+
+    thread = threading.Thread(target=administrator, daemon=True)
+    thread.start()
+    try:
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with edo_monitor.watch(model, db=pg_url, interval_s=0.05, run_name="victim") as mon:
+            train(model, opt, 5)
+    finally:
+        stop.set()
+        thread.join(10)
+    assert terminated == [1]  # the fault did happen
+    assert mon.summary().recorded_status == "finished"
+    with History(pg_url) as history:
+        runs = history.runs()
+        assert [(r.id, r.name, r.stored_status, r.steps) for r in runs] == [
+            (mon.run_id, "victim", "finished", 5)
+        ]
+
+
+def test_what_is_tried_again() -> None:
+    """The writer's rule, shared by the run's row: a lock, I/O or a dropped connection passes;
+    a value the database refuses does not."""
+    import sqlite3
+
+    from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
+
+    from edo_monitor.store.retry import is_transient
+
+    locked = OperationalError("UPDATE runs", {}, sqlite3.OperationalError("database is locked"))
+    assert is_transient(locked)
+    refused = IntegrityError("INSERT", {}, sqlite3.IntegrityError("UNIQUE constraint failed"))
+    assert not is_transient(refused)
+    dropped = DBAPIError("UPDATE runs", {}, sqlite3.InterfaceError("closed"))
+    dropped.connection_invalidated = True
+    assert is_transient(dropped)
+    assert not is_transient(ValueError("not a database error"))

@@ -15,12 +15,13 @@ one per group of rows with the same keys. The writer keeps one connection betwee
 Nothing is lost without being counted (:attr:`Writer.not_written`, by table): rows dropped because
 the queue was full, rows the database refused (a value it cannot store), rows still waiting when
 the writer gives up at :meth:`Writer.close` on a database that keeps failing (disk full, server
-gone: ``OperationalError``, tried again on every flush until then), and rows held back because
-the database file was deleted or replaced while the run went on. An SQLite file's identity
-(device and inode) is taken when the writer starts and checked before every flush: writing on
-into a deleted or replaced file would "succeed" into a file nobody can read, so from then on rows
-are counted, not written, and the problem is logged once (:attr:`Writer.problem`). The count goes
-into ``runs.samples_dropped`` whenever a flush succeeds and into the log at ``close()``.
+gone: a transient error, :func:`edo_monitor.store.retry.is_transient`, tried again on every flush
+until then), and rows held back because the database file was deleted or replaced while the run
+went on. An SQLite file's identity (device and inode) is taken when the writer starts and
+checked before every flush: writing on into a deleted or replaced file would "succeed" into a
+file nobody can read, so from then on rows are counted, not written, and the problem is logged
+once (:attr:`Writer.problem`). The count goes into ``runs.samples_dropped`` whenever a flush
+succeeds and into the log at ``close()``.
 
 A database that fails and then works again (a PostgreSQL connection terminated by an
 administrator or a failover, an SQLite file locked for a while) loses nothing: the batch is kept,
@@ -48,7 +49,6 @@ from operator import attrgetter
 from typing import Any, ClassVar
 
 from sqlalchemy import Connection, Engine, bindparam, insert, update
-from sqlalchemy.exc import OperationalError
 
 from edo_monitor.probes.readings import SAMPLE_FIELDS, Reading
 from edo_monitor.store.engine import write_samples
@@ -59,14 +59,14 @@ from edo_monitor.store.models import (
     Snapshot,
 )
 from edo_monitor.store.paths import database_file
+from edo_monitor.store.retry import CLOSE_TRIES, Outage, describe, is_transient
+from edo_monitor.store.retry import reconnect_message as _reconnect_message
 
 __all__ = ["Writer"]
 
 logger = logging.getLogger(__name__)
 
 _TABLES = (("events", Event), ("module_stats", ModuleStat), ("snapshots", Snapshot))
-#: flushes tried after close() while the database keeps failing (OperationalError)
-_CLOSE_TRIES = 3
 #: a Reading's values in ``SAMPLE_FIELDS`` order, as one tuple (C speed, no dict per sample)
 _SAMPLE_VALUES = attrgetter(*SAMPLE_FIELDS)
 #: SQLite's INTEGER is a signed 64-bit integer
@@ -128,8 +128,8 @@ class Writer:
         self._thread = threading.Thread(target=self._loop, name="edo-writer", daemon=True)
         self._error_logged = False
         self._last_error = ""
-        #: the outage in progress: (first error, monotonic time of the first failed try, tries)
-        self._outage: tuple[str, float, int] | None = None
+        #: the outage in progress (failed tries since the last write that worked)
+        self._outage = Outage("history writer", engine.url)
         #: outages the writer recovered from without losing rows (a ``store_reconnected`` each)
         self.reconnects = 0
         self._closed = False
@@ -330,7 +330,7 @@ class Writer:
         pending = self._pending()
         count = 0
         failed = False
-        tries_left = _CLOSE_TRIES
+        tries_left = CLOSE_TRIES  # flushes tried after close() while it fails
         deadline = time.monotonic() + self.flush_interval_s
         while True:
             stopping = self._stopping
@@ -445,18 +445,13 @@ class Writer:
         if new_drops:
             drop_table, drop_row = self._drop_row(now, new_drops, dropped)
             pending[drop_table].append(drop_row)
-        outage = self._outage
+        outage = self._outage.active
         back_table = None
         try:
             conn = self._connection()
             with conn.begin():
-                if outage is not None:  # in the transaction that shows the database works again
-                    first_error, since, tries = outage
-                    back = {  # the lock is held from here on: the outage is over
-                        "tries": tries,
-                        "outage_s": round(time.monotonic() - since, 3),
-                        "error": first_error,
-                    }
+                if outage:  # in the transaction that shows the database works again
+                    back = self._outage.data()  # the lock is held from here on: it is over
                     back_table, back_row = self._reconnect_row(now, back)
                     pending[back_table].append(back_row)
                 if pending["samples"]:
@@ -471,11 +466,12 @@ class Writer:
             _unappend(pending, back_table, drop_table)
             raise
         except Exception as exc:  # the database must never take the training down
-            self._last_error = _describe(exc)
+            self._last_error = describe(exc)
             self._release()  # the next try starts on a fresh connection
             _unappend(pending, back_table, drop_table)
-            retry = isinstance(exc, OperationalError)  # locked, I/O, server gone: try again
-            if not retry:  # bad rows never get better: drop them (counted) instead of looping
+            # locked, I/O, server gone: tried again; bad rows never get better: drop them
+            # (counted) instead of looping
+            if not is_transient(exc):
                 if not self._error_logged:  # rows are lost: the whole story, once
                     logger.exception(
                         "history writer cannot write to %s; dropping the batch", self.engine.url
@@ -484,16 +480,7 @@ class Writer:
                 for table, rows in pending.items():
                     self._count(table, len(rows))
                 return True
-            if self._outage is None:  # one line per outage; nothing is lost yet
-                self._outage = (self._last_error, tried_at, 1)
-                logger.warning(
-                    "history writer cannot write to %s (%s); keeping the rows and retrying",
-                    self.engine.url,
-                    self._last_error,
-                )
-            else:
-                first, since, tries = self._outage
-                self._outage = (first, since, tries + 1)
+            self._outage.failed(exc, tried_at)  # one line per outage; nothing is lost yet
             # keep the batch for the next try, but bounded: beyond 100k rows, drop the oldest
             for table, rows in pending.items():
                 if len(rows) > 100_000:
@@ -505,25 +492,10 @@ class Writer:
             self.written[table] += len(rows)
         self._dropped_recorded = dropped
         self.flushes += 1
-        if outage is not None:
-            self._outage = None
+        if outage:
+            self._outage.recovered(back)
             self.reconnects += 1
-            logger.info("history writer: %s", _reconnect_message(back))
         return True
-
-
-def _describe(exc: BaseException) -> str:
-    """One line naming a database error: the driver's exception and its first line."""
-    orig = getattr(exc, "orig", None) or exc
-    first = (str(orig).strip().splitlines() or [""])[0]
-    return f"{type(orig).__name__}: {first}" if first else type(orig).__name__
-
-
-def _reconnect_message(data: Mapping[str, Any]) -> str:
-    return (
-        f"the history database works again after {data['tries']} failed write(s) in "
-        f"{data['outage_s']:.1f} s ({data['error']}); nothing was lost"
-    )
 
 
 def _unappend(pending: dict[str, list[Any]], *tables: str | None) -> None:
