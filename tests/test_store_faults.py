@@ -264,3 +264,31 @@ def test_what_is_tried_again() -> None:
     dropped.connection_invalidated = True
     assert is_transient(dropped)
     assert not is_transient(ValueError("not a database error"))
+
+
+# -- the label of runs.samples_dropped ---------------------------------------------------------
+
+
+def test_show_labels_samples_dropped_as_rows_not_written(db_path: Path) -> None:
+    """``show`` printed the column as "samples 1 (dropped: 18)", while it counts every row not
+    written (12 samples, 2 events, 4 module rows in the tester's run)."""
+    from test_cli import run
+
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters())
+    with edo_monitor.watch(model, db=db_path, interval_s=0.01, queue_size=2) as mon:
+        train(model, opt, 100)
+    lost = mon.summary().rows_not_written
+    assert lost["samples"] < sum(lost.values())  # rows of other tables were lost too
+    assert run_row(db_path)["samples_dropped"] == sum(lost.values())
+    res = run("show", str(mon.run_id), db=db_path)
+    assert res.exit_code == 0, res.output
+    lines = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in _rows(res.output)}
+    assert lines["not written"] == (
+        f"{sum(lost.values())} row(s)  (samples, events, module rows, snapshots)"
+    )
+    assert "dropped" not in lines["samples"]
+
+
+def _rows(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.count("│") >= 3]

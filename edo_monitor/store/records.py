@@ -35,6 +35,8 @@ class RunInfo:
 
     ``status`` is the effective status (``crashed`` for a ``running`` run whose process is gone
     or whose heartbeat is stale); ``stored_status`` is what the agent last wrote.
+    ``samples_dropped`` (the ``runs`` column's name) counts every row the writer did not write,
+    of every table (samples, events, module rows, snapshots), not samples alone.
     """
 
     id: int

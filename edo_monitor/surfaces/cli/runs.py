@@ -265,7 +265,12 @@ def show_cmd(
         ("device total", _bytes(info.device_total_bytes)),
         ("budget", _bytes(info.budget_bytes)),
         ("interval", f"{info.interval_s:g} s"),
-        ("samples", f"{info.sample_count}  (dropped: {info.samples_dropped})"),
+        ("samples", str(info.sample_count)),
+        # runs.samples_dropped counts every row the writer did not write, of every table
+        (
+            "not written",
+            f"{info.samples_dropped} row(s)  (samples, events, module rows, snapshots)",
+        ),
         ("tags", ", ".join(info.tags) or "-"),
         ("torch", info.torch_version),
     ]
