@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from sqlalchemy import text
 from watch_helpers import make_model, run_row, train
 
 import edo_monitor
+from edo_monitor.errors import StoreError
 from edo_monitor.probes.readings import SAMPLE_FIELDS
 from edo_monitor.store.engine import open_engine, write_samples
 from edo_monitor.store.history import History
@@ -292,3 +295,56 @@ def test_show_labels_samples_dropped_as_rows_not_written(db_path: Path) -> None:
 
 def _rows(output: str) -> list[str]:
     return [line for line in output.splitlines() if line.count("│") >= 3]
+
+
+# -- writable opens of a read-only history -----------------------------------------------------
+
+
+@pytest.fixture
+def readonly_history(tmp_path: Path) -> Iterator[Path]:
+    """A history recorded by a real run, seen in a folder this process cannot write: the folder
+    made read-only (chmod) for a user, a read-only bind mount of it for root (whom chmod does not
+    stop); skipped where neither is possible."""
+    source = tmp_path / "src"
+    source.mkdir()
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with edo_monitor.watch(model, db=source / "h.db", interval_s=0.01):
+        train(model, opt, 3)
+    if os.geteuid() != 0:
+        source.chmod(0o555)
+        try:
+            yield source / "h.db"
+        finally:
+            source.chmod(0o755)
+        return
+    view = tmp_path / "ro"
+    view.mkdir()
+    mounted = subprocess.run(["mount", "--bind", str(source), str(view)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"root, and no read-only bind mount here: {mounted.stderr.decode().strip()}")
+    try:
+        remount = ["mount", "-o", "remount,ro,bind", str(view)]
+        if subprocess.run(remount, capture_output=True).returncode != 0:
+            pytest.skip("root, and the bind mount could not be made read-only")
+        yield view / "h.db"
+    finally:
+        subprocess.run(["umount", str(view)], check=True)
+
+
+def test_prune_on_a_read_only_history_says_so(readonly_history: Path) -> None:
+    """``prune`` said SQLite's bare "unable to open database file" where ``watch()`` on the same
+    file names the problem; every writable open now says it the same way."""
+    from test_cli import run
+
+    res = run("prune", "--keep-last", "0", db=readonly_history)
+    assert res.exit_code == 1
+    assert f"history database {str(readonly_history)!r} is read-only for this process" in " ".join(
+        res.output.split()
+    ), res.output
+    assert "unable to open" not in res.output
+    with pytest.raises(StoreError, match="is read-only for this process"):
+        History(readonly_history, readonly=False)
+    with pytest.raises(StoreError, match="is read-only for this process"):
+        edo_monitor.watch(db=readonly_history)
+    assert run("prune", "--keep-last", "0", "--dry-run", db=readonly_history).exit_code == 0

@@ -51,6 +51,7 @@ from edo_monitor.store.paths import (
     _connect_readonly,
     _readonly_error,
     absolute_url,
+    check_file_writable,
     database_file,
     readonly_uri,
     resolve_db_url,
@@ -137,12 +138,15 @@ def open_engine(
         ConfigError: bad ``db`` value (see :func:`resolve_db_url`).
         MissingExtraError: a PostgreSQL URL without psycopg installed (the message gives
             ``pip install 'edo-monitor[postgres]'``).
-        StoreError: the file is missing (readers), is not a database or not an edo-monitor
+        StoreError: the file is missing (readers), is read-only or in a read-only folder
+            (writers: :func:`check_file_writable`), is not a database or not an edo-monitor
             database, comes from a newer edo-monitor, the server cannot be reached, or another
             URL's driver is not installed.
     """
     # a URL made elsewhere: its relative SQLite path, too, fixed to the working folder now
     url = absolute_url(db) if isinstance(db, URL) else resolve_db_url(db, readonly=readonly)
+    if not readonly:  # a read-only file or folder said as such, not "unable to open"
+        check_file_writable(url)
     new_file = None if readonly else database_file(url)
     if new_file is not None and not new_file.exists():
         _create_history_file(new_file)

@@ -138,20 +138,33 @@ def check_writable(url: URL) -> None:
             "the agent's writer thread would see a different, empty database and nothing could "
             "read it after the run; give a file path (e.g. db='runs.db')"
         )
+    check_file_writable(url)
+
+
+def check_file_writable(url: URL) -> None:
+    """Check that a writer can write the SQLite file of ``url`` and its folder (SQLite creates
+    its ``-wal``, ``-shm`` and journal files there); nothing for other databases. Every writable
+    open does this (:func:`edo_monitor.store.engine.open_engine`), so ``prune`` and the agent
+    say the same thing, not SQLite's bare "unable to open database file".
+
+    Raises:
+        StoreError: the file or its folder is read-only for this process (permissions or a
+            read-only mount).
+    """
     path = database_file(url)
     if path is None:
         return
     if path.exists() and not os.access(path, os.R_OK | os.W_OK):
         raise StoreError(
             f"history database {str(path)!r} is read-only for this process; make it writable "
-            "or give another db= path"
+            "or give another database path (db=, --db)"
         )
     folder = path.parent if str(path.parent) else Path(".")
     if folder.exists() and not os.access(folder, os.W_OK | os.X_OK):
         raise StoreError(
             f"folder {str(folder)!r} of history database {str(path)!r} is read-only for this "
-            "process (SQLite writes its -wal and -shm files next to the database); give a db= "
-            "path in a writable folder"
+            "process (SQLite writes its -wal and -shm files next to the database); give a "
+            "database path (db=, --db) in a writable folder"
         )
 
 
