@@ -35,7 +35,10 @@ The ``padding_idx`` row stays exact (int8/low-rank keep it in a buffer; fp16/bf1
 row that the dtype cannot hold exactly). Refused: DDP/FSDP models, tied weights, a weight read
 outside its module's forward (``actions.tables.outside_use_blocker``; needs a recorded step),
 ``sparse=True`` and ``max_norm`` (both not preserved), ``scale_grad_by_freq`` on a trainable
-low-rank table, tables already at 16 bits or less.
+low-rank table, tables already at 16 bits or less, and every variant whose estimated saving is
+zero or less (int8 or int4 of a 1-column table: its per-row scale or per-group scale and
+zero-point outweigh the float; ``perrow`` when every row keeps full precision; a rank that is not
+smaller), the reason naming the bytes after and now.
 
 **Bytes saved.** The plan's ``estimated_saving_bytes`` and the recorded ``saved_bytes`` are the
 saving *after the next optimizer step*: the table's bytes now (weight, the dense gradient it has
@@ -284,12 +287,8 @@ class CompressEmbedding(Action):
                     return "per-row precision needs lookup counts (a LookupCounter on the table)"
                 if int(counter.counts(t.name).sum()) == 0:
                     return "per-row precision needs lookup counts (none counted yet)"
-        elif variant == "lowrank":
-            if w.requires_grad and opts.scale_grad_by_freq:
-                return "scale_grad_by_freq is not preserved by a trainable low-rank table"
-            factors = bytes_after_next_step(ctx, t, ("lowrank", self._rank(ctx, t)))
-            if factors.params_bytes >= t.params_bytes:
-                return f"rank {self._rank(ctx, t)} would not be smaller than the table"
+        elif variant == "lowrank" and w.requires_grad and opts.scale_grad_by_freq:
+            return "scale_grad_by_freq is not preserved by a trainable low-rank table"
         return None
 
     @staticmethod
@@ -315,6 +314,14 @@ class CompressEmbedding(Action):
         :func:`bytes_after_next_step` (the new tensors' gradient and optimizer state counted)."""
         after = bytes_after_next_step(ctx, t, self._compression(ctx, t, variant))
         return t.total_bytes - after.total_with_step_bytes
+
+    def _not_smaller(self, ctx: ActionContext, t: TableCandidate, variant: str, est: int) -> str:
+        """The refusal of a ``variant`` that saves ``est <= 0`` bytes, naming the bytes."""
+        what = f"rank {self._rank(ctx, t)}" if variant == "lowrank" else variant
+        return (
+            f"{what} would not be smaller: {t.total_bytes - est:,} bytes after the next step "
+            f"against {t.total_bytes:,} now (saves {est:,})"
+        )
 
     def _full_ids(self, ctx: ActionContext, table: str) -> torch.Tensor:
         """``perrow``: the ids that keep full precision, from the lookup counts (a pass over the
@@ -379,6 +386,9 @@ class CompressEmbedding(Action):
                 reasons.append(f"{t.name}: {blocker}")
                 continue
             est = self._estimate(ctx, t, variant)
+            if est <= 0:  # e.g. int8 of a 1-column table, perrow with every row counted cold
+                reasons.append(f"{t.name}: {self._not_smaller(ctx, t, variant, est)}")
+                continue
             details: dict[str, Any] = {
                 "variant": variant,
                 "trainable": bool(t.weight.requires_grad),

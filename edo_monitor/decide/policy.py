@@ -95,6 +95,7 @@ from edo_monitor.decide.ranking import (
     _ranked_reason,
     ineffective_reason,
     rank_lossy_plans,
+    skip_reason,
 )
 from edo_monitor.decide.trend import StepSeries, Trend
 from edo_monitor.errors import ConfigError
@@ -475,8 +476,8 @@ class Policy(_Forecasting):
     ) -> Plan | None:
         """Rung ``name``'s plan when it passes the filters (lock held); else its refusal is
         appended to ``refusals`` and ``None`` returned. Filters: ``release_cache``'s skip rules,
-        the planner's refusal, ``(action, target)`` pairs that failed before, that were
-        ineffective in this episode, or (advise mode) already advised in it."""
+        the planner's refusal, then :func:`skip_reason` (a saving of 0 bytes or less, pairs that
+        failed, were ineffective or, in advise mode, were advised)."""
         if name == "release_cache":
             skip = self._release_cache_skip(reading)
             if skip:
@@ -489,21 +490,10 @@ class Policy(_Forecasting):
         if isinstance(plan, Refusal):
             refusals.append(plan)
             return None
-        key = (plan.action, plan.target)
-        if key in self._failed:
-            refusals.append(Refusal(name, plan.target, "failed before on this target"))
-            return None
-        if key in self._ineffective:
-            refusals.append(
-                Refusal(
-                    name,
-                    plan.target,
-                    f"ineffective before in this episode: {self._ineffective[key]}",
-                )
-            )
-            return None
-        if self.mode == "advise" and key in self._advised:
-            refusals.append(Refusal(name, plan.target, "already advised in this episode"))
+        advised = self._advised if self.mode == "advise" else None
+        why = skip_reason(plan, self._failed, self._ineffective, advised)
+        if why is not None:
+            refusals.append(Refusal(name, plan.target, why))
             return None
         return plan
 

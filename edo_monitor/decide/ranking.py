@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from edo_monitor.decide.plans import (
@@ -85,6 +85,37 @@ def rank_lossy_plans(plans: Sequence[Plan]) -> list[Plan]:
         return (score is None, -(score or 0.0), order[id(plan)])
 
     return sorted(plans, key=key)
+
+
+def skip_reason(
+    plan: Plan,
+    failed: Container[tuple[str, str]],
+    ineffective: Mapping[tuple[str, str], str],
+    advised: Container[tuple[str, str]] | None = None,
+) -> str | None:
+    """Why the policy does not decide ``plan`` (a rung's plan under pressure or ahead of a
+    forecast crossing), or ``None`` when it may.
+
+    Skipped, in this order: a plan whose ``estimated_saving_bytes`` is 0 or less, whatever the
+    action (memory is short: a remedy that frees nothing, or grows the memory, is none; a
+    lossy one would also cost accuracy for it); an ``(action, target)`` pair in ``failed``
+    (failed before), in ``ineffective`` (its saving fell short in this episode; the value says
+    how) or in ``advised`` (advise mode: already advised in this episode; ``None`` otherwise).
+    ``grow_cache``, whose saving is negative by design, is decided elsewhere (calm, not pressure).
+    """
+    if plan.estimated_saving_bytes <= 0:
+        return (
+            f"saves nothing: estimated saving {plan.estimated_saving_bytes:,} bytes "
+            f"({format_bytes(max(plan.estimated_saving_bytes, 0))})"
+        )
+    key = (plan.action, plan.target)
+    if key in failed:
+        return "failed before on this target"
+    if key in ineffective:
+        return f"ineffective before in this episode: {ineffective[key]}"
+    if advised is not None and key in advised:
+        return "already advised in this episode"
+    return None
 
 
 def _error_text(plan: Plan) -> str:
