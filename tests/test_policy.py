@@ -111,6 +111,18 @@ def test_default_ladders() -> None:
     assert all(name in ACTIONS for name in Policy(allow_lossy=True).ladder)
 
 
+def test_the_docstring_names_the_default_ladders_in_order() -> None:
+    """The ``ladder`` argument's text lists the default rungs as the code has them (it left out
+    ``spill_embedding``)."""
+    import re
+
+    doc = (Policy.__doc__ or "") + (Policy.__init__.__doc__ or "")
+    text = doc[doc.index("ladder: action names") :].split("on_pressure:")[0]
+    named = [n for n in re.findall(r"``([a-z_]+)``", text) if n != "allow_lossy"]
+    assert tuple(named) == Policy(allow_lossy=True).ladder
+    assert "DEFAULT_LOSSLESS_LADDER" in text and "DEFAULT_LOSSY_LADDER" in text
+
+
 # ---------------------------------------------------------------- hysteresis
 
 

@@ -126,10 +126,12 @@ class Policy(_Forecasting):
         cooldown_steps: optimizer steps between two applied decisions (int >= 0).
         mode: ``"auto"``, ``"advise"`` or ``"observe"``.
         allow_lossy: allow lossy actions (``compress_embedding*``, ``share_embedding``).
-        ladder: action names in the order to try; default lossless
-            (``release_cache``, ``cache_embedding``, ``offload_embedding``,
-            ``checkpoint_activations``) then, with ``allow_lossy``, ``compress_embedding`` and
-            ``share_embedding``. Lossless rungs are tried in this order; lossy rungs are ranked
+        ladder: action names in the order to try; default
+            :data:`~edo_monitor.decide.plans.DEFAULT_LOSSLESS_LADDER` (``release_cache``,
+            ``cache_embedding``, ``spill_embedding``, ``offload_embedding``,
+            ``checkpoint_activations``) then, with ``allow_lossy``,
+            :data:`~edo_monitor.decide.plans.DEFAULT_LOSSY_LADDER` (``compress_embedding``,
+            ``share_embedding``). Lossless rungs are tried in this order; lossy rungs are ranked
             (see the module docstring), their order only breaks ties.
         on_pressure: called by the agent with each :class:`ThresholdCrossing` (see
             :meth:`call_on_pressure`).
