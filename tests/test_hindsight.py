@@ -135,42 +135,37 @@ def test_replay_of_the_observed_run_acts_like_the_tuned_one(runs: tuple[Path, in
 def test_replay_ranks_lossy_plans_by_expected_error_where_the_trace_allows(
     runs: tuple[Path, int, int],
 ) -> None:
-    """bf16 has an expected error offline (it needs no row values); int8 and low-rank do not
-    (they need the rows), so a bf16 plan outranks them whatever the ladder order."""
+    """bf16 has an expected error offline (it needs no row values); low-rank does not (it needs
+    the rows), so a bf16 plan outranks it whatever the ladder order. int8 is refused on this
+    trainable table, as live."""
     db, _, observed = runs
     policy = {
         "allow_lossy": True,
-        "ladder": ("compress_embedding_int8", "compress_embedding_bf16"),
+        "ladder": ("compress_embedding_lowrank", "compress_embedding_bf16"),
     }
     first = replay(db, observed, policy).decisions[0]
     assert first.action == "compress_embedding_bf16"
     assert first.expected_error == rounding_expected_error("bf16")
-    assert "runner-up compress_embedding_int8 on features" in first.reason
-    assert "at unknown" in first.reason  # int8's error is not known offline
+    assert "runner-up compress_embedding_lowrank on features" in first.reason
+    assert "at unknown" in first.reason  # low rank's error is not known offline
     policy["ladder"] = ("compress_embedding_int8", "compress_embedding_lowrank")
     first = replay(db, observed, policy).decisions[0]
-    assert first.action == "compress_embedding_int8" and first.expected_error is None
+    assert first.action == "compress_embedding_lowrank" and first.expected_error is None
 
 
-def test_replay_models_the_low_bit_compress_modes(runs: tuple[Path, int, int]) -> None:
-    """The low-bit actions (issue 24) were "not modelled offline" in a replayed ladder; their
-    saving is the recorded table's bytes less the estimator's, as for int8 (at 32 columns a group
-    is the row's 32 columns: int4's padded group of 64 made it as large as int8's row)."""
-    from edo_monitor.decide.estimate import estimate
-
+def test_replay_refuses_the_frozen_only_compress_modes_on_a_trainable_table(
+    runs: tuple[Path, int, int],
+) -> None:
+    """int8 and the low-bit modes store a frozen table: live refuses them on this trainable one,
+    and so does the replay, with the live reason (it decided them, saving bytes the run could not
+    save). Their savings on a frozen table: tests/test_replay_compress.py."""
     db, _, observed = runs
-    saving = {}
     for mode in ("int8", "int4", "int2", "2of8"):
         policy = {"allow_lossy": True, "ladder": (f"compress_embedding_{mode}",)}
-        first = replay(db, observed, policy).decisions[0]
-        assert first.action == f"compress_embedding_{mode}" and first.target == "features"
-        assert first.expected_error is None
-        saving[mode] = first.saving_bytes
-    want = {
-        mode: TABLE_BYTES - estimate(ROWS, DIM, optimizer="adam", compression=mode).total_bytes
-        for mode in saving
-    }
-    assert saving == want and want["int8"] < want["int4"] < want["int2"] < want["2of8"]
+        result = replay(db, observed, policy)
+        assert result.decisions == ()
+        reasons = {reason for _, refused in result.refusals for _, reason in refused}
+        assert reasons == {f"features: {mode} is for frozen tables (requires_grad=False)"}
 
 
 def test_explain_the_crossing(runs: tuple[Path, int, int]) -> None:

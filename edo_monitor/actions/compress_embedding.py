@@ -38,7 +38,9 @@ outside its module's forward (``actions.tables.outside_use_blocker``; needs a re
 low-rank table, tables already at 16 bits or less, and every variant whose estimated saving is
 zero or less (int8 or int4 of a 1-column table: its per-row scale or per-group scale and
 zero-point outweigh the float; ``perrow`` when every row keeps full precision; a rank that is not
-smaller), the reason naming the bytes after and now.
+smaller), the reason naming the bytes after and now. The rules that need only what a run
+records (the variant ``compress_embedding`` picks, 16 bits or less, frozen only, the rank, not
+smaller) are :mod:`edo_monitor.decide.compress_rules`, which ``replay`` calls too.
 
 **Bytes saved.** The plan's ``estimated_saving_bytes`` and the recorded ``saved_bytes`` are the
 saving *after the next optimizer step*: the table's bytes now (weight, the dense gradient it has
@@ -94,6 +96,12 @@ from edo_monitor.actions.tables import (
     sharing_users,
 )
 from edo_monitor.checks import whole_number
+from edo_monitor.decide.compress_rules import (
+    chosen_variant,
+    lowrank_rank,
+    not_smaller_reason,
+    variant_refusal,
+)
 from edo_monitor.decide.estimate import TableBytes, table_bytes
 from edo_monitor.decide.plans import Plan, Refusal, rounding_expected_error
 from edo_monitor.measure.accounting import tensor_bytes
@@ -128,7 +136,6 @@ VARIANTS: tuple[str, ...] = (
 )
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _LOW_BITS = {"int4": 4, "int2": 2}
-_FROZEN_ONLY = ("int8", "int4", "int2", "2of8", "perrow")
 PER_ROW_MODES: tuple[str, ...] = ("hot", "cold")
 
 
@@ -247,9 +254,7 @@ class CompressEmbedding(Action):
         self.name = "compress_embedding" if variant == "auto" else f"compress_embedding_{variant}"
 
     def _variant_for(self, t: TableCandidate) -> str:
-        if self.variant != "auto":
-            return self.variant
-        return "bf16" if t.weight.requires_grad else "int8"
+        return chosen_variant(self.variant, t.weight.requires_grad)
 
     def _blocker(self, ctx: ActionContext, t: TableCandidate, variant: str) -> str | None:
         opts = EmbeddingOptions.from_module(t.module)
@@ -264,8 +269,15 @@ class CompressEmbedding(Action):
             return "sparse=True is not preserved by compression"
         if opts.max_norm is not None:
             return "max_norm is not preserved by compression (it rewrites rows in place)"
-        if not w.is_floating_point() or w.element_size() <= 2:
-            return f"weight is {w.dtype}, already 16 bits or less"
+        rule = variant_refusal(
+            variant,
+            trainable=w.requires_grad,
+            dtype=str(w.dtype),
+            element_bytes=w.element_size(),
+            floating=w.is_floating_point(),
+        )
+        if rule:
+            return rule
         if variant in _DTYPES:
             tiny = torch.finfo(_DTYPES[variant]).tiny
             for eps in _group_values(ctx, w, "eps"):
@@ -278,24 +290,20 @@ class CompressEmbedding(Action):
                 row = w.detach()[opts.padding_idx]
                 if not torch.equal(row.to(_DTYPES[variant]).to(w.dtype), row):
                     return f"padding row is not exactly representable in {variant}"
-        elif variant in _FROZEN_ONLY:
-            if w.requires_grad:
-                return f"{variant} is for frozen tables (requires_grad=False)"
-            if variant == "perrow":
-                counter = ctx.lookup_counter
-                if counter is None or t.name not in counter.tables:
-                    return "per-row precision needs lookup counts (a LookupCounter on the table)"
-                if int(counter.counts(t.name).sum()) == 0:
-                    return "per-row precision needs lookup counts (none counted yet)"
+        elif variant == "perrow":
+            counter = ctx.lookup_counter
+            if counter is None or t.name not in counter.tables:
+                return "per-row precision needs lookup counts (a LookupCounter on the table)"
+            if int(counter.counts(t.name).sum()) == 0:
+                return "per-row precision needs lookup counts (none counted yet)"
         elif variant == "lowrank" and w.requires_grad and opts.scale_grad_by_freq:
             return "scale_grad_by_freq is not preserved by a trainable low-rank table"
         return None
 
     @staticmethod
     def _rank(ctx: ActionContext, t: TableCandidate) -> int:
-        d = int(t.module.embedding_dim)
-        n = int(t.module.num_embeddings)
-        return max(1, min(n, d, round(d * ctx.low_rank_fraction)))
+        n, d = int(t.module.num_embeddings), int(t.module.embedding_dim)
+        return lowrank_rank(n, d, ctx.low_rank_fraction)
 
     def _compression(self, ctx: ActionContext, t: TableCandidate, variant: str) -> Any:
         """``variant`` on ``t`` as a compression of :func:`~edo_monitor.decide.estimate.table_bytes`
@@ -318,10 +326,7 @@ class CompressEmbedding(Action):
     def _not_smaller(self, ctx: ActionContext, t: TableCandidate, variant: str, est: int) -> str:
         """The refusal of a ``variant`` that saves ``est <= 0`` bytes, naming the bytes."""
         what = f"rank {self._rank(ctx, t)}" if variant == "lowrank" else variant
-        return (
-            f"{what} would not be smaller: {t.total_bytes - est:,} bytes after the next step "
-            f"against {t.total_bytes:,} now (saves {est:,})"
-        )
+        return not_smaller_reason(what, t.total_bytes, est)
 
     def _full_ids(self, ctx: ActionContext, table: str) -> torch.Tensor:
         """``perrow``: the ids that keep full precision, from the lookup counts (a pass over the

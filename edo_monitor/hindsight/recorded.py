@@ -32,6 +32,8 @@ class _Table:
     cache_rows: int | None = None  # a modelled row cache
     on_device: bool = True
     counts_step: bool = False  # CPU-budget accounting counts the optimizer's step counters
+    #: whether it trains: a gradient recorded for it at any time (a frozen table records 0 bytes)
+    trainable: bool = False
 
     @property
     def total_bytes(self) -> int:
@@ -99,6 +101,11 @@ def _tables_at(
             t.grads_bytes = max(t.grads_bytes, values["grads_bytes"])
             t.optimizer_state_bytes = max(t.optimizer_state_bytes, values["optimizer_state_bytes"])
             t.placement = r["placement"]
+    for r in rows:  # every row, later ones too: before its first backward a table has no gradient
+        t = tables.get(r["module"])
+        if t is not None and int(r["grads_bytes"] or 0) > 0:
+            same_dtype = (r["dtype"] or "float32").removeprefix("torch.") == t.dtype
+            t.trainable |= same_dtype and int(r["params_bytes"] or 0) == t.params_bytes
     return tables
 
 
@@ -134,18 +141,31 @@ def _open(db: Any) -> tuple[Any, bool]:
     return History(db), True
 
 
-def _est(t: _Table, compression: Any) -> int:
-    from edo_monitor.decide.estimate import estimate
+def _est(t: _Table, compression: Any, *, trainable: bool = True) -> int:
+    """Bytes of recorded table ``t`` under ``compression`` after the next step
+    (:func:`edo_monitor.decide.estimate.table_bytes`, as the live actions count): its optimizer
+    by its recorded state (:attr:`_Table.optimizer`), the step counters where the run's
+    accounting counts them; with ``trainable=False`` a frozen table (no gradient, no state)."""
+    from edo_monitor.decide.estimate import _dtype, estimate, table_bytes
 
     dtype = t.dtype if t.dtype in ("float32", "float16", "bfloat16", "float64") else "float32"
-    est = estimate(
+    if trainable:
+        est = estimate(
+            t.num_embeddings,
+            t.embedding_dim,
+            dtype=dtype,
+            optimizer=t.optimizer,
+            compression=compression,
+        )
+        return est.total_with_step_bytes if t.counts_step else est.total_bytes
+    frozen = table_bytes(
         t.num_embeddings,
         t.embedding_dim,
-        dtype=dtype,
-        optimizer=t.optimizer,
-        compression=compression,
+        compression,
+        element_bytes=_dtype(dtype)[1],
+        trainable=False,
     )
-    return est.total_with_step_bytes if t.counts_step else est.total_bytes
+    return frozen.total_bytes
 
 
 def _sample_at(history: Any, run_id: int, time_s: float) -> dict[str, Any] | None:

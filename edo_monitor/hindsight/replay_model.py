@@ -7,9 +7,30 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from edo_monitor.decide.compress_rules import (
+    DEFAULT_GROUP_SIZE,
+    DEFAULT_LOW_RANK_FRACTION,
+    chosen_variant,
+    lowrank_rank,
+    not_smaller_reason,
+    variant_refusal,
+)
 from edo_monitor.decide.plans import Plan, Refusal, cache_rows_for, rounding_expected_error
 from edo_monitor.hindsight.recorded import CACHE_FLOOR_ROWS, MAX_CHECKPOINT_BLOCKS, _est, _Table
 from edo_monitor.units import format_bytes
+
+#: The compress actions replay models, by name → variant (``"auto"``: as the live action picks).
+#: ``compress_embedding_perrow`` needs the lookup counts per row: not modelled.
+_COMPRESS_VARIANTS = {
+    "compress_embedding": "auto",
+    "compress_embedding_bf16": "bf16",
+    "compress_embedding_fp16": "fp16",
+    "compress_embedding_int8": "int8",
+    "compress_embedding_int4": "int4",
+    "compress_embedding_int2": "int2",
+    "compress_embedding_2of8": "2of8",
+    "compress_embedding_lowrank": "lowrank",
+}
 
 #: The live plans' minimum resize (``actions.cache_embedding.MIN_RESIZE_BYTES``; this module
 #: imports no torch).
@@ -62,28 +83,49 @@ class _Model:
                 f"largest table {t.module} ({format_bytes(t.total_bytes)}) moves to host memory",
                 {"model": "offload"},
             )
-        variant = {
-            "compress_embedding": "bf16",
-            "compress_embedding_bf16": "bf16",
-            "compress_embedding_fp16": "fp16",
-            "compress_embedding_int8": "int8",
-            "compress_embedding_int4": "int4",
-            "compress_embedding_int2": "int2",
-            "compress_embedding_2of8": "2of8",
-            "compress_embedding_lowrank": f"lowrank:{max(1, t.embedding_dim // 2)}",
-        }.get(name)
+        variant = _COMPRESS_VARIANTS.get(name)
         if variant is None:
             return Refusal(name, "", f"not modelled offline: {name}")
-        saving = t.total_bytes - _est(t, variant)
-        expected = rounding_expected_error(variant) if variant in ("bf16", "fp16") else None
-        return Plan(
-            name,
-            t.module,
-            saving,
-            f"{t.module} to {variant} (the estimator)",
-            {"model": "compress", "compression": variant},
-            expected_error=expected,
-        )
+        return self._compress(name, variant, tables)
+
+    def _compress(self, name: str, variant: str, tables: list[_Table]) -> Plan | Refusal:
+        """``compress_embedding[_variant]`` as the live action plans it, from the recorded tables:
+        the largest table the shared rules (:mod:`edo_monitor.decide.compress_rules`) allow and
+        that the variant makes smaller, or the refusal of every one (reasons as the action's)."""
+        reasons = []
+        for t in tables:
+            chosen = chosen_variant(variant, t.trainable)
+            floating = t.dtype.startswith(("float", "bfloat"))
+            rule = variant_refusal(
+                chosen,
+                trainable=t.trainable,
+                dtype=f"torch.{t.dtype}",
+                element_bytes=t.element_bytes,
+                floating=floating,
+            )
+            if rule:
+                reasons.append(f"{t.module}: {rule}")
+                continue
+            what = compression = chosen
+            if chosen == "lowrank":
+                k = lowrank_rank(t.num_embeddings, t.embedding_dim, DEFAULT_LOW_RANK_FRACTION)
+                what, compression = f"rank {k}", f"lowrank:{k}"
+            elif chosen in ("int4", "int2", "2of8"):
+                compression = f"{chosen}:{DEFAULT_GROUP_SIZE}"
+            saving = t.total_bytes - _est(t, compression, trainable=t.trainable)
+            if saving <= 0:
+                reasons.append(f"{t.module}: {not_smaller_reason(what, t.total_bytes, saving)}")
+                continue
+            expected = rounding_expected_error(chosen) if chosen in ("bf16", "fp16") else None
+            return Plan(
+                name,
+                t.module,
+                saving,
+                f"{t.module} to {chosen} (the estimator)",
+                {"model": "compress", "compression": compression, "variant": chosen},
+                expected_error=expected,
+            )
+        return Refusal(name, tables[0].module if len(tables) == 1 else "", "; ".join(reasons))
 
     def _cache(self) -> Plan | Refusal:
         need = self.need()
@@ -191,7 +233,7 @@ class _Model:
             rows = int(plan.details["to_rows"])
             t.cache_rows = None if rows >= t.num_embeddings else rows
         elif kind == "compress":
-            after = _est(t, plan.details["compression"])
+            after = _est(t, plan.details["compression"], trainable=t.trainable)
             scale = after / t.total_bytes if t.total_bytes else 0.0
             t.params_bytes = int(t.params_bytes * scale)
             t.grads_bytes = int(t.grads_bytes * scale)
