@@ -75,3 +75,17 @@ def test_replay_of_a_trainable_table_refuses_int8_as_live(tmp_path: Path) -> Non
     )
     assert result.decisions == ()
     assert {reason for _, refused in result.refusals for _, reason in refused} == {frozen_only}
+
+
+@pytest.mark.timeout(120)
+def test_explain_counts_a_frozen_table_compressed_as_it_stays(tmp_path: Path) -> None:
+    """Regression: ``explain``'s remedies and staged plan costed every compression as for a
+    trainable table, adding a gradient a frozen table never gets: bf16 read a saving of 0 bytes
+    where it halves the table (256,000 bytes)."""
+    db = tmp_path / "frozen.db"
+    _live_run(db, True, ["release_cache"])
+    incident = edo_monitor.explain(str(db), "latest").incidents[0]
+    remedies = {r.action: r for r in incident.remedies}
+    assert remedies["compress_embedding_bf16"].saving_bytes == N * D * 2 == 256_000
+    stages = {s.action: s for s in incident.staged_plan.stages}
+    assert stages["quantize_bf16"].saving_bytes == 256_000

@@ -141,15 +141,16 @@ def _open(db: Any) -> tuple[Any, bool]:
     return History(db), True
 
 
-def _est(t: _Table, compression: Any, *, trainable: bool = True) -> int:
+def _est(t: _Table, compression: Any) -> int:
     """Bytes of recorded table ``t`` under ``compression`` after the next step
     (:func:`edo_monitor.decide.estimate.table_bytes`, as the live actions count): its optimizer
     by its recorded state (:attr:`_Table.optimizer`), the step counters where the run's
-    accounting counts them; with ``trainable=False`` a frozen table (no gradient, no state)."""
+    accounting counts them; a frozen table (:attr:`_Table.trainable` false: no gradient
+    recorded) with no gradient and no state, as it stays."""
     from edo_monitor.decide.estimate import _dtype, estimate, table_bytes
 
     dtype = t.dtype if t.dtype in ("float32", "float16", "bfloat16", "float64") else "float32"
-    if trainable:
+    if t.trainable:
         est = estimate(
             t.num_embeddings,
             t.embedding_dim,

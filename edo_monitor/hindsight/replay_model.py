@@ -112,7 +112,7 @@ class _Model:
                 what, compression = f"rank {k}", f"lowrank:{k}"
             elif chosen in ("int4", "int2", "2of8"):
                 compression = f"{chosen}:{DEFAULT_GROUP_SIZE}"
-            saving = t.total_bytes - _est(t, compression, trainable=t.trainable)
+            saving = t.total_bytes - _est(t, compression)
             if saving <= 0:
                 reasons.append(f"{t.module}: {not_smaller_reason(what, t.total_bytes, saving)}")
                 continue
@@ -233,7 +233,7 @@ class _Model:
             rows = int(plan.details["to_rows"])
             t.cache_rows = None if rows >= t.num_embeddings else rows
         elif kind == "compress":
-            after = _est(t, plan.details["compression"], trainable=t.trainable)
+            after = _est(t, plan.details["compression"])
             scale = after / t.total_bytes if t.total_bytes else 0.0
             t.params_bytes = int(t.params_bytes * scale)
             t.grads_bytes = int(t.grads_bytes * scale)
