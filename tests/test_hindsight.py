@@ -248,6 +248,9 @@ def test_parse_policy() -> None:
         parse_policy("min_free_fraction=half")
     with pytest.raises(ConfigError, match=r"expected true or false$"):
         parse_policy("allow_lossy=maybe")
+    # regression: the last of a key given twice won, silently
+    with pytest.raises(ConfigError, match=r"cooldown_steps is given twice \('cooldown_steps=9'\)"):
+        parse_policy("cooldown_steps=2,cooldown_steps=9")
     with pytest.raises(ConfigError, match="KEY=VALUE"):
         parse_policy("min_free_fraction")
 

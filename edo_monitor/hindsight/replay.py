@@ -41,7 +41,8 @@ def parse_policy(text: str) -> dict[str, Any]:
     ``allow_lossy`` takes ``true``/``false``. Values are checked by :class:`Policy` itself.
 
     Raises:
-        ConfigError: an unknown key, a missing ``=``, or a value of the wrong kind.
+        ConfigError: an unknown key, a missing ``=``, a key given twice, or a value of the
+            wrong kind.
     """
     out: dict[str, Any] = {}
     for part in (p.strip() for p in (text or "").split(",")):
@@ -52,6 +53,10 @@ def parse_policy(text: str) -> dict[str, Any]:
             raise ConfigError(
                 f"policy setting {part!r} is not allowed; expected KEY=VALUE with KEY one of "
                 f"{', '.join(_POLICY_KEYS)}"
+            )
+        if key in out:
+            raise ConfigError(
+                f"policy setting {key} is given twice ({part!r}); give each setting once"
             )
         kind = _POLICY_KEYS[key]
         try:
