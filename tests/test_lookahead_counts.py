@@ -43,3 +43,47 @@ def test_hit_rate_counts_every_loaded_row_once_as_a_miss(mode: str) -> None:
     assert s.hit_rate == pytest.approx(1 - s.misses / unique)
     expected = {"plain": 0.509, "lookahead": 0.555, "prefetch": 0.509}[mode]
     assert s.hit_rate == pytest.approx(expected, abs=0.001)
+
+
+@pytest.mark.parametrize("mode", ["lookahead", "prefetch", "resize", "flush", "load"])
+def test_entry_points_under_inference_mode_leave_the_table_trainable(mode: str) -> None:
+    """A LookAhead eval, ``prefetch``, ``resize``, ``flush`` or ``load_state_dict`` under
+    ``torch.inference_mode()`` on a cache keeping a victim order (its slot threshold lowered
+    here from 2^17) made inference tensors; the next training step raised "Inplace update to
+    inference tensor outside InferenceMode". Training after it still matches a resident twin."""
+    gen = torch.Generator().manual_seed(2)
+    w0 = torch.randn(N, D, dtype=torch.float64)
+    t = CachedEmbedding(N, D, 64, _weight=w0.clone())
+    t._victim_order_min_slots = 16  # the victim order from 16 slots (2^17 by default)
+    twin = torch.nn.Embedding(N, D, _weight=w0.clone())
+    opt, opt_twin = torch.optim.SGD([t.weight], lr=0.1), torch.optim.SGD(twin.parameters(), lr=0.1)
+    t.attach(opt)
+    train = [torch.randint(0, N, (40,), generator=gen) for _ in range(6)]
+    val = [torch.randint(0, N, (40,), generator=gen) for _ in range(4)]
+
+    def step(ids: torch.Tensor) -> None:
+        for table, o in ((t, opt), (twin, opt_twin)):
+            o.zero_grad()
+            table(ids).pow(2).sum().backward()
+            o.step()
+
+    for ids in train[:3]:
+        step(ids)
+    with torch.inference_mode():
+        if mode == "lookahead":
+            for ids in LookAhead(val, ahead=2, tables=t):
+                t(ids)
+        elif mode == "prefetch":
+            for ids in val:
+                t.prefetch(ids)
+                t(ids)
+        elif mode == "resize":
+            t.resize(48)
+            t.resize(96)
+        elif mode == "flush":
+            t.flush()
+        else:
+            t.load_state_dict(t.state_dict())
+    for ids in train[3:]:
+        step(ids)
+    torch.testing.assert_close(t.full_weight(), twin.weight.detach(), rtol=1e-12, atol=1e-12)

@@ -14,6 +14,7 @@ from edo_monitor.nn.cache_parts import (
     _is_row_buffer,
     _pinned_empty,
     _strip_row_buffers,
+    changes_cache,
     rebind_data,
 )
 from edo_monitor.nn.catch_up import _CHUNK_ELEMENTS
@@ -131,6 +132,7 @@ class _Checkpointing:
         rows._edo_row_buffer = True  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ flush, resize, resident
+    @changes_cache
     @torch.no_grad()
     def flush(self) -> None:
         """Bring every host row up to the current step and copy the cache to the host.
@@ -156,6 +158,7 @@ class _Checkpointing:
         used = (self.slot_to_block >= 0).nonzero().reshape(-1)
         self._write_back(used)
 
+    @changes_cache
     @torch.no_grad()
     def resize(self, cache_rows: int) -> None:
         """Change the cache to ``cache_rows`` rows (rounded up to whole blocks, at most the table).
@@ -367,6 +370,7 @@ def _module_state_dict_hook(
     state_dict.pop(prefix + "batch_rows", None)  # the touched rows' gradient holder: not state
 
 
+@changes_cache
 def _module_load_pre_hook(
     module: Any,
     state_dict: dict[str, Any],

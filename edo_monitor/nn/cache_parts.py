@@ -5,8 +5,9 @@ dicts leave the batch-row buffers out."""
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +76,24 @@ class CacheStats:
             "cache_rows_evicted": self.evicted,
             "cache_moved_bytes": self.h2d_bytes + self.d2h_bytes,
         }
+
+
+def changes_cache(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``method`` (an entry point that changes a cached table's state: loads, evicts,
+    resizes, writes back) outside ``torch.inference_mode()``, under ``no_grad``, as
+    ``forward`` does: a tensor the cache makes or reorders under inference mode is an inference
+    tensor, and the next training forward's in-place update of it raised ``Inplace update to
+    inference tensor outside InferenceMode`` (a ``LookAhead`` eval or ``table.prefetch()``
+    under inference mode broke the table for good)."""
+
+    @functools.wraps(method)
+    def outside(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_inference_mode_enabled():
+            return method(*args, **kwargs)
+        with torch.inference_mode(False), torch.no_grad():
+            return method(*args, **kwargs)
+
+    return outside
 
 
 def rebind_data(param: nn.Parameter, data: torch.Tensor) -> None:

@@ -129,6 +129,7 @@ from edo_monitor.nn.cache_parts import (
     CacheStats,
     _CacheFullError,
     _pinned_empty,
+    changes_cache,
     to_device,
 )
 from edo_monitor.nn.cache_rows import _RowMovement
@@ -420,6 +421,7 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _GradientLayout, _RowMovemen
         self._lookup_listeners[handle.id] = listener
         return handle
 
+    @changes_cache
     def prefetch(self, next_ids: torch.Tensor) -> None:
         """Load the rows of ``next_ids`` now (before the next forward needs them).
 

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from edo_monitor.checks import whole_number
-from edo_monitor.nn.cache_parts import _CacheFullError
+from edo_monitor.nn.cache_parts import _CacheFullError, changes_cache
 from edo_monitor.nn.cached import CachedTable
 
 __all__ = ["LookAhead", "first_int_tensor"]
@@ -385,6 +385,7 @@ class LookAhead:
             "batch's values; yield a new tensor for every batch (e.g. `yield buf.clone()`)"
         )
 
+    @changes_cache
     def _serve(self, table: CachedTable, window: deque[_Entry], served: list) -> None:
         """Before batch ``window[0]`` runs (the step before it has run): place the rows staged for
         it into the cache, load what is still missing (counted in :attr:`late_loads`), and stage
