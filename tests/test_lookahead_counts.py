@@ -87,3 +87,24 @@ def test_entry_points_under_inference_mode_leave_the_table_trainable(mode: str) 
     for ids in train[3:]:
         step(ids)
     torch.testing.assert_close(t.full_weight(), twin.weight.detach(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["plain", "lookahead", "prefetch"])
+def test_cache_written_before_the_first_load_is_refused_whatever_loads_first(mode: str) -> None:
+    """``nn.init`` on ``table.weight`` (the cache, not the table) is refused at the first load:
+    under a LookAhead (or ``prefetch``) the first batch's rows filled every slot before the first
+    lookup's check, and the write was dropped silently (training ran from the table's values)."""
+    batches = [
+        torch.randint(0, 1000, (64,), generator=torch.Generator().manual_seed(i)) for i in range(3)
+    ]
+    t = CachedEmbedding(1000, D, 32)
+    torch.nn.init.constant_(t.weight, 0.5)
+    opt = torch.optim.SGD([t.weight], lr=0.1)
+    with pytest.raises(ValueError, match="written before any row was loaded"):
+        source = LookAhead(batches, ahead=2, tables=t) if mode == "lookahead" else batches
+        for ids in source:
+            if mode == "prefetch":
+                t.prefetch(ids)
+            opt.zero_grad()
+            t(ids).sum().backward()
+            opt.step()

@@ -176,7 +176,15 @@ class _RowMovement:
         }
 
     def _place_staged(self, staged: dict[str, Any], slots: torch.Tensor) -> None:
-        """Put rows staged by :meth:`_stage_blocks` into free cache ``slots``."""
+        """Put rows staged by :meth:`_stage_blocks` into free cache ``slots``.
+
+        Raises:
+            ValueError: the first load, whatever loads (a forward, ``prefetch``, a
+                :class:`~edo_monitor.nn.lookahead.LookAhead`), finds the cache written before
+                any row was loaded (:meth:`_check_free_slots`).
+        """
+        if not getattr(self, "_cache_checked", True):
+            self._check_free_slots()  # before these slots are written: a prefetch hid the write
         blocks, w, st = staged["blocks"], staged["w"], staged["st"]
         _, rows = self._real_rows(blocks, slots)
         state = self._opt_state()
@@ -432,7 +440,7 @@ class _RowMovement:
 
     # ------------------------------------------------------------------ forward
     def _check_free_slots(self) -> None:
-        """At the first lookup: the cache's free slots are as made (zero). ``weight`` is the
+        """At the first load or lookup: the cache's free slots are as made (zero). ``weight`` is the
         cache ``(C, D)``, not the table: ``nn.init.normal_(table.weight)`` wrote only slots that
         no row used, the table kept its own values, and training went on from them, silently.
 

@@ -288,6 +288,7 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _GradientLayout, _RowMovemen
             top = torch.argsort(self.block_freq, descending=True, stable=True)[:slots]
             with torch.no_grad():
                 self._load_blocks(top[self.block_freq[top] > 0])
+            self._cache_checked = False  # the preload checked a cache none could write yet
 
     def _host_empty(self, shape: Sequence[int]) -> torch.Tensor:
         """A host tensor for full-table state: the disk tier's allocator when given, else pinned
