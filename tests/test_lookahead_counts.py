@@ -108,3 +108,32 @@ def test_cache_written_before_the_first_load_is_refused_whatever_loads_first(mod
             opt.zero_grad()
             t(ids).sum().backward()
             opt.step()
+
+
+class _Rewinding:
+    """Its own iterator: raises StopIteration at the end of an epoch, then rewinds."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.i, self.calls = n, 0, 0
+
+    def __iter__(self) -> _Rewinding:
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        self.calls += 1
+        if self.i >= self.n:
+            self.i = 0
+            raise StopIteration
+        self.i += 1
+        return torch.tensor([self.i - 1])
+
+
+def test_loader_end_is_final_for_the_epoch() -> None:
+    """After the loader's StopIteration it is not called again: a rewinding iterator's epoch
+    ended with batches 0-4 twice, three times... (20 of 20 taken) and never stopped."""
+    loader = _Rewinding(5)
+    t = CachedEmbedding(10, 2, 4)
+    got = [int(b) for b in LookAhead(loader, ahead=3, tables=t)]
+    assert got == [0, 1, 2, 3, 4]
+    assert loader.calls == 6  # five batches and one StopIteration
+    assert [int(b) for b in LookAhead(loader, ahead=3, tables=t)] == [0, 1, 2, 3, 4]

@@ -305,15 +305,17 @@ class LookAhead:
         window: deque[_Entry] = deque()
         count = 0
         failed: list[Exception] = []  # the loader's exception, raised once the window drains
+        exhausted = False  # the loader's StopIteration is final for this epoch: not called again
 
         def pull() -> bool:
-            nonlocal count
-            if failed:
+            nonlocal count, exhausted
+            if failed or exhausted:
                 return False
             waiting = [(e, t, t._version) for e in window for t in e.tensors]
             try:
                 batch = next(it)
-            except StopIteration:
+            except StopIteration:  # an iterator that rewinds would mix the next epoch in
+                exhausted = True
                 return False
             except Exception as err:  # the plain loop raises it after the batches read before
                 failed.append(err)
