@@ -137,3 +137,21 @@ def test_loader_end_is_final_for_the_epoch() -> None:
     assert got == [0, 1, 2, 3, 4]
     assert loader.calls == 6  # five batches and one StopIteration
     assert [int(b) for b in LookAhead(loader, ahead=3, tables=t)] == [0, 1, 2, 3, 4]
+
+
+def test_lookup_that_does_not_fit_counts_what_happened() -> None:
+    """50 ids under no_grad, 10 of them cached, in a 10-row cache: read from the host, nothing
+    loaded into the cache. It counted 40 forward loads and 10 hits with no miss (hit rate 1.0);
+    now 0 forward loads, 10 hits, 40 misses (read from the host: their weight bytes moved)."""
+    t = CachedEmbedding(1000, 2, 10)
+    t.attach(torch.optim.SGD([t.weight], lr=0.1))
+    with torch.no_grad():
+        t(torch.arange(10))
+        before = t.stats()
+        out = t(torch.arange(50))
+    s = t.stats()
+    torch.testing.assert_close(out, t.full_weight()[:50])
+    assert s.forward_loads - before.forward_loads == 0
+    assert (s.hits - before.hits, s.misses - before.misses) == (10, 40)
+    assert s.h2d_bytes - before.h2d_bytes == 40 * 2 * 4
+    assert s.cache_rows == 10

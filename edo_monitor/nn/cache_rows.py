@@ -538,12 +538,29 @@ class _RowMovement:
         unique rows ``(U, D)`` on the device, current at step t, each id's place among them
         (host int64, ``input``'s shape) and the padding row's place. Cached rows are caught up
         in place; the others are read from the host and caught up in a copy: nothing is loaded,
-        evicted or grown (an evaluation over more ids than the cache holds grew it for good)."""
+        evicted or grown (an evaluation over more ids than the cache holds grew it for good).
+
+        Counted as what happened: the cached blocks not loaded ahead are hits, the others read
+        from the host misses (their weight bytes ``h2d_bytes``), no ``forward_loads`` (none was
+        loaded into the cache; 50 ids with 10 cached counted 40 forward loads and a hit rate
+        of 1.0, now 10 hits and 40 misses, 0.2)."""
         ids = self._host_ids(input)
         uniq, place = torch.unique(ids, return_inverse=True)
         r = self.block_rows
-        slots = self.block_to_slot.index_select(0, uniq // r if r > 1 else uniq)
+        blocks = uniq // r if r > 1 else uniq
+        slots = self.block_to_slot.index_select(0, blocks)
         cached = slots >= 0
+        ublocks = torch.unique(blocks) if r > 1 else blocks
+        found = ublocks.masked_select(self.block_to_slot.index_select(0, ublocks) >= 0)
+        marks = self._ahead_marks()
+        hits = int((~marks.index_select(0, found)).sum())
+        put_rows(marks, found, False)
+        far_rows = int((~cached).sum())
+        self._count(
+            hits=hits,
+            misses=int(ublocks.numel() - found.numel()),
+            h2d_bytes=far_rows * self.embedding_dim * self.weight.element_size(),
+        )
         dev = self.device
         rows = torch.empty(uniq.numel(), self.embedding_dim, dtype=self.weight.dtype, device=dev)
         if bool(cached.any()):
