@@ -155,3 +155,33 @@ def test_lookup_that_does_not_fit_counts_what_happened() -> None:
     assert (s.hits - before.hits, s.misses - before.misses) == (10, 40)
     assert s.h2d_bytes - before.h2d_bytes == 40 * 2 * 4
     assert s.cache_rows == 10
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_no_table_to_serve_passes_batches_through_without_ids(dense: bool) -> None:
+    """``tables=None`` or a model with no cached table yet: ``ids(batch)`` is not called, the
+    batches pass through (a float-only batch raised "holds no integer tensor")."""
+    batches = [(torch.randn(4, 3), torch.randn(4)) for _ in range(3)]
+    tables = torch.nn.Sequential(torch.nn.Linear(3, 1)) if dense else None
+    got = list(LookAhead(batches, ahead=2, tables=tables))
+    assert len(got) == 3 and all(g is b for g, b in zip(got, batches, strict=True))
+
+
+def test_ids_called_once_a_batch_when_the_mapping_leaves_a_table_out() -> None:
+    """A mapping naming one of two cached tables: ``ids()`` was called again for every waiting
+    batch at every step (414 calls for 50 batches at ``ahead=8``); now once a batch."""
+    model = torch.nn.ModuleDict(
+        {"a": CachedEmbedding(100, 2, 20), "b": CachedEmbedding(100, 2, 20)}
+    )
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 100, (8,), generator=gen) for _ in range(50)]
+    calls = []
+
+    def ids(b: torch.Tensor) -> dict[str, torch.Tensor]:
+        calls.append(b)
+        return {"a": b}
+
+    for b in LookAhead(batches, ahead=8, ids=ids, tables=model):
+        model["a"](b)
+        model["b"](b)
+    assert len(calls) == 50
