@@ -7,6 +7,8 @@ Real tables, real training loops; the streams are Zipf ids.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -185,3 +187,23 @@ def test_ids_called_once_a_batch_when_the_mapping_leaves_a_table_out() -> None:
         model["a"](b)
         model["b"](b)
     assert len(calls) == 50
+
+
+def _ring_loader(data: torch.Tensor, ring_size: int) -> Iterator[torch.Tensor]:
+    ring = torch.empty(ring_size, data.shape[1], dtype=data.dtype)
+    for i in range(len(data)):
+        slot = ring[i % ring_size]
+        slot.copy_(data[i])
+        yield slot
+
+
+def test_ring_of_buffers_views_of_one_tensor_is_not_refused() -> None:
+    """A ring of 16 preallocated buffers (rows of one tensor), ahead=4: no waiting batch is
+    written, yet the shared version counter made it "the loader wrote into batch 0"; the
+    batches now come through exact. A ring of 3 (rows rewritten while waiting) is refused."""
+    data = torch.randint(0, 100, (40, 8), generator=torch.Generator().manual_seed(0))
+    t = CachedEmbedding(100, 2, 30)
+    got = [b.clone() for b in LookAhead(_ring_loader(data, 16), ahead=4, tables=t)]
+    assert torch.equal(torch.stack(got), data)
+    with pytest.raises(ValueError, match="the loader wrote into batch 0"):
+        list(LookAhead(_ring_loader(data, 3), ahead=4, tables=CachedEmbedding(100, 2, 30)))

@@ -114,6 +114,32 @@ def _versioned(t: torch.Tensor) -> bool:
     return True
 
 
+def _region(t: torch.Tensor) -> tuple[int, int, int]:
+    """The storage (its address) and the bytes ``[start, end)`` in it that ``t`` covers."""
+    size = t.element_size()
+    start = t.storage_offset() * size
+    steps = zip(t.shape, t.stride(), strict=True)
+    extent = 0 if t.numel() == 0 else 1 + sum((n - 1) * s for n, s in steps)
+    return t.untyped_storage().data_ptr(), start, start + extent * size
+
+
+def _written_elsewhere(t: torch.Tensor, written: list[torch.Tensor]) -> bool:
+    """Whether the write that changed ``t``'s version counter (shared by every view of one
+    tensor) is explained by the new batch's tensors ``written``: one of them in ``t``'s
+    storage, none covering bytes of ``t`` (a ring of buffers, rows of one tensor, was refused
+    as "one buffer reused")."""
+    where, start, end = _region(t)
+    shared = False
+    for other in written:
+        o_where, o_start, o_end = _region(other)
+        if o_where != where:
+            continue
+        if o_start < end and start < o_end:
+            return False
+        shared = True
+    return shared
+
+
 class _Entry:
     """A batch read ahead: its number, the batch, its tensors one level deep (the batch, its
     tuple/list items, its dict values: watched for the loader writing into them), its unique
@@ -322,10 +348,11 @@ class LookAhead:
             except Exception as err:  # the plain loop raises it after the batches read before
                 failed.append(err)
                 return False
+            new = _Entry(count, batch)
             for entry, t, version in waiting:
-                if t._version != version:
+                if t._version != version and not _written_elsewhere(t, new.tensors):
                     raise self._reused_buffer(entry, t, count)
-            window.append(_Entry(count, batch))
+            window.append(new)
             count += 1
             return True
 
