@@ -207,3 +207,30 @@ def test_ring_of_buffers_views_of_one_tensor_is_not_refused() -> None:
     assert torch.equal(torch.stack(got), data)
     with pytest.raises(ValueError, match="the loader wrote into batch 0"):
         list(LookAhead(_ring_loader(data, 3), ahead=4, tables=CachedEmbedding(100, 2, 30)))
+
+
+def test_shrink_under_a_look_ahead_keeps_the_windows_rows() -> None:
+    """A shrink while a LookAhead serves the table kept rows by LFU count alone: the window's
+    10 rows written back (10 late loads right after), 20 rows no batch uses again kept. Now
+    the window's rows are kept (0 late loads), and training matches a resident twin."""
+    hot, later = torch.arange(0, 20), torch.arange(50, 60)
+    batches = [hot] * 10 + [later] * 10
+    w0 = torch.randn(100, 2, dtype=torch.float64)
+    t = CachedEmbedding(100, 2, 40, _weight=w0.clone())
+    twin = torch.nn.Embedding(100, 2, _weight=w0.clone())
+    opt, opt_twin = torch.optim.SGD([t.weight], lr=0.1), torch.optim.SGD(twin.parameters(), lr=0.1)
+    t.attach(opt)
+    source = LookAhead(batches, ahead=4, tables=t)
+    late = None
+    for i, ids in enumerate(source):
+        for table, o in ((t, opt), (twin, opt_twin)):
+            o.zero_grad()
+            table(ids).sum().backward()
+            o.step()
+        if i == 11:
+            late = source.late_loads
+            t.resize(20)
+            kept = set(t.slot_to_block[t.slot_to_block >= 0].tolist())
+            assert set(later.tolist()) <= kept
+    assert source.late_loads - late == 0
+    torch.testing.assert_close(t.full_weight(), twin.weight.detach(), rtol=1e-12, atol=1e-12)

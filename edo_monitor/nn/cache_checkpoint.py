@@ -164,9 +164,10 @@ class _Checkpointing:
         """Change the cache to ``cache_rows`` rows (rounded up to whole blocks, at most the table).
 
         Growing keeps every cached row in its slot. Shrinking keeps the rows used since the last
-        optimizer step and then the most valuable ones (by the eviction policy), writing the others
-        back. The same ``Parameter`` object is kept (its data, gradient and optimizer state are
-        rebound to new tensors), so the optimizer keeps stepping it.
+        optimizer step, then those a serving :class:`~edo_monitor.nn.lookahead.LookAhead`'s
+        window uses (soonest first), then the most valuable ones (by the eviction policy),
+        writing the others back. The same ``Parameter`` object is kept (its data, gradient and
+        optimizer state are rebound to new tensors), so the optimizer keeps stepping it.
 
         Raises:
             ValueError: ``cache_rows < 1``, or fewer rows than those used since the last step.
@@ -191,6 +192,9 @@ class _Checkpointing:
                 score = self.block_freq[self.slot_to_block[used]] * (self._tick + 1) + last
             else:
                 score = last.clone()
+            la = self._lookahead
+            if la is not None:  # the rows the look-ahead's window uses next are kept first
+                score = la.score(self, self.slot_to_block[used], score)
             score = torch.where(pinned, torch.iinfo(torch.int64).max, score)
             order = torch.argsort(score, descending=True, stable=True)
             keep, drop = used[order[:new_slots]], used[order[new_slots:]]
