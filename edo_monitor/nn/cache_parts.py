@@ -30,7 +30,11 @@ class CacheStats:
 
     ``*_step`` values cover the forwards since the last optimizer step (or since the last
     :meth:`CachedTable.reset_step_stats`); the others are totals. Hits and misses count unique
-    ids per forward; ``lookups``/``lookup_hits`` count every looked-up id (repeats too).
+    ids (blocks) per forward: a hit is a row found cached that was not loaded ahead of the
+    forward; every row loaded is one miss, those loaded ahead by ``prefetch`` or a
+    ``LookAhead`` too (their first lookup is no hit), and so is a row a lookup that does not
+    fit the cache reads from the host. ``lookups``/``lookup_hits`` count every looked-up id
+    (repeats too), a hit being any row in the cache when the forward ran.
     ``h2d_bytes``/``d2h_bytes``: weight and optimizer-state bytes moved
     host→device (loads) and device→host (write-backs).
     """
@@ -55,7 +59,8 @@ class CacheStats:
 
     @property
     def hit_rate(self) -> float | None:
-        """``hits / (hits + misses)`` over all forwards (``None`` before the first)."""
+        """``hits / (hits + misses)`` over all forwards (``None`` before the first): when every
+        row loaded is looked up, ``1 - rows loaded / unique ids looked up``."""
         total = self.hits + self.misses
         return self.hits / total if total else None
 
