@@ -92,11 +92,12 @@ def lookahead_rates(
 ) -> tuple[float, float, float]:
     """(unique-id hit rate, critical-path loads / lookups, ms per batch) of a 1-column table fed
     ``stream`` in batches, plain (``ahead=None``) or through ``LookAhead(ahead)``. The hit rate
-    counts every load as a miss, staged or not: ``1 - loads / unique ids``; critical-path loads:
-    inside the forward, or (look-ahead) at the batch's own ``next()`` (``late_loads``)."""
+    is ``stats().hit_rate``, every load a miss, staged or not (``1 - loads / unique ids``, which
+    this benchmark computed itself while a staged row counted as a hit too: the same figures);
+    critical-path loads: inside the forward, or (look-ahead) at the batch's own ``next()``
+    (``late_loads``)."""
     table = CachedEmbedding(rows, 1, cache_rows, policy=policy, _freeze=True, overflow="error")
     batches = [stream[s : s + batch] for s in range(0, stream.numel(), batch)]
-    unique = sum(int(torch.unique(b).numel()) for b in batches)
     source = batches if ahead is None else LookAhead(batches, ahead, lambda b: b, table)
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -105,7 +106,7 @@ def lookahead_rates(
     ms = (time.perf_counter() - t0) / len(batches) * 1e3
     st = table.stats()
     critical = st.forward_loads + (source.late_loads if ahead is not None else 0)
-    return 1 - st.misses / unique, critical / st.lookups, ms
+    return st.hit_rate or 0.0, critical / st.lookups, ms
 
 
 def device_row_bytes() -> list[tuple[str, int, int, int]]:
