@@ -365,6 +365,7 @@ def test_nested_blocks_are_counted_once_in_the_snapshot_and_in_explain(tmp_path:
     up ``b1``, ``b1.attn``, ``b2``, ``b2.attn``. Now the snapshot's blocks add up to the reading
     and the remedy names the two blocks with their recorded bytes."""
     from edo_monitor.hindsight.explain import explain
+    from edo_monitor.hindsight.recorded import _activations_at, _load
 
     torch.manual_seed(0)
     model = nn.Sequential()
@@ -388,7 +389,8 @@ def test_nested_blocks_are_counted_once_in_the_snapshot_and_in_explain(tmp_path:
         crossing = h.events(mon.run_id, kind="threshold_crossed")[0]
         info = find_snapshot(h, mon.run_id, crossing.id)
         snap = load_snapshot(h, info)
-        recorded = {m.module: m.activations_bytes for m in h.modules(mon.run_id)}
+        _, rows, _ = _load(h, mon.run_id)
+        recorded = _activations_at(rows, crossing.time_s)  # the rows explain reads
         incident = explain(h, mon.run_id, event=crossing.id).incidents[0]
     assert totals(snap).allocated_bytes == crossing.data["in_use_bytes"]
     assert recorded["b1"] > recorded["b1.attn"] > 0  # a block holds its layer's bytes
