@@ -154,8 +154,28 @@ _COMPRESSION_ARGS = {
 }
 
 
+class _Totals:
+    """The two totals of a table's byte counts (:class:`Estimate`, :class:`TableBytes`)."""
+
+    params_bytes: int
+    grads_bytes: int
+    optimizer_state_bytes: int
+    step_state_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        """Device bytes: params + grads + per-element optimizer state (step counters and other
+        per-tensor state excluded)."""
+        return self.params_bytes + self.grads_bytes + self.optimizer_state_bytes
+
+    @property
+    def total_with_step_bytes(self) -> int:
+        """Every byte, step counters included: what CPU-budget accounting measures."""
+        return self.total_bytes + self.step_state_bytes
+
+
 @dataclass(frozen=True)
-class Estimate:
+class Estimate(_Totals):
     """Bytes of one embedding table in training (see the module docstring for every rule).
 
     Attributes:
@@ -184,16 +204,6 @@ class Estimate:
     grads_bytes: int
     optimizer_state_bytes: int
     step_state_bytes: int
-
-    @property
-    def total_bytes(self) -> int:
-        """Device bytes: params + grads + optimizer state (step counters excluded)."""
-        return self.params_bytes + self.grads_bytes + self.optimizer_state_bytes
-
-    @property
-    def total_with_step_bytes(self) -> int:
-        """Every byte, step counters included: what CPU-budget accounting measures."""
-        return self.total_bytes + self.step_state_bytes
 
     def as_dict(self) -> dict[str, Any]:
         """The inputs and every byte count (totals included) as a plain, JSON-ready dict."""
@@ -362,7 +372,7 @@ def estimate(
 
 
 @dataclass(frozen=True)
-class TableBytes:
+class TableBytes(_Totals):
     """Bytes of one (compressed) table once an optimizer step has run on it: what
     :func:`table_bytes` returns.
 
@@ -381,16 +391,6 @@ class TableBytes:
     optimizer_state_bytes: int
     step_state_bytes: int
     trainable_tensors: int
-
-    @property
-    def total_bytes(self) -> int:
-        """params + grads + per-element optimizer state."""
-        return self.params_bytes + self.grads_bytes + self.optimizer_state_bytes
-
-    @property
-    def total_with_step_bytes(self) -> int:
-        """Every byte, the per-tensor state included."""
-        return self.total_bytes + self.step_state_bytes
 
 
 def table_bytes(
