@@ -405,8 +405,6 @@ class _RowMovement:
             slots = self.block_to_slot.index_select(0, blocks)
         hit = slots >= 0
         miss = blocks.masked_select(~hit)
-        marks = self._ahead_marks()
-        hits = int((~marks.index_select(0, blocks.masked_select(hit))).sum())  # not loaded ahead
         if miss.numel():
             try:
                 new = self._evict(miss.numel(), slots.masked_select(hit), for_batch=True)
@@ -434,6 +432,8 @@ class _RowMovement:
                 self._load_blocks(miss, new, catch_up=False)  # _remap catches up every row
                 slots = self.block_to_slot.index_select(0, blocks)
         if count:  # counted once the rows are in: a batch that did not fit loaded nothing
+            marks = self._ahead_marks()  # the cached blocks' marks: loading misses left them
+            hits = int((~marks.index_select(0, blocks.masked_select(hit))).sum())
             self._count(hits=hits, forward_loads=int(miss.numel()))
             put_rows(marks, blocks, False)  # looked up: a later lookup of these rows is a hit
         return slots
