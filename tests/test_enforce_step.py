@@ -4,6 +4,7 @@ there comes before the optimizer's step, as a GPU's would (agent/grads_alive.py)
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -49,9 +50,17 @@ def test_the_first_step_fails_in_the_backward_at_the_gradient_before_the_optimiz
     before = [p.detach().clone() for p in model.parameters()]
     with edo_monitor.watch(model, opt, db=db_path, budget=6 * MiB, enforce=True) as mon:
         loss = model(ids).pow(2).mean()
-        walks = []  # the model's accounting walks while the error is checked and recorded
-        account = mon._account
-        mon._account = lambda **kw: walks.append(kw) or account(**kw)  # type: ignore[method-assign]
+        # the training thread's accounting walks while the error is checked and recorded (the
+        # sampler's thread walks on its own clock, without gradients: not counted here)
+        walks = []
+        account, training_thread = mon._account, threading.get_ident()
+
+        def counted(**kw: bool) -> object:
+            if threading.get_ident() == training_thread:
+                walks.append(kw)
+            return account(**kw)
+
+        mon._account = counted  # type: ignore[method-assign]
         with pytest.raises(edo_monitor.BudgetOutOfMemoryError) as caught:
             loss.backward()
         del mon._account
