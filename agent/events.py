@@ -68,6 +68,14 @@ class EventLog:
         self.counts[kind] += 1
         if kind == "action":
             self.actions.append(dict(data or {}))
+        elif kind == "action_measured" and data and data["comparable"]:  # shown beside it
+            for action in reversed(self.actions):
+                if (action.get("action"), action.get("target")) == (
+                    data["action"],
+                    data["target"],
+                ):
+                    action["measured_saved_bytes"] = data["saved_bytes"]
+                    break
         if step is None:
             step = self._step()
         if time_s is None:

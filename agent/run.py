@@ -148,9 +148,7 @@ class RunSummary:
         if self.agent_errors:
             lines.append(f"agent errors (training went on) {self.agent_errors}")
         lines += [
-            f"action {a.get('action')} on {a.get('target')}: saved "
-            f"{format_bytes(a.get('saved_bytes'))} in {a.get('duration_s', 0.0):.3f} s"
-            for a in self.actions
+            f"action {a.get('action')} on {a.get('target')}: {_saved(a)}" for a in self.actions
         ]
         if self.samples_dropped or self.store_problem:
             nw = self.rows_not_written
@@ -298,3 +296,18 @@ class RunRecord:
                 logger.exception("edo-monitor: could not record the end of run %d", self.run_id)
         if self.engine is not None:
             self.engine.dispose()
+
+
+def _saved(action: dict[str, Any]) -> str:
+    """An applied action's saving as the summary says it: measured, or the estimate until a
+    measurement came (``checkpoint_activations``: the next recorded forward)."""
+    took = f"in {action.get('duration_s', 0.0):.3f} s"
+    measured = action.get("measured_saved_bytes")
+    if measured is not None:
+        return (
+            f"saved {format_bytes(measured)} measured on the next forward (estimated "
+            f"{format_bytes(action.get('saved_bytes'))}) {took}"
+        )
+    if (action.get("details") or {}).get("after_is_estimate"):
+        return f"saved {format_bytes(action.get('saved_bytes'))} (estimate) {took}"
+    return f"saved {format_bytes(action.get('saved_bytes'))} {took}"

@@ -90,6 +90,10 @@ class SafePoint:
         self._last_static_bytes = 0
         self._recorder: ActivationRecorder | None = None
         self._profiled_at_s = -float("inf")
+        # applied actions whose saving the next recorded forward measures: waiting for a
+        # recording to start, and measured by the one running
+        self._to_measure: list[tuple[Any, Any, Any]] = []
+        self._measuring: list[tuple[Any, Any, Any]] = []
         self._leaks = GrowthDetector()  # steady growth of saved tensors across steps
         # per table weight: its gradient (a weak reference) and version as its optimizer's last
         # step left it (grad_spent); per optimizer: the table weights it steps
@@ -457,6 +461,7 @@ class SafePoint:
         tracker = m._tracker
         chain = (tracker.pack, tracker.unpack) if tracker is not None else None
         self._recorder = ActivationRecorder(m.model, chain=chain).__enter__()
+        self._measuring, self._to_measure = self._to_measure, []
 
     def collect_activation_profile(self) -> None:
         """End the recording armed at the previous boundary: its profile becomes
@@ -471,6 +476,17 @@ class SafePoint:
         profile = recorder.profile()
         self.m.activation_profile = profile
         self.m._module_rows.write_activations(profile.exclusive_bytes, time.time())
+        measuring, self._measuring = self._measuring, []
+        for decision, result, before in measuring:
+            self.m._tuner.record_measured(decision, result, before, profile)
+
+    def measure_after(self, decision: Any, result: Any) -> None:
+        """Measure applied ``result``'s saving (of ``decision``) on the next recorded forward,
+        against the profile it was planned from: one is recorded from the next boundary on,
+        whatever ``profile_interval_s`` says (a recording already running began before the
+        action and does not count)."""
+        self._to_measure.append((decision, result, self.m.activation_profile))
+        self._profiled_at_s = -float("inf")
 
     def close_recorder(self) -> None:
         """Stop a recording still armed (the run is ending)."""

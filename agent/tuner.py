@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from edo_monitor.actions.base import ActionContext, ActionResult
+from edo_monitor.actions.checkpoint_activations import ActivationProfile
 from edo_monitor.actions.registry import ACTIONS
 from edo_monitor.decide.policy import Policy
 from edo_monitor.decide.policy_events import Decision, Forecast, ForecastOutcome, ThresholdCrossing
@@ -204,6 +205,57 @@ class Tuner:
             },
         )
 
+    def record_measured(
+        self,
+        decision: Decision,
+        result: ActionResult,
+        before: ActivationProfile | None,
+        after: ActivationProfile,
+    ) -> None:
+        """Training thread: the saving of an applied action whose result held an estimate
+        (``checkpoint_activations``), measured on ``after``, the first forward recorded after it:
+        the saved-activation bytes of ``before`` (the profile it was planned and applied from,
+        ``result.bytes_before``) minus ``after``'s.
+
+        Records an ``action_measured`` event. When the rest of the forward saved the same bytes in
+        both (:meth:`ActivationProfile.outside`: the same batch shapes), the policy and its
+        forecast take the measured figure and, below half the estimate, an ``action_ineffective``
+        is recorded; otherwise (another batch) the difference is not the action's and is not
+        judged: the estimate stands."""
+        measured = result.bytes_before - after.total_bytes
+        blocks = result.details.get("blocks", ())
+        comparable = before is not None and before.outside(blocks) == after.outside(blocks)
+        estimated = result.estimated_saving_bytes
+        self.m._emit(
+            "action_measured",
+            f"{result.action} on {result.target}: measured saving {format_bytes(measured)} on "
+            f"the next recorded forward (estimated {format_bytes(estimated)})"
+            + ("" if comparable else "; not judged: the rest of that forward saved other bytes"),
+            {
+                "action": result.action,
+                "target": result.target,
+                "decided_at_step": decision.step,
+                "estimated_saving_bytes": estimated,
+                "saved_bytes": measured,
+                "bytes_before": result.bytes_before,
+                "bytes_after": after.total_bytes,
+                "comparable": comparable,
+            },
+        )
+        if not comparable:
+            return
+        why = self._policy.remeasured(decision, result.saved_bytes, measured)
+        if why is not None:
+            self._emit_ineffective(result, why)
+
+    def _emit_ineffective(self, result: ActionResult, why: str) -> None:
+        """An ``action_ineffective`` event: the ladder moves on from ``result``'s target."""
+        self.m._emit(
+            "action_ineffective",
+            f"{result.action} on {result.target} ineffective: {why}",
+            {"action": result.action, "target": result.target, "reason": why},
+        )
+
     def deliver_pressure_hooks(self) -> None:
         """Training thread: the policy's ``on_pressure`` hooks, one call per crossing seen."""
         while self.pressure_queue:
@@ -293,6 +345,8 @@ class Tuner:
         # resolved once: a failed decision is never retried on the same target
         ineffective = policy.resolve(decision, "failed" if refused is not None else result)
         self._record(decision, result, ineffective, extra, started_s)
+        if result.status == "applied" and result.details.get("after_is_estimate"):
+            m._safe_point.measure_after(decision, result)
         err = policy.call_on_action(result)
         if err is not None:
             m._agent_error("on_action hook", err)
@@ -365,9 +419,5 @@ class Tuner:
         else:
             message = f"{result.action} on {result.target or '-'} {result.status}: {result.reason}"
         self.m._emit(kind, message, data, started_s)
-        if ineffective is not None:  # the ladder moves on from this (action, target)
-            self.m._emit(
-                "action_ineffective",
-                f"{result.action} on {result.target} ineffective: {ineffective}",
-                {"action": result.action, "target": result.target, "reason": ineffective},
-            )
+        if ineffective is not None:
+            self._emit_ineffective(result, ineffective)

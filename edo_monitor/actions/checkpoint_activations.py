@@ -22,7 +22,9 @@ everything at once and not lower the backward peak).
 Measured bytes are saved-activation bytes: before = the profile's total, after = a new recorded
 forward (``ActivationRecorder`` also counts the inputs that checkpointed blocks hold). Until the
 agent records again, the result's ``bytes_after`` is the estimate
-(``details["after_is_estimate"]``).
+(``details["after_is_estimate"]``); the agent records the next step's forward and measures the
+saving there, when the rest of that forward saved what it saved before (the same batch shapes:
+:meth:`ActivationProfile.outside`), and judges it (``action_measured``).
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ class ActivationProfile:
         held_input_bytes: per module name, the bytes of its inputs that nothing saved for
             backward (parameters excluded): what checkpointing it would keep alive besides (see
             :meth:`net_saving_bytes`).
+        input_bytes: per module name, the bytes of its tensor inputs (each storage once).
         outside_uses: per embedding-table module name, where its parameters were read outside
             its own forward during the recorded step (``"<innermost module>: <op>"``, or
             ``"<no module>: <op>"`` for the user's code around the model), e.g. an output
@@ -111,12 +114,24 @@ class ActivationProfile:
     buffer_mutating: frozenset[str] = frozenset()
     outside_uses: dict[str, tuple[str, ...]] = field(default_factory=dict)
     held_input_bytes: dict[str, int] = field(default_factory=dict)
+    input_bytes: dict[str, int] = field(default_factory=dict)
 
     def net_saving_bytes(self, name: str) -> int:
         """What checkpointing module ``name`` frees: its exclusive bytes less its inputs that
         nothing saved (checkpointing keeps them alive to recompute from). A Dropout between a GELU
         and a Linear frees its mask but keeps the GELU's output, which was freed before: 0."""
         return self.exclusive_bytes.get(name, 0) - self.held_input_bytes.get(name, 0)
+
+    def outside(self, blocks: Iterable[str]) -> dict[str, tuple[int, int]]:
+        """``(exclusive bytes, input bytes)`` of each module run that neither holds nor sits
+        inside any of ``blocks``: the part of the forward that checkpointing ``blocks`` leaves
+        alone (two forwards of the same batch shapes give the same)."""
+        chosen = list(blocks)
+        return {
+            m: (self.exclusive_bytes.get(m, 0), self.input_bytes.get(m, 0))
+            for m in self.called
+            if not any(nested(m, c) for c in chosen)
+        }
 
 
 class ActivationRecorder:
@@ -400,6 +415,7 @@ class ActivationRecorder:
             frozenset(self._mutating),
             {k: tuple(sorted(v)) for k, v in self._outside.items()},
             held,
+            {name: sum(inputs.values()) for name, inputs in self._inputs.items()},
         )
 
 

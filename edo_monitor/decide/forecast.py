@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 from edo_monitor.decide.policy_events import (
     FORECAST_CATEGORIES,
@@ -27,15 +26,11 @@ from edo_monitor.decide.trend import fit_trend
 from edo_monitor.probes.readings import Reading
 from edo_monitor.units import format_bytes
 
-if (
-    TYPE_CHECKING
-):  # the policy itself needs no torch (edo_monitor.hindsight.explain replays offline)
-    pass
-
 
 class _Forecasting:
     """The policy's forecasting: a trend over the steps' in-use bytes, a forecast crossing acted
-    on"""
+    on before it happens, and its outcome judged (mixed into
+    :class:`~edo_monitor.decide.policy.Policy`, whose state it reads and changes under its lock)."""
 
     # ------------------------------------------------------------------ forecasting
     def _observe_trend(self, reading: Reading, events: list[PolicyEvent]) -> _Prediction | None:

@@ -68,6 +68,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from edo_monitor.checks import whole_number, whole_number_or_none
 from edo_monitor.decide.forecast import _Forecasting
+from edo_monitor.decide.outcomes import _Outcomes
 from edo_monitor.decide.plans import (
     DEFAULT_LOSSLESS_LADDER,
     DEFAULT_LOSSY_LADDER,
@@ -93,7 +94,6 @@ from edo_monitor.decide.ranking import (
     _call_hook,
     _known_actions,
     _ranked_reason,
-    ineffective_reason,
     rank_lossy_plans,
     skip_reason,
 )
@@ -115,7 +115,7 @@ logger = logging.getLogger(__name__)
 REARM_ABOVE_FLOOR = 0.05
 
 
-class Policy(_Forecasting):
+class Policy(_Forecasting, _Outcomes):
     """When to act and what to do (see the module docstring).
 
     Args:
@@ -530,52 +530,6 @@ class Policy(_Forecasting):
                 f"{format_bytes(self.release_cache_min_bytes)}"
             )
         return None
-
-    def resolve(self, decision: Decision, status: str | ActionResult) -> str | None:
-        """Report what became of a pending decision (training thread, after ``apply``).
-
-        Args:
-            decision: the :class:`Decision` returned by :meth:`evaluate`.
-            status: the :class:`~edo_monitor.actions.ActionResult` (or only its ``status``, when
-                the estimate stands for the saving, as in a replay):
-                ``"applied"`` (the cooldown starts at the decision's step), ``"refused"`` (no
-                cooldown charged; the next reading may try the next rung) or ``"failed"`` (also
-                never tried on the same target again). An applied result whose measured saving
-                is below :data:`INEFFECTIVE_BELOW_FRACTION` of its estimate is *ineffective*:
-                that ``(action, target)`` is skipped until the pressure episode ends, and no
-                cooldown is charged, so the next reading climbs to the next rung.
-                ``"expired"``: never applied, the run ended before a step boundary (no cooldown).
-
-        Returns:
-            For an ineffective result, one line saying why (the agent records it as an
-            ``action_ineffective`` event); else ``None``.
-        """
-        result = None if isinstance(status, str) else status  # an ActionResult (torch-free check)
-        state = result.status if result is not None else status
-        why = None
-        if result is not None and state == "applied":
-            why = ineffective_reason(result)
-        with self._lock:
-            if self.pending is decision or self.pending == decision:
-                self.pending = None
-            if state != "applied" or why is not None:
-                self.last_decision_step = None
-            if state == "applied":
-                self._released_last = decision.action == "release_cache"
-                self._recent_in_use.clear()  # the memory is another from here on
-            if state == "failed":
-                self._failed.add((decision.action, decision.target))
-            if why is not None:
-                self._ineffective[(decision.action, decision.target)] = why
-            if state == "applied" and self.forecast_steps is not None:
-                # in force from the readings of the next step on (applied at the step boundary)
-                saved = (
-                    result.saved_bytes if result is not None else decision.estimated_saving_bytes
-                )
-                self._saved_pending.append((decision.step, int(saved)))
-        if why is not None:
-            logger.info("%s on %s was ineffective: %s", decision.action, decision.target, why)
-        return why
 
     def call_on_pressure(self, crossing: ThresholdCrossing) -> BaseException | None:
         """Call the user's ``on_pressure`` hook; an exception is logged and returned, not raised."""

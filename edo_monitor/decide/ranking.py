@@ -42,12 +42,17 @@ def ineffective_reason(result: ActionResult) -> str | None:
     """
     if result.status != "applied" or result.details.get("after_is_estimate"):
         return None
-    estimate = result.estimated_saving_bytes
-    if estimate <= 0 or result.saved_bytes >= INEFFECTIVE_BELOW_FRACTION * estimate:
+    return ineffective_saving(result.estimated_saving_bytes, result.saved_bytes)
+
+
+def ineffective_saving(estimated_bytes: int, measured_bytes: int) -> str | None:
+    """Why a measured saving of ``measured_bytes`` is ineffective against ``estimated_bytes``
+    (below :data:`INEFFECTIVE_BELOW_FRACTION` of a positive estimate), or ``None``."""
+    if estimated_bytes <= 0 or measured_bytes >= INEFFECTIVE_BELOW_FRACTION * estimated_bytes:
         return None
     return (
-        f"measured saving {format_bytes(max(result.saved_bytes, 0))} is below "
-        f"{INEFFECTIVE_BELOW_FRACTION:.0%} of the estimated {format_bytes(estimate)}"
+        f"measured saving {format_bytes(max(measured_bytes, 0))} is below "
+        f"{INEFFECTIVE_BELOW_FRACTION:.0%} of the estimated {format_bytes(estimated_bytes)}"
     )
 
 
