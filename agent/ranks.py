@@ -22,6 +22,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import socket
 import time
@@ -409,7 +410,8 @@ class Coordinator:
         worst_free: int,
     ) -> tuple[Any, str | None]:
         """This rank's decision for the agreed ``action`` (its own pending one when it is that
-        action on that target; else a fresh plan) and why it cannot apply it (``None``: it can).
+        action on that target; else a fresh plan, sized as if this rank's free fraction were the
+        worst rank's) and why it cannot apply it (``None``: it can).
         """
         from edo_monitor.actions.registry import ACTIONS
         from edo_monitor.decide.plans import Refusal
@@ -425,6 +427,14 @@ class Coordinator:
         if m.model is None or m.policy is None:
             return None, "this rank watches no model with a policy"
         stand_in = self._stand_in(action, None, decided_step, worst_free)
+        latest = m.latest
+        budget = latest.budget_bytes if latest is not None else None
+        if budget and worst_free != _NO_FREE:
+            # planned as tight as the worst rank: an action sized by the pressure (a shrink of
+            # the row cache) is one this rank sizes too, not refused for want of pressure here
+            stand_in = dataclasses.replace(
+                stand_in, planning_in_use_bytes=math.ceil(budget * (1 - worst_free / _PPB))
+            )
         plan = ACTIONS[action].plan(m._tuner.decision_context(stand_in))
         if isinstance(plan, Refusal):
             return None, blocker or plan.reason

@@ -14,7 +14,9 @@ Scenarios:
   larger batches, so only its free fraction falls below the floor. Options: ``ladder`` (comma
   separated), ``ddp=1`` (wrap in ``DistributedDataParallel``), ``tie_rank`` (that rank's table
   is tied to an unused output layer: table actions refuse there), ``sync`` (sync_every_steps),
-  ``steps``, ``budget``, ``heavy_batch``.
+  ``steps``, ``budget``, ``heavy_batch``, ``light_batch``, ``heavy_from`` (the step from which
+  the heavy rank's batches are heavy), ``heavy_width`` (ids per heavy example: a 2-D batch),
+  ``model=plain`` (a table and one Linear, no blocks).
 """
 
 from __future__ import annotations
@@ -104,13 +106,17 @@ class Net(nn.Module):
 def scenario_pressure(db: str, rank: int, opts: dict[str, str]) -> dict[str, Any]:
     torch.manual_seed(0)  # the same initial model on every rank (DDP broadcasts it anyway)
     model: nn.Module = Net(tie=rank == int(opts.get("tie_rank", "-1")))
+    if opts.get("model") == "plain":
+        model = nn.Sequential(nn.Embedding(ROWS, DIM), nn.Linear(DIM, 1))
     if opts.get("ddp") == "1":
         model = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     ladder = opts.get("ladder")
     policy = edo_monitor.Policy(ladder=ladder.split(",")) if ladder else edo_monitor.Policy()
     heavy = rank == int(opts.get("heavy_rank", "1"))
-    batch = int(opts.get("heavy_batch", "8192")) if heavy else 64
+    light = (int(opts.get("light_batch", "64")),)
+    heavy_shape = (int(opts.get("heavy_batch", "8192")), int(opts.get("heavy_width", "1")))
+    heavy_from = int(opts.get("heavy_from", "0"))
     gen = torch.Generator().manual_seed(100 + rank)
     steps = int(opts.get("steps", "40"))
     with edo_monitor.watch(
@@ -122,8 +128,11 @@ def scenario_pressure(db: str, rank: int, opts: dict[str, str]) -> dict[str, Any
         sync_every_steps=int(opts.get("sync", "4")),
         run_name="pressure",
     ) as m:
-        for _ in range(steps):
-            ids = torch.randint(0, ROWS, (batch,), generator=gen)
+        for step in range(steps):
+            shape = heavy_shape if heavy and step >= heavy_from else light
+            if shape[-1] == 1:
+                shape = shape[:1]
+            ids = torch.randint(0, ROWS, shape, generator=gen)
             loss = model(ids).pow(2).mean()
             loss.backward()
             opt.step()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import sqlite3
 import time
 from pathlib import Path
@@ -394,6 +395,11 @@ def test_a_shrink_saving_under_the_minimum_is_not_planned() -> None:
         plan = ACTIONS["cache_embedding"].plan(ctx)
         shrink = not isinstance(plan, Refusal) and plan.details.get("resize") == "shrink"
         assert shrink is planned, plan
+        if not planned:  # the refusal says why the cache was kept, not only the other table's
+            assert isinstance(plan, Refusal) and plan.target == ""
+            freed = re.search(r"items: shrinking frees ([\d.]+) KiB, under the 64 KiB", plan.reason)
+            assert freed is not None and 10 <= float(freed[1]) < 64, plan  # need: 10 KiB
+            assert "users: no recorded step yet" in plan.reason
 
 
 def test_caching_a_table_that_frees_under_the_minimum_is_refused_naming_it() -> None:

@@ -398,6 +398,43 @@ def test_a_rank_that_cannot_apply_makes_every_rank_refuse(tmp_path: Path) -> Non
 
 
 @pytest.mark.slow
+def test_a_shrink_of_the_row_cache_proposed_by_one_rank_is_applied_by_every_rank(
+    tmp_path: Path,
+) -> None:
+    """Both ranks cache their table at the same step (both under pressure) and grow it back;
+    from step 10 only rank 1's batches are heavy and it proposes shrinking its cache. Rank 0,
+    30 % free itself, plans the shrink as tight as rank 1 (before, it planned at its own free
+    fraction, found nothing to shrink and refused: "no embedding table left on the device tier
+    to cache", and rank 1 stayed below the floor for the rest of the run)."""
+    db = str(tmp_path / "history.db")
+    results = run_ranks(
+        "pressure",
+        db,
+        2,
+        tmp_path,
+        "model=plain",
+        f"budget={10 * 2**20}",
+        "light_batch=16",
+        "heavy_batch=256",
+        "heavy_width=40",
+        "heavy_from=10",
+        "sync=4",
+    )
+    per_rank = _actions_by_rank(db, results)
+    shrinks = [
+        [e for e in events if e.data.get("details", {}).get("resize") == "shrink"]
+        for events in per_rank
+    ]
+    assert [len(s) for s in shrinks] == [1, 1], per_rank
+    (s0,), (s1,) = shrinks
+    assert s0.kind == s1.kind == "action" and s0.step == s1.step
+    assert s0.data["proposed_by_rank"] == s1.data["proposed_by_rank"] == 1
+    assert s0.data["target"] == s1.data["target"] == "0"
+    for res in results:
+        assert res["status"] == "finished" and res["errors"] == {} and res["steps"] == 40
+
+
+@pytest.mark.slow
 def test_checkpoint_activations_under_ddp_on_every_rank(tmp_path: Path) -> None:
     """A real two-rank gloo DDP job: the table actions refuse (DDP), checkpointing applies on
     both ranks at the same step, and the replicas stay identical."""

@@ -140,6 +140,7 @@ class CacheEmbedding(Action):
         if wrapper:
             return self.refuse("", f"model is wrapped in {wrapper}; caching a shard is unsupported")
         need = _need_bytes(ctx)
+        kept = []  # the caches this action made that give nothing back, and why
         for name, module in () if self.spill else ctx.model.named_modules():
             if not isinstance(module, CachedTable) or not getattr(module, "edo_action_made", False):
                 continue  # a cache the user built is the user's to size
@@ -147,13 +148,19 @@ class CacheEmbedding(Action):
             row_bytes = _row_bytes(module.weight, ctx.optimizers, cached=True)
             spare_rows = module.cache_rows - floor_rows
             if spare_rows < module.block_rows:
+                kept.append(f"{name}: no spare rows ({module.cache_rows} hold a batch's ids)")
                 continue
             if need is not None and spare_rows * row_bytes * 10 < need:
-                continue  # less than a tenth of what is needed: let the ladder move on
+                kept.append(f"{name}: its spare rows free under a tenth of what is needed")
+                continue  # let the ladder move on
             give = spare_rows if need is None else min(spare_rows, -(-need // row_bytes))
             give = max(module.block_rows, give - give % module.block_rows)
             if give * row_bytes < MIN_RESIZE_BYTES:
-                continue  # not worth a re-layout: the ladder moves on
+                kept.append(
+                    f"{name}: shrinking frees {format_bytes(give * row_bytes)}, under the "
+                    f"{format_bytes(MIN_RESIZE_BYTES)} a re-layout is worth"
+                )
+                continue  # the ladder moves on
             to_rows = module.cache_rows - give
             return Plan(
                 self.name,
@@ -169,8 +176,9 @@ class CacheEmbedding(Action):
             )
         tables = device_tables(ctx.model, ctx.optimizers, ctx.cuda_mode)
         if not tables:
-            return self.refuse("", "no embedding table left on the device tier to cache")
-        reasons = []
+            why = "no embedding table left on the device tier to cache"
+            return self.refuse("", "; ".join([*kept, why]))
+        reasons = list(kept)  # "<table>: <why>", each cache kept and each table not cached
         for t in tables:
             module, weight = t.module, t.weight
             if sharing_users(ctx.model, module, weight):
@@ -231,6 +239,8 @@ class CacheEmbedding(Action):
                     "host_available_bytes": headroom.available_bytes,
                 },
             )
+        if kept:  # the reasons name more tables than the candidates
+            return self.refuse("", "; ".join(reasons))
         return self.refuse_tables(tables, reasons)
 
     def _apply(
