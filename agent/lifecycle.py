@@ -27,6 +27,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def ended_by(exc: BaseException | None) -> tuple[str, str | None]:
+    """The status and error a run ended by ``exc`` records (``None``: it finished)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted", "KeyboardInterrupt"
+    if isinstance(exc, Terminated):
+        return "interrupted", "SIGTERM"
+    if exc is not None:
+        return "failed", f"{type(exc).__name__}: {exc}"[:2000]
+    return "finished", None
+
+
 class _Lifecycle:
     """The monitor's start and end, in order: device, accounting, the run row and writer, hooks,"""
 
@@ -184,25 +195,23 @@ class _Lifecycle:
                 logger.debug("final sample failed", exc_info=True)
             try:
                 self._tuner.expire_pending_decision()
-            except Exception as exc:
-                self._agent_error("end of run", exc)
-        if isinstance(exc, KeyboardInterrupt):
-            status, error = "interrupted", "KeyboardInterrupt"
-        elif isinstance(exc, Terminated):
-            status, error = "interrupted", "SIGTERM"
-        elif exc is not None:
-            status, error = "failed", f"{type(exc).__name__}: {exc}"[:2000]
-            if not getattr(exc, "_edo_recorded", False):
-                self._record_oom(exc)
-        else:
-            status, error = "finished", None
-            if self.steps == 0 and self.policy is not None and self.policy.mode == "auto":
-                logger.warning(
-                    "edo-monitor: run %s saw no optimizer step, so the policy had no step "
-                    "boundary to act at; a loop that updates the parameters itself calls "
-                    "monitor.step() after each update",
-                    self.run_id,
-                )
+            except Exception as err:  # not ``exc``: the handler would unbind the run's error
+                self._agent_error("end of run", err)
+        status, error = ended_by(exc)
+        if status == "failed" and not getattr(exc, "_edo_recorded", False):
+            self._record_oom(exc)
+        elif (
+            status == "finished"
+            and self.steps == 0
+            and self.policy is not None
+            and self.policy.mode == "auto"
+        ):
+            logger.warning(
+                "edo-monitor: run %s saw no optimizer step, so the policy had no step "
+                "boundary to act at; a loop that updates the parameters itself calls "
+                "monitor.step() after each update",
+                self.run_id,
+            )
         self._record_lookup_frequency()
         if self._coordinator is not None and self._coordinator.syncs:
             stats = self._coordinator.stats()
@@ -216,6 +225,18 @@ class _Lifecycle:
         self._teardown()
         self._run.record_end(status, error, self.steps)
         self.status = status
+
+    def _abort_start(self, exc: BaseException) -> None:
+        """Undo a start that raised ``exc``: stop what started and, when the run's row was
+        written already, record how the run ended (``failed`` with the error, ``interrupted``
+        for Ctrl-C or SIGTERM) instead of leaving it ``running``."""
+        try:
+            self._teardown()
+        finally:
+            if self.run_id >= 0:
+                status, error = ended_by(exc)
+                self._run.record_end(status, error, self.steps)  # never raises
+                self.status = status
 
     def _record_lookup_frequency(self, top_k: int = 20) -> None:
         """One ``lookup_frequency`` event per table: its top ids and the share they cover."""

@@ -61,6 +61,7 @@ from edo_monitor.errors import ConfigError
 from edo_monitor.exporters.prometheus import (
     DEFAULT_METRICS_HOST,
     MetricsServer,
+    check_metrics_host,
     require_prometheus,
     resolve_metrics_port,
 )
@@ -194,7 +195,7 @@ class Monitor(_Lifecycle):
         self.metrics_port = resolve_metrics_port(metrics_port)
         if self.metrics_port is not None:
             require_prometheus()  # ConfigError naming the [prometheus] extra
-        self.metrics_host = metrics_host
+        self.metrics_host = check_metrics_host(metrics_host)  # before the run row is written
         self.metrics_server: MetricsServer | None = None
         self.model = model
         #: ``watch(loader=)`` wrapped in :class:`edo_monitor.nn.LookAhead` (iterate it instead of
@@ -373,8 +374,8 @@ class Monitor(_Lifecycle):
         claim_model(self.model)
         try:
             self._start()
-        except BaseException:
-            self._teardown()
+        except BaseException as exc:
+            self._abort_start(exc)  # a run row already written records the failure
             release_model(self.model)
             raise
         return self

@@ -83,8 +83,10 @@ def watch(
         metrics_port: serve Prometheus metrics on ``/metrics`` at this port + ``$LOCAL_RANK``
             (default ``$EDO_METRICS_PORT``, else no endpoint; 0 = any free port, see
             ``monitor.metrics_server.port``); needs the ``[prometheus]`` extra. Names:
-            ``docs/metrics.md``. A port that cannot be bound is a warning, not an error.
-        metrics_host: the address the endpoint binds (default ``127.0.0.1``, loopback only).
+            ``docs/metrics.md``. A port that cannot be bound (in use, or above 65535 once
+            ``$LOCAL_RANK`` is added) is a warning, not an error.
+        metrics_host: the address the endpoint binds (default ``127.0.0.1``, loopback only; a
+            string: anything else is a ``ConfigError``).
         tensorboard: a ``torch.utils.tensorboard.SummaryWriter``, or a log folder (str or path)
             to open one in: each reading's main numbers become scalars ``edo/<column>`` at the
             reading's step, each event (decision, action, crossing, OOM ...) text
@@ -125,6 +127,9 @@ def watch(
             below the bytes the model already holds (naming both).
         AlreadyWatchedError: on entering, when ``model`` is already watched.
         StoreError: on entering, when the database cannot be opened.
+
+        An error on entering after the run's row was written (a Ctrl-C among them) records the
+        run ``failed`` with that error (``interrupted`` for Ctrl-C or SIGTERM), not ``running``.
     """
     return Monitor(
         model,

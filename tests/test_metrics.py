@@ -216,6 +216,40 @@ def test_a_port_in_use_is_a_warning_and_training_goes_on(
     )
 
 
+def test_a_port_out_of_range_after_the_local_rank_is_a_warning_and_training_goes_on(
+    db_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """65535 + LOCAL_RANK 1 cannot be served: it raised on entering, after the run's row was
+    written, which then read ``running`` for ever; the README promises a warning instead."""
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    model, opt = linear_and_opt()
+    with edo_monitor.watch(model, opt, db=db_path, metrics_port=65535) as mon:
+        train(model, opt, 2)
+    assert mon.metrics_server is None and mon.steps == 2 and mon.status == "finished"
+    (warning,) = [r.getMessage() for r in caplog.records if "cannot serve" in r.getMessage()]
+    assert warning == (
+        "edo-monitor: cannot serve metrics on port 65535 + LOCAL_RANK 1 = 65536, above 65535; "
+        "training goes on without them"
+    )
+    with History(db_path) as h:
+        assert [(r.status, r.error, r.steps) for r in h.runs()] == [("finished", None, 2)]
+
+
+@pytest.mark.parametrize("host", [123, "127.0.0.1\x00", None])
+def test_a_metrics_host_that_is_no_address_is_refused_before_the_run_starts(
+    db_path: Path, host: Any
+) -> None:
+    """A host that is not a string (or holds a NUL) raised a TypeError on entering, after the
+    run's row was written (a ghost ``running`` run); now ``watch()`` refuses it, naming it."""
+    model, _ = linear_and_opt()
+    with pytest.raises(ConfigError, match=r"^metrics_host="):
+        edo_monitor.watch(model, db=db_path, metrics_port=0, metrics_host=host)
+    assert edo_monitor.watch(model, db=db_path, metrics_host="").metrics_host == ""  # every one
+    if db_path.exists():
+        with History(db_path) as h:
+            assert h.runs() == []
+
+
 ROWS, DIM = 20_000, 32
 TABLE_BYTES = ROWS * DIM * 4
 BUDGET = 12_000_000  # Adam on the table ~ 4 x 2.56 MB: below the 20 % floor after one step

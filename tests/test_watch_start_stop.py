@@ -3,7 +3,9 @@ framework callbacks use), on a real loop and a real SQLite file."""
 
 from __future__ import annotations
 
+import signal
 import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
@@ -64,3 +66,34 @@ def test_stop_with_an_exception_records_it(
     monitor.stop()  # already ended: the failure stays
     assert statuses(db_path) == [expected]
     assert monitor.summary().status == expected[0]
+
+
+def test_a_start_that_fails_after_the_run_row_records_the_run_ended(
+    db_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C while the run starts (here: as the sampler thread starts, after the run's row
+    was written) used to leave the row ``running`` with no error; the start now records how it
+    ended, stops what it started and puts SIGTERM's default action back."""
+    real_start = threading.Thread.start
+
+    def ctrl_c_now(thread: threading.Thread) -> None:
+        if thread.name == "edo-sampler":
+            signal.raise_signal(signal.SIGINT)  # a real SIGINT: Python's handler raises
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", ctrl_c_now)
+    model, opt = model_and_opt()
+    monitor = edo_monitor.watch(model, db=db_path, interval_s=0.05)
+    with pytest.raises(KeyboardInterrupt):
+        monitor.start()
+    monkeypatch.undo()
+    assert statuses(db_path) == [("interrupted", "KeyboardInterrupt", 0)]
+    assert monitor.status == "interrupted"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("edo-")]
+    monitor.stop()  # a framework's end hook after the failed start: a no-op
+    assert statuses(db_path) == [("interrupted", "KeyboardInterrupt", 0)]
+    step(model, opt)  # no hook of the failed run is left on the optimizer
+    with edo_monitor.watch(model, db=db_path) as again:  # the model is free to watch again
+        step(model, opt)
+    assert again.steps == 1

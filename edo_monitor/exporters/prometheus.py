@@ -138,6 +138,23 @@ def resolve_metrics_port(
     return _check_port(port, METRICS_PORT_ENV)
 
 
+def check_metrics_host(host: Any) -> str:
+    """``host`` if it can name an address to bind (a string without control characters; ``""``
+    binds every interface), checked before a run starts.
+
+    Raises:
+        ConfigError: not a string, or holding a control character (a NUL among them).
+    """
+    if not isinstance(host, str):
+        raise ConfigError(
+            f"metrics_host={host!r}; expected an address or host name as a string "
+            f"(default {DEFAULT_METRICS_HOST!r})"
+        )
+    if any(ord(ch) < 32 or ord(ch) == 127 for ch in host):
+        raise ConfigError(f"metrics_host={host!r} holds a control character; expected an address")
+    return host
+
+
 def local_rank(environ: Mapping[str, str] | None = None) -> int:
     """This process's rank on its machine: ``$LOCAL_RANK`` (set by torchrun), else 0."""
     raw = (os.environ if environ is None else environ).get("LOCAL_RANK", "").strip()
@@ -416,8 +433,20 @@ class MetricsServer:
 
 def start_for_monitor(monitor: Any, base_port: int, host: str) -> MetricsServer | None:
     """Serve ``monitor``'s metrics on ``base_port + local rank``; ``None`` (and a warning) when
-    the address cannot be bound — a training run never fails because of its metrics."""
-    port = per_rank_port(base_port)
+    that port cannot be used — out of range once the local rank is added, or the address cannot
+    be bound: a training run never fails because of its metrics."""
+    try:
+        port = per_rank_port(base_port)
+    except ConfigError:
+        rank = local_rank()
+        logger.warning(
+            "edo-monitor: cannot serve metrics on port %d + LOCAL_RANK %d = %d, above 65535; "
+            "training goes on without them",
+            base_port,
+            rank,
+            base_port + rank,
+        )
+        return None
     try:
         server = MetricsServer(MonitorCollector(monitor), host, port)
     except OSError as exc:
