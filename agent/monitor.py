@@ -67,6 +67,7 @@ from edo_monitor.exporters.prometheus import (
 )
 from edo_monitor.measure.accounting import Accounting, account
 from edo_monitor.measure.frequency import LookupCounter
+from edo_monitor.measure.module_hooks import uncompiled
 from edo_monitor.probes.readings import Reading
 from edo_monitor.store.paths import check_writable, resolve_db_url
 from edo_monitor.store.schema import RUN_NAME_MAX_CHARS
@@ -141,6 +142,7 @@ class Monitor(_Lifecycle):
     ) -> None:
         if model is not None and not isinstance(model, nn.Module):
             raise ConfigError(f"model={type(model).__name__} is not a torch.nn.Module (or None)")
+        model = uncompiled(model)  # torch.compile(model): its modules are the model's
         if isinstance(interval_s, bool) or not isinstance(interval_s, (int, float)):
             raise ConfigError(f"interval_s={interval_s!r} must be a number of seconds > 0")
         if not interval_s > 0 or interval_s != interval_s or interval_s == float("inf"):

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
+from edo_monitor.agent.monitor import DEFAULT_INTERVAL_S, Monitor
 from edo_monitor.agent.ranks import (
     DEFAULT_SYNC_EVERY_STEPS,
 )
@@ -16,10 +17,6 @@ from edo_monitor.agent.snapshots import DEFAULT_CAP_BYTES
 from edo_monitor.exporters.prometheus import (
     DEFAULT_METRICS_HOST,
 )
-
-if TYPE_CHECKING:
-    pass
-from edo_monitor.agent.monitor import DEFAULT_INTERVAL_S, Monitor
 
 
 def watch(

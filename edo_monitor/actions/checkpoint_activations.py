@@ -301,6 +301,7 @@ class ActivationRecorder:
                 )
                 self._outside.setdefault(table, set()).add(what)
 
+    @torch.compiler.disable  # Python state: run as Python under torch.compile
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         name = self._names.get(id(module), "")
         try:
@@ -317,6 +318,7 @@ class ActivationRecorder:
         except Exception as exc:  # a hook must never fail the user's forward
             self.errors.append(exc)
 
+    @torch.compiler.disable  # Python state: run as Python under torch.compile
     def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         name = self._names.get(id(module), "")
         try:

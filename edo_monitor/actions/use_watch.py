@@ -77,6 +77,7 @@ class _UseWatcher(TorchFunctionMode):
         super().__init__()
         self._recorder = recorder
 
+    @torch.compiler.disable  # Python state: run as Python under torch.compile
     def __torch_function__(
         self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:

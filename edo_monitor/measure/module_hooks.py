@@ -1,4 +1,5 @@
-"""Forward pre-hooks on the user's modules that a copy of the model survives.
+"""Forward pre-hooks on the user's modules that a copy of the model survives, and that a
+``torch.compile``'d model runs as they are.
 
 The agent watches forwards of the user's modules (the step window of the activation tracker, the
 lookup counting of embedding tables). A hook torch keeps on the module is copied and pickled with
@@ -7,18 +8,25 @@ tracker behind a bound-method hook (``TypeError: cannot pickle '_thread.lock' ob
 on a lambda. Here the module holds one module-level function, :func:`_dispatch`, which pickles
 by name and copies as itself; the callbacks live in a weak table keyed by the module, so a copy
 (a different module) finds none and its hook does nothing.
+
+Under ``torch.compile`` Dynamo traces a module's hooks into its graph; reading the weak table
+there failed the user's first forward (``... is already tracked for mutation``). The hook is
+excluded from tracing (``torch.compiler.disable``): Dynamo breaks the graph around it and it runs
+as Python, each call, as without compiling.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
-__all__ = ["PreHookHandle", "add_forward_pre_hook"]
+__all__ = ["PreHookHandle", "add_forward_pre_hook", "uncompiled"]
 
 #: per module: torch's handle of its one dispatching hook, and the callbacks by key
 _HOOKS: weakref.WeakKeyDictionary[nn.Module, tuple[Any, dict[int, Callable[..., None]]]] = (
@@ -28,6 +36,7 @@ _LOCK = threading.Lock()
 _KEYS = iter(range(1 << 62))
 
 
+@torch.compiler.disable  # runs as Python under torch.compile (see the module docstring)
 def _dispatch(module: nn.Module, args: Any, kwargs: Any = None) -> None:
     """The forward pre-hook torch keeps on a module (with its keyword arguments: a model pickled
     before they were passed calls it without): its callbacks, if it is the module they were
@@ -84,3 +93,15 @@ def add_forward_pre_hook(
         key = next(_KEYS)
         entry[1][key] = callback
     return PreHookHandle(module, key)
+
+
+def uncompiled(model: nn.Module | None) -> nn.Module | None:
+    """The module ``torch.compile(model)`` wraps (its ``OptimizedModule``'s ``_orig_mod``), else
+    ``model``: watched, its modules keep their own names (no ``_orig_mod.`` prefix) and the
+    compiled wrapper calls them, hooks and all."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # imported by torch.compile
+    optimized = getattr(eval_frame, "OptimizedModule", None)
+    if optimized is not None and isinstance(model, optimized):
+        inner = model._orig_mod
+        return inner if isinstance(inner, nn.Module) else model
+    return model
