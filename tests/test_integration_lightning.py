@@ -308,6 +308,73 @@ def test_the_same_module_cached_in_one_fit_resumes_from_a_checkpoint_in_the_next
         assert a.shape == b.shape and torch.allclose(a, b, rtol=0, atol=1e-5), name
 
 
+class LoggedBagOfWords(BagOfWords):
+    """BagOfWords that logs its loss at every step (Lightning's own scalar, on its step axis)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)
+        return loss
+
+
+def tensorboard_steps(log_dir: str) -> dict[str, set[int]]:
+    """Tag -> the steps it was written at, scalars and tensors (edo's float32 scalars) alike."""
+    from tensorboard.backend.event_processing.event_accumulator import (
+        SCALARS,
+        TENSORS,
+        EventAccumulator,
+    )
+
+    acc = EventAccumulator(log_dir, size_guidance={SCALARS: 0, TENSORS: 0})
+    acc.Reload()
+    tags = acc.Tags()
+    out = {t: {e.step for e in acc.Scalars(t)} for t in tags["scalars"]}
+    out.update({t: {e.step for e in acc.Tensors(t)} for t in tags["tensors"]})
+    return out
+
+
+def test_a_resumed_fit_writes_tensorboard_on_the_trainers_global_step(
+    db_path: Path, tmp_path: Path
+) -> None:
+    """``fit(ckpt_path=)`` from global step 5: Lightning's ``train_loss`` is at steps 5-9 of the
+    resumed run's TensorBoard folder, and edo's scalars and events were at 0-5, from the new
+    run's own step count; they now start at the checkpoint's global step. The history still
+    counts the run's steps from 0."""
+
+    def fit(steps: int, version: str, ckpt: Path | None) -> Any:
+        callback = EdoMonitorCallback(db=db_path, interval_s=0.01, tensorboard=True)
+        tb_logger = loggers.TensorBoardLogger(tmp_path / "tb", name="x", version=version)
+        t = pl.Trainer(
+            max_steps=steps,
+            accelerator="cpu",
+            logger=tb_logger,
+            callbacks=[callback],
+            log_every_n_steps=1,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        t.fit(LoggedBagOfWords(), loader(5), ckpt_path=ckpt)  # saved at an epoch's end
+        if ckpt is None:
+            t.save_checkpoint(tmp_path / "first.ckpt")
+        return callback, tb_logger.log_dir
+
+    _, first_dir = fit(5, "a", None)
+    got = tensorboard_steps(first_dir)
+    assert got["train_loss"] == set(range(5)) and min(got["edo/in_use_bytes"]) == 0
+    resumed, log_dir = fit(10, "b", tmp_path / "first.ckpt")
+    got = tensorboard_steps(log_dir)
+    assert got["train_loss"] == set(range(5, 10))
+    assert min(got["edo/in_use_bytes"]) == 5 and max(got["edo/in_use_bytes"]) == 10
+    assert got["edo/events/resumed_from/text_summary"] == {5}  # recorded at the run's step 0
+    with History(db_path) as h:
+        run = h.run(resumed.monitor.run_id)
+        assert (run.status, run.steps) == ("finished", 5)
+        assert [e.step for e in h.events(run.id, kind="resumed_from")] == [0]
+    (span,) = rows(db_path, f"SELECT MIN(step) lo, MAX(step) hi FROM samples WHERE run_id={run.id}")
+    assert (span["lo"], span["hi"]) == (0, 5)
+
+
 def test_an_option_watch_does_not_take_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"\(intervl_s=\.\.\.\): not an option"):
         EdoMonitorCallback(intervl_s=0.1)

@@ -320,3 +320,70 @@ def test_a_fused_optimizer_under_an_acting_policy_is_warned_about(
         make_trainer(tiny_bert(), callback, tmp_path / optim, 1, optim=optim).train()
         fused = [r for r in caplog.records if "optim='adamw_torch'" in r.getMessage()]
         assert len(fused) == int(warned), optim
+
+
+def test_a_resumed_train_writes_tensorboard_on_the_trainers_global_step(
+    db_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``train(resume_from_checkpoint=)`` from global step 6 into the Trainer's own TensorBoard
+    folder: its ``train/loss`` is at steps 7-12, and edo's scalars and events were at 0-6, from
+    the new run's own step count; they now start at the checkpoint's step. The history still
+    counts the run's steps from 0."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import (
+        SCALARS,
+        TENSORS,
+        EventAccumulator,
+    )
+
+    from edo_monitor.store.history import History
+
+    def train(steps: int, resume: str | None, log_dir: Path) -> EdoMonitorCallback:
+        monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(log_dir))  # the Trainer's folder
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / "out"),
+            max_steps=steps,
+            per_device_train_batch_size=64,
+            use_cpu=True,
+            report_to=["tensorboard"],
+            save_strategy="steps" if resume is None else "no",
+            save_steps=6,
+            logging_steps=1,
+            disable_tqdm=True,
+            dataloader_drop_last=True,
+        )
+        callback = EdoMonitorCallback(db=db_path, interval_s=0.01, tensorboard=log_dir)
+        trainer = transformers.Trainer(
+            model=BagOfIds(), args=args, train_dataset=ids_dataset(), callbacks=[callback]
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        return callback
+
+    def steps(log_dir: Path) -> dict[str, set[int]]:
+        acc = EventAccumulator(str(log_dir), size_guidance={SCALARS: 0, TENSORS: 0})
+        acc.Reload()
+        tags = acc.Tags()
+        out = {t: {e.step for e in acc.Scalars(t)} for t in tags["scalars"]}
+        out.update({t: {e.step for e in acc.Tensors(t)} for t in tags["tensors"]})
+        return out
+
+    train(6, None, tmp_path / "tb-first")
+    first = steps(tmp_path / "tb-first")
+    assert first["train/loss"] == set(range(1, 7)) and min(first["edo/in_use_bytes"]) == 0
+    resumed = train(12, str(tmp_path / "out" / "checkpoint-6"), tmp_path / "tb-resumed")
+    got = steps(tmp_path / "tb-resumed")
+    assert got["train/loss"] == set(range(7, 13))
+    assert min(got["edo/in_use_bytes"]) == 6 and max(got["edo/in_use_bytes"]) == 12
+    assert got["edo/events/resumed_from/text_summary"] == {6}  # recorded at the run's step 0
+    with History(db_path) as h:
+        run = h.run(resumed.monitor.run_id)
+        assert (run.status, run.steps) == ("finished", 6)
+        assert [e.step for e in h.events(run.id, kind="resumed_from")] == [0]
+    con = sqlite3.connect(db_path)
+    try:
+        span = con.execute(
+            "SELECT MIN(step), MAX(step) FROM samples WHERE run_id = ?", (run.id,)
+        ).fetchone()
+    finally:
+        con.close()
+    assert span == (0, 6)

@@ -5,9 +5,10 @@ to one :class:`~edo_monitor.Monitor`:
 
 * each reading's main numbers (:data:`SCALAR_FIELDS`, those the reading has: allocator fields
   only on CUDA, ``free_fraction`` only with a budget) become scalars tagged ``edo/<column>`` —
-  the ``samples`` table's column names — at the reading's ``step`` with its ``time_s`` as wall
-  time. They are written as rank-0 float32 tensors (``add_scalar(new_style=True)``:
-  ``DT_FLOAT``, one ``float_val``), the one tensor form TensorBoard's default fast loader
+  the ``samples`` table's column names — at the reading's ``step`` (plus
+  :attr:`TensorBoardSink.step_offset`, below) with its ``time_s`` as wall time. They are written
+  as rank-0 float32 tensors (``add_scalar(new_style=True)``: ``DT_FLOAT``, one ``float_val``),
+  the one tensor form TensorBoard's default fast loader
   (tensorboard-data-server, ``data_compat.rs``) reads as a scalar besides ``simple_value`` —
   it drops double-precision ones, which only ``--load_fast=false`` shows. float32 holds integers
   exactly up to 2^24 (16 MiB as a byte count); above that a value is rounded to within a
@@ -16,7 +17,7 @@ to one :class:`~edo_monitor.Monitor`:
   reads them back;
 * each event (``decision``, ``action``, ``threshold_crossed``, ``oom`` ...) becomes text tagged
   ``edo/events/<kind>`` (torch's ``add_text`` stores it as ``edo/events/<kind>/text_summary``)
-  at the step it was recorded at: its message as inline code (TensorBoard
+  at the step it was recorded at (plus the same offset): its message as inline code (TensorBoard
   renders text as Markdown, and ``cache_embedding`` would turn italic).
 
 Threads: the training thread only appends events to a bounded queue (never waits on I/O); the
@@ -24,6 +25,14 @@ sampler thread writes them and the readings; the end of the run writes what is l
 and closes a writer the sink opened from a folder (one passed in is flushed, not closed). A
 failing write goes to ``on_error`` (the monitor logs the first of a kind and records one
 ``agent_error`` event) and never reaches the training.
+
+The step offset: a run counts its steps from 0, and the history keeps them so. A framework
+callback that resumes a fit from a checkpoint (Lightning's ``fit(ckpt_path=)``, the Hugging Face
+``Trainer``'s ``train(resume_from_checkpoint=)``) starts a new run whose step 0 is the
+framework's step N; when the scalars go into the framework logger's own run (Lightning's
+``tensorboard=True``, the ``Trainer``'s ``logging_dir``) they must sit on its x-axis, so the
+callback sets :attr:`TensorBoardSink.step_offset` to N and every scalar and event is written at
+``step + N``.
 """
 
 from __future__ import annotations
@@ -139,6 +148,9 @@ class TensorBoardSink:
         self._closed = False
         #: events dropped because MAX_PENDING_EVENTS were waiting
         self.events_dropped = 0
+        #: added to every reading's and event's step when written: the framework's step at the
+        #: run's step 0 (a resumed fit's, set by the integrations; 0 otherwise)
+        self.step_offset = 0
 
     @property
     def log_dir(self) -> str | None:
@@ -180,7 +192,7 @@ class TensorBoardSink:
                     self.writer.add_scalar(
                         TAG_PREFIX + name,
                         float(value),
-                        global_step=reading.step,
+                        global_step=reading.step + self.step_offset,
                         walltime=reading.time_s,
                         new_style=True,  # DT_FLOAT: the fast loader drops DT_DOUBLE
                     )
@@ -193,7 +205,7 @@ class TensorBoardSink:
             self.writer.add_text(
                 EVENT_TAG_PREFIX + kind,
                 "`" + message.replace("`", "'") + "`",
-                global_step=step,
+                global_step=step + self.step_offset,
                 walltime=wall_s,
             )
 

@@ -13,6 +13,7 @@ from edo_monitor.agent.monitor import Monitor
 from edo_monitor.errors import ConfigError
 
 __all__ = [
+    "align_tensorboard",
     "check_watch_kwargs",
     "record_resume",
     "torch_optimizers",
@@ -85,3 +86,15 @@ def record_resume(monitor: Any, resumed: dict[str, Any]) -> None:
         f"{resumed.get('step')} of checkpoint {resumed.get('checkpoint')}",
         resumed,
     )
+
+
+def align_tensorboard(monitor: Any, framework_step: Any) -> None:
+    """Put ``monitor``'s TensorBoard scalars and events on the framework's step axis: the
+    framework is at ``framework_step`` (its global step, a resumed fit's checkpoint step) while
+    the run is at ``monitor.steps``, so each is written at its run step plus the difference
+    (:attr:`~edo_monitor.exporters.tensorboard.TensorBoardSink.step_offset`). The history keeps
+    the run's own steps. A no-op without ``tensorboard=`` or a step that is not an int."""
+    sink = getattr(monitor, "_tensorboard", None)
+    if sink is None or isinstance(framework_step, bool) or not isinstance(framework_step, int):
+        return
+    sink.step_offset = max(0, framework_step - monitor.steps)

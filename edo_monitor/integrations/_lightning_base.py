@@ -12,7 +12,12 @@ from typing import Any
 
 from edo_monitor.agent.monitor import Monitor
 from edo_monitor.errors import ConfigError
-from edo_monitor.integrations._common import record_resume, torch_optimizers, watch_options
+from edo_monitor.integrations._common import (
+    align_tensorboard,
+    record_resume,
+    torch_optimizers,
+    watch_options,
+)
 from edo_monitor.nn import attach_cached_tables
 from edo_monitor.store.schema import RUN_NAME_MAX_CHARS
 
@@ -62,6 +67,8 @@ class LightningCallbackMixin:
         self.monitor: Monitor | None = None
         #: the run a checkpoint being resumed was saved from (its :meth:`state_dict`)
         self._resumed_from: dict[str, Any] | None = None
+        #: the global step of the checkpoint being resumed (``on_load_checkpoint``)
+        self._resumed_global_step: int | None = None
 
     # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict[str, Any]:
@@ -75,6 +82,13 @@ class LightningCallbackMixin:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Lightning restores a checkpoint (``fit(ckpt_path=)``, before ``on_fit_start``)."""
         self._resumed_from = dict(state_dict) if state_dict.get("run_uuid") else None
+
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        """Lightning loads a checkpoint to resume (before ``on_fit_start``; its loops, and so
+        ``trainer.global_step``, are restored only after it): keep its global step, where the
+        resumed fit's TensorBoard steps start."""
+        step = checkpoint.get("global_step")
+        self._resumed_global_step = step if isinstance(step, int) else None
 
     # ------------------------------------------------------------------ Lightning hooks
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
@@ -93,6 +107,7 @@ class LightningCallbackMixin:
         }
         resumed = self._resumed_from
         self._resumed_from = None
+        resumed_step, self._resumed_global_step = self._resumed_global_step, None
         if resumed is not None:
             resumed = {**resumed, "checkpoint": str(getattr(trainer, "ckpt_path", None))}
             kwargs["config"]["resumed_from"] = resumed
@@ -112,9 +127,19 @@ class LightningCallbackMixin:
             tensorboard=self._resolve_tensorboard(trainer),
             **kwargs,
         )
+        # the scalars sit on the trainer's global step (a resumed fit's starts at the checkpoint's)
+        step = getattr(trainer, "global_step", 0)
+        align_tensorboard(self.monitor, resumed_step if resumed_step is not None else step)
         self.monitor.start()
         if resumed is not None:
             record_resume(self.monitor, resumed)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        """The trainer's loops are restored by now: its ``global_step`` is where the fit's
+        TensorBoard steps start (the checkpoint's step, known earlier, unless the strategy
+        restores after setup)."""
+        if self.monitor is not None and self.monitor.status == "running":
+            align_tensorboard(self.monitor, getattr(trainer, "global_step", None))
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         """The fit loop is done: the run is ``finished`` (before the strategy's teardown moves

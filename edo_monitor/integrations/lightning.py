@@ -62,7 +62,10 @@ class EdoMonitorCallback(LightningCallbackMixin, Callback):  # type: ignore[misc
         budget: the memory budget (bytes, or ``"12GiB"``), as in ``watch()``.
         db: the history database (path or SQLAlchemy URL), as in ``watch()``.
         tensorboard: a ``SummaryWriter``, a log folder, or ``True`` for the ``SummaryWriter`` of
-            the trainer's ``TensorBoardLogger`` (rank 0 only), as ``watch(tensorboard=)``.
+            the trainer's ``TensorBoardLogger`` (rank 0 only), as ``watch(tensorboard=)``;
+            written at the trainer's global step (a fit resumed with ``ckpt_path=`` continues
+            from the checkpoint's step, as Lightning's own scalars do), while the history
+            counts the run's steps from 0.
         **watch_kwargs: any other option of :func:`edo_monitor.watch` (``interval_s``,
             ``run_name``, ``tags``, ``enforce``, ``metrics_port``, ``config`` ...).
 

@@ -45,7 +45,12 @@ except ImportError as exc:
     ) from None
 
 from edo_monitor.agent.monitor import Monitor
-from edo_monitor.integrations._common import record_resume, torch_optimizers, watch_options
+from edo_monitor.integrations._common import (
+    align_tensorboard,
+    record_resume,
+    torch_optimizers,
+    watch_options,
+)
 from edo_monitor.store.schema import RUN_NAME_MAX_CHARS
 
 __all__ = ["EdoMonitorCallback", "TrainingDidNotEnd"]
@@ -159,7 +164,10 @@ class EdoMonitorCallback(TrainerCallback):
         budget: the memory budget (bytes, or ``"12GiB"``), as in ``watch()``.
         db: the history database (path or SQLAlchemy URL), as in ``watch()``.
         tensorboard: a ``SummaryWriter`` or a log folder, as ``watch(tensorboard=)``
-            (``args.logging_dir`` puts the scalars beside the Trainer's own TensorBoard logs).
+            (``args.logging_dir`` puts the scalars beside the Trainer's own TensorBoard logs);
+            written at the ``Trainer``'s global step (a resumed ``train()``'s continues from the
+            checkpoint's step, as its own logs do), while the history counts the run's steps
+            from 0.
         **watch_kwargs: any other option of :func:`edo_monitor.watch`.
 
     Attributes:
@@ -215,6 +223,9 @@ class EdoMonitorCallback(TrainerCallback):
             kwargs["config"]["resumed_from"] = resumed
         optimizers = torch_optimizers([optimizer] if optimizer is not None else [])
         monitor = Monitor(model, optimizers or None, tensorboard=self._tensorboard, **kwargs)
+        # the scalars sit on the Trainer's global step, as its own logs (a resumed train()'s
+        # starts at the checkpoint's); the history counts the run's steps from 0
+        align_tensorboard(monitor, getattr(state, "global_step", 0))
         monitor.start()
         self.monitor = monitor
         _track(self)
