@@ -41,43 +41,78 @@ DEFAULT_CENTRAL_PORT = 9400
 #: The environment variable read when ``watch(metrics_port=)`` is not given.
 METRICS_PORT_ENV = "EDO_METRICS_PORT"
 
-#: Gauge name -> (Reading field, help). Bytes in bytes, ratios in [0, 1].
+#: what the help of a metric that only a CUDA run has ends with
+CUDA_ONLY = "CUDA only: no sample in CPU-budget mode."
+#: what the help of a metric that a CPU-budget run has only with ``budget=`` says
+NEEDS_BUDGET = "no sample in CPU-budget mode without a budget"
+
+#: Gauge name -> (Reading field, help). Bytes in bytes, ratios in [0, 1]. A help says when the
+#: metric has no sample (a reading's ``None``): the driver's and the allocator's numbers in
+#: CPU-budget mode, the budget and free ratio of a CPU-budget run without ``budget=``.
 GAUGES: dict[str, tuple[str, str]] = {
-    "edo_device_total_bytes": ("device_total_bytes", "Device memory capacity (NVML)."),
+    "edo_device_total_bytes": (
+        "device_total_bytes",
+        f"Device memory capacity (NVML, else torch.cuda.mem_get_info). {CUDA_ONLY}",
+    ),
     "edo_device_used_bytes": (
         "device_used_bytes",
-        "Device memory used by every process (NVML), or the accounted bytes in CPU-budget mode.",
+        "Device memory used by every process, CUDA contexts included (NVML, else "
+        "torch.cuda.mem_get_info); the accounted bytes of CPU-budget mode are "
+        f"edo_in_use_bytes. {CUDA_ONLY}",
     ),
-    "edo_device_free_bytes": ("device_free_bytes", "Device memory free (NVML)."),
+    "edo_device_free_bytes": (
+        "device_free_bytes",
+        f"Device memory free (NVML, else torch.cuda.mem_get_info). {CUDA_ONLY}",
+    ),
     "edo_process_device_bytes": (
         "process_device_bytes",
-        "Device memory used by this process (NVML, CUDA context included).",
+        f"Device memory used by this process (NVML, CUDA context included). {CUDA_ONLY}",
     ),
-    "edo_allocated_bytes": ("allocated_bytes", "Bytes in live tensors (caching allocator)."),
-    "edo_reserved_bytes": ("reserved_bytes", "Bytes the caching allocator holds from the driver."),
-    "edo_active_bytes": ("active_bytes", "Bytes in active allocator blocks."),
-    "edo_peak_allocated_bytes": ("peak_allocated_bytes", "Peak allocated bytes so far."),
+    "edo_allocated_bytes": (
+        "allocated_bytes",
+        f"Bytes in live tensors (caching allocator). {CUDA_ONLY}",
+    ),
+    "edo_reserved_bytes": (
+        "reserved_bytes",
+        f"Bytes the caching allocator holds from the driver. {CUDA_ONLY}",
+    ),
+    "edo_active_bytes": ("active_bytes", f"Bytes in active allocator blocks. {CUDA_ONLY}"),
+    "edo_peak_allocated_bytes": (
+        "peak_allocated_bytes",
+        f"Peak allocated bytes so far (caching allocator). {CUDA_ONLY}",
+    ),
     "edo_largest_inactive_block_bytes": (
         "largest_inactive_block_bytes",
-        "Largest free block inside reserved segments (last allocator snapshot).",
+        f"Largest free block inside reserved segments (last allocator snapshot). {CUDA_ONLY}",
     ),
     "edo_in_use_bytes": (
         "in_use_bytes",
-        "The figure the policy compares to the budget: reserved bytes on CUDA, accounted bytes "
-        "in CPU-budget mode.",
+        "The figure the policy compares to the budget: on CUDA the allocator's reserved bytes "
+        "with a budget, the device's used bytes without one; in CPU-budget mode the accounted "
+        "params, grads, optimizer state and saved activations.",
     ),
-    "edo_budget_bytes": ("budget_bytes", "The memory budget (bytes), when one is set."),
-    "edo_free_ratio": ("free_fraction", "Free fraction of the budget or device, 0..1."),
+    "edo_budget_bytes": (
+        "budget_bytes",
+        "The capacity the policy measures against: the smaller of the device total and budget= "
+        f"on CUDA; budget= in CPU-budget mode ({NEEDS_BUDGET}).",
+    ),
+    "edo_free_ratio": (
+        "free_fraction",
+        "(budget - in use) / budget: 1 all free, 0 full, below 0 when more is in use than the "
+        f"budget (CPU-budget mode without enforce); {NEEDS_BUDGET}.",
+    ),
     "edo_fragmentation_ratio": (
         "fragmentation",
-        "1 - largest free block / free bytes inside reserved segments, 0..1.",
+        "1 - largest free block / free bytes inside reserved segments, 0..1 (last allocator "
+        f"snapshot). {CUDA_ONLY}",
     ),
     "edo_params_bytes": ("params_bytes", "Bytes of the model's parameters."),
     "edo_grads_bytes": ("grads_bytes", "Bytes of the parameters' gradients."),
     "edo_optimizer_state_bytes": ("optimizer_state_bytes", "Bytes of optimizer state."),
     "edo_activations_bytes": (
         "activations_bytes",
-        "Bytes saved for backward alive (the peak between two samples).",
+        "Bytes saved for backward alive (the peak between two samples); no sample with "
+        "track_activations=False.",
     ),
     "edo_host_tier_bytes": ("host_tier_bytes", "Bytes moved to host memory by actions."),
     "edo_process_rss_bytes": ("process_rss_bytes", "Resident set size of the process."),
@@ -88,9 +123,11 @@ GAUGES: dict[str, tuple[str, str]] = {
 #: Counter name (without ``_total``) -> help.
 COUNTERS: dict[str, str] = {
     "edo_steps": "Optimizer steps of the run.",
-    "edo_actions": "Actions applied by the auto-tuner, by action.",
+    "edo_actions": "Actions applied by the auto-tuner, by action; no sample before an action.",
     "edo_ooms": "Out-of-memory errors recorded.",
-    "edo_alloc_retries": "cudaMalloc retries of the caching allocator (frees and retries).",
+    "edo_alloc_retries": (
+        f"cudaMalloc retries of the caching allocator (frees and retries). {CUDA_ONLY}"
+    ),
 }
 
 LABELS = ("job", "rank", "device")
