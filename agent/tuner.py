@@ -13,6 +13,7 @@ A decision the run ends before applying is recorded as ``decision_expired``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,8 @@ from edo_monitor.actions.registry import ACTIONS
 from edo_monitor.decide.policy import Policy
 from edo_monitor.decide.policy_events import Decision, Forecast, ForecastOutcome, ThresholdCrossing
 from edo_monitor.decide.ranking import make_planner
+from edo_monitor.nn import CachedTable
+from edo_monitor.nn.cache_grads import report_direct_grads
 from edo_monitor.probes.readings import Reading
 from edo_monitor.units import format_bytes
 
@@ -248,6 +251,26 @@ class Tuner:
         if why is not None:
             self._emit_ineffective(result, why)
 
+    def _watch_cached_tables(self) -> None:
+        """Ask each row cache the agent made to report a gradient on its weight itself (a loss
+        term over the weight: an L2 penalty over the parameters, on steps the recorded profile
+        did not see): an ``action_inexact`` event, once per table."""
+        m = self.m
+        assert m.model is not None
+        for name, module in m.model.named_modules():
+            if isinstance(module, CachedTable) and getattr(module, "edo_action_made", False):
+                report_direct_grads(module, functools.partial(self._direct_grad, name))
+
+    def _direct_grad(self, name: str, table: CachedTable) -> None:
+        self.m._emit(
+            "action_inexact",
+            f"{name}: a gradient reached the row cache's weight directly at step {self.m.steps} "
+            "(a loss term over the weight, such as an L2 penalty over the parameters): it stepped "
+            "the cached rows it touched, not the rows on the host, so training is not the "
+            "resident table's from here",
+            {"table": name, "action": "cache_embedding", "cache_rows": table.cache_rows},
+        )
+
     def _emit_ineffective(self, result: ActionResult, why: str) -> None:
         """An ``action_ineffective`` event: the ladder moves on from ``result``'s target."""
         self.m._emit(
@@ -416,6 +439,7 @@ class Tuner:
             m._safe_point.step_accounting = acc
             if m._lookups is not None:  # the action may have swapped a table: count the new one
                 m._lookups.watch_tables(m.model)
+            self._watch_cached_tables()
         else:
             message = f"{result.action} on {result.target or '-'} {result.status}: {result.reason}"
         self.m._emit(kind, message, data, started_s)

@@ -6,12 +6,28 @@ one)."""
 from __future__ import annotations
 
 import logging
+import weakref
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from edo_monitor.nn.cache_parts import put_rows, to_device
 
 logger = logging.getLogger(__name__)
+
+#: per cached table, who to tell when a gradient reaches its weight directly (a weak table: a
+#: copy or pickle of the module carries no reference to the agent)
+_DIRECT_GRAD_REPORTS: weakref.WeakKeyDictionary[Any, Callable[[Any], None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def report_direct_grads(table: Any, callback: Callable[[Any], None]) -> None:
+    """Call ``callback(table)`` the first time a gradient reaches cached ``table``'s weight
+    directly, not through a lookup (see ``_direct_grad``): from that step the table is not
+    stepped as the resident table would be. Replaces a callback set before."""
+    _DIRECT_GRAD_REPORTS[table] = callback
 
 
 class _GradientLayout:
@@ -145,8 +161,9 @@ class _GradientLayout:
         Otherwise no exact step exists: the cache holds only some rows, each at its own step.
         A table the user made refuses it; one the agent made
         (``edo_action_made``) must not fail the training it watches: the gradient reaches the
-        cached rows it touches (:meth:`_add_direct_grad`, returned here) and a warning says
-        the rows on the host got none.
+        cached rows it touches (:meth:`_add_direct_grad`, returned here), a warning says
+        the rows on the host got none, and the callback of :func:`report_direct_grads`, when the
+        agent set one, is called (once: it records the run inexact from that step).
 
         Raises:
             RuntimeError: a non-zero gradient on the weight of a table the user made (the
@@ -176,6 +193,12 @@ class _GradientLayout:
                 "model's parameters?); it steps the cached rows it touches, at their cached "
                 "values, and not the rows on the host, as the resident table's would"
             )
+            report = _DIRECT_GRAD_REPORTS.get(self)  # the agent records it
+            if report is not None:
+                try:
+                    report(self)
+                except Exception:  # the agent's record must not fail the step
+                    logger.exception("reporting a direct gradient of a cached table failed")
         return wgrad
 
     def _add_direct_grad(self, grad: torch.Tensor) -> None:
