@@ -4,6 +4,7 @@ sampler, /metrics; then the last reading, the run's status, the teardown."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from edo_monitor.agent.activations import ActivationTracker
@@ -36,6 +37,51 @@ def ended_by(exc: BaseException | None) -> tuple[str, str | None]:
     if exc is not None:
         return "failed", f"{type(exc).__name__}: {exc}"[:2000]
     return "finished", None
+
+
+#: The keys of a run's ``config`` that the agent writes itself, some of them read back by the
+#: history's readers (``floor`` and ``policy`` by explain and the dashboard, ``parallel_wrapper``
+#: by the staged plan): a key of ``watch(config=...)`` never replaces one of them.
+AGENT_CONFIG_KEYS = frozenset(
+    {
+        "interval_s",
+        "snapshot_interval_s",
+        "track_activations",
+        "enforce",
+        "policy",
+        "floor",
+        "model",
+        "parallel_wrapper",
+        "snapshots",
+        "sync_every_steps",
+    }
+)
+#: What a user's key that names one of :data:`AGENT_CONFIG_KEYS` is recorded as: ``user.<key>``.
+USER_KEY_PREFIX = "user."
+
+
+def user_config_entries(user_config: Mapping[str, Any]) -> dict[str, Any]:
+    """``watch(config=...)`` as recorded beside the agent's keys: each key as given, except one
+    that names an agent's key (:data:`AGENT_CONFIG_KEYS`), which is kept under
+    ``user.<key>`` (prefixed again while the user's config holds that name too) with one
+    warning naming them; the training goes on."""
+    out: dict[str, Any] = {}
+    moved: list[str] = []
+    for key, value in user_config.items():
+        name = key
+        if key in AGENT_CONFIG_KEYS:
+            name = USER_KEY_PREFIX + key
+            while name in user_config:
+                name = USER_KEY_PREFIX + name
+            moved.append(f"{key!r} as {name!r}")
+        out[name] = value
+    if moved:
+        logger.warning(
+            "edo-monitor: config keys the agent records itself are kept under another name: "
+            "%s (the run's config keeps the agent's value of each)",
+            ", ".join(moved),
+        )
+    return out
 
 
 class _Lifecycle:
@@ -72,8 +118,8 @@ class _Lifecycle:
             else None,
             "snapshots": self.snapshots,
             **({"sync_every_steps": self.sync_every_steps} if self.ranks is not None else {}),
-            **self.user_config,
         }
+        config.update(user_config_entries(self.user_config))  # never one of the agent's keys
         self._run.open(
             {
                 "name": self.run_name,

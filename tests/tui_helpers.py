@@ -233,3 +233,12 @@ def table_column(table: DataTable[Any], index: int) -> list[str]:
         str(getattr(c, "plain", c))
         for c in (table.get_row_at(r)[index] for r in range(table.row_count))
     ]
+
+
+def screen_text(app: EdoTui) -> str:
+    """What the terminal shows now: the screenshot's text, its tags and entities removed."""
+    import html
+    import re
+
+    svg = app.export_screenshot()
+    return html.unescape(re.sub(r"<[^>]+>", "", svg)).replace("\xa0", " ")

@@ -25,6 +25,7 @@ from typing import Any
 from edo_monitor.errors import ConfigError, StoreError
 from edo_monitor.exporters.samples_file import write_samples_csv
 from edo_monitor.hindsight.jobs import JobReport, job_report
+from edo_monitor.hindsight.run_config import DEFAULT_FLOOR, recorded_floor
 from edo_monitor.store.history import History
 from edo_monitor.store.paths import resolve_db_url
 from edo_monitor.store.records import (
@@ -60,8 +61,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: The policy's default floor (free fraction below which it acts), used when a run records none.
-DEFAULT_FLOOR = 0.20
 #: Statuses after which a run never changes again.
 TERMINAL_STATUSES = frozenset({"finished", "failed", "interrupted"})
 #: Sample columns the chart draws.
@@ -79,16 +78,11 @@ GAUGE_COLUMNS = (
 
 
 def run_floor(run: RunInfo) -> float:
-    """The free-fraction floor the run's policy used (``config['floor']``), else 20 %."""
-    config = run.config if isinstance(run.config, dict) else {}
-    for key in ("floor", "floor_fraction", "free_floor"):
-        value = config.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    policy = config.get("policy")
-    if isinstance(policy, dict) and isinstance(policy.get("floor"), (int, float)):
-        return float(policy["floor"])
-    return DEFAULT_FLOOR
+    """The free-fraction floor the run's policy used, as ``explain`` reads it
+    (:func:`edo_monitor.hindsight.run_config.recorded_floor`: the agent's record, never a user's
+    config value), else 20 %."""
+    floor = recorded_floor(run.config)
+    return DEFAULT_FLOOR if floor is None else floor
 
 
 def elapsed_s(run: RunInfo, now_s: float | None = None) -> float:

@@ -67,6 +67,7 @@ from edo_monitor.hindsight.recorded import (
     _Table,
     _tables_at,
 )
+from edo_monitor.hindsight.run_config import DEFAULT_FLOOR, as_fraction, recorded_floor
 from edo_monitor.measure.module_tree import largest_disjoint
 from edo_monitor.units import format_bytes
 
@@ -362,7 +363,10 @@ def explain(db: Any, run: Any, *, event: int | None = None) -> Explanation:
     history, owned = _open(db)
     try:
         info, module_rows, events = _load(history, run)
-        floor = float((info.config or {}).get("floor") or 0.2)  # the live policy's floor
+        # the live policy's floor (never a user's config value: an older history's may be any)
+        floor = recorded_floor(info.config)
+        if floor is None:
+            floor = DEFAULT_FLOOR
         cpu = info.device_kind != "cuda"
         incidents = []
         crossings = [e for e in events if e.kind == "threshold_crossed"]
@@ -407,7 +411,11 @@ def explain(db: Any, run: Any, *, event: int | None = None) -> Explanation:
                     )
                 )
             elif e.kind == "threshold_crossed" and e.data.get("direction") == "below":
-                floor_e = float(e.data.get("floor", e.data.get("threshold", floor)))
+                floor_e = as_fraction(e.data.get("floor"))  # the policy's, at the crossing
+                if floor_e is None:
+                    floor_e = as_fraction(e.data.get("threshold"))
+                if floor_e is None:
+                    floor_e = floor
                 end = next(
                     (
                         c.time_s
