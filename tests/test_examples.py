@@ -92,3 +92,59 @@ def test_main_example_trains_on_a_text_file(shakespeare_path: Path, tmp_path: Pa
         ("train_embedding", "finished", 6)
     ]
     con.close()
+
+
+def test_recommenders_cache_line_is_the_recorded_runs(movielens_dir: Path, tmp_path: Path) -> None:
+    """Regression: the test RMSE the example returned was evaluated after the ``watch`` block had
+    closed, and the ``cache items:`` line, printed next to ``run 1: N steps``, counted those
+    lookups too: 598 rows loaded and evicted more than the history held for the run, and its
+    "hit rate" was the unique ids' where ``edo-monitor show`` gives the lookups' (93.2 % beside
+    94.6 %). The line now gives the run's figures, as the history holds them."""
+    db = tmp_path / "rec.db"
+    done = run_example(
+        "train_recommender.py",
+        "--data",
+        str(movielens_dir),
+        "--db",
+        str(db),
+        "--budget",
+        "8MiB",
+        "--no-compare",
+        "--epochs",
+        "2",
+    )
+    assert done.returncode == 0, done.stderr
+    [line] = [x for x in done.stdout.splitlines() if x.startswith("cache items: ")]
+    # the budget converts the item table from the first readings on
+    figures = re.fullmatch(
+        r"cache items: (\d+) of \d+ rows on the device, hit rate ([\d.]+)%(.*), ([\d,]+) rows "
+        r"loaded, ([\d,]+) evicted, ([\d.]+) MiB host->device, ([\d.]+) MiB device->host",
+        line,
+    )
+    assert figures, line
+    rows, hit_rate, which, loaded, evicted, h2d, d2h = figures.groups()
+    con = sqlite3.connect(db)
+    # what `edo-monitor show` and the dashboard sum: the samples' increments
+    sums = con.execute(
+        "SELECT sum(cache_lookups), sum(cache_lookup_hits), sum(cache_rows_loaded), "
+        "sum(cache_rows_evicted), sum(cache_moved_bytes) FROM samples "
+        "WHERE cache_rows IS NOT NULL"
+    ).fetchone()
+    # and the table's totals in its last module_stats row
+    totals = con.execute(
+        "SELECT cache_rows, cache_lookups, cache_lookup_hits, cache_rows_loaded, "
+        "cache_rows_evicted, cache_moved_bytes FROM module_stats WHERE module = 'items' "
+        "AND cache_rows IS NOT NULL ORDER BY id DESC LIMIT 1"
+    ).fetchone()
+    con.close()
+    lookups, hits, db_loaded, db_evicted, moved = sums
+    assert totals == (int(rows), *sums)
+    assert (int(loaded.replace(",", "")), int(evicted.replace(",", ""))) == (
+        db_loaded,
+        db_evicted,
+    )
+    assert hit_rate == f"{100 * hits / lookups:.1f}"
+    # h2d + d2h, each printed to 0.01 MiB, is the bytes moved either way
+    assert abs(float(h2d) + float(d2h) - moved / 2**20) <= 0.011
+    # the unique ids' rate is there, named, after the one `show` gives
+    assert re.fullmatch(r" of lookups \([\d.]+% of each batch's unique ids\)", which), line
