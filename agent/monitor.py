@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from edo_monitor.actions.checkpoint_activations import ActivationProfile
+from edo_monitor.actions.activation_profile import ActivationProfile
 from edo_monitor.agent.activations import ActivationTracker
 from edo_monitor.agent.device import Device
 from edo_monitor.agent.events import EventLog

@@ -34,7 +34,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from edo_monitor.actions.checkpoint_activations import ActivationRecorder
+from edo_monitor.actions.activation_profile import ActivationRecorder
 from edo_monitor.actions.enforce import enforce_budget
 from edo_monitor.agent.grads_alive import GradientsAlive
 from edo_monitor.decide.leaks import GrowthDetector

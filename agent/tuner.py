@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from edo_monitor.actions.activation_profile import ActivationProfile
 from edo_monitor.actions.base import ActionContext, ActionResult
-from edo_monitor.actions.checkpoint_activations import ActivationProfile
 from edo_monitor.actions.registry import ACTIONS
 from edo_monitor.decide.policy import Policy
 from edo_monitor.decide.policy_events import Decision, Forecast, ForecastOutcome, ThresholdCrossing

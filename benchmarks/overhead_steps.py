@@ -22,7 +22,7 @@ from torch import nn
 from torch.optim import optimizer as torch_optimizer
 
 import edo_monitor
-from edo_monitor.actions.checkpoint_activations import ActivationRecorder
+from edo_monitor.actions.activation_profile import ActivationRecorder
 from edo_monitor.agent.activations import ActivationTracker
 from edo_monitor.agent.monitor import DEFAULT_INTERVAL_S, Monitor
 from edo_monitor.agent.safe_point import SafePoint

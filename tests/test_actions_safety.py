@@ -180,6 +180,56 @@ class _Null:
         return None
 
 
+class AttributeState(nn.Module):
+    """An MLP block keeping state outside its buffers: a running mean in a plain tensor
+    attribute and its calls in a Python int (the tester's blocks: recomputed under checkpointing
+    they counted 116 calls for 60 and their running means drifted)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 32)
+        self.kind = kind
+        self.mean = torch.zeros(64)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc1(x))
+        if self.training and self.kind == "tensor":
+            self.mean.mul_(0.9).add_(0.1 * h.detach().mean(0))
+        if self.training and self.kind == "int":
+            self.calls += 1
+        return self.fc2(h)
+
+
+@pytest.mark.parametrize("kind", ["tensor", "int"])
+def test_checkpointing_excludes_blocks_whose_forward_changes_plain_attribute_state(
+    kind: str,
+) -> None:
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g))]
+    data *= 4
+    torch.manual_seed(0)
+    twin = nn.Sequential(nn.Linear(16, 32), AttributeState(kind), MLP(32), nn.Linear(32, 4))
+    model = copy.deepcopy(twin)
+    twin_opt = torch.optim.Adam(twin.parameters(), lr=1e-2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    _train_steps(twin, twin_opt, data)
+    profile = _train_steps(model, opt, data[:1], profile=True)
+    assert profile is not None and "1" in profile.buffer_mutating
+    assert "2" not in profile.buffer_mutating
+    ctx = ActionContext(model, [opt], activation_profile=profile)
+    plan = ACTIONS["checkpoint_activations"].plan(ctx)
+    assert isinstance(plan, Plan), plan
+    assert plan.details["blocks"] == ["2"]  # the plain MLP only
+    assert plan.details["excluded_buffer_mutating"] == ["1"]
+    assert ACTIONS["checkpoint_activations"].apply(ctx, plan).status == "applied"
+    _train_steps(model, opt, data[1:])
+    assert model[1].calls == twin[1].calls == (4 if kind == "int" else 0)
+    assert torch.equal(model[1].mean, twin[1].mean)
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
 def test_checkpointing_excludes_blocks_whose_forward_changes_buffers_twin_bit_identical() -> None:
     g = torch.Generator().manual_seed(3)
     data = [(torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g))]
@@ -222,7 +272,7 @@ def test_checkpointing_refuses_when_only_buffer_changing_blocks_are_left() -> No
     r = ACTIONS["checkpoint_activations"].plan(
         ActionContext(model, [], activation_profile=rec.profile())
     )
-    assert isinstance(r, Refusal) and "changes buffers in training mode" in r.reason
+    assert isinstance(r, Refusal) and "changes buffers or module state in training mode" in r.reason
 
 
 # ------------------------------------------------------------ item 5: sparse sizes, root table

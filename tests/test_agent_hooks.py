@@ -486,7 +486,7 @@ def test_a_saved_tensor_changed_in_place_fails_the_backward_as_without_watch(
 
 
 def test_the_activation_profile_alone_keeps_the_in_place_check() -> None:
-    from edo_monitor.actions.checkpoint_activations import ActivationRecorder
+    from edo_monitor.actions.activation_profile import ActivationRecorder
 
     lin = nn.Linear(4, 4)
     with ActivationRecorder(lin):
