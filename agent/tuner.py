@@ -268,7 +268,7 @@ class Tuner:
             "(a loss term over the weight, such as an L2 penalty over the parameters): it stepped "
             "the cached rows it touched, not the rows on the host, so training is not the "
             "resident table's from here",
-            {"table": name, "action": "cache_embedding", "cache_rows": table.cache_rows},
+            {"table": name, "kind": type(table).__name__, "cache_rows": table.cache_rows},
         )
 
     def _emit_ineffective(self, result: ActionResult, why: str) -> None:
