@@ -352,15 +352,18 @@ def print_summary(
     """Print what the run did: steps, peaks, minimum free fraction, events and actions
     (through ``say``: under --ddp each line starts with the rank)."""
     n = min(10, len(losses))  # the loss averaged over the first and the last n steps
-    first = sum(losses[:n]) / max(1, n)
-    last = sum(losses[-n:]) / max(1, n) if n else 0.0
+    loss = (
+        f"{sum(losses[:n]) / n:.3f} (first {n} steps) -> {sum(losses[-n:]) / n:.3f} (last {n})"
+        if n
+        else "N/A (no step finished)"  # out of memory in the first step: there is no loss
+    )
     mff = summary.min_free_fraction
     say("")
     say("== edo-monitor summary ==")
     say(f"run              {summary.run_id} ({summary.run_name}), status {summary.status}")
     say(f"device           {summary.device_kind}, budget {format_bytes(summary.budget_bytes)}")
     say(f"steps            {summary.steps} in {elapsed_s:.1f} s")
-    say(f"loss             {first:.3f} (first {n} steps) -> {last:.3f} (last {n})")
+    say(f"loss             {loss}")
     say(f"peak in use      {format_bytes(summary.peak_in_use_bytes)}")
     say(f"peak activations {format_bytes(summary.peak_activations_bytes)}")
     say(f"min free         {'N/A' if mff is None else f'{mff:.1%}'}")

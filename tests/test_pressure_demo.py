@@ -152,3 +152,40 @@ def test_forecasting_acts_before_the_crossing_and_free_memory_never_goes_below_t
     # judged outcomes all came true (the last forecast may be open when the run ends)
     judged = [d["came_true"] for k, _, d in events if k == "forecast_outcome"]
     assert all(j is True for j in judged[:-1]) and judged[-1] in (True, None)
+
+
+def test_out_of_memory_in_the_first_step_prints_no_loss(tmp_path: Path) -> None:
+    """Regression: a budget the parameters fit in (24.92 MiB) but not the first step's gradients
+    and Adam state ran out of memory at step 0 and printed ``loss 0.000 (first 0 steps) -> 0.000
+    (last 0)``, a loss no step computed; ``min free`` already said ``N/A`` when it had nothing."""
+    if not EXAMPLE.is_file():
+        pytest.skip(f"{EXAMPLE} not found (tests run from a checkout)")
+    text = tmp_path / "words.txt"
+    text.write_text(" ".join(f"word{i % 97} next{i % 13}" for i in range(5_000)))
+    db = tmp_path / "oom0.db"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLE),
+            "--text",
+            str(text),
+            "--db",
+            str(db),
+            "--budget",
+            "26MiB",
+            "--steps",
+            "5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert "out of memory at step 0: CPU-budget out of memory." in done.stderr
+    summary = done.stdout[done.stdout.index("== edo-monitor summary ==") :].splitlines()
+    assert re.fullmatch(r"steps +0 in [\d.]+ s", summary[3]), summary
+    assert summary[4] == "loss             N/A (no step finished)", summary
+    con = sqlite3.connect(db)
+    assert con.execute("SELECT status, steps FROM runs").fetchall() == [("failed", 0)]
+    con.close()
