@@ -75,6 +75,20 @@ def test_jobs_lists_the_job(job: dict[str, Any]) -> None:
     assert len(json.loads(run("jobs", "--json", "--since", "1h", db=db).stdout)) == 1
 
 
+def test_runs_tells_the_ranks_of_the_job_apart(job: dict[str, Any]) -> None:
+    """Both ranks' runs are named ``pressure``; ``runs`` showed nothing else to tell them apart.
+    Its ``rank`` column now does."""
+    res = run("runs", db=job["db"])
+    assert res.exit_code == 0, res.output
+    ranks = sorted(
+        cells[3]
+        for line in res.stdout.splitlines()
+        if len(cells := [c.strip() for c in line.strip("│ ").split("│")]) > 4
+        and cells[2] == "pressure"
+    )
+    assert ranks == ["0", "1"]
+
+
 def test_job_shows_ranks_the_tightest_and_the_same_action_at_the_same_step(
     job: dict[str, Any],
 ) -> None:

@@ -52,7 +52,9 @@ def runs_cmd(
     ] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """List runs, newest first. The id and the uuid column are references that open the run."""
+    """List runs, newest first. The id and the uuid column are references that open the run; a
+    ``rank`` column (``-`` for a run outside a process group) tells apart the ranks of a
+    ``torch.distributed`` job, shown when a listed run has one."""
     from edo_monitor.store.queries import STATUSES
 
     if status is not None and status not in STATUSES:
@@ -76,11 +78,14 @@ def runs_cmd(
             else "no runs recorded"
         )
         return
+    # the ranks of one job share its name: their rank tells them apart (no column without one)
+    ranked = any(r.rank is not None for r in runs)
     table = Table(title=None, show_lines=False)
     for col, just in (
         ("id", "right"),
         ("uuid", "left"),
         ("name", "left"),
+        *((("rank", "right"),) if ranked else ()),
         ("status", "left"),
         ("started (UTC)", "left"),
         ("duration", "right"),
@@ -97,6 +102,7 @@ def runs_cmd(
             str(r.id),
             refs.get(r.id, str(r.id)),
             r.name,
+            *((("-" if r.rank is None else str(r.rank)),) if ranked else ()),
             r.status,
             _when(r.started_at_s),
             _dur(r.duration_s),
