@@ -49,6 +49,7 @@ from __future__ import annotations
 # ruff: noqa: E402 (the arguments are checked before PyTorch is imported, which takes seconds)
 import argparse
 import os
+import re
 
 from edo_monitor.surfaces import scripting  # light: no PyTorch
 
@@ -56,6 +57,11 @@ from edo_monitor.surfaces import scripting  # light: no PyTorch
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line (checked before PyTorch is imported: a bad argument is one line)."""
     parser = scripting.ArgumentParser(description=__doc__.split("\n\n")[0])
+    # "--budget -5MiB" gets byte_size's one line ("expected a positive size"), as "--budget 0":
+    # argparse before Python 3.14 reads only "-5" and "-.5" as negative numbers and took
+    # "-5MiB" for an unknown option ("argument --budget: expected one argument"); this is
+    # 3.14's own test, "-" then a digit (no option of this parser looks like that)
+    parser._negative_number_matcher = re.compile(r"-\.?\d")
     parser.add_argument(
         "--text",
         type=scripting.readable_file,
@@ -128,7 +134,6 @@ if __name__ == "__main__":  # bad arguments: one line and exit 2, before the slo
 
 import functools
 import logging
-import re
 import sys
 import sysconfig
 import time

@@ -22,6 +22,7 @@ import contextlib
 import csv
 import logging
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -178,6 +179,11 @@ def percent(fraction: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = scripting.ArgumentParser(description=__doc__.split("\n\n")[0])
+    # "--budget -5MiB" gets byte_size's one line ("expected a positive size"), as "--budget 0":
+    # argparse before Python 3.14 reads only "-5" and "-.5" as negative numbers and took
+    # "-5MiB" for an unknown option ("argument --budget: expected one argument"); this is
+    # 3.14's own test, "-" then a digit (no option of this parser looks like that)
+    parser._negative_number_matcher = re.compile(r"-\.?\d")
     parser.add_argument(
         "--data", type=ratings_folder, required=True, help="folder with ratings.csv"
     )

@@ -74,6 +74,11 @@ def base_args(name: str, movielens: Path) -> list[str]:
 BAD_ARGUMENTS = [
     (["--budget", "abc"], ["--budget", "'abc'", "positive size"]),
     (["--budget", "0"], ["--budget", "'0'", "positive size"]),
+    # a negative size: argparse (before Python 3.14) took "-5MiB" for an unknown option and said
+    # "argument --budget: expected one argument", naming neither the value nor what is allowed
+    (["--budget", "-5MiB"], ["--budget", "'-5MiB'", "positive size"]),
+    # an option after --budget is still an option, not its value
+    (["--budget", "--db", "{tmp}/x.db"], ["--budget", "expected one argument"]),
     # watch() refuses it: it was refused after the text was read, leaving an empty database
     (["--budget", "9999999999999999999999"], ["--budget", "less than 2**63 bytes"]),
     (["--forecast", "0"], ["--forecast", "'0'", "1 or more"]),
