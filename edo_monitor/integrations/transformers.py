@@ -164,7 +164,8 @@ class EdoMonitorCallback(TrainerCallback):
         budget: the memory budget (bytes, or ``"12GiB"``), as in ``watch()``.
         db: the history database (path or SQLAlchemy URL), as in ``watch()``.
         tensorboard: a ``SummaryWriter`` or a log folder, as ``watch(tensorboard=)``
-            (``args.logging_dir`` puts the scalars beside the Trainer's own TensorBoard logs);
+            (the Trainer's TensorBoard folder puts the scalars beside its own logs:
+            ``$TENSORBOARD_LOGGING_DIR`` on transformers 5, ``args.logging_dir`` on 4);
             written at the ``Trainer``'s global step (a resumed ``train()``'s continues from the
             checkpoint's step, as its own logs do), while the history counts the run's steps
             from 0.
