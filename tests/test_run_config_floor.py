@@ -15,11 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from textual.pilot import Pilot
-from torch import nn
 from tui_helpers import REFRESH_S, run_app, screen_text, wait_for
 from typer.testing import CliRunner
+from watch_helpers import PRESSURE_BUDGET, record_pressure_run
 
 import edo_monitor
 from edo_monitor.hindsight.explain import explain
@@ -29,26 +28,9 @@ from edo_monitor.tui.app import EdoTui
 from edo_monitor.tui.modals import ExplainScreen
 from edo_monitor.tui.widgets import Gauge, MemoryChart
 
-ROWS, DIM = 20_000, 32
-# the table with Adam after one step (params, grads, two states) ~ 10.24 MB: below a 30 % floor
-BUDGET = 12_000_000
+BUDGET = PRESSURE_BUDGET
 FLOOR = 0.3
-
-
-def record(db: Path, name: str, **watch_kw: Any) -> int:
-    """A real run of 20 steps under watch(); returns its id."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Embedding(ROWS, DIM), nn.Linear(DIM, 1))
-    opt = torch.optim.Adam(model.parameters())
-    gen = torch.Generator().manual_seed(1)
-    with edo_monitor.watch(
-        model, opt, db=db, budget=BUDGET, interval_s=0.02, run_name=name, **watch_kw
-    ) as mon:
-        for _ in range(20):
-            model(torch.randint(0, ROWS, (64,), generator=gen)).pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
-    return mon.run_id
+record = record_pressure_run
 
 
 def policy() -> edo_monitor.Policy:

@@ -12,11 +12,13 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+from rich.console import Group
 from textual.pilot import Pilot
 from textual.screen import Screen
 from tui_helpers import db, loaded, run_app, wait_for  # noqa: F401 (db: the fixture)
 
 from edo_monitor.hindsight.explain import explain
+from edo_monitor.hindsight.view import explain_renderables
 from edo_monitor.tui.app import EdoTui
 from edo_monitor.tui.base import _call_ui
 from edo_monitor.tui.devices_screen import DevicesScreen
@@ -46,8 +48,8 @@ def _poke(screen: Screen[Any], reads: dict[str, Any]) -> int:
             (screen._follow_idle, (g,)),
         ]
     elif isinstance(screen, ExplainScreen):
-        calls += [(screen._show, (reads["explain"],))]
-        calls += [(screen._show_error, ("cannot read",))]
+        calls += [(screen._show, reads["explain"])]
+        calls += [(screen._show_error, ("cannot read", 1))]
     else:
         calls += [
             (screen.reload, ()),
@@ -82,7 +84,10 @@ def test_timers_and_hand_backs_during_push_pop_and_exit_do_nothing(db: Path) -> 
             "runs": source.runs(),
             "devices": source.devices(),
             "jobs": source.jobs(None),
-            "explain": explain(source.open(), run.id),
+            "explain": (
+                result := explain(source.open(), run.id),
+                Group(*explain_renderables(result)),
+            ),
         }
         for _ in range(ROUNDS):
             for make in (

@@ -56,3 +56,35 @@ def count(db: Path, sql: str) -> int:
         return con.execute(sql).fetchone()[0]
     finally:
         con.close()
+
+
+#: ``record_pressure_run``'s table (20,000 × 32) with Adam after one step (params, grads, two
+#: states) holds ~10.24 MB: below a 20 % (and a 30 %) floor of this budget from the first step
+PRESSURE_BUDGET = 12_000_000
+
+
+def record_pressure_run(db: Path, name: str, steps: int = 20, **watch_kw: object) -> int:
+    """A real run of ``steps`` steps under watch() on a ``PRESSURE_BUDGET`` CPU budget (given a
+    ``policy``: a crossing below its floor at the first step, an action, incident snapshots);
+    returns its id."""
+    import edo_monitor
+
+    torch.manual_seed(0)
+    rows, dim = 20_000, 32
+    model = nn.Sequential(nn.Embedding(rows, dim), nn.Linear(dim, 1))
+    opt = torch.optim.Adam(model.parameters())
+    gen = torch.Generator().manual_seed(1)
+    with edo_monitor.watch(
+        model,
+        opt,
+        db=db,
+        budget=PRESSURE_BUDGET,
+        interval_s=0.02,
+        run_name=name,
+        **watch_kw,  # type: ignore[arg-type]
+    ) as mon:
+        for _ in range(steps):
+            model(torch.randint(0, rows, (64,), generator=gen)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    return mon.run_id

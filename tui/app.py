@@ -13,7 +13,10 @@ Exit codes (the scheme of ``edo-monitor``), decided by what the dashboard shows 
     1  quit while an error panel says the database or run cannot be read (no such file, not a
        database, a newer schema, an unreachable server, no run matching ``--run``)
     2  usage: an unknown option, a bad value, a database argument that is not a path or URL
-    3  unexpected internal error (Textual prints the traceback)
+    3  unexpected internal error: the app ended (Textual prints the traceback), or quit while a
+       view's error line says ``internal error (…)`` (bad data in the history that a reader or
+       the view tripped on; every view's background work shows its error instead of ending
+       the app)
 """
 
 from __future__ import annotations
@@ -37,7 +40,14 @@ from edo_monitor.errors import ConfigError
 from edo_monitor.store.paths import resolve_db_url
 from edo_monitor.store.records import RunInfo
 from edo_monitor.surfaces import scripting
-from edo_monitor.tui.base import READ_ERRORS, _call_ui
+from edo_monitor.tui.base import (
+    EXIT_INTERNAL,
+    EXIT_OK,
+    EXIT_REFUSED,
+    EXIT_USAGE,
+    _call_ui,
+    _guarded,
+)
 from edo_monitor.tui.data import DataSource
 from edo_monitor.tui.devices_screen import DevicesScreen
 from edo_monitor.tui.job_screen import JobScreen
@@ -58,9 +68,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 DEFAULT_REFRESH_S = 1.0
-
-#: Exit codes, the same scheme as ``edo-monitor`` (see the module docstring).
-EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 
 
 class EdoTui(App[None]):
@@ -269,13 +276,16 @@ class EdoTui(App[None]):
     def _export(self, run: RunInfo) -> None:
         run_id = run.id
         directory = self.export_dir or Path.cwd()
-        try:
+
+        def body() -> None:
             path = self.source.export_csv(run, directory)
-        except READ_ERRORS as exc:
-            _call_ui(self, partial(self.notify, f"export failed: {exc}", severity="error"))
-            return
-        self.last_export = path
-        _call_ui(self, partial(self.notify, f"exported run #{run_id} to {path}", timeout=8))
+            self.last_export = path
+            _call_ui(self, partial(self.notify, f"exported run #{run_id} to {path}", timeout=8))
+
+        def failed(message: str, code: int) -> None:
+            self.notify(f"export failed: {message}", severity="error")
+
+        _guarded(self, failed, body)
 
 
 #: Event kinds that :func:`edo_monitor.hindsight.explain` can explain alone.

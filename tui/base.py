@@ -1,7 +1,9 @@
 """What every dashboard screen shares: the app as screens see it (:class:`Dashboard`), the
 polled-read base (:class:`_PolledScreen`), updates skipped once a screen is gone, errors shown
 on screen. Every database read runs in a thread worker and hands its result back to the UI
-thread with ``call_from_thread``; the UI thread only draws."""
+thread with ``call_from_thread`` (:func:`_call_ui`); the UI thread only draws. Every worker's
+body runs through :func:`_guarded`: whatever it raises, a read error or bad data a reader or the
+drawing of its result trips on, is the view's error line, never the app's end."""
 
 from __future__ import annotations
 
@@ -25,6 +27,9 @@ logger = logging.getLogger(__name__)
 
 #: Errors a read may raise that are shown on screen instead of a traceback.
 READ_ERRORS = (EdoMonitorError, SQLAlchemyError, OSError, ImportError)
+
+#: Exit codes of ``edo-tui`` (the scheme of ``edo-monitor``; :mod:`edo_monitor.tui.app`).
+EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 
 
 class Dashboard(Protocol):
@@ -91,6 +96,31 @@ def _call_ui(screen: Screen[Any] | App[Any], callback: Callable[..., Any], *args
         logger.debug("%s dropped: the app has stopped", getattr(callback, "__name__", callback))
 
 
+def _guarded(
+    screen: Screen[Any] | App[Any], show_error: Callable[[str, int], Any], body: Callable[[], Any]
+) -> None:
+    """Run a worker's ``body``: its read and the hand-back of the result to the UI thread (an
+    exception the UI-thread callback raises comes back through ``call_from_thread``). Whatever
+    it raises is shown by ``show_error(message, code)`` on the UI thread (:func:`_failure`)
+    instead of failing the worker, which would end the whole app (``WorkerFailed``)."""
+    try:
+        body()
+    except Exception as exc:
+        _call_ui(screen, show_error, *_failure(exc))
+
+
+def _failure(exc: BaseException) -> tuple[str, int]:
+    """The error line a view shows for ``exc`` and the exit code it stands for: a read error
+    (:data:`READ_ERRORS`) its message, 1 (2 for a :class:`ConfigError`); anything else (bad data
+    in the history that a reader or the view trips on: a bug) ``internal error (Type: message)``,
+    :data:`EXIT_INTERNAL`, its traceback logged."""
+    if isinstance(exc, READ_ERRORS):
+        logger.debug("read failed", exc_info=exc)
+        return _message_for(exc), _code_for(exc)
+    logger.error("internal error in a view's background work", exc_info=exc)
+    return f"internal error ({type(exc).__name__}: {exc})", EXIT_INTERNAL
+
+
 def _code_for(exc: BaseException) -> int:
     """The exit code an error shown on screen stands for: 2 for a database argument that is not
     usable as given (:class:`ConfigError`), else 1 (the database or run cannot be read)."""
@@ -144,17 +174,16 @@ class _PolledScreen(Screen[None]):
         return None
 
     def read(self, request: Any) -> Any:
-        """The read (worker thread); raises one of ``READ_ERRORS`` when it cannot be done."""
+        """The read (worker thread); raises one of ``READ_ERRORS`` when it cannot be done (any
+        other exception is shown too, as an internal error: :func:`_guarded`)."""
         raise NotImplementedError
 
     @work(thread=True, group="view-read", exclusive=True)
     def _read(self, request: Any) -> None:
-        try:
-            result = self.read(request)
-        except READ_ERRORS as exc:
-            _call_ui(self, self._show_error, _message_for(exc), _code_for(exc))
-            return
-        _call_ui(self, self._apply, request, result)
+        def body() -> None:
+            _call_ui(self, self._apply, request, self.read(request))
+
+        _guarded(self, self._show_error, body)
 
     def _show_error(self, message: str, code: int) -> None:
         raise NotImplementedError

@@ -17,7 +17,7 @@ from edo_monitor.store.records import RunInfo
 
 if TYPE_CHECKING:
     from edo_monitor.tui.base import Dashboard
-from edo_monitor.tui.base import READ_ERRORS, _call_ui, _message_for, _while_shown
+from edo_monitor.tui.base import _call_ui, _guarded, _while_shown
 
 HELP_TEXT = """\
 [b]edo-tui[/b] — GPU memory of PyTorch runs, live and from history
@@ -75,7 +75,8 @@ class ExplainScreen(ModalScreen[None]):
     (:func:`edo_monitor.hindsight.explain`, rendered as ``edo-monitor explain`` prints it).
 
     Only the incident of ``event_id`` when it names one (the event selected in the run view),
-    else every incident of the run. Read in a worker thread; arrows and page keys scroll; Escape
+    else every incident of the run. Read and rendered in a worker thread (an error, bad data in
+    the history among them, is the view's one red line); arrows and page keys scroll; Escape
     or ``x`` closes.
     """
 
@@ -113,10 +114,14 @@ class ExplainScreen(ModalScreen[None]):
 
     @work(thread=True, group="explain")
     def _read(self) -> None:
+        from rich.console import Group
+
         from edo_monitor.hindsight.explain import explain
+        from edo_monitor.hindsight.view import explain_renderables
 
         app: Dashboard = self.app  # type: ignore[assignment]
-        try:
+
+        def body() -> None:
             history = app.source.open()
             result = None
             if self.event_id is not None:
@@ -126,22 +131,17 @@ class ExplainScreen(ModalScreen[None]):
                     result = None
             if result is None:
                 result = explain(history, self.run.id)
-        except READ_ERRORS as exc:
-            _call_ui(self, self._show_error, _message_for(exc))
-            return
-        _call_ui(self, self._show, result)
+            _call_ui(self, self._show, result, Group(*explain_renderables(result)))
+
+        _guarded(self, self._show_error, body)
 
     @_while_shown
-    def _show(self, result: Any) -> None:
-        from rich.console import Group
-
-        from edo_monitor.hindsight.view import explain_renderables
-
+    def _show(self, result: Any, shown: Any) -> None:
         self.result = result
-        self.query_one("#explain-text", Static).update(Group(*explain_renderables(result)))
+        self.query_one("#explain-text", Static).update(shown)
 
     @_while_shown
-    def _show_error(self, message: str) -> None:
+    def _show_error(self, message: str, code: int) -> None:
         self.error = message
         self.query_one("#explain-text", Static).update(Text(message, style="bold red"))
 

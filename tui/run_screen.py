@@ -4,6 +4,7 @@ from the history while the run goes on (following a newer run when asked)."""
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import TYPE_CHECKING
 
 from rich.text import Text
@@ -39,7 +40,7 @@ from edo_monitor.units import format_bytes
 
 if TYPE_CHECKING:
     from edo_monitor.tui.base import Dashboard
-from edo_monitor.tui.base import READ_ERRORS, _call_ui, _code_for, _message_for, _while_shown
+from edo_monitor.tui.base import _call_ui, _guarded, _while_shown
 
 logger = logging.getLogger(__name__)
 
@@ -224,7 +225,8 @@ class RunScreen(Screen[None]):
         self, generation: int, run_ref: str | None, max_points: int, size: tuple[int, int]
     ) -> None:
         source = self.tui.source
-        try:
+
+        def body() -> None:
             run = source.resolve(run_ref)
             if run is None:
                 _call_ui(
@@ -236,11 +238,9 @@ class RunScreen(Screen[None]):
                 )
                 return
             read = self._read_run(run, max_points, size)
-        except READ_ERRORS as exc:
-            logger.debug("load failed", exc_info=True)
-            _call_ui(self, self._show_error, generation, _message_for(exc), _code_for(exc))
-            return
-        _call_ui(self, self._apply_load, generation, run, *read, size, None)
+            _call_ui(self, self._apply_load, generation, run, *read, size, None)
+
+        _guarded(self, partial(self._show_error, generation), body)
 
     @work(thread=True, group="run-read")
     def _follow(
@@ -249,28 +249,26 @@ class RunScreen(Screen[None]):
         """The shown run is not running: open the newest running run if it is newer, else go
         on as :meth:`tick` would (poll a crashed run; nothing for a finished one)."""
         source = self.tui.source
-        try:
+
+        def body() -> None:
             run = source.resolve(None)
             if run is not None and run.status == "running" and run.id > shown.id:
                 read = self._read_run(run, max_points, size)
                 _call_ui(self, self._apply_load, generation, run, *read, size, shown)
-                return
-            if shown.status not in TERMINAL_STATUSES:
+            elif shown.status not in TERMINAL_STATUSES:
                 self._poll_now(generation, shown.id, size)
-                return
-        except READ_ERRORS as exc:
-            logger.debug("follow check failed", exc_info=True)
-            _call_ui(self, self._show_error, generation, _message_for(exc), _code_for(exc))
-            return
-        _call_ui(self, self._follow_idle, generation)
+            else:
+                _call_ui(self, self._follow_idle, generation)
+
+        _guarded(self, partial(self._show_error, generation), body)
 
     @work(thread=True, group="run-read")
     def _poll(self, generation: int, run_id: int, size: tuple[int, int]) -> None:
-        try:
-            self._poll_now(generation, run_id, size)
-        except READ_ERRORS as exc:
-            logger.debug("poll failed", exc_info=True)
-            _call_ui(self, self._show_error, generation, _message_for(exc), _code_for(exc))
+        _guarded(
+            self,
+            partial(self._show_error, generation),
+            partial(self._poll_now, generation, run_id, size),
+        )
 
     def _poll_now(self, generation: int, run_id: int, size: tuple[int, int]) -> None:
         """Read what is new, fold it into the series and build the chart (worker thread)."""
@@ -289,8 +287,11 @@ class RunScreen(Screen[None]):
 
     @work(thread=True, group="chart", exclusive=True)
     def _rebuild_chart(self, generation: int, data: ChartData, size: tuple[int, int]) -> None:
-        lines = build_chart(data, *size)
-        _call_ui(self, self._apply_chart, generation, data, lines, size)
+        def body() -> None:
+            lines = build_chart(data, *size)
+            _call_ui(self, self._apply_chart, generation, data, lines, size)
+
+        _guarded(self, partial(self._show_error, generation), body)
 
     @_while_shown
     def on_memory_chart_stale(self, message: MemoryChart.Stale) -> None:

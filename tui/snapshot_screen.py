@@ -1,7 +1,8 @@
 """The memory snapshot of an event: its largest live blocks by frame (``m`` in the run view).
 
 The selected event's snapshot (``edo-monitor snapshot RUN --event N --top 15``), else the open
-run's latest; read in a worker thread. Escape or ``m`` closes.
+run's latest; read and rendered in a worker thread (an error, bad data in the history among
+them, is the view's one red line). Escape or ``m`` closes.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Static
 
 from edo_monitor.store.records import RunInfo
-from edo_monitor.tui.base import READ_ERRORS, _message_for, _while_shown
+from edo_monitor.tui.base import _call_ui, _guarded, _while_shown
 
 if TYPE_CHECKING:
     from edo_monitor.tui.base import Dashboard
@@ -79,30 +80,27 @@ class SnapshotScreen(ModalScreen[None]):
     def _read(self) -> None:
         from edo_monitor.measure.snapshots import top_by_frame, totals
         from edo_monitor.store.snapshot_store import find_snapshot, load_snapshot
+        from edo_monitor.surfaces.cli.snapshot import describe, top_table
 
         app: Dashboard = self.app  # type: ignore[assignment]
-        try:
+
+        def body() -> None:
             history = app.source.open()
             info = find_snapshot(history, self.run.id, self.event_id)
             snap = load_snapshot(history, info)
             rows = top_by_frame(snap, TOP_FRAMES)
-            allocated = totals(snap).allocated_bytes
-        except READ_ERRORS as exc:
-            app.call_from_thread(self._show_error, _message_for(exc))
-            return
-        app.call_from_thread(self._show, info, snap, rows, allocated)
+            shown = Group(Text(describe(info, snap)), top_table(rows, totals(snap).allocated_bytes))
+            _call_ui(self, self._show, rows, shown)
+
+        _guarded(self, self._show_error, body)
 
     @_while_shown
-    def _show(self, info: Any, snap: dict[str, Any], rows: list[Any], allocated: int) -> None:
-        from edo_monitor.surfaces.cli.snapshot import describe, top_table
-
+    def _show(self, rows: list[Any], shown: Any) -> None:
         self.rows = rows
-        self.query_one("#snapshot-text", Static).update(
-            Group(Text(describe(info, snap)), top_table(rows, allocated))
-        )
+        self.query_one("#snapshot-text", Static).update(shown)
 
     @_while_shown
-    def _show_error(self, message: str) -> None:
+    def _show_error(self, message: str, code: int) -> None:
         self.error = message
         self.query_one("#snapshot-text", Static).update(Text(message, style="bold red"))
 
