@@ -250,7 +250,8 @@ class EdoTui(App[None]):
         self.push_screen(ExplainScreen(run, chosen))
 
     def action_snapshot(self) -> None:
-        """``m``: the selected event's memory snapshot by frame (else the run's latest)."""
+        """``m``: the selected event's memory snapshot by frame (the run's latest when no event
+        is selected or the selected one has none: :class:`SnapshotScreen` says so)."""
         from edo_monitor.tui.snapshot_screen import SnapshotScreen
 
         run = self.run_screen.run_info

@@ -36,8 +36,9 @@ HELP_TEXT = """\
   [b]e[/b]        export the open run's samples to CSV in the current folder
   [b]x[/b]        explain: what would have avoided the open run's OOMs and pressure
            crossings (the selected event's only, when it is one); Esc closes
-  [b]m[/b]        memory snapshot of the selected event (else the run's latest): its
-           largest live blocks by frame (module); Esc closes
+  [b]m[/b]        memory snapshot of the selected event (of the run's latest when that
+           event has none, the view naming its event): its largest live blocks by
+           frame (module); Esc closes
   [b]?[/b]        this help
   [b]q[/b]        quit
 

@@ -1,8 +1,10 @@
 """The memory snapshot of an event: its largest live blocks by frame (``m`` in the run view).
 
-The selected event's snapshot (``edo-monitor snapshot RUN --event N --top 15``), else the open
-run's latest; read and rendered in a worker thread (an error, bad data in the history among
-them, is the view's one red line). Escape or ``m`` closes.
+The selected event's snapshot (``edo-monitor snapshot RUN --event N --top 15``); when no event
+is selected, or the selected one has none (a decision, a ``lookup_frequency`` …: only incidents
+have one), the open run's latest (``edo-monitor snapshot RUN``), the view saying which event it is
+of. Read and rendered in a worker thread (an error, bad data in the history among them, is the
+view's one red line). Escape or ``m`` closes.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ class SnapshotScreen(ModalScreen[None]):
 
     Attributes:
         rows: the :class:`~edo_monitor.measure.snapshots.FrameRow` rows shown (``None`` until read).
+        shown_event_id: the event whose snapshot is shown (``None`` until read).
+        note: why it is not the selected event's (``None``: it is, or none was selected).
         error: the one-line reason nothing is shown (no snapshot, damaged blob …).
     """
 
@@ -56,20 +60,21 @@ class SnapshotScreen(ModalScreen[None]):
         self.run = run
         self.event_id = event_id
         self.rows: list[Any] | None = None
+        self.shown_event_id: int | None = None
+        self.note: str | None = None
         self.error: str | None = None
+
+    def _title(self, which: str) -> Text:
+        return Text(
+            f"memory snapshot of run #{self.run.id} ({self.run.name}), {which}   Esc closes",
+            style="bold",
+        )
 
     def compose(self) -> ComposeResult:
         """A title line and the (scrollable) table."""
         with VerticalScroll(id="snapshot-box"):
-            which = f"event {self.event_id}" if self.event_id is not None else "latest"
-            yield Static(
-                Text(
-                    f"memory snapshot of run #{self.run.id} ({self.run.name}), {which}   "
-                    "Esc closes",
-                    style="bold",
-                ),
-                id="snapshot-title",
-            )
+            which = f"event {self.event_id}" if self.event_id is not None else "the run's latest"
+            yield Static(self._title(which), id="snapshot-title")
             yield Static(Text("reading…"), id="snapshot-text")
 
     def on_mount(self) -> None:
@@ -78,7 +83,7 @@ class SnapshotScreen(ModalScreen[None]):
 
     @work(thread=True, group="snapshot")
     def _read(self) -> None:
-        from edo_monitor.measure.snapshots import top_by_frame, totals
+        from edo_monitor.measure.snapshots import SnapshotError, top_by_frame, totals
         from edo_monitor.store.snapshot_store import find_snapshot, load_snapshot
         from edo_monitor.surfaces.cli.snapshot import describe, top_table
 
@@ -86,17 +91,35 @@ class SnapshotScreen(ModalScreen[None]):
 
         def body() -> None:
             history = app.source.open()
-            info = find_snapshot(history, self.run.id, self.event_id)
+            note = None
+            try:
+                info = find_snapshot(history, self.run.id, self.event_id)
+            except SnapshotError:  # the event has none (the run none either: raised below)
+                if self.event_id is None:
+                    raise
+                info = find_snapshot(history, self.run.id)  # the run's latest
+                note = (
+                    f"event {self.event_id} has no memory snapshot (only incidents have one); "
+                    f"shown: the run's latest, of event {info.event_id} "
+                    f"({info.event_kind or '?'}, step {info.step})"
+                )
             snap = load_snapshot(history, info)
             rows = top_by_frame(snap, TOP_FRAMES)
-            shown = Group(Text(describe(info, snap)), top_table(rows, totals(snap).allocated_bytes))
-            _call_ui(self, self._show, rows, shown)
+            parts: list[Any] = [Text(note, style="yellow")] if note is not None else []
+            parts += [Text(describe(info, snap)), top_table(rows, totals(snap).allocated_bytes)]
+            _call_ui(self, self._show, rows, info.event_id, note, Group(*parts))
 
         _guarded(self, self._show_error, body)
 
     @_while_shown
-    def _show(self, rows: list[Any], shown: Any) -> None:
+    def _show(self, rows: list[Any], event_id: int | None, note: str | None, shown: Any) -> None:
         self.rows = rows
+        self.shown_event_id = event_id
+        self.note = note
+        if event_id != self.event_id:  # the run's latest: the title says of which event
+            self.query_one("#snapshot-title", Static).update(
+                self._title(f"the run's latest (event {event_id})")
+            )
         self.query_one("#snapshot-text", Static).update(shown)
 
     @_while_shown
