@@ -1,24 +1,33 @@
-"""What the run view shows of a run's events and what its keys open from them: ``m`` on an event
-without a memory snapshot (the cursor starts on the newest event, which at a run's end is a
-``lookup_frequency``) shows the run's latest snapshot and says which event it is of.
+"""What the run view shows of a run's events and what its keys open from them: event times and
+run durations rounded to the second, as ``edo-monitor show`` rounds them (not cut: 8.99 s was
+``0:00:08`` beside show's ``t+9.0s``); ``m`` on an event without a memory snapshot (the cursor
+starts on the newest event, which at a run's end is a ``lookup_frequency``) shows the run's
+latest snapshot and says which event it is of.
 
 Real ``watch()`` runs write a real SQLite file; the app runs headless with ``App.run_test`` and
 a :class:`~textual.pilot.Pilot` (``tui_helpers``)."""
 
 from __future__ import annotations
 
+import math
+import re
+import sqlite3
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from textual.pilot import Pilot
-from textual.widgets import DataTable
-from tui_helpers import REFRESH_S, run_app, screen_text, wait_for
-from watch_helpers import record_pressure_run
+from textual.widgets import DataTable, Static
+from tui_helpers import REFRESH_S, run_app, screen_text, table_column, text_of, wait_for
+from typer.testing import CliRunner
+from watch_helpers import make_model, record_pressure_run, train
 
 import edo_monitor
 from edo_monitor.store.history import History
 from edo_monitor.store.snapshot_store import snapshot_infos
+from edo_monitor.surfaces.cli import app as cli
 from edo_monitor.tui.app import EdoTui
 from edo_monitor.tui.snapshot_screen import SnapshotScreen
 
@@ -76,3 +85,68 @@ def test_m_on_an_event_without_a_snapshot_shows_the_runs_latest(recorded: Path) 
     assert f"snapshot {latest.id} of run 1, event {latest.event_id}" in seen["text"]
     error, event, crossing_id = seen["own"]
     assert error is None and event == crossing_id
+
+
+def _started_at(db: Path) -> float:
+    con = sqlite3.connect(db)
+    try:
+        return float(con.execute("SELECT started_at_s FROM runs").fetchone()[0])
+    finally:
+        con.close()
+
+
+@pytest.fixture(scope="module")
+def late_half(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real run that ends 2.7 s after it started: its end-of-run events (``lookup_frequency``,
+    ``table_spectrum``) and its duration are at about 2.7 s, in the second half of a second."""
+    db = tmp_path_factory.mktemp("times") / "h.db"
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with edo_monitor.watch(model, opt, db=db, interval_s=0.05, run_name="late-half"):
+        train(model, opt, 5)
+        start = _started_at(db)  # the run's row is written on entering
+        time.sleep(max(0.0, start + 2.7 - time.time()))
+    return db
+
+
+def _rounded(seconds: float) -> str:
+    total = math.floor(seconds + 0.5)
+    return f"0:{total // 60:02d}:{total % 60:02d}"
+
+
+def test_event_times_and_durations_are_rounded_as_show_rounds_them(late_half: Path) -> None:
+    with History(late_half) as h:
+        run = h.run(1)
+        events = h.events(1)
+    offsets = {e.id: e.time_s - run.started_at_s for e in events}
+    assert any(t % 1 >= 0.5 for t in offsets.values()), offsets  # where cutting differs
+    assert run.ended_at_s is not None and (run.ended_at_s - run.started_at_s) % 1 >= 0.5
+    res = CliRunner().invoke(cli, ["show", "1", "--db", str(late_half)])
+    assert res.exit_code == 0, res.output
+    shown = {int(i): float(t) for i, t in re.findall(r"│\s*(\d+)\s*│\s*([0-9.]+)s\s*│", res.output)}
+    assert set(shown) == set(offsets)
+    app = EdoTui(late_half, run="1", refresh_s=REFRESH_S)
+    seen: dict[str, Any] = {}
+
+    async def body(pilot: Pilot[None]) -> None:
+        screen = app.run_screen
+        await wait_for(pilot, lambda: screen.loaded)
+        table = screen.query_one("#events", DataTable)
+        ids = [e.id for e in screen.event_rows]
+        seen["times"] = dict(zip(ids, table_column(table, 0), strict=True))
+        seen["detail"] = text_of(screen.query_one("#event-detail", Static))
+        seen["header"] = text_of(screen.query_one("#run-header", Static))
+        await pilot.press("r")
+        runs = app.runs_screen
+        await wait_for(pilot, lambda: runs.loads > 0)
+        seen["duration"] = table_column(runs.query_one("#runs", DataTable), 4)
+
+    run_app(app, body)
+    for event_id, t in offsets.items():
+        assert seen["times"][event_id] == _rounded(t), (event_id, t, seen["times"][event_id])
+        whole = int(seen["times"][event_id].rsplit(":", 1)[1])
+        assert abs(whole - shown[event_id]) <= 0.55, (whole, shown[event_id])  # show's t+
+    assert seen["detail"].startswith(_rounded(offsets[events[-1].id]) + "  step ")
+    duration = _rounded(run.ended_at_s - run.started_at_s)
+    assert seen["duration"] == [duration]
+    assert f"elapsed: {duration}" in seen["header"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -60,10 +61,12 @@ def plain(value: object, style: str = "") -> Text:
 
 
 def format_duration(seconds: float | None) -> str:
-    """``3725`` → ``"1:02:05"``; ``None`` → ``"N/A"``."""
-    if seconds is None:
+    """``3725`` → ``"1:02:05"``, rounded to the nearest second (halves up: ``8.99`` →
+    ``"0:00:09"``, where ``edo-monitor show`` prints ``t+9.0s``); ``None`` (or not finite) →
+    ``"N/A"``."""
+    if seconds is None or not math.isfinite(seconds):
         return "N/A"
-    total = int(max(0.0, seconds))
+    total = math.floor(max(0.0, seconds) + 0.5)
     hours, rest = divmod(total, 3600)
     minutes, secs = divmod(rest, 60)
     return f"{hours}:{minutes:02d}:{secs:02d}"
