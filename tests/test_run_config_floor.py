@@ -1,7 +1,8 @@
 """The run's recorded ``config`` and the floor read back from it: a ``watch(config=...)`` key never
 replaces a key the agent records (``floor``, ``policy`` …), and every reader (``explain``, the
 dashboard's gauges, chart and explain view) takes the policy's floor, also from an older history
-whose ``floor`` a user's value had replaced (a string among them).
+whose ``floor`` a user's value had replaced (a string among them); a run without a policy has no
+floor (none drawn, nothing coloured by one).
 
 Real ``watch()`` runs on the CPU budget write a real SQLite file; the dashboard runs headless with
 ``App.run_test`` and a :class:`~textual.pilot.Pilot` (``tui_helpers``)."""
@@ -26,7 +27,7 @@ from edo_monitor.store.history import History
 from edo_monitor.surfaces.cli import app as cli
 from edo_monitor.tui.app import EdoTui
 from edo_monitor.tui.modals import ExplainScreen
-from edo_monitor.tui.widgets import Gauge, MemoryChart
+from edo_monitor.tui.widgets import FLOOR_RGB, Gauge, MemoryChart
 
 BUDGET = PRESSURE_BUDGET
 FLOOR = 0.3
@@ -41,10 +42,11 @@ def policy() -> edo_monitor.Policy:
 def floors_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Run 1: a policy with a 30 % floor and user keys named like the agent's (``floor``: 0.5,
     ``model``); run 2: the same, written as the agent before this fix wrote it (its ``floor``
-    replaced by the user's ``"3rd"``: an older history)."""
+    replaced by the user's ``"3rd"``: an older history); run 3: the budget without a policy."""
     db = tmp_path_factory.mktemp("floors") / "h.db"
     record(db, "user-keys", policy=policy(), config={"floor": 0.5, "model": "mine", "lr": 0.1})
     old = record(db, "old-history", policy=policy())
+    record(db, "no-policy")
     con = sqlite3.connect(db)
     with con:
         con.execute(
@@ -122,3 +124,50 @@ def test_dashboard_shows_the_policys_floor_and_explains(floors_db: Path, run: st
     assert seen["error"] is None
     assert seen["result"] == explain(floors_db, int(run))
     assert "below the floor 30%" in seen["text"]
+
+
+def test_a_run_without_a_policy_has_no_floor(floors_db: Path) -> None:
+    """The dashboard drew a 20 % floor line and turned the gauges red for a budget without a
+    policy (its config records ``floor: None``); ``explain --json`` said ``floor_fraction: 0.2``."""
+    with History(floors_db) as h:
+        run = h.run(3)
+        latest_free = h.samples(3, columns=["free_fraction"], max_points=None).min["free_fraction"]
+    assert run.config["policy"] is None and run.config["floor"] is None
+    assert latest_free[-1] < 0.2  # below the default floor: red there before
+    result = explain(floors_db, 3)
+    assert result.floor_fraction is None and result.incidents == ()
+    res = CliRunner().invoke(cli, ["explain", "3", "--json", "--db", str(floors_db)])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["floor_fraction"] is None
+    app = EdoTui(floors_db, run="3", refresh_s=REFRESH_S)
+    seen: dict[str, Any] = {}
+
+    async def body(pilot: Pilot[None]) -> None:
+        screen = app.run_screen
+        await wait_for(pilot, lambda: screen.loaded)
+        chart = screen.query_one(MemoryChart)
+        await wait_for(pilot, lambda: chart.lines_size == chart.wanted_size)
+        for name in ("used", "free"):
+            gauge = screen.query_one(f"#gauge-{name}", Gauge)
+            seen[name] = (gauge.text, gauge.mark, gauge.warn)
+        seen["data"] = chart.data
+        seen["floor_rows"] = [
+            y
+            for y, line in enumerate(chart.lines)
+            for segment in line
+            if segment.style is not None
+            and segment.style.color is not None
+            and segment.style.color.triplet is not None
+            and tuple(segment.style.color.triplet) == FLOOR_RGB
+            and segment.text.strip()
+        ]
+        seen["legend"] = chart.lines[0].text
+
+    run_app(app, body)
+    free_text, free_mark, free_warn = seen["free"]
+    assert free_text.endswith("% (no policy: no floor)"), free_text
+    assert free_mark is None and not free_warn
+    _, used_mark, used_warn = seen["used"]
+    assert used_mark is None and not used_warn
+    assert seen["data"].floor_bytes is None and seen["data"].floor_fraction is None
+    assert seen["floor_rows"] == [] and "floor" not in seen["legend"]

@@ -77,12 +77,11 @@ GAUGE_COLUMNS = (
 )
 
 
-def run_floor(run: RunInfo) -> float:
+def run_floor(run: RunInfo) -> float | None:
     """The free-fraction floor the run's policy used, as ``explain`` reads it
     (:func:`edo_monitor.hindsight.run_config.recorded_floor`: the agent's record, never a user's
-    config value), else 20 %."""
-    floor = recorded_floor(run.config)
-    return DEFAULT_FLOOR if floor is None else floor
+    config value); ``None`` for a run without a policy: no floor to draw or to colour by."""
+    return recorded_floor(run.config)
 
 
 def elapsed_s(run: RunInfo, now_s: float | None = None) -> float:

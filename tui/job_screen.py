@@ -43,7 +43,8 @@ def job_ranks_renderable(report: JobReport) -> Any:
         )
 
     def free(value: float | None, rank: Any) -> Text:
-        below = value is not None and value < run_floor(rank.run)
+        floor = run_floor(rank.run)  # None: no policy, no floor
+        below = value is not None and floor is not None and value < floor
         return plain(format_fraction(value), "bold red" if below else "")
 
     rows: list[tuple[str, list[Text]]] = [

@@ -44,10 +44,11 @@ HELP_TEXT = """\
 
 The chart shows in-use (green), allocated (cyan) and reserved (blue) bytes over
 elapsed seconds; the yellow line is the floor (the in-use level at which free
-memory falls below the policy's floor; none without a budget), magenta lines and
-x are actions, red lines marked OOM are out-of-memory errors. The legend is the
-line above the plot. Values not available from a source are shown as N/A, never
-as zero. Events: the whole detail of the selected event is shown below the table.
+memory falls below the policy's floor; none without a budget or without a
+policy, and then no gauge turns red either), magenta lines and x are actions,
+red lines marked OOM are out-of-memory errors. The legend is the line above the
+plot. Values not available from a source are shown as N/A, never as zero.
+Events: the whole detail of the selected event is shown below the table.
 
 Press any key to close."""
 

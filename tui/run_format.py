@@ -44,14 +44,14 @@ def _format_saved(event: EventInfo) -> str:
 def _chart_data(
     run: RunInfo, series: Series | None, latest: Latest | None, events: tuple[EventInfo, ...]
 ) -> ChartData:
-    """The chart's snapshot of ``run``: no floor line without a budget."""
+    """The chart's snapshot of ``run``: no floor line without a budget or without a policy."""
     budget = latest.budget_bytes if latest is not None else run.budget_bytes
-    floor = run_floor(run)
+    floor = run_floor(run) if budget is not None else None
     return ChartData.of(
         series,
         start_s=run.started_at_s,
-        floor_bytes=None if budget is None else int(budget * (1.0 - floor)),
-        floor_fraction=None if budget is None else floor,
+        floor_bytes=None if floor is None or budget is None else int(budget * (1.0 - floor)),
+        floor_fraction=floor,
         events=events,
     )
 

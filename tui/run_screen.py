@@ -525,7 +525,7 @@ class RunScreen(Screen[None]):
     def _update_gauges(self) -> None:
         run = self.run_info
         s = self.latest
-        floor = run_floor(run) if run is not None else 0.2
+        floor = run_floor(run) if run is not None else None  # None: no policy, no floor
         used = self.query_one("#gauge-used", Gauge)
         alloc = self.query_one("#gauge-alloc", Gauge)
         free = self.query_one("#gauge-free", Gauge)
@@ -534,12 +534,12 @@ class RunScreen(Screen[None]):
             for gauge in (used, alloc, free, frag):
                 gauge.set(None, "N/A (no samples yet)")
             return
-        low = s.free_fraction is not None and s.free_fraction < floor
+        low = floor is not None and s.free_fraction is not None and s.free_fraction < floor
         if s.in_use_bytes is not None and s.budget_bytes:
             used.set(
                 s.in_use_bytes / s.budget_bytes,
                 f"{format_bytes(s.in_use_bytes)} / {format_bytes(s.budget_bytes)}",
-                mark=1.0 - floor,
+                mark=None if floor is None else 1.0 - floor,
                 warn=low,
             )
         else:
@@ -553,6 +553,8 @@ class RunScreen(Screen[None]):
             alloc.set(None, f"{format_bytes(s.allocated_bytes)} / {format_bytes(s.reserved_bytes)}")
         if s.budget_bytes is None:  # no budget: no free fraction, no floor to mark
             free.set(s.free_fraction, f"{format_fraction(s.free_fraction)} (no budget)")
+        elif floor is None:  # no policy: no floor to mark or to colour by
+            free.set(s.free_fraction, f"{format_fraction(s.free_fraction)} (no policy: no floor)")
         else:
             free.set(
                 s.free_fraction,

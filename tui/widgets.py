@@ -168,7 +168,8 @@ class ChartData:
     """What the chart draws, as an immutable snapshot (handed to a worker thread).
 
     ``time_s`` are seconds since the run started; byte columns may hold ``None`` (not available).
-    ``floor_bytes`` is the in-use level at the policy's floor (``None``: no budget, no floor);
+    ``floor_bytes`` is the in-use level at the policy's floor (``None``: no budget or no policy,
+    no floor);
     ``actions`` are (seconds, the action's ``bytes_after``) of actions, drawn as a line with an
     x at the top, ``ooms`` the seconds of out-of-memory errors.
     """

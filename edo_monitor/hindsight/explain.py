@@ -151,7 +151,8 @@ class Explanation:
     run_id: int
     run_name: str
     device_kind: str
-    floor_fraction: float
+    #: the run's policy's floor (``None``: the run had no policy)
+    floor_fraction: float | None
     incidents: tuple[Incident, ...]
 
     def as_dict(self) -> dict[str, Any]:
@@ -363,10 +364,9 @@ def explain(db: Any, run: Any, *, event: int | None = None) -> Explanation:
     history, owned = _open(db)
     try:
         info, module_rows, events = _load(history, run)
-        # the live policy's floor (never a user's config value: an older history's may be any)
+        # the live policy's floor (never a user's config value: an older history's may be any);
+        # None: the run had no policy, so no floor (and no crossing to explain)
         floor = recorded_floor(info.config)
-        if floor is None:
-            floor = DEFAULT_FLOOR
         cpu = info.device_kind != "cuda"
         incidents = []
         crossings = [e for e in events if e.kind == "threshold_crossed"]
@@ -415,7 +415,7 @@ def explain(db: Any, run: Any, *, event: int | None = None) -> Explanation:
                 if floor_e is None:
                     floor_e = as_fraction(e.data.get("threshold"))
                 if floor_e is None:
-                    floor_e = floor
+                    floor_e = DEFAULT_FLOOR if floor is None else floor
                 end = next(
                     (
                         c.time_s
