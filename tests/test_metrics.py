@@ -343,7 +343,11 @@ def stop(proc: subprocess.Popen[str]) -> int:
 
 def test_central_metrics_serve_running_runs_from_the_database(db_path: Path) -> None:
     model, opt = linear_and_opt()
-    with edo_monitor.watch(model, opt, db=db_path, interval_s=0.01) as mon:  # creates the file
+    # the user's own "job_id" and "rank" in config are not the run's labels (they were)
+    config = {"job_id": "mine", "rank": 7}
+    with edo_monitor.watch(
+        model, opt, db=db_path, interval_s=0.01, config=config
+    ) as mon:  # creates the file
         train(model, opt, 4)
         with History(db_path) as h:
             poll(lambda: h.samples_since(mon.run_id, columns=["params_bytes"]), "a stored sample")

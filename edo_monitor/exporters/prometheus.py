@@ -374,20 +374,13 @@ class HistoryCollector:
                         )
                     ).scalars()
                     actions.update(str((d or {}).get("action")) for d in data)
-                config = run.get("config") or {}
-                if isinstance(config, str):
-                    import json
-
-                    config = json.loads(config)
-                job = run.get("job_id") or config.get("job_id") or run["uuid"]
+                # the run's own columns only: its config holds the user's keys too (a user's
+                # "rank" or "job_id" there set these labels); the row keeps no device index
+                job = run.get("job_id") or run["uuid"]
                 rank = run.get("rank")
                 if rank is None:
-                    rank = config.get("rank", 0)
-                if run["device_kind"] == "cuda":
-                    index = config.get("device_index")
-                    device = "cuda" if index is None else f"cuda:{index}"
-                else:
-                    device = "cpu"
+                    rank = 0
+                device = "cuda" if run["device_kind"] == "cuda" else "cpu"
                 steps = max(run["steps"] or 0, fields.get("step") or 0)
                 counters = {
                     "steps": steps,
