@@ -74,7 +74,9 @@ def watch(
         track_activations: measure bytes saved for backward with saved-tensor hooks.
         snapshot_interval_s: seconds between allocator snapshots for fragmentation (0 = never).
         queue_size: capacity of the history queue (items beyond it are dropped and counted).
-        config: extra key/values recorded with the run.
+        config: extra key/values recorded with the run (a key that names one the agent
+            records, such as ``"floor"`` or ``"policy"``, is kept as ``"user.<key>"``, with one
+            warning).
         profile_interval_s: seconds between per-module activation profiles (one step's forward
             is recorded with module hooks; needs ``track_activations``).
         metrics_port: serve Prometheus metrics on ``/metrics`` at this port + ``$LOCAL_RANK``
