@@ -316,6 +316,10 @@ class LoggedBagOfWords(BagOfWords):
         self.log("train_loss", loss)
         return loss
 
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        ids, labels = batch
+        self.log("val_loss", nn.functional.cross_entropy(self.head(self.emb(ids).mean(1)), labels))
+
 
 def tensorboard_steps(log_dir: str) -> dict[str, set[int]]:
     """Tag -> the steps it was written at, scalars and tensors (edo's float32 scalars) alike."""
@@ -373,6 +377,43 @@ def test_a_resumed_fit_writes_tensorboard_on_the_trainers_global_step(
         assert [e.step for e in h.events(run.id, kind="resumed_from")] == [0]
     (span,) = rows(db_path, f"SELECT MIN(step) lo, MAX(step) hi FROM samples WHERE run_id={run.id}")
     assert (span["lo"], span["hi"]) == (0, 5)
+
+
+def test_a_checkpoint_loaded_to_validate_does_not_resume_the_next_fit(
+    db_path: Path, tmp_path: Path
+) -> None:
+    """``validate(ckpt_path=)`` loads the checkpoint into the callback; a fresh ``fit()`` after
+    it with the same callback is no resumed fit: its TensorBoard steps start at 0 (they started
+    at the checkpoint's step 5) and it names no run it resumes."""
+    callback = EdoMonitorCallback(db=db_path, interval_s=0.01, tensorboard=True)
+
+    def make(version: str, steps: int) -> tuple[Any, Any]:
+        tb_logger = loggers.TensorBoardLogger(tmp_path / "tb", name="x", version=version)
+        return pl.Trainer(
+            max_steps=steps,
+            accelerator="cpu",
+            logger=tb_logger,
+            callbacks=[callback],
+            log_every_n_steps=1,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        ), tb_logger
+
+    first, _ = make("a", 5)
+    first.fit(LoggedBagOfWords(), loader(5))
+    first.save_checkpoint(tmp_path / "first.ckpt")
+    checker, _ = make("v", 5)
+    checker.validate(LoggedBagOfWords(), loader(2), ckpt_path=tmp_path / "first.ckpt")
+    fresh, tb_logger = make("b", 3)
+    fresh.fit(LoggedBagOfWords(), loader(3))
+    got = tensorboard_steps(tb_logger.log_dir)
+    assert min(got["edo/in_use_bytes"]) == 0 and got["train_loss"] == {0, 1, 2}
+    assert "edo/events/resumed_from/text_summary" not in got
+    with History(db_path) as h:
+        run = h.run(callback.monitor.run_id)
+        assert "resumed_from" not in run.config
+        assert h.events(run.id, kind="resumed_from") == []
 
 
 def test_an_option_watch_does_not_take_is_refused() -> None:

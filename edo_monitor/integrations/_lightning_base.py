@@ -137,9 +137,14 @@ class LightningCallbackMixin:
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         """The trainer's loops are restored by now: its ``global_step`` is where the fit's
         TensorBoard steps start (the checkpoint's step, known earlier, unless the strategy
-        restores after setup)."""
+        restores after setup), and a checkpoint's run restored after ``on_fit_start`` (such a
+        strategy) is recorded now (``resumed_from``)."""
         if self.monitor is not None and self.monitor.status == "running":
             align_tensorboard(self.monitor, getattr(trainer, "global_step", None))
+            resumed, self._resumed_from = self._resumed_from, None
+            if resumed is not None:  # a strategy that restores after setup: loaded since
+                checkpoint = str(getattr(trainer, "ckpt_path", None))
+                record_resume(self.monitor, {**resumed, "checkpoint": checkpoint})
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         """The fit loop is done: the run is ``finished`` (before the strategy's teardown moves
@@ -151,9 +156,13 @@ class LightningCallbackMixin:
         self._stop(None)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        """The last hook of a fit: whatever is still running ends ``finished``."""
+        """The last hook of a fit: whatever is still running ends ``finished``. A checkpoint
+        loaded and not taken by a fit (``validate(ckpt_path=)``) is forgotten: the next fit is
+        not resumed from it."""
         if str(getattr(stage, "value", stage)) == "fit":
             self._stop(None)
+        self._resumed_from = None
+        self._resumed_global_step = None
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         """The fit raised: the run is ``failed`` with ``exception`` (``interrupted`` for Ctrl-C,
