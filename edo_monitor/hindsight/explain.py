@@ -29,21 +29,25 @@ with its estimated saving from the recorded attribution and whether it is enough
   reserved-but-unallocated bytes outside the largest free block.
 
 :func:`replay` (``edo-monitor replay RUN --policy ...``): the run's samples, in order, through a
-real :class:`edo_monitor.decide.policy.Policy`. Live actions are first taken out of the trace (their
-measured saving is added back from the moment they were recorded), then each replayed decision's
-modelled saving is taken off the in-use bytes of every later sample with a higher step (the agent
-applies at the step boundary). Modelled from the recorded attribution, exactly as the actions
-estimate: ``cache_embedding`` (create and shrink), ``offload_embedding``,
-``checkpoint_activations``, ``compress_embedding`` (bf16 / fp16 / int8 / low-rank) and
-``grow_cache``. Refused with a reason: ``release_cache`` (the allocator's slack after the step is
-not in the trace) and ``share_embedding`` (needs the ids' frequencies per row). The lossy plans
-carry the expected error the live action would estimate where the trace allows it: bf16 / fp16
-:func:`edo_monitor.decide.plans.rounding_expected_error` (it needs no row values); int8 and low-rank
-``None`` (they need the rows, which the trace does not hold), so the replayed policy ranks them
-after a bf16 / fp16 plan (:func:`edo_monitor.decide.policy.rank_lossy_plans`). With
-``forecast_steps`` the replayed policy forecasts from the modelled in-use as it would live (its
-forecast decisions sized for the in-use predicted ahead, through :meth:`_Model.at_in_use`); each
-forecast and its outcome is in :attr:`ReplayResult.forecasts`.
+real :class:`edo_monitor.decide.policy.Policy`. Live actions are first taken out of the trace
+(their measured saving is added back), then each replayed decision's modelled saving is taken off
+the in-use bytes, both by one rule: an action is in force from the readings of a later step than
+the one it was applied in (the agent applies at the step boundary and counts the step after it),
+and from the moment it was done (its event's time plus its duration: the agent accounts the model
+again right then, so a later reading of the same step sees it); a replayed decision is applied at
+the safe point closing its step, done when the live action there was done. So a replay that
+applies what the run applied reproduces the recorded readings. Modelled from the recorded
+attribution, exactly as the actions estimate: ``cache_embedding`` (create and shrink),
+``offload_embedding``, ``checkpoint_activations``, ``compress_embedding`` (bf16 / fp16 / int8 /
+low-rank) and ``grow_cache``. Refused with a reason: ``release_cache`` (the allocator's slack
+after the step is not in the trace) and ``share_embedding`` (needs the ids' frequencies per row).
+The lossy plans carry the expected error the live action would estimate where the trace allows
+it: bf16 / fp16 :func:`edo_monitor.decide.plans.rounding_expected_error` (it needs no row values);
+int8 and low-rank ``None`` (they need the rows, which the trace does not hold), so the replayed
+policy ranks them after a bf16 / fp16 plan (:func:`edo_monitor.decide.policy.rank_lossy_plans`).
+With ``forecast_steps`` the replayed policy forecasts from the modelled in-use as it would live
+(its forecast decisions sized for the in-use predicted ahead, through :meth:`_Model.at_in_use`);
+each forecast and its outcome is in :attr:`ReplayResult.forecasts`.
 """
 
 from __future__ import annotations

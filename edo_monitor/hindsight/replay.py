@@ -4,6 +4,7 @@ from the recorded attribution, beside what the run did. Reads only the database.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -262,7 +263,10 @@ def replay(db: Any, run: Any, policy: Any = None) -> ReplayResult:
         )
         for t in model.tables.values():
             t.on_device = t.placement != "host"
-        live_back = [(e.time_s, int(e.data.get("saved_bytes") or 0)) for e in live]
+        live_back = [(*_in_force_from(e), int(e.data.get("saved_bytes") or 0)) for e in live]
+        # the safe point that closed each step, where the live run acted there: a replayed
+        # decision applied at that safe point takes effect when the live action did
+        done = {e.step: t for e in live if (t := _in_force_from(e)[1]) is not None}
         ooms = [e for e in events if e.kind == "oom"]
         oom_need = []
         for e in ooms:
@@ -276,7 +280,8 @@ def replay(db: Any, run: Any, policy: Any = None) -> ReplayResult:
         last_step, last_time = 0, 0.0
         refusals: list[tuple[int, tuple[tuple[str, str], ...]]] = []
         crossings: list[tuple[int, str, float]] = []
-        pending: list[tuple[int, int]] = []  # (decision step, saving): in force at a later step
+        # (step, time, saving): in force from a later step's readings, or from that time on
+        pending: list[tuple[int, float | None, int]] = []
         applied = 0
         back = 0
         li = 0
@@ -290,12 +295,13 @@ def replay(db: Any, run: Any, policy: Any = None) -> ReplayResult:
             for chunk in replay_samples(conn, info.id):
                 for time_s, step, kind, in_use, budget, rec_free, slack in chunk:
                     n += 1
-                    while li < len(live_back) and live_back[li][0] <= time_s:
-                        back += live_back[li][1]
+                    while li < len(live_back) and _in_force(live_back[li], step, time_s):
+                        back += live_back[li][2]
                         li += 1
-                    if pending and pending[0][0] < step:
-                        while pending and pending[0][0] < step:
-                            applied += pending.pop(0)[1]
+                    if pending:
+                        for p in [p for p in pending if _in_force(p, step, time_s)]:
+                            applied += p[2]
+                            pending.remove(p)
                     while oi < len(oom_need) and oom_need[oi][0] <= time_s:
                         saved_at_oom.append(applied)
                         oi += 1
@@ -356,7 +362,10 @@ def replay(db: Any, run: Any, policy: Any = None) -> ReplayResult:
                             )
                             if not ev.advisory:
                                 model.commit(ev.plan)
-                                pending.append((ev.step, ev.estimated_saving_bytes))
+                                # applied at the safe point closing its step (the next
+                                # one, when the live run's had already acted by then)
+                                at = ev.step + int(ev.time_s >= done.get(ev.step, math.inf))
+                                pending.append((at, done.get(at), ev.estimated_saving_bytes))
                                 policy.resolve(ev, "applied")
         while oi < len(oom_need):
             saved_at_oom.append(applied)
@@ -384,6 +393,22 @@ def replay(db: Any, run: Any, policy: Any = None) -> ReplayResult:
     finally:
         if owned:
             history.close()
+
+
+def _in_force_from(event: Any) -> tuple[int, float | None]:
+    """When a live ``action`` event's effect is in the readings: from the next step's readings
+    (the agent applies at the step boundary and counts the step after it), and from the moment
+    it was done (its start, the event's time, plus its duration: the agent accounts the model
+    again right then, so a reading of the same step after it sees it; ``None`` when the event
+    has no duration). A reading of its step taken while it ran still sees the model before it."""
+    duration = event.data.get("duration_s")
+    return event.step, (event.time_s + float(duration) if duration is not None else None)
+
+
+def _in_force(effect: tuple[int, float | None, int], step: int, time_s: float) -> bool:
+    """Whether an action's ``(step, time, saving)`` is in force at a reading: a later step, or
+    at or after its time."""
+    return step > effect[0] or (effect[1] is not None and time_s >= effect[1])
 
 
 def _judge(forecasts: list[ReplayForecast], open_: dict[int, int], outcome: Any) -> None:
