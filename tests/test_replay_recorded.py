@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_ranks import run_ranks
 from torch import nn
 
 import edo_monitor
@@ -97,3 +98,43 @@ def _back(actions: list, row: dict) -> int:
         for a in actions
         if row["step"] > a.step or row["time_s"] >= a.time_s + a.data["duration_s"]
     )
+
+
+@pytest.mark.timeout(300)
+def test_replay_lists_every_action_of_a_rank_at_the_step_it_was_applied(tmp_path: Path) -> None:
+    """Regression: the recorded rows were the run's decisions only, each at its own step. On a
+    rank of a job an action the ranks agreed on is applied at a sync step: rank 0 never crossed
+    its floor but applied rank 1's ``cache_embedding`` (no decision on rank 0: left out), and
+    its own ``grow_cache`` decided at step 5 was listed at 5, not at 7 where it was applied."""
+    db = str(tmp_path / "job.db")
+    results = run_ranks("pressure", db, 2, tmp_path, "ladder=cache_embedding", "sync=4", "steps=24")
+    for res in results:
+        with History(db) as h:
+            events = h.events(res["run_id"])
+        acted = [e for e in events if e.kind in ("action", "action_refused", "action_failed")]
+        decided = {e.step: e for e in events if e.kind == "decision"}
+        assert acted, f"rank run {res['run_id']} did nothing: nothing to test"
+        recorded = edo_monitor.replay(db, res["run_id"]).recorded
+        outcomes = [r for r in recorded if r.status in ("applied", "refused", "failed")]
+        assert [(r.step, r.action, r.target) for r in outcomes] == [
+            (e.step, e.data["action"], e.data["target"]) for e in acted
+        ]
+        for r, e in zip(outcomes, acted, strict=True):
+            own = decided.get(e.data["decided_at_step"])
+            if own is not None and own.data["action"] == e.data["action"]:
+                assert r.decided_step == own.step
+                assert r.free_fraction == own.data["free_fraction"]
+            else:  # an agreed action this rank's policy did not decide
+                assert r.decided_step is None and r.free_fraction is None
+                assert r.reason.startswith("agreed by the ranks")
+            if e.kind == "action":
+                assert r.saving_bytes == e.data["saved_bytes"]
+        # no decision listed twice, none left out
+        assert sorted(r.decided_step for r in recorded if r.decided_step is not None) == sorted(
+            decided
+        )
+    # rank 0 stayed above its floor: it decided no cache_embedding, yet applied the agreed one
+    with History(db) as h:
+        rank0 = h.events(results[0]["run_id"])
+    assert not [e for e in rank0 if e.kind == "decision" and e.data["action"] == "cache_embedding"]
+    assert [e for e in rank0 if e.kind == "action" and e.data["action"] == "cache_embedding"]

@@ -82,7 +82,9 @@ class ReplayDecision:
     """A decision of the replayed policy (or, in ``recorded``, of the live run).
 
     Attributes:
-        step, time_s: the reading it was decided on.
+        step, time_s: the reading it was decided on; in ``recorded``, where the run acted: the
+            step and time of the action's outcome (applied, refused, failed, expired), else of
+            the decision (pending, advised).
         action, target: what.
         saving_bytes: modelled saving (replay) or measured ``saved_bytes`` (live; ``None`` when
             the live decision was not applied).
@@ -93,6 +95,9 @@ class ReplayDecision:
         reason: the decision's reason.
         expected_error: the plan's expected relative squared error (lossy actions; ``None``
             when lossless or not known, e.g. a run recorded before it was recorded).
+        decided_step: in ``recorded``, the step of the run's own decision (``None``: an action
+            with no decision on this run, e.g. one the ranks of a job agreed on that this rank's
+            policy did not decide); ``None`` in a replay's decisions (``step`` is theirs).
     """
 
     step: int
@@ -104,6 +109,7 @@ class ReplayDecision:
     status: str
     reason: str
     expected_error: float | None = None
+    decided_step: int | None = None
 
 
 @dataclass(frozen=True)
@@ -139,7 +145,8 @@ class ReplayResult:
         samples: samples replayed.
         decisions: the replayed policy's decisions, in order.
         refusals: for each ``no_action`` of the replay, ``(step, [(action, reason), ...])``.
-        recorded: the live run's decisions with their outcome.
+        recorded: what the live run did: its decisions with their outcome, each at the step
+            where the run acted, and any action with no decision of its own (:func:`_recorded`).
         crossings: the replay's threshold crossings ``(step, "below_floor" | "above_rearm",
             free_fraction)``.
         min_free_fraction: modelled minimum free fraction; ``recorded_min_free_fraction``: the
@@ -421,7 +428,16 @@ def _judge(forecasts: list[ReplayForecast], open_: dict[int, int], outcome: Any)
 
 
 def _recorded(events: Sequence[Any]) -> list[ReplayDecision]:
-    """The live run's decisions, each with the outcome of its action event."""
+    """What the live run did: each of its decisions and each action outcome, in order.
+
+    An outcome (``action``, ``action_refused``, ``action_failed``, ``decision_expired``) is paired
+    with its own decision: the oldest open one of the same action, decided at the step the
+    outcome says (``decided_at_step``) and on the same target where both say; the row is then at
+    the step and time of the outcome (where it was applied), with the decision's free fraction
+    and reason. An outcome with no decision of its own (on a rank of a job, one the ranks agreed
+    on that this rank's policy did not decide) is a row of its own, its reason the event's. A
+    decision with no outcome stays at its own step (``"pending"``, or ``"advised"``).
+    """
     outcomes = {
         "action": "applied",
         "action_refused": "refused",
@@ -444,12 +460,63 @@ def _recorded(events: Sequence[Any]) -> list[ReplayDecision]:
                     "advised" if mode == "advise" else "pending",
                     str(e.data.get("reason") or ""),
                     e.data.get("expected_error"),
+                    e.step,
                 )
             )
             if mode != "advise":
                 open_.append(len(out) - 1)
-        elif e.kind in outcomes and open_:
-            i = open_.pop(0)
+        elif e.kind in outcomes:
             saved = int(e.data.get("saved_bytes") or 0) if e.kind == "action" else None
-            out[i] = dataclasses.replace(out[i], status=outcomes[e.kind], saving_bytes=saved)
+            i = _own_decision(out, open_, e)
+            if i is not None:
+                open_.remove(i)
+                out[i] = dataclasses.replace(
+                    out[i],
+                    step=e.step,
+                    time_s=e.time_s,
+                    status=outcomes[e.kind],
+                    saving_bytes=saved,
+                    target=str(e.data.get("target") or out[i].target),
+                )
+                continue
+            out.append(
+                ReplayDecision(
+                    e.step,
+                    e.time_s,
+                    str(e.data.get("action")),
+                    str(e.data.get("target") or ""),
+                    saved,
+                    None,
+                    outcomes[e.kind],
+                    _no_decision_reason(e),
+                    e.data.get("expected_error"),
+                )
+            )
     return out
+
+
+def _own_decision(out: Sequence[ReplayDecision], open_: Sequence[int], e: Any) -> int | None:
+    """The index in ``out`` of outcome event ``e``'s own open decision (see :func:`_recorded`),
+    or ``None``."""
+    action, target = e.data.get("action"), e.data.get("target")
+    step = e.data.get("decided_at_step")
+    for i in open_:
+        d = out[i]
+        if action is not None and d.action != action:
+            continue
+        if step is not None and d.decided_step != step:
+            continue
+        if target and d.target and d.target != target:
+            continue
+        return i
+    return None
+
+
+def _no_decision_reason(e: Any) -> str:
+    """The reason of an outcome with no decision on its run."""
+    if e.data.get("coordinated"):
+        by = e.data.get("proposed_by_rank")
+        agreed = "agreed by the ranks" + (f", proposed by rank {by}" if by is not None else "")
+        why = str(e.data.get("reason") or "")
+        return f"{agreed}: {why}" if why and e.kind != "action" else agreed
+    return str(e.data.get("reason") or "no decision recorded on this run")
