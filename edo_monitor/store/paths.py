@@ -25,6 +25,13 @@ DEFAULT_DB = "edo-history.db"
 #: How long a SQLite connection waits for a lock before giving up (seconds).
 BUSY_TIMEOUT_S = 30.0
 
+#: The files SQLite keeps beside a database ``NAME``: ``NAME-wal``, ``NAME-shm``, ``NAME-journal``.
+COMPANION_SUFFIXES = {
+    "-wal": "write-ahead log",
+    "-shm": "WAL shared-memory index",
+    "-journal": "rollback journal",
+}
+
 
 def resolve_db_url(db: str | os.PathLike[str] | None = None, *, readonly: bool = False) -> URL:
     """Turn ``db`` (path, URL or ``None``) into an SQLAlchemy URL.
@@ -148,12 +155,14 @@ def check_file_writable(url: URL) -> None:
     say the same thing, not SQLite's bare "unable to open database file".
 
     Raises:
+        ConfigError: the file is an SQLite companion file (:func:`check_not_companion`).
         StoreError: the file or its folder is read-only for this process (permissions or a
             read-only mount).
     """
     path = database_file(url)
     if path is None:
         return
+    check_not_companion(path, str(path))  # a URL made elsewhere skipped resolve_db_url
     if path.exists() and not os.access(path, os.R_OK | os.W_OK):
         raise StoreError(
             f"history database {str(path)!r} is read-only for this process; make it writable "
@@ -190,13 +199,41 @@ def _path_limits(path: Path) -> tuple[int, int]:
     return _PATH_MAX, _NAME_MAX
 
 
+def check_not_companion(path: Path, shown: str) -> None:
+    """Refuse ``path`` as a history database when it is the name of a file SQLite keeps beside
+    another database (``NAME-wal``, ``NAME-shm``, ``NAME-journal``), whether or not ``NAME``
+    exists or the file does.
+
+    A database written into ``w.db-wal`` is lost the moment anything opens ``w.db``: SQLite
+    takes that file for ``w.db``'s write-ahead log and replaces it (a daemon given the ``-wal``
+    a reader left behind recorded for hours into it). Read as a database, a companion file is
+    not one (its log or index format), and opening it makes companions of its own
+    (``w.db-wal-shm``). Writers and readers alike refuse it, before SQLite sees it.
+
+    Raises:
+        ConfigError: naming the path, what the file is and the database it belongs to.
+    """
+    name = path.name
+    for suffix, what in COMPANION_SUFFIXES.items():
+        if name.endswith(suffix) and len(name) > len(suffix):
+            base = path.with_name(name[: -len(suffix)])
+            raise ConfigError(
+                f"db={_short(shown, 300)!r} is the {suffix} file ({what}) of SQLite database "
+                f"{_short(str(base), 300)!r}, not a history database: SQLite keeps that file for "
+                f"{base.name!r} (whether or not it exists now) and overwrites or deletes it when "
+                f"{base.name!r} is opened; give the database's own path (e.g. "
+                f"{_short(str(base), 300)!r}) or a name that does not end in {suffix}"
+            )
+
+
 def _check_file_path(path: Path, shown: str, readonly: bool = False) -> None:
     """The one check of a history path, for readers and writers alike, before SQLite sees it.
 
     Raises:
         ConfigError: the path holds a NUL character, the path (or a name in it) is longer than
-            the system allows, or it names a directory, a FIFO, a socket or a device (SQLite
-            would block forever on a FIFO).
+            the system allows, it is an SQLite companion file (:func:`check_not_companion`),
+            or it names a directory, a FIFO, a socket or a device (SQLite would block forever
+            on a FIFO).
         StoreError: (readers) its folder does not exist.
     """
     if "\0" in os.fspath(path):  # no file system allows one (os.stat raises ValueError)
@@ -220,6 +257,7 @@ def _check_file_path(path: Path, shown: str, readonly: bool = False) -> None:
             "system allows"
         )
         raise ConfigError(f"db={_short(shown)!r}: the path is too long ({what})") from None
+    check_not_companion(path, shown)
     if mode is not None and stat.S_ISDIR(mode):
         raise ConfigError(f"db={shown!r} is a directory; expected a database file path")
     if mode is not None and not stat.S_ISREG(mode):
@@ -254,11 +292,13 @@ def readonly_uri(path: str | os.PathLike[str]) -> str:
     neither file.
 
     Raises:
+        ConfigError: the file is an SQLite companion file (:func:`check_not_companion`).
         StoreError: the file is missing or not readable, or it is a WAL database whose ``-wal``
             file holds data but whose ``-shm`` file is missing in a folder this process cannot
             write (the message names the folder and the file).
     """
     p = Path(os.path.abspath(os.fspath(path)))
+    check_not_companion(p, str(path))
     if not p.exists():
         if not p.parent.is_dir():
             raise StoreError(
