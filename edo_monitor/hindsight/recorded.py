@@ -16,6 +16,10 @@ CACHE_FLOOR_ROWS = 1024
 MAX_CHECKPOINT_BLOCKS = 4
 
 
+#: Bytes per element of the floating dtypes a table's weight is recorded in.
+_FLOAT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
 @dataclass
 class _Table:
     """An embedding table as recorded (module_stats), with its modelled state in a replay."""
@@ -41,6 +45,13 @@ class _Table:
 
     @property
     def element_bytes(self) -> int:
+        """Bytes per element of the weight: its recorded floating dtype's (a row cache's
+        ``params_bytes`` are its cached rows', fewer than ``num_embeddings``: a division by the
+        whole table's elements read 3 bytes for a float32); for another dtype (a compressed
+        table's), its bytes over the table's elements."""
+        size = _FLOAT_BYTES.get(self.dtype)
+        if size is not None:
+            return size
         return max(1, self.params_bytes // max(1, self.num_embeddings * self.embedding_dim))
 
     @property
@@ -103,9 +114,17 @@ def _tables_at(
             t.placement = r["placement"]
     for r in rows:  # every row, later ones too: before its first backward a table has no gradient
         t = tables.get(r["module"])
-        if t is not None and int(r["grads_bytes"] or 0) > 0:
-            same_dtype = (r["dtype"] or "float32").removeprefix("torch.") == t.dtype
-            t.trainable |= same_dtype and int(r["params_bytes"] or 0) == t.params_bytes
+        if t is None or (r["dtype"] or "float32").removeprefix("torch.") != t.dtype:
+            continue
+        if (
+            int(r["params_bytes"] or 0) == t.params_bytes
+            or r["placement"] == t.placement == "cached"
+        ):
+            # it trains: a gradient, or optimizer state (a frozen weight gets none; a row cache
+            # records no dense gradient, and its rows change with each resize)
+            t.trainable |= (
+                int(r["grads_bytes"] or 0) > 0 or int(r["optimizer_state_bytes"] or 0) > 0
+            )
     return tables
 
 

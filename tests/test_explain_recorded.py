@@ -1,0 +1,69 @@
+"""explain's remedies from what the run recorded: a table already a row cache, an out-of-memory
+error before the first gradient, a run with no policy. Real watch() runs on a CPU budget into
+real SQLite files."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import edo_monitor
+from edo_monitor.decide.estimate import estimate
+from edo_monitor.store.history import History
+
+ROWS, DIM = 20_000, 32
+BUDGET = 9 * 2**20
+
+
+def _train(db: Path, policy: edo_monitor.Policy | None, batches: list[int], **kw: object) -> int:
+    """An EmbeddingBag table (Adam) and a head under a 9 MiB CPU budget, one step a batch size."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.EmbeddingBag(ROWS, DIM), nn.Linear(DIM, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(1)
+    with edo_monitor.watch(
+        model, db=str(db), budget=BUDGET, policy=policy, interval_s=0.01, **kw
+    ) as mon:
+        for b in batches:
+            ids = torch.randint(0, ROWS, (b, 16), generator=gen)
+            loss = nn.functional.cross_entropy(model(ids), torch.randint(0, 2, (b,), generator=gen))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            time.sleep(0.03)
+    return mon.run_id
+
+
+@pytest.mark.timeout(180)
+def test_explain_a_crossing_of_a_table_already_a_row_cache(tmp_path: Path) -> None:
+    """Regression: a row cache's ``params_bytes`` are its cached rows', so the element size read
+    as params // (all rows x dim) was 3 bytes for a float32 (576 bytes a row of the demo's
+    64-wide table for 768); and a row cache records no dense gradient, so the table was taken
+    for a frozen one: its bf16 remedy and staged plan left out gradient and optimizer state."""
+    db = tmp_path / "cached.db"
+    run = _train(db, edo_monitor.Policy(ladder=["cache_embedding"]), [64] * 8 + [4096] * 8)
+    with History(db) as h:
+        crossings = [
+            e for e in h.events(run, kind="threshold_crossed") if e.data["direction"] == "below"
+        ]
+    cached = crossings[-1]
+    assert cached.step > 1, "no crossing while the table was a row cache: nothing to test"
+    incident = edo_monitor.explain(str(db), run, event=cached.id).incidents[0]
+    # (the live agent refused a second cache_embedding: listed apart, with the same numbers)
+    remedies = {r.action: r for r in (*incident.remedies, *incident.refused_live)}
+    row = DIM * 4 * 3  # float32 weight and Adam's two moments (a cache keeps no dense gradient)
+    keep = remedies["cache_embedding"]
+    assert keep.detail.startswith("refused live") or f"({row} bytes a row)" in keep.detail
+    assert keep.saving_bytes == (ROWS - 1024) * row
+    offload = remedies["offload_embedding"]  # the cache's bytes: all it holds on the device
+    assert offload.saving_bytes % (DIM * 4 * 3) == 4  # rows x (weight + 2 moments) + Adam's step
+    # trainable: bf16 weight, gradient and Adam's two moments, and the step counter
+    bf16 = estimate(ROWS, DIM, dtype="bfloat16", optimizer="adam").total_with_step_bytes
+    assert bf16 == ROWS * DIM * 2 * 4 + 4
+    assert remedies["compress_embedding_bf16"].saving_bytes == offload.saving_bytes - bf16
+    stages = {s.action: s for s in incident.staged_plan.stages}
+    assert stages["quantize_bf16"].saving_bytes == offload.saving_bytes - bf16
