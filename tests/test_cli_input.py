@@ -248,3 +248,62 @@ def test_an_in_memory_url_is_no_history(command: str, url: str) -> None:
     """Regression: a reader opened a new, empty in-memory database: ``doctor`` said the
     database was fine and ``runs`` "no runs recorded", both exit 0."""
     one_line(run("edo-monitor", command, "--db", url), 1, "no history database", "in-memory")
+
+
+def _positional_cases() -> list[tuple[str, list[str], str]]:
+    """(command, argv, argument) for every positional argument of every ``edo-monitor``
+    command: the others given a valid value, that one ``-1``."""
+    import typer
+
+    from edo_monitor.surfaces.cli import app
+
+    cases = []
+    for name, command in sorted(typer.main.get_command(app).commands.items()):
+        arguments = [p for p in command.params if p.param_type_name == "argument"]
+        for k, target in enumerate(arguments):
+            argv = [name, *("-1" if i == k else "1" for i in range(len(arguments)))]
+            cases.append((name, argv, (target.name or "").upper()))
+    return cases
+
+
+POSITIONAL_CASES = _positional_cases()
+
+
+@pytest.mark.parametrize(
+    ("command", "argv", "argument"),
+    POSITIONAL_CASES,
+    ids=[" ".join(c[1]) for c in POSITIONAL_CASES],
+)
+def test_a_negative_number_given_positionally_is_a_bad_value_of_its_argument(
+    tmp_path: Path, command: str, argv: list[str], argument: str
+) -> None:
+    """Regression: ``explain -1`` (and ``show -1``) said ``No such option: -1``, where
+    ``explain 1 --event -1`` said ``-1 is out of range``: Click reads any ``-…`` word as an
+    option. Now every positional argument is refused naming the value and what it allows,
+    before anything is opened (no database needed)."""
+    db = tmp_path / "none.db"
+    line = one_line(
+        run("edo-monitor", *argv, "--db", str(db)),
+        EXIT_USAGE,
+        f"Invalid value for '{argument}': -1 is out of range; allowed: ",
+    )
+    if argument.startswith("RUN"):
+        assert "id (1 or more), uuid prefix" in line and "'latest'" in line
+    assert not db.exists()
+
+
+def test_run_commands_and_their_negative_numbers(tmp_path: Path) -> None:
+    assert {argv[0] for _, argv, arg in POSITIONAL_CASES if arg.startswith("RUN")} >= {
+        "compare",
+        "events",
+        "explain",
+        "export",
+        "replay",
+        "show",
+        "snapshot",
+    }
+    db = str(tmp_path / "none.db")
+    one_line(run("edo-monitor", "show", "-2.5", "--json", "--db", db), EXIT_USAGE, "'RUN': -2.5 ")
+    # an unknown option that is not a number is Click's error, as before
+    one_line(run("edo-monitor", "show", "1", "-x", "--db", db), EXIT_USAGE, "No such option: -x")
+    one_line(run("edo-monitor", "runs", "-1", "--db", db), EXIT_USAGE, "No such option: -1")

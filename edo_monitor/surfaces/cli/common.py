@@ -25,7 +25,7 @@ from edo_monitor.errors import (
     RunNotFoundError,
     StoreError,
 )
-from edo_monitor.surfaces.cli.options import CliGroup
+from edo_monitor.surfaces.cli.options import CliCommand, CliGroup
 
 __all__ = ["app"]
 
@@ -43,7 +43,17 @@ EXIT_CODES = {
 }
 _EXIT_HELP = "; ".join(f"{code} {what}" for code, what in EXIT_CODES.items())
 
-app = typer.Typer(
+
+class _App(typer.Typer):
+    """The app: every command is a :class:`CliCommand` (a negative number given to a positional
+    argument is refused as its value, not as an unknown option)."""
+
+    def command(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        kwargs.setdefault("cls", CliCommand)
+        return super().command(*args, **kwargs)
+
+
+app = _App(
     name="edo-monitor",
     help=(
         "Questions about recorded edo-monitor runs (history database). RUN is a run id, a uuid "
@@ -103,7 +113,8 @@ DbOpt = Annotated[
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON (for scripts).")]
 RunArg = Annotated[
-    str, typer.Argument(help="Run id, uuid prefix (as 'runs' prints it), or 'latest'.")
+    str,
+    typer.Argument(help="Run id (1 or more), uuid prefix (as 'runs' prints it), or 'latest'."),
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -1,25 +1,28 @@
 """What every ``edo-monitor`` command shares at the Click level: number options that refuse
-``nan``, infinities and values out of range in words, and one format for every Click-level error
-(an unknown option, a bad or out-of-range value): one ``edo-monitor: error: ...`` line on stderr
-and exit code 2, as for every other bad value (Click printed a four-line usage block).
+``nan``, infinities and values out of range in words, a negative number given as a positional
+argument refused as its value (Click read ``explain -1`` as an unknown option ``-1``), and one
+format for every Click-level error (an unknown option, a bad or out-of-range value): one
+``edo-monitor: error: ...`` line on stderr and exit code 2, as for every other bad value (Click
+printed a four-line usage block).
 """
 
 from __future__ import annotations
 
 import math
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 import typer
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 try:  # typer 0.2x carries its own copy of Click, whose exceptions its commands raise
     from typer._click import exceptions as click
 except ImportError:  # older typer: Click itself
     import click  # type: ignore[no-redef]
 
-__all__ = ["INT64_MAX", "CliGroup", "Number"]
+__all__ = ["INT64_MAX", "CliCommand", "CliGroup", "Number"]
 
 #: Click 8.2's "no arguments: show the help" error; older Click (the lowest versions allowed)
 #: shows the help itself, so nothing is caught there.
@@ -87,6 +90,54 @@ class Number:
         ):
             raise ValueError(f"{value} is out of range; allowed: {self.allowed()}")
         return number
+
+
+#: A negative number as typed (``-1``, ``-2.5``, ``-1e3``): Click takes it for an option.
+_NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+class CliCommand(TyperCommand):
+    """An ``edo-monitor`` command whose positional argument given a negative number is refused
+    as a bad value of that argument, naming the value and what the argument allows (its help):
+    ``explain -1`` said ``No such option: -1`` where ``explain 1 --event -1`` said ``-1 is out of
+    range``. Click reads any word that starts with ``-`` as an option; when the unknown option is
+    a negative number, the command line is read again with Click's ``ignore_unknown_options``
+    (the number then lands in its argument) and the argument that got it is refused with
+    Click's own ``BadParameter``. Every other unknown option is Click's error as before."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        given = list(args)  # Click's parser consumes the list it reads
+        try:
+            return super().parse_args(ctx, args)
+        except click.NoSuchOption as exc:
+            if not _NEGATIVE_NUMBER.fullmatch(exc.option_name):
+                raise
+            unknown = exc
+        ctx.ignore_unknown_options = True
+        try:
+            super().parse_args(ctx, given)
+        except click.BadParameter:
+            raise  # the argument's own check refused the number (its message names it)
+        except click.UsageError:
+            raise unknown from None
+        finally:
+            ctx.ignore_unknown_options = False
+        for param in self.get_params(ctx):
+            value = ctx.params.get(param.name or "")
+            if (
+                param.param_type_name == "argument"
+                and isinstance(value, str)
+                and _NEGATIVE_NUMBER.fullmatch(value)
+            ):
+                allowed = (getattr(param, "help", None) or "").strip().rstrip(".")
+                allowed = allowed[:1].lower() + allowed[1:]
+                raise click.BadParameter(
+                    f"{value} is out of range" + (f"; allowed: {allowed}" if allowed else ""),
+                    ctx=ctx,
+                    param=param,
+                    param_hint=repr((param.name or "").upper()),  # as the usage line names it
+                )
+        raise unknown  # the number was not an argument's (a command without one)
 
 
 class CliGroup(TyperGroup):

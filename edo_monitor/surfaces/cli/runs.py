@@ -470,8 +470,12 @@ def events_cmd(
 @app.command("compare")
 @_handle_errors
 def compare_cmd(
-    run_a: Annotated[str, typer.Argument(help="First run (id, uuid prefix, latest).")],
-    run_b: Annotated[str, typer.Argument(help="Second run.")],
+    run_a: Annotated[
+        str, typer.Argument(help="First run: id (1 or more), uuid prefix, or 'latest'.")
+    ],
+    run_b: Annotated[
+        str, typer.Argument(help="Second run: id (1 or more), uuid prefix, or 'latest'.")
+    ],
     db: DbOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
