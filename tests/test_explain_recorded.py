@@ -67,3 +67,39 @@ def test_explain_a_crossing_of_a_table_already_a_row_cache(tmp_path: Path) -> No
     assert remedies["compress_embedding_bf16"].saving_bytes == offload.saving_bytes - bf16
     stages = {s.action: s for s in incident.staged_plan.stages}
     assert stages["quantize_bf16"].saving_bytes == offload.saving_bytes - bf16
+
+
+@pytest.mark.timeout(180)
+def test_explain_an_oom_in_the_first_step_counts_what_its_snapshot_says_was_alive(
+    tmp_path: Path,
+) -> None:
+    """Regression: at an out-of-memory error of the first optimizer step (``enforce=True``) the
+    table's ``module_stats`` row is from before its first backward: no gradient, no optimizer
+    state. The remedies read it (offload 2.44 MiB, ``grads 0 bytes``; 128 bytes a row) while
+    the error's own snapshot, and the in-use its shortfall counts, held the gradient and Adam's
+    state (made by the failing step) too."""
+    from edo_monitor.errors import BudgetOutOfMemoryError
+
+    db = tmp_path / "oom.db"
+    with pytest.raises(BudgetOutOfMemoryError):
+        _train(db, edo_monitor.Policy(), [512] * 4, enforce=True)
+    with History(db) as h:
+        run = h.run("latest").id
+        (oom,) = h.events(run, kind="oom")
+    assert oom.step == 0 and oom.data["in_use"]["request"] == "step"
+    incident = edo_monitor.explain(str(db), run, event=oom.id).incidents[0]
+    remedies = {r.action: r for r in (*incident.remedies, *incident.refused_live)}
+    weight = ROWS * DIM * 4
+    table = weight * 4 + 4  # weight, gradient, Adam's two moments and its step counter
+    offload = remedies["offload_embedding"]
+    assert offload.saving_bytes == table
+    assert "grads 2.44 MiB" in offload.detail
+    row = DIM * 4 * 4
+    assert f"({row} bytes a row)" in remedies["cache_embedding"].detail
+    assert remedies["cache_embedding"].saving_bytes == (ROWS - 1024) * row
+    # the shortfall counts the same bytes: all that was alive (the request in it) less the budget
+    assert incident.in_use_bytes - incident.shortfall_bytes == BUDGET
+    assert offload.enough
+    bf16 = estimate(ROWS, DIM, dtype="bfloat16", optimizer="adam").total_with_step_bytes
+    stages = {s.action: s for s in incident.staged_plan.stages}
+    assert stages["quantize_bf16"].saving_bytes == table - bf16

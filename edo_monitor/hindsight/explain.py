@@ -13,11 +13,12 @@ with its estimated saving from the recorded attribution and whether it is enough
   (until free memory was back above the re-arm level, or the run ended) stays at the floor,
   ``max(in_use) - (1 - floor) * budget``;
 * tables (latest ``module_stats`` row of each embedding table at the incident, on the device
-  tier): ``offload_embedding`` (params + grads + optimizer state), ``cache_embedding`` (all rows
-  but a cache of ``CACHE_FLOOR_ROWS``: the action's floor when the peak ids per batch are not
-  known), ``compress`` to bf16, int8 (frozen), low-rank ``dim / 4`` and hashing to ``rows / 10``
-  buckets (saving = recorded bytes minus :func:`edo_monitor.decide.estimate.estimate` of the new
-  table with the run's optimizer);
+  tier, each category raised to what the incident's own CPU-budget snapshot says was alive:
+  :func:`edo_monitor.hindsight.recorded.tables_at_incident`): ``offload_embedding`` (params +
+  grads + optimizer state), ``cache_embedding`` (all rows but a cache of ``CACHE_FLOOR_ROWS``: the
+  action's floor when the peak ids per batch are not known), ``compress`` to bf16, int8
+  (frozen), low-rank ``dim / 4`` and hashing to ``rows / 10`` buckets (saving = recorded bytes
+  minus :func:`edo_monitor.decide.estimate.estimate` of the new table with the run's optimizer);
 * ``checkpoint_activations`` of the ``MAX_CHECKPOINT_BLOCKS`` modules with the most recorded
   activation bytes, none inside another (a block's bytes include its layers'; an upper bound:
   each block's input stays saved);
@@ -69,7 +70,7 @@ from edo_monitor.hindsight.recorded import (
     _open,
     _sample_at,
     _Table,
-    _tables_at,
+    tables_at_incident,
 )
 from edo_monitor.hindsight.run_config import DEFAULT_FLOOR, as_fraction, recorded_floor
 from edo_monitor.measure.module_tree import largest_disjoint
@@ -407,7 +408,9 @@ def explain(db: Any, run: Any, *, event: int | None = None) -> Explanation:
                             _remedies(
                                 shortfall,
                                 sample,
-                                _tables_at(module_rows, e.time_s, counts_step=cpu),
+                                tables_at_incident(
+                                    history, info.id, e.id, module_rows, e.time_s, counts_step=cpu
+                                ),
                                 _activations_at(module_rows, e.time_s),
                                 None if alive else in_use,
                             )
@@ -448,7 +451,9 @@ def explain(db: Any, run: Any, *, event: int | None = None) -> Explanation:
                             _remedies(
                                 shortfall,
                                 sample,
-                                _tables_at(module_rows, e.time_s, counts_step=cpu),
+                                tables_at_incident(
+                                    history, info.id, e.id, module_rows, e.time_s, counts_step=cpu
+                                ),
                                 _activations_at(module_rows, e.time_s),
                             )
                         ),

@@ -204,3 +204,63 @@ def _sample_at(history: Any, run_id: int, time_s: float) -> dict[str, Any] | Non
             .first()
         )
     return dict(row) if row else None
+
+
+#: The categories of a CPU-budget snapshot's blocks that a table's row has.
+_TABLE_CATEGORIES = ("params", "grads", "optimizer_state")
+
+
+def alive_at(history: Any, run_id: int, event_id: int) -> dict[str, dict[str, int]]:
+    """What the incident's own CPU-budget memory snapshot says was alive, by module: ``module ->
+    {"params_bytes", "grads_bytes", "optimizer_state_bytes"}`` (its blocks' frames are module
+    and category: :func:`edo_monitor.measure.snapshots.build_cpu_snapshot`). Empty without a
+    readable CPU-budget snapshot (a CUDA one's frames are code lines, not modules)."""
+    from edo_monitor.measure.snapshots import SnapshotError
+    from edo_monitor.store.snapshot_store import find_snapshot, load_snapshot
+
+    try:
+        info = find_snapshot(history, run_id, event_id)
+        if info.source != "cpu-budget":
+            return {}
+        snap = load_snapshot(history, info)
+    except SnapshotError:
+        return {}
+    out: dict[str, dict[str, int]] = {}
+    for seg in snap.get("segments") or []:
+        for b in seg.get("blocks") or []:
+            frames = b.get("frames") or []
+            if b.get("state") != "active_allocated" or len(frames) != 1:
+                continue
+            category = str(frames[0].get("name", "")).split(" ")[0]  # "params [cached]"
+            if category in _TABLE_CATEGORIES and not frames[0].get("line"):
+                module = out.setdefault(str(frames[0].get("filename")), {})
+                key = f"{category}_bytes"
+                module[key] = module.get(key, 0) + int(b.get("size") or 0)
+    return out
+
+
+def tables_at_incident(
+    history: Any,
+    run_id: int,
+    event_id: int,
+    rows: Sequence[Mapping[str, Any]],
+    time_s: float,
+    *,
+    counts_step: bool = False,
+) -> dict[str, _Table]:
+    """The tables at an incident (:func:`_tables_at` at its time), each category raised to what
+    the incident's own snapshot says was alive (:func:`alive_at`) where that is more: a table's
+    ``module_stats`` row is the last step boundary's, so at an out-of-memory error in the first
+    step it has no gradient and no optimizer state yet while the error's snapshot has both."""
+    tables = _tables_at(rows, time_s, counts_step=counts_step)
+    for module, alive in alive_at(history, run_id, event_id).items():
+        t = tables.get(module)
+        if t is None:
+            continue
+        t.params_bytes = max(t.params_bytes, alive.get("params_bytes", 0))
+        t.grads_bytes = max(t.grads_bytes, alive.get("grads_bytes", 0))
+        t.optimizer_state_bytes = max(
+            t.optimizer_state_bytes, alive.get("optimizer_state_bytes", 0)
+        )
+        t.trainable |= t.grads_bytes > 0
+    return tables

@@ -356,7 +356,7 @@ def plan_for_incident(
     oom_sample`; else the sample at the incident), its tables and
     activations, the run's world size and its ``table_spectrum`` events."""
     from edo_monitor.hindsight.explain import oom_sample
-    from edo_monitor.hindsight.recorded import _activations_at, _sample_at, _tables_at
+    from edo_monitor.hindsight.recorded import _activations_at, _sample_at, tables_at_incident
 
     e = next((e for e in events if e.id == incident.event_id), None)
     sample, alive = None, None
@@ -368,7 +368,9 @@ def plan_for_incident(
     return staged_plan(
         incident.shortfall_bytes,
         sample,
-        _tables_at(module_rows, incident.time_s, counts_step=cpu),
+        tables_at_incident(
+            history, info.id, incident.event_id, module_rows, incident.time_s, counts_step=cpu
+        ),
         _activations_at(module_rows, incident.time_s),
         # what was alive is known by category: the request is not taken for activations
         in_use_bytes=incident.in_use_bytes if incident.kind == "oom" and not alive else None,
