@@ -103,3 +103,33 @@ def test_explain_an_oom_in_the_first_step_counts_what_its_snapshot_says_was_aliv
     bf16 = estimate(ROWS, DIM, dtype="bfloat16", optimizer="adam").total_with_step_bytes
     stages = {s.action: s for s in incident.staged_plan.stages}
     assert stages["quantize_bf16"].saving_bytes == table - bf16
+
+
+@pytest.mark.timeout(180)
+def test_explain_a_run_without_a_policy_says_why_nothing_is_explained(tmp_path: Path) -> None:
+    """Regression: a run with no policy that went over its budget got ``no OOM and no pressure
+    crossing to explain``, as if it had stayed comfortable: without a policy there is no floor,
+    so no crossing is ever recorded. It now says so, with what the run did against its budget
+    and where to look (replay)."""
+    from typer.testing import CliRunner
+
+    from edo_monitor.surfaces.cli import app
+
+    db = tmp_path / "nopolicy.db"
+    run = _train(db, None, [64] * 4)
+    with History(db) as h:
+        rows = list(
+            h.samples(run, columns=["in_use_bytes", "free_fraction"], max_points=None).rows()
+        )
+    peak = max(r["in_use_bytes"] for r in rows)
+    assert peak > BUDGET, "the run stayed under its budget: nothing to test"
+    result = edo_monitor.explain(str(db), run)
+    assert result.incidents == () and result.floor_fraction is None
+    assert (result.budget_bytes, result.peak_in_use_bytes) == (BUDGET, peak)
+    assert result.min_free_fraction == pytest.approx(min(r["free_fraction"] for r in rows))
+    out = CliRunner().invoke(app, ["--db", str(db), "explain", str(run)], terminal_width=300)
+    assert out.exit_code == 0, out.output
+    text = " ".join(out.output.split())
+    assert "no policy, so no floor: no pressure crossing was recorded" in text
+    assert "of its budget 9 MiB" in text and "over the budget by" in text
+    assert f"edo-monitor replay {run}" in text

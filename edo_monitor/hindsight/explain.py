@@ -159,10 +159,32 @@ class Explanation:
     #: the run's policy's floor (``None``: the run had no policy)
     floor_fraction: float | None
     incidents: tuple[Incident, ...]
+    #: with no incident: the run's budget, highest in-use and lowest free fraction over its
+    #: samples (what the run did instead; ``None`` with incidents, or no samples)
+    budget_bytes: int | None = None
+    peak_in_use_bytes: int | None = None
+    min_free_fraction: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """Plain, JSON-ready values."""
         return dataclasses.asdict(self)
+
+
+def _run_extremes(history: Any, info: Any) -> tuple[int | None, int | None, float | None]:
+    """The run's budget (the run's, else its samples' largest), highest in-use and lowest free
+    fraction over its samples."""
+    from sqlalchemy import text
+
+    with history._read() as conn:
+        budget, peak, low = conn.execute(
+            text(
+                "SELECT max(budget_bytes), max(in_use_bytes), min(free_fraction) FROM samples "
+                "WHERE run_id = :r"
+            ),
+            {"r": info.id},
+        ).one()
+    budget = info.budget_bytes or budget
+    return (int(budget) if budget else None), (int(peak) if peak is not None else None), low
 
 
 def _peak_in_episode(history: Any, run_id: int, start_s: float, end_s: float | None) -> int | None:
@@ -477,7 +499,11 @@ def explain(db: Any, run: Any, *, event: int | None = None) -> Explanation:
             )
             for i in incidents
         ]
-        return Explanation(info.id, info.name, info.device_kind, floor, tuple(incidents))
+        if incidents or event is not None:
+            return Explanation(info.id, info.name, info.device_kind, floor, tuple(incidents))
+        return Explanation(
+            info.id, info.name, info.device_kind, floor, (), *_run_extremes(history, info)
+        )
     finally:
         if owned:
             history.close()

@@ -35,7 +35,7 @@ def explain_renderables(result: Explanation, *, top: int = 12) -> list[Renderabl
         Rich renderables, in order; one line when there is no incident.
     """
     if not result.incidents:
-        return [Text(f"run {result.run_id}: no OOM and no pressure crossing to explain")]
+        return [Text(_nothing_to_explain(result))]
     out: list[RenderableType] = []
     previous = None
     for inc in result.incidents:
@@ -98,3 +98,29 @@ def explain_renderables(result: Explanation, *, top: int = 12) -> list[Renderabl
 
         out.extend(staged_plan_renderables(inc.staged_plan))
     return out
+
+
+def _nothing_to_explain(result: Explanation) -> str:
+    """Why a run has no incident, with what it did instead: a run without a policy has no floor,
+    so no crossing was recorded, however low its free memory went; ``replay`` runs a policy over
+    its samples."""
+    budget, peak, low = result.budget_bytes, result.peak_in_use_bytes, result.min_free_fraction
+    did = ""
+    if budget and peak is not None:
+        did = f"; peak in use {format_bytes(peak)} of its budget {format_bytes(budget)}"
+        if low is not None:
+            did += f" (min free {low:.1%})"
+        if peak > budget:
+            did += f", over the budget by {format_bytes(peak - budget)}"
+    if result.floor_fraction is None:
+        return (
+            f"run {result.run_id}: no OOM, and no policy, so no floor: no pressure crossing was "
+            f"recorded{did}. edo-monitor replay {result.run_id} shows what the default policy "
+            "would have done on its samples"
+        )
+    above = (
+        f" (free memory stayed above the floor {result.floor_fraction:.0%})"
+        if low is None or low >= result.floor_fraction
+        else ""
+    )
+    return f"run {result.run_id}: no OOM and no pressure crossing to explain{above}{did}"
