@@ -142,3 +142,66 @@ def _link_runs(conn: Connection, host: str, rows: list[dict[str, Any]]) -> None:
                 best = run
         if best is not None:
             r["run_id"] = int(best.id)
+
+
+#: How many of a host's latest ``daemon_started`` / ``daemon_stopped`` events are looked at.
+_DAEMON_EVENTS_LOOKED_AT = 200
+
+
+def claim_host(engine: Engine, host: str, pid: int, row: dict[str, Any]) -> None:
+    """Write the daemon's ``daemon_started`` event ``row`` unless another daemon is recording
+    ``host`` into this database now, in one write transaction (SQLite: ``BEGIN IMMEDIATE``;
+    PostgreSQL: an advisory lock), so two daemons started at once cannot both pass.
+
+    Another daemon is one whose ``daemon_started`` event for ``host`` has no later
+    ``daemon_stopped`` of its PID and whose PID is alive here, a process created before that
+    event (not a PID reused after a daemon killed without its last event). Daemons of other
+    hosts (a PostgreSQL database shared by many machines) are not in the way: their rows carry
+    their host.
+
+    Raises:
+        StoreError: naming the other daemon's PID, when it started, and what to do.
+    """
+    from datetime import datetime, timezone
+
+    import psutil
+    from sqlalchemy import insert, select
+
+    from edo_monitor.errors import StoreError
+    from edo_monitor.store.dialect import _LOCK_CLASS, is_postgres
+    from edo_monitor.store.schema import device_events_table as ev
+
+    with engine.begin() as conn:
+        if is_postgres(conn):
+            conn.exec_driver_sql("SELECT pg_advisory_xact_lock(%(k)s, 1)", {"k": _LOCK_CLASS + 2})
+        latest = conn.execute(
+            select(ev.c.kind, ev.c.time_s, ev.c.data)
+            .where(ev.c.host == host, ev.c.kind.in_(("daemon_started", "daemon_stopped")))
+            .order_by(ev.c.id.desc())
+            .limit(_DAEMON_EVENTS_LOOKED_AT)
+        ).all()
+        stopped: set[int] = set()
+        for kind, time_s, data in latest:  # newest first
+            other = (data or {}).get("pid")
+            if not isinstance(other, int) or other == pid:
+                continue
+            if kind == "daemon_stopped":
+                stopped.add(other)
+                continue
+            if other in stopped:
+                continue
+            stopped.add(other)  # an older start of the same PID is not looked at again
+            try:
+                alive = psutil.Process(other).create_time() <= float(time_s) + 1.0
+            except (psutil.Error, OSError):
+                alive = False
+            if alive:
+                when = datetime.fromtimestamp(float(time_s), timezone.utc)
+                raise StoreError(
+                    f"another edo-monitor daemon (pid {other}, started "
+                    f"{when:%Y-%m-%d %H:%M:%S} UTC) is recording the GPUs of host {host!r} into "
+                    "this database; a second one would record every GPU and process twice, "
+                    "with nothing to tell its rows apart; stop that one first, or give this one "
+                    "another --db"
+                )
+        conn.execute(insert(ev).values(**row))

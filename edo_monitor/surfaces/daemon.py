@@ -21,6 +21,10 @@ once per PID while it stays on the GPU. A process is linked to a run by host and
 (:class:`edo_monitor.store.writer.DeviceWriter`); a training in a container of its own PID
 namespace records its container PID, which NVML does not list, so it is not linked.
 
+One daemon a host records into a database: a second one on the same host and database is
+refused at start (:func:`edo_monitor.store.device_writer.claim_host`), since its rows would
+double every GPU's with nothing to tell them apart; daemons of other hosts may share it.
+
 Rows are written by a :class:`~edo_monitor.store.writer.DeviceWriter` thread (batched, at most
 ``flush_interval_s`` late); :meth:`Daemon.close` writes everything queued. :func:`run_daemon`
 stops on SIGTERM (a service manager) and SIGINT (Ctrl-C), then closes: nothing queued is lost.
@@ -156,6 +160,7 @@ class Daemon:
         self._next_rescan_s = 0.0
         self._nvml_fault: str | None = None
         self._closed = False
+        self._started_written = 0
         self.result = DaemonResult(
             queued=dict.fromkeys((_DEVICE_TABLE, _PROCESS_TABLE, _EVENT_TABLE), 0)
         )
@@ -168,9 +173,12 @@ class Daemon:
         Raises:
             ConfigError: bad ``db`` (an in-memory SQLite database included).
             NvmlUnavailableError: NVML cannot be used (nothing is created then).
-            StoreError: the database cannot be used (read-only, newer schema, unreachable).
+            StoreError: the database cannot be used (read-only, newer schema, unreachable), or
+                another daemon is recording this host into it
+                (:func:`edo_monitor.store.device_writer.claim_host`: two recorded every GPU
+                twice, rows that nothing tells apart).
         """
-        from edo_monitor.store.device_writer import DeviceWriter
+        from edo_monitor.store.device_writer import DeviceWriter, claim_host
         from edo_monitor.store.engine import open_engine
         from edo_monitor.store.paths import check_writable, resolve_db_url
 
@@ -183,11 +191,19 @@ class Daemon:
                 "driver's NVML library"
             )
         self._nvml = nvml
+        now = self._clock()
         try:
             self._engine = open_engine(url)
+            # one daemon a host and database: a second recorded every GPU twice, unnoticed
+            claim_host(self._engine, self.host, os.getpid(), self._started_row(now))
         except BaseException:
             self._shutdown_nvml()
+            if self._engine is not None:
+                self._engine.dispose()
+                self._engine = None
             raise
+        self.result.queued[_EVENT_TABLE] += 1
+        self._started_written = 1  # written by claim_host, not by the writer
         self._writer = DeviceWriter(
             self._engine,
             host=self.host,
@@ -195,14 +211,20 @@ class Daemon:
             flush_interval_s=self.flush_interval_s,
         )
         self._writer.start()
-        now = self._clock()
-        self._event(
-            now,
-            "daemon_started",
-            f"edo-monitor daemon started (pid {os.getpid()}, every {self.interval_s:g} s)",
-            {"pid": os.getpid(), "interval_s": self.interval_s},
-        )
         self._rescan(now, at_start=True)
+
+    def _started_row(self, now: float) -> dict[str, Any]:
+        return {
+            "time_s": now,
+            "host": self.host,
+            "device_index": None,
+            "device_uuid": None,
+            "kind": "daemon_started",
+            "message": (
+                f"edo-monitor daemon started (pid {os.getpid()}, every {self.interval_s:g} s)"
+            ),
+            "data": {"pid": os.getpid(), "interval_s": self.interval_s},
+        }
 
     def close(self) -> DaemonResult:
         """Record ``daemon_stopped``, write everything queued, release NVML and the database.
@@ -219,6 +241,9 @@ class Daemon:
             )
             self._writer.close()
             self.result.written = dict(self._writer.written)
+            self.result.written[_EVENT_TABLE] = (
+                self.result.written.get(_EVENT_TABLE, 0) + self._started_written
+            )
             self.result.not_written = dict(self._writer.not_written)
             self.result.written.pop("samples", None)
             self.result.not_written.pop("samples", None)

@@ -8,12 +8,14 @@ A multi-rank job is named by its id (as ``jobs`` prints it), a unique prefix of 
 
 Exit codes (:data:`EXIT_CODES`, also in ``edo-monitor --help``):
     0    success
-    1    runtime or data error: no such run or job, no database (missing file or folder), a database
-         that cannot be used (not a database, newer schema, unreadable), a write refused by
-         ``sql``, ``sql`` ran past its ``--timeout``, ``doctor`` found a problem, no NVML for
-         ``daemon``, an optional package not installed (the message gives the install line)
+    1    runtime or data error: no such run or job, no database to read (missing file or
+         folder), a database that cannot be used (not a database, newer schema, unreadable), a
+         write refused by ``sql``, ``sql`` ran past its ``--timeout``, ``doctor`` found a
+         problem, no NVML for ``daemon``, another ``daemon`` recording this host into the
+         database, an optional package not installed (the message gives the install line)
     2    usage: unknown option, bad or out-of-range value (a size, a duration, a format, a column
-         name, nan or an infinity), a db path that is not a regular file or is too long; one
+         name, nan or an infinity), a db path that is not a regular file or is too long, the
+         daemon's db (the database it creates) in a folder that does not exist; one
          ``edo-monitor: error:`` line, checked before anything is opened
     3    unexpected internal error (reported in one line; set ``EDO_DEBUG=1`` for the traceback)
     130  interrupted (Ctrl-C)
