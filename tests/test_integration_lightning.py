@@ -321,6 +321,23 @@ class LoggedBagOfWords(BagOfWords):
         self.log("val_loss", nn.functional.cross_entropy(self.head(self.emb(ids).mean(1)), labels))
 
 
+def tb_trainer(callback: Any, tmp_path: Path, version: str, steps: int) -> tuple[Any, Any]:
+    """A trainer of ``steps`` steps with ``callback`` and a ``TensorBoardLogger`` (its run
+    ``version`` under ``tmp_path/tb``) written at every step, and that logger."""
+    tb_logger = loggers.TensorBoardLogger(tmp_path / "tb", name="x", version=version)
+    t = pl.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        logger=tb_logger,
+        callbacks=[callback],
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    return t, tb_logger
+
+
 def tensorboard_steps(log_dir: str) -> dict[str, set[int]]:
     """Tag -> the steps it was written at, scalars and tensors (edo's float32 scalars) alike."""
     from tensorboard.backend.event_processing.event_accumulator import (
@@ -347,17 +364,7 @@ def test_a_resumed_fit_writes_tensorboard_on_the_trainers_global_step(
 
     def fit(steps: int, version: str, ckpt: Path | None) -> Any:
         callback = EdoMonitorCallback(db=db_path, interval_s=0.01, tensorboard=True)
-        tb_logger = loggers.TensorBoardLogger(tmp_path / "tb", name="x", version=version)
-        t = pl.Trainer(
-            max_steps=steps,
-            accelerator="cpu",
-            logger=tb_logger,
-            callbacks=[callback],
-            log_every_n_steps=1,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
+        t, tb_logger = tb_trainer(callback, tmp_path, version, steps)
         t.fit(LoggedBagOfWords(), loader(5), ckpt_path=ckpt)  # saved at an epoch's end
         if ckpt is None:
             t.save_checkpoint(tmp_path / "first.ckpt")
@@ -388,17 +395,7 @@ def test_a_checkpoint_loaded_to_validate_does_not_resume_the_next_fit(
     callback = EdoMonitorCallback(db=db_path, interval_s=0.01, tensorboard=True)
 
     def make(version: str, steps: int) -> tuple[Any, Any]:
-        tb_logger = loggers.TensorBoardLogger(tmp_path / "tb", name="x", version=version)
-        return pl.Trainer(
-            max_steps=steps,
-            accelerator="cpu",
-            logger=tb_logger,
-            callbacks=[callback],
-            log_every_n_steps=1,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        ), tb_logger
+        return tb_trainer(callback, tmp_path, version, steps)
 
     first, _ = make("a", 5)
     first.fit(LoggedBagOfWords(), loader(5))
