@@ -60,3 +60,17 @@ def test_runs_shows_the_rank_when_a_listed_run_is_one_rank_of_a_job(
     # column, the table stays as narrow as it was
     assert "rank" not in runs_header(run("runs", db=db).output)
     assert "rank" not in runs_header(run("runs", "--name", "solo", db=ranked).output)
+
+
+def test_durations_of_a_minute_and_more_round_to_the_second_as_the_dashboard_does() -> None:
+    """``show`` printed ``1m59s`` for 119.9 s (truncated) where the dashboard shows ``0:02:00``."""
+    from edo_monitor.surfaces.cli.common import _dur
+
+    assert [_dur(s) for s in (7.25, 59.94, 59.96, 119.5, 119.9, 3599.6)] == [
+        "7.2s",
+        "59.9s",
+        "1m00s",
+        "2m00s",
+        "2m00s",
+        "1h00m",
+    ]

@@ -221,11 +221,13 @@ def _when(ts: float | None) -> str:
 
 
 def _dur(seconds: float | None) -> str:
+    """``7.25`` → ``"7.2s"``, ``119.9`` → ``"2m00s"``: from a minute on, rounded to the whole
+    second (halves up), as the dashboard rounds them; ``None`` → ``"-"``."""
     if seconds is None:
         return "-"
-    if seconds < 60:
+    if seconds < 59.95:  # what .1f prints as 60.0s and more is a minute
         return f"{seconds:.1f}s"
-    minutes, sec = divmod(int(seconds), 60)
+    minutes, sec = divmod(math.floor(seconds + 0.5), 60)
     hours, minutes = divmod(minutes, 60)
     days, hours = divmod(hours, 24)
     if days:
