@@ -69,11 +69,15 @@ def test_stop_with_an_exception_records_it(
 
 
 def test_a_start_that_fails_after_the_run_row_records_the_run_ended(
-    db_path: Path, monkeypatch: pytest.MonkeyPatch
+    db_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
     """A Ctrl-C while the run starts (here: as the sampler thread starts, after the run's row
     was written) used to leave the row ``running`` with no error; the start now records how it
     ended, stops what it started and puts SIGTERM's default action back."""
+    # the default action to begin with, whatever an earlier test in this process left (a run
+    # handles SIGTERM only where nothing else does)
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    request.addfinalizer(lambda: signal.signal(signal.SIGTERM, previous))
     real_start = threading.Thread.start
 
     def ctrl_c_now(thread: threading.Thread) -> None:
