@@ -1,7 +1,8 @@
 """Issue 9: actions under real-world models, and numbers that stay true.
 
 * a weight read outside its own module (tied by use) is never changed (item 3);
-* checkpointing never recomputes a forward that changes buffers (item 4);
+* checkpointing never recomputes a forward that changes buffers (item 4:
+  tests/test_checkpoint_state.py);
 * sparse tensors are sized by indices + values, a model that is a table is accounted (item 5);
 * ``release_cache`` estimates from wholly free segments; an ineffective action makes the ladder
   move on (item 8); fragmentation and the estimate keep the watched device's segments (item 9);
@@ -12,7 +13,6 @@ Hardware is faked only at the probe boundary: recorded ``memory_stats`` / ``memo
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import pytest
@@ -126,20 +126,7 @@ def test_agent_never_compresses_a_table_tied_by_use_and_training_goes_on(tmp_pat
     assert model.emb.weight.dtype == torch.float32
 
 
-# ------------------------------------------------------------ item 4: buffers and checkpointing
-
-
-class Counter(nn.Module):
-    """Not a BatchNorm: counts its calls in a buffer (any running state)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.training:
-            self.calls += 1
-        return torch.tanh(x)
+# -------------------------------------- a block to checkpoint (item 4: test_checkpoint_state.py)
 
 
 class MLP(nn.Module):
@@ -151,128 +138,6 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(torch.tanh(self.fc1(x)))
-
-
-def bn_model() -> nn.Module:
-    torch.manual_seed(0)
-    blocks = [nn.Sequential(nn.Linear(n, 32), nn.BatchNorm1d(32), nn.ReLU()) for n in (16, 32, 32)]
-    counted = nn.Sequential(nn.Linear(32, 16), Counter())
-    return nn.Sequential(*blocks, MLP(32), counted, nn.Linear(16, 4))
-
-
-def _train_steps(model: nn.Module, opt: torch.optim.Optimizer, data: list, profile: bool = False):
-    out = None
-    for i, (x, y) in enumerate(data):
-        with ActivationRecorder(model) if profile and i == 0 else _Null() as rec:
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-        if profile and i == 0:
-            out = rec.profile()
-    return out
-
-
-class _Null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-class AttributeState(nn.Module):
-    """An MLP block keeping state outside its buffers: a running mean in a plain tensor
-    attribute and its calls in a Python int (the tester's blocks: recomputed under checkpointing
-    they counted 116 calls for 60 and their running means drifted)."""
-
-    def __init__(self, kind: str) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 32)
-        self.kind = kind
-        self.mean = torch.zeros(64)
-        self.calls = 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.fc1(x))
-        if self.training and self.kind == "tensor":
-            self.mean.mul_(0.9).add_(0.1 * h.detach().mean(0))
-        if self.training and self.kind == "int":
-            self.calls += 1
-        return self.fc2(h)
-
-
-@pytest.mark.parametrize("kind", ["tensor", "int"])
-def test_checkpointing_excludes_blocks_whose_forward_changes_plain_attribute_state(
-    kind: str,
-) -> None:
-    g = torch.Generator().manual_seed(3)
-    data = [(torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g))]
-    data *= 4
-    torch.manual_seed(0)
-    twin = nn.Sequential(nn.Linear(16, 32), AttributeState(kind), MLP(32), nn.Linear(32, 4))
-    model = copy.deepcopy(twin)
-    twin_opt = torch.optim.Adam(twin.parameters(), lr=1e-2)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    _train_steps(twin, twin_opt, data)
-    profile = _train_steps(model, opt, data[:1], profile=True)
-    assert profile is not None and "1" in profile.buffer_mutating
-    assert "2" not in profile.buffer_mutating
-    ctx = ActionContext(model, [opt], activation_profile=profile)
-    plan = ACTIONS["checkpoint_activations"].plan(ctx)
-    assert isinstance(plan, Plan), plan
-    assert plan.details["blocks"] == ["2"]  # the plain MLP only
-    assert plan.details["excluded_buffer_mutating"] == ["1"]
-    assert ACTIONS["checkpoint_activations"].apply(ctx, plan).status == "applied"
-    _train_steps(model, opt, data[1:])
-    assert model[1].calls == twin[1].calls == (4 if kind == "int" else 0)
-    assert torch.equal(model[1].mean, twin[1].mean)
-    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
-        assert torch.equal(p, q)
-
-
-def test_checkpointing_excludes_blocks_whose_forward_changes_buffers_twin_bit_identical() -> None:
-    g = torch.Generator().manual_seed(3)
-    data = [(torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g))]
-    data += [(torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g))]
-    data += [(torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g))]
-    data += [(torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g))]
-    twin = bn_model()
-    model = copy.deepcopy(twin)
-    twin_opt = torch.optim.Adam(twin.parameters(), lr=1e-2)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    _train_steps(twin, twin_opt, data)
-    profile = _train_steps(model, opt, data[:1], profile=True)
-    assert profile is not None
-    # every BatchNorm, the Counter, and every block holding one changed a buffer
-    assert {"0.1", "1.1", "2.1", "4.1", "0", "1", "2", "4", ""} <= set(profile.buffer_mutating)
-    assert "3" not in profile.buffer_mutating
-    ctx = ActionContext(model, [opt], activation_profile=profile)
-    plan = ACTIONS["checkpoint_activations"].plan(ctx)
-    assert isinstance(plan, Plan), plan
-    assert plan.details["blocks"] == ["3"]  # the MLP; before the fix the BatchNorms were picked
-    assert {"0.1", "1.1", "2.1", "4.1"} <= set(plan.details["excluded_buffer_mutating"])
-    assert ACTIONS["checkpoint_activations"].apply(ctx, plan).status == "applied"
-    _train_steps(model, opt, data[1:])  # 3 more steps, checkpointed blocks recomputed
-    for bn in (model[0][1], model[1][1], model[2][1]):
-        assert int(bn.num_batches_tracked) == 4  # one update per training forward: 1 + 3
-    assert int(model[4][1].calls) == 4
-    for (n, a), (_, b) in zip(model.state_dict().items(), twin.state_dict().items(), strict=True):
-        assert torch.equal(a, b), n  # parameters and buffers bit-identical
-    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
-        for k, v in opt.state[p].items():
-            assert torch.equal(v, twin_opt.state[q][k]), k
-
-
-def test_checkpointing_refuses_when_only_buffer_changing_blocks_are_left() -> None:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.BatchNorm1d(16), Counter())
-    x = torch.randn(8, 16, requires_grad=True)
-    with ActivationRecorder(model) as rec:
-        model(x).sum().backward()
-    r = ACTIONS["checkpoint_activations"].plan(
-        ActionContext(model, [], activation_profile=rec.profile())
-    )
-    assert isinstance(r, Refusal) and "changes buffers or module state in training mode" in r.reason
 
 
 # ------------------------------------------------------------ item 5: sparse sizes, root table
