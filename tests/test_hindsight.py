@@ -190,7 +190,7 @@ def test_explain_the_crossing(runs: tuple[Path, int, int]) -> None:
     bf16 = by_action[("compress_embedding_bf16", "features")]
     assert bf16.saving_bytes == ROWS * DIM * 4 * 2  # four tensors, 2 bytes an element less
     assert inc.remedies[0].enough and not inc.remedies[0].lossy  # enough and lossless first
-    with pytest.raises(EventNotFoundError, match="not an OOM or a below-floor crossing"):
+    with pytest.raises(EventNotFoundError, match="not an OOM or a crossing below the floor"):
         explain(db, observed, event=10**9)
 
 
@@ -227,7 +227,7 @@ def test_cli_explain_and_replay(runs: tuple[Path, int, int]) -> None:
     assert bad.exit_code == 2 and "min_free_fraction=2.0" in bad.stderr
     # an event the run does not have is missing data (1), as a missing run, not a usage error
     missing = runner.invoke(app, ["explain", str(observed), "--db", str(db), "--event", "999999"])
-    assert missing.exit_code == 1 and "event=999999 is not an OOM" in missing.stderr
+    assert missing.exit_code == 1 and "event 999999 is not an OOM" in missing.stderr
 
 
 def test_parse_policy() -> None:
@@ -366,3 +366,42 @@ def test_dashboard_explains_the_selected_crossing(runs: tuple[Path, int, int]) -
     zero1 = next(s for s in inc.staged_plan.stages if s.action == "zero1")  # the staged plan too
     assert "staged plan for a shortfall of" in text and f"with {zero1.ranks} ranks" in text
     assert closed
+
+
+def test_dashboard_explains_every_incident_when_the_crossing_back_above_is_selected(
+    runs: tuple[Path, int, int],
+) -> None:
+    """A crossing back above the re-arm level is no incident: ``x`` on it explains every
+    incident of the run, as on any other event (it showed "event=N is not an OOM or a
+    below-floor crossing" instead)."""
+    import asyncio
+
+    from textual.widgets import DataTable
+
+    from edo_monitor.tui.app import EdoTui
+    from edo_monitor.tui.modals import ExplainScreen
+
+    db, tuned, _ = runs
+    with History(db) as h:
+        crossings = h.events(tuned, kind="threshold_crossed")
+    above = next(e for e in crossings if e.data.get("direction") == "above")
+    expected = explain(db, tuned)
+    assert expected.incidents
+
+    async def drive() -> Any:
+        app = EdoTui(db, run=str(tuned))
+        async with app.run_test(size=(200, 80)) as pilot:
+            screen = app.run_screen
+            deadline = time.monotonic() + 60  # hang guard
+            while not screen.loaded and time.monotonic() < deadline:
+                await pilot.pause(0.02)
+            row = next(i for i, e in enumerate(screen.event_rows) if e.id == above.id)
+            screen.query_one("#events", DataTable).move_cursor(row=row)
+            await pilot.press("x")
+            explain_screen = app.screen
+            assert isinstance(explain_screen, ExplainScreen)
+            while explain_screen.result is None and time.monotonic() < deadline:
+                await pilot.pause(0.02)
+            return explain_screen.result
+
+    assert asyncio.run(drive()) == expected

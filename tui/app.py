@@ -244,9 +244,13 @@ class EdoTui(App[None]):
             return
         if isinstance(self.screen, ExplainScreen):
             return
+        from edo_monitor.hindsight.explain import is_incident
+
         self._show("live")
         event = self.run_screen.selected_event
-        chosen = event.id if event is not None and event.kind in _INCIDENT_KINDS else None
+        # the selected event when explain explains it alone (an OOM, a crossing below the floor;
+        # not the crossing back above), else every incident of the run
+        chosen = event.id if event is not None and is_incident(event.kind, event.data) else None
         self.push_screen(ExplainScreen(run, chosen))
 
     def action_snapshot(self) -> None:
@@ -287,10 +291,6 @@ class EdoTui(App[None]):
             self.notify(f"export failed: {message}", severity="error")
 
         _guarded(self, failed, body)
-
-
-#: Event kinds that :func:`edo_monitor.hindsight.explain` can explain alone.
-_INCIDENT_KINDS = ("oom", "threshold_crossed")
 
 
 def _positive_float(text: str) -> float:

@@ -76,7 +76,7 @@ from edo_monitor.hindsight.run_config import DEFAULT_FLOOR, as_fraction, recorde
 from edo_monitor.measure.module_tree import largest_disjoint
 from edo_monitor.units import format_bytes
 
-__all__ = ["Explanation", "Incident", "Remedy", "explain"]
+__all__ = ["Explanation", "Incident", "Remedy", "explain", "is_incident"]
 
 logger = logging.getLogger(__name__)
 
@@ -373,6 +373,14 @@ def _remedies(
     return out
 
 
+def is_incident(kind: str, data: Mapping[str, Any] | None) -> bool:
+    """Whether an event of ``kind`` with ``data`` is one :func:`explain` explains: an OOM, or a
+    threshold crossing below the floor (not the crossing back above the re-arm level)."""
+    return kind == "oom" or (
+        kind == "threshold_crossed" and (data or {}).get("direction") == "below"
+    )
+
+
 def explain(db: Any, run: Any, *, event: int | None = None) -> Explanation:
     """What would have avoided each OOM and each pressure crossing of a recorded run.
 
@@ -439,7 +447,7 @@ def explain(db: Any, run: Any, *, event: int | None = None) -> Explanation:
                         ),
                     )
                 )
-            elif e.kind == "threshold_crossed" and e.data.get("direction") == "below":
+            elif is_incident(e.kind, e.data):  # a crossing below the floor
                 floor_e = as_fraction(e.data.get("floor"))  # the policy's, at the crossing
                 if floor_e is None:
                     floor_e = as_fraction(e.data.get("threshold"))
@@ -483,8 +491,9 @@ def explain(db: Any, run: Any, *, event: int | None = None) -> Explanation:
                 )
         if event is not None and not incidents:
             raise EventNotFoundError(
-                f"event={event!r} is not an OOM or a below-floor crossing of run {info.id}; "
-                f"see edo-monitor events {info.id} --kind oom --kind threshold_crossed"
+                f"event {event} is not an OOM or a crossing below the floor of run {info.id}; "
+                f"see edo-monitor events {info.id} --kind oom --kind threshold_crossed (the "
+                "crossings 'below the floor')"
             )
         from edo_monitor.hindsight.snapshot import memory_at
         from edo_monitor.hindsight.staged import plan_for_incident
