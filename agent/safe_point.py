@@ -78,7 +78,10 @@ class SafePoint:
         )
         self.step_accounting: Accounting | None = None
         self.oom_accounting: Accounting | None = None
-        self.want_accounting = False
+        # the first boundary accounts whatever the sampler did: a run whose steps all end
+        # before the sampler's first tick (a starved thread) kept no accounting with gradients,
+        # and its last reading said 0 bytes of gradients
+        self.want_accounting = True
         self.primary: torch.optim.Optimizer | None = (
             monitor.optimizers[0] if monitor.optimizers else None
         )

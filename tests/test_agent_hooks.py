@@ -525,3 +525,35 @@ def test_a_lazy_module_is_watched_from_its_first_forward(db_path: Path, enforce:
     with History(db_path) as history:
         last = list(history.samples(mon.run_id).rows())[-1]
     assert (last["params_bytes"], last["grads_bytes"]) == (params, params)
+
+
+def test_a_run_that_ends_before_the_samplers_first_tick_reads_its_gradients(
+    db_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (a CI flake of the lazy-module test): when every step ended before the
+    sampler thread's first reading (a thread starved under load), no boundary had taken the
+    accounting with gradients alive, and the run's last reading said 0 bytes of gradients.
+    The first boundary accounts now, whatever the sampler did."""
+    from edo_monitor.agent.sampler import Sampler
+
+    real = Sampler.sample_once
+    trained = threading.Event()
+
+    def late(self: Sampler) -> Any:  # the first tick comes after the training
+        trained.wait(10)
+        return real(self)
+
+    monkeypatch.setattr(Sampler, "sample_once", late)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(100, 8), nn.Linear(8, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    with edo_monitor.watch(model, db=db_path, budget="64MiB", strict=True) as mon:
+        for _ in range(3):
+            model(torch.randint(0, 100, (32,))).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        trained.set()
+    params = (100 * 8 + 8 + 1) * 4
+    with History(db_path) as history:
+        last = list(history.samples(mon.run_id).rows())[-1]
+    assert (last["params_bytes"], last["grads_bytes"]) == (params, params)
