@@ -26,7 +26,7 @@ from torch import nn
 
 from edo_monitor.errors import AlreadyWatchedError, StoreError
 from edo_monitor.store.dialect import is_postgres
-from edo_monitor.store.engine import insert_job, open_engine
+from edo_monitor.store.engine import close_engine, insert_job, open_engine
 from edo_monitor.store.models import Run
 from edo_monitor.store.retry import retried
 from edo_monitor.store.schema import next_run_id
@@ -295,7 +295,7 @@ class RunRecord:
             except Exception:
                 logger.exception("edo-monitor: could not record the end of run %d", self.run_id)
         if self.engine is not None:
-            self.engine.dispose()
+            close_engine(self.engine)  # the run's rows in the file itself, not only its -wal
 
 
 def _saved(action: dict[str, Any]) -> str:

@@ -75,7 +75,7 @@ from edo_monitor.store.schema import (
     ROLLUP_LEVEL_WIDTHS_S,
 )
 
-__all__ = ["insert_job", "insert_samples", "open_engine", "write_samples"]
+__all__ = ["close_engine", "insert_job", "insert_samples", "open_engine", "write_samples"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +95,30 @@ def _sqlite_pragmas_rw(dbapi_conn: sqlite3.Connection, record: object) -> None:
     _journal_mode_wal(cur)
     cur.execute("PRAGMA synchronous = NORMAL")
     cur.close()
+
+
+def close_engine(engine: Engine) -> None:
+    """Dispose of a writer's ``engine``; on SQLite first fold the write-ahead log into the
+    database file (``PRAGMA wal_checkpoint(PASSIVE)``: every frame no open reader still needs,
+    without waiting for one). SQLite folds it itself when its last connection closes, but not
+    while another process reads the file (``edo-monitor metrics``, the dashboard): the runs
+    written stayed in ``NAME-wal`` and a copy of ``NAME`` alone did not hold them. A failure
+    is logged; the engine is disposed of anyway."""
+    try:
+        path = engine.url.database
+        # a file deleted under the run is not made again by connecting to it
+        if engine.dialect.name == "sqlite" and path and Path(path).is_file():
+            # on the driver's connection, outside any transaction (a connection's "begin" hook
+            # opens one, in which SQLite answers "database table is locked")
+            raw = engine.raw_connection()
+            try:
+                raw.cursor().execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+            finally:
+                raw.close()
+    except Exception:  # a lost file, a locked one: the log stays beside it, as before
+        logger.debug("folding the write-ahead log into %s failed", engine.url, exc_info=True)
+    finally:
+        engine.dispose()
 
 
 def _journal_mode_wal(cur: sqlite3.Cursor) -> None:

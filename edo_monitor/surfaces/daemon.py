@@ -250,7 +250,9 @@ class Daemon:
         self.result.devices = [u for u, t in self._devices.items() if t.device.available]
         self._shutdown_nvml()
         if self._engine is not None:
-            self._engine.dispose()
+            from edo_monitor.store.engine import close_engine
+
+            close_engine(self._engine)  # its rows in the file itself, not only its -wal
         return self.result
 
     def _shutdown_nvml(self) -> None:
