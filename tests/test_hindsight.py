@@ -319,9 +319,9 @@ def test_replay_of_the_pressure_demo_without_tuner_decides_as_the_tuned_demo(
     assert {i.kind for i in text} == {"below_floor", "oom"}
 
 
-def test_dashboard_explains_the_selected_crossing(runs: tuple[Path, int, int]) -> None:
-    """``x`` in the run view shows what ``explain`` says of the selected incident: the shortfall
-    and the remedies, as ``edo-monitor explain`` prints them; Escape closes it."""
+def _explain_in_dashboard(db: Path, run: int, event_id: int) -> tuple[Any, str, bool]:
+    """Open ``run`` in ``edo-tui``, select event ``event_id``, press ``x``: the explain screen's
+    result, the words on the terminal, and whether Escape closed it."""
     import asyncio
 
     from textual.widgets import DataTable
@@ -329,21 +329,14 @@ def test_dashboard_explains_the_selected_crossing(runs: tuple[Path, int, int]) -
     from edo_monitor.tui.app import EdoTui
     from edo_monitor.tui.modals import ExplainScreen
 
-    db, _, observed = runs
-    with History(db) as h:
-        crossing = h.events(observed, kind="threshold_crossed")[0]
-    expected = explain(db, observed, event=crossing.id)
-    inc = expected.incidents[0]
-    assert inc.shortfall_bytes > 0 and inc.remedies[0].action == "offload_embedding"
-
     async def drive() -> tuple[Any, str, bool]:
-        app = EdoTui(db, run=str(observed))
+        app = EdoTui(db, run=str(run))
         async with app.run_test(size=(200, 80)) as pilot:
             screen = app.run_screen
             deadline = time.monotonic() + 60  # hang guard
             while not screen.loaded and time.monotonic() < deadline:
                 await pilot.pause(0.02)
-            row = next(i for i, e in enumerate(screen.event_rows) if e.id == crossing.id)
+            row = next(i for i, e in enumerate(screen.event_rows) if e.id == event_id)
             screen.query_one("#events", DataTable).move_cursor(row=row)
             await pilot.press("x")
             explain_screen = app.screen
@@ -358,7 +351,19 @@ def test_dashboard_explains_the_selected_crossing(runs: tuple[Path, int, int]) -
             await pilot.pause()
             return explain_screen.result, text, app.screen is screen
 
-    result, text, closed = asyncio.run(drive())
+    return asyncio.run(drive())
+
+
+def test_dashboard_explains_the_selected_crossing(runs: tuple[Path, int, int]) -> None:
+    """``x`` in the run view shows what ``explain`` says of the selected incident: the shortfall
+    and the remedies, as ``edo-monitor explain`` prints them; Escape closes it."""
+    db, _, observed = runs
+    with History(db) as h:
+        crossing = h.events(observed, kind="threshold_crossed")[0]
+    expected = explain(db, observed, event=crossing.id)
+    inc = expected.incidents[0]
+    assert inc.shortfall_bytes > 0 and inc.remedies[0].action == "offload_embedding"
+    result, text, closed = _explain_in_dashboard(db, observed, crossing.id)
     assert result == expected
     assert f"event {crossing.id}  step {crossing.step}" in text
     assert f"({inc.shortfall_bytes:,} bytes)" in text
@@ -374,34 +379,11 @@ def test_dashboard_explains_every_incident_when_the_crossing_back_above_is_selec
     """A crossing back above the re-arm level is no incident: ``x`` on it explains every
     incident of the run, as on any other event (it showed "event=N is not an OOM or a
     below-floor crossing" instead)."""
-    import asyncio
-
-    from textual.widgets import DataTable
-
-    from edo_monitor.tui.app import EdoTui
-    from edo_monitor.tui.modals import ExplainScreen
-
     db, tuned, _ = runs
     with History(db) as h:
         crossings = h.events(tuned, kind="threshold_crossed")
     above = next(e for e in crossings if e.data.get("direction") == "above")
     expected = explain(db, tuned)
     assert expected.incidents
-
-    async def drive() -> Any:
-        app = EdoTui(db, run=str(tuned))
-        async with app.run_test(size=(200, 80)) as pilot:
-            screen = app.run_screen
-            deadline = time.monotonic() + 60  # hang guard
-            while not screen.loaded and time.monotonic() < deadline:
-                await pilot.pause(0.02)
-            row = next(i for i, e in enumerate(screen.event_rows) if e.id == above.id)
-            screen.query_one("#events", DataTable).move_cursor(row=row)
-            await pilot.press("x")
-            explain_screen = app.screen
-            assert isinstance(explain_screen, ExplainScreen)
-            while explain_screen.result is None and time.monotonic() < deadline:
-                await pilot.pause(0.02)
-            return explain_screen.result
-
-    assert asyncio.run(drive()) == expected
+    result, _, _ = _explain_in_dashboard(db, tuned, above.id)
+    assert result == expected
