@@ -477,12 +477,12 @@ class SafePoint:
         for err in recorder.errors:  # its hooks caught them; the forward went on
             self.m._agent_error("activation profile hook", err)
         profile = recorder.profile()
-        before = self.m.activation_profile
-        if before is not None and before.outside_uses:
+        previous = self.m.activation_profile
+        if previous is not None and previous.outside_uses:
             # a read of a table's weight outside its module seen on any recorded step counts
             # (an L2 penalty every 10th step is not on every recorded step)
             uses = dict(profile.outside_uses)
-            for table, where in before.outside_uses.items():
+            for table, where in previous.outside_uses.items():
                 uses[table] = tuple(sorted({*uses.get(table, ()), *where}))
             profile = dataclasses.replace(profile, outside_uses=uses)
         self.m.activation_profile = profile
