@@ -19,14 +19,21 @@ ROWS, DIM = 20_000, 32
 BUDGET = 9 * 2**20
 
 
-def _train(db: Path, policy: edo_monitor.Policy | None, batches: list[int], **kw: object) -> int:
-    """An EmbeddingBag table (Adam) and a head under a 9 MiB CPU budget, one step a batch size."""
+def _train(
+    db: Path,
+    policy: edo_monitor.Policy | None,
+    batches: list[int],
+    interval_s: float = 0.01,
+    **kw: object,
+) -> int:
+    """An EmbeddingBag table (Adam) and a head under a 9 MiB CPU budget, one step a batch size,
+    a reading every ``interval_s``."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.EmbeddingBag(ROWS, DIM), nn.Linear(DIM, 2))
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(1)
     with edo_monitor.watch(
-        model, db=str(db), budget=BUDGET, policy=policy, interval_s=0.01, **kw
+        model, db=str(db), budget=BUDGET, policy=policy, interval_s=interval_s, **kw
     ) as mon:
         for b in batches:
             ids = torch.randint(0, ROWS, (b, 16), generator=gen)

@@ -5,40 +5,20 @@ watch() runs on a CPU budget into real SQLite files (one of them a real two-rank
 from __future__ import annotations
 
 import sqlite3
-import time
 from pathlib import Path
 
 import pytest
-import torch
+from test_explain_recorded import BUDGET, _train
 from test_ranks import run_ranks
-from torch import nn
 
 import edo_monitor
 from edo_monitor.store.history import History
-
-ROWS, DIM = 20_000, 32
-BUDGET = 9 * 2**20
 
 
 def _cache_run(db: Path) -> int:
     """mini.py's run: a table under a 9 MiB budget, below the floor from step 1 (the first step
     makes Adam's state), the default policy: ``cache_embedding`` at step 1, readings every 5 ms."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.EmbeddingBag(ROWS, DIM), nn.Linear(DIM, 2))
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    gen = torch.Generator().manual_seed(1)
-    with edo_monitor.watch(
-        model, db=str(db), budget=BUDGET, policy=edo_monitor.Policy(), interval_s=0.005
-    ) as mon:
-        for i in range(12):
-            b = 64 * (1 + i // 5)
-            ids = torch.randint(0, ROWS, (b, 16), generator=gen)
-            loss = nn.functional.cross_entropy(model(ids), torch.randint(0, 2, (b,), generator=gen))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            time.sleep(0.03)
-    return mon.run_id
+    return _train(db, edo_monitor.Policy(), [64 * (1 + i // 5) for i in range(12)], 0.005)
 
 
 @pytest.mark.timeout(180)
