@@ -76,7 +76,7 @@ BAD_ARGUMENTS = [
     (["--budget", "0"], ["--budget", "'0'", "positive size"]),
     # a negative size: argparse (before Python 3.14) took "-5MiB" for an unknown option and said
     # "argument --budget: expected one argument", naming neither the value nor what is allowed
-    (["--budget", "-5MiB"], ["--budget", "'-5MiB'", "positive size"]),
+    (["--budget", "-5MiB"], ["--budget", "'-5MiB' is negative", "positive size"]),
     # an option after --budget is still an option, not its value
     (["--budget", "--db", "{tmp}/x.db"], ["--budget", "expected one argument"]),
     # watch() refuses it: it was refused after the text was read, leaving an empty database

@@ -74,7 +74,8 @@ def byte_size(text: str) -> int:
     try:
         size_bytes = parse_bytes(text)
     except ConfigError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size; {allowed}") from None
+        problem = "is negative" if _is_negative_size(text) else "is not a size"
+        raise argparse.ArgumentTypeError(f"{text!r} {problem}; {allowed}") from None
     if size_bytes <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} leaves no memory; {allowed}")
     if size_bytes > STORABLE_BYTES:  # what watch() refuses, refused before anything is read
@@ -83,6 +84,18 @@ def byte_size(text: str) -> int:
             "largest size the history stores"
         )
     return size_bytes
+
+
+def _is_negative_size(text: str) -> bool:
+    """Whether ``text`` is a size with a minus sign (``"-5MiB"``), which ``parse_bytes`` refuses."""
+    body = text.strip()
+    if not body.startswith("-"):
+        return False
+    try:
+        parse_bytes(body[1:])
+    except ConfigError:
+        return False
+    return True
 
 
 def positive_int(text: str) -> int:
