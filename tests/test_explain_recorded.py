@@ -45,6 +45,16 @@ def _train(
     return mon.run_id
 
 
+def _cache_actions(db: Path, run: int) -> list:
+    """The run's applied ``cache_embedding`` and ``grow_cache`` actions, in order."""
+    with History(db) as h:
+        return [
+            e
+            for e in h.events(run, kind="action")
+            if e.data.get("action") in ("cache_embedding", "grow_cache")
+        ]
+
+
 @pytest.mark.timeout(180)
 def test_explain_a_crossing_of_a_table_already_a_row_cache(tmp_path: Path) -> None:
     """Regression: a row cache's ``params_bytes`` are its cached rows', so the element size read
@@ -63,9 +73,16 @@ def test_explain_a_crossing_of_a_table_already_a_row_cache(tmp_path: Path) -> No
     # (the live agent refused a second cache_embedding: listed apart, with the same numbers)
     remedies = {r.action: r for r in (*incident.remedies, *incident.refused_live)}
     row = DIM * 4 * 3  # float32 weight and Adam's two moments (a cache keeps no dense gradient)
-    keep = remedies["cache_embedding"]
-    assert keep.detail.startswith("refused live") or f"({row} bytes a row)" in keep.detail
-    assert keep.saving_bytes == (ROWS - 1024) * row
+    last = [a for a in _cache_actions(db, run) if a.step < cached.step][-1]
+    cache_rows = last.data["details"]["to_rows"]
+    # already a row cache: the action can only shrink it (it read "keep 1,024 of 20,000 rows",
+    # saving (20,000 - 1,024) rows of a resident table)
+    shrink = remedies["cache_embedding"]
+    assert shrink.saving_bytes == (cache_rows - 1024) * row
+    assert shrink.detail.startswith("refused live") or (
+        f"shrink the row cache from {cache_rows:,} to 1,024 of {ROWS:,} rows ({row} bytes a row)"
+        in shrink.detail
+    )
     offload = remedies["offload_embedding"]  # the cache's bytes: all it holds on the device
     assert offload.saving_bytes % (DIM * 4 * 3) == 4  # rows x (weight + 2 moments) + Adam's step
     # trainable: bf16 weight, gradient and Adam's two moments, and the step counter

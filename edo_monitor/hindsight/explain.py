@@ -16,7 +16,8 @@ with its estimated saving from the recorded attribution and whether it is enough
   tier, each category raised to what the incident's own CPU-budget snapshot says was alive:
   :func:`edo_monitor.hindsight.recorded.tables_at_incident`): ``offload_embedding`` (params +
   grads + optimizer state), ``cache_embedding`` (all rows but a cache of ``CACHE_FLOOR_ROWS``: the
-  action's floor when the peak ids per batch are not known), ``compress`` to bf16, int8
+  action's floor when the peak ids per batch are not known; a table already a row cache: its
+  cache shrunk to that floor), ``compress`` to bf16, int8
   (frozen), low-rank ``dim / 4`` and hashing to ``rows / 10`` buckets (saving = recorded bytes
   minus :func:`edo_monitor.decide.estimate.estimate` of the new table with the run's optimizer);
 * ``checkpoint_activations`` of the ``MAX_CHECKPOINT_BLOCKS`` modules with the most recorded
@@ -271,15 +272,27 @@ def _remedies(
             f"params {format_bytes(t.params_bytes)} + grads {format_bytes(t.grads_bytes)} + "
             f"optimizer state {format_bytes(t.optimizer_state_bytes)} to host memory",
         )
-        keep = min(t.num_embeddings, CACHE_FLOOR_ROWS)
-        add(
-            "cache_embedding",
-            t.module,
-            (t.num_embeddings - keep) * t.row_bytes,
-            False,
-            f"keep {keep:,} of {t.num_embeddings:,} rows on the device "
-            f"({format_bytes(t.row_bytes)} a row); fewer rows freed with a larger cache",
-        )
+        if t.placement == "cached":  # already a row cache: the action can only shrink it
+            rows = t.params_bytes // max(1, t.embedding_dim * t.element_bytes)
+            keep = min(rows, CACHE_FLOOR_ROWS)
+            add(
+                "cache_embedding",
+                t.module,
+                (rows - keep) * t.cached_row_bytes,
+                False,
+                f"shrink the row cache from {rows:,} to {keep:,} of {t.num_embeddings:,} rows "
+                f"({format_bytes(t.cached_row_bytes)} a row)",
+            )
+        else:
+            keep = min(t.num_embeddings, CACHE_FLOOR_ROWS)
+            add(
+                "cache_embedding",
+                t.module,
+                (t.num_embeddings - keep) * t.row_bytes,
+                False,
+                f"keep {keep:,} of {t.num_embeddings:,} rows on the device "
+                f"({format_bytes(t.row_bytes)} a row); fewer rows freed with a larger cache",
+            )
         current = t.total_bytes
         for action, comp, note in (
             ("compress_embedding_bf16", "bf16", "bf16 table, grads and state"),
