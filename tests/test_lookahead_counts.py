@@ -91,11 +91,12 @@ def test_entry_points_under_inference_mode_leave_the_table_trainable(mode: str) 
     torch.testing.assert_close(t.full_weight(), twin.weight.detach(), rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("mode", ["plain", "lookahead", "prefetch"])
+@pytest.mark.parametrize("mode", ["plain", "lookahead", "prefetch", "resize"])
 def test_cache_written_before_the_first_load_is_refused_whatever_loads_first(mode: str) -> None:
     """``nn.init`` on ``table.weight`` (the cache, not the table) is refused at the first load:
     under a LookAhead (or ``prefetch``) the first batch's rows filled every slot before the first
-    lookup's check, and the write was dropped silently (training ran from the table's values)."""
+    lookup's check, and the write was dropped silently (training ran from the table's values);
+    a resize before the first load made a new, zeroed cache (the write dropped as well)."""
     batches = [
         torch.randint(0, 1000, (64,), generator=torch.Generator().manual_seed(i)) for i in range(3)
     ]
@@ -103,6 +104,8 @@ def test_cache_written_before_the_first_load_is_refused_whatever_loads_first(mod
     torch.nn.init.constant_(t.weight, 0.5)
     opt = torch.optim.SGD([t.weight], lr=0.1)
     with pytest.raises(ValueError, match="written before any row was loaded"):
+        if mode == "resize":
+            t.resize(C // 2)
         source = LookAhead(batches, ahead=2, tables=t) if mode == "lookahead" else batches
         for ids in source:
             if mode == "prefetch":
@@ -110,6 +113,37 @@ def test_cache_written_before_the_first_load_is_refused_whatever_loads_first(mod
             opt.zero_grad()
             t(ids).sum().backward()
             opt.step()
+
+
+@pytest.mark.parametrize("mode", ["lookahead", "prefetch", "resize"])
+def test_a_warm_start_is_not_taken_for_a_written_cache_whatever_first_frees_a_slot(
+    mode: str,
+) -> None:
+    """Regression: with ``id_frequencies`` every slot is preloaded; a ``prefetch`` (or a
+    LookAhead) first evicts some of those rows, and the first-load check then found their
+    values in the freed slots and raised "written before any row was loaded" on the first batch.
+    The check now runs before anything frees a slot. Training is the resident twin's."""
+    batches = _zipf_batches(12, 24)
+    freq = torch.bincount(torch.cat(batches), minlength=N)
+    torch.manual_seed(0)
+    base = torch.randn(N, D, dtype=torch.float64)
+    twin = torch.nn.Embedding(N, D, _weight=base.clone())
+    t = CachedEmbedding(N, D, C, _weight=base.clone(), id_frequencies=freq)
+    assert bool((t.slot_to_block >= 0).all())  # every slot preloaded: the first load evicts
+    opts = [torch.optim.Adam([m.weight], lr=0.01) for m in (twin, t)]
+    if mode == "resize":
+        t.resize(C // 2)
+    source = LookAhead(batches, ahead=4, tables=t) if mode == "lookahead" else batches
+    for ids in source:
+        if mode == "prefetch":
+            t.prefetch(ids)
+        for m, o in zip((twin, t), opts, strict=True):
+            o.zero_grad()
+            (m(ids) ** 2).sum().backward()
+            o.step()
+    assert t.stats().misses > 0
+    want = twin.weight.detach()
+    assert float((t.full_weight().detach() - want).abs().max() / want.abs().max()) < 1e-12
 
 
 class _Rewinding:

@@ -173,6 +173,7 @@ class _Checkpointing:
             ValueError: ``cache_rows < 1``, or fewer rows than those used since the last step.
         """
         cache_rows = whole_number(cache_rows, "cache_rows", 1)
+        self._check_cache_once()  # a new layout drops the free slots' values
         new_slots = min(-(-cache_rows // self.block_rows), self.num_blocks)
         old_slots = self.slot_to_block.numel()
         if new_slots == old_slots:

@@ -183,8 +183,7 @@ class _RowMovement:
                 :class:`~edo_monitor.nn.lookahead.LookAhead`), finds the cache written before
                 any row was loaded (:meth:`_check_free_slots`).
         """
-        if not getattr(self, "_cache_checked", True):
-            self._check_free_slots()  # before these slots are written: a prefetch hid the write
+        self._check_cache_once()  # before these slots are written: a prefetch hid the write
         blocks, w, st = staged["blocks"], staged["w"], staged["st"]
         _, rows = self._real_rows(blocks, slots)
         state = self._opt_state()
@@ -253,6 +252,7 @@ class _RowMovement:
         Raises:
             _CacheFullError: fewer free or evictable slots than ``count``.
         """
+        self._check_cache_once()  # before victims free slots that still hold their rows
         keep_slots, inside = self._eviction_limits(keep)
         try:
             slots = self._choose_victims(count, keep_slots, inside)
@@ -439,6 +439,15 @@ class _RowMovement:
         return slots
 
     # ------------------------------------------------------------------ forward
+    def _check_cache_once(self) -> None:
+        """:meth:`_check_free_slots` unless done since the cache was made (or preloaded): called
+        by whatever first writes or frees a slot (a lookup, a load, an eviction, a resize), so
+        the check sees the slots as the user left them: an eviction frees slots that still hold
+        their rows (a warm start's preloaded ones, evicted by a ``prefetch``), which read as
+        written by the user."""
+        if not getattr(self, "_cache_checked", True):
+            self._check_free_slots()
+
     def _check_free_slots(self) -> None:
         """At the first load or lookup: the cache's free slots are as made (zero). ``weight`` is the
         cache ``(C, D)``, not the table: ``nn.init.normal_(table.weight)`` wrote only slots that

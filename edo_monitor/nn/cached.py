@@ -486,8 +486,7 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _GradientLayout, _RowMovemen
     ) -> torch.Tensor:
         if self._optimizer is None and self.weight.requires_grad:
             self._auto_attach()
-        if not getattr(self, "_cache_checked", True):
-            self._check_free_slots()
+        self._check_cache_once()
         training = torch.is_grad_enabled() and self.weight.requires_grad
         if training:
             self._release_dropped_forwards()
