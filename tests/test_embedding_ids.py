@@ -19,7 +19,9 @@ from edo_monitor.nn import (
     HashedEmbedding,
     HybridEmbedding,
     Int8RowwiseEmbedding,
+    LowPrecisionEmbedding,
     LowRankEmbedding,
+    OffloadedEmbedding,
     QREmbedding,
 )
 from edo_monitor.nn.lowbit import GroupwiseEmbedding
@@ -42,7 +44,23 @@ TABLES: dict[str, Callable[[], nn.Module]] = {
     ),
     "int4": lambda: GroupwiseEmbedding(_weight(), EmbeddingOptions(N, D), 4, 8),
     "cached": lambda: CachedEmbedding(N, D, 4),
+    "offloaded": lambda: OffloadedEmbedding(nn.Parameter(_weight()), EmbeddingOptions(N, D), "cpu"),
+    "low_precision": lambda: LowPrecisionEmbedding(
+        nn.Parameter(_weight().half()), EmbeddingOptions(N, D), torch.float32
+    ),
 }
+
+
+@pytest.mark.parametrize("name", TABLES)
+def test_bag_arguments_to_a_table_without_a_bag_mode_are_refused_by_name(name: str) -> None:
+    """Regression: the tables other than the row cache returned a row per id ``(4, D)`` for
+    ``table(ids, offsets)``, ignoring the offsets (``nn.Embedding`` takes none)."""
+    table = TABLES[name]()
+    ids = torch.tensor([1, 2, 3, 4])
+    for kw in ({"offsets": torch.tensor([0, 2])}, {"per_sample_weights": torch.ones(4)}):
+        (arg,) = kw
+        with pytest.raises(TypeError, match=f"^{arg} given to a table without a bag mode"):
+            table(ids, **kw)
 
 
 @pytest.mark.parametrize("name", TABLES)

@@ -135,7 +135,7 @@ from edo_monitor.nn.cache_parts import (
 from edo_monitor.nn.cache_rows import _RowMovement
 from edo_monitor.nn.cache_step import CacheRows
 from edo_monitor.nn.catch_up import _Rule
-from edo_monitor.nn.embedding import EmbeddingOptions, _EdoEmbedding
+from edo_monitor.nn.embedding import EmbeddingOptions, _EdoEmbedding, check_bag_arguments
 from edo_monitor.nn.victims import VictimOrder
 
 __all__ = ["CachedTable"]
@@ -466,10 +466,7 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _GradientLayout, _RowMovemen
         ``torch.inference_mode()`` it runs as under ``no_grad`` (the cache's tensors stay normal
         ones, trainable at the next step; the output is a normal tensor).
         """
-        if offsets is not None and self.options.bag_mode is None:
-            raise TypeError("offsets/per_sample_weights are only for bag tables")
-        if per_sample_weights is not None and self.options.bag_mode is None:
-            raise TypeError("offsets/per_sample_weights are only for bag tables")
+        check_bag_arguments(self.options, offsets, per_sample_weights)
         if torch.is_inference_mode_enabled():
             # tensors made under inference mode cannot be changed outside it: the cache's own
             # (grown, loaded, pinned) must stay normal, or the next training step fails

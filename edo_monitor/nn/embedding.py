@@ -162,7 +162,17 @@ def _functional_lookup(
     offsets: torch.Tensor | None,
     per_sample_weights: torch.Tensor | None,
 ) -> torch.Tensor:
-    """``F.embedding`` / ``F.embedding_bag`` on ``weight`` with ``options``."""
+    """``F.embedding`` / ``F.embedding_bag`` on ``weight`` with ``options``.
+
+    Raises:
+        TypeError: bag arguments for a table without a bag mode (:func:`check_bag_arguments`),
+            ``input`` not an integer tensor.
+        IndexError: an id outside ``[0, N)`` of a host ``input``, named as every edo table
+            names it (:func:`check_ids`; on a device, torch's own device-side assert).
+    """
+    check_bag_arguments(options, offsets, per_sample_weights)
+    if not isinstance(input, torch.Tensor) or input.is_cpu:
+        check_ids(input, options.num_embeddings)
     if options.bag_mode is None:
         return F.embedding(
             input,
@@ -199,6 +209,29 @@ def check_weight(weight: Any, options: EmbeddingOptions, name: str = "weight") -
         raise ValueError(f"{name} has shape {tuple(weight.shape)}; expected {(n, d)}")
     if not weight.dtype.is_floating_point:
         raise ValueError(f"{name} has dtype {weight.dtype}; expected a floating-point table")
+
+
+def check_bag_arguments(
+    options: EmbeddingOptions,
+    offsets: torch.Tensor | None,
+    per_sample_weights: torch.Tensor | None,
+) -> None:
+    """Refuse ``offsets`` / ``per_sample_weights`` given to a table without a bag mode (one that
+    replaces an ``nn.Embedding``, whose ``forward`` takes neither): it returned a row per id,
+    ``(M, D)``, where the caller asked for bags.
+
+    Raises:
+        TypeError: naming the argument and the table's kind.
+    """
+    if options.bag_mode is not None:
+        return
+    for name, value in (("offsets", offsets), ("per_sample_weights", per_sample_weights)):
+        if value is not None:
+            raise TypeError(
+                f"{name} given to a table without a bag mode (it replaces an nn.Embedding, a "
+                f"row per id); {name} is only for a bag table (an nn.EmbeddingBag's, mode "
+                "'sum', 'mean' or 'max')"
+            )
 
 
 def check_ids(input: Any, num_embeddings: int) -> None:
@@ -242,8 +275,10 @@ def _lookup_from_rows(
 
     Raises:
         TypeError, IndexError: ``input`` is not an integer tensor, or an id is outside
-            ``[0, N)`` (:func:`check_ids`).
+            ``[0, N)`` (:func:`check_ids`); bag arguments for a table without a bag mode
+            (:func:`check_bag_arguments`).
     """
+    check_bag_arguments(options, offsets, per_sample_weights)
     check_ids(input, options.num_embeddings)
     pad = options.padding_idx
     if options.bag_mode is None:
@@ -348,7 +383,9 @@ class OffloadedEmbedding(_EdoEmbedding):
     ) -> torch.Tensor:
         """Look up on the host; result on ``output_device``. Shapes as in the module docstring."""
         host = self.weight.device
-        input = input.to(host)
+        if not isinstance(input, torch.Tensor):
+            check_ids(input, self.options.num_embeddings)  # a TypeError naming it
+        input = input.to(host)  # the ids are checked there (_functional_lookup)
         if offsets is not None:
             offsets = offsets.to(host)
         if per_sample_weights is not None:
