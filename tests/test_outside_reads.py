@@ -80,3 +80,54 @@ def test_a_gradient_on_the_cached_weight_is_recorded_as_the_step_training_became
     assert inexact.data["table"] == "emb" and inexact.step == 9
     assert kinds.index("action") < kinds.index("action_inexact")
     assert "not the resident table's from here" in inexact.message
+
+
+def test_a_table_module_shared_with_an_unwatched_teacher_reads_the_new_table_exactly(
+    db_path: Path,
+) -> None:
+    """Regression: a teacher network outside the watched model holding the same ``nn.Embedding``
+    module (distillation, a target network) kept calling it after ``cache_embedding`` made its
+    weight the ``(C, D)`` cache: ``IndexError: index out of range`` at the next step, and the
+    run failed (offloaded, a device mismatch on a GPU). The replaced module now calls its
+    replacement: training is the unwatched twin's, float64."""
+
+    class Net(nn.Module):
+        def __init__(self, emb: nn.Embedding) -> None:
+            super().__init__()
+            self.emb, self.head = emb, nn.Linear(16, 1, dtype=torch.float64)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.emb(ids)).squeeze(-1)
+
+    def run(watched: bool, ladder: str = "cache_embedding") -> tuple[list[float], str]:
+        torch.manual_seed(1)
+        emb = nn.Embedding(ROWS, 16, dtype=torch.float64)
+        student, teacher = Net(emb), Net(emb)
+        opt = torch.optim.Adam(student.parameters(), 1e-2)
+        gen = torch.Generator().manual_seed(2)
+        budget = int(sum(p.numel() * p.element_size() for p in student.parameters()) * 1.2)
+        policy = edo_monitor.Policy(ladder=[ladder])
+        losses = []
+        with (
+            edo_monitor.watch(student, db=db_path, budget=budget, interval_s=0.005, policy=policy)
+            if watched
+            else torch.enable_grad()
+        ):
+            for _ in range(12):
+                ids = torch.randint(0, ROWS, (64,), generator=gen)
+                y = torch.randn(64, generator=gen, dtype=torch.float64)
+                with torch.no_grad():
+                    target = teacher(ids)
+                loss = nn.functional.mse_loss(student(ids), target + y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+                time.sleep(0.02 if watched else 0)
+        return losses, type(student.emb).__name__
+
+    twin, _ = run(False)
+    for ladder, kind in (("cache_embedding", "CachedTable"), ("offload_embedding", "Offloaded")):
+        watched, made = run(True, ladder)
+        assert made.startswith(kind)
+        assert max(abs(a - b) for a, b in zip(watched, twin, strict=True)) < 1e-12

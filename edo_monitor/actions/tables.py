@@ -110,6 +110,13 @@ def outside_use_blocker(profile: object, table: str) -> str | None:
 def replace_module(model: nn.Module, old: nn.Module, new: nn.Module) -> list[str]:
     """Put ``new`` wherever ``old`` is a child in ``model``'s tree; returns the places.
 
+    ``old`` itself then calls ``new``: its ``forward`` becomes ``new``'s call (an instance
+    attribute, undone with the rest by a :class:`~edo_monitor.actions.base.Transaction`). A
+    module held outside ``model`` too (a teacher or target network sharing the table module, a
+    reference the training loop kept) was left with a weight the action had changed (a row
+    cache ``(C, D)``: an ``IndexError`` at its next call). A later replacement of ``new`` is
+    followed the same way.
+
     Raises:
         ValueError: when ``old`` is ``model`` itself or is not found.
     """
@@ -123,6 +130,7 @@ def replace_module(model: nn.Module, old: nn.Module, new: nn.Module) -> list[str
                 places.append(f"{parent_name}.{child_name}" if parent_name else child_name)
     if not places:
         raise ValueError("module not found in the model")
+    old.__dict__["forward"] = new.__call__  # not a submodule: the bound call of the new one
     return places
 
 
