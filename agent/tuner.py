@@ -90,6 +90,7 @@ class Tuner:
             grow_margin_fraction=policy.grow_margin_fraction,
             host_available_bytes=reading.host_available_bytes if reading else None,
             spill_dir=m.spill_dir,
+            steps_done=m.steps,
         )
 
     def evaluate(self, reading: Reading) -> None:

@@ -432,6 +432,7 @@ def test_the_tuner_gives_actions_the_watched_cuda_device() -> None:
         activation_profile=None,
         _lookups=None,
         spill_dir=None,
+        steps=0,
     )
     assert Tuner(monitor).action_context().device == torch.device("cuda", 1)
     monitor.device_kind, monitor.device_index = "cpu-budget", None

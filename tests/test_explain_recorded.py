@@ -157,3 +157,64 @@ def test_explain_a_run_without_a_policy_says_why_nothing_is_explained(tmp_path: 
     assert "no policy, so no floor: no pressure crossing was recorded" in text
     assert "of its budget 9 MiB" in text and "over the budget by" in text
     assert f"edo-monitor replay {run}" in text
+
+
+@pytest.mark.timeout(180)
+def test_a_crossing_in_the_first_step_explains_the_remedy_the_agent_applied_a_step_later(
+    tmp_path: Path,
+) -> None:
+    """Regression: at a crossing in step 0 the live agent refused the table actions for what it
+    could not know yet ("no recorded step yet", and "no optimizer of the run steps it", false
+    there: Adam stepped it from step 0), and explain took those refusals as ruling the
+    remedies out, though the agent cached the table a step later and the run recovered. The
+    table's row at the crossing had no gradient or Adam state yet, while the episode's peak
+    (the shortfall) had both: every remedy left was "not enough"."""
+    db = tmp_path / "first.db"
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Embedding(ROWS, DIM), nn.Linear(DIM, 1))
+    opt = torch.optim.Adam(model.parameters(), 1e-2)
+    budget = int(sum(p.numel() * p.element_size() for p in model.parameters()) * 1.2)
+    policy = edo_monitor.Policy(ladder=["cache_embedding"])
+    with edo_monitor.watch(
+        model, db=str(db), budget=budget, interval_s=0.005, policy=policy
+    ) as mon:
+        for _ in range(8):
+            loss = model(torch.randint(0, ROWS, (64,))).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            time.sleep(0.02)
+    run = mon.run_id
+    with History(db) as h:
+        first = h.events(run, kind="threshold_crossed")[0]
+        applied = [e for e in h.events(run, kind="action") if e.data["status"] == "applied"]
+        (refused,) = h.events(run, kind="no_action")
+    assert first.step == 0 and first.data["direction"] == "below", "no crossing at step 0"
+    reasons = {r["action"]: r["reason"] for r in refused.data["refusals"]}
+    assert reasons["cache_embedding"].startswith("0: no optimizer has stepped yet (")
+    assert applied and applied[0].data["action"] == "cache_embedding"
+    incident = edo_monitor.explain(str(db), run, event=first.id).incidents[0]
+    assert not [r for r in incident.refused_live if r.action == "cache_embedding"]
+    remedies = {r.action: r for r in incident.remedies}
+    row = DIM * 4 * 4  # float32 weight, gradient and Adam's two moments, as at the peak
+    cache = remedies["cache_embedding"]
+    assert cache.saving_bytes == (ROWS - 1024) * row and cache.enough and not cache.lossy
+    assert remedies["offload_embedding"].enough
+
+
+def test_refusals_are_split_only_where_a_table_is_named() -> None:
+    """Regression: a refusal's per-table reasons are joined by "; ", and a reason holding "; "
+    itself was cut there (and its tail taken for another table's reason)."""
+    from types import SimpleNamespace
+
+    from edo_monitor.hindsight.explain import _refused_live
+
+    reason = "users: a loop (x; y) steps it; items: no recorded step yet: cannot tell"
+    events = [
+        SimpleNamespace(kind="no_action", data={"refusals": [{"action": "a", "reason": reason}]}),
+        SimpleNamespace(kind="action_refused", data={"action": "b", "reason": "items: x; z"}),
+    ]
+    assert _refused_live(events, {"users", "items"}) == {
+        ("a", "users"): "a loop (x; y) steps it",  # items' "not yet" reason rules nothing out
+        ("b", "items"): "x; z",
+    }

@@ -97,6 +97,9 @@ class ActionContext:
         grad_spent: ``grad_spent(weight)`` is ``True`` when ``weight``'s gradient is the one its
             optimizer's last step took (no backward since: the agent notes each step); ``None``
             (or ``False``): it may be waiting for that step, and a conversion keeps it.
+        steps_done: step boundaries the agent has seen; ``None``: not known (a direct call).
+            At 0, an optimizer not given to ``watch()`` is not known yet (it is from its
+            first step).
     """
 
     model: nn.Module
@@ -120,6 +123,7 @@ class ActionContext:
     host_available_bytes: int | None = None
     spill_dir: str | os.PathLike[str] | None = None
     grad_spent: Callable[[nn.Parameter], bool] | None = None
+    steps_done: int | None = None
 
     def __post_init__(self) -> None:
         self.optimizers = tuple(self.optimizers)

@@ -45,7 +45,7 @@ from edo_monitor.actions.tables import (
     replace_module,
     sharing_users,
 )
-from edo_monitor.decide.plans import Plan, Refusal, cache_rows_for
+from edo_monitor.decide.plans import NOT_YET_KNOWN, Plan, Refusal, cache_rows_for
 from edo_monitor.nn import EmbeddingOptions
 from edo_monitor.nn.cache_parts import rebind_data
 from edo_monitor.nn.cached import CachedTable
@@ -108,14 +108,21 @@ def _holders(
     return [o for o in optimizers if any(p is param for g in o.param_groups for p in g["params"])]
 
 
-def _optimizer_refusal(optimizers: Sequence[torch.optim.Optimizer], param: nn.Parameter) -> str:
+def _optimizer_refusal(
+    optimizers: Sequence[torch.optim.Optimizer], param: nn.Parameter, steps_done: int | None
+) -> str:
     holders = _holders(optimizers, param)
     if len(holders) > 1:
         return "stepped by more than one optimizer"
     if not holders and param.requires_grad:
+        if not optimizers and steps_done == 0:  # one not given to watch(): known at its step
+            return (
+                f"{NOT_YET_KNOWN[1]} (the row cache steps its rows by the table's optimizer, "
+                "known from its first step)"
+            )
         return (
             "no optimizer of the run steps it (a loop without torch.optim updates the "
-            "parameters itself; the row cache steps its rows by the table's optimizer)"
+            "parameters itself, and the row cache steps its rows by the table's optimizer)"
         )
     for opt in holders:
         try:
@@ -188,7 +195,7 @@ class CacheEmbedding(Action):
             if getattr(module, "sparse", False):
                 reasons.append(f"{t.name}: sparse=True is not supported by the row cache")
                 continue
-            refusal = _optimizer_refusal(ctx.optimizers, weight)
+            refusal = _optimizer_refusal(ctx.optimizers, weight, ctx.steps_done)
             if refusal:
                 reasons.append(f"{t.name}: {refusal}")
                 continue

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from edo_monitor.decide.plans import NOT_YET_KNOWN
 from edo_monitor.measure.accounting import optimizer_state_bytes, tensor_bytes
 
 __all__ = [
@@ -97,7 +98,7 @@ def outside_use_blocker(profile: object, table: str) -> str | None:
     uses = getattr(profile, "outside_uses", None)
     if uses is None:
         return (
-            "no recorded step yet: cannot tell whether its weight is read outside its module "
+            f"{NOT_YET_KNOWN[0]}: cannot tell whether its weight is read outside its module "
             "(one profiled step is needed)"
         )
     where = uses.get(table)

@@ -20,11 +20,17 @@ __all__ = [
     "DEFAULT_LOSSLESS_LADDER",
     "DEFAULT_LOSSY_LADDER",
     "LOSSY_ACTION_NAMES",
+    "NOT_YET_KNOWN",
     "UNIT_ROUNDOFF",
     "Plan",
     "Refusal",
     "rounding_expected_error",
 ]
+
+#: How a refusal's reason begins when the agent cannot tell yet (before the first recorded step,
+#: before the first optimizer step), not that the action cannot apply: ``explain`` does not take
+#: such a refusal as ruling a remedy out.
+NOT_YET_KNOWN = ("no recorded step yet", "no optimizer has stepped yet")
 
 #: The actions that change numerics (need ``allow_lossy``), in registry order.
 _LOSSY = (

@@ -57,10 +57,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Mapping
+import re
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from edo_monitor.decide.plans import NOT_YET_KNOWN
 from edo_monitor.errors import ConfigError, EventNotFoundError
 from edo_monitor.hindsight.recorded import (
     CACHE_FLOOR_ROWS,
@@ -71,6 +73,7 @@ from edo_monitor.hindsight.recorded import (
     _open,
     _sample_at,
     _Table,
+    raise_through_episode,
     tables_at_incident,
 )
 from edo_monitor.hindsight.run_config import DEFAULT_FLOOR, as_fraction, recorded_floor
@@ -201,10 +204,21 @@ def _peak_in_episode(history: Any, run_id: int, start_s: float, end_s: float | N
         ).scalar()
 
 
-def _refused_live(events: list[Any]) -> dict[tuple[str, str], str]:
+def _refused_live(events: list[Any], tables: Collection[str]) -> dict[tuple[str, str], str]:
     """``(action, table) -> reason`` for each table action the live agent refused on a table
-    in the run (its ``no_action`` and ``action_refused`` events): a refusal names each table
-    it refused, ``"<table>: <why>"``, joined by ``"; "``."""
+    in the run (its ``no_action`` and ``action_refused`` events) and never applied to it, for a
+    reason other than one it could not know yet (:data:`NOT_YET_KNOWN`): refusals at the first
+    step (no recorded step, no optimizer stepped yet) ruled out the remedy the agent applied a
+    step later. A refusal names each table it
+    refused, ``"<table>: <why>"``, joined by ``"; "``; split only where a table of ``tables``
+    is named, as a reason may hold ``"; "`` itself."""
+    applied = {
+        (str(e.data.get("action") or ""), str(e.data.get("target") or ""))
+        for e in events
+        if e.kind == "action" and e.data.get("status") == "applied"
+    }
+    names = sorted((t for t in tables if t), key=len, reverse=True)
+    starts = re.compile("(?:^|; )(" + "|".join(map(re.escape, names)) + "): ") if names else None
     out: dict[tuple[str, str], str] = {}
     for e in events:
         if e.kind == "no_action":
@@ -215,10 +229,13 @@ def _refused_live(events: list[Any]) -> dict[tuple[str, str], str]:
             continue
         for r in items:
             action = str(r.get("action") or "")
-            for part in str(r.get("reason") or "").split("; "):
-                table, sep, why = part.partition(": ")
-                if sep and table:  # the latest reason stands
-                    out[(action, table)] = why
+            reason = str(r.get("reason") or "")
+            found = list(starts.finditer(reason)) if starts is not None else []
+            for i, m in enumerate(found):
+                end = found[i + 1].start() if i + 1 < len(found) else len(reason)
+                why = reason[m.end() : end]
+                if (action, m.group(1)) not in applied and not why.startswith(NOT_YET_KNOWN):
+                    out[(action, m.group(1))] = why  # the latest reason stands
     return out
 
 
@@ -479,6 +496,10 @@ def explain(db: Any, run: Any, *, event: int | None = None) -> Explanation:
                 peak = max(int(peak or 0), int(e.data.get("in_use_bytes") or 0))
                 shortfall = max(0, math.ceil(peak - (1 - floor_e) * int(budget or 0)))
                 sample = _sample_at(history, info.id, e.time_s)
+                tables = tables_at_incident(
+                    history, info.id, e.id, module_rows, e.time_s, counts_step=cpu
+                )
+                raise_through_episode(tables, module_rows, e.time_s, end)  # as at the peak
                 incidents.append(
                     Incident(
                         e.id,
@@ -492,12 +513,7 @@ def explain(db: Any, run: Any, *, event: int | None = None) -> Explanation:
                         e.message,
                         tuple(
                             _remedies(
-                                shortfall,
-                                sample,
-                                tables_at_incident(
-                                    history, info.id, e.id, module_rows, e.time_s, counts_step=cpu
-                                ),
-                                _activations_at(module_rows, e.time_s),
+                                shortfall, sample, tables, _activations_at(module_rows, e.time_s)
                             )
                         ),
                     )
@@ -511,7 +527,8 @@ def explain(db: Any, run: Any, *, event: int | None = None) -> Explanation:
         from edo_monitor.hindsight.snapshot import memory_at
         from edo_monitor.hindsight.staged import plan_for_incident
 
-        refused = _refused_live(events)
+        table_names = {str(r["module"]) for r in module_rows if r.get("num_embeddings") is not None}
+        refused = _refused_live(events, table_names)
         incidents = [  # schema 8: what the incident's memory snapshot shows
             dataclasses.replace(
                 i,

@@ -239,6 +239,38 @@ def alive_at(history: Any, run_id: int, event_id: int) -> dict[str, dict[str, in
     return out
 
 
+def raise_through_episode(
+    tables: Mapping[str, _Table],
+    rows: Sequence[Mapping[str, Any]],
+    start_s: float,
+    end_s: float | None,
+) -> None:
+    """Raise each table's gradient and optimizer state to their largest in ``rows`` recorded
+    after ``start_s`` and up to ``end_s`` (``None``: the run's end) while the table was as at
+    the start (the same bytes of weight, dtype and placement: no action had changed it).
+
+    A crossing's shortfall is counted at its episode's peak; at a crossing in the first step
+    the tables' rows had no gradient or optimizer state yet, which came before the peak: the
+    remedies counted 64 bytes a row of a table Adam stepped with 192, none enough where the
+    row cache the agent applied a step later was."""
+    for r in rows:
+        if r["time_s"] <= start_s:
+            continue
+        if end_s is not None and r["time_s"] > end_s:
+            break
+        t = tables.get(r["module"])
+        if (
+            t is None
+            or int(r["params_bytes"] or 0) != t.params_bytes
+            or (r["dtype"] or "float32").removeprefix("torch.") != t.dtype
+            or r["placement"] != t.placement
+        ):
+            continue
+        t.grads_bytes = max(t.grads_bytes, int(r["grads_bytes"] or 0))
+        t.optimizer_state_bytes = max(t.optimizer_state_bytes, int(r["optimizer_state_bytes"] or 0))
+        t.trainable |= t.grads_bytes > 0 or t.optimizer_state_bytes > 0
+
+
 def tables_at_incident(
     history: Any,
     run_id: int,
