@@ -57,6 +57,23 @@ def test_paths_with_uri_characters_round_trip(tmp_path: Path, name: str) -> None
     assert {p.name for p in tmp_path.iterdir()} <= {name, f"{name}-wal", f"{name}-shm"}
 
 
+def test_a_relative_path_beginning_file_colon_is_a_plain_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: the path ``file:x.db`` (a name with a colon, not a URL) was read as an SQLite
+    URI filename though SQLite reads one only with ``?uri=true``: the writer created ``./x.db``
+    and failed ("unable to open database file"), and readers looked for a folder ``file:/…``.
+    ``sqlite:///file:NAME?uri=true`` is still a URI filename."""
+    monkeypatch.chdir(tmp_path)
+    _one_run(Path("file:x.db"), name="plain")
+    with History("file:x.db") as h:
+        assert [r.name for r in h.runs()] == ["plain"]
+    assert (tmp_path / "file:x.db").is_file() and not (tmp_path / "x.db").exists()
+    engine = open_engine("sqlite:///file:y.db?uri=true")
+    engine.dispose()
+    assert (tmp_path / "y.db").is_file() and not (tmp_path / "file:y.db").exists()
+
+
 def test_reader_never_creates_a_file(tmp_path: Path) -> None:
     for name in ("missing.db", "x#y.db", "a?b.db", "sub/none.db"):
         with pytest.raises(StoreError, match="no history database"):
@@ -182,3 +199,31 @@ def test_a_postgresql_url_without_its_driver_names_the_extra(
     monkeypatch.setitem(sys.modules, "psycopg", None)
     with pytest.raises(MissingExtraError, match=r"pip install 'edo-monitor\[postgres\]'"):
         History("postgresql://127.0.0.1:1/x")
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgres://u:secretpw@127.0.0.1/db",  # Heroku's scheme: no such SQLAlchemy dialect
+        "postgresql+psycopg://postgres:secretpw@127.0.0.1:notaport/db",
+        "postgresq+psycopg://u:secretpw@h/d",
+        "postgresql+psycopg://127.0.0.1:1/d?password=secretpw&connect_timeout=1",
+    ],
+)
+def test_a_database_password_never_shows_in_an_error(url: str, tmp_path: Path) -> None:
+    """Regression: a URL SQLAlchemy could not parse or load was echoed whole, password and all
+    (every other message masked it), and a ``?password=`` parameter was never masked."""
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, "-m", "edo_monitor.surfaces.cli", "--db", url, "runs"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+    )
+    assert done.returncode != 0 and "error:" in done.stderr
+    assert "secretpw" not in done.stderr + done.stdout and "***" in done.stderr
+    with pytest.raises((ConfigError, StoreError)) as err:
+        History(url)
+    assert "secretpw" not in str(err.value) and "***" in str(err.value)

@@ -27,6 +27,7 @@ on a writer engine (Core ``insert(Sample)``, :func:`insert_samples`) is followed
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import secrets
@@ -37,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event, text
-from sqlalchemy.engine import URL
+from sqlalchemy.engine import URL, ExceptionContext
 from sqlalchemy.exc import DatabaseError as SADatabaseError
 from sqlalchemy.exc import DBAPIError as SADBAPIError
 from sqlalchemy.exc import OperationalError
@@ -55,6 +56,7 @@ from edo_monitor.store.paths import (
     database_file,
     readonly_uri,
     resolve_db_url,
+    shown_url,
 )
 from edo_monitor.store.rollups import (
     _MARK_AND_TOP,
@@ -214,7 +216,7 @@ def _engine_for(url: URL, *, readonly: bool, shown: str | None = None) -> Engine
     is_sqlite = url.get_backend_name() == "sqlite"
     connect_args: dict[str, object] = {}
     if shown is None:
-        shown = url.database if is_sqlite and url.database else repr(url)
+        shown = url.database if is_sqlite and url.database else shown_url(url)
     creator = None
     if is_sqlite:
         connect_args = {"timeout": BUSY_TIMEOUT_S, "check_same_thread": False}
@@ -251,6 +253,8 @@ def _engine_for(url: URL, *, readonly: bool, shown: str | None = None) -> Engine
         if not readonly:
             event.listen(engine, "begin", _begin_immediate)
             event.listen(engine, "after_cursor_execute", _after_execute)
+        else:  # a page damaged in the middle of the file shows only when a query reads it
+            event.listen(engine, "handle_error", functools.partial(_damaged_read, shown))
     try:
         _check_schema(engine, readonly=readonly, shown=shown)
     except StoreError:
@@ -264,10 +268,7 @@ def _engine_for(url: URL, *, readonly: bool, shown: str | None = None) -> Engine
             if isinstance(err, StoreError):
                 raise err from None
         if "malformed" in reason:  # an SQLite file, cut short or overwritten in part
-            raise StoreError(
-                f"{shown!r} is a damaged SQLite database ({reason}); edo-monitor neither reads "
-                "nor writes it (copy out what you need with sqlite3, or start a new database)"
-            ) from None
+            raise damaged_database_error(shown, reason) from None
         if "file is not a database" in reason:
             raise StoreError(
                 f"{shown!r} is not an SQLite database ({reason}); expected an edo-monitor history "
@@ -275,6 +276,22 @@ def _engine_for(url: URL, *, readonly: bool, shown: str | None = None) -> Engine
             ) from None
         raise StoreError(f"cannot open history database {shown!r}: {reason}") from None
     return engine
+
+
+def damaged_database_error(shown: str, reason: str) -> StoreError:
+    """The error of an SQLite file that SQLite finds damaged (``reason``: its message)."""
+    return StoreError(
+        f"{shown!r} is a damaged SQLite database ({reason}); edo-monitor neither reads "
+        "nor writes it (copy out what you need with sqlite3, or start a new database)"
+    )
+
+
+def _damaged_read(shown: str, ctx: ExceptionContext) -> None:
+    """A read-only engine's ``handle_error`` hook: a query that met a damaged page (SQLite's
+    "database disk image is malformed") raises :func:`damaged_database_error`, whatever read it."""
+    orig = ctx.original_exception
+    if isinstance(orig, sqlite3.DatabaseError) and "malformed" in str(orig):
+        raise damaged_database_error(shown, str(orig))
 
 
 #: ``samples`` columns in the order of :func:`write_samples` tuples (after ``run_id``).

@@ -39,6 +39,7 @@ from edo_monitor.store.history_devices import _DeviceQueries
 from edo_monitor.store.history_jobs import _JobQueries
 from edo_monitor.store.history_samples import _SampleQueries
 from edo_monitor.store.migrate import schema_version
+from edo_monitor.store.paths import shown_url
 from edo_monitor.store.queries import (
     _MAX_TAIL_ROWS,
     _PEAK_COLUMNS,
@@ -140,7 +141,7 @@ class History(_JobQueries, _DeviceQueries, _SampleQueries):
         """
         if self._closed:
             raise StoreError(
-                f"this History of {self.engine.url.render_as_string(hide_password=True)} was "
+                f"this History of {shown_url(self.engine.url)} was "
                 "closed; open a new one to read it"
             )
         with self.engine.connect() as conn:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import sqlite3
 import stat
 from pathlib import Path
@@ -67,7 +68,8 @@ def resolve_db_url(db: str | os.PathLike[str] | None = None, *, readonly: bool =
             url.get_dialect()
         except (ArgumentError, NoSuchModuleError, ValueError) as exc:
             raise ConfigError(
-                f"db={text_!r} is not a usable database URL ({exc}); expected a file path or an "
+                f"db={masked_url(text_)!r} is not a usable database URL ({masked_url(str(exc))}); "
+                "expected a file path or an "
                 "SQLAlchemy URL such as 'sqlite:///runs.db' or 'postgresql://host/db'"
             ) from None
         if readonly and url.get_backend_name() == "sqlite" and _is_memory(url):
@@ -84,6 +86,24 @@ def resolve_db_url(db: str | os.PathLike[str] | None = None, *, readonly: bool =
     return absolute_url(URL.create("sqlite", database=str(path)))
 
 
+_PASSWORD_IN_URL = re.compile(r"(://[^/@?#]*?:)[^/@?#]*@")
+_PASSWORD_PARAMETER = re.compile(r"((?:^|[?&])password=)[^&#\s'\"]*", re.IGNORECASE)
+
+
+def masked_url(text: str) -> str:
+    """``text`` (a database URL, or a message holding one) with its password shown as ``***``:
+    ``user:***@host`` and ``?password=***``, as SQLAlchemy's ``render_as_string(
+    hide_password=True)`` shows a URL it parsed. For text it could not parse (an unknown scheme,
+    a port that is not a number), which every other message already masked."""
+    return _PASSWORD_PARAMETER.sub(r"\1***", _PASSWORD_IN_URL.sub(r"\1***@", text))
+
+
+def shown_url(url: URL) -> str:
+    """``url`` as messages and events show it: its password (in the URL or as a ``password``
+    parameter) as ``***``."""
+    return masked_url(url.render_as_string(hide_password=True))
+
+
 def absolute_url(url: URL) -> URL:
     """``url`` with an SQLite file's relative path made absolute against the working folder
     now; other URLs (and in-memory SQLite) unchanged.
@@ -97,7 +117,7 @@ def absolute_url(url: URL) -> URL:
     if url.get_backend_name() != "sqlite" or _is_memory(url):
         return url
     database = url.database or ""
-    if database.startswith("file:"):
+    if _is_uri_filename(url):
         name, sep, query = database[5:].partition("?")
         if name.startswith("/"):
             return url
@@ -112,9 +132,17 @@ def database_file(url: URL) -> Path | None:
     if url.get_backend_name() != "sqlite" or _is_memory(url):
         return None
     database = url.database or ""
-    if database.startswith("file:"):  # a URI filename (``?uri=true``)
+    if _is_uri_filename(url):
         database = database[5:].partition("?")[0]
     return Path(database).expanduser()
+
+
+def _is_uri_filename(url: URL) -> bool:
+    """Whether an SQLite URL's database is a URI filename (``file:NAME?...`` with ``?uri=true``,
+    as SQLAlchemy's pysqlite dialect passes ``uri=True`` to ``sqlite3.connect``); without it a
+    name beginning ``file:`` is a plain file's (the path ``file:x.db``), and reading it as a
+    URI wrote ``./x.db`` and then looked for the folder ``file:/…``."""
+    return (url.database or "").startswith("file:") and url.query.get("uri") == "true"
 
 
 def _is_memory(url: URL) -> bool:
@@ -141,7 +169,7 @@ def check_writable(url: URL) -> None:
     """
     if _is_memory(url):
         raise ConfigError(
-            f"db={url.render_as_string(hide_password=True)!r} is an in-memory SQLite database: "
+            f"db={shown_url(url)!r} is an in-memory SQLite database: "
             "the agent's writer thread would see a different, empty database and nothing could "
             "read it after the run; give a file path (e.g. db='runs.db')"
         )

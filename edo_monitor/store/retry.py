@@ -18,6 +18,8 @@ from typing import Any, TypeVar
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError, OperationalError
 
+from edo_monitor.store.paths import shown_url
+
 __all__ = ["CLOSE_TRIES", "Outage", "describe", "is_transient", "retried"]
 
 logger = logging.getLogger(__name__)
@@ -127,7 +129,7 @@ def retried(
     Raises:
         Exception: what the last try raised (at once when it was not transient).
     """
-    outage = Outage(what, engine.url.render_as_string(hide_password=True))
+    outage = Outage(what, shown_url(engine.url))
     for attempt in range(1, max(1, tries) + 1):
         tried_at_s = time.monotonic()
         try:

@@ -58,7 +58,7 @@ from edo_monitor.store.models import (
     Run,
     Snapshot,
 )
-from edo_monitor.store.paths import database_file
+from edo_monitor.store.paths import database_file, shown_url
 from edo_monitor.store.retry import CLOSE_TRIES, Outage, describe, is_transient
 from edo_monitor.store.retry import reconnect_message as _reconnect_message
 
@@ -276,7 +276,7 @@ class Writer:
         logger.warning(
             "history: %s not written to %s%s",
             ", ".join(f"{self.not_written[t]} {what}" for t, what in self.LABELS.items()),
-            self.engine.url.render_as_string(hide_password=True),
+            shown_url(self.engine.url),
             f" ({self.problem})" if self.problem else "",
         )
 

@@ -84,9 +84,9 @@ def _second(item: tuple[Any, Any]) -> Any:
 
 
 def _shown_db(db: str | None) -> str:
-    from edo_monitor.store.paths import resolve_db_url
+    from edo_monitor.store.paths import resolve_db_url, shown_url
 
     url = resolve_db_url(db)
     if url.get_backend_name() == "sqlite" and url.database:
         return url.database
-    return url.render_as_string(hide_password=True)
+    return shown_url(url)
