@@ -28,7 +28,7 @@ from edo_monitor.errors import AlreadyWatchedError, StoreError
 from edo_monitor.store.dialect import is_postgres
 from edo_monitor.store.engine import close_engine, insert_job, open_engine
 from edo_monitor.store.models import Run
-from edo_monitor.store.retry import retried
+from edo_monitor.store.retry import describe, is_transient, retried
 from edo_monitor.store.schema import next_run_id
 from edo_monitor.store.writer import Writer
 from edo_monitor.units import format_bytes
@@ -292,8 +292,15 @@ class RunRecord:
             try:
                 if retried(self.engine, update_run, what="edo-monitor: the end of the run") == 1:
                     self.recorded_status = status
-            except Exception:
-                logger.exception("edo-monitor: could not record the end of run %d", self.run_id)
+            except Exception as exc:
+                if is_transient(exc):  # the database stayed unreachable: one line, as outages are
+                    logger.warning(
+                        "edo-monitor: could not record the end of run %d (%s)",
+                        self.run_id,
+                        describe(exc),
+                    )
+                else:  # a refusal of the row: the traceback says why
+                    logger.exception("edo-monitor: could not record the end of run %d", self.run_id)
         if self.engine is not None:
             close_engine(self.engine)  # the run's rows in the file itself, not only its -wal
 

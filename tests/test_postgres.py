@@ -395,3 +395,41 @@ def test_the_session_database_is_dropped_after_its_admin_connection_was_terminat
     with psycopg.connect(dsn, autocommit=True) as conn:
         left = conn.execute("SELECT count(*) FROM pg_database WHERE datname = %s", (name,))
         assert left.fetchone() == (0,)
+
+
+def test_a_database_gone_past_the_end_of_the_run_is_one_warning_line(
+    pg_url: str, caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The database takes no connection from the end of the run on (``ALLOW_CONNECTIONS false``
+    and the run's connections terminated): training ends normally and the summary says the row
+    is not written; the end of the run that could not be recorded is one warning line. It was
+    ``logger.exception``: about 60 lines of SQLAlchemy and psycopg traceback."""
+    import logging
+
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    url = make_url(pg_url)
+    dsn = url.set(drivername="postgresql", database="postgres", query={}).render_as_string(
+        hide_password=False
+    )
+
+    def admin(sql: str) -> None:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(sql)
+
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING):
+        try:
+            with edo_monitor.watch(model, db=pg_url, interval_s=0.02) as mon:
+                train(model, opt, 3, sleep_s=0.01)
+                admin(f'ALTER DATABASE "{url.database}" ALLOW_CONNECTIONS false')
+                _terminate(dsn, "datname = %s", url.database)
+        finally:
+            admin(f'ALTER DATABASE "{url.database}" ALLOW_CONNECTIONS true')
+    summary = mon.summary()
+    assert summary.recorded_status is None and "still records this run as running" in str(summary)
+    ends = [r for r in caplog.records if "could not record the end of run" in r.getMessage()]
+    assert len(ends) == 1 and ends[0].levelname == "WARNING" and ends[0].exc_info is None
+    assert "Traceback" not in capfd.readouterr().err
