@@ -148,6 +148,26 @@ def test_bad_options_and_cached_table_arguments_are_refused_by_name() -> None:
             ValueError,
             "counts",
         ),
+        # hot ids 1.7, 2.2 were truncated to 1, 2; num_hashes=True was kept as True
+        (
+            lambda: HybridEmbedding(EmbeddingOptions(N, D), torch.tensor([1.7, 2.2]), 3),
+            TypeError,
+            r"^hot_ids must be integer ids, got torch\.float32$",
+        ),
+        (
+            lambda: HashedEmbedding(EmbeddingOptions(N, D), 4, num_hashes=True),
+            ValueError,
+            r"^num_hashes=True; expected 1 or 2$",
+        ),
+        # an inf read back as a row of NaN
+        (
+            lambda: Int8RowwiseEmbedding(
+                torch.ones(N, D).index_fill_(0, torch.tensor([3]), float("inf")),
+                EmbeddingOptions(N, D),
+            ),
+            ValueError,
+            r"^the table holds a value that is not finite \(inf\)",
+        ),
     ]
     for make, error, message in refused:
         with pytest.raises(error, match=message):

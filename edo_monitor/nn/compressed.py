@@ -38,10 +38,16 @@ def quantize_int8_rowwise(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
         ``row ≈ q * scale``; an all-zero row gets scale 0 and is reconstructed exactly.
 
     Raises:
-        ValueError: a value beyond float32's range (a float64 table's): its row's scale cannot
-            be stored (the row read back as NaN).
+        ValueError: a value that is not finite (inf, NaN: the row read back as NaN), or one
+            beyond float32's range (a float64 table's): its row's scale cannot be stored.
     """
     w = weight.detach()
+    if w.numel() and not bool(torch.isfinite(w).all()):
+        bad = w[~torch.isfinite(w)][0].item()
+        raise ValueError(
+            f"the table holds a value that is not finite ({bad}); int8 rows with a scale cannot "
+            "hold it (its row read back as NaN)"
+        )
     if w.numel() and w.dtype.itemsize > 4:
         top = float(w.abs().max())
         if top > torch.finfo(torch.float32).max:

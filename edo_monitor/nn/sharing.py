@@ -171,7 +171,7 @@ class HashedEmbedding(_SharedEmbedding):
         padding_row: torch.Tensor | None = None,
     ) -> None:
         num_buckets = whole_number(num_buckets, "num_buckets", 1)
-        if num_hashes not in (1, 2):
+        if isinstance(num_hashes, bool) or num_hashes not in (1, 2):
             raise ValueError(f"num_hashes={num_hashes!r}; expected 1 or 2")
         hash_params(seed)  # validates the seed
         d = options.embedding_dim
@@ -294,6 +294,7 @@ class HybridEmbedding(_SharedEmbedding):
 
     Raises:
         ValueError: for ids out of range, repeated hot ids, or shapes that do not match.
+        TypeError: ``hot_ids`` that are not integers (floats were truncated).
     """
 
     def __init__(
@@ -312,7 +313,10 @@ class HybridEmbedding(_SharedEmbedding):
         n, d = options.num_embeddings, options.embedding_dim
         num_buckets = whole_number(num_buckets, "num_buckets", 1)
         hash_params(seed)
-        hot = torch.as_tensor(hot_ids).long().reshape(-1)
+        hot = torch.as_tensor(hot_ids)
+        if hot.is_floating_point() or hot.is_complex() or hot.dtype == torch.bool:
+            raise TypeError(f"hot_ids must be integer ids, got {hot.dtype}")
+        hot = hot.long().reshape(-1)
         if hot.numel() and (int(hot.min()) < 0 or int(hot.max()) >= n):
             raise ValueError(
                 f"hot_ids must lie in [0, {n}); got [{int(hot.min())}, {int(hot.max())}]"
