@@ -390,3 +390,22 @@ def test_state_a_setting_switched_off_is_kept_whole_like_the_twins(
     weight = table.full_weight() if isinstance(table, CachedEmbedding) else table.weight.detach()
     assert _rel(weight, twin.weight.detach()) < 1e-12
     assert _rel(o2.state_dict()["state"][0][key], o1.state[twin.weight][key]) < 1e-12
+
+
+def test_reset_parameters_draws_the_twins_rows_and_training_goes_on_like_it() -> None:
+    """Regression: ``reset_parameters`` (``nn.Embedding``'s, called by ``model.apply`` init
+    code) was missing (``AttributeError``). The same generator state gives the twin's rows,
+    padding row zero; Adam's state is kept by both, and the next steps are the twin's."""
+    base = torch.randn(N, D, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    twin, cached = _pair(base, padding_idx=2)
+    o1, o2 = OPTIMIZERS["adam"]([twin.weight]), OPTIMIZERS["adam"]([cached.weight])
+    gen = torch.Generator().manual_seed(4)
+    _train([(twin, o1), (cached, o2)], 10, gen)
+    torch.manual_seed(9)
+    twin.reset_parameters()
+    torch.manual_seed(9)
+    cached.reset_parameters()
+    assert torch.equal(cached.full_weight(), twin.weight.detach())
+    assert not cached.full_weight()[2].any()
+    _train([(twin, o1), (cached, o2)], 10, gen)
+    assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12

@@ -10,6 +10,7 @@ import torch
 
 from edo_monitor.checks import whole_number
 from edo_monitor.nn.cache_parts import (
+    _initial_weight,
     _insert_row_buffers,
     _is_row_buffer,
     _pinned_empty,
@@ -268,6 +269,15 @@ class _Checkpointing:
         """The full caught-up table ``(N, D)`` (after :meth:`flush`; the host tensor itself)."""
         self.flush()
         return self.host_weight
+
+    def reset_parameters(self) -> None:
+        """Re-initialise the table as ``nn.Embedding.reset_parameters`` does: every row
+        ``N(0, 1)`` (drawn on the host as one ``(N, D)`` tensor of the table's dtype, so the same
+        generator state gives ``nn.Embedding``'s values), the padding row zero; loaded as
+        :meth:`load_state_dict` loads a table (the cache takes its rows from it; optimizer
+        state is left as it is, as ``nn.Embedding``'s)."""
+        w = _initial_weight(self.options, None, self.host_weight.dtype)
+        self.load_state_dict({"weight": w}, strict=False)
 
     # ------------------------------------------------------------------ checkpoint hooks
     def _param_index(self, optimizer: torch.optim.Optimizer, *, buffers: bool) -> int | None:
