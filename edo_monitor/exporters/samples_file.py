@@ -21,15 +21,18 @@ def sample_rows(
     history: History, run: RunInfo, *, page_rows: int = 10_000
 ) -> Iterator[dict[str, Any]]:
     """The samples of ``run``, oldest first, each a dict with every key of
-    :data:`EXPORT_COLUMNS` (``None`` where the reading had no value); read ``page_rows`` at a
-    time, so a long run does not fill memory.
+    :data:`EXPORT_COLUMNS` (``None`` where the reading had no value, or the file's schema has
+    no such column); read ``page_rows`` at a time, so a long run does not fill memory.
 
     Raises:
         RunNotFoundError: the run is gone (pruned meanwhile).
     """
+    # a file of an older schema lacks the newer columns: not recorded, so None (never asked
+    # for: the query would fail)
+    present = history.sample_columns
     after = 0
     while True:
-        page = history.samples_since(run.id, after, columns=NUMERIC_SAMPLE_COLUMNS, limit=page_rows)
+        page = history.samples_since(run.id, after, columns=present, limit=page_rows)
         if not page:
             return
         for s in page:  # a run's samples all have the run's device kind

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select, text
+from sqlalchemy import inspect, select, text
 
-from edo_monitor.errors import ConfigError
+from edo_monitor.errors import ConfigError, StoreError
 from edo_monitor.store.queries import (
     _PEAK_COLUMNS,
     _ROLLUP_SET,
@@ -34,6 +34,7 @@ from edo_monitor.store.records import (
 )
 from edo_monitor.store.schema import (
     ROLLUP_LEVEL_WIDTHS_S,
+    SCHEMA_VERSION,
     events_table,
 )
 
@@ -58,12 +59,13 @@ class _SampleQueries:
             start, end: window (Unix seconds or datetime, a naive one UTC; both inclusive);
                 default the whole run.
             columns: sample columns (default: every numeric quantity, ``ROLLUP_FIELDS``, that the
-                file has; any of :data:`NUMERIC_SAMPLE_COLUMNS` may be asked for).
+                file has; any of :data:`NUMERIC_SAMPLE_COLUMNS` that the file has, see
+                :attr:`sample_columns`, may be asked for).
             max_points: most buckets to return; ``None`` returns every sample.
 
         Raises:
             RunNotFoundError: no such run. ConfigError: unknown column, ``max_points`` not an
-                int >= 1 or None.
+                int >= 1 or None. StoreError: a column this file's schema does not have.
         """
         cols = self._columns(columns)
         max_points = _count(max_points, "max_points", 1)
@@ -152,7 +154,36 @@ class _SampleQueries:
                 f"columns={bad!r}: not sample columns; expected any of "
                 f"{', '.join(NUMERIC_SAMPLE_COLUMNS)}"
             )
+        have = self.sample_columns
+        lacking = [c for c in columns if c not in have]
+        if lacking:
+            names = ", ".join(lacking)
+            raise StoreError(
+                f"this history database has no sample column {names}: it has schema version "
+                f"{self.schema_version} (this edo-monitor writes {SCHEMA_VERSION}), which did not "
+                f"record {'it' if len(lacking) == 1 else 'them'} (History.sample_columns: the "
+                "columns it has)"
+            )
         return tuple(dict.fromkeys(columns))
+
+    @property
+    def sample_columns(self) -> tuple[str, ...]:
+        """The sample columns of :data:`NUMERIC_SAMPLE_COLUMNS` that this database's ``samples``
+        table has, in that order (a file of an older schema lacks the newer ones: readers
+        leave it as it is). Asking :meth:`samples`, :meth:`samples_since` or :meth:`peak` for
+        another one raises :class:`StoreError`."""
+        cols: tuple[str, ...] | None = self.__dict__.get("_sample_columns")
+        if cols is None:
+            with self._read() as conn:
+                found = inspect(conn)
+                present = (
+                    {c["name"] for c in found.get_columns("samples")}
+                    if found.has_table("samples")
+                    else set(NUMERIC_SAMPLE_COLUMNS)  # no table yet: a writer makes it whole
+                )
+            cols = tuple(c for c in NUMERIC_SAMPLE_COLUMNS if c in present)
+            self._sample_columns = cols
+        return cols
 
     def _bucketed_raw(
         self, conn: Any, run_id: int, cols: Sequence[str], lo: float, hi: float, max_points: int
@@ -242,7 +273,8 @@ class _SampleQueries:
         """The largest value of ``column`` in a run, with the time and step of its first sample.
 
         Raises:
-            RunNotFoundError: no such run. ConfigError: unknown column.
+            RunNotFoundError: no such run. ConfigError: unknown column. StoreError: a column
+                this file's schema does not have.
         """
         (col,) = self._columns([column])
         run_id = self._find(run)["id"]
@@ -327,7 +359,8 @@ class _SampleQueries:
 
         Raises:
             RunNotFoundError: no such run. ConfigError: unknown column; ``after_id`` not an
-                int >= 0, ``limit`` not an int >= 0 or None.
+                int >= 0, ``limit`` not an int >= 0 or None. StoreError: a column this file's
+                schema does not have (see :attr:`sample_columns`).
         """
         cols = self._columns(columns)
         after_id = _count(after_id, "after_id", 0, none=False)

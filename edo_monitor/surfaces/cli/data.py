@@ -4,13 +4,14 @@ thinned) and doctor (integrity, schema version, size, row counts, rollup lag).""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.table import Table
 
-from edo_monitor.errors import ConfigError
+from edo_monitor.errors import ConfigError, StoreError
 from edo_monitor.surfaces.cli.common import (
     EXIT_ERROR,
     DbOpt,
@@ -116,26 +117,54 @@ def doctor_cmd(
     h = _history(db)
     report: dict[str, Any] = {"database": url.database or str(url)}
     problems: list[str] = []
+    unreadable: list[str] = []  # the checks a damaged page kept from being read
     try:
         with h.engine.connect() as conn:
+
+            def read(what: str, fn: Callable[[], Any]) -> Any:
+                """``fn()``; ``None`` where it met a damaged page (the damage is a finding)."""
+                try:
+                    return fn()
+                except StoreError as exc:
+                    if "is a damaged SQLite database" not in str(exc):
+                        raise
+                    unreadable.append(what)
+                    if str(exc) not in problems:
+                        problems.append(str(exc))
+                    conn.rollback()  # the failed statement's transaction, not the next one's
+                    return None
+
             tables = set(inspect(conn).get_table_names())
             report["schema_version"] = h.schema_version
             report["expected_schema_version"] = SCHEMA_VERSION
             if "alembic_version" in tables:
-                report["alembic_revision"] = conn.execute(
-                    text("SELECT version_num FROM alembic_version")
-                ).scalar()
+                report["alembic_revision"] = read(
+                    "alembic_version",
+                    lambda: conn.execute(text("SELECT version_num FROM alembic_version")).scalar(),
+                )
             if h.engine.dialect.name == "sqlite":
                 check = "integrity_check" if full else "quick_check"
-                res = [r[0] for r in conn.exec_driver_sql(f"PRAGMA {check}")]
+                # one row per finding; some SQLite versions put several in one row, a line each
+                res = read(
+                    check,
+                    lambda: [
+                        line
+                        for r in conn.exec_driver_sql(f"PRAGMA {check}")
+                        for line in str(r[0]).splitlines()
+                    ],
+                )
                 report[check] = res
-                if res != ["ok"]:
-                    problems.append(f"{check}: {'; '.join(res[:5])}")
+                if res is not None and res != ["ok"]:
+                    more = f"; … ({len(res)} lines in all)" if len(res) > 5 else ""
+                    problems.insert(0, f"{check}: {'; '.join(res[:5])}{more}")
                 report["journal_mode"] = conn.exec_driver_sql("PRAGMA journal_mode").scalar()
             counts = {}
             for t in ("runs", "samples", "events", "module_stats", "sample_rollups"):
                 if t in tables:
-                    counts[t] = conn.execute(text(f"SELECT count(*) FROM {t}")).scalar()
+                    counts[t] = read(
+                        f"rows: {t}",
+                        lambda t=t: conn.execute(text(f"SELECT count(*) FROM {t}")).scalar(),
+                    )
             report["rows"] = counts
             if "sample_rollups" in tables and h.engine.dialect.name == "postgresql":
                 report["samples_not_rolled_up"] = conn.execute(  # each run has its own mark
@@ -146,18 +175,23 @@ def doctor_cmd(
                     )
                 ).scalar()
             elif "sample_rollups" in tables:
-                mark = conn.execute(
-                    text("SELECT value FROM meta WHERE key = 'rollup_through_id'")
-                ).scalar()
-                top = conn.execute(text("SELECT max(id) FROM samples")).scalar() or 0
-                report["samples_not_rolled_up"] = max(0, top - int(mark or 0))
+
+                def lag() -> int:
+                    mark = conn.execute(
+                        text("SELECT value FROM meta WHERE key = 'rollup_through_id'")
+                    ).scalar()
+                    top = conn.execute(text("SELECT max(id) FROM samples")).scalar() or 0
+                    return max(0, top - int(mark or 0))
+
+                report["samples_not_rolled_up"] = read("samples not rolled up", lag)
     finally:
         h.close()
+    report["unreadable"] = unreadable
     if url.get_backend_name() == "sqlite" and url.database:
         p = Path(url.database)
         size = sum(q.stat().st_size for q in (p, Path(f"{p}-wal"), Path(f"{p}-shm")) if q.exists())
         report["size_bytes"] = size
-        n = report["rows"].get("samples", 0)
+        n = report["rows"].get("samples") or 0
         report["bytes_per_sample"] = round(size / n, 1) if n else None
     version = report.get("schema_version")
     if version is not None and version < SCHEMA_VERSION:
@@ -183,7 +217,8 @@ def doctor_cmd(
         )
         for key in ("quick_check", "integrity_check"):
             if key in report:
-                table.add_row(key, "; ".join(report[key][:5]))
+                res = report[key]
+                table.add_row(key, "unreadable (damaged)" if res is None else "; ".join(res[:5]))
         if "journal_mode" in report:
             table.add_row("journal mode", str(report["journal_mode"]))
         if "size_bytes" in report:
@@ -191,9 +226,11 @@ def doctor_cmd(
             if report.get("bytes_per_sample"):
                 table.add_row("bytes per sample", f"{report['bytes_per_sample']}")
         for t, n in report["rows"].items():
-            table.add_row(f"rows: {t}", str(n))
+            table.add_row(f"rows: {t}", "unreadable (damaged)" if n is None else str(n))
         if "samples_not_rolled_up" in report:
-            table.add_row("samples not rolled up yet", str(report["samples_not_rolled_up"]))
+            lag = report["samples_not_rolled_up"]
+            shown = "unreadable (damaged)" if lag is None else str(lag)
+            table.add_row("samples not rolled up yet", shown)
         for line in report["spill_leftovers"]:
             table.add_row("spill file", line)
         _c.out.print(table)

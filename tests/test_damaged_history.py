@@ -1,0 +1,110 @@
+"""A history damaged in the middle of the file (pages overwritten: the schema page reads, the
+tables' pages do not) is refused by every reader as a truncated one is: one line, "is a damaged
+SQLite database", exit code 1, never an internal error; ``doctor`` reports the damage as a
+finding (exit code 1) instead of failing on it."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+from history_seed import seed
+from typer.testing import CliRunner
+
+from edo_monitor.errors import StoreError
+from edo_monitor.store.history import History
+from edo_monitor.surfaces.cli import app
+
+runner = (
+    CliRunner(mix_stderr=False)
+    if "mix_stderr" in inspect.signature(CliRunner.__init__).parameters
+    else CliRunner()
+)
+
+DAMAGED = "is a damaged SQLite database (database disk image is malformed)"
+
+
+@pytest.fixture(scope="module")
+def damaged(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real seeded history (five runs, samples, events, modules), pages 6-12 overwritten."""
+    folder = tmp_path_factory.mktemp("damaged")
+    good = folder / "good.db"
+    seed(good)
+    conn = sqlite3.connect(good)
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # every page in the main file
+    conn.close()
+    data = bytearray(good.read_bytes())
+    assert len(data) > 4096 * 12
+    data[4096 * 5 : 4096 * 12] = b"\xab" * (4096 * 7)
+    path = folder / "damaged.db"
+    path.write_bytes(bytes(data))
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA quick_check").fetchone()[0] != "ok"  # damaged indeed
+    conn.close()
+    return path
+
+
+def _cli(*args: str) -> Any:
+    return runner.invoke(app, list(args))
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["runs"],
+        ["runs", "--json"],
+        ["show", "1"],
+        ["events", "1"],
+        ["compare", "1", "2"],
+        ["export", "1", "--format", "csv"],
+        ["export", "1", "--format", "json"],
+    ],
+    ids=" ".join,
+)
+def test_readers_refuse_a_damaged_file_in_one_line(damaged: Path, args: list[str]) -> None:
+    res = _cli("--db", str(damaged), *args)
+    assert res.exit_code == 1, (res.exit_code, res.stderr)
+    assert res.stderr == f"edo-monitor: error: {str(damaged)!r} {DAMAGED}; edo-monitor " + (
+        "neither reads nor writes it (copy out what you need with sqlite3, or start a new "
+        "database)\n"
+    )
+
+
+def test_history_api_raises_store_error(damaged: Path) -> None:
+    with History(damaged) as h, pytest.raises(StoreError, match=re.escape(DAMAGED)):
+        h.runs()
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_doctor_reports_the_damage(damaged: Path, full: bool) -> None:
+    check = "integrity_check" if full else "quick_check"
+    extra = ["--full"] if full else []
+    res = _cli("--db", str(damaged), "doctor", *extra)
+    assert res.exit_code == 1, res.stderr  # "doctor found a problem"
+    assert "internal error" not in res.stderr
+    assert "unreadable (damaged)" in res.stdout and "rows: runs" in res.stdout
+    problems = res.stderr.splitlines()
+    assert problems[0].startswith(f"edo-monitor: problem: {check}: *** in database main ***")
+    assert DAMAGED in problems[1] and len(problems) == 2
+
+    res = _cli("--db", str(damaged), "doctor", "--json", *extra)
+    assert res.exit_code == 1
+    report = json.loads(res.stdout)
+    assert report["ok"] is False and report[check] != ["ok"]
+    assert report["rows"]["runs"] is None and "rows: runs" in report["unreadable"]
+    assert any(DAMAGED in p for p in report["problems"])
+
+
+def test_doctor_of_a_sound_file_is_unchanged(tmp_path: Path) -> None:
+    path = tmp_path / "good.db"
+    seed(path)
+    res = _cli("--db", str(path), "doctor", "--json")
+    assert res.exit_code == 0, res.stderr
+    report = json.loads(res.stdout)
+    assert report["ok"] and report["quick_check"] == ["ok"] and report["unreadable"] == []
+    assert None not in report["rows"].values()
