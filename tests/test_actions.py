@@ -161,6 +161,53 @@ def test_checkpoint_estimate_matches_measured_and_losses_equal_and_undo() -> Non
     assert "forward" not in model.blocks[0].__dict__
 
 
+def test_checkpoint_takes_a_block_whose_layers_save_nothing_alone() -> None:
+    """Regression: in a residual stack of ``Sequential(Linear, GELU, Linear)`` blocks each layer's
+    saved tensor is its own input, so no layer frees anything alone, while a whole block frees
+    128 KiB; the block was skipped as a container of candidate layers and the plan took the
+    LayerNorm alone (1 KiB of 257). Checkpointed, training is the twin's."""
+    import copy
+
+    class LM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(500, 32)
+            self.blocks = nn.ModuleList(
+                nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(2)
+            )
+            self.ln = nn.LayerNorm(32)
+            self.head = nn.Linear(32, 500)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.emb(x)
+            for block in self.blocks:
+                h = h + block(h)
+            return self.head(self.ln(h)).flatten(0, 1)
+
+    torch.manual_seed(0)
+    model = LM()
+    twin = copy.deepcopy(model)
+    opts = [torch.optim.AdamW(m.parameters(), 1e-3) for m in (model, twin)]
+    data = [(torch.randint(0, 500, (8, 16)), torch.randint(0, 500, (8 * 16,))) for _ in range(4)]
+    ctx = ctx_of(model, opts[0], activation_profile=profile_of(model, data[0][0]))
+    plan = ACTIONS["checkpoint_activations"].plan(ctx)
+    assert isinstance(plan, Plan), plan
+    assert plan.details["blocks"] == ["blocks.0", "blocks.1", "ln"]
+    result = ACTIONS["checkpoint_activations"].apply(ctx, plan)
+    assert result.status == "applied" and result.saved_bytes == plan.estimated_saving_bytes
+    assert result.saved_bytes == 2 * 8 * 16 * 128 * 4 * 2 + 1024  # GELU's input and output
+    opts[0].zero_grad()  # the profiles' backward
+    for x, y in data:
+        losses = []
+        for m, o in zip((model, twin), opts, strict=True):
+            loss = F.cross_entropy(m(x), y)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            losses.append(loss.item())
+        assert losses[0] == losses[1]
+
+
 def test_a_checkpointed_model_copies_and_saves_whole() -> None:
     """Regression: the wrapper was a closure over the block's bound ``forward``, so a
     ``copy.deepcopy`` of the model (a best-model or EMA snapshot) computed with the original's

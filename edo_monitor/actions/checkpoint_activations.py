@@ -173,8 +173,16 @@ class CheckpointActivations(Action):
             if c in profile.buffer_mutating or _has_running_stats(ctx.model.get_submodule(c))
         ]
         cands = [c for c in cands if c not in stateful]
-        cands = [c for c in cands if sum(1 for o in cands if o.startswith(c + ".")) < 2]
         savings = {c: profile.net_saving_bytes(c) for c in cands}
+        # a container of two or more blocks that save activations themselves is left for them
+        # (checkpointed whole, its backward would recompute every block at once); one whose
+        # blocks save nothing alone (a Linear-GELU-Linear Sequential: each layer's saved tensor
+        # is its input) is the block: it was dropped, and only a LayerNorm was left to choose
+        savings = {
+            c: b
+            for c, b in savings.items()
+            if sum(1 for o in cands if o.startswith(c + ".") and savings[o] > 0) < 2
+        }
         chosen = [c for c, _ in largest_disjoint(savings, ctx.max_checkpoint_blocks)]
         if not chosen:
             why = "no block with saved activations left to checkpoint"
