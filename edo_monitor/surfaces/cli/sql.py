@@ -2,7 +2,12 @@
 printed as they are read (a table, CSV or JSON). On SQLite a read-only connection whose
 authorizer denies every write, stopped by Ctrl-C or ``--timeout`` through the progress handler
 and between rows (the deadline covers reading and printing alike); on a database server
-(PostgreSQL) a read-only transaction with a ``statement_timeout``, rolled back.
+(PostgreSQL, through psycopg 3) one query (``SELECT``, ``WITH``, ``VALUES``, ``TABLE``,
+``EXPLAIN``, ``SHOW``; ``COPY``, ``DO``, ``CALL`` … are refused) as one prepared statement in a
+read-only transaction with a ``statement_timeout``, run as the role ``pg_read_all_data`` where
+the login can switch to it (no server files, programs or signals), rolled back; its values as
+SQLite gives them (JSON as its text, ``numeric`` as a number), so a statement prints the same on
+both.
 
 A blob is ``<blob N bytes>`` in the table and hex in ``--csv`` and ``--json``; a text longer
 than :data:`SQL_TABLE_MAX_CHARS` is cut in the table (the others print it whole): a 2 MB blob
@@ -11,12 +16,15 @@ took 4.4 s to lay out as a table, a 1 GB one 16 GB of memory."""
 from __future__ import annotations
 
 import csv
+import json
+import logging
 import math
 import re
 import sqlite3
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
+from decimal import Decimal
 from typing import Annotated, Any
 
 import typer
@@ -36,6 +44,8 @@ from edo_monitor.surfaces.cli.common import (
     app,
     json_text,
 )
+
+logger = logging.getLogger(__name__)
 
 _READ_PRAGMAS = {
     "table_info",
@@ -198,50 +208,264 @@ class _Query:
         self.conn.close()
 
 
+#: Statement kinds ``sql`` runs on a database server: queries. Anything else (``COPY``, ``DO``,
+#: ``CALL``, ``LISTEN``/``NOTIFY``, ``SET``, DDL …) is refused before it is sent.
+_SERVER_QUERY_KINDS = ("SELECT", "WITH", "VALUES", "TABLE", "EXPLAIN", "SHOW")
+
+#: The PostgreSQL role ``sql`` runs a statement as (14+): reads every table and view, and holds
+#: none of the rights to run server programs, read or write server files or signal backends.
+_PG_READ_ROLE = "pg_read_all_data"
+
+#: Predefined PostgreSQL roles whose rights a read-only transaction does not stop (with
+#: superuser): a login holding one of them is warned about when it cannot switch roles.
+_PG_SERVER_POWER_ROLES = (
+    "pg_execute_server_program",
+    "pg_write_server_files",
+    "pg_read_server_files",
+    "pg_signal_backend",
+)
+
+#: The other words a PostgreSQL statement starts with (15): refused as not a query. A first word
+#: in neither list is not a statement: a syntax error, sent to no server.
+_SERVER_OTHER_KINDS = frozenset(
+    [
+        "ABORT",
+        "ALTER",
+        "ANALYSE",
+        "ANALYZE",
+        "BEGIN",
+        "CALL",
+        "CHECKPOINT",
+        "CLOSE",
+        "CLUSTER",
+        "COMMENT",
+        "COMMIT",
+        "COPY",
+        "CREATE",
+        "DEALLOCATE",
+        "DECLARE",
+        "DELETE",
+        "DISCARD",
+        "DO",
+        "DROP",
+        "END",
+        "EXECUTE",
+        "FETCH",
+        "GRANT",
+        "IMPORT",
+        "INSERT",
+        "LISTEN",
+        "LOAD",
+        "LOCK",
+        "MERGE",
+        "MOVE",
+        "NOTIFY",
+        "PREPARE",
+        "REASSIGN",
+        "REFRESH",
+        "REINDEX",
+        "RELEASE",
+        "RESET",
+        "REVOKE",
+        "ROLLBACK",
+        "SAVEPOINT",
+        "SECURITY",
+        "SET",
+        "START",
+        "TRUNCATE",
+        "UNLISTEN",
+        "UPDATE",
+        "VACUUM",
+    ]
+)
+
+_SKIP = re.compile(r"(?:\s+|--[^\n]*|\()+")
+
+
+def _statement_kind(query: str) -> str:
+    """The first keyword of ``query`` in capitals, after white space, comments (``--``, nested
+    ``/* */``) and opening parentheses; else its first character (``""`` when there is none)."""
+    i = 0
+    while i < len(query):
+        m = _SKIP.match(query, i)
+        if m:
+            i = m.end()
+            continue
+        if query.startswith("/*", i):
+            depth, i = 1, i + 2
+            while i < len(query) and depth:
+                if query.startswith("/*", i):
+                    depth, i = depth + 1, i + 2
+                elif query.startswith("*/", i):
+                    depth, i = depth - 1, i + 2
+                else:
+                    i += 1
+            continue
+        break
+    word = re.match(r"[A-Za-z_]+", query[i:])
+    return word.group(0).upper() if word else query[i : i + 1]
+
+
+def _drop_server_rights(conn: Any) -> str | None:
+    """Run the rest of ``conn``'s (PostgreSQL) transaction as :data:`_PG_READ_ROLE`, with the
+    login's schema search path kept (a ``"$user"`` schema included); the role, or ``None``
+    when the login cannot switch to it (PostgreSQL before 14, a login not granted it): the
+    statement then runs with the login's own rights, logged as a warning when those include
+    superuser or one of :data:`_PG_SERVER_POWER_ROLES`."""
+    from sqlalchemy.exc import DBAPIError
+
+    conn.exec_driver_sql(
+        "SELECT set_config('search_path', array_to_string(ARRAY(SELECT quote_ident(s) "
+        "FROM unnest(current_schemas(false)) AS s), ','), true)"
+    )
+    try:
+        with conn.begin_nested():
+            conn.exec_driver_sql(f"SET LOCAL ROLE {_PG_READ_ROLE}")
+        return _PG_READ_ROLE
+    except DBAPIError as exc:
+        reason = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
+    names = ", ".join(f"'{r}'" for r in _PG_SERVER_POWER_ROLES)
+    powers = conn.exec_driver_sql(
+        "SELECT 'superuser' FROM pg_roles WHERE rolname = current_user AND rolsuper "
+        f"UNION ALL SELECT rolname FROM pg_roles WHERE rolname IN ({names}) "
+        "AND pg_has_role(current_user, oid, 'USAGE')"
+    ).scalars()
+    held = sorted(set(powers))
+    log = logger.warning if held else logger.info
+    log(
+        "sql: cannot run as %s (%s); the statement runs as the login%s",
+        _PG_READ_ROLE,
+        reason,
+        f", which keeps {', '.join(held)}" if held else "",
+    )
+    return None
+
+
+def _plain(value: Any) -> Any:
+    """A server's value as SQLite gives it, so that a statement prints the same on both: a
+    ``json``/``jsonb`` value, a ``dict`` or a ``list`` (an array) as JSON text (``json.dumps``,
+    as the history's JSON columns are stored), a ``Decimal`` (``numeric``: ``sum`` of integers,
+    ``avg``) as an ``int`` when it has no fractional digits, else a ``float``, a ``bool`` as
+    ``1``/``0`` and a ``memoryview`` (``bytea``) as ``bytes``."""
+    if isinstance(value, Decimal):
+        if not value.is_finite():
+            return float(value)
+        exponent = value.as_tuple().exponent
+        return int(value) if isinstance(exponent, int) and exponent >= 0 else float(value)
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, memoryview):
+        return value.tobytes()
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, default=_json_scalar)
+    return value
+
+
+def _json_scalar(value: Any) -> Any:
+    plain = _plain(value)
+    if isinstance(plain, bytes):
+        return plain.hex()
+    return str(plain) if plain is value else plain
+
+
+def _prepared_rows(
+    dbapi_conn: Any, query: str, timeout_s: float
+) -> tuple[list[str], list[tuple[Any, ...]]]:
+    """``query`` run on a psycopg 3 connection as one prepared statement (the extended
+    protocol: a second, ``;``-joined statement is refused by the server, where the simple one
+    would run a ``COMMIT`` and what follows outside the read-only transaction); its column
+    names and its rows as :func:`_plain` values. ``json``/``jsonb`` values are read as the
+    server's text, not parsed: a ``json`` column's text is the ``json.dumps`` the history was
+    written with, as SQLite stores it, and SQL ``NULL`` stays apart from JSON ``null``.
+
+    Raises:
+        RefusedError: it would write or needs a right the role lacks. StoreError: it ran past
+            ``timeout_s``, or the server failed. ConfigError: the server refused it (syntax,
+            several statements, unknown table or column …).
+    """
+    import psycopg
+    from psycopg.types.string import TextLoader
+
+    cur = dbapi_conn.cursor()
+    for name in ("json", "jsonb"):
+        cur.adapters.register_loader(name, TextLoader)
+    try:
+        cur.execute(query, prepare=True)
+        if cur.description is None:
+            return [], []
+        return [d.name for d in cur.description], [tuple(_plain(v) for v in r) for r in cur]
+    except psycopg.Error as exc:
+        state = exc.sqlstate or ""
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        # read_only_sql_transaction; insufficient_privilege (the reading role's)
+        if state in ("25006", "42501"):
+            raise RefusedError(f"refused: the sql command is read-only ({reason})") from None
+        if state == "57014":  # query_canceled: statement_timeout
+            raise StoreError(
+                f"sql: the statement ran longer than --timeout {timeout_s:g} s and was "
+                "stopped; give a larger --timeout (0: no limit)"
+            ) from None
+        if state.startswith(("42", "22", "0A")):  # syntax, names, data, unsupported
+            raise ConfigError(f"sql: {reason}") from None
+        raise StoreError(f"sql: {reason}") from None
+    finally:
+        cur.close()
+
+
 def _server_rows(
     url: Any, query: str, timeout_s: float = 0.0
 ) -> tuple[list[str], list[tuple[Any, ...]]]:
-    """One statement on a database server (PostgreSQL), read-only: the session's transactions
-    are read-only (``default_transaction_read_only``, set by read-only engines) and so is this
-    one (``SET TRANSACTION READ ONLY``); ``statement_timeout`` stops it after ``timeout_s``
-    (0: no limit). The statement runs alone (one prepared statement: ``;``-joined statements
-    are refused by the server), then the transaction is rolled back.
+    """One query on a database server (PostgreSQL), read-only, its values as SQLite gives
+    them (:func:`_plain`).
+
+    Only queries run (:data:`_SERVER_QUERY_KINDS`: a ``COPY``, ``DO``, ``CALL``, ``NOTIFY``,
+    ``SET`` … is refused before it is sent). The session's transactions are read-only
+    (``default_transaction_read_only``, set by read-only engines) and so is this one (``SET
+    TRANSACTION READ ONLY``); on PostgreSQL it runs as :data:`_PG_READ_ROLE`
+    (:func:`_drop_server_rights`), so that a function a read-only transaction allows but a
+    reader must not call (``pg_terminate_backend``, ``pg_read_file``, ``lo_export`` …) is
+    refused by the server's privileges, not by a list of names; ``statement_timeout`` stops
+    it after ``timeout_s`` (0: no limit). The statement runs alone (one prepared statement:
+    ``;``-joined statements are refused by the server), then the transaction is rolled back,
+    and the connection closed (with any setting, advisory lock or notification it made).
+
+    The role is a guard against mistakes, not a wall: a statement that deliberately switches
+    back (``set_config('role', …)``) gets the login's rights; for untrusted statements use a
+    login granted ``pg_read_all_data`` and nothing more.
 
     Raises:
-        RefusedError: the statement would write. StoreError: it ran past ``timeout_s``.
-        ConfigError: the server refused it (syntax, unknown table or column …).
+        RefusedError: the statement is not a query, would write, or needs a right the role
+            lacks. StoreError: it ran past ``timeout_s``.
+        ConfigError: the server refused it (syntax, several statements, unknown table or
+            column …), or the URL is not PostgreSQL through psycopg 3.
     """
-    from sqlalchemy import text
-    from sqlalchemy.exc import DBAPIError
-
     from edo_monitor.store.engine import open_engine
 
+    kind = _statement_kind(query)
+    kinds = f"{', '.join(_SERVER_QUERY_KINDS[:-1])} or {_SERVER_QUERY_KINDS[-1]}"
+    if kind not in _SERVER_QUERY_KINDS and kind not in _SERVER_OTHER_KINDS:
+        raise ConfigError(f'sql: syntax error at or near "{kind}": not a statement; give {kinds}')
+    if kind not in _SERVER_QUERY_KINDS:
+        raise RefusedError(
+            f"refused: the sql command is read-only and runs queries only ({kind} is not one; "
+            f"give {kinds})"
+        )
     engine = open_engine(url, readonly=True)
     try:
         with engine.connect() as conn:
+            dbapi_conn = conn.connection.dbapi_connection
+            if engine.dialect.name != "postgresql" or not hasattr(dbapi_conn, "adapters"):
+                raise ConfigError(
+                    f"sql: on a database server the sql command needs PostgreSQL through psycopg "
+                    f"3 (postgresql+psycopg://…), not {engine.dialect.name}+"
+                    f"{engine.dialect.driver}: it runs the statement as one prepared statement"
+                )
             conn.exec_driver_sql("SET TRANSACTION READ ONLY")
-            if engine.dialect.name == "postgresql":
-                ms = math.ceil(timeout_s * 1000)
-                conn.exec_driver_sql(f"SET LOCAL statement_timeout = {ms}")
+            ms = math.ceil(timeout_s * 1000)
+            conn.exec_driver_sql(f"SET LOCAL statement_timeout = {ms}")
+            _drop_server_rights(conn)
             try:
-                result = conn.execute(text(query))
-                names = list(result.keys()) if result.returns_rows else []
-                rows = [tuple(r) for r in result] if result.returns_rows else []
-            except DBAPIError as exc:
-                state = getattr(exc.orig, "sqlstate", None) or ""
-                reason = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
-                if state == "25006":  # read_only_sql_transaction
-                    raise RefusedError(
-                        f"refused: the sql command is read-only ({reason})"
-                    ) from None
-                if state == "57014":  # query_canceled: statement_timeout
-                    raise StoreError(
-                        f"sql: the statement ran longer than --timeout {timeout_s:g} s and was "
-                        "stopped; give a larger --timeout (0: no limit)"
-                    ) from None
-                if state.startswith(("42", "22", "0A")):  # syntax, names, data, unsupported
-                    raise ConfigError(f"sql: {reason}") from None
-                raise StoreError(f"sql: {reason}") from None
+                names, rows = _prepared_rows(dbapi_conn, query, timeout_s)
             finally:
                 conn.rollback()
     finally:
