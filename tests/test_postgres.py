@@ -376,6 +376,14 @@ def test_a_terminated_writer_connection_is_one_warning_and_an_event(
         (event,) = h.events(summary.run_id, kind="store_reconnected")
         assert event.data["tries"] >= 1 and "AdminShutdown" in event.data["error"]
         assert h.run(summary.run_id).sample_count == summary.samples
+    # the writer's own event has no step: "-", not -1
+    assert event.step == -1 and event.step_shown == "-"
+    (line,) = [
+        x
+        for x in run("events", str(summary.run_id), "--db", pg_url).stdout.splitlines()
+        if "store_reconnected" in x
+    ]
+    assert [c.strip() for c in line.split("│")][3] == "-"
 
 
 def test_the_session_database_is_dropped_after_its_admin_connection_was_terminated(
@@ -433,3 +441,17 @@ def test_a_database_gone_past_the_end_of_the_run_is_one_warning_line(
     ends = [r for r in caplog.records if "could not record the end of run" in r.getMessage()]
     assert len(ends) == 1 and ends[0].levelname == "WARNING" and ends[0].exc_info is None
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_postgres_database_no_writer_used_yet_is_no_history(pg_url: str) -> None:
+    """Regression: a database without tables read as an empty history (``runs``: "No runs
+    recorded", ``doctor``: "schema version None", both exit 0), where an SQLite file without
+    them is refused: it is "nothing recorded yet", exit 1, in every reader."""
+    from edo_monitor.errors import StoreError
+
+    with pytest.raises(StoreError, match=r"the database has no tables \(nothing has been recorded"):
+        History(pg_url)
+    for command in ("runs", "doctor"):
+        done = run(command, "--db", pg_url)
+        assert done.exit_code == 1, done.output
+        assert "nothing has been recorded yet" in done.output

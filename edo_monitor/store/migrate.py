@@ -112,6 +112,11 @@ def _check_schema(engine: Engine, *, readonly: bool, shown: str) -> None:
     if version == SCHEMA_VERSION:
         return
     if readonly:
+        if version is None and not tables:  # a PostgreSQL database no writer has used yet
+            raise StoreError(
+                f"no history in {shown!r}: the database has no tables (nothing has been "
+                "recorded yet)"
+            )
         if version is not None:
             logger.warning(
                 "history database %r has schema version %d, older than %d; reading it as it is "
