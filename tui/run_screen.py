@@ -419,7 +419,7 @@ class RunScreen(Screen[None]):
             self.event_rows.append(event)
             table.add_row(
                 plain(format_duration(event.time_s - start)),
-                plain(event.step),
+                plain(event.step_shown),
                 plain(event.kind, _EVENT_STYLES.get(event.kind, "")),
                 _Detail(_event_detail(event)),
                 plain(_format_saved(event)),

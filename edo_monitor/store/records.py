@@ -120,7 +120,9 @@ class JobInfo:
 
 @dataclass(frozen=True)
 class EventInfo:
-    """One row of ``events``."""
+    """One row of ``events``. ``step`` is the training step it happened at, ``-1`` for the
+    history writer's own events (``samples_dropped``, ``store_reconnected``), which no step
+    owns: :attr:`step_shown` is then ``"-"``."""
 
     id: int
     run_id: int
@@ -129,6 +131,11 @@ class EventInfo:
     kind: str
     message: str
     data: dict[str, Any]
+
+    @property
+    def step_shown(self) -> str:
+        """The step as tables show it: ``"-"`` for an event no step owns."""
+        return "-" if self.step < 0 else str(self.step)
 
 
 @dataclass(frozen=True)

@@ -187,7 +187,7 @@ def _events_table(events: list[Any], start_s: float) -> Table:
     table.add_column("kind")
     table.add_column("message")
     for e in events:
-        table.add_row(str(e.id), f"{e.time_s - start_s:.1f}s", str(e.step), e.kind, e.message)
+        table.add_row(str(e.id), f"{e.time_s - start_s:.1f}s", e.step_shown, e.kind, e.message)
     return table
 
 
