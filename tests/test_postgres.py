@@ -455,3 +455,52 @@ def test_a_postgres_database_no_writer_used_yet_is_no_history(pg_url: str) -> No
         done = run(command, "--db", pg_url)
         assert done.exit_code == 1, done.output
         assert "nothing has been recorded yet" in done.output
+
+
+def test_a_database_not_taking_connections_at_the_start_is_tried_again(pg_url: str) -> None:
+    """Regression: a connection the server dropped while ``watch()`` made the schema ended the
+    program (``StoreError``, no training), where the run's row, written next, is tried again.
+    The database takes no connection at the start, and again once the start has said (one
+    warning line) that it tries again: the run is recorded."""
+    import logging
+
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    url = make_url(pg_url)
+    dsn = url.set(drivername="postgresql", database="postgres", query={}).render_as_string(
+        hide_password=False
+    )
+
+    def admin(sql: str) -> None:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(sql)
+
+    class Reopen(logging.Handler):
+        """Lets connections in again at the first "trying again" line."""
+
+        def __init__(self) -> None:
+            super().__init__(logging.WARNING)
+            self.lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            if "trying again in" in record.getMessage():
+                self.lines.append(record.getMessage())
+                admin(f'ALTER DATABASE "{url.database}" ALLOW_CONNECTIONS true')
+
+    reopen = Reopen()
+    logger = logging.getLogger("edo_monitor.store.engine")
+    logger.addHandler(reopen)
+    admin(f'ALTER DATABASE "{url.database}" ALLOW_CONNECTIONS false')
+    _terminate(dsn, "datname = %s", url.database)
+    try:
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with edo_monitor.watch(model, db=pg_url) as mon:
+            train(model, opt, 2)
+    finally:
+        logger.removeHandler(reopen)
+        admin(f'ALTER DATABASE "{url.database}" ALLOW_CONNECTIONS true')
+    assert len(reopen.lines) == 1 and "not currently accepting connections" in reopen.lines[0]
+    with History(pg_url) as h:
+        assert h.run(mon.run_id).status == "finished"

@@ -58,6 +58,7 @@ from edo_monitor.store.paths import (
     resolve_db_url,
     shown_url,
 )
+from edo_monitor.store.retry import CLOSE_TRIES, RETRY_PAUSE_S, is_transient
 from edo_monitor.store.rollups import (
     _MARK_AND_TOP,
     _TIME,
@@ -166,7 +167,9 @@ def open_engine(
             ``pip install 'edo-monitor[postgres]'``).
         StoreError: the file is missing (readers), is read-only or in a read-only folder
             (writers: :func:`check_file_writable`), is not a database or not an edo-monitor
-            database, comes from a newer edo-monitor, the server cannot be reached, or another
+            database, comes from a newer edo-monitor, the server cannot be reached (writers:
+            after ``CLOSE_TRIES`` tries ``RETRY_PAUSE_S`` apart, as the run's row is written:
+            a connection dropped while the schema was made ended the program), or another
             URL's driver is not installed.
     """
     # a URL made elsewhere: its relative SQLite path, too, fixed to the working folder now
@@ -176,7 +179,15 @@ def open_engine(
     new_file = None if readonly else database_file(url)
     if new_file is not None and not new_file.exists():
         _create_history_file(new_file)
-    return _engine_for(url, readonly=readonly)
+    for tries_left in range(CLOSE_TRIES - 1, -1, -1):
+        try:
+            return _engine_for(url, readonly=readonly)
+        except _ServerUnavailableError as exc:  # a writer: the run-row insert is retried too
+            if not tries_left:
+                raise StoreError(str(exc)) from None
+            logger.warning("%s; trying again in %.0f s", exc, RETRY_PAUSE_S)
+            time.sleep(RETRY_PAUSE_S)
+    raise AssertionError("unreachable")  # the last try returned or raised
 
 
 def _create_history_file(path: Path) -> None:
@@ -274,8 +285,17 @@ def _engine_for(url: URL, *, readonly: bool, shown: str | None = None) -> Engine
                 f"{shown!r} is not an SQLite database ({reason}); expected an edo-monitor history "
                 "database file"
             ) from None
+        if not readonly and not is_sqlite and is_transient(exc):
+            raise _ServerUnavailableError(
+                f"cannot open history database {shown!r}: {reason}"
+            ) from None
         raise StoreError(f"cannot open history database {shown!r}: {reason}") from None
     return engine
+
+
+class _ServerUnavailableError(StoreError):
+    """A writer's open of a database server failed with a transient error (the server gone,
+    the connection dropped, the database not taking connections yet): tried again."""
 
 
 def damaged_database_error(shown: str, reason: str) -> StoreError:
