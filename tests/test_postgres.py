@@ -405,6 +405,22 @@ def test_the_session_database_is_dropped_after_its_admin_connection_was_terminat
         assert left.fetchone() == (0,)
 
 
+def _allow_connections(pg_url: str, allowed: bool) -> None:
+    """Let ``pg_url``'s database take connections, or not (``ALLOW_CONNECTIONS``; its open ones
+    terminated), through the server's own ``postgres`` database."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    url = make_url(pg_url)
+    dsn = url.set(drivername="postgresql", database="postgres", query={}).render_as_string(
+        hide_password=False
+    )
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f'ALTER DATABASE "{url.database}" ALLOW_CONNECTIONS {str(allowed).lower()}')
+    if not allowed:
+        _terminate(dsn, "datname = %s", url.database)
+
+
 def test_a_database_gone_past_the_end_of_the_run_is_one_warning_line(
     pg_url: str, caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -414,28 +430,15 @@ def test_a_database_gone_past_the_end_of_the_run_is_one_warning_line(
     ``logger.exception``: about 60 lines of SQLAlchemy and psycopg traceback."""
     import logging
 
-    import psycopg
-    from sqlalchemy.engine import make_url
-
-    url = make_url(pg_url)
-    dsn = url.set(drivername="postgresql", database="postgres", query={}).render_as_string(
-        hide_password=False
-    )
-
-    def admin(sql: str) -> None:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(sql)
-
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with caplog.at_level(logging.WARNING):
         try:
             with edo_monitor.watch(model, db=pg_url, interval_s=0.02) as mon:
                 train(model, opt, 3, sleep_s=0.01)
-                admin(f'ALTER DATABASE "{url.database}" ALLOW_CONNECTIONS false')
-                _terminate(dsn, "datname = %s", url.database)
+                _allow_connections(pg_url, False)
         finally:
-            admin(f'ALTER DATABASE "{url.database}" ALLOW_CONNECTIONS true')
+            _allow_connections(pg_url, True)
     summary = mon.summary()
     assert summary.recorded_status is None and "still records this run as running" in str(summary)
     ends = [r for r in caplog.records if "could not record the end of run" in r.getMessage()]
@@ -464,18 +467,6 @@ def test_a_database_not_taking_connections_at_the_start_is_tried_again(pg_url: s
     warning line) that it tries again: the run is recorded."""
     import logging
 
-    import psycopg
-    from sqlalchemy.engine import make_url
-
-    url = make_url(pg_url)
-    dsn = url.set(drivername="postgresql", database="postgres", query={}).render_as_string(
-        hide_password=False
-    )
-
-    def admin(sql: str) -> None:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(sql)
-
     class Reopen(logging.Handler):
         """Lets connections in again at the first "trying again" line."""
 
@@ -486,13 +477,12 @@ def test_a_database_not_taking_connections_at_the_start_is_tried_again(pg_url: s
         def emit(self, record: logging.LogRecord) -> None:
             if "trying again in" in record.getMessage():
                 self.lines.append(record.getMessage())
-                admin(f'ALTER DATABASE "{url.database}" ALLOW_CONNECTIONS true')
+                _allow_connections(pg_url, True)
 
     reopen = Reopen()
     logger = logging.getLogger("edo_monitor.store.engine")
     logger.addHandler(reopen)
-    admin(f'ALTER DATABASE "{url.database}" ALLOW_CONNECTIONS false')
-    _terminate(dsn, "datname = %s", url.database)
+    _allow_connections(pg_url, False)
     try:
         model = make_model()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -500,7 +490,7 @@ def test_a_database_not_taking_connections_at_the_start_is_tried_again(pg_url: s
             train(model, opt, 2)
     finally:
         logger.removeHandler(reopen)
-        admin(f'ALTER DATABASE "{url.database}" ALLOW_CONNECTIONS true')
+        _allow_connections(pg_url, True)
     assert len(reopen.lines) == 1 and "not currently accepting connections" in reopen.lines[0]
     with History(pg_url) as h:
         assert h.run(mon.run_id).status == "finished"
