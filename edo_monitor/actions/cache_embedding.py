@@ -205,8 +205,8 @@ class CacheEmbedding(Action):
                 continue
             headroom = host_headroom(ctx, weight, ctx.optimizers)
             if headroom.short != self.spill:  # short: the disk tier's; else the host's
-                reasons.append(f"{t.name}: host memory is {'' if self.spill else 'short: '}"
-                               f"{headroom.words()}")  # fmt: skip
+                enough = "enough for a row cache (spill only when short)" if self.spill else "short"
+                reasons.append(f"{t.name}: host memory is {enough}: {headroom.words()}")
                 continue
             n = int(weight.shape[0])
             row_bytes = _row_bytes(weight, ctx.optimizers)
