@@ -43,7 +43,7 @@ from edo_monitor.actions.tables import (
     device_tables,
     outside_use_blocker,
     replace_module,
-    sharing_users,
+    tied_blocker,
 )
 from edo_monitor.decide.plans import NOT_YET_KNOWN, Plan, Refusal, cache_rows_for
 from edo_monitor.nn import EmbeddingOptions
@@ -188,9 +188,9 @@ class CacheEmbedding(Action):
         reasons = list(kept)  # "<table>: <why>", each cache kept and each table not cached
         for t in tables:
             module, weight = t.module, t.weight
-            if sharing_users(ctx.model, module, weight):
-                users = ", ".join(sharing_users(ctx.model, module, weight))
-                reasons.append(f"{t.name}: weight is tied to {users}")
+            tied = tied_blocker(ctx.model, module, weight)
+            if tied:
+                reasons.append(f"{t.name}: {tied}")
                 continue
             if getattr(module, "sparse", False):
                 reasons.append(f"{t.name}: sparse=True is not supported by the row cache")

@@ -93,7 +93,7 @@ from edo_monitor.actions.tables import (
     outside_use_blocker,
     replace_module,
     replace_param_in_optimizers,
-    sharing_users,
+    tied_blocker,
 )
 from edo_monitor.checks import whole_number
 from edo_monitor.decide.compress_rules import (
@@ -259,9 +259,9 @@ class CompressEmbedding(Action):
     def _blocker(self, ctx: ActionContext, t: TableCandidate, variant: str) -> str | None:
         opts = EmbeddingOptions.from_module(t.module)
         w = t.weight
-        users = sharing_users(ctx.model, t.module, w)
-        if users:
-            return f"weight is tied to {', '.join(users)}"
+        tied = tied_blocker(ctx.model, t.module, w)
+        if tied:
+            return tied
         outside = outside_use_blocker(ctx.activation_profile, t.name)
         if outside:
             return outside

@@ -37,7 +37,7 @@ from edo_monitor.actions.tables import (
     optimizer_group_flags,
     outside_use_blocker,
     replace_module,
-    sharing_users,
+    tied_blocker,
 )
 from edo_monitor.decide.plans import Plan, Refusal
 from edo_monitor.measure.accounting import tensor_bytes
@@ -71,9 +71,9 @@ class OffloadEmbedding(Action):
             return self.refuse("", "no embedding table left on the device tier")
         reasons = []
         for t in tables:
-            users = sharing_users(ctx.model, t.module, t.weight)
-            if users:
-                reasons.append(f"{t.name}: weight is tied to {', '.join(users)}")
+            tied = tied_blocker(ctx.model, t.module, t.weight)
+            if tied:
+                reasons.append(f"{t.name}: {tied}")
                 continue
             outside = outside_use_blocker(ctx.activation_profile, t.name)
             if outside:

@@ -54,7 +54,7 @@ from edo_monitor.actions.tables import (
     outside_use_blocker,
     replace_module,
     replace_param_in_optimizers,
-    sharing_users,
+    tied_blocker,
 )
 from edo_monitor.decide.plans import Plan, Refusal
 from edo_monitor.nn import EmbeddingOptions, row_error
@@ -97,9 +97,9 @@ class ShareEmbedding(Action):
     @staticmethod
     def _blocker(ctx: ActionContext, t: TableCandidate, k: int, b: int) -> str | None:
         opts = EmbeddingOptions.from_module(t.module)
-        users = sharing_users(ctx.model, t.module, t.weight)
-        if users:
-            return f"weight is tied to {', '.join(users)}"
+        tied = tied_blocker(ctx.model, t.module, t.weight)
+        if tied:
+            return tied
         outside = outside_use_blocker(ctx.activation_profile, t.name)
         if outside:
             return outside

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from edo_monitor.decide.plans import NOT_YET_KNOWN
+from edo_monitor.decide.plans import NOT_YET_KNOWN, TABLE_BLOCKERS
 from edo_monitor.measure.accounting import optimizer_state_bytes, tensor_bytes
 
 __all__ = [
@@ -81,6 +81,13 @@ def sharing_users(model: nn.Module, module: nn.Module, param: nn.Parameter) -> l
     return users
 
 
+def tied_blocker(model: nn.Module, module: nn.Module, param: nn.Parameter) -> str | None:
+    """Why no action may change ``module``'s ``param`` when another module of ``model`` holds it
+    too (tied weights: :func:`sharing_users`), or ``None``."""
+    users = sharing_users(model, module, param)
+    return f"{TABLE_BLOCKERS[0]} {', '.join(users)}" if users else None
+
+
 def outside_use_blocker(profile: object, table: str) -> str | None:
     """Why a table's weight may not change dtype, shape, storage or device, or ``None``.
 
@@ -104,7 +111,7 @@ def outside_use_blocker(profile: object, table: str) -> str | None:
     where = uses.get(table)
     if where:
         shown = ", ".join(where[:3]) + (f" and {len(where) - 3} more" if len(where) > 3 else "")
-        return f"weight is read outside {table}'s forward ({shown}); changing it would break that"
+        return f"{TABLE_BLOCKERS[1]} {table}'s forward ({shown}); changing it would break that"
     return None
 
 

@@ -21,6 +21,7 @@ __all__ = [
     "DEFAULT_LOSSY_LADDER",
     "LOSSY_ACTION_NAMES",
     "NOT_YET_KNOWN",
+    "TABLE_BLOCKERS",
     "UNIT_ROUNDOFF",
     "Plan",
     "Refusal",
@@ -31,6 +32,11 @@ __all__ = [
 #: before the first optimizer step), not that the action cannot apply: ``explain`` does not take
 #: such a refusal as ruling a remedy out.
 NOT_YET_KNOWN = ("no recorded step yet", "no optimizer has stepped yet")
+
+#: How a refusal's reason begins when the table itself rules out every table action (its weight
+#: tied to another module, or read outside its own forward), whichever action was refused:
+#: ``explain`` takes one such refusal for all of that table's remedies.
+TABLE_BLOCKERS = ("weight is tied to", "weight is read outside")
 
 #: The actions that change numerics (need ``allow_lossy``), in registry order.
 _LOSSY = (

@@ -62,7 +62,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from edo_monitor.decide.plans import NOT_YET_KNOWN
+from edo_monitor.decide.plans import NOT_YET_KNOWN, TABLE_BLOCKERS
 from edo_monitor.errors import ConfigError, EventNotFoundError
 from edo_monitor.hindsight.recorded import (
     CACHE_FLOOR_ROWS,
@@ -253,11 +253,15 @@ def _split_refused(
     remedies: tuple[Remedy, ...], refused: dict[tuple[str, str], str]
 ) -> dict[str, tuple[Remedy, ...]]:
     """``remedies`` less those the live agent refused on their table, and those (with its
-    reason as their ``detail``): an offload of a table tied to the output layer is not a remedy."""
+    reason as their ``detail``): an offload of a table tied to the output layer is not a remedy.
+    A reason that is the table's own (:data:`TABLE_BLOCKERS`: tied, read outside its module)
+    rules out every remedy on it: the lossy ones of a tied table were listed when only the
+    lossless rungs had been tried live."""
+    blocked = {t: why for (_, t), why in refused.items() if why.startswith(TABLE_BLOCKERS)}
     kept, out = [], []
     for r in remedies:
         live = "compress_embedding" if r.action.startswith("compress_embedding") else r.action
-        why = refused.get((live, r.target))
+        why = refused.get((live, r.target)) or blocked.get(r.target)
         if why is None:
             kept.append(r)
         else:
@@ -310,6 +314,8 @@ def _remedies(
                 f"keep {keep:,} of {t.num_embeddings:,} rows on the device "
                 f"({format_bytes(t.row_bytes)} a row); fewer rows freed with a larger cache",
             )
+        if t.placement == "cached":  # compress and share take a resident table only
+            continue
         current = t.total_bytes
         for action, comp, note in (
             ("compress_embedding_bf16", "bf16", "bf16 table, grads and state"),
@@ -325,6 +331,8 @@ def _remedies(
                 f"{max(1, t.num_embeddings // 10):,} hashed buckets",
             ),
         ):
+            if comp == "int8" and t.trainable:  # refused live: an int8 table does not train
+                continue
             try:
                 after = _est(t, comp)
             except ConfigError:
@@ -385,7 +393,8 @@ def _remedies(
                     f"adam -> {name}",
                     state - state * per // states,
                     True,
-                    f"{per} state tensor(s) a parameter instead of {states} (the estimator)",
+                    f"{per} state tensor(s) a parameter instead of {states}, as edo-monitor "
+                    f"estimate counts {name}",
                 )
         frag = sample.get("fragmentation")
         slack = sample.get("reserved_unallocated_bytes")

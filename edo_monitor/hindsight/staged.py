@@ -8,8 +8,10 @@ table's recorded singular spectrum. Reads only the history; never imports torch.
   (``ckpt = min(act, Σ top blocks)``), the other activations halved:
   ``ckpt + (act - ckpt) // 2``. Gradients are not: under bf16 autocast the parameters stay
   float32, and so do their gradients (it counted them halved);
-* **stage 2** quantization of the tables on the device, one line per compress mode (``bf16``,
-  ``int8``, ``int4``, ``int2``, ``2of8``): ``Σ (recorded table bytes - estimate(mode))`` with
+* **stage 2** quantization of the resident tables on the device (a row cache is left out), one
+  line per compress mode (``bf16``, ``int8``, ``int4``, ``int2``, ``2of8``; the integer ones
+  make a table frozen), over the tables each saves bytes on:
+  ``Σ (recorded table bytes - estimate(mode))`` with
   :func:`edo_monitor.decide.estimate.estimate` and the run's optimizer; its cumulative figure adds
   stage 1's;
 * **stage 3** sharding across ``N`` ranks of the recorded optimizer state (ZeRO-1), + gradients
@@ -233,23 +235,30 @@ def staged_plan(
         + f"activations {format_bytes(act - ckpt)} halved (float32 parameters and gradients)",
     )
     # stage 2
-    on_device = _device_tables(tables)
+    # resident tables only (a row cache's bytes are its cached rows'); the integer modes are
+    # advice for a table that could be frozen (their notes say so), the live actions refuse
+    # them for a trainable one
+    on_device = [t for t in _device_tables(tables) if t.placement != "cached"]
     for mode, note in QUANTIZATION_MODES:
         saving = after = 0
         groups: set[int] = set()  # a narrow table's groups are its row (estimate's rule)
+        counted = []
         for t in on_device:
             try:
                 est = _est(t, mode)
             except ConfigError:
                 continue
-            saving, after = saving + max(0, t.total_bytes - est), after + est
+            if t.total_bytes - est <= 0:
+                continue
+            saving, after = saving + t.total_bytes - est, after + est
             groups.add(_stored_group(t.embedding_dim, _LOWBIT_DEFAULT_GROUP))
+            counted.append(t.module)
         if saving <= 0:
             continue
         add(
             2,
             f"quantize_{mode}",
-            ", ".join(t.module for t in on_device),
+            ", ".join(counted),
             saving,
             stage1 + saving,
             True,
