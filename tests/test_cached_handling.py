@@ -284,3 +284,19 @@ def test_a_table_collected_inside_an_optimizer_step_leaves_the_step_alone() -> N
     finally:
         gc.enable()
         collecting.remove()
+
+
+def test_a_growing_cache_names_its_table_in_the_log(caplog: pytest.LogCaptureFixture) -> None:
+    """Regression: "cached table: 5 rows needed, cache has 2; growing it" named no table; a
+    table the agent cached is named as the model names it (``edo_name``), another by its size."""
+    import logging
+
+    table = CachedEmbedding(100, 4, 2)
+    with caplog.at_level(logging.WARNING, logger="edo_monitor.nn.cache_rows"):
+        table(torch.arange(5))
+        table.edo_name = "items"
+        table(torch.arange(10, 20))
+    assert [r.getMessage() for r in caplog.records] == [
+        "cached table (100 x 4): 5 rows needed, cache has 2; growing it",
+        "cached table items: 10 rows needed, cache has 5; growing it",
+    ]

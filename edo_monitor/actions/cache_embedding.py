@@ -293,6 +293,7 @@ class CacheEmbedding(Action):
             ctx.stage("optimizer_attached")
             table.train(module.training)
             table.edo_action_made = True
+            table.edo_name = plan.target  # named in the cache's own log lines
             places = replace_module(ctx.model, module, table)
             ctx.stage("module_replaced")
         except BaseException:

@@ -420,7 +420,9 @@ class _RowMovement:
                         f"grow the cache or pass overflow='grow'"
                     ) from None
                 logger.warning(
-                    "cached table: %d rows needed, cache has %d; growing it",
+                    "cached table %s: %d rows needed, cache has %d; growing it",
+                    getattr(self, "edo_name", None)  # the agent's name for a table it cached
+                    or f"({self.num_embeddings} x {self.embedding_dim})",
                     needed * self.block_rows,
                     self.cache_rows,
                 )
