@@ -157,6 +157,33 @@ def test_explain_a_run_without_a_policy_says_why_nothing_is_explained(tmp_path: 
     assert f"edo-monitor replay {run}" in text
 
 
+def test_a_run_without_a_budget_is_not_sent_to_replay(tmp_path: Path) -> None:
+    """Regression: a run with neither policy nor budget was sent to ``replay``, which then
+    printed only "(no decision)" and "min free fraction: replay -, recorded -": with no budget
+    no free memory is measured, and both now say so."""
+    from typer.testing import CliRunner
+
+    from edo_monitor.surfaces.cli import app
+
+    db = tmp_path / "nobudget.db"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(100, 4), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with edo_monitor.watch(model, db=str(db), interval_s=0.005) as mon:
+        for _ in range(5):
+            model(torch.randint(0, 100, (8,))).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            time.sleep(0.01)
+    runner = CliRunner()
+    explained = runner.invoke(app, ["--db", str(db), "explain", "latest"], terminal_width=300)
+    text = " ".join(explained.output.split())
+    assert "no budget, so no free memory was measured" in text and "replay" not in text
+    replayed = runner.invoke(app, ["--db", str(db), "replay", "latest"], terminal_width=300)
+    assert replayed.exit_code == 0 and mon.summary().samples > 0
+    assert f"run {mon.run_id} recorded no free memory (no budget)" in replayed.output
+
+
 @pytest.mark.timeout(180)
 def test_a_crossing_in_the_first_step_explains_the_remedy_the_agent_applied_a_step_later(
     tmp_path: Path,

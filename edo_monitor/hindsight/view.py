@@ -112,6 +112,12 @@ def _nothing_to_explain(result: Explanation) -> str:
             did += f" (min free {low:.1%})"
         if peak > budget:
             did += f", over the budget by {format_bytes(peak - budget)}"
+    if result.floor_fraction is None and not budget:
+        return (
+            f"run {result.run_id}: no OOM, and no policy, so no floor: no pressure crossing was "
+            "recorded; and no budget, so no free memory was measured for a policy to act on "
+            "(watch(budget=...) or a GPU gives one)"
+        )
     if result.floor_fraction is None:
         return (
             f"run {result.run_id}: no OOM, and no policy, so no floor: no pressure crossing was "

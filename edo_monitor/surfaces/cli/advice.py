@@ -181,6 +181,11 @@ def replay_cmd(
         f"min free fraction: replay {_pct(result.min_free_fraction)}, "
         f"recorded {_pct(result.recorded_min_free_fraction)}"
     )
+    if result.samples and result.recorded_min_free_fraction is None:
+        _c.out.print(
+            f"run {result.run_id} recorded no free memory (no budget): a policy has nothing to "
+            "act on (watch(budget=...) or a GPU gives one)"
+        )
     for step, avoided in zip(result.oom_steps, result.oom_avoided, strict=True):
         _c.out.print(
             f"recorded OOM at step {step}: "
