@@ -170,10 +170,17 @@ class _Lifecycle:
         acc = self.accounting
         if budget_bytes is None or acc.total_bytes <= budget_bytes:
             return
+        unseen = (
+            ""
+            if self.optimizers
+            else "; the state of an optimizer not given to watch() is "
+            "not counted until its first step"
+        )
         held = (
             f"the watched model already holds {acc.total_bytes} bytes "
             f"({format_bytes(acc.total_bytes)}: params {acc.params_bytes}, grads "
-            f"{acc.grads_bytes}, optimizer state {acc.optimizer_state_bytes}) on the device tier"
+            f"{acc.grads_bytes}, optimizer state {acc.optimizer_state_bytes}{unseen}) on the "
+            "device tier"
         )
         budget = f"budget={budget_bytes} bytes ({format_bytes(budget_bytes)})"
         if self._safe_point.enforcing:

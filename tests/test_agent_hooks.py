@@ -363,6 +363,16 @@ def test_an_enforced_budget_below_the_model_is_refused_on_entering(
     message = str(caught.value)
     assert "budget=400 bytes" in message
     assert "already holds 440 bytes" in message and "params 440" in message
+    # no optimizer given: its state is not counted yet, and the message says so (it read as
+    # what the model holds, 2.5 MB of Adam state left out)
+    assert "optimizer not given to watch() is not counted until its first step" in message
+    opt = torch.optim.Adam(model.parameters())
+    with (
+        pytest.raises(edo_monitor.ConfigError) as caught,
+        edo_monitor.watch(model, opt, db=db_path, budget=400, enforce=True),
+    ):
+        pytest.fail("entered")  # pragma: no cover
+    assert "not counted" not in str(caught.value)
     # not enforced, the run goes on over budget (a policy may offload tables): a warning only
     with (
         caplog.at_level("WARNING", logger="edo_monitor.agent.monitor"),
