@@ -11,7 +11,7 @@ import os
 import re
 import sqlite3
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from typing import Annotated, Any, TypeVar
 
@@ -81,16 +81,37 @@ class _PipedConsole(Console):
         raise BrokenPipeError  # _handle_errors: exit 0
 
 
+#: the width of tables written to a file or a pipe when ``COLUMNS`` is not set: wide on purpose
+#: (Rich's own default there is 80), so ``edo-monitor show 1 > run.txt`` or ``| grep`` keeps
+#: each row on one line instead of wrapping module names and numbers over several
+PIPED_WIDTH = 200
+
+
+def output_width(
+    environ: Mapping[str, str] | None = None, *, tty: bool | None = None
+) -> int | None:
+    """The width of the CLI's tables: ``COLUMNS`` when it is set to a positive whole number (as
+    Rich reads it, on a terminal or not), else the terminal's own (``None``: Rich measures it),
+    else :data:`PIPED_WIDTH` for a file or a pipe."""
+    environ = os.environ if environ is None else environ
+    columns = environ.get("COLUMNS", "").strip()
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    is_tty = sys.stdout.isatty() if tty is None else tty
+    return None if is_tty else PIPED_WIDTH
+
+
 class _Consoles:
     """Rich consoles made on first use (so they see the current stdout/stderr, e.g. in tests);
-    wide when the output is not a terminal, so piped tables are not squeezed."""
+    ``COLUMNS`` wide when it is set, else the terminal's width, else wide (:data:`PIPED_WIDTH`)
+    when the output is not a terminal, so piped tables are not squeezed."""
 
     # markup and emoji codes off: names, tags, messages and module names are the user's text
     # (``bert[lr=1e-4]``, ``sweep[/bs64]``, ``:fire:``) and are printed as they are
 
     @property
     def out(self) -> Console:
-        width = None if sys.stdout.isatty() else 200
+        width = output_width()
         return _PipedConsole(
             highlight=False, soft_wrap=False, width=width, markup=False, emoji=False
         )

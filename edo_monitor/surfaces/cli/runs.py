@@ -116,10 +116,32 @@ def runs_cmd(
     _c.out.print(table)
 
 
-def _module_table(mods: list[Any]) -> Table:
-    table = Table(title="modules (bytes by category, largest first)")
+def _modules_title(mods: list[Any], info: Any) -> tuple[str, bool]:
+    """The modules table's title, naming the step and time its figures are from, and whether
+    the modules' rows are from different steps (then each row shows its own step).
+
+    A module's row is its latest ``module_stats`` row, written when the agent's accounting (or
+    an activation profile) changed one of its figures: it can be from the first steps while the
+    run's peaks came much later, so the title says when, and of how many steps."""
+    steps = sorted({m.step for m in mods})
+    of = f" of {info.steps}" if info.steps is not None and info.steps > steps[-1] else ""
+    first = min(m.time_s for m in mods) - info.started_at_s
+    last = max(m.time_s for m in mods) - info.started_at_s
+    when = f"t+{first:.1f}s" if f"{first:.1f}" == f"{last:.1f}" else f"t+{first:.1f}s-{last:.1f}s"
+    if len(steps) == 1:
+        head = f"modules at step {steps[0]}{of} ({when}, the latest accounting)"
+    else:
+        head = f"modules, each at its latest accounting (steps {steps[0]}-{steps[-1]}{of}, {when})"
+    return f"{head}: bytes by category, largest first", len(steps) > 1
+
+
+def _module_table(mods: list[Any], info: Any) -> Table:
+    title, mixed = _modules_title(mods, info)
+    table = Table(title=title)
     for col in ("module", "kind", "shape", "dtype", "device", "placement"):
         table.add_column(col)
+    if mixed:
+        table.add_column("step", justify="right")
     for col in ("params", "grads", "optimizer state", "activations", "total"):
         table.add_column(col, justify="right")
     for m in mods:
@@ -135,6 +157,7 @@ def _module_table(mods: list[Any]) -> Table:
             m.dtype or "-",
             m.device or "-",
             m.placement or "-",
+            *([str(m.step)] if mixed else []),
             _bytes(m.params_bytes),
             _bytes(m.grads_bytes),
             _bytes(m.optimizer_state_bytes),
@@ -239,7 +262,7 @@ def show_cmd(
         if not mods:
             _c.out.print(f"run {info.id} recorded no module statistics")
             return
-        _c.out.print(_module_table(mods))
+        _c.out.print(_module_table(mods, info))
         caches = _cache_table(mods, cache)
         if caches is not None:
             _c.out.print(caches)
@@ -309,7 +332,7 @@ def show_cmd(
     else:
         _c.out.print("no events")
     if mods:
-        _c.out.print(_module_table(mods))
+        _c.out.print(_module_table(mods, info))
     caches = _cache_table(mods, cache)
     if caches is not None:
         _c.out.print(caches)
