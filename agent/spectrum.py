@@ -4,8 +4,29 @@ suggest a smaller embedding dimension (:mod:`edo_monitor.hindsight.staged`).
 
 Bounded cost: at most ``SPECTRUM_MAX_ROWS`` rows are read (chosen uniformly without replacement
 with a fixed seed), copied to float32 on the CPU and passed to :func:`torch.linalg.svdvals`
-(``O(rows · D · min(rows, D))``); never a full pass over a big table. Called at the end of the
-run, on the training thread (the model no longer changes).
+(``O(rows · D · min(rows, D))``); never a full pass over a big table, except the catch-up a
+row-cached table needs to read its rows exactly (below). Called at the end of the run, on the
+training thread (the model no longer changes).
+
+Which tables (:func:`table_weight`): every ``nn.Embedding`` / ``nn.EmbeddingBag`` of the watched
+model, and the tables the agent (or the user) converted, whose full weight can still be read
+exactly — these are the tables that caused the pressure:
+
+* a row cache (:class:`~edo_monitor.nn.CachedTable`, after ``cache_embedding`` or
+  ``spill_embedding``): :meth:`~edo_monitor.nn.CachedTable.full_weight`, the caught-up
+  ``(N, D)`` host table (its ``weight`` is only the ``(C, D)`` device cache). Reading it
+  flushes the cache: every host row is brought up to the last step, the catch-up
+  ``state_dict()`` does anyway;
+* an :class:`~edo_monitor.nn.OffloadedEmbedding` (``offload_embedding``): its ``weight``, the
+  same table on the host;
+* a :class:`~edo_monitor.nn.LowPrecisionEmbedding` (fp16/bf16): its ``weight``, the table the
+  model now trains, as an ``nn.Embedding`` of that dtype would be read.
+
+Skipped: tables whose rows are computed from a compressed form (int8 / int4 / int2 / 2:8 /
+per-row precision, low-rank factors, hashed or shared rows). Their full weight no longer
+exists; the spectrum of reconstructed rows would be the compression's (a low-rank table's is
+rank K by construction, hashed rows repeat), not the table's, and ``explain`` would suggest a
+dimension from the compression's error instead of the data.
 """
 
 from __future__ import annotations
@@ -18,7 +39,13 @@ import torch
 if TYPE_CHECKING:
     from edo_monitor.agent.state import MonitorState
 
-__all__ = ["SPECTRUM_MAX_ROWS", "SPECTRUM_MAX_VALUES", "record_table_spectra", "table_spectrum"]
+__all__ = [
+    "SPECTRUM_MAX_ROWS",
+    "SPECTRUM_MAX_VALUES",
+    "record_table_spectra",
+    "table_spectrum",
+    "table_weight",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -70,23 +97,51 @@ def table_spectrum(
     }
 
 
+def table_weight(module: torch.nn.Module) -> torch.Tensor | None:
+    """The full ``(num_embeddings, embedding_dim)`` weight of an embedding table ``module``, read
+    exactly (module docstring: plain tables, row caches, offloaded and fp16/bf16 tables), or
+    ``None`` for a module that is not such a table or whose weight no longer exists as such (a
+    compressed table: its rows are computed). A row cache is flushed first
+    (:meth:`~edo_monitor.nn.CachedTable.full_weight`)."""
+    from edo_monitor.nn import CachedTable, LowPrecisionEmbedding, OffloadedEmbedding
+
+    if isinstance(module, CachedTable):  # before the rest: its ``weight`` is the (C, D) cache
+        return module.full_weight()
+    if isinstance(
+        module,
+        (torch.nn.Embedding, torch.nn.EmbeddingBag, OffloadedEmbedding, LowPrecisionEmbedding),
+    ):
+        w = getattr(module, "weight", None)
+        return w if isinstance(w, torch.Tensor) else None
+    return None
+
+
 def record_table_spectra(m: MonitorState) -> None:
     """One ``table_spectrum`` event per embedding table of the watched model not yet recorded
-    (``nn.Embedding`` / ``nn.EmbeddingBag`` with a float weight). Never raises: a failure is
-    counted as an agent error."""
+    (``nn.Embedding`` / ``nn.EmbeddingBag``, and the converted tables whose full weight can be
+    read exactly: :func:`table_weight`; a float weight). Never raises: a table that fails is
+    counted as an agent error and the others are still recorded."""
     model = getattr(m, "model", None)
     if model is None:
         return
     done: set[str] = m.__dict__.setdefault("_spectra_recorded", set())
     try:
-        for name, mod in model.named_modules():
-            if name in done or not isinstance(mod, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
-                continue
-            w = getattr(mod, "weight", None)
+        modules = list(model.named_modules())
+    except Exception as exc:
+        m._agent_error("table spectrum", exc)
+        return
+    for name, mod in modules:
+        if name in done:
+            continue
+        try:
+            w = table_weight(mod)
             if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point():
                 continue
             if w.device.type == "meta" or w.numel() == 0:
                 continue
+            expected = (getattr(mod, "num_embeddings", None), getattr(mod, "embedding_dim", None))
+            if None not in expected and tuple(w.shape) != expected:
+                continue  # not the whole table: never a part of it recorded as the table
             done.add(name)
             data = {"table": name, **table_spectrum(w)}
             m._emit(
@@ -94,5 +149,5 @@ def record_table_spectra(m: MonitorState) -> None:
                 f"{name}: singular spectrum of {data['rows_sampled']:,} sampled rows",
                 data,
             )
-    except Exception as exc:
-        m._agent_error("table spectrum", exc)
+        except Exception as exc:
+            m._agent_error(f"table spectrum of {name}", exc)
