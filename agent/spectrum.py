@@ -4,19 +4,18 @@ suggest a smaller embedding dimension (:mod:`edo_monitor.hindsight.staged`).
 
 Bounded cost: at most ``SPECTRUM_MAX_ROWS`` rows are read (chosen uniformly without replacement
 with a fixed seed), copied to float32 on the CPU and passed to :func:`torch.linalg.svdvals`
-(``O(rows · D · min(rows, D))``); never a full pass over a big table, except the catch-up a
-row-cached table needs to read its rows exactly (below). Called at the end of the run, on the
-training thread (the model no longer changes).
+(``O(rows · D · min(rows, D))``); never a full pass over a big table. Called at the end of the
+run, on the training thread (the model no longer changes).
 
 Which tables (:func:`table_weight`): every ``nn.Embedding`` / ``nn.EmbeddingBag`` of the watched
 model, and the tables the agent (or the user) converted, whose full weight can still be read
 exactly — these are the tables that caused the pressure:
 
 * a row cache (:class:`~edo_monitor.nn.CachedTable`, after ``cache_embedding`` or
-  ``spill_embedding``): :meth:`~edo_monitor.nn.CachedTable.full_weight`, the caught-up
-  ``(N, D)`` host table (its ``weight`` is only the ``(C, D)`` device cache). Reading it
-  flushes the cache: every host row is brought up to the last step, the catch-up
-  ``state_dict()`` does anyway;
+  ``spill_embedding``): the sampled rows as they are at the last step
+  (:meth:`~edo_monitor.nn.CachedTable.current_rows`; its ``weight`` is only the ``(C, D)``
+  device cache). Nothing is loaded, evicted or counted, and only the sampled rows are caught
+  up (a flush caught every host row up: 1.55 s at the end of the pressure demo);
 * an :class:`~edo_monitor.nn.OffloadedEmbedding` (``offload_embedding``): its ``weight``, the
   same table on the host;
 * a :class:`~edo_monitor.nn.LowPrecisionEmbedding` (fp16/bf16): its ``weight``, the table the
@@ -56,7 +55,7 @@ SPECTRUM_MAX_VALUES = 64
 
 
 def table_spectrum(
-    weight: torch.Tensor, *, max_rows: int = SPECTRUM_MAX_ROWS, seed: int = 0
+    weight: torch.Tensor | _CachedRows, *, max_rows: int = SPECTRUM_MAX_ROWS, seed: int = 0
 ) -> dict[str, Any]:
     """The singular spectrum of a random sample of the rows of ``weight``.
 
@@ -84,8 +83,10 @@ def table_spectrum(
             g = torch.Generator().manual_seed(seed)
             idx = torch.randperm(n, generator=g)[:max_rows].to(weight.device)
             sample = weight.index_select(0, idx)
-        else:
+        elif isinstance(weight, torch.Tensor):
             sample = weight
+        else:  # a row cache's rows (_CachedRows): every one
+            sample = weight.index_select(0, torch.arange(n))
         sample = sample.detach().to("cpu", torch.float32)
         values = torch.linalg.svdvals(sample)
     return {
@@ -97,16 +98,40 @@ def table_spectrum(
     }
 
 
-def table_weight(module: torch.nn.Module) -> torch.Tensor | None:
+class _CachedRows:
+    """A row cache's whole table as :func:`table_spectrum` reads it: its ``(N, D)`` shape, dtype
+    and the rows it samples, each as it is at the last step
+    (:meth:`~edo_monitor.nn.CachedTable.current_rows`), without a flush."""
+
+    def __init__(self, table: Any) -> None:
+        self.table = table
+        self.shape = (int(table.num_embeddings), int(table.embedding_dim))
+        self.dtype = table.weight.dtype
+        self.device = torch.device("cpu")  # ids are host ids
+
+    def dim(self) -> int:
+        return 2
+
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
+
+    def index_select(self, dim: int, idx: torch.Tensor) -> torch.Tensor:
+        return self.table.current_rows(idx)
+
+
+def table_weight(module: torch.nn.Module) -> torch.Tensor | _CachedRows | None:
     """The full ``(num_embeddings, embedding_dim)`` weight of an embedding table ``module``, read
     exactly (module docstring: plain tables, row caches, offloaded and fp16/bf16 tables), or
     ``None`` for a module that is not such a table or whose weight no longer exists as such (a
-    compressed table: its rows are computed). A row cache is flushed first
-    (:meth:`~edo_monitor.nn.CachedTable.full_weight`)."""
+    compressed table: its rows are computed). A row cache gives its rows as they are at the last
+    step (:class:`_CachedRows`), not flushed."""
     from edo_monitor.nn import CachedTable, LowPrecisionEmbedding, OffloadedEmbedding
 
     if isinstance(module, CachedTable):  # before the rest: its ``weight`` is the (C, D) cache
-        return module.full_weight()
+        return _CachedRows(module)
     if isinstance(
         module,
         (torch.nn.Embedding, torch.nn.EmbeddingBag, OffloadedEmbedding, LowPrecisionEmbedding),
@@ -135,7 +160,7 @@ def record_table_spectra(m: MonitorState) -> None:
             continue
         try:
             w = table_weight(mod)
-            if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point():
+            if w is None or w.dim() != 2 or not w.is_floating_point():
                 continue
             if w.device.type == "meta" or w.numel() == 0:
                 continue

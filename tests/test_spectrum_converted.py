@@ -92,6 +92,15 @@ def test_a_row_cached_table_gets_its_spectrum(tmp_path: Path, twin: nn.Module) -
     model, actions, spectra = _run(tmp_path / "cache.db", None)
     assert "cache_embedding" in actions and isinstance(model.items, CachedTable), actions
     assert set(spectra) == {"items", "users"}
+    # read without a flush (it caught every host row up: O(N) at the end of the run), and
+    # reading rows counts no lookup
+    table = model.items
+    assert int((table.last_step < table.t).sum()) > 0
+    stats, steps = table.stats(), table.last_step.clone()
+    rows = table.current_rows(torch.arange(ITEMS))
+    assert table.stats() == stats and torch.equal(table.last_step, steps)
+    want = twin.items.weight.detach()
+    assert float((rows - want).abs().max() / want.abs().max()) < 1e-12
     _assert_same_spectrum(spectra["items"], twin.items.weight)
     _assert_same_spectrum(spectra["items"], model.items.full_weight())
     assert spectra["items"]["num_embeddings"] != model.items.weight.shape[0]  # not the cache's
