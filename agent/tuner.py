@@ -149,10 +149,12 @@ class Tuner:
             elif isinstance(event, ForecastOutcome):
                 self.emit_forecast_outcome(event)
             else:
+                why = "; ".join(f"{r.action} ({r.reason})" for r in event.refusals)
                 self.m._emit(
                     "no_action",
                     ("a crossing is forecast" if event.forecast else "under pressure")
-                    + ", but no action on the ladder applies",
+                    + ", but no action on the ladder applies"
+                    + (f": {why}" if why else ""),  # the reasons in every view, not only --json
                     {
                         "free_fraction": event.free_fraction,
                         "refusals": [

@@ -159,6 +159,9 @@ def test_nothing_to_do_is_recorded_once(db_path: Path) -> None:
     reasons = {r["action"]: r["reason"] for r in event.data["refusals"]}
     assert "CPU-budget" in reasons["release_cache"]
     assert "no embedding table" in reasons["offload_embedding"]
+    # the reasons in the message too: the events table and the dashboard show only it
+    assert event.message.startswith("under pressure, but no action on the ladder applies: ")
+    assert f"offload_embedding ({reasons['offload_embedding']})" in event.message
 
 
 def test_policy_must_be_a_policy() -> None:
