@@ -223,7 +223,8 @@ class Monitor(_Lifecycle):
                     "mapping)"
                 )
             try:
-                self.loader = LookAhead(loader, ahead, loader_ids, tables=model)
+                # an ids error never fails training: a warning, and no look-ahead for that batch
+                self.loader = LookAhead(loader, ahead, loader_ids, tables=model, ids_errors="warn")
             except ValueError as e:  # LookAhead's ahead=: watch() names it the same
                 raise ConfigError(str(e)) from None
         self.optimizers = optimizers

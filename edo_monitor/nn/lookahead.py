@@ -37,6 +37,7 @@ Without the wrapper the cache works as before (its LFU or LRU policy).
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -62,21 +63,53 @@ IdsFn = Callable[[Any], "torch.Tensor | Mapping[Any, torch.Tensor]"]
 
 def first_int_tensor(batch: Any) -> torch.Tensor:
     """The default ``ids``: the batch itself when it is an integer tensor, else the first integer
-    tensor in it (tuple/list items in order, dict values in insertion order, one level deep).
+    tensor in it, depth first (tuple/list items in order, dict values in insertion order, at any
+    depth: ``({"user": u, "item": i}, labels)`` gives ``u``).
 
     Raises:
         ValueError: the batch holds no integer tensor (naming its type).
     """
-    items = batch.values() if isinstance(batch, Mapping) else batch
-    if isinstance(batch, torch.Tensor):
-        items = (batch,)
-    if isinstance(items, (tuple, list)) or isinstance(batch, Mapping):
-        for item in items:
-            if isinstance(item, torch.Tensor) and item.dtype in _INT_DTYPES:
-                return item
-    raise ValueError(
-        f"a batch of type {type(batch).__name__} holds no integer tensor; give LookAhead ids="
-    )
+    found = _first_int(batch, depth=0)
+    if found is None:
+        raise ValueError(
+            f"a batch of type {type(batch).__name__} holds no integer tensor; give LookAhead ids="
+        )
+    return found
+
+
+def _first_int(item: Any, depth: int) -> torch.Tensor | None:
+    if isinstance(item, torch.Tensor):
+        return item if item.dtype in _INT_DTYPES else None
+    if depth > 8:  # a self-referencing structure, or none a batch has
+        return None
+    if isinstance(item, Mapping):
+        item = item.values()
+    elif not isinstance(item, (tuple, list)):
+        return None
+    for value in item:
+        found = _first_int(value, depth + 1)
+        if found is not None:
+            return found
+    return None
+
+
+def _replacement(module: nn.Module) -> nn.Module:
+    """The module that now stands for ``module``: a table module a table action replaced calls
+    its replacement (:func:`edo_monitor.actions.tables.replace_module` makes its ``forward`` the
+    new module's call), followed to the last; ``module`` itself otherwise. A ``loader_ids``
+    mapping keyed by the user's ``nn.Embedding`` then serves the row cache made of it."""
+    for _ in range(16):  # a chain of replacements, never a cycle
+        owner = getattr(module.__dict__.get("forward"), "__self__", None)
+        if not isinstance(owner, nn.Module) or owner is module:
+            break
+        module = owner
+    return module
+
+
+def _then_raise(batches: list[Any], error: Exception) -> Iterator[Any]:
+    """``batches``, then ``error`` raised (a one-shot loader's, read ahead before a ``break``)."""
+    yield from batches
+    raise error
 
 
 class _Window:
@@ -180,7 +213,10 @@ class LookAhead:
 
     An exception from the loader surfaces where iterating the loader itself would have raised
     it: the batches read before it are handed out first, then the same exception object is
-    raised; an error of ``ids(batch)`` likewise surfaces at that batch's turn.
+    raised; an error of ``ids(batch)`` likewise surfaces at that batch's turn. A pass that stops
+    early (``break``) over a one-shot loader (an iterator or generator: ``iter(loader) is
+    loader``) keeps the batches it read ahead: the next pass hands them out first, as the
+    iterator itself would have given them (they were dropped: 8 batches a ``break``).
 
     Args:
         loader: any iterable of batches (a ``DataLoader``); read ``ahead + 1`` batches ahead.
@@ -190,7 +226,9 @@ class LookAhead:
             from the table (the module, or its name in ``tables`` when that is a model) to its
             tensor. Tables the mapping leaves out are
             served without look-ahead; ids outside a table's ``[0, N)`` are ignored (the forward
-            names them). Errors it raises propagate, at that batch's turn.
+            names them). Errors it raises propagate, at that batch's turn (``ids_errors=
+            "warn"``: one warning, and that batch served without look-ahead: the agent's
+            ``watch(loader=)`` never fails training on it).
         tables: the cached tables: a model (its :class:`CachedTable` modules are found at every
             batch, so tables converted later by the agent are served from then on; a warning,
             once, when a pass starts with none), one table, or an iterable of tables; ``None``
@@ -210,8 +248,12 @@ class LookAhead:
         ahead: int = 8,
         ids: IdsFn | None = None,
         tables: nn.Module | Iterable[CachedTable] | None = None,
+        *,
+        ids_errors: str = "raise",
     ) -> None:
         ahead = whole_number(ahead, "ahead", 1)
+        if ids_errors not in ("raise", "warn"):
+            raise ValueError(f"ids_errors={ids_errors!r}; expected 'raise' or 'warn'")
         if ids is None:
             ids = first_int_tensor
         if not callable(ids):
@@ -248,6 +290,13 @@ class LookAhead:
         #: batch's, and those whose staging was dropped; on the critical path like forward loads
         self.late_loads = 0
         self._warned = False  # serving no table said (once)
+        self.ids_errors = ids_errors
+        self._ids_warned = False  # an error of ids(batch) said (once), with ids_errors="warn"
+        self._shared_warned = False  # the default ids serving several tables said (once)
+        #: a one-shot loader's batches read ahead and not handed out when a pass stopped early
+        #: (and its exception, if it had raised): the next pass hands them out first
+        self._carried: list[Any] = []
+        self._carried_error: Exception | None = None
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
@@ -266,6 +315,8 @@ class LookAhead:
     def _blocks(self, batch: Any, tables: list[tuple[str, CachedTable]]) -> dict[int, torch.Tensor]:
         """Unique blocks per table (``id(table)`` -> ``(U,)`` int64) of one batch."""
         got = self.ids(batch)
+        if isinstance(got, Mapping):  # a table module the agent replaced: its replacement's
+            got = {_replacement(k) if isinstance(k, nn.Module) else k: v for k, v in got.items()}
         out: dict[int, torch.Tensor] = {}
         for name, table in tables:
             if isinstance(got, Mapping):
@@ -329,7 +380,15 @@ class LookAhead:
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[Any]:
         self._say_if_serving_none()
-        it = iter(self.loader)
+        source = iter(self.loader)
+        one_shot = source is self.loader  # a DataLoader's iter() restarts; an iterator's not
+        carried, self._carried = self._carried, []
+        carried_error, self._carried_error = self._carried_error, None
+        it: Iterator[Any] = source
+        if one_shot and carried_error is not None:  # it raised: the same error after them
+            it = _then_raise(carried, carried_error)
+        elif one_shot and carried:
+            it = itertools.chain(carried, source)
         window: deque[_Entry] = deque()
         count = 0
         failed: list[Exception] = []  # the loader's exception, raised once the window drains
@@ -368,7 +427,13 @@ class LookAhead:
                     raise head.error
                 for _, table in tables:
                     self._serve(table, window, served)
-                yield head.batch
+                try:
+                    yield head.batch
+                except GeneratorExit:  # the pass stopped early: keep what was read ahead
+                    if one_shot:
+                        self._carried = [e.batch for e in list(window)[1:]]
+                        self._carried_error = failed[0] if failed else None
+                    raise
                 window.popleft()
                 pull()
             if failed:
@@ -388,13 +453,31 @@ class LookAhead:
         for 50 batches at ``ahead=8``)."""
         if not tables:
             return
+        if self.ids is first_int_tensor and len(tables) > 1 and not self._shared_warned:
+            self._shared_warned = True
+            logger.warning(
+                "LookAhead: the default ids give the batch's first integer tensor to every "
+                "cached table (%s): each table prefetches those ids; give ids= (loader_ids= in "
+                "watch()) mapping each table's name to its ids",
+                ", ".join(name or "?" for name, _ in tables),
+            )
         now = frozenset(id(t) for _, t in tables)
         for entry in window:
             if entry.error is None and not now <= entry.indexed_for:
                 try:
                     entry.blocks = self._blocks(entry.batch, tables)
-                except Exception as err:  # raised at this batch's turn
-                    entry.blocks, entry.error = {}, err
+                except Exception as err:  # raised at this batch's turn, or said once
+                    entry.blocks = {}
+                    if self.ids_errors == "raise":
+                        entry.error = err
+                    elif not self._ids_warned:
+                        self._ids_warned = True
+                        logger.warning(
+                            "LookAhead: ids(batch) failed (%s: %s); such batches are served "
+                            "without look-ahead (give loader_ids=: a function batch -> ids)",
+                            type(err).__name__,
+                            err,
+                        )
                 entry.indexed_for = now
 
     def _say_if_serving_none(self) -> None:
