@@ -265,6 +265,11 @@ class _Lifecycle:
                 "monitor.step() after each update",
                 self.run_id,
             )
+        if status == "finished" and self.steps and getattr(self.loader, "passes", 1) == 0:
+            logger.warning(
+                "edo-monitor: watch(loader=) was given but monitor.loader was never iterated, "
+                "so no row cache had a look-ahead; iterate monitor.loader, not the loader"
+            )
         self._record_lookup_frequency()
         if self._coordinator is not None and self._coordinator.syncs:
             stats = self._coordinator.stats()

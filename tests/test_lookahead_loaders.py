@@ -172,3 +172,25 @@ def test_the_agents_look_ahead_over_nested_batches_and_a_mapping_keyed_by_module
     assert isinstance(model.items, CachedTable)
     assert max(abs(a - b) for a, b in zip(keyed, twin, strict=True)) < 1e-5
     assert model.items.stats().forward_loads == 0
+
+
+def test_a_loader_given_but_never_iterated_through_the_monitor_is_said(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression: ``watch(loader=batches)`` and the loop over ``batches`` itself (the README's
+    first loop, with ``loader=`` added): no look-ahead, and nothing said."""
+    model = nn.Sequential(nn.Embedding(100, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = [torch.randint(0, 100, (8,)) for _ in range(4)]
+    for served in (False, True):
+        caplog.clear()
+        with (
+            caplog.at_level(logging.WARNING, logger="edo_monitor.agent.lifecycle"),
+            edo_monitor.watch(model, db=tmp_path / "h.db", loader=batches) as mon,
+        ):
+            for ids in mon.loader if served else batches:
+                model(ids).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        said = [r for r in caplog.records if "monitor.loader was never iterated" in r.getMessage()]
+        assert len(said) == (0 if served else 1)

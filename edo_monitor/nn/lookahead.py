@@ -216,7 +216,10 @@ class LookAhead:
     raised; an error of ``ids(batch)`` likewise surfaces at that batch's turn. A pass that stops
     early (``break``) over a one-shot loader (an iterator or generator: ``iter(loader) is
     loader``) keeps the batches it read ahead: the next pass hands them out first, as the
-    iterator itself would have given them (they were dropped: 8 batches a ``break``).
+    iterator itself would have given them (they were dropped: 8 batches a ``break``). A loader
+    whose batches depend on the training state (hard negatives mined from the current model)
+    is read ``ahead + 1`` batches early, from an older model: its batches differ from the plain
+    loop's.
 
     Args:
         loader: any iterable of batches (a ``DataLoader``); read ``ahead + 1`` batches ahead.
@@ -293,6 +296,8 @@ class LookAhead:
         self.ids_errors = ids_errors
         self._ids_warned = False  # an error of ids(batch) said (once), with ids_errors="warn"
         self._shared_warned = False  # the default ids serving several tables said (once)
+        #: passes begun over the loader (``watch()`` warns at the end of a run that began none)
+        self.passes = 0
         #: a one-shot loader's batches read ahead and not handed out when a pass stopped early
         #: (and its exception, if it had raised): the next pass hands them out first
         self._carried: list[Any] = []
@@ -380,6 +385,7 @@ class LookAhead:
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[Any]:
         self._say_if_serving_none()
+        self.passes += 1
         source = iter(self.loader)
         one_shot = source is self.loader  # a DataLoader's iter() restarts; an iterator's not
         carried, self._carried = self._carried, []
