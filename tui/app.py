@@ -306,17 +306,8 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse ``edo-tui``'s command line; a usage error exits 2 with one line on stderr."""
-    parser = scripting.ArgumentParser(  # one-line errors, exit 2, as the scripts'
-        prog="edo-tui",
-        description="Terminal dashboard of edo-monitor's history database: runs live and past.",
-        epilog=(
-            "Exit codes: 0 quit on a run, the runs table or 'waiting for a run'; 1 quit while "
-            "the database or run could not be read; 2 usage (bad option, unusable database "
-            "argument, no terminal); 3 internal error."
-        ),
-    )
+def add_source_arguments(parser: argparse.ArgumentParser) -> None:
+    """The database and run arguments of ``edo-tui`` and its screenshot tool."""
     parser.add_argument(
         "db",
         nargs="?",
@@ -328,6 +319,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="run id, uuid prefix or 'latest' (default: running, else latest)",
     )
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse ``edo-tui``'s command line; a usage error exits 2 with one line on stderr."""
+    parser = scripting.ArgumentParser(  # one-line errors, exit 2, as the scripts'
+        prog="edo-tui",
+        description="Terminal dashboard of edo-monitor's history database: runs live and past.",
+        epilog=(
+            "Exit codes: 0 quit on a run, the runs table or 'waiting for a run'; 1 quit while "
+            "the database or run could not be read; 2 usage (bad option, unusable database "
+            "argument, no terminal); 3 internal error."
+        ),
+    )
+    add_source_arguments(parser)
     parser.add_argument(
         "--refresh-s",
         type=_positive_float,

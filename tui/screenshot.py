@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edo_monitor.surfaces import scripting
-from edo_monitor.tui.app import EdoTui
+from edo_monitor.tui.app import EdoTui, add_source_arguments
 from edo_monitor.tui.base import EXIT_OK
 from edo_monitor.tui.widgets import MemoryChart
 
@@ -143,17 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "argument); 3 internal error. A non-zero code is also one line on stderr."
         ),
     )
-    parser.add_argument(
-        "db",
-        nargs="?",
-        default=None,
-        help="database file or SQLAlchemy URL (default: $EDO_DB, else ./edo-history.db)",
-    )
-    parser.add_argument(
-        "--run",
-        default=None,
-        help="run id, uuid prefix or 'latest' (default: running, else latest)",
-    )
+    add_source_arguments(parser)
     parser.add_argument(
         "--view", choices=("live", "runs"), default="live", help="the view to save (default live)"
     )
