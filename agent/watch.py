@@ -112,7 +112,8 @@ def watch(
             window. Without it the cache evicts by its own policy (LFU).
         ahead: the look-ahead window in batches (an int >= 1).
         loader_ids: ``loader_ids(batch)``: the ids the batch looks up (a tensor, or a mapping from
-            table module or name to tensor); default: the first integer tensor of the batch.
+            table module or name to tensor); default: each table's found from its own lookups
+            (:class:`edo_monitor.nn.LookAhead`'s ``ids``).
         spill_dir: folder of the disk tier's file (``spill_embedding``, when the host cannot
             hold a row cache's table): default ``<history file>.spill`` beside an SQLite
             history, else ``<temp dir>/edo-spill``; the file is removed when the run ends.

@@ -84,14 +84,19 @@ def test_ids_found_at_any_depth_and_an_ids_error_under_warn_is_one_warning(
     assert line.startswith("LookAhead: ids(batch) failed (ValueError: a batch of type Batch")
     with pytest.raises(ValueError, match=r"^ids_errors='ignore'; expected 'raise' or 'warn'$"):
         LookAhead(batches, ids_errors="ignore")
-    # the default ids serve every table the same tensor: said once (a two-table model's
-    # items cache prefetched the user ids, silently)
+    # no ids: each table's found from its own lookups (a two-table model's second cache was
+    # served the first tensor, the user ids: more rows loaded than with no look-ahead at all)
     caplog.clear()
-    two = nn.ModuleDict({name: CachedEmbedding(100, 4, 10) for name in ("users", "goods")})
-    with caplog.at_level(logging.WARNING, logger="edo_monitor.nn.lookahead"):
-        assert len(list(LookAhead([(u, u)] * 3, ahead=2, tables=two))) == 3
-    (line,) = [r.getMessage() for r in caplog.records]
-    assert "first integer tensor to every cached table (users, goods)" in line
+    two = nn.ModuleDict({name: CachedEmbedding(1000, 4, 40) for name in ("users", "goods")})
+    g = torch.Generator().manual_seed(2)
+    pairs = [tuple(torch.randint(0, 1000, (2, 16), generator=g)) for _ in range(8)]
+    loads = []
+    with caplog.at_level(logging.WARNING, logger="edo_monitor.nn.lookahead_ids"):
+        for users, goods in LookAhead(pairs, ahead=2, tables=two):
+            before = two["goods"].stats().forward_loads
+            two["users"](users), two["goods"](goods)
+            loads.append(two["goods"].stats().forward_loads - before)
+    assert loads[0] > 0 and loads[3:] == [0] * 5 and not caplog.records
 
 
 class _Rec(nn.Module):

@@ -49,61 +49,14 @@ from torch import nn
 from edo_monitor.checks import whole_number
 from edo_monitor.nn.cache_parts import _CacheFullError, changes_cache
 from edo_monitor.nn.cached import CachedTable
+from edo_monitor.nn.lookahead_ids import IdsFn, _IdsOfBatches, first_int_tensor
 
 __all__ = ["LookAhead", "first_int_tensor"]
 
 logger = logging.getLogger(__name__)
 
-_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 _NEVER = 1 << 62  # next use of a block outside the window
 _BIG = 1 << 62  # score offset of rows used inside the window (above every frequency score)
-
-IdsFn = Callable[[Any], "torch.Tensor | Mapping[Any, torch.Tensor]"]
-
-
-def first_int_tensor(batch: Any) -> torch.Tensor:
-    """The default ``ids``: the batch itself when it is an integer tensor, else the first integer
-    tensor in it, depth first (tuple/list items in order, dict values in insertion order, at any
-    depth: ``({"user": u, "item": i}, labels)`` gives ``u``).
-
-    Raises:
-        ValueError: the batch holds no integer tensor (naming its type).
-    """
-    found = _first_int(batch, depth=0)
-    if found is None:
-        raise ValueError(
-            f"a batch of type {type(batch).__name__} holds no integer tensor; give LookAhead ids="
-        )
-    return found
-
-
-def _first_int(item: Any, depth: int) -> torch.Tensor | None:
-    if isinstance(item, torch.Tensor):
-        return item if item.dtype in _INT_DTYPES else None
-    if depth > 8:  # a self-referencing structure, or none a batch has
-        return None
-    if isinstance(item, Mapping):
-        item = item.values()
-    elif not isinstance(item, (tuple, list)):
-        return None
-    for value in item:
-        found = _first_int(value, depth + 1)
-        if found is not None:
-            return found
-    return None
-
-
-def _replacement(module: nn.Module) -> nn.Module:
-    """The module that now stands for ``module``: a table module a table action replaced calls
-    its replacement (:func:`edo_monitor.actions.tables.replace_module` makes its ``forward`` the
-    new module's call), followed to the last; ``module`` itself otherwise. A ``loader_ids``
-    mapping keyed by the user's ``nn.Embedding`` then serves the row cache made of it."""
-    for _ in range(16):  # a chain of replacements, never a cycle
-        owner = getattr(module.__dict__.get("forward"), "__self__", None)
-        if not isinstance(owner, nn.Module) or owner is module:
-            break
-        module = owner
-    return module
 
 
 def _then_raise(batches: list[Any], error: Exception) -> Iterator[Any]:
@@ -196,7 +149,7 @@ class _Entry:
         self.error: Exception | None = None
 
 
-class LookAhead:
+class LookAhead(_IdsOfBatches):
     """Iterate ``loader`` with ``ahead`` batches read in advance, prefetching and evicting by them.
 
     ``for batch in LookAhead(loader, ahead=8, ids=lambda b: b[0], tables=model): ...``
@@ -224,14 +177,17 @@ class LookAhead:
     Args:
         loader: any iterable of batches (a ``DataLoader``); read ``ahead + 1`` batches ahead.
         ahead: the window ``K >= 1``, in batches.
-        ids: ``ids(batch)`` (default :func:`first_int_tensor`) gives the ids a batch looks up:
-            one tensor (every table looks up the same ids; any shape, int64/int32) or a mapping
-            from the table (the module, or its name in ``tables`` when that is a model) to its
-            tensor. Tables the mapping leaves out are
-            served without look-ahead; ids outside a table's ``[0, N)`` are ignored (the forward
-            names them). Errors it raises propagate, at that batch's turn (``ids_errors=
-            "warn"``: one warning, and that batch served without look-ahead: the agent's
-            ``watch(loader=)`` never fails training on it).
+        ids: ``ids(batch)`` gives the ids a batch looks up: one tensor (every table looks up
+            the same ids; any shape, int64/int32) or a mapping from the table (the module, or
+            its name in ``tables`` when that is a model) to its tensor. Default: each table's
+            found from its own lookups: the batch's integer tensors (depth first) whose distinct
+            ids a table looked up at a batch's forward are that table's from then on; until
+            then, and for a table that looks up none of them (its model transforms the ids: a
+            warning after 3 batches), the first (:func:`first_int_tensor`). Tables the mapping
+            leaves out are served without look-ahead; ids outside a table's ``[0, N)`` are
+            ignored (the forward names them). Errors it raises propagate, at that batch's turn
+            (``ids_errors="warn"``: one warning, and that batch served without look-ahead: the
+            agent's ``watch(loader=)`` never fails training on it).
         tables: the cached tables: a model (its :class:`CachedTable` modules are found at every
             batch, so tables converted later by the agent are served from then on; a warning,
             once, when a pass starts with none), one table, or an iterable of tables; ``None``
@@ -257,6 +213,7 @@ class LookAhead:
         ahead = whole_number(ahead, "ahead", 1)
         if ids_errors not in ("raise", "warn"):
             raise ValueError(f"ids_errors={ids_errors!r}; expected 'raise' or 'warn'")
+        self._auto = ids is None  # each table's ids found from its own lookups
         if ids is None:
             ids = first_int_tensor
         if not callable(ids):
@@ -295,7 +252,14 @@ class LookAhead:
         self._warned = False  # serving no table said (once)
         self.ids_errors = ids_errors
         self._ids_warned = False  # an error of ids(batch) said (once), with ids_errors="warn"
-        self._shared_warned = False  # the default ids serving several tables said (once)
+        #: (no ``ids``) per table (``id``), the places of the batch's integer tensors (depth
+        #: first) its lookups read, learned at a batch's forward; ``()``: none of
+        #: them (the model transforms its ids): the first is served
+        self._learned: dict[int, tuple[int, ...]] = {}
+        self._heard: dict[int, set[int]] = {}  # the served batch's tensors each table read
+        self._unmatched: dict[int, int] = {}  # served batches whose lookups matched none
+        self._listening: dict[int, Any] = {}  # lookup listeners' handles, until learned
+        self._head: list[torch.Tensor] | None = None  # the served batch's integer tensors
         #: passes begun over the loader (``watch()`` warns at the end of a run that began none)
         self.passes = 0
         #: a one-shot loader's batches read ahead and not handed out when a pass stopped early
@@ -316,42 +280,6 @@ class LookAhead:
         if t is None:
             return []
         return [(str(i), m) for i, m in enumerate(t) if isinstance(m, CachedTable)]
-
-    def _blocks(self, batch: Any, tables: list[tuple[str, CachedTable]]) -> dict[int, torch.Tensor]:
-        """Unique blocks per table (``id(table)`` -> ``(U,)`` int64) of one batch."""
-        got = self.ids(batch)
-        if isinstance(got, Mapping):  # a table module the agent replaced: its replacement's
-            got = {_replacement(k) if isinstance(k, nn.Module) else k: v for k, v in got.items()}
-        out: dict[int, torch.Tensor] = {}
-        for name, table in tables:
-            if isinstance(got, Mapping):
-                v = got.get(table, got.get(name)) if name else got.get(table)
-                if v is None:
-                    continue
-            else:
-                v = got
-            flat = self._id_tensor(v, name)
-            flat = flat[(flat >= 0) & (flat < table.num_embeddings)]
-            r = table.block_rows
-            out[id(table)] = torch.unique(flat // r if r > 1 else flat)
-        return out
-
-    def _id_tensor(self, value: Any, name: str) -> torch.Tensor:
-        """``ids(batch)``'s value for one table, flat int64 on the host; ``TypeError`` naming
-        what it gave when that is not integer ids (a float id was truncated to a row)."""
-        ids = value if isinstance(value, torch.Tensor) else None
-        if ids is None:
-            try:
-                ids = torch.as_tensor(value)
-            except (TypeError, ValueError, RuntimeError):
-                ids = None
-        if ids is None or ids.is_complex() or ids.is_floating_point() or ids.dtype == torch.bool:
-            what = type(value).__name__ if ids is None else f"{ids.dtype} values"
-            table = f" for table {name!r}" if name else ""
-            raise TypeError(
-                f"LookAhead ids(batch) gave {what}{table}; expected an integer tensor of ids"
-            )
-        return ids.reshape(-1).to("cpu", torch.int64)
 
     # ------------------------------------------------------------------ the cache's hooks
     def protected_slots(self, table: CachedTable) -> torch.Tensor:
@@ -427,12 +355,16 @@ class LookAhead:
                 pass
             while window:
                 tables = self._named_tables()
+                if self._auto:
+                    self._learn(window, tables)
                 self._index(window, tables)
                 head = window[0]
                 if head.error is not None:
                     raise head.error
                 for _, table in tables:
                     self._serve(table, window, served)
+                if self._auto:
+                    self._listen(head.batch, tables)
                 try:
                     yield head.batch
                 except GeneratorExit:  # the pass stopped early: keep what was read ahead
@@ -449,6 +381,10 @@ class LookAhead:
                 if table._lookahead is self:
                     table._lookahead = None
             self._windows.clear()
+            for handle in self._listening.values():
+                handle.remove()
+            self._listening.clear()
+            self._head = None
 
     def _index(self, window: deque[_Entry], tables: list[tuple[str, CachedTable]]) -> None:
         """Call ``ids(batch)`` for the waiting batches not indexed for every table in
@@ -459,14 +395,6 @@ class LookAhead:
         for 50 batches at ``ahead=8``)."""
         if not tables:
             return
-        if self.ids is first_int_tensor and len(tables) > 1 and not self._shared_warned:
-            self._shared_warned = True
-            logger.warning(
-                "LookAhead: the default ids give the batch's first integer tensor to every "
-                "cached table (%s): each table prefetches those ids; give ids= (loader_ids= in "
-                "watch()) mapping each table's name to its ids",
-                ", ".join(name or "?" for name, _ in tables),
-            )
         now = frozenset(id(t) for _, t in tables)
         for entry in window:
             if entry.error is None and not now <= entry.indexed_for:
