@@ -19,6 +19,19 @@ from edo_monitor.actions import (
 VOCAB, DIM, HIDDEN, CLASSES, PAD = 3000, 32, 64, 5, 0
 
 
+class Recommender(nn.Module):
+    """Users x items, float64 tables: the row-cache tests' recommender (``items`` rows of
+    ``dim``, ``users`` rows)."""
+
+    def __init__(self, items: int = 4000, users: int = 50, dim: int = 16) -> None:
+        super().__init__()
+        self.items = nn.Embedding(items, dim, dtype=torch.float64)
+        self.users = nn.Embedding(users, dim, dtype=torch.float64)
+
+    def forward(self, users: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
+        return (self.users(users) * self.items(items)).sum(-1)
+
+
 class Block(nn.Module):
     """Residual MLP block with dropout: saves activations for backward."""
 

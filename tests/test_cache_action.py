@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from action_helpers import Recommender
 from torch import nn
 
 import edo_monitor
@@ -34,16 +35,6 @@ from edo_monitor.store.history import History
 ITEMS, USERS, DIM = 4000, 50, 16
 ROW_BYTES = DIM * 8 * 4  # float64 weight + grad + Adam's two moments
 CACHED_ROW_BYTES = DIM * 8 * 3  # a cache row has no gradient: weight + Adam's two moments
-
-
-class Recommender(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.items = nn.Embedding(ITEMS, DIM, dtype=torch.float64)
-        self.users = nn.Embedding(USERS, DIM, dtype=torch.float64)
-
-    def forward(self, users: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
-        return (self.users(users) * self.items(items)).sum(-1)
 
 
 def _batches(n: int, seed: int = 1) -> list[tuple[torch.Tensor, ...]]:

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from action_helpers import Recommender
 from torch import nn
 
 import edo_monitor
@@ -23,16 +24,6 @@ from edo_monitor.nn.embedding import EmbeddingOptions
 from edo_monitor.store.history import History
 
 ITEMS, USERS, DIM, STEPS = 6000, 50, 16, 60  # more rows than are sampled: the sample matters
-
-
-class Recommender(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.items = nn.Embedding(ITEMS, DIM, dtype=torch.float64)
-        self.users = nn.Embedding(USERS, DIM, dtype=torch.float64)
-
-    def forward(self, users: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
-        return (self.users(users) * self.items(items)).sum(-1)
 
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -54,7 +45,7 @@ def _run(db: Path, ladder: list[str] | None) -> tuple[nn.Module, list[str], dict
     """A watched run under a budget of 3x the model's accounted bytes (the table must go);
     returns the model, the actions applied and the run's table_spectrum events by table."""
     torch.manual_seed(0)
-    model = Recommender()
+    model = Recommender(ITEMS)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     budget = int(account(model).total_bytes * 3)
     policy = edo_monitor.Policy(cooldown_steps=1, **({"ladder": ladder} if ladder else {}))
@@ -70,7 +61,7 @@ def _run(db: Path, ladder: list[str] | None) -> tuple[nn.Module, list[str], dict
 def twin() -> nn.Module:
     """The same model trained on the same batches, unwatched: its tables stay resident."""
     torch.manual_seed(0)
-    model = Recommender()
+    model = Recommender(ITEMS)
     _train(model, torch.optim.Adam(model.parameters(), lr=0.01))
     return model
 

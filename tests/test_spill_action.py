@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from action_helpers import Recommender
 from torch import nn
 
 import edo_monitor
@@ -31,16 +32,6 @@ from edo_monitor.store.spill_files import SPILL_PREFIX, leftover_spill_files
 
 ITEMS, USERS, DIM = 4000, 50, 16
 TABLE_HOST_BYTES = ITEMS * DIM * 8 * 3  # float64 weight + Adam's two moments
-
-
-class Recommender(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.items = nn.Embedding(ITEMS, DIM, dtype=torch.float64)
-        self.users = nn.Embedding(USERS, DIM, dtype=torch.float64)
-
-    def forward(self, users: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
-        return (self.users(users) * self.items(items)).sum(-1)
 
 
 def _batches(n: int, seed: int = 1) -> list[tuple[torch.Tensor, ...]]:
