@@ -21,27 +21,20 @@ from typing import Any
 import pytest
 from fakes.nvml import FakeGpu, FakeNvml
 from sqlalchemy import insert
+from test_daemon import _start as start_daemon
 
 from edo_monitor.errors import StoreError
 from edo_monitor.store.engine import open_engine
 from edo_monitor.store.schema import device_events_table
 from edo_monitor.surfaces.daemon import Daemon
 
-LAUNCHER = Path(__file__).resolve().parent / "fakes" / "daemon_main.py"
 README = Path(__file__).resolve().parent.parent / "README.md"
 SPEC = json.dumps({"gpus": [{"uuid": "GPU-aaa"}]})
 
 
 def _start(db: Path, *args: str) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("EDO_DB", None)
-    return subprocess.Popen(
-        [sys.executable, str(LAUNCHER), SPEC, "daemon", "--db", str(db), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+    """The daemon on one fake GPU (``SPEC``), as test_daemon starts it."""
+    return start_daemon(db, SPEC, *args)
 
 
 def _device_rows(db: Path) -> int:
