@@ -449,20 +449,9 @@ def _recorded(events: Sequence[Any]) -> list[ReplayDecision]:
     for e in events:
         if e.kind == "decision":
             mode = e.data.get("mode")
-            out.append(
-                ReplayDecision(
-                    e.step,
-                    e.time_s,
-                    str(e.data.get("action")),
-                    str(e.data.get("target") or ""),
-                    None,
-                    e.data.get("free_fraction"),
-                    "advised" if mode == "advise" else "pending",
-                    str(e.data.get("reason") or ""),
-                    e.data.get("expected_error"),
-                    e.step,
-                )
-            )
+            status = "advised" if mode == "advise" else "pending"
+            reason = str(e.data.get("reason") or "")
+            out.append(_recorded(e, None, e.data.get("free_fraction"), status, reason, e.step))
             if mode != "advise":
                 open_.append(len(out) - 1)
         elif e.kind in outcomes:
@@ -479,20 +468,32 @@ def _recorded(events: Sequence[Any]) -> list[ReplayDecision]:
                     target=str(e.data.get("target") or out[i].target),
                 )
                 continue
-            out.append(
-                ReplayDecision(
-                    e.step,
-                    e.time_s,
-                    str(e.data.get("action")),
-                    str(e.data.get("target") or ""),
-                    saved,
-                    None,
-                    outcomes[e.kind],
-                    _no_decision_reason(e),
-                    e.data.get("expected_error"),
-                )
-            )
+            out.append(_recorded(e, saved, None, outcomes[e.kind], _no_decision_reason(e)))
     return out
+
+
+def _recorded(
+    e: Any,
+    saving_bytes: int | None,
+    free_fraction: float | None,
+    status: str,
+    reason: str,
+    decided_step: int | None = None,
+) -> ReplayDecision:
+    """A recorded decision or outcome event ``e`` as a :class:`ReplayDecision`: its step, time,
+    action, target and expected error, with the rest given."""
+    return ReplayDecision(
+        e.step,
+        e.time_s,
+        str(e.data.get("action")),
+        str(e.data.get("target") or ""),
+        saving_bytes,
+        free_fraction,
+        status,
+        reason,
+        e.data.get("expected_error"),
+        decided_step,
+    )
 
 
 def _own_decision(out: Sequence[ReplayDecision], open_: Sequence[int], e: Any) -> int | None:
