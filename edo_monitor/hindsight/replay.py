@@ -451,7 +451,7 @@ def _recorded(events: Sequence[Any]) -> list[ReplayDecision]:
             mode = e.data.get("mode")
             status = "advised" if mode == "advise" else "pending"
             reason = str(e.data.get("reason") or "")
-            out.append(_recorded(e, None, e.data.get("free_fraction"), status, reason, e.step))
+            out.append(_from_event(e, None, e.data.get("free_fraction"), status, reason, e.step))
             if mode != "advise":
                 open_.append(len(out) - 1)
         elif e.kind in outcomes:
@@ -468,11 +468,11 @@ def _recorded(events: Sequence[Any]) -> list[ReplayDecision]:
                     target=str(e.data.get("target") or out[i].target),
                 )
                 continue
-            out.append(_recorded(e, saved, None, outcomes[e.kind], _no_decision_reason(e)))
+            out.append(_from_event(e, saved, None, outcomes[e.kind], _no_decision_reason(e)))
     return out
 
 
-def _recorded(
+def _from_event(
     e: Any,
     saving_bytes: int | None,
     free_fraction: float | None,
