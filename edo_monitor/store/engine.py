@@ -179,15 +179,13 @@ def open_engine(
     new_file = None if readonly else database_file(url)
     if new_file is not None and not new_file.exists():
         _create_history_file(new_file)
-    for tries_left in range(CLOSE_TRIES - 1, -1, -1):
+    for _ in range(CLOSE_TRIES - 1):
         try:
             return _engine_for(url, readonly=readonly)
         except _ServerUnavailableError as exc:  # a writer: the run-row insert is retried too
-            if not tries_left:
-                raise StoreError(str(exc)) from None
             logger.warning("%s; trying again in %.0f s", exc, RETRY_PAUSE_S)
             time.sleep(RETRY_PAUSE_S)
-    raise AssertionError("unreachable")  # the last try returned or raised
+    return _engine_for(url, readonly=readonly)  # the last try: its StoreError is the answer
 
 
 def _create_history_file(path: Path) -> None:
