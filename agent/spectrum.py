@@ -7,7 +7,7 @@ with a fixed seed), copied to float32 on the CPU and passed to :func:`torch.lina
 (``O(rows · D · min(rows, D))``); never a full pass over a big table. Called at the end of the
 run, on the training thread (the model no longer changes).
 
-Which tables (:func:`table_weight`): every ``nn.Embedding`` / ``nn.EmbeddingBag`` of the watched
+Which tables (:func:`_table_rows`): every ``nn.Embedding`` / ``nn.EmbeddingBag`` of the watched
 model, and the tables the agent (or the user) converted, whose full weight can still be read
 exactly — these are the tables that caused the pressure:
 
@@ -30,7 +30,9 @@ dimension from the compression's error instead of the data.
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -55,7 +57,7 @@ SPECTRUM_MAX_VALUES = 64
 
 
 def table_spectrum(
-    weight: torch.Tensor | _CachedRows, *, max_rows: int = SPECTRUM_MAX_ROWS, seed: int = 0
+    weight: torch.Tensor, *, max_rows: int = SPECTRUM_MAX_ROWS, seed: int = 0
 ) -> dict[str, Any]:
     """The singular spectrum of a random sample of the rows of ``weight``.
 
@@ -78,16 +80,24 @@ def table_spectrum(
             "table and max_rows >= 1"
         )
     n, d = weight.shape
+    return _spectrum(n, d, functools.partial(_weight_rows, weight), max_rows, seed)
+
+
+def _spectrum(
+    n: int,
+    d: int,
+    rows: Callable[[torch.Tensor], torch.Tensor],
+    max_rows: int = SPECTRUM_MAX_ROWS,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """:func:`table_spectrum` of an ``(n, d)`` table whose rows ``rows(ids)`` reads (host int64
+    ids ``(k,)`` -> ``(k, d)``)."""
     with torch.no_grad():
         if n > max_rows:
-            g = torch.Generator().manual_seed(seed)
-            idx = torch.randperm(n, generator=g)[:max_rows].to(weight.device)
-            sample = weight.index_select(0, idx)
-        elif isinstance(weight, torch.Tensor):
-            sample = weight
-        else:  # a row cache's rows (_CachedRows): every one
-            sample = weight.index_select(0, torch.arange(n))
-        sample = sample.detach().to("cpu", torch.float32)
+            idx = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:max_rows]
+        else:
+            idx = torch.arange(n)
+        sample = rows(idx).detach().to("cpu", torch.float32)
         values = torch.linalg.svdvals(sample)
     return {
         "rows_sampled": int(sample.shape[0]),
@@ -98,40 +108,16 @@ def table_spectrum(
     }
 
 
-class _CachedRows:
-    """A row cache's whole table as :func:`table_spectrum` reads it: its ``(N, D)`` shape, dtype
-    and the rows it samples, each as it is at the last step
-    (:meth:`~edo_monitor.nn.CachedTable.current_rows`), without a flush."""
-
-    def __init__(self, table: Any) -> None:
-        self.table = table
-        self.shape = (int(table.num_embeddings), int(table.embedding_dim))
-        self.dtype = table.weight.dtype
-        self.device = torch.device("cpu")  # ids are host ids
-
-    def dim(self) -> int:
-        return 2
-
-    def numel(self) -> int:
-        return self.shape[0] * self.shape[1]
-
-    def is_floating_point(self) -> bool:
-        return self.dtype.is_floating_point
-
-    def index_select(self, dim: int, idx: torch.Tensor) -> torch.Tensor:
-        return self.table.current_rows(idx)
-
-
-def table_weight(module: torch.nn.Module) -> torch.Tensor | _CachedRows | None:
-    """The full ``(num_embeddings, embedding_dim)`` weight of an embedding table ``module``, read
-    exactly (module docstring: plain tables, row caches, offloaded and fp16/bf16 tables), or
-    ``None`` for a module that is not such a table or whose weight no longer exists as such (a
-    compressed table: its rows are computed). A row cache gives its rows as they are at the last
-    step (:class:`_CachedRows`), not flushed."""
+def table_weight(module: torch.nn.Module) -> torch.Tensor | None:
+    """The full ``(num_embeddings, embedding_dim)`` weight of an embedding table ``module``
+    (module docstring: plain tables, offloaded and fp16/bf16 tables), or ``None`` for a module
+    that is not such a table or whose weight no longer exists as such: a compressed table (its
+    rows are computed), a row cache (its ``weight`` is the ``(C, D)`` cache: its rows are read
+    by :meth:`~edo_monitor.nn.CachedTable.current_rows`)."""
     from edo_monitor.nn import CachedTable, LowPrecisionEmbedding, OffloadedEmbedding
 
-    if isinstance(module, CachedTable):  # before the rest: its ``weight`` is the (C, D) cache
-        return _CachedRows(module)
+    if isinstance(module, CachedTable):
+        return None
     if isinstance(
         module,
         (torch.nn.Embedding, torch.nn.EmbeddingBag, OffloadedEmbedding, LowPrecisionEmbedding),
@@ -141,10 +127,37 @@ def table_weight(module: torch.nn.Module) -> torch.Tensor | _CachedRows | None:
     return None
 
 
+def _table_rows(
+    module: torch.nn.Module,
+) -> tuple[int, int, Callable[[torch.Tensor], torch.Tensor]] | None:
+    """``(N, D, rows)`` of an embedding table ``module`` whose rows can be read exactly, or
+    ``None``: a row cache's rows as they are at the last step, nothing loaded, evicted or
+    counted; another table's from its whole float weight (:func:`table_weight`)."""
+    from edo_monitor.nn import CachedTable
+
+    if isinstance(module, CachedTable):
+        return module.num_embeddings, module.embedding_dim, module.current_rows
+    w = table_weight(module)
+    if w is None or w.dim() != 2 or not w.is_floating_point():
+        return None
+    if w.device.type == "meta" or w.numel() == 0:
+        return None
+    expected = (getattr(module, "num_embeddings", None), getattr(module, "embedding_dim", None))
+    if None not in expected and tuple(w.shape) != expected:
+        return None  # not the whole table: never a part of it recorded as the table
+    n, d = w.shape
+    return n, d, functools.partial(_weight_rows, w)
+
+
+def _weight_rows(weight: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Rows ``idx`` (host ids) of ``weight``, wherever it is."""
+    return weight.index_select(0, idx.to(weight.device))
+
+
 def record_table_spectra(m: MonitorState) -> None:
     """One ``table_spectrum`` event per embedding table of the watched model not yet recorded
-    (``nn.Embedding`` / ``nn.EmbeddingBag``, and the converted tables whose full weight can be
-    read exactly: :func:`table_weight`; a float weight). Never raises: a table that fails is
+    (``nn.Embedding`` / ``nn.EmbeddingBag``, and the converted tables whose rows can be read
+    exactly: :func:`_table_rows`; a float weight). Never raises: a table that fails is
     counted as an agent error and the others are still recorded."""
     model = getattr(m, "model", None)
     if model is None:
@@ -159,16 +172,11 @@ def record_table_spectra(m: MonitorState) -> None:
         if name in done:
             continue
         try:
-            w = table_weight(mod)
-            if w is None or w.dim() != 2 or not w.is_floating_point():
+            table = _table_rows(mod)
+            if table is None:
                 continue
-            if w.device.type == "meta" or w.numel() == 0:
-                continue
-            expected = (getattr(mod, "num_embeddings", None), getattr(mod, "embedding_dim", None))
-            if None not in expected and tuple(w.shape) != expected:
-                continue  # not the whole table: never a part of it recorded as the table
             done.add(name)
-            data = {"table": name, **table_spectrum(w)}
+            data = {"table": name, **_spectrum(*table)}
             m._emit(
                 "table_spectrum",
                 f"{name}: singular spectrum of {data['rows_sampled']:,} sampled rows",
