@@ -35,8 +35,10 @@ def _batches(steps: int, seed: int = 1, shape: tuple[int, int] = (3, 4)) -> list
     ]
 
 
-@pytest.mark.parametrize("opt", ["adam", "sgd_momentum"])
+@pytest.mark.parametrize("opt", ["adam", "sgd_momentum", "adamw_scheduled"])
 def test_lookahead_keeps_the_cache_exact_against_a_resident_twin(opt: str) -> None:
+    """Staged rows come in at their own steps and the forward catches them up: with a learning
+    rate that changes every step between the staging and the forward, too."""
     torch.manual_seed(0)
     base = torch.randn(N, D, dtype=torch.float64)
     twin = nn.Embedding.from_pretrained(base.clone(), freeze=False)
@@ -44,18 +46,25 @@ def test_lookahead_keeps_the_cache_exact_against_a_resident_twin(opt: str) -> No
     make = {
         "adam": lambda p: torch.optim.Adam(p, lr=0.01),
         "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=0.01),
+        "adamw_scheduled": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
     }[opt]
     o1, o2 = make([twin.weight]), make([cached.weight])
+    s1, s2 = (torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.97) for o in (o1, o2))
+    scheduled = opt.endswith("scheduled")
     batches = _batches(120)
     for ids, target in batches:
         o1.zero_grad()
         ((twin(ids) - target) ** 2).sum().backward()
         o1.step()
+        if scheduled:
+            s1.step()
     loader = LookAhead(batches, ahead=4, ids=lambda b: b[0], tables=cached)
     for ids, target in loader:
         o2.zero_grad()
         ((cached(ids) - target) ** 2).sum().backward()
         o2.step()
+        if scheduled:
+            s2.step()
     st = cached.stats()
     assert st.evicted > 100  # rows really left and came back
     # rows came in staged one batch ahead (placed after the step that ran meanwhile)

@@ -15,7 +15,8 @@ and, for each :class:`~edo_monitor.nn.cached.CachedTable` it serves:
 * rows the running step needs are never evicted (nor, as without the wrapper, rows holding a
   gradient since the last optimizer step), and neither are the prefetched, not yet run, batch's
   while the two batches fit. The next batch's misses are *staged* while step ``i`` runs (host
-  gather and catch-up, on CUDA the copy to the device on the side stream) and placed into the
+  gather, on CUDA the copy to the device on the side stream; the rows stay at their own steps
+  and the batch's forward catches them up with its other stale rows) and placed into the
   cache at the ``next()`` after step ``i``, when batch ``i``'s rows may go: prefetching does not
   hold two batches in the cache. Where a batch and the next one's cached rows do not fit, the
   staging is dropped and the running batch's loads take the next one's rows (they load again
@@ -448,7 +449,7 @@ class LookAhead(_IdsOfBatches):
     def _serve(self, table: CachedTable, window: deque[_Entry], served: list) -> None:
         """Before batch ``window[0]`` runs (the step before it has run): place the rows staged for
         it into the cache, load what is still missing (counted in :attr:`late_loads`), and stage
-        the misses of batch ``window[1]`` (host gather, catch-up and, on CUDA, the copy to the
+        the misses of batch ``window[1]`` (host gather and, on CUDA, the copy to the
         device on the side stream), to be placed at the next call, when the step of this batch
         has run and its rows may go."""
         key = id(table)
@@ -476,7 +477,9 @@ class LookAhead(_IdsOfBatches):
             if nxt is not None:
                 miss = nxt[table.block_to_slot[nxt] < 0]
                 if 0 < miss.numel() <= table.slot_to_block.numel():
-                    w.staged = table._stage_blocks(miss)
+                    # at their own steps: the batch's forward catches them up with its other
+                    # stale rows, in one pass (on a device, not on the host)
+                    w.staged = table._stage_blocks(miss, catch_up=False)
 
     @staticmethod
     def _place(table: CachedTable, staged: dict[str, Any]) -> None:
@@ -485,7 +488,7 @@ class LookAhead(_IdsOfBatches):
         back since, a state dict was loaded since, or the cache has no evictable slots for
         them."""
         blocks = staged["blocks"]
-        if set(staged["st"]) != set(table._state_keys()) or staged["t"] > table.t:
+        if set(staged["st"]) != set(table._state_keys()) or staged["step"] > table.t:
             return  # the optimizer was attached (or reloaded) since: stage again
         if staged["rewrites"] != table._rewrites:
             return  # a state dict was loaded since: the staged rows are the old ones
