@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from edo_monitor.checks import whole_number
-from edo_monitor.nn.cache_parts import _CacheFullError, changes_cache
+from edo_monitor.nn.cache_parts import _CacheFullError, changes_cache, put_rows
 from edo_monitor.nn.cached import CachedTable
 from edo_monitor.nn.lookahead_ids import IdsFn, _IdsOfBatches, first_int_tensor
 
@@ -79,12 +79,13 @@ class _Window:
     def index(self, batches: list[tuple[int, torch.Tensor]]) -> None:
         """Set ``next_use`` from ``(batch number, unique blocks)`` of the window (``O(K x U)``)."""
         if self.indexed.numel():
-            self.next_use[self.indexed] = _NEVER
+            put_rows(self.next_use, self.indexed, _NEVER)
         if not batches:
             self.indexed = torch.zeros(0, dtype=torch.int64)
             return
         blocks = torch.cat([b for _, b in batches])
-        when = torch.cat([torch.full((b.numel(),), n, dtype=torch.int64) for n, b in batches])
+        numbers = torch.tensor([n for n, _ in batches], dtype=torch.int64)
+        when = numbers.repeat_interleave(torch.tensor([b.numel() for _, b in batches]))
         self.next_use.scatter_reduce_(0, blocks, when, reduce="amin")
         self.indexed = blocks
 
@@ -288,8 +289,8 @@ class LookAhead(_IdsOfBatches):
         w = self._windows.get(id(table))
         if w is None or w.protected.numel() == 0:
             return torch.zeros(0, dtype=torch.int64)
-        slots = table.block_to_slot[w.protected]
-        return slots[slots >= 0]
+        slots = table.block_to_slot.index_select(0, w.protected)
+        return slots.masked_select(slots >= 0)
 
     def inside(self, table: CachedTable) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """``blocks -> bool`` (each used within the window), or ``None`` when ``table`` has no
@@ -298,7 +299,7 @@ class LookAhead(_IdsOfBatches):
         if w is None:
             return None
         next_use = w.next_use
-        return lambda blocks: next_use[blocks] < _NEVER
+        return lambda blocks: next_use.index_select(0, blocks) < _NEVER
 
     def score(self, table: CachedTable, blocks: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
         """Eviction scores (smallest first) of ``blocks`` (one per slot; a free slot's entry is
@@ -307,7 +308,7 @@ class LookAhead(_IdsOfBatches):
         w = self._windows.get(id(table))
         if w is None:
             return score
-        nu = w.next_use[blocks]
+        nu = w.next_use.index_select(0, blocks)
         inside = nu < _NEVER
         return torch.where(inside, _BIG - nu, score)
 
@@ -475,7 +476,7 @@ class LookAhead(_IdsOfBatches):
             table.prefetch(now * table.block_rows)  # loads only what staging did not bring
             self.late_loads += table._counters["misses"] - before
             if nxt is not None:
-                miss = nxt[table.block_to_slot[nxt] < 0]
+                miss = nxt.masked_select(table.block_to_slot.index_select(0, nxt) < 0)
                 if 0 < miss.numel() <= table.slot_to_block.numel():
                     # at their own steps: the batch's forward catches them up with its other
                     # stale rows, in one pass (on a device, not on the host)
@@ -492,8 +493,8 @@ class LookAhead(_IdsOfBatches):
             return  # the optimizer was attached (or reloaded) since: stage again
         if staged["rewrites"] != table._rewrites:
             return  # a state dict was loaded since: the staged rows are the old ones
-        if bool((table.block_to_slot[blocks] >= 0).any()) or not torch.equal(
-            table.last_step[staged["ids"]], staged["s"]
+        if bool((table.block_to_slot.index_select(0, blocks) >= 0).any()) or not torch.equal(
+            table.last_step.index_select(0, staged["ids"]), staged["s"]
         ):
             return
         try:
