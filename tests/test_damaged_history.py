@@ -1,7 +1,7 @@
 """A history damaged in the middle of the file (pages overwritten: the schema page reads, the
-tables' pages do not) is refused by every reader as a truncated one is: one line, "is a damaged
-SQLite database", exit code 1, never an internal error; ``doctor`` reports the damage as a
-finding (exit code 1) instead of failing on it."""
+tables' pages do not) is refused by every reader, and by ``prune``, as a truncated one is: one
+line, "is a damaged SQLite database", exit code 1, never an internal error; ``doctor`` reports
+the damage as a finding (exit code 1) instead of failing on it."""
 
 from __future__ import annotations
 
@@ -73,6 +73,28 @@ def test_readers_refuse_a_damaged_file_in_one_line(damaged: Path, args: list[str
         "neither reads nor writes it (copy out what you need with sqlite3, or start a new "
         "database)\n"
     )
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["prune", "--older-than", "0s"],
+        ["prune", "--keep-last", "1"],
+        ["prune", "--downsample-older-than", "0s", "--bucket", "1h"],
+    ],
+    ids=" ".join,
+)
+def test_writers_refuse_a_damaged_file_in_one_line(
+    damaged: Path, tmp_path: Path, args: list[str]
+) -> None:
+    """A write that meets a damaged page is refused as a read is (it was an internal error,
+    exit code 3, naming SQLAlchemy's DatabaseError), and changes nothing."""
+    path = tmp_path / "damaged.db"
+    path.write_bytes(damaged.read_bytes())
+    res = _cli("--db", str(path), *args)
+    assert res.exit_code == 1, (res.exit_code, res.stderr)
+    assert res.stderr.startswith(f"edo-monitor: error: {str(path)!r} {DAMAGED}; ")
+    assert path.read_bytes() == damaged.read_bytes()
 
 
 def test_history_api_raises_store_error(damaged: Path) -> None:

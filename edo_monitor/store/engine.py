@@ -262,8 +262,8 @@ def _engine_for(url: URL, *, readonly: bool, shown: str | None = None) -> Engine
         if not readonly:
             event.listen(engine, "begin", _begin_immediate)
             event.listen(engine, "after_cursor_execute", _after_execute)
-        else:  # a page damaged in the middle of the file shows only when a query reads it
-            event.listen(engine, "handle_error", functools.partial(_damaged_read, shown))
+        # a page damaged in the middle of the file shows only when a statement reads it
+        event.listen(engine, "handle_error", functools.partial(_damaged_page, shown))
     try:
         _check_schema(engine, readonly=readonly, shown=shown)
     except StoreError:
@@ -304,9 +304,10 @@ def damaged_database_error(shown: str, reason: str) -> StoreError:
     )
 
 
-def _damaged_read(shown: str, ctx: ExceptionContext) -> None:
-    """A read-only engine's ``handle_error`` hook: a query that met a damaged page (SQLite's
-    "database disk image is malformed") raises :func:`damaged_database_error`, whatever read it."""
+def _damaged_page(shown: str, ctx: ExceptionContext) -> None:
+    """An SQLite engine's ``handle_error`` hook: a statement that met a damaged page (SQLite's
+    "database disk image is malformed") raises :func:`damaged_database_error`, whatever ran it
+    (a query, or a write: ``prune`` deleting rows on the page, a run's writer)."""
     orig = ctx.original_exception
     if isinstance(orig, sqlite3.DatabaseError) and "malformed" in str(orig):
         raise damaged_database_error(shown, str(orig))
