@@ -55,7 +55,7 @@ from edo_monitor.agent.safe_point import SafePoint
 from edo_monitor.agent.sampler import Sampler
 from edo_monitor.agent.snapshots import DEFAULT_CAP_BYTES, SnapshotRecorder
 from edo_monitor.agent.tuner import Tuner
-from edo_monitor.checks import whole_number
+from edo_monitor.checks import seconds, whole_number
 from edo_monitor.decide.policy import Policy
 from edo_monitor.errors import ConfigError
 from edo_monitor.exporters.prometheus import (
@@ -143,12 +143,11 @@ class Monitor(_Lifecycle):
         if model is not None and not isinstance(model, nn.Module):
             raise ConfigError(f"model={type(model).__name__} is not a torch.nn.Module (or None)")
         model = uncompiled(model)  # torch.compile(model): its modules are the model's
-        if isinstance(interval_s, bool) or not isinstance(interval_s, (int, float)):
-            raise ConfigError(f"interval_s={interval_s!r} must be a number of seconds > 0")
-        if not interval_s > 0 or interval_s != interval_s or interval_s == float("inf"):
-            raise ConfigError(f"interval_s={interval_s!r} must be a finite number of seconds > 0")
-        if not snapshot_interval_s >= 0:
-            raise ConfigError(f"snapshot_interval_s={snapshot_interval_s!r} must be >= 0")
+        interval_s = seconds(interval_s, "interval_s", error=ConfigError)
+        snapshot_interval_s = seconds(
+            snapshot_interval_s, "snapshot_interval_s", zero="never", error=ConfigError
+        )
+        profile_interval_s = seconds(profile_interval_s, "profile_interval_s", error=ConfigError)
         queue_size = whole_number(queue_size, "queue_size", 1, error=ConfigError)
         optimizers: list[torch.optim.Optimizer] = []
         if optimizer is not None:
@@ -162,8 +161,6 @@ class Monitor(_Lifecycle):
                     )
         if policy is not None and not isinstance(policy, Policy):
             raise ConfigError(f"policy={policy!r} is not an edo_monitor.Policy (or None)")
-        if not profile_interval_s > 0:
-            raise ConfigError(f"profile_interval_s={profile_interval_s!r} must be > 0")
         for name, flag in (
             ("strict", strict),
             ("enforce", enforce),
@@ -267,7 +264,7 @@ class Monitor(_Lifecycle):
             )
         self.snapshot_interval_s = snapshot_interval_s
         self.queue_size = queue_size
-        self.profile_interval_s = float(profile_interval_s)
+        self.profile_interval_s = profile_interval_s
         if config is not None and not isinstance(config, Mapping):
             raise ConfigError(f"config={config!r}: expected a mapping of names to values, or None")
         self.user_config = dict(config or {})

@@ -1,11 +1,13 @@
-"""The argument check many modules share: a count, a size or an index given by the user."""
+"""The argument checks many modules share: a count, a size or an index, or a duration in seconds,
+given by the user."""
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any
 
-__all__ = ["whole_number", "whole_number_or_none"]
+__all__ = ["seconds", "whole_number", "whole_number_or_none"]
 
 
 def whole_number(
@@ -39,6 +41,33 @@ def whole_number_or_none(
 ) -> int | None:
     """:func:`whole_number`, or ``None`` as given (the refusal says ``or None`` is allowed)."""
     return None if value is None else _checked(value, name, low, high, error, " or None")
+
+
+def seconds(
+    value: Any, name: str, *, zero: str | None = None, error: type[Exception] = ValueError
+) -> float:
+    """``value`` as a Python ``float`` number of seconds, checked before it is used.
+
+    Allowed: an ``int`` or a ``float`` (anything registered as ``numbers.Real``: NumPy numbers
+    too), finite and above 0; with ``zero`` (what 0 means, e.g. ``"never"``) 0 as well. Refused:
+    a bool, a string (``"5"``), ``None``, a tensor, NaN, infinity, a negative number.
+
+    Raises:
+        error: (``ValueError`` unless the caller names its own, e.g. ``ConfigError``) naming
+            ``name``, the value and what is allowed.
+    """
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(value)
+        or value < 0
+        or (value == 0 and zero is None)
+    ):
+        allowed = "a finite number of seconds > 0"
+        if zero is not None:
+            allowed = f"a finite number of seconds >= 0 (0: {zero})"
+        raise error(f"{name}={value!r}; expected {allowed}")
+    return float(value)
 
 
 def _checked(

@@ -385,7 +385,9 @@ def test_no_nvml_is_an_error_and_nothing_is_created(
 
 
 def test_bad_values_are_refused(db_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"interval_s=0 .*seconds > 0"):
+    with pytest.raises(
+        ConfigError, match=r"^interval_s=0; expected a finite number of seconds > 0$"
+    ):
         Daemon(db_path, interval_s=0)
     with pytest.raises(ConfigError, match="in-memory"):
         Daemon("sqlite://", nvml=FakeNvml(two_gpus())).start()

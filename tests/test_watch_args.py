@@ -71,6 +71,37 @@ def test_flags_names_and_ahead_are_checked_with_or_without_what_they_go_with(
     assert str(err.value) == message
 
 
+_SECONDS = "expected a finite number of seconds > 0"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        # a string or None was a raw TypeError ('>=' not supported between 'str' and 'int')
+        (
+            {"snapshot_interval_s": "5"},
+            "snapshot_interval_s='5'; expected a finite number of seconds >= 0 (0: never)",
+        ),
+        (
+            {"snapshot_interval_s": None},
+            "snapshot_interval_s=None; expected a finite number of seconds >= 0 (0: never)",
+        ),
+        ({"profile_interval_s": "30"}, f"profile_interval_s='30'; {_SECONDS}"),
+        ({"profile_interval_s": float("inf")}, f"profile_interval_s=inf; {_SECONDS}"),
+        ({"profile_interval_s": 0}, f"profile_interval_s=0; {_SECONDS}"),
+        ({"interval_s": True}, f"interval_s=True; {_SECONDS}"),
+        ({"interval_s": float("nan")}, f"interval_s=nan; {_SECONDS}"),
+    ],
+)
+def test_durations_are_finite_seconds_named_when_refused(
+    db_path: Path, kwargs: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ConfigError) as err:
+        edo_monitor.watch(make_model(), db=db_path, **kwargs)
+    assert str(err.value) == message
+    assert not db_path.exists()  # refused before anything was written
+
+
 @pytest.mark.parametrize("db", ["x\0y.db", "sqlite:///x\0y.db"])
 def test_a_db_path_with_a_nul_character_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, db: str

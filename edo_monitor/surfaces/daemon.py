@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
+from edo_monitor.checks import seconds
 from edo_monitor.errors import ConfigError, NvmlUnavailableError
 from edo_monitor.probes.nvml_device import NvmlDevice, NvmlProcess, _cause, _decode, nvml_module
 
@@ -124,7 +125,7 @@ class Daemon:
         clock: the time written in rows (Unix seconds), ``time.time``.
 
     Raises:
-        ConfigError: ``interval_s`` or ``rescan_interval_s`` not > 0.
+        ConfigError: ``interval_s`` or ``rescan_interval_s`` not a finite number of seconds > 0.
     """
 
     def __init__(
@@ -140,12 +141,9 @@ class Daemon:
         queue_size: int = 100_000,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        for name, value in (("interval_s", interval_s), ("rescan_interval_s", rescan_interval_s)):
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-                raise ConfigError(f"{name}={value!r} is not allowed; expected seconds > 0")
         self.db = db
-        self.interval_s = float(interval_s)
-        self.rescan_interval_s = float(rescan_interval_s)
+        self.interval_s = seconds(interval_s, "interval_s", error=ConfigError)
+        self.rescan_interval_s = seconds(rescan_interval_s, "rescan_interval_s", error=ConfigError)
         self.host = host or socket.gethostname()
         self.process_names = process_names
         self.flush_interval_s = flush_interval_s
