@@ -130,6 +130,22 @@ def test_the_scalars_are_the_historys_samples_and_the_events_its_events(
         assert written == expected, kind
 
 
+def test_a_folder_under_the_home_is_the_homes(
+    db_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``tensorboard="~/tb"`` was checked under the home folder and written to ``./~/tb``."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    model, opt = model_and_opt()
+    with edo_monitor.watch(model, db=db_path, interval_s=0.05, tensorboard="~/tb") as monitor:
+        train(model, opt, 3)
+    assert len(series(read_events(home / "tb"), "edo/params_bytes")) == monitor.summary().samples
+    assert list(work.iterdir()) == []
+
+
 def test_a_writer_passed_in_is_flushed_and_left_open(db_path: Path, tmp_path: Path) -> None:
     writer = SummaryWriter(log_dir=str(tmp_path / "mine"))
     model, opt = model_and_opt()

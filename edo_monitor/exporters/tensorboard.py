@@ -117,7 +117,7 @@ class TensorBoardSink:
 
     Args:
         target: a ``torch.utils.tensorboard.SummaryWriter``, or a log folder (str or
-            ``os.PathLike``) in which :meth:`open` makes one.
+            ``os.PathLike``; ``~`` is the home folder) in which :meth:`open` makes one.
         on_error: called with each exception a write raises (any thread); never raised here.
 
     Raises:
@@ -130,10 +130,11 @@ class TensorBoardSink:
         self._log_dir: str | None = None
         self.writer: Any = None
         if isinstance(target, (str, os.PathLike)):
-            self._log_dir = os.fspath(target)
-            if not self._log_dir:
+            given = os.fspath(target)
+            if not given:
                 raise ConfigError("tensorboard='' is not a folder; expected a log folder path")
-            _check_log_dir(self._log_dir)
+            _check_log_dir(given)
+            self._log_dir = os.path.expanduser(given)  # "~/tb": the home's, as the check's
         elif isinstance(target, writer_cls):
             self.writer = target
         else:
