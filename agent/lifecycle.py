@@ -317,6 +317,7 @@ class _Lifecycle:
         self._restore_sigterm()
         if self.metrics_server is not None:
             self.metrics_server.close()
+            self.metrics_server = None  # the docs' "None otherwise": not a closed endpoint
         self._sampler.stop()
         if self._tensorboard is not None:
             self._tensorboard.close()  # the events still waiting, flushed (after the sampler)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import socketserver
 import sys
 import threading
@@ -402,6 +403,22 @@ class _Server(socketserver.ThreadingMixIn, WSGIServer):
     allow_reuse_address = True
 
 
+def _server_class(host: str, port: int) -> type[_Server]:
+    """:class:`_Server` for ``host``'s address family: an IPv6 address or a name that resolves
+    only to one gets an IPv6 socket (the IPv4 one refused ``::1``); ``""`` binds every IPv4
+    interface, as before.
+
+    Raises:
+        OSError: ``host`` does not resolve (``socket.gaierror``).
+    """
+    if not host:
+        return _Server
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    if family == _Server.address_family:
+        return _Server
+    return type("_Server6", (_Server,), {"address_family": family})
+
+
 class _QuietHandler(WSGIRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("metrics: " + format, *args)
@@ -426,8 +443,9 @@ class MetricsServer:
         self.registry.register(collector)
         app = prometheus_client.make_wsgi_app(self.registry)
         try:
+            server_class = _server_class(host, port)
             self._httpd = make_server(
-                host, port, app, server_class=_Server, handler_class=_QuietHandler
+                host, port, app, server_class=server_class, handler_class=_QuietHandler
             )
         except OSError as exc:  # name the address (a resolver error names nothing)
             reason = exc.strerror or str(exc)
@@ -444,8 +462,13 @@ class MetricsServer:
 
     @property
     def url(self) -> str:
-        """``http://HOST:PORT/metrics``."""
-        return f"http://{self.host}:{self.port}/metrics"
+        """``http://HOST:PORT/metrics``, fetchable from this machine: a bind to every interface
+        (``""``, ``0.0.0.0``, ``::``) is shown with the loopback address, an IPv6 address in
+        brackets (``http://[::1]:9400/metrics``)."""
+        host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}/metrics"
 
     def close(self) -> None:
         """Stop serving and join the thread (idempotent)."""
