@@ -112,6 +112,18 @@ def test_export_formats(db: Path, tmp_path: Path) -> None:
     assert bad.exit_code == 2 and "csv, json or jsonl" in bad.stderr
 
 
+def test_export_out_dash_is_standard_output(
+    db: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--out -`` wrote a file named ``-`` in the current folder."""
+    monkeypatch.chdir(tmp_path)
+    res = run("export", "1", "--format", "jsonl", "--out", "-", db=db)
+    assert res.exit_code == 0, res.stderr
+    assert res.stdout == run("export", "1", "--format", "jsonl", db=db).stdout
+    assert json.loads(res.stdout.splitlines()[0])["type"] == "run"
+    assert not (tmp_path / "-").exists() and res.stderr == ""
+
+
 def test_json_output_is_strict_json(db: Path) -> None:
     """Regression: ``sql --json`` wrote ``Infinity`` and ``NaN``, which JSON has not (``jq`` and
     strict parsers refused the output); a non-finite number is ``null`` in every JSON output."""

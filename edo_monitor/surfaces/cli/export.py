@@ -32,7 +32,8 @@ def export_cmd(
     db: DbOpt = None,
     fmt: Annotated[str, typer.Option("--format", help="csv, json or jsonl.")] = "csv",
     out_file: Annotated[
-        Path | None, typer.Option("--out", help="Write here instead of standard output.")
+        Path | None,
+        typer.Option("--out", help="Write here instead of standard output ('-': standard output)."),
     ] = None,
 ) -> None:
     """Export one run: csv = its samples; json = run, samples, events, modules in one object;
@@ -43,6 +44,8 @@ def export_cmd(
 
     if fmt not in ("csv", "json", "jsonl"):
         raise ConfigError(f"--format {fmt!r} is not supported; expected csv, json or jsonl")
+    if out_file is not None and str(out_file) == "-":  # the usual name of standard output
+        out_file = None
     target = None if out_file is None else output_target(out_file, db, "--out")
     with _history(db) as h:
         info = h.run(run)
