@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import re
+import signal
 import sqlite3
 import threading
 import time
@@ -418,6 +421,98 @@ def test_an_option_watch_does_not_take_is_refused() -> None:
         EdoMonitorCallback(intervl_s=0.1)
     with pytest.raises(ConfigError, match=r"\(model=\.\.\.\): not an option"):
         EdoMonitorCallback(model=nn.Linear(1, 1))
+
+
+def test_a_logger_name_with_control_characters_names_the_run_with_spaces(
+    db_path: Path, tmp_path: Path
+) -> None:
+    """A logger named with a tab failed the fit (watch() refuses a control character in a
+    run_name), where the fit works without the callback: the name taken from the logger has
+    each control character as a space."""
+    callback = EdoMonitorCallback(db=db_path, interval_s=0.05)
+    logger = loggers.CSVLogger(tmp_path / "logs", name="exp 1\tlr=0.1\n")
+    trainer(callback, 2, logger).fit(BagOfWords(), loader(2))
+    (run,) = runs(db_path)
+    assert (run["name"], run["status"], run["steps"]) == ("exp 1 lr=0.1 /version_0", "finished", 2)
+
+
+def test_a_run_name_of_the_users_with_a_tab_is_refused_at_fit_start(db_path: Path) -> None:
+    """Only a name the callback takes from the framework is made printable: the user's own
+    run_name= is checked as watch() checks it."""
+    callback = EdoMonitorCallback(db=db_path, run_name="exp 1\tlr=0.1")
+    with pytest.raises(ConfigError, match=r"run_name 'exp 1\\tlr=0.1' holds a control character"):
+        trainer(callback, 2, False).fit(BagOfWords(), loader(2))
+    assert not db_path.exists() or runs(db_path) == []  # nothing started
+
+
+@pytest.mark.parametrize("config", [[("a", 1)], "abc", ""])
+def test_a_config_that_is_not_a_mapping_fails_the_fit_at_start(db_path: Path, config: Any) -> None:
+    """config=[...] raised a bare TypeError out of the callback's own ``**config`` (and a falsy
+    one was let through): a ConfigError naming it, as watch(config=...) gives."""
+    callback = EdoMonitorCallback(db=db_path, config=config)
+    message = f"config={config!r}: expected a mapping of names to values, or None"
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        trainer(callback, 2, False).fit(BagOfWords(), loader(2))
+    assert not db_path.exists() or runs(db_path) == []  # nothing started
+
+
+def test_the_users_config_is_recorded_beside_the_callbacks(db_path: Path) -> None:
+    callback = EdoMonitorCallback(db=db_path, config={"lr": 0.01, "max_steps": 99})
+    trainer(callback, 2, False).fit(BagOfWords(), loader(2))
+    with History(db_path) as h:
+        config = h.run(callback.monitor.run_id).config
+    assert (config["integration"], config["lr"], config["max_steps"]) == ("lightning", 0.01, 99)
+
+
+@pytest.fixture
+def default_sigterm() -> Any:
+    """SIGTERM's default action for the test (a fit that failed earlier in the session leaves
+    the monitor's handler until the next fit: test_a_fit_leaves_sigterms_action_as_it_found_it),
+    and the handler before it put back after."""
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.usefixtures("default_sigterm")
+def test_sigterm_during_a_fit_ends_the_run_interrupted(db_path: Path) -> None:
+    """A scheduler's SIGTERM mid-fit: the monitor's handler (which Lightning's own calls) raises
+    Terminated, and on_exception records the run interrupted with SIGTERM (the Hugging Face
+    callback records the same: test_integration_transformers.py)."""
+
+    class Terminate(pl.Callback):
+        def on_train_batch_end(self, trainer: Any, *_: Any) -> None:
+            if trainer.global_step == 3:
+                assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    callback = EdoMonitorCallback(db=db_path, interval_s=0.05)
+    t = trainer(callback, 10, False)
+    t.callbacks.append(Terminate())
+    with pytest.raises(SystemExit) as raised:
+        t.fit(BagOfWords(), loader())
+    assert raised.value.code == 143  # the exit status of a process SIGTERM ended
+    (run,) = runs(db_path)
+    assert (run["status"], run["error"], run["steps"]) == ("interrupted", "SIGTERM", 3)
+    assert agent_threads() == []
+
+
+@pytest.mark.usefixtures("default_sigterm")
+def test_a_fit_leaves_sigterms_action_as_it_found_it(db_path: Path) -> None:
+    """Lightning's signal connector saved the monitor's SIGTERM handler at the fit's start and put
+    it back at its end, after the monitor's stop(): SIGTERM kept raising Terminated after every
+    fit. The callback's teardown puts the default action back; after a failed fit (no callback
+    hook comes after Lightning puts the handler back) the next fit does."""
+    callback = EdoMonitorCallback(db=db_path, interval_s=0.05)
+    trainer(callback, 2, False).fit(BagOfWords(), loader(2))
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    with pytest.raises(RuntimeError, match="boom at batch 1"):
+        trainer(callback, 2, False).fit(BagOfWords(fail_at_batch=1), loader(2))
+    trainer(callback, 2, False).fit(BagOfWords(), loader(2))
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert [r["status"] for r in runs(db_path)] == ["finished", "failed", "finished"]
 
 
 def test_tensorboard_true_without_a_tensorboard_logger_fails_the_fit_at_start(

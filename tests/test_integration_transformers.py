@@ -3,7 +3,10 @@ nothing downloaded), into real SQLite histories."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -203,6 +206,151 @@ def test_at_exit_an_open_run_fails_with_its_own_trainers_exception(tmp_path: Pat
 def test_an_option_watch_does_not_take_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"\(optimizer=\.\.\.\): not an option"):
         EdoMonitorCallback(optimizer=None)
+
+
+@pytest.mark.parametrize(
+    ("run_name", "recorded"),
+    [
+        ("exp 1\tlr=0.1", "exp 1 lr=0.1"),  # failed train(): watch() refuses a control character
+        ("a\nb\r", "a b "),
+        (" \n", "TinyBert"),  # nothing printable left: the model's class name
+    ],
+)
+def test_a_run_name_from_the_args_is_made_printable(
+    db_path: Path, tmp_path: Path, run_name: str, recorded: str
+) -> None:
+    callback = EdoMonitorCallback(db=db_path, interval_s=0.05)
+    make_trainer(tiny_bert(), callback, tmp_path / "out", 2, run_name=run_name).train()
+    (run,) = runs(db_path)
+    assert (run["name"], run["status"], run["steps"]) == (recorded, "finished", 2)
+
+
+def test_a_run_name_of_the_users_with_a_tab_is_refused_at_train(
+    db_path: Path, tmp_path: Path
+) -> None:
+    """Only a name the callback takes from ``args`` is made printable: the user's own
+    run_name= is checked as watch() checks it."""
+    callback = EdoMonitorCallback(db=db_path, run_name="exp 1\tlr=0.1")
+    trainer = make_trainer(tiny_bert(), callback, tmp_path / "out", 2)
+    with pytest.raises(ConfigError, match=r"run_name 'exp 1\\tlr=0.1' holds a control character"):
+        trainer.train()
+    assert not db_path.exists() or runs(db_path) == []  # nothing started
+
+
+@pytest.mark.parametrize("config", [[("a", 1)], "abc", ""])
+def test_a_config_that_is_not_a_mapping_fails_train_at_its_start(
+    db_path: Path, tmp_path: Path, config: Any
+) -> None:
+    """config=[...] raised a bare TypeError out of the callback's own ``**config`` (and a falsy
+    one was let through): a ConfigError naming it, as watch(config=...) gives."""
+    callback = EdoMonitorCallback(db=db_path, config=config)
+    trainer = make_trainer(tiny_bert(), callback, tmp_path / "out", 2)
+    message = f"config={config!r}: expected a mapping of names to values, or None"
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        trainer.train()
+    assert not db_path.exists() or runs(db_path) == []  # nothing started
+    assert callback.monitor is None
+
+
+def test_the_users_config_is_recorded_beside_the_callbacks(db_path: Path, tmp_path: Path) -> None:
+    callback = EdoMonitorCallback(db=db_path, config={"lr": 0.01, "max_steps": 99})
+    make_trainer(tiny_bert(), callback, tmp_path / "out", 2).train()
+    config = json.loads(runs(db_path)[0]["config"])
+    assert (config["integration"], config["lr"], config["max_steps"]) == ("transformers", 0.01, 99)
+
+
+@pytest.fixture
+def default_sigterm() -> Any:
+    """SIGTERM's default action for the test, and the handler before it put back after."""
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.usefixtures("default_sigterm")
+def test_a_sigterm_caught_around_train_is_recorded_by_the_next_one(
+    db_path: Path, tmp_path: Path
+) -> None:
+    """SIGTERM raised Terminated (a SystemExit: Python reports none in sys.last_exc) out of
+    train(): the run is interrupted with SIGTERM, as watch() and Lightning record it, not
+    failed with TrainingDidNotEnd. A train() that ends leaves SIGTERM's default action."""
+
+    class Terminate(transformers.TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+            if state.global_step == 2:
+                assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    callback = EdoMonitorCallback(db=db_path, interval_s=0.05)
+    trainer = make_trainer(tiny_bert(), callback, tmp_path / "out", 4)
+    trainer.add_callback(Terminate())
+    with pytest.raises(SystemExit) as raised:
+        trainer.train()
+    assert raised.value.code == 143
+    assert callback.monitor is not None and callback.monitor.status == "running"
+    trainer.remove_callback(Terminate)
+    trainer.train()
+    first, second = runs(db_path)
+    assert (first["status"], first["error"], first["steps"]) == ("interrupted", "SIGTERM", 2)
+    assert (second["status"], second["error"], second["steps"]) == ("finished", None, 4)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_process_mid_train_records_the_run_interrupted(tmp_path: Path) -> None:
+    """A scheduler's SIGTERM to a real process mid-train: it exits 143 (as SIGTERM's default
+    action reads), and the run ended at exit is interrupted with SIGTERM (it read failed with
+    TrainingDidNotEnd, where Lightning and watch() read interrupted)."""
+    db = tmp_path / "history.db"
+    script = textwrap.dedent(
+        f"""
+        import signal, sys, time
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import transformers
+        from test_integration_transformers import EdoMonitorCallback, make_trainer, tiny_bert
+
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+        class Slow(transformers.TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                if state.global_step == 3:
+                    print("step 3", flush=True)
+                time.sleep(0.05)
+
+        callback = EdoMonitorCallback(db={str(db)!r}, interval_s=0.05)
+        trainer = make_trainer(tiny_bert(), callback, {str(tmp_path / "out")!r}, 100_000)
+        trainer.add_callback(Slow())
+        try:
+            trainer.train()
+        finally:
+            print("finally ran", flush=True)
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    child = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    try:
+        assert child.stdout is not None
+        for line in child.stdout:
+            if line.strip() == "step 3":
+                break
+        child.send_signal(signal.SIGTERM)
+        out, err = child.communicate(timeout=120)
+    finally:
+        child.kill()
+    assert child.returncode == 143, err[-3000:]
+    assert "finally ran" in out
+    (run,) = runs(db)
+    assert (run["status"], run["error"]) == ("interrupted", "SIGTERM")
+    assert run["steps"] >= 3
 
 
 def test_the_readme_trainer_section_runs_as_written(

@@ -1,9 +1,11 @@
-"""What the framework callbacks share: checking the ``watch()`` options they pass on, and
-finding the torch optimizers inside a framework's wrappers."""
+"""What the framework callbacks share: checking the ``watch()`` options they pass on, making
+the run's name and config from the framework's, and finding the torch optimizers inside a
+framework's wrappers."""
 
 from __future__ import annotations
 
 import inspect
+import unicodedata
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -11,11 +13,14 @@ import torch
 
 from edo_monitor.agent.monitor import Monitor
 from edo_monitor.errors import ConfigError
+from edo_monitor.store.schema import RUN_NAME_MAX_CHARS
 
 __all__ = [
     "align_tensorboard",
     "check_watch_kwargs",
+    "derived_run_name",
     "record_resume",
+    "run_config",
     "torch_optimizers",
     "unwrap_optimizer",
     "watch_options",
@@ -52,6 +57,33 @@ def check_watch_kwargs(kwargs: Mapping[str, Any], owner: str) -> None:
             f"edo_monitor.watch(); expected some of {sorted(allowed)} (the model and optimizer "
             "come from the trainer)"
         )
+
+
+def derived_run_name(name: Any, fallback: str) -> str:
+    """A run name the callback takes from the framework (``args.run_name``, the logger's
+    ``"<name>/<version>"``), made one ``watch()`` takes, so that it never fails the fit: each
+    control character (a tab, a newline, an escape) and each unpaired surrogate (which the history
+    cannot store) becomes a space, and the name is shortened to
+    :data:`~edo_monitor.store.schema.RUN_NAME_MAX_CHARS`; ``fallback`` (the model's class name)
+    when nothing but spaces is left, or ``name`` is ``None``. A ``run_name=`` the user passes is
+    not made safe: ``watch()`` checks it (a ``ConfigError`` naming it)."""
+    text = "" if name is None else str(name)
+    text = "".join(" " if unicodedata.category(ch) in ("Cc", "Cs") else ch for ch in text)[
+        :RUN_NAME_MAX_CHARS
+    ]
+    return text if text.strip() else fallback
+
+
+def run_config(own: Mapping[str, Any], user: Any) -> dict[str, Any]:
+    """The run's ``config``: what the callback records of the framework (``own``), then the
+    user's ``watch(config=)`` over it.
+
+    Raises:
+        ConfigError: ``user`` is neither a mapping nor ``None`` (as ``watch()`` refuses it).
+    """
+    if user is not None and not isinstance(user, Mapping):
+        raise ConfigError(f"config={user!r}: expected a mapping of names to values, or None")
+    return {**own, **(user or {})}
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:

@@ -14,12 +14,13 @@ from edo_monitor.agent.monitor import Monitor
 from edo_monitor.errors import ConfigError
 from edo_monitor.integrations._common import (
     align_tensorboard,
+    derived_run_name,
     record_resume,
+    run_config,
     torch_optimizers,
     watch_options,
 )
 from edo_monitor.nn import attach_cached_tables
-from edo_monitor.store.schema import RUN_NAME_MAX_CHARS
 
 __all__ = ["LightningCallbackMixin", "lightning_run_name"]
 
@@ -31,7 +32,10 @@ def lightning_run_name(trainer: Any, module: Any) -> str:
     ``"lightning_logs/version_3"`` for a ``CSVLogger`` or ``TensorBoardLogger`` (an int version
     is written ``version_N``, as their folders are); the logger's name alone when it has no
     version; the LightningModule's class name without a logger, or when the logger cannot say
-    (an error reading it is logged at debug level)."""
+    (an error reading it is logged at debug level). Made a name ``watch()`` takes, as
+    :func:`~edo_monitor.integrations._common.derived_run_name` says: each control character (a
+    tab in the logger's name, say) a space, at most ``RUN_NAME_MAX_CHARS`` characters."""
+    fallback = type(module).__name__
     lg = getattr(trainer, "logger", None)
     if lg is not None:
         try:
@@ -41,10 +45,10 @@ def lightning_run_name(trainer: Any, module: Any) -> str:
             name = version = None
         if name:
             if version is None or version == "":
-                return str(name)
+                return derived_run_name(name, fallback)
             v = f"version_{version}" if isinstance(version, int) else str(version)
-            return f"{name}/{v}"
-    return type(module).__name__
+            return derived_run_name(f"{name}/{v}", fallback)
+    return fallback
 
 
 class LightningCallbackMixin:
@@ -95,16 +99,17 @@ class LightningCallbackMixin:
         """Start the run: the module (on its device by now) and the trainer's optimizers."""
         if self.monitor is not None:
             self.monitor.stop()  # a fit whose end never came (no-op when it ended)
+            self._restore_sigterm()  # left by a failed fit (Lightning's teardown put it back)
         kwargs = dict(self._watch_kwargs)
-        if kwargs.get("run_name") is None:
-            kwargs["run_name"] = lightning_run_name(trainer, pl_module)[:RUN_NAME_MAX_CHARS]
-        kwargs["config"] = {
+        if kwargs.get("run_name") is None:  # the user's run_name= is watch()'s to check
+            kwargs["run_name"] = lightning_run_name(trainer, pl_module)
+        own = {
             "integration": "lightning",
             "lightning_package": type(trainer).__module__.split(".")[0],
             "max_steps": getattr(trainer, "max_steps", None),
             "accumulate_grad_batches": getattr(trainer, "accumulate_grad_batches", None),
-            **(kwargs.get("config") or {}),
         }
+        kwargs["config"] = run_config(own, kwargs.get("config"))
         resumed = self._resumed_from
         self._resumed_from = None
         resumed_step, self._resumed_global_step = self._resumed_global_step, None
@@ -156,11 +161,12 @@ class LightningCallbackMixin:
         self._stop(None)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        """The last hook of a fit: whatever is still running ends ``finished``. A checkpoint
-        loaded and not taken by a fit (``validate(ckpt_path=)``) is forgotten: the next fit is
-        not resumed from it."""
+        """The last hook of a fit: whatever is still running ends ``finished``, and SIGTERM's
+        action is the one before the fit again. A checkpoint loaded and not taken by a fit
+        (``validate(ckpt_path=)``) is forgotten: the next fit is not resumed from it."""
         if str(getattr(stage, "value", stage)) == "fit":
             self._stop(None)
+        self._restore_sigterm()
         self._resumed_from = None
         self._resumed_global_step = None
 
@@ -173,6 +179,22 @@ class LightningCallbackMixin:
     def _stop(self, exc: BaseException | None) -> None:
         if self.monitor is not None:
             self.monitor.stop(exc)
+
+    def _restore_sigterm(self) -> None:
+        """Put back the SIGTERM action the ended run's monitor replaced. The monitor's handler
+        (SIGTERM raises :class:`~edo_monitor.signals.Terminated` while the run lasts) is what
+        Lightning's signal connector finds at the fit's start: it calls it from its own during
+        the fit, and puts it back when the trainer tears down, after the monitor's ``stop()``
+        found Lightning's handler in its place and so left it. The monitor's own restore, called
+        again once that is done, puts back the default action (only if its handler is still
+        the process's)."""
+        monitor = self.monitor
+        if monitor is None or monitor.status == "running":
+            return
+        try:
+            monitor._restore_sigterm()
+        except Exception:  # never the training's failure
+            logger.debug("the SIGTERM handler could not be put back", exc_info=True)
 
     def _resolve_tensorboard(self, trainer: Any) -> Any:
         """``tensorboard=True``: the ``SummaryWriter`` of the trainer's ``TensorBoardLogger``

@@ -50,12 +50,15 @@ class EdoMonitorCallback(LightningCallbackMixin, Callback):  # type: ignore[misc
       with one optimizer.
     * **Actions**: the policy's decisions are applied there, at Lightning's optimizer step
       boundary, on the training thread (the only place the model changes).
-    * **Name**: ``run_name=`` when given, else the trainer's logger as ``"<name>/<version>"``
-      (``"lightning_logs/version_0"``), else the module's class name. The run's config records
-      ``integration="lightning"``.
+    * **Name**: ``run_name=`` when given (checked as ``watch()`` checks it), else the trainer's
+      logger as ``"<name>/<version>"`` (``"lightning_logs/version_0"``), else the module's class
+      name. A name taken from the logger never fails the fit: each control character in it (a
+      tab, a newline) becomes a space, and it is shortened to 200 characters. The run's config
+      records ``integration="lightning"``.
     * **End**: ``on_train_end`` (the fit loop is done) records it ``finished``; ``on_fit_end``
       and ``teardown`` end a fit that never trained; ``on_exception`` records it ``failed`` with
-      the exception (``interrupted`` for Ctrl-C; an out-of-memory error as an ``oom`` event too).
+      the exception (``interrupted`` for Ctrl-C or SIGTERM; an out-of-memory error as an ``oom``
+      event too).
 
     Args:
         policy: an :class:`edo_monitor.Policy` (the auto-tuner); ``None`` records only.

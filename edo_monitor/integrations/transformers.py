@@ -12,11 +12,15 @@
 How a failed ``train()`` is recorded: the ``Trainer`` has no exception callback — an exception
 leaves ``train()`` without any callback being called — so the callback finds out afterwards:
 
-1. at process exit (``atexit``) a run still open is ended; when Python is exiting because of an
-   uncaught exception that came out of the ``Trainer`` this callback belongs to (the
-   interpreter sets ``sys.last_exc`` / ``sys.last_value`` before ``atexit`` runs; its traceback
-   holds ``Trainer.train``'s frame), the run is ``failed`` with that exception (``interrupted``
-   for Ctrl-C); otherwise ``failed`` with :class:`TrainingDidNotEnd`;
+1. at process exit (``atexit``) a run still open is ended; when SIGTERM ended ``train()`` (while
+   the run lasts the monitor turns it into :class:`~edo_monitor.signals.Terminated`, as for
+   ``watch()`` and Lightning, unless the process has a SIGTERM handler of its own; the callback
+   keeps that exception, which Python does not report as uncaught), the run is ``interrupted``
+   with ``SIGTERM``; when Python is exiting because of an uncaught exception that came out of
+   the ``Trainer`` this callback belongs to (the interpreter sets ``sys.last_exc`` /
+   ``sys.last_value`` before ``atexit`` runs; its traceback holds ``Trainer.train``'s frame),
+   the run is ``failed`` with that exception (``interrupted`` for Ctrl-C); otherwise ``failed``
+   with :class:`TrainingDidNotEnd`;
 2. the next ``train()`` with the same callback ends the open run first, the same way (in a
    notebook the interpreter sets ``sys.last_value`` for the failed cell);
 3. or say it yourself, at once: ``except Exception as exc: callback.close(exc); raise``.
@@ -31,6 +35,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import signal
 import sys
 import threading
 from typing import Any
@@ -47,11 +52,13 @@ except ImportError as exc:
 from edo_monitor.agent.monitor import Monitor
 from edo_monitor.integrations._common import (
     align_tensorboard,
+    derived_run_name,
     record_resume,
+    run_config,
     torch_optimizers,
     watch_options,
 )
-from edo_monitor.store.schema import RUN_NAME_MAX_CHARS
+from edo_monitor.signals import Terminated
 
 __all__ = ["EdoMonitorCallback", "TrainingDidNotEnd"]
 
@@ -61,7 +68,7 @@ logger = logging.getLogger(__name__)
 class TrainingDidNotEnd(RuntimeError):  # noqa: N818 (it is recorded as the run's error)
     """The error recorded for a run whose ``Trainer.train()`` never reached ``on_train_end``
     and whose exception could not be seen (caught by the caller, or the process ended some other
-    way: ``sys.exit`` in a callback, a signal)."""
+    way: ``sys.exit`` in a callback, a signal handler of the process's own)."""
 
 
 #: callbacks whose run is open: their runs are ended at process exit
@@ -150,8 +157,10 @@ class EdoMonitorCallback(TrainerCallback):
       fp16's grad scaler skips (inf/NaN gradients) is not counted. Without a torch optimizer
       (a DeepSpeed engine), ``on_step_end`` counts the step instead.
     * **Actions**: applied at the optimizer step boundary, on the training thread.
-    * **Name**: ``run_name=`` when given, else ``args.run_name``, else the model's class name.
-      The run's config records ``integration="transformers"``.
+    * **Name**: ``run_name=`` when given (checked as ``watch()`` checks it), else
+      ``args.run_name``, else the model's class name. A name taken from ``args`` never fails
+      ``train()``: each control character in it (a tab, a newline) becomes a space, and it is
+      shortened to 200 characters. The run's config records ``integration="transformers"``.
     * **End**: ``on_train_end`` records it ``finished``; a failure as the module docstring says
       (process exit, the next ``train()``, or :meth:`close` with the exception).
     * **Resume**: the run's id and UUID are kept in every checkpoint's ``trainer_state.json``
@@ -191,6 +200,10 @@ class EdoMonitorCallback(TrainerCallback):
         self._watch_kwargs = watch_options("EdoMonitorCallback", policy, budget, db, watch_kwargs)
         self._tensorboard = tensorboard
         self.monitor: Monitor | None = None
+        #: the SIGTERM that ended the open run's ``train()`` (:meth:`_keep_sigterm`)
+        self._terminated: Terminated | None = None
+        #: the monitor's SIGTERM handler and this callback's wrapper of it, while installed
+        self._sigterm: tuple[Any, Any] | None = None
 
     def on_train_begin(
         self,
@@ -203,22 +216,25 @@ class EdoMonitorCallback(TrainerCallback):
     ) -> None:
         """Start the run (ending one a previous ``train()`` left open, as failed)."""
         self._end(self._unfinished_error())
+        self._terminated = None
         if model is None:
             logger.warning(
                 "edo-monitor: the Trainer passed no model to on_train_begin; not watching"
             )
             return
         kwargs = dict(self._watch_kwargs)
-        if kwargs.get("run_name") is None:
-            name = getattr(args, "run_name", None) or type(model).__name__
-            kwargs["run_name"] = str(name)[:RUN_NAME_MAX_CHARS]  # the Trainer's may be a long path
-        kwargs["config"] = {
+        if kwargs.get("run_name") is None:  # the user's run_name= is watch()'s to check
+            # the Trainer's may be a long path, or hold a tab
+            kwargs["run_name"] = derived_run_name(
+                getattr(args, "run_name", None), type(model).__name__
+            )
+        own = {
             "integration": "transformers",
             "max_steps": getattr(state, "max_steps", None),
             "start_global_step": getattr(state, "global_step", None),
             "gradient_accumulation_steps": getattr(args, "gradient_accumulation_steps", None),
-            **(kwargs.get("config") or {}),
         }
+        kwargs["config"] = run_config(own, kwargs.get("config"))
         resumed = _resumed_from(state, args)
         if resumed is not None:
             kwargs["config"]["resumed_from"] = resumed
@@ -227,9 +243,11 @@ class EdoMonitorCallback(TrainerCallback):
         # the scalars sit on the Trainer's global step, as its own logs (a resumed train()'s
         # starts at the checkpoint's); the history counts the run's steps from 0
         align_tensorboard(monitor, getattr(state, "global_step", 0))
+        before = _sigterm_handler()
         monitor.start()
         self.monitor = monitor
         _track(self)
+        self._keep_sigterm(before)
         policy = monitor.policy
         if policy is not None and policy.mode == "auto" and _fused(optimizers):
             logger.warning(
@@ -260,16 +278,64 @@ class EdoMonitorCallback(TrainerCallback):
         self._end(exc)
 
     def _unfinished_error(self) -> BaseException:
-        """What a run whose ``train()`` never reached ``on_train_end`` failed with."""
-        return _trainer_exception(self) or TrainingDidNotEnd(
-            "Trainer.train() did not reach on_train_end: an exception left it (the Trainer tells "
-            "callbacks nothing of it) or the process ended during training"
+        """What a run whose ``train()`` never reached ``on_train_end`` ended with: the SIGTERM
+        that ended it, else the exception out of its ``Trainer``, else
+        :class:`TrainingDidNotEnd`."""
+        return (
+            self._terminated
+            or _trainer_exception(self)
+            or TrainingDidNotEnd(
+                "Trainer.train() did not reach on_train_end: an exception left it (the Trainer "
+                "tells callbacks nothing of it) or the process ended during training"
+            )
         )
+
+    def _keep_sigterm(self, before: Any) -> None:
+        """Keep the :class:`~edo_monitor.signals.Terminated` that the monitor's SIGTERM handler
+        raises: Python does not report an uncaught ``SystemExit`` in ``sys.last_exc``, so
+        without it the run would end ``TrainingDidNotEnd`` at exit. Only when the monitor
+        installed its handler as it started (``before``: the handler until then), on the main
+        thread: a handler of the process's own is left alone, as the monitor leaves it."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        monitors = signal.getsignal(signal.SIGTERM)
+        if monitors is before or not callable(monitors):
+            return
+
+        def keep(signum: int, frame: Any) -> None:
+            try:
+                monitors(signum, frame)
+            except Terminated as exc:
+                self._terminated = exc
+                raise
+
+        signal.signal(signal.SIGTERM, keep)
+        self._sigterm = (monitors, keep)
+
+    def _release_sigterm(self) -> None:
+        """Put the monitor's SIGTERM handler back (its ``stop()`` then restores the default)."""
+        held, self._sigterm = self._sigterm, None
+        if held is None or threading.current_thread() is not threading.main_thread():
+            return
+        monitors, keep = held
+        if signal.getsignal(signal.SIGTERM) is keep:
+            signal.signal(signal.SIGTERM, monitors)
 
     def _end(self, exc: BaseException | None) -> None:
         _untrack(self)
+        try:
+            self._release_sigterm()
+        except Exception:  # never the training's failure
+            logger.debug("edo-monitor: the SIGTERM handler could not be put back", exc_info=True)
         if self.monitor is not None:
             self.monitor.stop(exc)
+
+
+def _sigterm_handler() -> Any:
+    """The process's SIGTERM handler (``None`` off the main thread, where none is installed)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.getsignal(signal.SIGTERM)
 
 
 def _fused(optimizers: list[Any]) -> bool:
