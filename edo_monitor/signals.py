@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from collections.abc import Callable
@@ -60,19 +61,27 @@ def terminate_on_sigterm() -> Callable[[], None]:
     thread. A handler the user or a framework installed (Lightning's, say) is left alone.
 
     Returns:
-        What puts the default action back (only if the handler is still this one).
+        What puts the default action back (only if the handler is still this one). From then on
+        the handler, should a framework that saved it put it back (Lightning restores the
+        handlers it found at the fit's start, after the run ended), acts as the default action:
+        it puts that back and sends the signal again, so the process ends as it would have.
     """
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         return lambda: None
+    ended = threading.Event()
 
     def handler(signum: int, _frame: Any) -> None:
-        raise Terminated()
+        if not ended.is_set():
+            raise Terminated()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, handler)
 
     def restore() -> None:
+        ended.set()
         if signal.getsignal(signal.SIGTERM) is handler:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
 

@@ -1,0 +1,48 @@
+"""``terminate_on_sigterm``: SIGTERM ends a watched run cleanly while the run lasts, and acts as
+the default action after it, whoever put the handler back (real processes, real signals)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, signal, time
+    from edo_monitor.signals import Terminated, terminate_on_sigterm
+
+    restore = terminate_on_sigterm()
+    {during}
+    saved = signal.getsignal(signal.SIGTERM)  # a framework saves the handler at its start ...
+    signal.signal(signal.SIGTERM, lambda *a: None)  # ... installs its own ...
+    restore()  # (the run ends: its handler is not the monitor's, so it stays)
+    signal.signal(signal.SIGTERM, saved)  # ... and puts the saved one back at its teardown
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+    print("still running")
+    """
+)
+
+
+def _run(during: str) -> subprocess.CompletedProcess[str]:
+    code = SCRIPT.format(during=during)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def test_during_the_run_sigterm_is_terminated() -> None:
+    during = "try:\n    os.kill(os.getpid(), signal.SIGTERM); time.sleep(5)\n"
+    during += "except Terminated as exc:\n    print('terminated', exc.code)"
+    res = _run(during)
+    assert res.stdout.splitlines()[0] == "terminated 143"
+
+
+def test_after_the_run_a_handler_put_back_acts_as_the_default_action() -> None:
+    """Lightning put the monitor's handler back after the fit: a later SIGTERM raised
+    ``Terminated`` (a SystemExit traceback) in code no run watched, instead of ending it."""
+    res = _run("")
+    assert res.returncode == -signal.SIGTERM, (res.returncode, res.stderr)
+    assert res.stdout == "" and "Terminated" not in res.stderr
