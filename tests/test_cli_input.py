@@ -183,6 +183,7 @@ def test_every_missing_optional_package_is_one_error_with_its_install_line(extra
 @pytest.mark.parametrize("command", ["runs", "doctor"])
 def test_an_older_schema_is_said_once(tmp_path: Path, command: str) -> None:
     """Reading an older-schema history printed its notice twice, in two wordings."""
+    from sqlalchemy import text
     from sqlalchemy.orm import Session
 
     from edo_monitor.store.models import Meta
@@ -190,8 +191,11 @@ def test_an_older_schema_is_said_once(tmp_path: Path, command: str) -> None:
 
     path = tmp_path / "old.db"
     engine = open_engine(path)
-    with Session(engine) as session, session.begin():
+    with Session(engine) as session, session.begin():  # both version records, as a migration
         session.merge(Meta(key="schema_version", value=str(SCHEMA_VERSION - 1)))
+        session.execute(
+            text(f"UPDATE alembic_version SET version_num = '{SCHEMA_VERSION - 1:04d}'")
+        )
     engine.dispose()
     done = run("edo-monitor", command, "--db", str(path))
     assert done.returncode == 0, done.stderr

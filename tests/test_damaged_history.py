@@ -130,3 +130,26 @@ def test_doctor_of_a_sound_file_is_unchanged(tmp_path: Path) -> None:
     report = json.loads(res.stdout)
     assert report["ok"] and report["quick_check"] == ["ok"] and report["unreadable"] == []
     assert None not in report["rows"].values()
+
+
+def test_a_lost_version_row_is_damage_not_an_older_schema(tmp_path: Path) -> None:
+    """A damaged page that lost ``meta``'s version row read as schema version 1: every reader
+    warned "has schema version 1, older than 8 ... reading it as it is" before the first query
+    met the damage. Alembic's revision still says the schema's version: the two disagree."""
+    from edo_monitor.store.schema import SCHEMA_VERSION
+
+    path = tmp_path / "lost.db"
+    seed(path)
+    conn = sqlite3.connect(path)
+    conn.execute("DELETE FROM meta WHERE key = 'schema_version'")
+    conn.commit()
+    conn.close()
+    res = _cli("--db", str(path), "runs")
+    assert res.exit_code == 1, (res.exit_code, res.stderr)
+    assert res.stderr == (
+        f"edo-monitor: error: history database {str(path)!r} is damaged: its meta table says "
+        f"schema version 1 and its Alembic revision '{SCHEMA_VERSION:04d}'; edo-monitor neither "
+        "reads nor writes it (copy out what you need with sqlite3, or start a new database)\n"
+    )
+    with pytest.raises(StoreError, match="is damaged: its meta table says"):
+        History(path).__enter__()

@@ -88,6 +88,20 @@ def _refuse_newer(version: int | None, revision: str | None, shown: str) -> None
         )
 
 
+def _refuse_disagreeing(version: int | None, revision: str | None, shown: str) -> None:
+    """Refuse a database whose two version records disagree: every migration sets both in one
+    transaction, so a ``meta`` row that says another version than Alembic's revision (or is
+    missing: read as 1) was lost to damage (the warning "schema version 1, older than 8" came
+    before the damaged-database error of the first query)."""
+    if version is None or revision is None or not revision.isdigit() or int(revision) == version:
+        return
+    raise StoreError(
+        f"history database {shown!r} is damaged: its meta table says schema version {version} "
+        f"and its Alembic revision {revision!r}; edo-monitor neither reads nor writes it (copy "
+        "out what you need with sqlite3, or start a new database)"
+    )
+
+
 #: Tables every schema version has (a database without one of them is damaged).
 _CORE_TABLES = frozenset({"meta", "runs", "samples", "events", "module_stats"})
 
@@ -98,6 +112,7 @@ def _check_schema(engine: Engine, *, readonly: bool, shown: str) -> None:
         version = schema_version(conn, tables)
         revision = _alembic_revision(conn, tables) if version is not None else None
     _refuse_newer(version, revision, shown)
+    _refuse_disagreeing(version, revision, shown)
     if version is not None:
         # all of this version's tables when it is ours, the ones every version has otherwise
         wanted = set(metadata.tables) if version == SCHEMA_VERSION else _CORE_TABLES
