@@ -6,6 +6,7 @@ from __future__ import annotations
 import html
 import json
 import re
+import sqlite3
 import subprocess
 import sys
 import time
@@ -201,6 +202,16 @@ def test_cli_explain_and_replay(runs: tuple[Path, int, int]) -> None:
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
     assert data["incidents"][0]["kind"] == "below_floor"
+    # the run's own figures with incidents too (they were null: a run without a budget?)
+    con = sqlite3.connect(db)
+    extremes = con.execute(
+        "SELECT max(budget_bytes), max(in_use_bytes), min(free_fraction) FROM samples "
+        "WHERE run_id = ?",
+        (observed,),
+    ).fetchone()
+    con.close()
+    assert extremes[0] > 0
+    assert (data["budget_bytes"], data["peak_in_use_bytes"], data["min_free_fraction"]) == extremes
     res = runner.invoke(app, ["explain", str(observed), "--db", str(db)])
     assert res.exit_code == 0 and "offload_embedding" in res.stdout and "shortfall" in res.stdout
     res = runner.invoke(

@@ -163,8 +163,8 @@ class Explanation:
     #: the run's policy's floor (``None``: the run had no policy)
     floor_fraction: float | None
     incidents: tuple[Incident, ...]
-    #: with no incident: the run's budget, highest in-use and lowest free fraction over its
-    #: samples (what the run did instead; ``None`` with incidents, or no samples)
+    #: the run's budget, highest in-use and lowest free fraction over all its samples (``None``
+    #: without samples); with no incident, the text gives them as what the run did instead
     budget_bytes: int | None = None
     peak_in_use_bytes: int | None = None
     min_free_fraction: float | None = None
@@ -547,10 +547,13 @@ def explain(db: Any, run: Any, *, event: int | None = None) -> Explanation:
             )
             for i in incidents
         ]
-        if incidents or event is not None:
-            return Explanation(info.id, info.name, info.device_kind, floor, tuple(incidents))
         return Explanation(
-            info.id, info.name, info.device_kind, floor, (), *_run_extremes(history, info)
+            info.id,
+            info.name,
+            info.device_kind,
+            floor,
+            tuple(incidents),
+            *_run_extremes(history, info),
         )
     finally:
         if owned:
