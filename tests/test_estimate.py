@@ -278,6 +278,27 @@ def test_estimate_command_text() -> None:
     assert by_label["step counters"] == ["4", "bytes", "4", "bytes"]
 
 
+@pytest.mark.parametrize(
+    ("compression", "note"),
+    [
+        # 100 x 1 float32 frozen: 400 bytes; int4 with a scale and zero-point a row: 800
+        ("int4", "(int4:64 is not smaller than the table uncompressed: 400 bytes frozen; "),
+        ("int8", "(int8 is not smaller than the table uncompressed: 400 bytes frozen; "),
+        # trainable: against the uncompressed table with Adam's state (1,600 bytes)
+        ("lowrank:1", "(lowrank:1 is not smaller than the table uncompressed: 1,600 bytes; "),
+        ("bf16", None),  # 800 bytes with Adam's state against 1,600: smaller, no note
+    ],
+)
+def test_a_compression_that_is_not_smaller_is_said(compression: str, note: str | None) -> None:
+    """int4 of a one-column table printed 800 bytes, twice float32's 400, without a word; the
+    action refuses such a variant."""
+    last = estimate_command(100, 1, "float32", "adam", compression, False, False).splitlines()[-1]
+    if note is None:
+        assert "not smaller" not in last
+    else:
+        assert last.strip() == note + "compress_embedding refuses it)"
+
+
 def test_estimate_command_json() -> None:
     text = estimate_command(30_000, 768, "float32", "adam", "int8", False, True)
     data = json.loads(text)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from edo_monitor.decide.compress_rules import FROZEN_ONLY_VARIANTS
 from edo_monitor.decide.estimate import Estimate, estimate
 from edo_monitor.units import format_bytes
 
@@ -20,8 +21,10 @@ _ROWS = (
 )
 
 
-def format_estimate(result: Estimate) -> str:
-    """A small table: one line per category with the exact bytes and binary units."""
+def format_estimate(result: Estimate, uncompressed: Estimate | None = None) -> str:
+    """A small table: one line per category with the exact bytes and binary units; with
+    ``uncompressed`` (the same table without its compression), a note when the compressed
+    table is not smaller (``compress_embedding`` refuses such a variant)."""
     compression = result.compression or "none"
     master = ", fp32 master weights" if result.master_weights else ""
     lines = [
@@ -40,6 +43,15 @@ def format_estimate(result: Estimate) -> str:
         "  (total = device memory; the optimizer's step counters are CPU scalars with PyTorch's "
         "default options)"
     )
+    if uncompressed is not None and result.compression:
+        variant = result.compression.split(":")[0]
+        frozen = variant in FROZEN_ONLY_VARIANTS  # a frozen table: its weight alone
+        base = uncompressed.params_bytes if frozen else uncompressed.total_bytes
+        if result.total_bytes >= base:
+            lines.append(
+                f"  ({result.compression} is not smaller than the table uncompressed: "
+                f"{base:,} bytes{' frozen' if frozen else ''}; compress_embedding refuses it)"
+            )
     return "\n".join(lines)
 
 
@@ -77,4 +89,10 @@ def estimate_command(
     )
     if as_json:
         return json.dumps(result.as_dict(), indent=2)
-    return format_estimate(result)
+    uncompressed = None
+    if compression is not None:
+        uncompressed = estimate(
+            num_embeddings, embedding_dim, dtype=dtype, optimizer=optimizer,
+            master_weights=master_weights,
+        )  # fmt: skip
+    return format_estimate(result, uncompressed)
