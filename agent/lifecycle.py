@@ -28,12 +28,38 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def exit_code(exc: SystemExit) -> int:
+    """The process's exit status when ``exc`` ends it, as Python sets it: ``None`` is 0, an int
+    (``True``/``False`` too) is itself, anything else (``sys.exit("message")``) is printed and
+    is 1."""
+    code = exc.code
+    if code is None:
+        return 0
+    return int(code) if isinstance(code, int) else 1
+
+
 def ended_by(exc: BaseException | None) -> tuple[str, str | None]:
-    """The status and error a run ended by ``exc`` records (``None``: it finished)."""
+    """The status and error a run ended by ``exc`` records (``None``: the block ended).
+
+    * ``None``, or a ``SystemExit`` whose exit status is 0 (``sys.exit()``, ``sys.exit(0)``:
+      a clean early stop): ``finished``, no error;
+    * ``KeyboardInterrupt``: ``interrupted``, error ``KeyboardInterrupt``;
+    * SIGTERM (:class:`~edo_monitor.signals.Terminated`, a ``SystemExit(143)``):
+      ``interrupted``, error ``SIGTERM``;
+    * any other ``SystemExit`` (``sys.exit(2)``, ``sys.exit("message")``): ``failed``, error
+      ``SystemExit: exit code N`` (and the message);
+    * any other exception: ``failed``, error ``"<type>: <message>"``.
+    """
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted", "KeyboardInterrupt"
     if isinstance(exc, Terminated):
         return "interrupted", "SIGTERM"
+    if isinstance(exc, SystemExit):
+        code = exit_code(exc)
+        if code == 0:
+            return "finished", None
+        shown = "" if isinstance(exc.code, int) else f": {exc.code}"
+        return "failed", f"SystemExit: exit code {code}{shown}"[:2000]
     if exc is not None:
         return "failed", f"{type(exc).__name__}: {exc}"[:2000]
     return "finished", None
@@ -286,8 +312,8 @@ class _Lifecycle:
 
     def _abort_start(self, exc: BaseException) -> None:
         """Undo a start that raised ``exc``: stop what started and, when the run's row was
-        written already, record how the run ended (``failed`` with the error, ``interrupted``
-        for Ctrl-C or SIGTERM) instead of leaving it ``running``."""
+        written already, record how the run ended (:func:`ended_by`: ``failed`` with the error,
+        ``interrupted`` for Ctrl-C or SIGTERM) instead of leaving it ``running``."""
         try:
             self._teardown()
         finally:

@@ -409,10 +409,11 @@ class Monitor(_Lifecycle):
 
     def stop(self, exc: BaseException | None = None) -> None:
         """End the run started by :meth:`start` (or by entering), as leaving the ``with`` block
-        does: ``exc=None`` records it ``finished``; an exception records it ``failed`` with that
-        error (a ``KeyboardInterrupt``: ``interrupted``; an out-of-memory error also as an ``oom``
-        event). ``exc`` is not raised. A no-op when the run is not running (never started, or
-        stopped already), so a framework's several end hooks may each call it.
+        does: ``exc=None`` or a clean ``SystemExit`` records it ``finished``; an exception records
+        it ``failed`` with that error (``KeyboardInterrupt``, SIGTERM: ``interrupted``; an OOM
+        also as an ``oom`` event; see :func:`watch`). ``exc`` is not raised. A no-op when the run
+        is not running (never started, or stopped already), so a framework's several end hooks
+        may each call it.
 
         Raises:
             Exception: with ``strict=True``, a failure inside the agent held back until now, as

@@ -118,6 +118,14 @@ def watch(
             hold a row cache's table): default ``<history file>.spill`` beside an SQLite
             history, else ``<temp dir>/edo-spill``; the file is removed when the run ends.
 
+    Leaving the block records how the run ended (``monitor.status``, ``edo-monitor runs``):
+    ``finished`` when the block ends, or when ``sys.exit()`` / ``sys.exit(0)`` (a clean early
+    stop) leaves it; ``interrupted`` for Ctrl-C (error ``KeyboardInterrupt``) and for SIGTERM
+    (error ``SIGTERM``); ``failed`` for any other exception (error ``"<type>: <message>"``), a
+    ``sys.exit`` with another exit status among them (``sys.exit(2)``: error ``SystemExit: exit
+    code 2``; ``sys.exit("message")``: ``SystemExit: exit code 1: message``). The steps are
+    counted in every case, and the exception goes on as it came.
+
     Returns:
         A :class:`Monitor` (entering it starts the run).
 

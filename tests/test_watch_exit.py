@@ -1,0 +1,106 @@
+"""How a run that ``sys.exit`` leaves ends: a clean exit is ``finished``, another exit status
+``failed`` naming it, SIGTERM still ``interrupted`` (real training loops, real SQLite files, a real
+child process)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from watch_helpers import agent_threads, make_model, run_row, train
+
+import edo_monitor
+from edo_monitor.signals import Terminated
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "error"),
+    [
+        (None, "finished", None),  # sys.exit()
+        (0, "finished", None),  # sys.exit(0): early stopping
+        (False, "finished", None),  # exit status 0 too
+        (3, "failed", "SystemExit: exit code 3"),
+        (True, "failed", "SystemExit: exit code 1"),
+        ("no more data", "failed", "SystemExit: exit code 1: no more data"),
+    ],
+)
+def test_sys_exit_in_the_block_ends_the_run_by_its_exit_status(
+    db_path: Path, code: object, status: str, error: str | None
+) -> None:
+    """``sys.exit(0)`` inside the block (early stopping) recorded the run ``failed``, error
+    ``SystemExit: 0``."""
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters())
+    with pytest.raises(SystemExit) as raised, edo_monitor.watch(model, db=db_path) as mon:
+        train(model, opt, 3)
+        sys.exit(code)
+    assert raised.value.code is code  # the exit goes on as it came
+    assert agent_threads() == []
+    assert mon.status == status
+    run = run_row(db_path)
+    assert (run["status"], run["error"], run["steps"]) == (status, error, 3)
+
+
+def test_sigterm_is_still_interrupted_though_a_system_exit(db_path: Path) -> None:
+    """:class:`Terminated` is a ``SystemExit(143)``: it stays ``interrupted`` / ``SIGTERM``, not
+    a ``failed`` exit status."""
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters())
+    with pytest.raises(SystemExit) as raised, edo_monitor.watch(model, db=db_path):
+        train(model, opt, 2)
+        raise Terminated()
+    assert raised.value.code == 143
+    run = run_row(db_path)
+    assert (run["status"], run["error"], run["steps"]) == ("interrupted", "SIGTERM", 2)
+
+
+def test_stop_with_a_clean_exit_records_finished(db_path: Path) -> None:
+    """``Monitor.stop(exc)`` (the integrations' end) reads a clean exit as the block does."""
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters())
+    mon = edo_monitor.watch(model, db=db_path).start()
+    train(model, opt, 2)
+    mon.stop(SystemExit(0))
+    run = run_row(db_path)
+    assert (run["status"], run["error"], run["steps"]) == ("finished", None, 2)
+
+
+@pytest.mark.parametrize(
+    ("exit_call", "returncode", "status", "error"),
+    [
+        ("sys.exit(0)", 0, "finished", None),
+        ("sys.exit(4)", 4, "failed", "SystemExit: exit code 4"),
+    ],
+)
+def test_a_program_that_stops_early_exits_as_before_and_records_its_end(
+    db_path: Path, tmp_path: Path, exit_call: str, returncode: int, status: str, error: str | None
+) -> None:
+    script = tmp_path / "child.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import sys, torch, edo_monitor
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Embedding(100, 8), torch.nn.Linear(8, 2))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            with edo_monitor.watch(model, db={str(db_path)!r}, interval_s=0.05):
+                for step in range(100):
+                    model(torch.randint(0, 100, (16,))).sum().backward()
+                    opt.step()
+                    opt.zero_grad()
+                    if step == 4:  # the validation loss stopped improving
+                        {exit_call}
+            """
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == returncode, done.stderr
+    assert "Traceback" not in done.stderr
+    run = run_row(db_path)
+    assert (run["status"], run["error"], run["steps"]) == (status, error, 5)
