@@ -377,13 +377,24 @@ class DataSource:
     def export_csv(self, run: RunInfo, directory: str | os.PathLike[str] = ".") -> Path:
         """Write the run's samples to ``edo-run-<id>-<name>.csv``, as ``edo-monitor export RUN
         --format csv`` writes them (:func:`edo_monitor.exporters.samples_file.write_samples_csv`:
-        every column, in id order, a page at a time). Returns the path written.
+        every column, in id order, a page at a time), and through the same checks and temporary
+        file renamed into place (:mod:`edo_monitor.surfaces.cli.output`). Returns the path
+        written.
+
+        Raises:
+            ConfigError: the file would be the history database or one of its companion files,
+                a folder, or ``directory`` does not exist.
+            EdoMonitorError: the file cannot be written (a file already there is left as it was).
         """
-        history = self.open()
+        from edo_monitor.surfaces.cli.output import open_output, output_target
+
         # a file name of at most ~100 bytes (a 300-character run name was "File name too long")
         safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", run.name).strip("_")[:80] or "run"
         path = Path(directory) / f"edo-run-{run.id}-{safe}.csv"
-        with path.open("w", newline="") as fh:
+        db = None if self.db is None else os.fspath(self.db)
+        target = output_target(path, db, "the export file")
+        history = self.open()
+        with open_output(target) as fh:
             write_samples_csv(history, run, fh)
         logger.info("exported run %d to %s", run.id, path)
         return path

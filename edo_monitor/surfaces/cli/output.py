@@ -1,7 +1,8 @@
-"""Files the CLI writes where the user says (``export --out``, ``snapshot --out`` and
-``--html``): checked before anything is read, never the history database or one of its companion
-files, and written through a temporary file beside the target renamed into place (a reader sees
-the old file or the whole new one, never half of one)."""
+"""Files written where the user says (``edo-monitor export --out``, ``snapshot --out`` and
+``--html``, the screenshot tool's ``--out``, the dashboard's CSV export): checked before
+anything is read, never the history database or one of its companion files, and written through
+a temporary file beside the target renamed into place (a reader sees the old file or the whole
+new one, never half of one)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from edo_monitor.errors import ConfigError, EdoMonitorError
+from edo_monitor.store.paths import COMPANION_SUFFIXES
 
 __all__ = ["OutputFile", "open_output", "output_target", "write_output"]
 
@@ -27,30 +29,31 @@ class OutputFile:
     shown: str
 
 
-def output_target(path: Path, db: str | None, option: str) -> OutputFile:
+def output_target(path: str | os.PathLike[str], db: str | None, option: str) -> OutputFile:
     """The file ``path`` (given as ``option``, e.g. ``"--out"``) names, links resolved. Call it
     before the history is opened: a reader changes a WAL database's ``-shm`` file.
+
+    Every file written where the user says goes through here (the CLI's ``export --out``,
+    ``snapshot --out``/``--html``, the screenshot tool's ``--out``, the dashboard's export).
 
     Raises:
         ConfigError: ``path`` is a folder, its folder does not exist, or it is the SQLite history
             database ``db`` (resolved as every command resolves ``--db``/``EDO_DB``) or one of its
             ``-wal``, ``-shm`` and ``-journal`` files, by name, through a link or as a hard link
             (overwriting the ``-wal`` of a database whose last transactions are still in it
-            loses them).
+            loses them). A ``db`` that cannot be opened as given (a missing folder, a
+            companion file named as the database) still has its file protected; the command
+            says what is wrong with it when it opens it.
     """
-    from edo_monitor.store.paths import resolve_db_url
-
     target = Path(os.path.realpath(path))
-    shown = str(path)
+    shown = os.fspath(path)
     if target.is_dir():
         raise ConfigError(f"{option} {shown!r} is a directory; expected a file path")
     if not target.parent.is_dir():
         raise ConfigError(f"{option} {shown!r}: folder {str(target.parent)!r} does not exist")
-    url = resolve_db_url(db, readonly=True)
-    database = url.database if url.get_backend_name() == "sqlite" else None
-    if database and database != ":memory:":
+    for database in _database_paths(db):
         base = os.path.realpath(database)
-        for suffix in ("", "-wal", "-shm", "-journal"):
+        for suffix in ("", *COMPANION_SUFFIXES):
             protected = base + suffix
             same = str(target) == protected
             if not same and target.exists() and os.path.exists(protected):
@@ -62,6 +65,36 @@ def output_target(path: Path, db: str | None, option: str) -> OutputFile:
                     "another file"
                 )
     return OutputFile(target, shown)
+
+
+def _database_paths(db: str | os.PathLike[str] | None) -> list[Path]:
+    """The SQLite file the history ``db`` names (none for a server or an in-memory database),
+    and the database of a companion file when ``db`` names one (``x.db-wal``: ``x.db`` too)."""
+    from sqlalchemy.engine import make_url
+
+    from edo_monitor.store.paths import DEFAULT_DB, database_file, resolve_db_url
+
+    try:
+        path = database_file(resolve_db_url(db, readonly=True))
+    except EdoMonitorError:  # not usable as given: its file, if it names one, is still kept
+        text = os.fspath(db) if db is not None else os.environ.get("EDO_DB") or DEFAULT_DB
+        if "://" not in text:
+            path = Path(text).expanduser()
+        else:
+            try:
+                url = make_url(text)
+            except Exception:  # not a URL at all: no file
+                return []
+            if url.get_backend_name() != "sqlite" or not url.database:
+                return []  # a server's database is no file here
+            path = Path(url.database).expanduser()
+    if path is None:
+        return []
+    paths = [path]
+    for suffix in COMPANION_SUFFIXES:
+        if path.name.endswith(suffix) and len(path.name) > len(suffix):
+            paths.append(path.with_name(path.name[: -len(suffix)]))
+    return paths
 
 
 @contextmanager
