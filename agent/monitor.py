@@ -30,7 +30,7 @@ import os
 import threading
 import unicodedata
 import uuid as uuidlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -114,7 +114,7 @@ class Monitor(_Lifecycle):
     def __init__(
         self,
         model: nn.Module | None = None,
-        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+        optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] | None = None,
         *,
         db: str | os.PathLike[str] | None = None,
         interval_s: float = DEFAULT_INTERVAL_S,
@@ -149,16 +149,19 @@ class Monitor(_Lifecycle):
         )
         profile_interval_s = seconds(profile_interval_s, "profile_interval_s", error=ConfigError)
         queue_size = whole_number(queue_size, "queue_size", 1, error=ConfigError)
-        optimizers: list[torch.optim.Optimizer] = []
-        if optimizer is not None:
-            optimizers = (
-                [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
-            )
-            for opt in optimizers:
-                if not isinstance(opt, torch.optim.Optimizer):
-                    raise ConfigError(
-                        f"optimizer={type(opt).__name__} is not a torch.optim.Optimizer (or None)"
-                    )
+        allowed = "a torch.optim.Optimizer, an iterable of them, or None (found by its steps)"
+        if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+            optimizers = [] if optimizer is None else [optimizer]
+        elif isinstance(optimizer, Iterable) and not isinstance(optimizer, (str, bytes, Mapping)):
+            optimizers = list(optimizer)  # read once (a generator too) and kept
+        else:  # 5, "adam", {"enc": opt}: a ConfigError naming it, not a TypeError from list()
+            raise ConfigError(f"optimizer={optimizer!r} is not {allowed}")
+        for opt in optimizers:
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise ConfigError(
+                    f"optimizer holds {opt!r} ({type(opt).__name__}); expected {allowed}"
+                )
+        optimizers = list(dict.fromkeys(optimizers))  # one optimizer given twice is one
         if policy is not None and not isinstance(policy, Policy):
             raise ConfigError(f"policy={policy!r} is not an edo_monitor.Policy (or None)")
         for name, flag in (

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ from edo_monitor.exporters.prometheus import (
 
 def watch(
     model: nn.Module | None = None,
-    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+    optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] | None = None,
     *,
     db: str | os.PathLike[str] | None = None,
     interval_s: float = DEFAULT_INTERVAL_S,
@@ -51,8 +51,11 @@ def watch(
 
     Args:
         model: the model to watch; ``None`` monitors the process only.
-        optimizer: optimizer(s) stepping the model; by default found through PyTorch's global
-            optimizer step hooks (the first one that steps a parameter of ``model``).
+        optimizer: the optimizer stepping the model, or an iterable of them (a list, a tuple; a
+            generator is read once; one given twice counts once); ``None`` (default) or an empty
+            one: found through PyTorch's global optimizer step hooks (the first one that steps a
+            parameter of ``model``). Anything else (``5``, ``"adam"``, a dict) is a
+            ``ConfigError`` naming it.
         db: history database: file path or SQLAlchemy URL; default ``$EDO_DB`` or
             ``./edo-history.db``.
         interval_s: seconds between samples (> 0).
