@@ -89,15 +89,18 @@ class EventLog:
 
     def agent_error(self, where: str, exc: BaseException) -> None:
         """Count a failure inside the agent at ``where`` (``"sampler"``, ``"step hook"`` ...);
-        the first of each kind is logged with its traceback and recorded as one
-        ``agent_error`` event."""
+        the first of each kind is logged with its traceback (in one line, with its message, for
+        an expected condition: an exception whose class sets ``one_line = True``, such as a
+        rank agreement that timed out) and recorded as one ``agent_error`` event."""
         key = f"{where}:{type(exc).__name__}"
         self.agent_errors[key] += 1
         if self.agent_errors[key] == 1:
+            one_line = getattr(type(exc), "one_line", False) is True
             logger.error(
-                "edo-monitor: %s failed (training goes on)",
+                "edo-monitor: %s failed (training goes on)%s",
                 where,
-                exc_info=(type(exc), exc, exc.__traceback__),
+                f": {exc}" if one_line else "",
+                exc_info=None if one_line else (type(exc), exc, exc.__traceback__),
             )
             self.emit("agent_error", f"{where}: {type(exc).__name__}: {exc}", {"where": where})
         if self.strict and self.pending_error is None:

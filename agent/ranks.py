@@ -18,8 +18,10 @@ fails (:class:`AgreementTimeoutError`): no job id, or no coordination, and the t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -100,7 +102,10 @@ AGREEMENT_TIMEOUT_S = 60.0
 
 class AgreementTimeoutError(RuntimeError):
     """A collective of the ranks' agreement did not complete within :func:`agreement_timeout_s`
-    (a rank died or hangs before it)."""
+    (a rank died or hangs before it). An expected condition of a job: the agent logs it in one
+    line, without a traceback (``one_line``)."""
+
+    one_line = True
 
 
 def agreement_timeout_s() -> float:
@@ -122,14 +127,82 @@ def agreement_timeout_s() -> float:
     return AGREEMENT_TIMEOUT_S
 
 
+#: the keys of :func:`_all_arrived` in the group's store (a counter and a decision per agreement)
+_ARRIVAL_PREFIX = "edo-monitor/agreement/"
+#: this process's agreements so far: every rank counts its agreements alike (the detection at
+#: ``watch()``, then each collective of each sync), so the n-th of each rank meet at one key
+_arrivals = itertools.count()
+
+
+def _default_store(dist: Any) -> Any:
+    """The default group's key-value store (``None`` where torch does not give it)."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def _all_arrived(dist: Any, bound_s: float) -> None:
+    """Wait, through the group's store, until every rank has come to this agreement, and decide
+    with them whether its collective runs: all ranks run it, or none does.
+
+    A collective that one rank starts and the others never join stays queued on the user's
+    group after its ``wait`` times out: the next collective of the user's training was paired
+    with it (a hang, or gloo's "Received data size doesn't match expected size" abort) when a
+    rank came late, did not watch, or stepped once fewer. Here each rank adds one to the
+    agreement's counter; the first rank to see every rank counted sets its decision to ``go``,
+    and a rank still waiting after ``bound_s`` sets it to ``fail`` (``compare_set``: the first
+    setting holds); every rank acts on the one decision, and a rank arriving after ``fail``
+    starts nothing. Then only a rank that dies between the decision and the collective can
+    leave one queued. A ``go`` deletes the keys of the agreement before (every rank has left it).
+
+    Raises:
+        AgreementTimeoutError: the decision is ``fail``.
+    """
+    store = _default_store(dist)
+    if store is None:
+        return  # the collective alone, bounded by its own wait
+    n = next(_arrivals)
+    count_key, decision_key = f"{_ARRIVAL_PREFIX}{n}", f"{_ARRIVAL_PREFIX}{n}/decision"
+    world = int(dist.get_world_size())
+    deadline = time.monotonic() + bound_s
+    arrived = int(store.add(count_key, 1))
+    pause_s = 1e-4
+    while True:
+        if arrived >= world:
+            decision = store.compare_set(decision_key, "", "go")
+        elif store.check([decision_key]):
+            decision = store.get(decision_key)
+        elif time.monotonic() >= deadline:
+            decision = store.compare_set(decision_key, "", "fail")
+        else:
+            time.sleep(pause_s)
+            pause_s = min(pause_s * 2, 0.01)
+            arrived = int(store.add(count_key, 0))
+            continue
+        break
+    if decision != b"go":
+        raise AgreementTimeoutError(
+            f"the ranks' agreement waited {bound_s:g} s (EDO_AGREEMENT_TIMEOUT_S) for the other "
+            f"ranks to come to it: a rank died, hangs, is late, did not enter watch() or took "
+            "fewer steps; no collective was started"
+        )
+    if n > 0 and dist.get_rank() == 0:
+        for key in (f"{_ARRIVAL_PREFIX}{n - 1}", f"{_ARRIVAL_PREFIX}{n - 1}/decision"):
+            with contextlib.suppress(RuntimeError):  # a store without deleteKey keeps them
+                store.delete_key(key)
+
+
 def _all_gather(dist: Any, out: list[torch.Tensor], mine: torch.Tensor) -> None:
-    """``dist.all_gather(out, mine)`` that waits at most :func:`agreement_timeout_s`.
+    """``dist.all_gather(out, mine)`` once every rank has come to it (:func:`_all_arrived`),
+    waiting at most :func:`agreement_timeout_s` for each.
 
     Raises:
         AgreementTimeoutError: the other ranks did not all take part in time.
         RuntimeError: (and whatever the backend raises) the collective failed.
     """
     bound_s = agreement_timeout_s()
+    _all_arrived(dist, bound_s)
     t0 = time.monotonic()
     work = dist.all_gather(out, mine, async_op=True)
     try:

@@ -10,6 +10,10 @@ Scenarios:
 * ``jobs``: a plain training loop (the job and rank columns). ``die_rank``: that rank ends
   with ``os._exit(3)`` right after joining the group, before any collective (after ``hang_s``
   seconds of sleep: alive but never taking part); ``strict=0``: the agent's errors are logged.
+  ``allreduce=after``: the training's own collective, an ``all_reduce`` of ones after the
+  ``watch()`` block (its result, ``after_block_sum``: the world size when the ranks'
+  collectives paired), ``allreduce=step``: every step too; ``late_rank`` enters ``watch()``
+  ``late_s`` seconds late; ``short_rank`` takes one step fewer.
 * ``pressure``: CPU-budget mode (``budget=``) with a policy; rank ``heavy_rank`` trains on
   larger batches, so only its free fraction falls below the floor. Options: ``ladder`` (comma
   separated), ``ddp=1`` (wrap in ``DistributedDataParallel``), ``tie_rank`` (that rank's table
@@ -45,8 +49,11 @@ def scenario_jobs(db: str, rank: int, opts: dict[str, str]) -> dict[str, Any]:
     torch.manual_seed(rank)
     model = nn.Sequential(nn.Embedding(2_000, 16), nn.Linear(16, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    steps = int(opts.get("steps", "10"))
+    steps = int(opts.get("steps", "10")) - (rank == int(opts.get("short_rank", "-1")))
     strict = opts.get("strict", "1") == "1"
+    allreduce = opts.get("allreduce")
+    if rank == int(opts.get("late_rank", "-1")):
+        time.sleep(float(opts.get("late_s", "0")))
     t0 = time.monotonic()
     with edo_monitor.watch(
         model, db=db, interval_s=0.01, run_name="ranks-test", strict=strict
@@ -55,11 +62,18 @@ def scenario_jobs(db: str, rank: int, opts: dict[str, str]) -> dict[str, Any]:
         for _ in range(steps):
             x = torch.randint(0, 2_000, (64,))
             model(x).logsumexp(-1).mean().backward()
+            if allreduce == "step":
+                dist.all_reduce(torch.ones(4))
             opt.step()
             opt.zero_grad()
             time.sleep(0.002)
+    after = None
+    if allreduce:
+        after = torch.ones(4)
+        dist.all_reduce(after)
     s = m.summary()
     return {
+        "after_block_sum": None if after is None else float(after[0]),
         "run_id": s.run_id,
         "status": s.recorded_status,
         "steps": s.steps,

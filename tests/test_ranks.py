@@ -486,3 +486,37 @@ def test_a_rank_gone_before_the_first_agreement_leaves_the_others_training(
     assert rank0["status"] == "finished" and rank0["steps"] == 10
     assert rank0["job_id"] is None  # no agreement, so no job: a plain run
     assert time.monotonic() - started < 150
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "options",
+    [
+        ["short_rank=1", "steps=8", "allreduce=after"],
+        ["late_rank=1", "late_s=6", "allreduce=step"],
+    ],
+    ids=["a-rank-steps-once-fewer", "a-rank-enters-late"],
+)
+def test_an_agreement_a_rank_misses_starts_no_collective(
+    tmp_path: Path, options: list[str]
+) -> None:
+    """Rank 1 takes one step fewer (rank 0 alone at the sync of step 8) or enters ``watch()``
+    6 s late (past the 3 s bound of the agreement at its start): the agreement fails on the
+    ranks that waited and starts no collective, so the training's own collectives pair as they
+    should. The agreement's ``all_gather`` was started on one rank and stayed queued on the
+    group: the training's next collective was paired with it (gloo aborted the process,
+    "Received data size doesn't match expected size", or both ranks hung)."""
+    db = str(tmp_path / "history.db")
+    env = {"EDO_AGREEMENT_TIMEOUT_S": "3"}
+    results = run_ranks("jobs", db, 2, tmp_path, "strict=0", *options, env=env, timeout_s=150)
+    for res in results:
+        assert res["status"] == "finished", res
+        assert res["after_block_sum"] == 2.0  # the training's collective paired
+    expected_steps = [8, 7] if "short_rank=1" in options else [10, 10]
+    assert [r["steps"] for r in results] == expected_steps
+    errors = {k for r in results for k in r["errors"]}
+    assert errors <= {
+        "rank agreement:AgreementTimeoutError",
+        "rank detection:AgreementTimeoutError",
+    }
+    assert errors  # the agreement failed, in one line (not a hang)
