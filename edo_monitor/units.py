@@ -25,7 +25,12 @@ _IEC_SHORT = re.compile(r"\d\s*[KMGTPE]i$", re.IGNORECASE)
 
 #: A number and its unit. humanfriendly reads only a unit's first letter ("12 potatoes" was 12
 #: PB), so the unit is checked against :data:`_UNITS` first.
-_SIZE = re.compile(r"^\s*\d+(?:\.\d+)?\s*(?P<unit>[a-z]*)\s*$", re.IGNORECASE)
+_SIZE = re.compile(
+    r"^\s*(?P<sign>-?)(?P<number>\d+(?:\.(?P<fraction>\d+))?)\s*(?P<unit>[a-z]*)\s*$",
+    re.IGNORECASE,
+)
+#: The units that are bytes themselves: a fraction of one is not a size ("1.5" was 1 byte).
+_BYTE_UNITS = frozenset({"", "b", "byte", "bytes"})
 _PREFIXES = (
     ("k", "kilo", "kibi"),
     ("m", "mega", "mebi"),
@@ -51,10 +56,12 @@ def parse_bytes(value: int | str, *, name: str = "budget") -> int:
         name: the argument's name, used in the error message.
 
     Returns:
-        The size in bytes (an ``int``, rounded down).
+        The size in bytes (an ``int``; a fraction of a larger unit rounded down: ``"1.0005KB"``
+        is 1,000).
 
     Raises:
-        ConfigError: (a ``ValueError``) when the value is negative, a bool, a float, or a string
+        ConfigError: (a ``ValueError``) when the value is negative (``-5`` or ``"-5MiB"``), a
+            bool, a float, a fraction of a byte (``"1.5"``, ``"0.5B"``), or a string
             that is not a size, e.g. ``"12 apples"`` or ``"12 potatoes"`` (a unit is one of
             B, K, M, G, T, P, E with or without ``B``/``iB``/``i``, or written out:
             ``"12 gigabytes"``, ``"12 gibibytes"``; a bare ``"12G"`` is 12 * 1000**3).
@@ -68,6 +75,12 @@ def parse_bytes(value: int | str, *, name: str = "budget") -> int:
         match = _SIZE.match(text)
         if match is None or match["unit"].lower() not in _UNITS:
             raise ConfigError(f"{name}={value!r} is not a size; expected {_ALLOWED}")
+        if match["sign"]:
+            raise ConfigError(f"{name}={value!r} is negative; expected {_ALLOWED}")
+        if match["unit"].lower() in _BYTE_UNITS and (match["fraction"] or "0").strip("0"):
+            raise ConfigError(
+                f"{name}={value!r} is not a whole number of bytes; expected {_ALLOWED}"
+            )
         if _IEC_SHORT.search(text):  # "8Mi" (Kubernetes' form) is 8 MiB, not 8 MB
             text += "B"
         try:

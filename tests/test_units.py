@@ -51,3 +51,31 @@ def test_a_unit_that_is_no_unit_is_refused(text: str) -> None:
 )
 def test_units_of_every_form_are_read(text: str, expected: int) -> None:
     assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        # a fraction of a byte was rounded down: "0.5" became budget=0 ("budget=0 leaves no
+        # memory", naming a value the user never gave), "1.5B" a budget of 1 byte
+        ("0.5", "is not a whole number of bytes"),
+        ("1.5", "is not a whole number of bytes"),
+        ("1.9999B", "is not a whole number of bytes"),
+        ("1.5 bytes", "is not a whole number of bytes"),
+        # a negative string was "not a size", where -5 was "negative"
+        ("-1", "is negative"),
+        ("-5MiB", "is negative"),
+    ],
+)
+def test_a_fraction_of_a_byte_or_a_negative_string_is_refused_by_name(text: str, says: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_bytes(text)
+    assert str(err.value).startswith(f"budget={text!r} {says}; expected ")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), [("2.0", 2), ("3.00 bytes", 3), ("0.5KB", 500), ("1.0005KB", 1000)]
+)
+def test_whole_bytes_and_fractions_of_larger_units_are_read(text: str, expected: int) -> None:
+    """A fraction of a larger unit is rounded down to whole bytes, as before."""
+    assert parse_bytes(text) == expected
