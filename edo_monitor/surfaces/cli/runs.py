@@ -7,14 +7,15 @@ import time
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 
 from edo_monitor.errors import (
     ConfigError,
 )
 from edo_monitor.surfaces.cli.common import (
+    Col,
     DbOpt,
     JsonOpt,
+    ListTable,
     RunArg,
     _bytes,
     _c,
@@ -80,23 +81,21 @@ def runs_cmd(
         return
     # the ranks of one job share its name: their rank tells them apart (no column without one)
     ranked = any(r.rank is not None for r in runs)
-    table = Table(title=None, show_lines=False)
-    for col, just in (
-        ("id", "right"),
-        ("uuid", "left"),
-        ("name", "left"),
-        *((("rank", "right"),) if ranked else ()),
-        ("status", "left"),
-        ("started (UTC)", "left"),
-        ("duration", "right"),
-        ("steps", "right"),
-        ("device", "left"),
-        ("peak in use", "right"),
-        ("min free", "right"),
-        ("actions", "right"),
-        ("OOMs", "right"),
-    ):
-        table.add_column(col, justify=just)  # type: ignore[arg-type]
+    table = ListTable(  # the id and the uuid prefix open the run: never cut (ListTable)
+        Col("id", "right", key=True),
+        Col("uuid", key=True),
+        Col("name"),
+        *((Col("rank", "right"),) if ranked else ()),
+        Col("status"),
+        Col("started (UTC)"),
+        Col("duration", "right"),
+        Col("steps", "right"),
+        Col("device"),
+        Col("peak in use", "right"),
+        Col("min free", "right"),
+        Col("actions", "right"),
+        Col("OOMs", "right"),
+    )
     for r in runs:
         table.add_row(
             str(r.id),
@@ -135,15 +134,18 @@ def _modules_title(mods: list[Any], info: Any) -> tuple[str, bool]:
     return f"{head}: bytes by category, largest first", len(steps) > 1
 
 
-def _module_table(mods: list[Any], info: Any) -> Table:
+def _module_table(mods: list[Any], info: Any) -> ListTable:
     title, mixed = _modules_title(mods, info)
-    table = Table(title=title)
-    for col in ("module", "kind", "shape", "dtype", "device", "placement"):
-        table.add_column(col)
-    if mixed:
-        table.add_column("step", justify="right")
-    for col in ("params", "grads", "optimizer state", "activations", "total"):
-        table.add_column(col, justify="right")
+    table = ListTable(
+        Col("module", key=True),
+        *(Col(col) for col in ("kind", "shape", "dtype", "device", "placement")),
+        *((Col("step", "right"),) if mixed else ()),
+        *(
+            Col(col, "right")
+            for col in ("params", "grads", "optimizer state", "activations", "total")
+        ),
+        title=title,
+    )
     for m in mods:
         shape = (
             f"{m.num_embeddings}x{m.embedding_dim}"
@@ -167,16 +169,21 @@ def _module_table(mods: list[Any], info: Any) -> Table:
     return table
 
 
-def _cache_table(mods: list[Any], summary: Any) -> Table | None:
+def _cache_table(mods: list[Any], summary: Any) -> ListTable | None:
     """Row caches: one row per cached table (totals since it was cached) and the run's total
     over its samples (with bytes moved per step); ``None`` when the run had no cache."""
     cached = [m for m in mods if m.cache_rows is not None]
     if not cached and summary is None:
         return None
-    table = Table(title="row caches (CachedEmbedding tables)")
-    table.add_column("table")
-    for col in ("cache rows", "hit rate", "rows loaded", "rows evicted", "moved", "moved/step"):
-        table.add_column(col, justify="right")
+    table = ListTable(
+        Col("table", key=True),
+        *(
+            Col(col, "right")
+            for col in ("cache rows", "hit rate", "rows loaded", "rows evicted", "moved")
+        ),
+        Col("moved/step", "right"),
+        title="row caches (CachedEmbedding tables)",
+    )
     for m in cached:
         rows = f"{m.cache_rows:,}" + (f" of {m.num_embeddings:,}" if m.num_embeddings else "")
         table.add_row(
@@ -202,13 +209,15 @@ def _cache_table(mods: list[Any], summary: Any) -> Table | None:
     return table
 
 
-def _events_table(events: list[Any], start_s: float) -> Table:
-    table = Table(title="events")
-    table.add_column("id", justify="right")
-    table.add_column("t+", justify="right")
-    table.add_column("step", justify="right")
-    table.add_column("kind")
-    table.add_column("message")
+def _events_table(events: list[Any], start_s: float) -> ListTable:
+    table = ListTable(  # the id is what explain --event and snapshot --event take
+        Col("id", "right", key=True),
+        Col("t+", "right"),
+        Col("step", "right"),
+        Col("kind"),
+        Col("message"),
+        title="events",
+    )
     for e in events:
         table.add_row(str(e.id), f"{e.time_s - start_s:.1f}s", e.step_shown, e.kind, e.message)
     return table
@@ -267,9 +276,9 @@ def show_cmd(
         if caches is not None:
             _c.out.print(caches)
         return
-    summary = Table(title=f"run {info.id}  {info.name}", show_header=False)
-    summary.add_column("field")
-    summary.add_column("value")
+    summary = ListTable(
+        Col("field", key=True), Col("value"), title=f"run {info.id}  {info.name}", show_header=False
+    )
     rows = [
         ("uuid", info.uuid),
         (
@@ -306,9 +315,7 @@ def show_cmd(
     for label, value in rows:
         summary.add_row(label, value)
     _c.out.print(summary)
-    peaks = Table(title="peaks")
-    peaks.add_column("quantity")
-    peaks.add_column("peak", justify="right")
+    peaks = ListTable(Col("quantity", key=True), Col("peak", "right"), title="peaks")
     for label, value in (
         ("in use", _bytes(info.peak_in_use_bytes)),
         ("allocated", _bytes(info.peak_allocated_bytes)),
@@ -400,22 +407,20 @@ def jobs_cmd(
             "no jobs recorded (a job is the runs of the ranks of one torch.distributed job)"
         )
         return
-    table = Table()
-    for col, just in (
-        ("job", "left"),
-        ("name", "left"),
-        ("status", "left"),
-        ("ranks", "right"),
-        ("backend", "left"),
-        ("hosts", "left"),
-        ("started (UTC)", "left"),
-        ("duration", "right"),
-        ("steps", "right"),
-        ("min free (rank)", "right"),
-        ("actions", "right"),
-        ("OOMs", "right"),
-    ):
-        table.add_column(col, justify=just)  # type: ignore[arg-type]
+    table = ListTable(  # the job id is what 'job' takes: never cut (ListTable)
+        Col("job", key=True),
+        Col("name"),
+        Col("status"),
+        Col("ranks", "right"),
+        Col("backend"),
+        Col("hosts"),
+        Col("started (UTC)"),
+        Col("duration", "right"),
+        Col("steps", "right"),
+        Col("min free (rank)", "right"),
+        Col("actions", "right"),
+        Col("OOMs", "right"),
+    )
     for j, row in zip(jobs, rows, strict=True):
         end = j.ended_at_s if j.ended_at_s is not None else time.time()
         duration = None if j.started_at_s is None else max(0.0, end - j.started_at_s)
@@ -518,11 +523,13 @@ def compare_cmd(
             }
         )
         return
-    table = Table(title=f"run {c.a.id} ({c.a.name}) vs run {c.b.id} ({c.b.name})")
-    table.add_column("metric")
-    table.add_column(f"A: {c.a.id}", justify="right")
-    table.add_column(f"B: {c.b.id}", justify="right")
-    table.add_column("B - A", justify="right")
+    table = ListTable(
+        Col("metric", key=True),
+        Col(f"A: {c.a.id}", "right"),
+        Col(f"B: {c.b.id}", "right"),
+        Col("B - A", "right"),
+        title=f"run {c.a.id} ({c.a.name}) vs run {c.b.id} ({c.b.name})",
+    )
 
     def fmt(unit: str, v: Any) -> str:
         if v is None:
@@ -544,12 +551,14 @@ def compare_cmd(
             d = f"{100 * delta:+.1f} pp"
         table.add_row(m.name, fmt(m.unit, m.a), fmt(m.unit, m.b), d)
     _c.out.print(table)
-    acts = Table(title="actions")
-    acts.add_column("run")
-    acts.add_column("t+", justify="right")
-    acts.add_column("action")
-    acts.add_column("target")
-    acts.add_column("saved", justify="right")
+    acts = ListTable(
+        Col("run", key=True),
+        Col("t+", "right"),
+        Col("action"),
+        Col("target"),
+        Col("saved", "right"),
+        title="actions",
+    )
     for label, info, events in (("A", c.a, c.actions_a), ("B", c.b, c.actions_b)):
         for e in events:
             acts.add_row(
