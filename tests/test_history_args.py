@@ -118,3 +118,37 @@ def test_good_counts_still_work(history: Path) -> None:
             r.id for r in rows[1:]
         ]
         assert h.events_since("latest", 0) == h.events("latest")
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda h: h.events(1, kind=5), "kind=5; expected an event kind (a string)"),
+        (lambda h: h.events(1, kind=["action", 3]), "kind=['action', 3]; expected an event kind"),
+        (lambda h: h.runs(status=5), "status=5; expected a run status (a string)"),
+        (lambda h: h.jobs(status=5), "status=5; expected a job status (a string)"),
+    ],
+    ids=["events kind int", "events kind list", "runs status", "jobs status"],
+)
+def test_a_filter_that_is_not_names_is_refused(
+    history: Path, call: Callable[[History], Any], message: str
+) -> None:
+    """``kind=5`` / ``status=5`` were a raw ``TypeError: 'int' object is not iterable``."""
+    with History(history) as h, pytest.raises(ConfigError) as err:
+        call(h)
+    assert str(err.value).startswith(message)
+    assert str(err.value).endswith("several (an iterable of strings) or None (any)")
+
+
+def test_kinds_filter_as_one_name_or_several(tmp_path: Path) -> None:
+    from history_seed import seed
+
+    seed(tmp_path / "seeded.db")  # runs with events of several kinds
+    with History(tmp_path / "seeded.db") as h:
+        every = h.events(1)
+        kinds = {e.kind for e in every}
+        assert len(kinds) > 1 and h.events(1, kind=None) == every
+        for kind in kinds:
+            assert h.events(1, kind=kind) == [e for e in every if e.kind == kind]
+        assert h.events(1, kind=tuple(kinds)) == every
+        assert h.events(1, kind="actoin") == []  # no such event in the run: none

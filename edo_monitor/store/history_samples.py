@@ -21,6 +21,7 @@ from edo_monitor.store.queries import (
     _merge,
     _raw_series,
     _to_epoch,
+    names_asked,
 )
 from edo_monitor.store.records import (
     CacheSummary,
@@ -407,10 +408,12 @@ class _SampleQueries:
 
     # -- events, modules ---------------------------------------------------------------------
     def events(self, run: RunRef, *, kind: str | Sequence[str] | None = None) -> list[EventInfo]:
-        """A run's events in time order, optionally only of ``kind`` (one or several).
+        """A run's events in time order, optionally only of ``kind`` (one or several; a kind
+        the run has none of gives none: ``edo-monitor events --kind`` names the run's kinds).
 
         Raises:
-            RunNotFoundError: no such run.
+            RunNotFoundError: no such run. ConfigError: ``kind`` neither a string, an iterable
+                of strings nor ``None``.
         """
         return self._events(run, kind, None)
 
@@ -421,9 +424,9 @@ class _SampleQueries:
         if run_id is None or after_id is None:
             run_id = self._find(run)["id"]
         stmt = select(*events_table.columns).where(events_table.c.run_id == run_id)
-        if kind is not None:
-            kinds = [kind] if isinstance(kind, str) else list(kind)
-            stmt = stmt.where(events_table.c.kind.in_(kinds))
+        kinds = names_asked(kind, "kind", "an event kind")
+        if kinds:
+            stmt = stmt.where(events_table.c.kind.in_(sorted(kinds)))
         if after_id is not None:
             stmt = stmt.where(events_table.c.id > after_id).order_by(events_table.c.id)
         else:

@@ -47,13 +47,37 @@ RunRef = int | str
 STATUSES = ("running", "finished", "failed", "interrupted", "crashed")
 
 
+def names_asked(value: str | Iterable[str] | None, name: str, what: str) -> set[str]:
+    """``value`` (a filter's argument: one name, several, or ``None`` for any) as a set (empty:
+    any).
+
+    Raises:
+        ConfigError: neither a string, an iterable of strings nor ``None`` (``kind=5`` was a
+            raw ``TypeError``), naming ``name`` and ``what`` one name is.
+    """
+    if value is None:
+        return set()
+    if isinstance(value, str):
+        return {value}
+    try:
+        names = set(value)
+    except TypeError:
+        names = {value}
+    if not all(isinstance(n, str) for n in names):
+        raise ConfigError(
+            f"{name}={value!r}; expected {what} (a string), several (an iterable of strings) or "
+            "None (any)"
+        )
+    return names
+
+
 def _statuses(status: str | Iterable[str] | None, what: str) -> set[str]:
     """The statuses asked for, as a set (empty: any).
 
     Raises:
         ConfigError: a status not in :data:`STATUSES`.
     """
-    wanted = {status} if isinstance(status, str) else set(status or ())
+    wanted = names_asked(status, "status", f"a {what} status")
     if wanted - set(STATUSES):
         raise ConfigError(
             f"status={status!r} is not a {what} status; expected one of "
