@@ -97,13 +97,27 @@ _NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
 class CliCommand(TyperCommand):
-    """An ``edo-monitor`` command whose positional argument given a negative number is refused
-    as a bad value of that argument, naming the value and what the argument allows (its help):
-    ``explain -1`` said ``No such option: -1`` where ``explain 1 --event -1`` said ``-1 is out of
-    range``. Click reads any word that starts with ``-`` as an option; when the unknown option is
-    a negative number, the command line is read again with Click's ``ignore_unknown_options``
-    (the number then lands in its argument) and the argument that got it is refused with
-    Click's own ``BadParameter``. Every other unknown option is Click's error as before."""
+    """An ``edo-monitor`` command whose positional arguments are named alike everywhere, and
+    whose positional argument given a negative number is refused as a bad value of that
+    argument.
+
+    Names: each argument's metavar is its name in capitals (``RUN``, ``RUN_A``, ``JOB``), so the
+    usage line, the help's list of arguments and every error about it (``Missing argument
+    'RUN_B'``, ``Invalid value for 'RUN'``) name it the same way, whatever typer's version (one
+    showed ``{run_b}`` in the usage and another ``RUN_B``, while a missing one was ``'run_b'``).
+
+    Negative numbers: ``explain -1`` said ``No such option: -1`` where ``explain 1 --event -1``
+    said ``-1 is out of range``, naming the value and what the argument allows (its help). Click
+    reads any word that starts with ``-`` as an option; when the unknown option is a negative
+    number, the command line is read again with Click's ``ignore_unknown_options`` (the number
+    then lands in its argument) and the argument that got it is refused with Click's own
+    ``BadParameter``. Every other unknown option is Click's error as before."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for param in self.params:
+            if param.param_type_name == "argument" and param.metavar is None:
+                param.metavar = shown_name(param)
 
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         given = list(args)  # Click's parser consumes the list it reads
@@ -135,9 +149,15 @@ class CliCommand(TyperCommand):
                     f"{value} is out of range" + (f"; allowed: {allowed}" if allowed else ""),
                     ctx=ctx,
                     param=param,
-                    param_hint=repr((param.name or "").upper()),  # as the usage line names it
+                    param_hint=repr(param.metavar or shown_name(param)),  # as the usage names it
                 )
         raise unknown  # the number was not an argument's (a command without one)
+
+
+def shown_name(param: Any) -> str:
+    """How the usage line names a positional argument: its name in capitals (``run_b``:
+    ``RUN_B``)."""
+    return (param.name or "").upper()
 
 
 class CliGroup(TyperGroup):
