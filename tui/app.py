@@ -12,7 +12,8 @@ Exit codes (the scheme of ``edo-monitor``), decided by what the dashboard shows 
     0  quit while showing a run, the runs table, or "waiting for a run"
     1  quit while an error panel says the database or run cannot be read (no such file, not a
        database, a newer schema, an unreachable server, no run matching ``--run``)
-    2  usage: an unknown option, a bad value, a database argument that is not a path or URL
+    2  usage: an unknown option, a bad value (``--run -1``: checked as ``edo-monitor show``
+       checks its run), a database argument that is not a path or URL
     3  unexpected internal error: the app ended (Textual prints the traceback), or quit while a
        view's error line says ``internal error (…)`` (bad data in the history that a reader or
        the view tripped on; every view's background work shows its error instead of ending
@@ -306,8 +307,22 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def run_reference(text: str) -> str:
+    """``--run``: a run reference checked as every ``edo-monitor`` command checks its ``RUN``
+    (:func:`edo_monitor.surfaces.cli.options.check_run_reference`): a negative number is a bad
+    value (exit 2, naming what is allowed), not a run the dashboard then fails to find."""
+    from edo_monitor.surfaces.cli.options import check_run_reference
+
+    try:
+        return check_run_reference(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_source_arguments(parser: argparse.ArgumentParser) -> None:
     """The database and run arguments of ``edo-tui`` and its screenshot tool."""
+    from edo_monitor.surfaces.cli.options import RUN_HELP
+
     parser.add_argument(
         "db",
         nargs="?",
@@ -316,8 +331,9 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--run",
+        type=run_reference,
         default=None,
-        help="run id, uuid prefix or 'latest' (default: running, else latest)",
+        help=f"{RUN_HELP[:1].lower()}{RUN_HELP[1:-1]} (default: running, else latest)",
     )
 
 

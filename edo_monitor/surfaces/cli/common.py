@@ -28,7 +28,12 @@ from edo_monitor.errors import (
     RunNotFoundError,
     StoreError,
 )
-from edo_monitor.surfaces.cli.options import CliCommand, CliGroup
+from edo_monitor.surfaces.cli.options import (
+    RUN_HELP,
+    CliCommand,
+    CliGroup,
+    check_run_reference,
+)
 
 __all__ = ["app"]
 
@@ -136,10 +141,18 @@ DbOpt = Annotated[
     ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON (for scripts).")]
-RunArg = Annotated[
-    str,
-    typer.Argument(help="Run id (1 or more), uuid prefix (as 'runs' prints it), or 'latest'."),
-]
+
+
+def checked_run(param: typer.CallbackParam, value: str) -> str:
+    """The callback of every ``RUN`` argument: :func:`check_run_reference` (a negative number is
+    a bad value, exit 2, naming what the argument's help allows)."""
+    try:
+        return check_run_reference(value, param.help)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+RunArg = Annotated[str, typer.Argument(help=RUN_HELP, callback=checked_run)]
 
 F = TypeVar("F", bound=Callable[..., Any])
 

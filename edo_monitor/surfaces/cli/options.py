@@ -22,7 +22,15 @@ try:  # typer 0.2x carries its own copy of Click, whose exceptions its commands 
 except ImportError:  # older typer: Click itself
     import click  # type: ignore[no-redef]
 
-__all__ = ["INT64_MAX", "CliCommand", "CliGroup", "Number"]
+__all__ = [
+    "INT64_MAX",
+    "RUN_HELP",
+    "CliCommand",
+    "CliGroup",
+    "Number",
+    "check_run_reference",
+    "out_of_range",
+]
 
 #: Click 8.2's "no arguments: show the help" error; older Click (the lowest versions allowed)
 #: shows the help itself, so nothing is caught there.
@@ -95,6 +103,32 @@ class Number:
 #: A negative number as typed (``-1``, ``-2.5``, ``-1e3``): Click takes it for an option.
 _NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
+#: What names a run: the help of a ``RUN`` argument, and what its refusal says is allowed.
+RUN_HELP = "Run id (1 or more), uuid prefix (as 'runs' prints it), or 'latest'."
+
+
+def out_of_range(value: str, help_text: str | None) -> str:
+    """The refusal of ``value`` (a negative number) given to an argument whose help is
+    ``help_text``: ``-1 is out of range; allowed: run id (1 or more), …``."""
+    allowed = (help_text or "").strip().rstrip(".")
+    allowed = allowed[:1].lower() + allowed[1:]
+    return f"{value} is out of range" + (f"; allowed: {allowed}" if allowed else "")
+
+
+def check_run_reference(text: str, help_text: str | None = RUN_HELP) -> str:
+    """``text`` as a run reference (an id, a uuid prefix or ``latest``), checked as every
+    command checks one before anything is opened: ``edo-monitor``'s ``RUN`` arguments (``show
+    -1`` and ``show -- -1`` alike), ``edo-tui --run`` and the screenshot tool's ``--run``.
+
+    Raises:
+        ValueError: ``text`` is a negative number (``-1``, ``-2.5``): a bad value, not a run
+            that is not there; the message names it and what is allowed (:func:`out_of_range`
+            with ``help_text``).
+    """
+    if _NEGATIVE_NUMBER.fullmatch(text):
+        raise ValueError(out_of_range(text, help_text))
+    return text
+
 
 class CliCommand(TyperCommand):
     """An ``edo-monitor`` command whose positional arguments are named alike everywhere, and
@@ -143,10 +177,8 @@ class CliCommand(TyperCommand):
                 and isinstance(value, str)
                 and _NEGATIVE_NUMBER.fullmatch(value)
             ):
-                allowed = (getattr(param, "help", None) or "").strip().rstrip(".")
-                allowed = allowed[:1].lower() + allowed[1:]
                 raise click.BadParameter(
-                    f"{value} is out of range" + (f"; allowed: {allowed}" if allowed else ""),
+                    out_of_range(value, getattr(param, "help", None)),
                     ctx=ctx,
                     param=param,
                     param_hint=repr(param.metavar or shown_name(param)),  # as the usage names it

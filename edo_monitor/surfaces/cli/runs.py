@@ -28,6 +28,7 @@ from edo_monitor.surfaces.cli.common import (
     _print_json,
     _when,
     app,
+    checked_run,
 )
 from edo_monitor.surfaces.cli.options import INT64_MAX, Number
 
@@ -499,10 +500,16 @@ def events_cmd(
 @_handle_errors
 def compare_cmd(
     run_a: Annotated[
-        str, typer.Argument(help="First run: id (1 or more), uuid prefix, or 'latest'.")
+        str,
+        typer.Argument(
+            help="First run: id (1 or more), uuid prefix, or 'latest'.", callback=checked_run
+        ),
     ],
     run_b: Annotated[
-        str, typer.Argument(help="Second run: id (1 or more), uuid prefix, or 'latest'.")
+        str,
+        typer.Argument(
+            help="Second run: id (1 or more), uuid prefix, or 'latest'.", callback=checked_run
+        ),
     ],
     db: DbOpt = None,
     as_json: JsonOpt = False,
