@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from edo_monitor.decide.plans import MODEL_MODULE, module_label
 from edo_monitor.measure.accounting import Accounting
 from edo_monitor.store.schema import CACHE_FIELDS
 
@@ -70,7 +71,7 @@ class ModuleRows:
     def _kind(self, module: str) -> str:
         if self.model is None:
             return "module"
-        if module == "<model>":
+        if module == MODEL_MODULE:
             return type(self.model).__name__
         try:
             return type(self.model.get_submodule(module)).__name__
@@ -114,10 +115,11 @@ class ModuleRows:
 
     def write_activations(self, exclusive_bytes: Mapping[str, int], now: float) -> None:
         """An activation profile's bytes saved by each module's own forward (``""``: the model
-        itself, recorded as ``<model>``). The profile is the module's whole state: a module it
-        does not list saved nothing in that step (frozen, run under ``no_grad``, checkpointed
-        or not called), so a row that had activations goes to 0."""
-        profiled = {module or "<model>": nbytes for module, nbytes in exclusive_bytes.items()}
+        itself, recorded as ``<model>``: :func:`~edo_monitor.decide.plans.module_label`). The
+        profile is the module's whole state: a module it does not list saved nothing in that step
+        (frozen, run under ``no_grad``, checkpointed or not called), so a row that had
+        activations goes to 0."""
+        profiled = {module_label(module): nbytes for module, nbytes in exclusive_bytes.items()}
         gone = {name for name, row in self.rows.items() if row["activations_bytes"]}
         for module in sorted(profiled.keys() | gone):
             nbytes = profiled.get(module, 0)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from edo_monitor.decide.plans import NOT_YET_KNOWN, TABLE_BLOCKERS
+from edo_monitor.decide.plans import NOT_YET_KNOWN, TABLE_BLOCKERS, module_label
 from edo_monitor.measure.accounting import optimizer_state_bytes, tensor_bytes
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "replace_module",
     "replace_param_in_optimizers",
     "sharing_users",
+    "tied_blocker",
 ]
 
 logger = logging.getLogger(__name__)
@@ -29,6 +30,9 @@ logger = logging.getLogger(__name__)
 class TableCandidate:
     """A plain ``nn.Embedding`` / ``nn.EmbeddingBag`` on the device tier.
 
+    ``name`` is its qualified name as refusals and plans show it (``<model>`` when the table is
+    the model itself: :func:`~edo_monitor.decide.plans.module_label`; no action takes that one,
+    :func:`tied_blocker`).
     ``params_bytes`` and ``optimizer_state_bytes`` are its weight's bytes now; ``grads_bytes`` is
     the gradient it has at a step's peak: for a dense trainable weight its own size (a gradient of
     that shape and dtype appears at every backward), else 0. It is derived, never read from
@@ -65,7 +69,7 @@ def device_tables(
         # without the GIL during backward (reading it concurrently corrupts memory)
         dense_trainable = w.requires_grad and not getattr(module, "sparse", False)
         gb = tensor_bytes(w) if dense_trainable else 0
-        out.append(TableCandidate(name, module, w, tensor_bytes(w), gb, ob))
+        out.append(TableCandidate(module_label(name), module, w, tensor_bytes(w), gb, ob))
     out.sort(key=lambda c: c.total_bytes, reverse=True)
     return out
 
@@ -77,13 +81,24 @@ def sharing_users(model: nn.Module, module: nn.Module, param: nn.Parameter) -> l
         if m is module:
             continue
         if any(p is param for p in m._parameters.values()):
-            users.append(f"{name} ({type(m).__name__})")
+            users.append(f"{module_label(name)} ({type(m).__name__})")
     return users
 
 
 def tied_blocker(model: nn.Module, module: nn.Module, param: nn.Parameter) -> str | None:
-    """Why no action may change ``module``'s ``param`` when another module of ``model`` holds it
-    too (tied weights: :func:`sharing_users`), or ``None``."""
+    """Why no table action may take ``module`` (whose weight is ``param``), or ``None``: the
+    table is ``model`` itself (a bare ``nn.Embedding`` watched as the model: an action swaps a
+    table for another module in its parent, :func:`replace_module`, and the model has no parent
+    here; deciding it only made the action fail and be rolled back), or another module of
+    ``model`` holds ``param`` too (tied weights: :func:`sharing_users`). Each table action asks
+    it first; its reason begins with one of
+    :data:`~edo_monitor.decide.plans.TABLE_BLOCKERS`, so ``explain`` rules out every remedy on
+    that table."""
+    if module is model:
+        return (
+            f"{TABLE_BLOCKERS[2]} itself: an action swaps a table in its parent module, and the "
+            "model has none (watch a module that holds the table, such as nn.Sequential(table))"
+        )
     users = sharing_users(model, module, param)
     return f"{TABLE_BLOCKERS[0]} {', '.join(users)}" if users else None
 

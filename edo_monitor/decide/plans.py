@@ -20,13 +20,28 @@ __all__ = [
     "DEFAULT_LOSSLESS_LADDER",
     "DEFAULT_LOSSY_LADDER",
     "LOSSY_ACTION_NAMES",
+    "MODEL_MODULE",
     "NOT_YET_KNOWN",
     "TABLE_BLOCKERS",
     "UNIT_ROUNDOFF",
     "Plan",
     "Refusal",
+    "module_label",
     "rounding_expected_error",
 ]
+
+#: What the model itself is called where a module's qualified name is shown or recorded: its
+#: ``named_modules()`` name is ``""`` (a bare ``nn.Embedding`` watched as the model, say). The
+#: attribution's module rows, events, refusals and ``explain`` all read it so; no qualified
+#: name holds ``<``.
+MODEL_MODULE = "<model>"
+
+
+def module_label(name: str) -> str:
+    """A module's qualified name as shown and recorded: ``name``, or :data:`MODEL_MODULE` for the
+    model itself (``""``)."""
+    return name or MODEL_MODULE
+
 
 #: How a refusal's reason begins when the agent cannot tell yet (before the first recorded step,
 #: before the first optimizer step), not that the action cannot apply: ``explain`` does not take
@@ -34,9 +49,10 @@ __all__ = [
 NOT_YET_KNOWN = ("no recorded step yet", "no optimizer has stepped yet")
 
 #: How a refusal's reason begins when the table itself rules out every table action (its weight
-#: tied to another module, or read outside its own forward), whichever action was refused:
+#: tied to another module, or read outside its own forward, or the table is the watched model
+#: itself, which no action can swap for another module), whichever action was refused:
 #: ``explain`` takes one such refusal for all of that table's remedies.
-TABLE_BLOCKERS = ("weight is tied to", "weight is read outside")
+TABLE_BLOCKERS = ("weight is tied to", "weight is read outside", "table is the watched model")
 
 #: The actions that change numerics (need ``allow_lossy``), in registry order.
 _LOSSY = (
