@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from edo_monitor.decide.plans import MODEL_MODULE, module_label
 from edo_monitor.measure.accounting import Accounting
+from edo_monitor.measure.module_tree import MODEL_MODULE, module_label
 from edo_monitor.store.schema import CACHE_FIELDS
 
 if TYPE_CHECKING:

@@ -35,7 +35,7 @@ import weakref
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from edo_monitor.measure.module_tree import own_bytes
+from edo_monitor.measure.module_tree import MODEL_MODULE, module_label, own_bytes
 from edo_monitor.measure.snapshots import ENCODING, build_cpu_snapshot, encode, totals
 from edo_monitor.units import format_bytes
 
@@ -302,10 +302,10 @@ class SnapshotRecorder:
             for name, nbytes in sorted(own_bytes(profile.exclusive_bytes).items()):
                 share = activations * nbytes // profile.total_bytes
                 if share > 0:
-                    out.append((name or "<model>", "activations", share))
+                    out.append((module_label(name), "activations", share))
         rest = activations - sum(b for _, _, b in out)
         if rest > 0:
-            out.append(("<model>", "activations (shared)", rest))
+            out.append((MODEL_MODULE, "activations (shared)", rest))
         return out
 
     def _store(self, phase: str, snap: dict[str, Any], kind: str, step: int, time_s: float) -> None:

@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from edo_monitor.measure.module_tree import module_label
+
 if TYPE_CHECKING:
     from edo_monitor.agent.state import MonitorState
 
@@ -176,11 +178,11 @@ def record_table_spectra(m: MonitorState) -> None:
             if table is None:
                 continue
             done.add(name)
-            data = {"table": name, **_spectrum(*table)}
+            data = {"table": module_label(name), **_spectrum(*table)}
             m._emit(
                 "table_spectrum",
-                f"{name}: singular spectrum of {data['rows_sampled']:,} sampled rows",
+                f"{module_label(name)}: singular spectrum of {data['rows_sampled']:,} sampled rows",
                 data,
             )
         except Exception as exc:
-            m._agent_error(f"table spectrum of {name}", exc)
+            m._agent_error(f"table spectrum of {module_label(name)}", exc)

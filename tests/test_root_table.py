@@ -65,6 +65,23 @@ def test_a_table_that_is_the_model_is_never_decided_and_says_why(db_path: Path) 
     assert set(refused.values()) == {"refused live: " + ROOT_REASON.removeprefix("<model>: ")}
 
 
+def test_every_surface_calls_the_model_table_model_and_replay_refuses_it(db_path: Path) -> None:
+    """``table_spectrum`` said ``": singular spectrum …"`` (table ``""``, which explain's staged
+    plan could not match), ``lookup_frequency`` ``<root>``; replay planned the table actions the
+    live agent refuses."""
+    mon = _train(nn.Embedding(100_000, 64), db_path, steps=12)
+    with History(db_path) as h:
+        (spectrum,) = h.events(mon.run_id, kind="table_spectrum")
+        (frequency,) = h.events(mon.run_id, kind="lookup_frequency")
+    assert spectrum.data["table"] == MODEL_MODULE
+    assert spectrum.message.startswith("<model>: singular spectrum")
+    assert frequency.message.startswith("<model>: top 20 ids")
+    result = edo_monitor.replay(str(db_path), mon.run_id, edo_monitor.Policy())
+    assert not [d for d in result.decisions if d.target == MODEL_MODULE]
+    reasons = {reason for _, refused in result.refusals for _, reason in refused}
+    assert ROOT_REASON in reasons
+
+
 def test_the_same_table_held_by_a_module_is_cached(db_path: Path) -> None:
     """What the refusal advises works: inside ``nn.Sequential`` the table has a parent."""
     mon = _train(nn.Sequential(nn.Embedding(100_000, 64)), db_path, steps=12)

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from edo_monitor.decide.plans import NOT_YET_KNOWN, TABLE_BLOCKERS, module_label
+from edo_monitor.decide.plans import NOT_YET_KNOWN, ROOT_TABLE_REASON, TABLE_BLOCKERS
 from edo_monitor.measure.accounting import optimizer_state_bytes, tensor_bytes
+from edo_monitor.measure.module_tree import module_label
 
 __all__ = [
     "TableCandidate",
@@ -95,10 +96,7 @@ def tied_blocker(model: nn.Module, module: nn.Module, param: nn.Parameter) -> st
     :data:`~edo_monitor.decide.plans.TABLE_BLOCKERS`, so ``explain`` rules out every remedy on
     that table."""
     if module is model:
-        return (
-            f"{TABLE_BLOCKERS[2]} itself: an action swaps a table in its parent module, and the "
-            "model has none (watch a module that holds the table, such as nn.Sequential(table))"
-        )
+        return ROOT_TABLE_REASON
     users = sharing_users(model, module, param)
     return f"{TABLE_BLOCKERS[0]} {', '.join(users)}" if users else None
 

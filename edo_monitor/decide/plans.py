@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from edo_monitor.measure.module_tree import MODEL_MODULE, module_label
+
 __all__ = [
     "ACTION_NAMES",
     "DEFAULT_LOSSLESS_LADDER",
@@ -22,6 +24,7 @@ __all__ = [
     "LOSSY_ACTION_NAMES",
     "MODEL_MODULE",
     "NOT_YET_KNOWN",
+    "ROOT_TABLE_REASON",
     "TABLE_BLOCKERS",
     "UNIT_ROUNDOFF",
     "Plan",
@@ -29,18 +32,6 @@ __all__ = [
     "module_label",
     "rounding_expected_error",
 ]
-
-#: What the model itself is called where a module's qualified name is shown or recorded: its
-#: ``named_modules()`` name is ``""`` (a bare ``nn.Embedding`` watched as the model, say). The
-#: attribution's module rows, events, refusals and ``explain`` all read it so; no qualified
-#: name holds ``<``.
-MODEL_MODULE = "<model>"
-
-
-def module_label(name: str) -> str:
-    """A module's qualified name as shown and recorded: ``name``, or :data:`MODEL_MODULE` for the
-    model itself (``""``)."""
-    return name or MODEL_MODULE
 
 
 #: How a refusal's reason begins when the agent cannot tell yet (before the first recorded step,
@@ -53,6 +44,13 @@ NOT_YET_KNOWN = ("no recorded step yet", "no optimizer has stepped yet")
 #: itself, which no action can swap for another module), whichever action was refused:
 #: ``explain`` takes one such refusal for all of that table's remedies.
 TABLE_BLOCKERS = ("weight is tied to", "weight is read outside", "table is the watched model")
+
+#: Why no table action takes a table that is the watched model itself (the live actions' and
+#: ``replay``'s refusal).
+ROOT_TABLE_REASON = (
+    f"{TABLE_BLOCKERS[2]} itself: an action swaps a table in its parent module, and the model "
+    "has none (watch a module that holds the table, such as nn.Sequential(table))"
+)
 
 #: The actions that change numerics (need ``allow_lossy``), in registry order.
 _LOSSY = (

@@ -77,7 +77,7 @@ from edo_monitor.hindsight.recorded import (
     tables_at_incident,
 )
 from edo_monitor.hindsight.run_config import DEFAULT_FLOOR, as_fraction, recorded_floor
-from edo_monitor.measure.module_tree import largest_disjoint
+from edo_monitor.measure.module_tree import MODEL_MODULE, largest_disjoint
 from edo_monitor.units import format_bytes
 
 __all__ = ["Explanation", "Incident", "Remedy", "explain", "is_incident"]
@@ -338,7 +338,9 @@ def _remedies(
             except ConfigError:
                 continue
             add(action, t.module, current - after, True, f"{note}: estimate {format_bytes(after)}")
-    blocks = {m: b for m, b in activations.items() if m not in ("<model>", "") and m not in tables}
+    blocks = {
+        m: b for m, b in activations.items() if m not in (MODEL_MODULE, "") and m not in tables
+    }
     if blocks:
         top = largest_disjoint(blocks, MAX_CHECKPOINT_BLOCKS)  # a block holds its layers'
         add(

@@ -15,8 +15,15 @@ from edo_monitor.decide.compress_rules import (
     not_smaller_reason,
     variant_refusal,
 )
-from edo_monitor.decide.plans import Plan, Refusal, cache_rows_for, rounding_expected_error
+from edo_monitor.decide.plans import (
+    ROOT_TABLE_REASON,
+    Plan,
+    Refusal,
+    cache_rows_for,
+    rounding_expected_error,
+)
 from edo_monitor.hindsight.recorded import CACHE_FLOOR_ROWS, MAX_CHECKPOINT_BLOCKS, _est, _Table
+from edo_monitor.measure.module_tree import MODEL_MODULE
 from edo_monitor.units import format_bytes
 
 #: The compress actions replay models, by name → variant (``"auto"``: as the live action picks).
@@ -53,8 +60,22 @@ class _Model:
         return max(0, math.ceil(self.in_use_bytes - (1 - self.rearm_fraction) * self.budget_bytes))
 
     def device(self) -> list[_Table]:
-        plain = [t for t in self.tables.values() if t.on_device and t.cache_rows is None]
+        """The plain tables on the device, largest first (a table that is the model itself
+        excepted: no table action takes it, :func:`_no_table`)."""
+        plain = [
+            t
+            for t in self.tables.values()
+            if t.on_device and t.cache_rows is None and t.module != MODEL_MODULE
+        ]
         return sorted(plain, key=lambda t: -t.total_bytes)
+
+    def _no_table(self, name: str) -> Refusal:
+        """``name``'s refusal when :meth:`device` has no table: the live reason when the one left
+        is the model itself (a bare table watched as the model), else none is left."""
+        root = self.tables.get(MODEL_MODULE)
+        if root is not None and root.on_device and root.cache_rows is None:
+            return Refusal(name, MODEL_MODULE, f"{MODEL_MODULE}: {ROOT_TABLE_REASON}")
+        return Refusal(name, "", "no embedding table left on the device tier")
 
     def __call__(self, name: str) -> Plan | Refusal:
         if name == "release_cache":
@@ -73,7 +94,7 @@ class _Model:
             return self._checkpoint()
         tables = self.device()
         if not tables:
-            return Refusal(name, "", "no embedding table left on the device tier")
+            return self._no_table(name)
         t = tables[0]
         if name == "offload_embedding":
             return Plan(
@@ -147,7 +168,7 @@ class _Model:
             )
         tables = self.device()
         if not tables:
-            return Refusal("cache_embedding", "", "no embedding table left on the device tier")
+            return self._no_table("cache_embedding")
         for t in tables:
             n = t.num_embeddings
             floor = max(1, min(n, CACHE_FLOOR_ROWS))
@@ -196,7 +217,7 @@ class _Model:
         cands = [
             (m, b)
             for m, b in self.activations.items()
-            if m not in ("<model>", "") and m not in self.tables and m not in self.checkpointed
+            if m not in (MODEL_MODULE, "") and m not in self.tables and m not in self.checkpointed
         ]
         cands.sort(key=lambda mb: -mb[1])
         chosen = cands[:MAX_CHECKPOINT_BLOCKS]

@@ -37,7 +37,7 @@ from typing import Any
 
 from edo_monitor.decide.estimate import _LOWBIT_DEFAULT_GROUP, _stored_group
 from edo_monitor.errors import ConfigError
-from edo_monitor.measure.module_tree import largest_disjoint
+from edo_monitor.measure.module_tree import MODEL_MODULE, largest_disjoint
 from edo_monitor.units import format_bytes
 
 __all__ = [
@@ -219,7 +219,9 @@ def staged_plan(
         )
 
     # stage 1
-    blocks = {m: b for m, b in activations.items() if m not in ("<model>", "") and m not in tables}
+    blocks = {
+        m: b for m, b in activations.items() if m not in (MODEL_MODULE, "") and m not in tables
+    }
     top = largest_disjoint(blocks, MAX_CHECKPOINT_BLOCKS)  # a block holds its layers'
     ckpt = min(act, sum(b for _, b in top))
     stage1 = ckpt + (act - ckpt) // 2

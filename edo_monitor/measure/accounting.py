@@ -28,6 +28,8 @@ import torch
 from torch import nn
 from torch.nn.parameter import UninitializedTensorMixin
 
+from edo_monitor.measure.module_tree import module_label
+
 __all__ = [
     "Accounting",
     "TableStats",
@@ -253,7 +255,7 @@ def account(
             placement = "device" if on_device else "host"
         tables.append(
             row.stats(
-                module=name or "<model>",
+                module=module_label(name),
                 kind=type(module).__name__,
                 num_embeddings=int(getattr(module, "num_embeddings", 0)),
                 embedding_dim=int(getattr(module, "embedding_dim", 0)),
@@ -277,7 +279,7 @@ def account(
         first = own[0] if own else buffers[0]
         others.append(
             row.stats(
-                module=name or "<model>",
+                module=module_label(name),
                 kind=type(module).__name__,
                 num_embeddings=0,
                 embedding_dim=0,

@@ -239,12 +239,13 @@ class LookupCounter:
         """Watch every embedding table of ``model`` (as :func:`edo_monitor.measure.accounting.
         is_table_module` sees them); returns their names."""
         from edo_monitor.measure.accounting import is_table_module
+        from edo_monitor.measure.module_tree import module_label
 
         names = []
         for name, module in model.named_modules():
             if is_table_module(module) and hasattr(module, "num_embeddings"):
-                self.watch(name or "<root>", module)
-                names.append(name or "<root>")
+                self.watch(module_label(name), module)
+                names.append(module_label(name))
         return names
 
     def counts(self, name: str) -> torch.Tensor:

@@ -9,7 +9,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-__all__ = ["largest_disjoint", "nested", "own_bytes"]
+__all__ = ["MODEL_MODULE", "largest_disjoint", "module_label", "nested", "own_bytes"]
+
+#: What the model itself is called where a module's qualified name is shown or recorded: its
+#: ``named_modules()`` name is ``""`` (a bare ``nn.Embedding`` watched as the model, say). The
+#: attribution's module rows, events, refusals and ``explain`` all read it so; no qualified
+#: name holds ``<``.
+MODEL_MODULE = "<model>"
+
+
+def module_label(name: str) -> str:
+    """A module's qualified name as shown and recorded: ``name``, or :data:`MODEL_MODULE` for the
+    model itself (``""``)."""
+    return name or MODEL_MODULE
 
 
 def nested(a: str, b: str) -> bool:
