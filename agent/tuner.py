@@ -116,6 +116,10 @@ class Tuner:
                         "in_use_bytes": reading.in_use_bytes,
                         "budget_bytes": reading.budget_bytes,
                     },
+                    # the reading's time: planning can take long enough for the training thread
+                    # to apply an action meanwhile, whose module rows explain read as the
+                    # tables at the crossing (a row cache grown after the reading)
+                    time_s=reading.time_s,
                     step=reading.step,
                 )
                 self.pressure_queue.append(event)
@@ -299,17 +303,20 @@ class Tuner:
         if decision is None or decision.advisory:
             return
         policy.resolve(decision, "expired")
+        reason = (
+            f"decided from the reading of step {decision.step} after the run's last step "
+            f"boundary (step {self.m.steps}): the run ended before it could be applied"
+        )
         self.m._emit(
             "decision_expired",
-            f"{decision.action} on {decision.target or '-'} not applied: the run ended before "
-            "the next step boundary",
+            f"{decision.action} on {decision.target or '-'} not applied: {reason}",
             {
                 "action": decision.action,
                 "target": decision.target,
                 "status": "expired",
                 "estimated_saving_bytes": decision.estimated_saving_bytes,
                 "decided_at_step": decision.step,
-                "reason": "the run ended before the next step boundary",
+                "reason": reason,
             },
         )
 

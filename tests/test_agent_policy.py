@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -80,6 +81,27 @@ def test_auto_mode_offloads_and_hooks_run_on_the_training_thread(db_path: Path) 
     assert kinds[0] == "threshold_crossed" and acting[:2] == ["decision", "action"]
 
 
+def test_a_crossing_is_recorded_at_the_time_of_the_reading_that_crossed(db_path: Path) -> None:
+    """It was recorded when the policy had planned on it, later: an action the training thread
+    applied meanwhile wrote its module rows before the crossing's time, and explain read the
+    tables at the crossing as changed (a flaky 'shrink the row cache from 19,231' for 17,129)."""
+    model, opt = model_and_opt()
+    policy = edo_monitor.Policy(ladder=OFFLOAD_LADDER)
+    with edo_monitor.watch(model, db=db_path, budget=BUDGET, policy=policy, interval_s=0.01):
+        train(model, opt, 10)
+    with History(db_path) as history:
+        crossings = history.events("latest", kind="threshold_crossed")
+        run_id = history.run("latest").id
+    assert crossings
+    with sqlite3.connect(db_path) as conn:
+        for crossing in crossings:
+            (free,) = conn.execute(
+                "SELECT free_fraction FROM samples WHERE run_id = ? AND time_s = ?",
+                (run_id, crossing.time_s),
+            ).fetchone()
+            assert free == crossing.data["free_fraction"]
+
+
 def test_a_decision_the_run_ends_before_applying_is_recorded_as_expired(db_path: Path) -> None:
     """No reading comes during the loop (interval 1 h): the run's last reading, after its last
     step, is the first under the floor; its decision has no step boundary left to be applied at
@@ -101,8 +123,11 @@ def test_a_decision_the_run_ends_before_applying_is_recorded_as_expired(db_path:
     assert (expired.data["action"], expired.data["target"]) == ("offload_embedding", "0")
     assert expired.data["decided_at_step"] == decision.step == 2
     assert expired.data["estimated_saving_bytes"] == decision.data["estimated_saving_bytes"]
+    # the decision's step is its reading's; the run's last boundary is named beside it (a
+    # decision read "step 6 ... the run ended before the next step boundary" in a run of 60)
     assert expired.message == (
-        "offload_embedding on 0 not applied: the run ended before the next step boundary"
+        "offload_embedding on 0 not applied: decided from the reading of step 2 after the run's "
+        "last step boundary (step 2): the run ended before it could be applied"
     )
     (recorded,) = replay(db_path, "latest").recorded
     assert recorded.status == "expired"

@@ -4,6 +4,7 @@ real SQLite files."""
 
 from __future__ import annotations
 
+import sqlite3
 import time
 from pathlib import Path
 
@@ -73,8 +74,17 @@ def test_explain_a_crossing_of_a_table_already_a_row_cache(tmp_path: Path) -> No
     # (the live agent refused a second cache_embedding: listed apart, with the same numbers)
     remedies = {r.action: r for r in (*incident.remedies, *incident.refused_live)}
     row = DIM * 4 * 3  # float32 weight and Adam's two moments (a cache keeps no dense gradient)
-    last = [a for a in _cache_actions(db, run) if a.step < cached.step][-1]
-    cache_rows = last.data["details"]["to_rows"]
+    # the cache's rows at the crossing: its weight's bytes in the reading that crossed (the
+    # crossing is at its reading's time; an action at the step of the crossing, applied before
+    # or after that reading, is or is not in it)
+    with sqlite3.connect(db) as conn:
+        (params,) = conn.execute(
+            "SELECT params_bytes FROM module_stats WHERE run_id = ? AND time_s <= ? "
+            "AND placement = 'cached' ORDER BY time_s DESC, id DESC LIMIT 1",
+            (run, cached.time_s),
+        ).fetchone()
+    cache_rows = params // (DIM * 4)
+    assert cache_rows in {a.data["details"]["to_rows"] for a in _cache_actions(db, run)}
     # already a row cache: the action can only shrink it (it read "keep 1,024 of 20,000 rows",
     # saving (20,000 - 1,024) rows of a resident table)
     shrink = remedies["cache_embedding"]
