@@ -4,6 +4,7 @@ PostgreSQL schemas)."""
 from __future__ import annotations
 
 import os
+import signal
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -107,3 +108,14 @@ def history_db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return str(tmp_path / "history.db")
     return request.getfixturevalue("pg_url")
+
+
+@pytest.fixture
+def default_sigterm() -> Iterator[None]:
+    """SIGTERM's default action for the test (a watched run installs its handler only over the
+    default one), and the handler before it put back after."""
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -464,18 +464,6 @@ def test_the_users_config_is_recorded_beside_the_callbacks(db_path: Path) -> Non
     assert (config["integration"], config["lr"], config["max_steps"]) == ("lightning", 0.01, 99)
 
 
-@pytest.fixture
-def default_sigterm() -> Any:
-    """SIGTERM's default action for the test (a fit that failed earlier in the session leaves
-    the monitor's handler until the next fit: test_a_fit_leaves_sigterms_action_as_it_found_it),
-    and the handler before it put back after."""
-    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 @pytest.mark.usefixtures("default_sigterm")
 def test_sigterm_during_a_fit_ends_the_run_interrupted(db_path: Path) -> None:
     """A scheduler's SIGTERM mid-fit: the monitor's handler (which Lightning's own calls) raises

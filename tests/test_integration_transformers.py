@@ -259,16 +259,6 @@ def test_the_users_config_is_recorded_beside_the_callbacks(db_path: Path, tmp_pa
     assert (config["integration"], config["lr"], config["max_steps"]) == ("transformers", 0.01, 99)
 
 
-@pytest.fixture
-def default_sigterm() -> Any:
-    """SIGTERM's default action for the test, and the handler before it put back after."""
-    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 @pytest.mark.usefixtures("default_sigterm")
 def test_a_sigterm_caught_around_train_is_recorded_by_the_next_one(
     db_path: Path, tmp_path: Path
