@@ -35,6 +35,7 @@ from edo_monitor.tui.widgets import (
     format_duration,
     format_fraction,
     plain,
+    update_static,
 )
 from edo_monitor.units import format_bytes
 
@@ -461,7 +462,7 @@ class RunScreen(Screen[None]):
         # a layout pass (costly: the whole screen) only when the box's height changes
         width = box.content_region.width or max(20, self.app.size.width - 2)
         lines = len(text.wrap(self.app.console, width))
-        box.update(text, layout=lines != self._detail_lines or not box.display)
+        update_static(box, text, layout=lines != self._detail_lines or not box.display)
         self._detail_lines = lines
         if not box.display:
             box.display = True
@@ -519,7 +520,9 @@ class RunScreen(Screen[None]):
             header.append(f"\n error: {run.error}", style="red")
         lines = 1 + header.plain.count("\n")
         # a layout pass only when the header's height changes: it costs more than the rest
-        self.query_one("#run-header", Static).update(header, layout=lines != self._header_lines)
+        update_static(
+            self.query_one("#run-header", Static), header, layout=lines != self._header_lines
+        )
         self._header_lines = lines
 
     def _update_gauges(self) -> None:

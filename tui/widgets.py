@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import inspect
 import logging
 import math
 import re
@@ -17,6 +18,7 @@ from rich.text import Text
 from textual.message import Message
 from textual.strip import Strip
 from textual.widget import Widget
+from textual.widgets import Static
 from textual_plotext import Plot
 
 from edo_monitor.store.records import EventInfo
@@ -47,6 +49,20 @@ STATUS_STYLES = {
     "interrupted": "bold yellow",
     "crashed": "bold white on red",
 }
+
+
+#: Whether ``Static.update`` takes ``layout=`` (later Textual releases; not the lowest allowed,
+#: 0.86.2, where the keyword was a TypeError that broke the run view).
+_UPDATE_TAKES_LAYOUT = "layout" in inspect.signature(Static.update).parameters
+
+
+def update_static(widget: Static, content: Text, *, layout: bool) -> None:
+    """``widget.update(content)``, asking for a layout pass only when ``layout`` (the widget's
+    height changed) where Textual lets the caller say so; elsewhere always (the old default)."""
+    if _UPDATE_TAKES_LAYOUT:
+        widget.update(content, layout=layout)
+    else:
+        widget.update(content)
 
 
 def plain(value: object, style: str = "") -> Text:
