@@ -119,7 +119,7 @@ def test_edo_tui_refuses_a_refresh_that_is_not_finite(value: str, word: str) -> 
 
 def test_edo_tui_without_a_terminal_is_one_line_and_exits(tmp_path: Path) -> None:
     """stdin from /dev/null, output to pipes: it drew into them at full CPU and never exited."""
-    done = run("edo-tui", str(tmp_path / "h.db"), "--run", "-1", timeout_s=30)
+    done = run("edo-tui", str(tmp_path / "h.db"), "--run", "9", timeout_s=30)
     one_line(done, EXIT_USAGE, "edo-tui: error:", "standard input is not a terminal")
     assert not (tmp_path / "h.db").exists()
 
