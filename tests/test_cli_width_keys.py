@@ -13,14 +13,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from history_seed import T0, UUIDS, seed
 from rich.console import Console
 from sqlalchemy import insert, update
+from test_cli_width import _cli as cli_lines
 
 from edo_monitor.store.engine import open_engine
 from edo_monitor.store.schema import jobs_table, runs_table
@@ -68,17 +67,7 @@ def history(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _cli(db: Path, *args: str, columns: int) -> str:
     """The CLI's stdout (a pipe) with ``COLUMNS`` set; exit code 0."""
-    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES", "EDO_DB")}
-    env["COLUMNS"] = str(columns)
-    done = subprocess.run(
-        [sys.executable, "-m", "edo_monitor.surfaces.cli", *args, "--db", str(db)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout
+    return "".join(line + "\n" for line in cli_lines(db, *args, columns=str(columns)))
 
 
 def _cells(output: str) -> list[list[str]]:
