@@ -253,6 +253,8 @@ class Monitor(_Lifecycle):
                 raise ConfigError(
                     f"{what} {text!r} holds a control character; expected printable text"
                 )
+            if any(unicodedata.category(ch) == "Cs" for ch in text):  # no UTF-8 for the row
+                raise ConfigError(f"{what} {text!r} holds a lone surrogate; expected valid text")
         self.strict = strict
         self.policy = policy
         self.enforce = enforce

@@ -58,6 +58,12 @@ def test_tags_that_are_neither_a_string_nor_an_iterable_are_refused(db_path: Pat
             {"tags": ["ok", "a\x07"]},
             "tags 'a\\x07' holds a control character; expected printable text",
         ),
+        # a lone surrogate (bytes of argv that are not UTF-8) was a UnicodeEncodeError when
+        # the run's row was written
+        (
+            {"run_name": "a\udcffb"},
+            "run_name 'a\\udcffb' holds a lone surrogate; expected valid text",
+        ),
     ],
 )
 def test_flags_names_and_ahead_are_checked_with_or_without_what_they_go_with(
