@@ -130,8 +130,9 @@ def job_renderables(report: JobReport) -> list[RenderableType]:
     the actions of every rank by step. Strings from the history go in as plain text."""
     from datetime import datetime, timezone
 
-    from rich.table import Table
     from rich.text import Text
+
+    from edo_monitor.surfaces.list_table import Col, ListTable
 
     job = report.job
     started = (
@@ -150,21 +151,20 @@ def job_renderables(report: JobReport) -> list[RenderableType]:
             f"steps {'-' if job.min_steps is None else job.min_steps} (fewest of any rank)"
         ),
     ]
-    table = Table(title="ranks (the tightest: lowest minimum free fraction)")
-    for col, justify in (
-        ("rank", "right"),
-        ("run", "right"),
-        ("host", "left"),
-        ("status", "left"),
-        ("steps", "right"),
-        ("free now", "right"),
-        ("min free", "right"),
-        ("peak in use", "right"),
-        ("actions", "right"),
-        ("OOMs", "right"),
-        ("", "left"),
-    ):
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    table = ListTable(  # the rank and its run id name the row: never cut (ListTable)
+        Col("rank", "right", key=True),
+        Col("run", "right", key=True),
+        Col("host"),
+        Col("status"),
+        Col("steps", "right"),
+        Col("free now", "right"),
+        Col("min free", "right"),
+        Col("peak in use", "right"),
+        Col("actions", "right"),
+        Col("OOMs", "right"),
+        Col(""),
+        title="ranks (the tightest: lowest minimum free fraction)",
+    )
     for i, r in enumerate(report.ranks):
         run = r.run
         tight = i == report.tightest_index
@@ -192,14 +192,13 @@ def job_renderables(report: JobReport) -> list[RenderableType]:
         key=lambda t: (t[0], t[1], t[2].id),
     )
     if rows:
-        actions = Table(title="actions (every rank)")
-        for col, justify in (
-            ("step", "right"),
-            ("rank", "right"),
-            ("kind", "left"),
-            ("message", "left"),
-        ):
-            actions.add_column(col, justify=justify)  # type: ignore[arg-type]
+        actions = ListTable(  # the step, rank and kind name the row: never cut
+            Col("step", "right", key=True),
+            Col("rank", "right", key=True),
+            Col("kind", key=True),
+            Col("message"),
+            title="actions (every rank)",
+        )
         for step, rank, e in rows:
             actions.add_row(str(step), str(rank), e.kind, Text(e.message))
         lines.append(actions)

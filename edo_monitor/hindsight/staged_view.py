@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from rich.console import RenderableType
-from rich.table import Table
 from rich.text import Text
 
+from edo_monitor.surfaces.list_table import Col, ListTable
 from edo_monitor.units import format_bytes
 
 if TYPE_CHECKING:
@@ -26,17 +26,16 @@ def staged_plan_renderables(plan: StagedPlan | None) -> list[RenderableType]:
     out: list[RenderableType] = [
         Text(f"  staged plan for a shortfall of {format_bytes(plan.shortfall_bytes)}:")
     ]
-    table = Table(show_edge=False)
-    for col, justify in (
-        ("stage", "right"),
-        ("action", "left"),
-        ("target", "left"),
-        ("saving", "right"),
-        ("with earlier", "right"),
-        ("enough", "left"),
-        ("from", "left"),
-    ):
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    table = ListTable(  # the stage and its action name the row: never cut (ListTable)
+        Col("stage", "right", key=True),
+        Col("action", key=True),
+        Col("target"),
+        Col("saving", "right"),
+        Col("with earlier", "right"),
+        Col("enough"),
+        Col("from"),
+        show_edge=False,
+    )
     for s in plan.stages:
         table.add_row(
             Text(str(s.stage)),

@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from rich.console import RenderableType
-from rich.table import Table
 from rich.text import Text
 
+from edo_monitor.surfaces.list_table import Col, ListTable
 from edo_monitor.units import format_bytes
 
 if TYPE_CHECKING:
@@ -67,16 +67,15 @@ def explain_renderables(result: Explanation, *, top: int = 12) -> list[Renderabl
                 f"({inc.shortfall_bytes:,} bytes)"
             )
         )
-        table = Table(show_edge=False)
-        for col, justify in (
-            ("remedy", "left"),
-            ("target", "left"),
-            ("saving", "right"),
-            ("enough", "left"),
-            ("lossy", "left"),
-            ("from", "left"),
-        ):
-            table.add_column(col, justify=justify)  # type: ignore[arg-type]
+        table = ListTable(  # the remedy and its target name the row: never cut (ListTable)
+            Col("remedy", key=True),
+            Col("target", key=True),
+            Col("saving", "right"),
+            Col("enough"),
+            Col("lossy"),
+            Col("from"),
+            show_edge=False,
+        )
         for r in inc.remedies[:top]:
             table.add_row(
                 Text(r.action),

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
 from edo_monitor.errors import (
     ConfigError,
@@ -27,6 +26,7 @@ from edo_monitor.surfaces.cli.common import (
     app,
 )
 from edo_monitor.surfaces.cli.options import INT64_MAX, Number
+from edo_monitor.surfaces.list_table import Col, ListTable
 
 
 @app.command("explain")
@@ -137,23 +137,22 @@ def replay_cmd(
         return
     _c.out.print(f"run {result.run_id} {result.run_name}: {result.samples:,} samples through")
     _c.out.print(f"  {result.policy}")
-    table = Table(show_edge=False)
-    for col, justify in (
-        ("", "left"),
-        ("step", "right"),
-        ("action", "left"),
-        ("target", "left"),
-        ("saving", "right"),
-        ("free at decision", "right"),
-        ("status", "left"),
-    ):
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    table = ListTable(  # the action and its target name the row: never cut (ListTable)
+        Col(""),
+        Col("step", "right"),
+        Col("action", key=True),
+        Col("target", key=True),
+        Col("saving", "right"),
+        Col("free at decision", "right"),
+        Col("status"),
+        show_edge=False,
+    )
     for label, rows in (("replay", result.decisions), ("recorded", result.recorded)):
         for d in rows:
             table.add_row(
                 label,
                 str(d.step),
-                d.action,
+                str(d.action),  # a recorded event's own (None where it named none)
                 d.target or "-",
                 _signed_bytes(d.saving_bytes),
                 _pct(d.free_fraction),

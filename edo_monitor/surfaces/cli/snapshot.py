@@ -14,13 +14,13 @@ import json
 import pickle
 from typing import TYPE_CHECKING, Any
 
-from rich.table import Table
 from rich.text import Text
 
 from edo_monitor.errors import ConfigError
 from edo_monitor.measure.snapshots import FrameRow, fragmentation, top_by_frame, totals
 from edo_monitor.store.snapshot_store import SnapshotInfo, find_snapshot, load_snapshot
 from edo_monitor.surfaces.cli.output import OutputFile, write_output
+from edo_monitor.surfaces.list_table import Col, ListTable
 from edo_monitor.units import format_bytes
 
 if TYPE_CHECKING:
@@ -34,15 +34,19 @@ __all__ = ["HTML_KINDS", "describe", "snapshot_command", "top_table"]
 HTML_KINDS = ("trace", "segments")
 
 
-def top_table(rows: list[FrameRow], allocated_bytes: int, title: str = "") -> Table:
-    """A rich table of :func:`edo_monitor.measure.snapshots.top_by_frame` rows with each frame's
-    share of ``allocated_bytes``."""
-    table = Table(title=title or None, title_justify="left")
-    table.add_column("frame (module)")
-    table.add_column("blocks", justify="right")
-    table.add_column("bytes", justify="right")
-    table.add_column("share", justify="right")
-    table.add_column("largest block", justify="right")
+def top_table(rows: list[FrameRow], allocated_bytes: int, title: str = "") -> ListTable:
+    """A table (:class:`~edo_monitor.surfaces.list_table.ListTable`, the frame never cut) of
+    :func:`edo_monitor.measure.snapshots.top_by_frame` rows with each frame's share of
+    ``allocated_bytes``."""
+    table = ListTable(
+        Col("frame (module)", key=True),
+        Col("blocks", "right"),
+        Col("bytes", "right"),
+        Col("share", "right"),
+        Col("largest block", "right"),
+        title=title or None,
+        title_justify="left",
+    )
     for r in rows:
         share = r.bytes / allocated_bytes if allocated_bytes else 0.0
         table.add_row(
