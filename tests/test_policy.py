@@ -79,6 +79,9 @@ def kinds(events):
         ({"ladder": "offload_embedding"}, r"ladder='offload_embedding'"),
         ({"ladder": ["release_cache", "release_cache"]}, r"twice"),
         ({"ladder": ["compress_embedding"]}, r"lossy; pass allow_lossy=True"),
+        # an empty ladder was taken: a policy that never acts, silently
+        ({"ladder": []}, r"ladder=\[\] holds no action; .*mode='observe'"),
+        ({"ladder": ()}, r"ladder=\(\) holds no action"),
         ({"allow_lossy": "yes"}, r"allow_lossy='yes'"),
         ({"on_pressure": 3}, r"on_pressure=3"),
         ({"release_cache_min_bytes": "lots"}, r"release_cache_min_bytes='lots'"),

@@ -248,6 +248,11 @@ class Policy(_Forecasting, _Outcomes):
             return DEFAULT_LOSSLESS_LADDER + (DEFAULT_LOSSY_LADDER if self.allow_lossy else ())
         if isinstance(ladder, str) or not isinstance(ladder, Sequence):
             raise ConfigError(f"ladder={ladder!r} is not allowed; expected a list of action names")
+        if not ladder:  # a policy that never acts, silently
+            raise ConfigError(
+                f"ladder={ladder!r} holds no action; expected at least one action name (to "
+                "record crossings without acting: mode='observe')"
+            )
         names, lossy = _known_actions()
         known = ", ".join(names)
         seen: set[str] = set()
