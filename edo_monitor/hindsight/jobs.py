@@ -132,7 +132,7 @@ def job_renderables(report: JobReport) -> list[RenderableType]:
 
     from rich.text import Text
 
-    from edo_monitor.surfaces.list_table import Col, ListTable
+    from edo_monitor.list_table import Col, ListTable
 
     job = report.job
     started = (

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from rich.console import RenderableType
 from rich.text import Text
 
-from edo_monitor.surfaces.list_table import Col, ListTable
+from edo_monitor.list_table import Col, ListTable
 from edo_monitor.units import format_bytes
 
 if TYPE_CHECKING:

@@ -12,6 +12,7 @@ import typer
 from edo_monitor.errors import (
     ConfigError,
 )
+from edo_monitor.list_table import Col, ListTable
 from edo_monitor.surfaces.cli.common import (
     DbOpt,
     JsonOpt,
@@ -26,7 +27,6 @@ from edo_monitor.surfaces.cli.common import (
     app,
 )
 from edo_monitor.surfaces.cli.options import INT64_MAX, Number
-from edo_monitor.surfaces.list_table import Col, ListTable
 
 
 @app.command("explain")

@@ -25,14 +25,14 @@ from edo_monitor.errors import (
     RunNotFoundError,
     StoreError,
 )
+from edo_monitor.list_table import Col as Col  # the commands' tables
+from edo_monitor.list_table import ListTable as ListTable
 from edo_monitor.surfaces.cli.options import (
     RUN_HELP,
     CliCommand,
     CliGroup,
     check_run_reference,
 )
-from edo_monitor.surfaces.list_table import Col as Col  # the commands' tables
-from edo_monitor.surfaces.list_table import ListTable as ListTable
 
 __all__ = ["app"]
 

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 from rich.text import Text
 
 from edo_monitor.errors import ConfigError
+from edo_monitor.list_table import Col, ListTable
 from edo_monitor.measure.snapshots import FrameRow, fragmentation, top_by_frame, totals
 from edo_monitor.store.snapshot_store import SnapshotInfo, find_snapshot, load_snapshot
 from edo_monitor.surfaces.cli.output import OutputFile, write_output
-from edo_monitor.surfaces.list_table import Col, ListTable
 from edo_monitor.units import format_bytes
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ HTML_KINDS = ("trace", "segments")
 
 
 def top_table(rows: list[FrameRow], allocated_bytes: int, title: str = "") -> ListTable:
-    """A table (:class:`~edo_monitor.surfaces.list_table.ListTable`, the frame never cut) of
+    """A table (:class:`~edo_monitor.list_table.ListTable`, the frame never cut) of
     :func:`edo_monitor.measure.snapshots.top_by_frame` rows with each frame's share of
     ``allocated_bytes``."""
     table = ListTable(

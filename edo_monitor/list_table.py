@@ -1,6 +1,7 @@
 """The tables whose key columns are never cut (:class:`ListTable`, its columns :class:`Col`): the
 CLI's lists and ``show``, and what ``explain`` and ``job`` print (also in the dashboard). Only Rich
-is imported, so the stages below the surfaces (``hindsight``) can build them."""
+is imported; beside the package's other formatting for humans (``units.py``), so ``hindsight``
+and the surfaces both build them."""
 
 from __future__ import annotations
 
