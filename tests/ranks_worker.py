@@ -29,6 +29,7 @@ import json
 import os
 import sys
 import time
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -185,6 +186,13 @@ def main() -> None:
     joined.wait([str(r) for r in range(int(world))])
     try:
         out = SCENARIOS[scenario](db, int(rank), opts)
+        if "die_rank" not in opts:
+            # the ranks tear the group down together, as a launcher's job ends: a rank that
+            # finished first and destroyed its gloo group while its peer still trained aborted
+            # ("terminate called without an active exception") once in CI
+            finished = dist.FileStore(f"{store}.finished", int(world))
+            finished.set(rank, "1")
+            finished.wait([str(r) for r in range(int(world))], timedelta(seconds=60))
     finally:
         dist.destroy_process_group()
     print(json.dumps(out))
