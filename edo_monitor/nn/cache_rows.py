@@ -146,11 +146,10 @@ class _RowMovement:
     def _stage_blocks(self, blocks: torch.Tensor, *, catch_up: bool = True) -> dict[str, Any]:
         """Rows of host ``blocks`` (not cached) caught up to step t (or, ``catch_up=False``, at
         their own steps), copied to the device (on CUDA on the side stream, not waited for):
-        ``{"blocks", "ids", "w", "st", "t", "s", "step", "rewrites"}`` (``"t"``: the step the
-        rows are at, an int or per row; ``"step"``: the table's step when staged;
-        ``"rewrites"``: the state dicts loaded before). Placed into cache
-        slots by :meth:`_place_staged`, now or after a later optimizer step (the rows, not
-        cached, take no gradient: the lazy catch-up covers those steps)."""
+        ``{"blocks", "ids", "w", "st", "t", "s", "step", "rewrites"}`` (``"t"``: the rows' step,
+        an int or per row; ``"step"``: the table's when staged; ``"rewrites"``: the state dicts
+        loaded before). Placed by :meth:`_place_staged`, now or after a later optimizer step
+        (the rows, not cached, take no gradient: the lazy catch-up covers those steps)."""
         ids, _ = self._real_rows(blocks, blocks)  # the ids only
         s = self.last_step.index_select(0, ids)
         w = self.host_weight.index_select(0, ids)
