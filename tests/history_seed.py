@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import insert
+from sqlalchemy import insert, update
 from sqlalchemy.orm import Session
 
 from edo_monitor.probes.readings import SAMPLE_FIELDS
@@ -20,6 +20,7 @@ from edo_monitor.store.dialect import is_postgres
 from edo_monitor.store.engine import open_engine
 from edo_monitor.store.models import Event, ModuleStat, Run, Sample
 from edo_monitor.store.rollups import roll_up
+from edo_monitor.store.schema import jobs_table, runs_table
 
 T0 = 1_700_000_000.25  # run start (Unix seconds)
 #: Fixed run uuids (ids 1-5): the first two have an all-digit 8-character prefix and share their
@@ -179,3 +180,32 @@ def seed(path: Path | str) -> dict[str, Any]:
         "peak": max(in_use),
         "min_free": min(r["free_fraction"] for r in rows),
     }
+
+
+#: job ids as the recorder writes them: rank 0's uuid (a process group) and torchrun's run id
+JOB_IDS = ("70be85fc-2a7b-4c2d-a9e1-5f3b2c1d0e9f", "torchelastic-run-7f3a2b1c")
+
+
+def seed_with_jobs(path: Path | str) -> None:
+    """:func:`seed`, then runs 1-2 the ranks of job ``JOB_IDS[0]`` and 3-4 of ``JOB_IDS[1]``."""
+    seed(path)
+    engine = open_engine(path)
+    with engine.begin() as conn:
+        for n, job_id in enumerate(JOB_IDS):
+            conn.execute(
+                insert(jobs_table).values(
+                    id=job_id,
+                    name=f"pretrain-{n}",
+                    world_size=2,
+                    backend="nccl",
+                    id_source="process_group" if n == 0 else "torchelastic",
+                    created_at_s=T0 + n,
+                )
+            )
+            for rank, run_id in enumerate((2 * n + 1, 2 * n + 2)):
+                conn.execute(
+                    update(runs_table)
+                    .where(runs_table.c.id == run_id)
+                    .values(job_id=job_id, rank=rank, world_size=2, local_rank=rank)
+                )
+    engine.dispose()

@@ -11,15 +11,9 @@ import json
 from pathlib import Path
 
 import pytest
-from history_seed import T0, seed
-from sqlalchemy import insert, update
+from history_seed import JOB_IDS, seed_with_jobs
 from test_cli_width import _cli as cli_lines
 
-from edo_monitor.store.engine import open_engine
-from edo_monitor.store.schema import jobs_table, runs_table
-
-#: job ids as the recorder writes them: rank 0's uuid (a process group) and torchrun's run id
-JOB_IDS = ("70be85fc-2a7b-4c2d-a9e1-5f3b2c1d0e9f", "torchelastic-run-7f3a2b1c")
 COLUMNS = 80
 
 
@@ -28,27 +22,7 @@ def history(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The seeded history (five runs; run 1 crossed the floor), runs 1-2 the ranks of one job
     and 3-4 of another."""
     path = tmp_path_factory.mktemp("hindsight-width") / "history.db"
-    seed(path)
-    engine = open_engine(path)
-    with engine.begin() as conn:
-        for n, job_id in enumerate(JOB_IDS):
-            conn.execute(
-                insert(jobs_table).values(
-                    id=job_id,
-                    name=f"pretrain-{n}",
-                    world_size=2,
-                    backend="nccl",
-                    id_source="process_group" if n == 0 else "torchelastic",
-                    created_at_s=T0 + n,
-                )
-            )
-            for rank, run_id in enumerate((2 * n + 1, 2 * n + 2)):
-                conn.execute(
-                    update(runs_table)
-                    .where(runs_table.c.id == run_id)
-                    .values(job_id=job_id, rank=rank, world_size=2, local_rank=rank)
-                )
-    engine.dispose()
+    seed_with_jobs(path)
     return path
 
 

@@ -16,17 +16,12 @@ import re
 from pathlib import Path
 
 import pytest
-from history_seed import T0, UUIDS, seed
+from history_seed import JOB_IDS, UUIDS, seed_with_jobs
 from rich.console import Console
-from sqlalchemy import insert, update
 from test_cli_width import _cli as cli_lines
 
-from edo_monitor.store.engine import open_engine
-from edo_monitor.store.schema import jobs_table, runs_table
 from edo_monitor.surfaces.cli.common import Col, ListTable
 
-#: job ids as the recorder writes them: rank 0's uuid (a process group) and torchrun's run id
-JOB_IDS = ("70be85fc-2a7b-4c2d-a9e1-5f3b2c1d0e9f", "torchelastic-run-7f3a2b1c")
 #: the seeded runs' references as ``runs`` prints them (ids 1-5)
 REFERENCES = {
     1: "90455722-7c1e-4c",
@@ -41,27 +36,7 @@ REFERENCES = {
 def history(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The seeded history (five runs), runs 1-2 the ranks of one job and 3-4 of another."""
     path = tmp_path_factory.mktemp("keys") / "history.db"
-    seed(path)
-    engine = open_engine(path)
-    with engine.begin() as conn:
-        for n, job_id in enumerate(JOB_IDS):
-            conn.execute(
-                insert(jobs_table).values(
-                    id=job_id,
-                    name=f"pretrain-{n}",
-                    world_size=2,
-                    backend="nccl",
-                    id_source="process_group" if n == 0 else "torchelastic",
-                    created_at_s=T0 + n,
-                )
-            )
-            for rank, run_id in enumerate((2 * n + 1, 2 * n + 2)):
-                conn.execute(
-                    update(runs_table)
-                    .where(runs_table.c.id == run_id)
-                    .values(job_id=job_id, rank=rank, world_size=2, local_rank=rank)
-                )
-    engine.dispose()
+    seed_with_jobs(path)
     return path
 
 
