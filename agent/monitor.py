@@ -55,7 +55,7 @@ from edo_monitor.agent.safe_point import SafePoint
 from edo_monitor.agent.sampler import Sampler
 from edo_monitor.agent.snapshots import DEFAULT_CAP_BYTES, SnapshotRecorder
 from edo_monitor.agent.tuner import Tuner
-from edo_monitor.checks import seconds, whole_number
+from edo_monitor.checks import mapping_or_none, seconds, whole_number
 from edo_monitor.decide.policy import Policy
 from edo_monitor.errors import ConfigError
 from edo_monitor.exporters.prometheus import (
@@ -270,9 +270,7 @@ class Monitor(_Lifecycle):
         self.snapshot_interval_s = snapshot_interval_s
         self.queue_size = queue_size
         self.profile_interval_s = profile_interval_s
-        if config is not None and not isinstance(config, Mapping):
-            raise ConfigError(f"config={config!r}: expected a mapping of names to values, or None")
-        self.user_config = dict(config or {})
+        self.user_config = mapping_or_none(config, "config", error=ConfigError)
         try:  # strict JSON: NaN and infinities are not JSON (show --json would print them)
             json.dumps(self.user_config, allow_nan=False)
         except (TypeError, ValueError) as exc:

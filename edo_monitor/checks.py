@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["seconds", "whole_number", "whole_number_or_none"]
+__all__ = ["mapping_or_none", "seconds", "whole_number", "whole_number_or_none"]
 
 
 def whole_number(
@@ -41,6 +42,20 @@ def whole_number_or_none(
 ) -> int | None:
     """:func:`whole_number`, or ``None`` as given (the refusal says ``or None`` is allowed)."""
     return None if value is None else _checked(value, name, low, high, error, " or None")
+
+
+def mapping_or_none(
+    value: Any, name: str, *, error: type[Exception] = ValueError
+) -> dict[str, Any]:
+    """``value`` (a mapping, or ``None``: empty) as a new ``dict``: ``watch(config=)`` and the
+    framework callbacks' ``config=``.
+
+    Raises:
+        error: (``ValueError`` unless the caller names its own) naming ``name`` and the value.
+    """
+    if value is not None and not isinstance(value, Mapping):
+        raise error(f"{name}={value!r}: expected a mapping of names to values, or None")
+    return dict(value or {})
 
 
 def seconds(

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from edo_monitor.agent.monitor import Monitor
+from edo_monitor.checks import mapping_or_none
 from edo_monitor.errors import ConfigError
 from edo_monitor.store.schema import RUN_NAME_MAX_CHARS
 
@@ -81,9 +82,7 @@ def run_config(own: Mapping[str, Any], user: Any) -> dict[str, Any]:
     Raises:
         ConfigError: ``user`` is neither a mapping nor ``None`` (as ``watch()`` refuses it).
     """
-    if user is not None and not isinstance(user, Mapping):
-        raise ConfigError(f"config={user!r}: expected a mapping of names to values, or None")
-    return {**own, **(user or {})}
+    return {**own, **mapping_or_none(user, "config", error=ConfigError)}
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:
