@@ -46,16 +46,6 @@ def _train(
     return mon.run_id
 
 
-def _cache_actions(db: Path, run: int) -> list:
-    """The run's applied ``cache_embedding`` and ``grow_cache`` actions, in order."""
-    with History(db) as h:
-        return [
-            e
-            for e in h.events(run, kind="action")
-            if e.data.get("action") in ("cache_embedding", "grow_cache")
-        ]
-
-
 @pytest.mark.timeout(180)
 def test_explain_a_crossing_of_a_table_already_a_row_cache(tmp_path: Path) -> None:
     """Regression: a row cache's ``params_bytes`` are its cached rows', so the element size read
