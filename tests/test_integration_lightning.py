@@ -20,6 +20,7 @@ pl = pytest.importorskip("lightning.pytorch", reason="needs lightning: pip insta
 loggers = pytest.importorskip("lightning.pytorch.loggers")
 
 from readme_blocks import readme_python_blocks  # noqa: E402
+from watch_helpers import wait_for  # noqa: E402
 
 import edo_monitor  # noqa: E402
 from edo_monitor.errors import ConfigError  # noqa: E402
@@ -74,6 +75,28 @@ def trainer(callback: EdoMonitorCallback, max_steps: int, logger: Any) -> Any:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
+
+
+class WaitForDecision(pl.Callback):
+    """Holds the fit at its first batch's end until the watching callback's policy has a
+    decision recorded (applied at the next step boundary) or an action applied: a short fit then
+    applies it however slow the sampler thread is."""
+
+    def __init__(self, watching: EdoMonitorCallback) -> None:
+        self.watching, self.waited = watching, False
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        if self.waited:
+            return
+        self.waited = True
+        mon = self.watching.monitor
+        wait_for(
+            lambda: (
+                mon.summary().actions
+                or (mon.policy.pending is not None and mon.policy.pending is mon._tuner._announced)
+            ),
+            "the policy's decision",
+        )
 
 
 def rows(db: Path, sql: str) -> list[dict]:
@@ -230,14 +253,15 @@ def test_a_fit_resumed_after_a_conversion_trains_as_its_twin_and_names_its_run(
     steps loads it, trains equal to an untouched twin resumed from the same checkpoint (the
     agent caches the table again), and is a new run that names the first one
     (``config["resumed_from"]``, from the callback's checkpoint state, and a ``resumed_from``
-    event)."""
+    event). Each watched fit waits at its first batch for the policy's decision
+    (:class:`WaitForDecision`): six steps are then enough on a slow machine."""
 
     def fit(callback: Any, steps: int, ckpt: Path | None, save: Path | None) -> BagOfWords:
         t = pl.Trainer(
             max_steps=steps,
             accelerator="cpu",
             logger=False,
-            callbacks=[callback] if callback else [],
+            callbacks=[callback, WaitForDecision(callback)] if callback else [],
             enable_checkpointing=False,
             enable_progress_bar=False,
             enable_model_summary=False,
