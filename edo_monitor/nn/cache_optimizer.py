@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from edo_monitor.nn.cache_parts import put_rows, to_device
+from edo_monitor.nn.cache_parts import put_rows, row_buffer_name, to_device
 from edo_monitor.nn.cache_step import fused_update, optimizer_kind
 from edo_monitor.nn.catch_up import _CHUNK_ELEMENTS, _Rule
 from edo_monitor.nn.optimizers import (
@@ -150,6 +150,10 @@ class _OptimizerBinding:
             params = group["params"]
             at = next(i for i, p in enumerate(params) if p is self.weight)
             group["params"] = [*params[: at + 1], self.batch_rows, *params[at + 1 :]]
+            names = group.get("param_names")
+            if names is not None:  # an optimizer over named_parameters(): its name beside
+                name = row_buffer_name(names[: at + 1])
+                group["param_names"] = [*names[: at + 1], name, *names[at + 1 :]]
         optimizer.state.pop(self.batch_rows, None)
         # the auto-attach hook (if any) may be running now, inside torch's loop over the global
         # pre-hooks: it is removed after this step (removing it now would change that dict)
@@ -226,6 +230,12 @@ class _OptimizerBinding:
         if self._optimizer is not None:  # the row buffer leaves the optimizer with the hooks
             for g in self._optimizer.param_groups:
                 if any(p is self.batch_rows for p in g["params"]):
+                    if "param_names" in g:
+                        g["param_names"] = [
+                            name
+                            for p, name in zip(g["params"], g["param_names"], strict=True)
+                            if p is not self.batch_rows
+                        ]
                     g["params"] = [p for p in g["params"] if p is not self.batch_rows]
         self._optimizer = None
         self._state_seen = None

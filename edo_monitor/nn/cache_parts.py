@@ -201,6 +201,13 @@ def _is_row_buffer(p: torch.Tensor) -> bool:
     return bool(getattr(p, "_edo_row_buffer", False))
 
 
+def row_buffer_name(names: list[Any]) -> str:
+    """The row buffer's name in a group's ``param_names`` where it is put right after its
+    table's ``weight``, the last of ``names`` (``"emb.weight"`` -> ``"emb.batch_rows"``)."""
+    prefix = str(names[-1]).rpartition(".")[0] if names else ""
+    return f"{prefix}.batch_rows" if prefix else "batch_rows"
+
+
 def _strip_row_buffers(optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
     """``sd`` without the cached tables' row buffers (ids renumbered), as an optimizer over the
     uncached model would save it; unchanged when already stripped."""
@@ -219,9 +226,14 @@ def _strip_row_buffers(optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> 
     kept = sorted(i for g in groups for i in g["params"] if i not in drop)
     new_id = {old: new for new, old in enumerate(kept)}
     out = dict(sd)
-    out["param_groups"] = [
-        {**g, "params": [new_id[i] for i in g["params"] if i not in drop]} for g in groups
-    ]
+    out["param_groups"] = []
+    for g in groups:
+        new_g = {**g, "params": [new_id[i] for i in g["params"] if i not in drop]}
+        if "param_names" in g:  # an optimizer over named_parameters(): the names go too
+            new_g["param_names"] = [
+                name for i, name in zip(g["params"], g["param_names"], strict=True) if i not in drop
+            ]
+        out["param_groups"].append(new_g)
     out["state"] = {new_id[k]: v for k, v in sd["state"].items() if k not in drop}
     return out
 
@@ -236,15 +248,23 @@ def _insert_row_buffers(optimizer: torch.optim.Optimizer, sd: dict[str, Any]) ->
     new_id: dict[Any, int] = {}
     new_groups = []
     n = 0
-    for g, ps in zip(groups, live, strict=True):
+    for g, live_g in zip(groups, optimizer.param_groups, strict=True):
         old = iter(g["params"])
-        ids = []
-        for p in ps:
-            if not _is_row_buffer(p):
+        names = iter(g.get("param_names", ()))
+        ids, new_names = [], []
+        for i, p in enumerate(live_g["params"]):
+            if _is_row_buffer(p):  # its name as the live group has it (named_parameters())
+                live_names = live_g.get("param_names")
+                new_names.append(live_names[i] if live_names else row_buffer_name(new_names))
+            else:
                 new_id[next(old)] = n
+                new_names.append(next(names, None))
             ids.append(n)
             n += 1
-        new_groups.append({**g, "params": ids})
+        new_g = {**g, "params": ids}
+        if "param_names" in g:
+            new_g["param_names"] = new_names
+        new_groups.append(new_g)
     out = dict(sd)
     out["param_groups"] = new_groups
     out["state"] = {new_id[k]: v for k, v in sd["state"].items() if k in new_id}

@@ -1,0 +1,89 @@
+"""A cached table where it meets autograd and the optimizer's bookkeeping: optimizers over
+``named_parameters()`` (their ``param_names``), ``torch.autograd.grad`` and ``backward(inputs=)``
+(no gradient reaches the step unless the backward accumulates), gradient hooks on ``weight``.
+Each against an uncached twin: same init, ids and optimizer, float64."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from edo_monitor.nn import CachedEmbedding
+
+ROWS, DIM = 20, 3
+
+
+def _model(cached: bool) -> nn.Module:
+    torch.manual_seed(0)
+    m = nn.Module()
+    m.emb = (
+        CachedEmbedding(ROWS, DIM, 4, dtype=torch.float64)
+        if cached
+        else nn.Embedding(ROWS, DIM, dtype=torch.float64)
+    )
+    m.lin = nn.Linear(DIM, 1, dtype=torch.float64)
+    if cached:  # the twin's rows
+        m.emb.load_state_dict({"weight": _model(False).emb.weight.detach().clone()})
+    return m
+
+
+def _train(m: nn.Module, opt: torch.optim.Optimizer, steps: int = 3) -> None:
+    for i in range(steps):
+        opt.zero_grad()
+        m.lin(m.emb(torch.tensor([1, 5, 7 + i]))).sum().backward()
+        opt.step()
+
+
+NAMES = ["emb.weight", "lin.weight", "lin.bias"]
+
+
+def test_an_optimizer_over_named_parameters_saves_the_uncached_names() -> None:
+    """Regression: ``param_names`` kept the row buffer's name while its id was left out, so an
+    uncached optimizer loading the state called ``lin.weight`` "emb.batch_rows"."""
+    cm = _model(True)
+    co = torch.optim.Adam(cm.named_parameters(), lr=0.01)
+    _train(cm, co)
+    sd = co.state_dict()
+    (group,) = sd["param_groups"]
+    assert (group["params"], group["param_names"]) == ([0, 1, 2], NAMES)
+    twin = _model(False)
+    to = torch.optim.Adam(twin.named_parameters(), lr=0.01)
+    twin.load_state_dict(cm.state_dict())
+    to.load_state_dict(copy.deepcopy(sd))
+    (live,) = to.param_groups
+    assert live["param_names"] == NAMES
+    named = dict(twin.named_parameters())
+    assert all(named[n] is p for n, p in zip(live["param_names"], live["params"], strict=True))
+
+
+def test_a_named_state_loads_into_a_cached_optimizer_and_saves_back_the_same() -> None:
+    """The uncached optimizer's named state into a cached one (over a list without the row
+    buffer: attach puts it beside ``weight`` with its name) and out again, unchanged."""
+    twin = _model(False)
+    to = torch.optim.Adam(twin.named_parameters(), lr=0.01)
+    _train(twin, to)
+    cm = _model(True)
+    cm.emb.load_state_dict({"weight": twin.emb.weight.detach().clone()})
+    named = [(n, p) for n, p in cm.named_parameters() if not n.endswith("batch_rows")]
+    co = torch.optim.Adam(named, lr=0.01)
+    cm.emb.attach(co)
+    assert co.param_groups[0]["param_names"] == [
+        "emb.weight",
+        "emb.batch_rows",
+        "lin.weight",
+        "lin.bias",
+    ]
+    co.load_state_dict(copy.deepcopy(to.state_dict()))
+    assert co.param_groups[0]["param_names"][1] == "emb.batch_rows"
+    again = co.state_dict()
+    assert again["param_groups"][0]["param_names"] == NAMES
+    ref = to.state_dict()["state"]
+    for k, st in ref.items():
+        for key, value in st.items():
+            assert torch.equal(torch.as_tensor(again["state"][k][key]), torch.as_tensor(value))
+    cm.emb.detach_optimizer()  # the row buffer and its name leave together
+    assert co.param_groups[0]["param_names"] == NAMES
+    assert len(co.param_groups[0]["params"]) == 3
