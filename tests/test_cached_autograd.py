@@ -87,3 +87,32 @@ def test_a_named_state_loads_into_a_cached_optimizer_and_saves_back_the_same() -
     cm.emb.detach_optimizer()  # the row buffer and its name leave together
     assert co.param_groups[0]["param_names"] == NAMES
     assert len(co.param_groups[0]["params"]) == 3
+
+
+def _one_sgd_step(cached: bool, look: str) -> torch.Tensor:
+    """One SGD(lr=1) step of the real loss after a look at another loss's gradient (``look``:
+    ``"grad"``: ``torch.autograd.grad`` over every parameter with ``allow_unused``;
+    ``"inputs"``: ``backward(inputs=)`` of the head only). The table's rows after it."""
+    m = _model(cached)
+    opt = torch.optim.SGD(m.parameters(), lr=1.0)
+    opt.zero_grad()
+    ids = torch.tensor([1, 2, 2])
+    aux = m.lin(m.emb(ids)).pow(2).sum()
+    if look == "grad":
+        params = [p for p in m.parameters() if p.requires_grad]
+        torch.autograd.grad(aux, params, allow_unused=True)
+    else:
+        aux.backward(inputs=list(m.lin.parameters()))
+        opt.zero_grad()
+    m.lin(m.emb(ids)).sum().backward()
+    opt.step()
+    return m.emb.state_dict()["weight"]
+
+
+@pytest.mark.parametrize("look", ["grad", "inputs"])
+def test_a_gradient_only_looked_at_is_not_stepped(look: str) -> None:
+    """Regression: the cache's backward added the rows' gradient to the step's in every backward
+    pass, ``torch.autograd.grad`` included (it leaves ``.grad`` alone): a gradient taken only to
+    be looked at was applied too (row 1 moved by the look's gradient as well)."""
+    got, want = _one_sgd_step(True, look), _one_sgd_step(False, look)
+    assert torch.equal(got, want), (got - want).abs().max()
