@@ -6,6 +6,7 @@ Each against an uncached twin: same init, ids and optimizer, float64."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -116,3 +117,52 @@ def test_a_gradient_only_looked_at_is_not_stepped(look: str) -> None:
     be looked at was applied too (row 1 moved by the look's gradient as well)."""
     got, want = _one_sgd_step(True, look), _one_sgd_step(False, look)
     assert torch.equal(got, want), (got - want).abs().max()
+
+
+def test_a_gradient_hook_on_a_cached_weight_is_refused_by_name() -> None:
+    """Regression: a hook on ``weight`` (``register_hook``: scaling, masking, logging a table's
+    gradient) was called with ``None`` (torch never passes ``None``: ``g * 0.5`` failed deep in
+    the backward) and what it returned never reached the step (a zeroed gradient still moved
+    the rows). A training lookup now refuses it, naming the hook; lookups without gradients and
+    a table without hooks go on."""
+    m = _model(True)
+    handle = m.emb.weight.register_hook(lambda g: g * 0.5)
+    with pytest.raises(RuntimeError, match=r"weight\.register_hook.*handle\.remove\(\)"):
+        m.emb(torch.tensor([1, 2]))
+    with torch.no_grad():
+        assert m.emb(torch.tensor([1, 2])).shape == (2, DIM)
+    handle.remove()
+    m.lin(m.emb(torch.tensor([1, 2]))).sum().backward()
+    assert m.emb.batch_rows.grad is not None
+
+
+def test_the_agent_takes_no_table_action_on_a_weight_with_gradient_hooks(tmp_path: Path) -> None:
+    """A table action makes a new weight, which the user's gradient hook would not follow (a
+    converted row cache even refused it at the next forward: the user's training failed). Under
+    pressure every table action is refused, naming the hooks, and the hook keeps its effect."""
+    import edo_monitor
+    from edo_monitor.decide.plans import TABLE_BLOCKERS
+    from edo_monitor.store.history import History
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(100_000, 64), nn.Linear(64, 1))
+    model[0].weight.register_hook(lambda g: g * 0.0)  # the table frozen by its hook
+    before = model[0].weight.detach().clone()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with edo_monitor.watch(
+        model, budget="60MiB", policy=edo_monitor.Policy(), db=tmp_path / "h.db", interval_s=0.01
+    ) as mon:
+        for _ in range(30):
+            model(torch.randint(0, 100_000, (256,))).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert mon.summary().actions == ()
+    assert torch.equal(model[0].weight, before)  # the hook's zero gradient, every step
+    with History(tmp_path / "h.db") as h:
+        (none, *_) = h.events(mon.run_id, kind="no_action")
+    reasons = {r["action"]: r["reason"] for r in none.data["refusals"] if r["target"] == "0"}
+    assert {"cache_embedding", "offload_embedding"} <= reasons.keys()
+    assert set(reasons.values()) == {
+        f"0: {TABLE_BLOCKERS[3]} (register_hook): a table action makes a new weight, and the "
+        "hooks would not follow it"
+    }

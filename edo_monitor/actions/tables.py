@@ -90,13 +90,20 @@ def tied_blocker(model: nn.Module, module: nn.Module, param: nn.Parameter) -> st
     """Why no table action may take ``module`` (whose weight is ``param``), or ``None``: the
     table is ``model`` itself (a bare ``nn.Embedding`` watched as the model: an action swaps a
     table for another module in its parent, :func:`replace_module`, and the model has no parent
-    here; deciding it only made the action fail and be rolled back), or another module of
-    ``model`` holds ``param`` too (tied weights: :func:`sharing_users`). Each table action asks
-    it first; its reason begins with one of
+    here; deciding it only made the action fail and be rolled back), another module of
+    ``model`` holds ``param`` too (tied weights: :func:`sharing_users`), or ``param`` has
+    gradient hooks (``register_hook``: a table action makes a new weight, which they would not
+    follow: a gradient scaled or masked by one would silently train unscaled). Each table action
+    asks it first; its reason begins with one of
     :data:`~edo_monitor.decide.plans.TABLE_BLOCKERS`, so ``explain`` rules out every remedy on
     that table."""
     if module is model:
         return ROOT_TABLE_REASON
+    if param._backward_hooks:
+        return (
+            f"{TABLE_BLOCKERS[3]} (register_hook): a table action makes a new weight, and the "
+            "hooks would not follow it"
+        )
     users = sharing_users(model, module, param)
     return f"{TABLE_BLOCKERS[0]} {', '.join(users)}" if users else None
 

@@ -43,7 +43,12 @@ NOT_YET_KNOWN = ("no recorded step yet", "no optimizer has stepped yet")
 #: tied to another module, or read outside its own forward, or the table is the watched model
 #: itself, which no action can swap for another module), whichever action was refused:
 #: ``explain`` takes one such refusal for all of that table's remedies.
-TABLE_BLOCKERS = ("weight is tied to", "weight is read outside", "table is the watched model")
+TABLE_BLOCKERS = (
+    "weight is tied to",
+    "weight is read outside",
+    "table is the watched model",
+    "weight has gradient hooks",
+)
 
 #: Why no table action takes a table that is the watched model itself (the live actions' and
 #: ``replay``'s refusal).

@@ -487,6 +487,14 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _GradientLayout, _RowMovemen
         self._check_cache_once()
         training = torch.is_grad_enabled() and self.weight.requires_grad
         if training:
+            if self.weight._backward_hooks:
+                raise RuntimeError(
+                    "a gradient hook is registered on the cached table's weight "
+                    "(weight.register_hook): the weight is the cache (cache_rows, D) and gets no "
+                    "gradient (the touched rows' gradient is batch_rows.grad (U, D), stepped at "
+                    "the optimizer's step), so the hook would be called with None and could not "
+                    "change the step; remove it (handle.remove()), or keep the table resident"
+                )
             self._release_dropped_forwards()
         keep = training and self._keeps_rows()
         o = self.options
