@@ -166,3 +166,50 @@ def test_the_agent_takes_no_table_action_on_a_weight_with_gradient_hooks(tmp_pat
         f"0: {TABLE_BLOCKERS[3]} (register_hook): a table action makes a new weight, and the "
         "hooks would not follow it"
     }
+
+
+def _joins_later(cached: bool, attach: bool) -> torch.Tensor:
+    """Progressive training: the optimizer steps the head only for 5 steps, then the table
+    joins it (``add_param_group``); ``zero_grad()`` before every backward. The table's rows
+    after the one step with it."""
+    torch.manual_seed(0)
+    w = torch.randn(ROWS, DIM, dtype=torch.float64)
+    emb = (
+        CachedEmbedding(ROWS, DIM, 4, _weight=w.clone())
+        if cached
+        else nn.Embedding(ROWS, DIM, _weight=w.clone())
+    )
+    head = nn.Linear(DIM, 1, dtype=torch.float64)
+    opt = torch.optim.SGD(head.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(2)
+    for step in range(6):
+        if step == 5:
+            opt.add_param_group({"params": [emb.weight]})
+            if attach:
+                emb.attach(opt)
+        opt.zero_grad()
+        head(emb(torch.randint(0, ROWS, (3,), generator=gen))).pow(2).sum().backward()
+        opt.step()
+    return emb.state_dict()["weight"]
+
+
+def test_a_table_added_to_an_optimizer_later_warns_unless_attached(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A table that joins an optimizer by ``add_param_group`` brings the gradient of every
+    backward since the start (no zero_grad() reached its row buffer, which joins the optimizer
+    as the table attaches): the step takes it whole where a resident table's zero_grad() had
+    cleared it. The cache cannot tell which zero_grad() a resident table would have seen, so it
+    says so, naming the fix; attached at once, the table trains as the resident one."""
+    twin = _joins_later(False, attach=False)
+    with caplog.at_level("WARNING", logger="edo_monitor.nn.cache_optimizer"):
+        unattached = _joins_later(True, attach=False)
+    (record,) = [r for r in caplog.records if "add_param_group" in r.getMessage()]
+    assert "kept over 5 step(s) of other optimizers" in record.getMessage()
+    assert "table.attach(optimizer)" in record.getMessage()
+    assert not torch.allclose(unattached, twin)  # what the warning is about
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="edo_monitor.nn.cache_optimizer"):
+        attached = _joins_later(True, attach=True)
+    assert not [r for r in caplog.records if "add_param_group" in r.getMessage()]
+    assert torch.allclose(attached, twin, rtol=1e-12, atol=0)

@@ -279,7 +279,22 @@ class _OptimizerBinding:
                     "its zero_grad(); build it without the table's parameters: [p for p in "
                     "model.parameters() if p is not table.weight and p is not table.batch_rows]"
                 )
+            if self._optimizer is None:  # another optimizer's step: the gradient outlives it
+                g = self.batch_rows.grad
+                past = getattr(self, "_steps_past_grad", 0)
+                self._steps_past_grad = past + 1 if g is not None and g.numel() else 0
             return
+        past, self._steps_past_grad = getattr(self, "_steps_past_grad", 0), 0
+        if self._optimizer is None and past and not any(p is self.batch_rows for p in params):
+            logger.warning(
+                "cached table: a %s steps it now (added to it since its last step?) with a "
+                "gradient kept over %d step(s) of other optimizers: a zero_grad() of this one "
+                "before this step did not reach it (the table's row buffer joins the optimizer "
+                "as it attaches), so the step takes it whole; call table.attach(optimizer) "
+                "right after optimizer.add_param_group()",
+                type(opt).__name__,
+                past,
+            )
         if self._optimizer is not None:
             old = type(self._optimizer).__name__
             logger.info(
