@@ -213,3 +213,27 @@ def test_a_table_added_to_an_optimizer_later_warns_unless_attached(
         attached = _joins_later(True, attach=True)
     assert not [r for r in caplog.records if "add_param_group" in r.getMessage()]
     assert torch.allclose(attached, twin, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("inputs", ["all", "weight", "weight_twice"])
+def test_a_backward_with_inputs_holding_the_weight_is_stepped_as_the_resident_table(
+    inputs: str,
+) -> None:
+    """``loss.backward(inputs=...)`` with the table's ``weight`` among the inputs accumulates
+    its gradient, as for a resident table (``"weight_twice"``: two such backwards before one
+    step add up); without it (the head only), none (the other test above)."""
+
+    def run(cached: bool) -> torch.Tensor:
+        m = _model(cached)
+        opt = torch.optim.SGD(m.parameters(), lr=1.0)
+        for step in range(3):
+            opt.zero_grad()
+            ids = torch.tensor([1, 2, 2 + step])
+            chosen = list(m.parameters()) if inputs == "all" else [m.emb.weight]
+            for _ in range(2 if inputs == "weight_twice" else 1):
+                m.lin(m.emb(ids)).pow(2).sum().backward(inputs=chosen)
+            opt.step()
+        return m.emb.state_dict()["weight"]
+
+    got, want = run(True), run(False)
+    assert torch.allclose(got, want, rtol=1e-12, atol=0), (got - want).abs().max()

@@ -95,8 +95,9 @@ class _Checkpointing:
         optimizer state stays (a copy made together with its optimizer, whose state of the
         table is the cache's rows, attaches to it with nothing lost; a new optimizer starts
         fresh). Left out: the optimizer binding, the touched rows' layout (a gradient does not
-        pickle either), a ``LookAhead`` serving the table (its loader), the agent's lookup
-        listeners, a spill file's allocator and a CUDA side stream. The copy attaches to the
+        pickle either) and the backwards in flight (``weight``'s gradient accumulator watched),
+        a ``LookAhead`` serving the table (its loader), the agent's lookup listeners, a spill
+        file's allocator and a CUDA side stream. The copy attaches to the
         optimizer that steps it first."""
         self.flush()  # with no optimizer: the cache's rows written back
         state = dict(self.__dict__)
@@ -109,6 +110,9 @@ class _Checkpointing:
             _stash=None,
             _pending=None,
             _forwards=[],
+            _watched_node=None,
+            _arrived={},
+            _accumulating_tasks=set(),
             _lookahead=None,
             _host_alloc=None,
             _side_stream=None,

@@ -119,10 +119,74 @@ class _GradientLayout:
             pos = self._row_pos[rows]
         return pos
 
+    # A backward hands each lookup's rows' gradient over (:meth:`_grad_arrived`); it is added
+    # at the end of that backward only if the backward accumulated into ``weight`` (its gradient
+    # accumulator ran: :meth:`_watch_weight_accumulator`), as a resident table's ``.grad`` would
+    # be. ``torch.autograd.grad`` runs the lookups' backwards but not the accumulator: a gradient
+    # taken only to be looked at was stepped too.
+    def _watch_weight_accumulator(self) -> None:
+        """After a training lookup: a pre-hook on ``weight``'s gradient accumulator (the node
+        every graph over ``weight`` shares; autograd makes a new one when ``weight``'s data
+        changes dtype or device, as a resize's rebind does) that notes each backward running
+        it. The node watched is kept (to hook each node once: it takes no attribute and no weak
+        reference); it holds no gradient."""
+        edge = getattr(torch.autograd.graph, "get_gradient_edge", None)
+        node = (
+            edge(self.weight).node
+            if edge is not None
+            else self.weight.view_as(self.weight).grad_fn.next_functions[0][0]
+        )
+        if node is self.__dict__.get("_watched_node"):
+            return
+        ref = weakref.ref(self)
+
+        def accumulating(grad_outputs: Any) -> None:
+            table = ref()
+            if table is not None:
+                table._accumulating().add(torch._C._current_graph_task_id())
+
+        node.register_prehook(accumulating)
+        self.__dict__["_watched_node"] = node
+
+    def _accumulating(self) -> set[int]:
+        """The running backwards (graph task ids) that accumulate into ``weight``."""
+        tasks = self.__dict__.get("_accumulating_tasks")
+        if tasks is None:
+            tasks = self.__dict__["_accumulating_tasks"] = set()
+        return tasks
+
+    def _grad_arrived(self, positions: torch.Tensor, generation: int, grad: torch.Tensor) -> None:
+        """Backward of :class:`CacheRows`: hold ``grad`` ``(U, D)`` for ``positions`` until the
+        backward ends (:meth:`_backward_ended`)."""
+        task = torch._C._current_graph_task_id()
+        arrived = self.__dict__.setdefault("_arrived", {})
+        if task not in arrived:
+            arrived[task] = []
+            ref = weakref.ref(self)
+
+            def ended() -> None:
+                table = ref()
+                if table is not None:
+                    table._backward_ended(task)
+
+            torch.autograd.Variable._execution_engine.queue_callback(ended)
+        arrived[task].append((positions, generation, grad))
+
+    def _backward_ended(self, task: int) -> None:
+        """The end of backward ``task``: its lookups' gradients are added if it accumulated into
+        ``weight``, else dropped (``torch.autograd.grad``)."""
+        held = self.__dict__.get("_arrived", {}).pop(task, [])
+        accumulating = self._accumulating()
+        if task not in accumulating:
+            return
+        accumulating.discard(task)
+        for positions, generation, grad in held:
+            self._accumulate_grad(positions, generation, grad)
+
     def _accumulate_grad(
         self, positions: torch.Tensor, generation: int, grad: torch.Tensor
     ) -> None:
-        """Backward of :class:`CacheRows`: add ``grad`` ``(U, D)`` at ``positions``."""
+        """Add a lookup's rows' gradient ``grad`` ``(U, D)`` at ``positions``."""
         if generation != self._generation:
             raise RuntimeError(
                 "cached table: a backward ran after the optimizer step that followed its "

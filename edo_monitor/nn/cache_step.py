@@ -12,27 +12,26 @@ row gets the value a resident table would have.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["CacheRows", "fused_update", "rows_grad_leaf"]
+__all__ = ["CacheRows", "fused_update"]
 
 
 class CacheRows(torch.autograd.Function):
     """``source[index]`` ``(U, D)``, whose gradient goes to the table's row buffer (not ``weight``).
 
-    ``forward(weight, source, index, rows_grad)``: ``source`` is the cache ``weight`` ``(C, D)``
-    itself, or the row buffer's values ``(L, D)`` (the batch's rows caught up at the forward,
-    :meth:`~edo_monitor.nn.CachedTable._take_rows`); ``index`` ``(U,)`` int64 rows of ``source``
-    on its device; ``rows_grad`` a leaf ``(U, D)`` that holds no memory (a stride-0 expand:
-    :func:`rows_grad_leaf`). The backward returns no gradient for ``weight`` (so ``weight.grad``
-    stays ``None``: no ``(C, D)`` gradient exists) and the rows' gradient for ``rows_grad``: the
-    engine accumulates it there only in a backward that accumulates into leaves
-    (``loss.backward()``), and that leaf's hook adds it into the table's row buffer. So
-    ``torch.autograd.grad`` (and ``backward(inputs=)`` without ``weight``) leave the step's
-    gradient alone, as they leave a resident table's ``weight.grad``.
+    ``forward(weight, source, index, table, positions, generation)``: ``source`` is the cache
+    ``weight`` ``(C, D)`` itself, or the row buffer's values ``(L, D)`` (the batch's rows caught up
+    at the forward, :meth:`~edo_monitor.nn.CachedTable._take_rows`); ``index`` ``(U,)`` int64 rows
+    of ``source`` on its device; ``positions`` ``(U,)`` the rows' places in the table's gradient
+    layout. The backward returns no gradient for ``weight`` (so ``weight.grad`` stays ``None``: no
+    ``(C, D)`` gradient exists) and hands the rows' gradient to
+    ``table._grad_arrived(positions, generation, grad)``, which adds it into the row buffer's
+    gradient only if the backward accumulates into ``weight`` (``loss.backward()``,
+    ``backward(inputs=[..., weight])``; not ``torch.autograd.grad``:
+    :class:`~edo_monitor.nn.cache_grads._GradientLayout`).
     """
 
     @staticmethod
@@ -41,31 +40,19 @@ class CacheRows(torch.autograd.Function):
         weight: torch.Tensor,
         source: torch.Tensor,
         index: torch.Tensor,
-        rows_grad: torch.Tensor,
+        table: Any,
+        positions: torch.Tensor,
+        generation: int,
     ) -> torch.Tensor:
+        ctx.table = table
+        ctx.positions = positions
+        ctx.generation = generation
         return source.index_select(0, index)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        return None, None, None, grad
-
-
-def rows_grad_leaf(
-    source: torch.Tensor, rows: int, add: Callable[[torch.Tensor], None]
-) -> torch.Tensor:
-    """The ``rows_grad`` leaf of :class:`CacheRows` for ``rows`` rows of ``source``: ``(rows,
-    D)`` of ``source``'s dtype and device, one element of memory; ``add(grad)`` gets each
-    gradient accumulated into it (``(rows, D)``), and the leaf keeps none."""
-    leaf = source.new_empty(1, source.shape[1]).expand(rows, source.shape[1]).detach()
-    leaf.requires_grad_()
-
-    def hook(t: torch.Tensor) -> None:
-        grad, t.grad = t.grad, None
-        if grad is not None:
-            add(grad)
-
-    leaf.register_post_accumulate_grad_hook(hook)
-    return leaf
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:  # type: ignore[override]
+        ctx.table._grad_arrived(ctx.positions, ctx.generation, grad)
+        return None, None, None, None, None, None
 
 
 def fused_update(

@@ -38,7 +38,7 @@ an optimizer step post-hook). How, per optimizer (zero gradient on the missed st
 
 Every row lazy, the step fused (issue 23). The user's optimizer does not step ``weight``: no
 ``(C, D)`` gradient exists. The forward returns the batch's unique rows ``(U, D)`` through
-:class:`~edo_monitor.nn.cache_step.CacheRows`; a backward that accumulates into leaves
+:class:`~edo_monitor.nn.cache_step.CacheRows`; a backward that accumulates into ``weight``
 (``loss.backward()``, not ``torch.autograd.grad``) adds their gradient into ``batch_rows.grad``
 ``(U, D)`` (``U``: the rows touched since the last optimizer step, in the order
 :meth:`CachedTable.dense_grad` gives with their ids). At the optimizer's step (a step pre-hook)
@@ -134,7 +134,7 @@ from edo_monitor.nn.cache_parts import (
     to_device,
 )
 from edo_monitor.nn.cache_rows import _RowMovement
-from edo_monitor.nn.cache_step import CacheRows, rows_grad_leaf
+from edo_monitor.nn.cache_step import CacheRows
 from edo_monitor.nn.catch_up import _Rule
 from edo_monitor.nn.embedding import EmbeddingOptions, _EdoEmbedding, check_bag_arguments
 from edo_monitor.nn.victims import VictimOrder
@@ -574,11 +574,8 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _GradientLayout, _RowMovemen
         if positions is None:
             return source.index_select(0, dev_index)
         at = dev_index if positions is index else to_device(positions, self.device)
-        generation = self._generation
-        leaf = rows_grad_leaf(
-            source, index.numel(), lambda grad: self._accumulate_grad(at, generation, grad)
-        )
-        out = CacheRows.apply(self.weight, source, dev_index, leaf)
+        out = CacheRows.apply(self.weight, source, dev_index, self, at, self._generation)
         if out.grad_fn is not None:
             self._forwards.append(weakref.ref(out.grad_fn))
+            self._watch_weight_accumulator()
         return out
