@@ -6,7 +6,9 @@ checkpointed model stays bit-identical to an untouched twin."""
 from __future__ import annotations
 
 import copy
+import random
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -148,4 +150,58 @@ def test_checkpointing_refuses_when_only_buffer_changing_blocks_are_left() -> No
     r = ACTIONS["checkpoint_activations"].plan(
         ActionContext(model, [], activation_profile=rec.profile())
     )
-    assert isinstance(r, Refusal) and "changes buffers or module state in training mode" in r.reason
+    assert isinstance(r, Refusal) and "changes buffers, module state" in r.reason
+
+
+class Unreplayable(nn.Module):
+    """An MLP block whose forward a recomputing checkpoint would not replay as it ran: it
+    scales its input in place (``"inplace"``), or skips itself by a draw from Python's ``random``
+    or NumPy's global generator (a LayerDrop: the checkpoint restores torch's generators only)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 32)
+        self.kind = kind
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "inplace":
+            x.mul_(0.5)
+        else:
+            draw = random.random if self.kind == "random" else np.random.random
+            if draw() < 0.3:
+                return x * 1.0
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+
+@pytest.mark.parametrize("kind", ["inplace", "random", "numpy"])
+def test_checkpointing_excludes_blocks_a_recomputation_would_not_replay(kind: str) -> None:
+    """Regression: such a block was checkpointed (the default ladder's lossless rung) and the
+    user's backward failed: "modified by an inplace operation" for an input changed in place,
+    ``CheckpointError`` ("a different number of tensors was saved") for a draw from Python's or
+    NumPy's random state, which also moved the user's random stream. Excluded now; the plan
+    takes the plain MLP, and training stays bit-identical to the untouched twin."""
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g))]
+    data *= 6
+    torch.manual_seed(0)
+    twin = nn.Sequential(nn.Linear(16, 32), Unreplayable(kind), MLP(32), nn.Linear(32, 4))
+    model = copy.deepcopy(twin)
+    twin_opt = torch.optim.Adam(twin.parameters(), lr=1e-2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    random.seed(0)
+    np.random.seed(0)
+    _train_steps(twin, twin_opt, data)
+    random.seed(0)
+    np.random.seed(0)
+    profile = _train_steps(model, opt, data[:1], profile=True)
+    assert profile is not None and "1" in profile.buffer_mutating
+    assert "2" not in profile.buffer_mutating
+    ctx = ActionContext(model, [opt], activation_profile=profile)
+    plan = ACTIONS["checkpoint_activations"].plan(ctx)
+    assert isinstance(plan, Plan), plan
+    assert plan.details["blocks"] == ["2"]
+    assert plan.details["excluded_buffer_mutating"] == ["1"]
+    assert ACTIONS["checkpoint_activations"].apply(ctx, plan).status == "applied"
+    _train_steps(model, opt, data[1:])
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q)

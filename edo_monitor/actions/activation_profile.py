@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import bisect
 import logging
+import random
+import sys
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -63,7 +65,10 @@ class ActivationProfile:
             (its version counter moved, or a buffer was rebound: BatchNorm's running statistics,
             any custom running state), or a plain attribute of the module or its submodules
             holding a tensor or a number (a running mean kept outside the buffers, a call
-            counter). Recomputing such a forward would change them again.
+            counter), or Python's or NumPy's global random state (a LayerDrop drawn with
+            ``random.random()``), or the forward's own tensor inputs (changed in place).
+            Recomputing such a forward would change that state again, draw other numbers, or
+            start from changed inputs (a checkpointed one failed the user's backward).
         held_input_bytes: per module name, the bytes of its inputs that nothing saved for
             backward (parameters excluded): what checkpointing it would keep alive besides (see
             :meth:`net_saving_bytes`).
@@ -143,7 +148,7 @@ class ActivationRecorder:
         # buffer changes per module forward: the modules owning buffers, a stack of the buffers'
         # (identity, version) at each forward's start, the modules whose forward changed one
         self._buffer_owners = [m for m in model.modules() if m._buffers]
-        self._buffer_marks: list[tuple[str, tuple[tuple[int, int], ...]]] = []
+        self._buffer_marks: list[tuple[Any, ...]] = []
         self._mutating: set[str] = set()
         # reads of table parameters outside their module's forward (see _UseWatcher)
         self._watched: dict[int, tuple[str, frozenset[str]]] = {}
@@ -173,14 +178,27 @@ class ActivationRecorder:
             if b is not None
         )
 
-    def _pre_buffers(self, name: str, module: nn.Module) -> None:
-        self._buffer_marks.append((name, self._buffer_state(), _attribute_state(module)))
+    def _pre_buffers(self, name: str, module: nn.Module, inputs: list[torch.Tensor]) -> None:
+        self._buffer_marks.append(
+            (
+                name,
+                self._buffer_state(),
+                _attribute_state(module),
+                [(t, t._version) for t in inputs],
+                _host_random_state(),
+            )
+        )
 
     def _post_buffers(self, name: str, module: nn.Module) -> None:
         while self._buffer_marks:
-            mark_name, state, attributes = self._buffer_marks.pop()
+            mark_name, state, attributes, inputs, host_random = self._buffer_marks.pop()
             if mark_name == name:
-                if state != self._buffer_state() or attributes != _attribute_state(module):
+                if (
+                    state != self._buffer_state()
+                    or attributes != _attribute_state(module)
+                    or any(t._version != v for t, v in inputs)
+                    or host_random != _host_random_state()
+                ):
                     self._mutating.add(name)
                 return
 
@@ -270,7 +288,7 @@ class ActivationRecorder:
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         name = self._names.get(id(module), "")
         try:
-            self._pre_buffers(name, module)
+            self._pre_buffers(name, module, _tensors(args, kwargs))
         except Exception as exc:  # a hook must never fail the user's forward
             self.errors.append(exc)
         self._stack.append(name)
@@ -395,6 +413,17 @@ def _attribute_state(module: nn.Module) -> tuple[tuple[Any, ...], ...]:
         for m in module.modules()
         for key, value in m.__dict__.items()
         if isinstance(value, (torch.Tensor, int, float))
+    )
+
+
+def _host_random_state() -> tuple[Any, ...]:
+    """Python's ``random`` state and NumPy's global one (when imported): random draws a
+    recomputing checkpoint does not replay (it restores torch's generators only)."""
+    numpy = sys.modules.get("numpy")
+    np_state = numpy.random.get_state() if numpy is not None else None
+    return (
+        random.getstate(),
+        None if np_state is None else (np_state[1].tobytes(), *np_state[2:]),
     )
 
 

@@ -13,7 +13,9 @@ module's forward saves (*exclusive* bytes), minus the block's own inputs (checkp
 those alive). Parameters and buffers are not activations and are not counted. Blocks are the
 children of ``nn.Sequential``/``nn.ModuleList`` and of the root, without embedding tables inside;
 blocks whose forward changed a buffer during the recorded step
-(``ActivationProfile.buffer_mutating``: BatchNorm's running statistics, any running state) or that
+(``ActivationProfile.buffer_mutating``: BatchNorm's running statistics, any running state; also
+inputs the forward changes in place and draws from Python's or NumPy's random state, which the
+recomputation would not see as the forward did) or that
 hold a normalisation layer tracking running statistics are excluded (recomputing them would update
 the buffers twice, and lossless means buffers bit-identical too); a block enclosing two or more
 other blocks is skipped in favour of the finer ones (checkpointing one outer block would recompute
@@ -188,8 +190,9 @@ class CheckpointActivations(Action):
             why = "no block with saved activations left to checkpoint"
             if stateful:
                 why += (
-                    f"; excluded {len(stateful)} block(s) whose forward changes buffers or "
-                    f"module state in training mode (recomputation would update them twice): "
+                    f"; excluded {len(stateful)} block(s) whose forward changes buffers, module "
+                    f"state, its inputs or Python's / NumPy's random state in training mode "
+                    f"(recomputation would change them again or read them changed): "
                     f"{', '.join(stateful[:5])}"
                 )
             return self.refuse("", why)
