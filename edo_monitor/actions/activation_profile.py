@@ -11,6 +11,7 @@ import logging
 import random
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -184,7 +185,9 @@ class ActivationRecorder:
                 name,
                 self._buffer_state(),
                 _attribute_state(module),
-                [(t, t._version) for t in inputs],
+                # weakly: a forward that raised (an out-of-memory error) never pops its mark,
+                # and its inputs must not outlive it (a retry found them still allocated)
+                [(weakref.ref(t), t._version) for t in inputs],
                 _host_random_state(),
             )
         )
@@ -196,7 +199,7 @@ class ActivationRecorder:
                 if (
                     state != self._buffer_state()
                     or attributes != _attribute_state(module)
-                    or any(t._version != v for t, v in inputs)
+                    or any((t := ref()) is not None and t._version != v for ref, v in inputs)
                     or host_random != _host_random_state()
                 ):
                     self._mutating.add(name)
