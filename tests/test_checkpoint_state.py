@@ -79,19 +79,24 @@ class AttributeState(nn.Module):
         return self.fc2(h)
 
 
-@pytest.mark.parametrize("kind", ["tensor", "int"])
-def test_checkpointing_excludes_blocks_whose_forward_changes_plain_attribute_state(
-    kind: str,
-) -> None:
+def _excluded_and_twin_identical(block: nn.Module, steps: int) -> tuple[nn.Module, nn.Module]:
+    """``block`` as block "1" of Linear-block-MLP-Linear, profiled at the first of ``steps``
+    steps (one batch, Python's and NumPy's generators seeded alike for model and twin): it is
+    excluded from checkpointing, the MLP ("2") is checkpointed, and the parameters after the
+    other steps are bit-identical to the untouched twin's. Returns ``(model, twin)``."""
     g = torch.Generator().manual_seed(3)
     data = [(torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g))]
-    data *= 4
+    data *= steps
     torch.manual_seed(0)
-    twin = nn.Sequential(nn.Linear(16, 32), AttributeState(kind), MLP(32), nn.Linear(32, 4))
+    twin = nn.Sequential(nn.Linear(16, 32), block, MLP(32), nn.Linear(32, 4))
     model = copy.deepcopy(twin)
     twin_opt = torch.optim.Adam(twin.parameters(), lr=1e-2)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    random.seed(0)
+    np.random.seed(0)
     _train_steps(twin, twin_opt, data)
+    random.seed(0)
+    np.random.seed(0)
     profile = _train_steps(model, opt, data[:1], profile=True)
     assert profile is not None and "1" in profile.buffer_mutating
     assert "2" not in profile.buffer_mutating
@@ -102,10 +107,18 @@ def test_checkpointing_excludes_blocks_whose_forward_changes_plain_attribute_sta
     assert plan.details["excluded_buffer_mutating"] == ["1"]
     assert ACTIONS["checkpoint_activations"].apply(ctx, plan).status == "applied"
     _train_steps(model, opt, data[1:])
-    assert model[1].calls == twin[1].calls == (4 if kind == "int" else 0)
-    assert torch.equal(model[1].mean, twin[1].mean)
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):
         assert torch.equal(p, q)
+    return model, twin
+
+
+@pytest.mark.parametrize("kind", ["tensor", "int"])
+def test_checkpointing_excludes_blocks_whose_forward_changes_plain_attribute_state(
+    kind: str,
+) -> None:
+    model, twin = _excluded_and_twin_identical(AttributeState(kind), steps=4)
+    assert model[1].calls == twin[1].calls == (4 if kind == "int" else 0)
+    assert torch.equal(model[1].mean, twin[1].mean)
 
 
 def test_checkpointing_excludes_blocks_whose_forward_changes_buffers_twin_bit_identical() -> None:
@@ -180,28 +193,4 @@ def test_checkpointing_excludes_blocks_a_recomputation_would_not_replay(kind: st
     ``CheckpointError`` ("a different number of tensors was saved") for a draw from Python's or
     NumPy's random state, which also moved the user's random stream. Excluded now; the plan
     takes the plain MLP, and training stays bit-identical to the untouched twin."""
-    g = torch.Generator().manual_seed(3)
-    data = [(torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g))]
-    data *= 6
-    torch.manual_seed(0)
-    twin = nn.Sequential(nn.Linear(16, 32), Unreplayable(kind), MLP(32), nn.Linear(32, 4))
-    model = copy.deepcopy(twin)
-    twin_opt = torch.optim.Adam(twin.parameters(), lr=1e-2)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    random.seed(0)
-    np.random.seed(0)
-    _train_steps(twin, twin_opt, data)
-    random.seed(0)
-    np.random.seed(0)
-    profile = _train_steps(model, opt, data[:1], profile=True)
-    assert profile is not None and "1" in profile.buffer_mutating
-    assert "2" not in profile.buffer_mutating
-    ctx = ActionContext(model, [opt], activation_profile=profile)
-    plan = ACTIONS["checkpoint_activations"].plan(ctx)
-    assert isinstance(plan, Plan), plan
-    assert plan.details["blocks"] == ["2"]
-    assert plan.details["excluded_buffer_mutating"] == ["1"]
-    assert ACTIONS["checkpoint_activations"].apply(ctx, plan).status == "applied"
-    _train_steps(model, opt, data[1:])
-    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
-        assert torch.equal(p, q)
+    _excluded_and_twin_identical(Unreplayable(kind), steps=6)
