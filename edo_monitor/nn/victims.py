@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from edo_monitor.nn.cache_rows import _LAST_USE_SPAN
+from edo_monitor.nn.cache_eviction import _LAST_USE_SPAN
 
 __all__ = ["VictimOrder"]
 
