@@ -136,7 +136,12 @@ from edo_monitor.nn.cache_parts import (
 from edo_monitor.nn.cache_rows import _RowMovement
 from edo_monitor.nn.cache_step import CacheRows
 from edo_monitor.nn.catch_up import _Rule
-from edo_monitor.nn.embedding import EmbeddingOptions, _EdoEmbedding, check_bag_arguments
+from edo_monitor.nn.embedding import (
+    EmbeddingOptions,
+    _EdoEmbedding,
+    check_bag_arguments,
+    ids_in_bags,
+)
 from edo_monitor.nn.victims import VictimOrder
 
 __all__ = ["CachedTable"]
@@ -550,6 +555,9 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _GradientLayout, _RowMovemen
         place = to_device(place, dev)
         if o.bag_mode is None:
             return F.embedding(place, rows, pad_pos, o.max_norm, o.norm_type, o.scale_grad_by_freq)
+        place, per_sample_weights = ids_in_bags(
+            place, offsets, per_sample_weights, o.include_last_offset
+        )
         return F.embedding_bag(
             place,
             rows,

@@ -155,6 +155,22 @@ class _EdoEmbedding(nn.Module):
         return s
 
 
+def ids_in_bags(
+    input: torch.Tensor,
+    offsets: torch.Tensor | None,
+    per_sample_weights: torch.Tensor | None,
+    include_last_offset: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``input`` and ``per_sample_weights`` of a bag lookup, none of their ids kept when a 1-D
+    ``input`` has no bag to go in (``offsets`` empty, or only the closing offset with
+    ``include_last_offset``): ``nn.EmbeddingBag`` leaves ids outside every bag out and returns
+    ``(0, D)``, but its max-mode and padded bags crash the process on such a batch (torch
+    2.13, a segmentation fault), so every edo bag lookup passes its ids through here."""
+    if offsets is None or input.dim() != 1 or offsets.numel() > int(include_last_offset):
+        return input, per_sample_weights
+    return input[:0], None if per_sample_weights is None else per_sample_weights[:0]
+
+
 def _functional_lookup(
     weight: torch.Tensor,
     options: EmbeddingOptions,
@@ -183,6 +199,9 @@ def _functional_lookup(
             options.scale_grad_by_freq,
             options.sparse,
         )
+    input, per_sample_weights = ids_in_bags(
+        input, offsets, per_sample_weights, options.include_last_offset
+    )
     return F.embedding_bag(
         input,
         weight,
@@ -269,9 +288,10 @@ def _lookup_from_rows(
     """Embedding / EmbeddingBag semantics for tables that can only reconstruct rows.
 
     ``rows_fn(indices)`` maps 1-D indices ``(M,)`` to rows ``(M, D)``. Bags are formed with
-    ``F.embedding_bag`` over the gathered rows (plus one zero row standing for padding entries), so
-    sum/mean/max, ``per_sample_weights``, ``include_last_offset`` and the exclusion of
-    ``padding_idx`` entries behave exactly as in ``nn.EmbeddingBag``.
+    ``F.embedding_bag`` over the gathered rows, so sum/mean/max, ``per_sample_weights``,
+    ``include_last_offset`` and the checks of ``offsets`` behave exactly as in
+    ``nn.EmbeddingBag``; with a ``padding_idx``, one zero row stands for its entries (excluded
+    as there). A batch of no bags gives ``(0, D)`` (:func:`ids_in_bags`).
 
     Raises:
         TypeError, IndexError: ``input`` is not an integer tensor, or an id is outside
@@ -306,10 +326,19 @@ def _lookup_from_rows(
         raise ValueError(
             f"input has to be 1D or 2D Tensor, but got Tensor of dimension {input.dim()}"
         )
+    flat, per_sample_weights = ids_in_bags(flat, offsets, per_sample_weights, include_last)
     m = flat.numel()
-    is_pad = flat == pad if pad is not None else torch.zeros_like(flat, dtype=torch.bool)
-    safe = torch.where(is_pad, torch.zeros_like(flat), flat)
-    rows = rows_fn(safe)
+    is_pad = flat == pad if pad is not None else None
+    rows = rows_fn(flat if is_pad is None else torch.where(is_pad, torch.zeros_like(flat), flat))
+    if is_pad is None:  # nn.EmbeddingBag's own call over the gathered rows
+        return F.embedding_bag(
+            torch.arange(m, device=flat.device),
+            rows,
+            offsets,
+            mode=options.bag_mode,
+            per_sample_weights=per_sample_weights,
+            include_last_offset=include_last,
+        )
     table = torch.cat([rows, rows.new_zeros(1, options.embedding_dim)], dim=0)
     idx = torch.arange(m, device=flat.device, dtype=torch.long)
     idx = torch.where(is_pad, torch.full_like(idx, m), idx)
