@@ -11,6 +11,7 @@ from torch import nn
 
 from edo_monitor.decide.plans import NOT_YET_KNOWN, ROOT_TABLE_REASON, TABLE_BLOCKERS
 from edo_monitor.measure.accounting import optimizer_state_bytes, tensor_bytes
+from edo_monitor.measure.module_hooks import is_agent_hook
 from edo_monitor.measure.module_tree import module_label
 
 __all__ = [
@@ -104,6 +105,11 @@ def tied_blocker(model: nn.Module, module: nn.Module, param: nn.Parameter) -> st
             f"{TABLE_BLOCKERS[3]} (register_hook): a table action makes a new weight, and the "
             "hooks would not follow it"
         )
+    if module._backward_hooks or module._backward_pre_hooks:
+        return (
+            f"{TABLE_BLOCKERS[4]} (register_full_backward_hook): a table action puts a new "
+            "module in its place, which would not call them"
+        )
     users = sharing_users(model, module, param)
     return f"{TABLE_BLOCKERS[0]} {', '.join(users)}" if users else None
 
@@ -138,8 +144,11 @@ def outside_use_blocker(profile: object, table: str) -> str | None:
 def replace_module(model: nn.Module, old: nn.Module, new: nn.Module) -> list[str]:
     """Put ``new`` wherever ``old`` is a child in ``model``'s tree; returns the places.
 
-    ``old`` itself then calls ``new``: its ``forward`` becomes ``new``'s call (an instance
-    attribute, undone with the rest by a :class:`~edo_monitor.actions.base.Transaction`). A
+    ``old``'s forward pre-hooks and forward hooks (the user's: a pre-hook mapping ids, a hook
+    logging or scaling the output) run around ``new``'s forward from then on, each with ``new``
+    as the module, in their order (:class:`_CarriedHooks`; a handle's ``remove()`` still takes
+    one off). ``old`` itself then calls ``new``: its ``forward`` becomes ``new``'s call (an
+    instance attribute, undone with the rest by a :class:`~edo_monitor.actions.base.Transaction`). A
     module held outside ``model`` too (a teacher or target network sharing the table module, a
     reference the training loop kept) was left with a weight the action had changed (a row
     cache ``(C, D)``: an ``IndexError`` at its next call). A later replacement of ``new`` is
@@ -159,7 +168,55 @@ def replace_module(model: nn.Module, old: nn.Module, new: nn.Module) -> list[str
     if not places:
         raise ValueError("module not found in the model")
     old.__dict__["forward"] = new.__call__  # not a submodule: the bound call of the new one
+    _CarriedHooks.carry(old, new)
     return places
+
+
+class _CarriedHooks:
+    """Runs a replaced module's forward pre-hooks and forward hooks for its replacement, as
+    ``nn.Module.__call__`` runs a module's own: a pre-hook's result replaces the arguments, a
+    forward hook's the output. It holds the old module's hook dictionaries (not the module),
+    so a hook removed through its handle is not run any more, and a model holding it pickles
+    as its hooks do. The agent's own dispatching hook is left out (it serves the old module)."""
+
+    def __init__(self, old: nn.Module, post: bool) -> None:
+        self.post = post
+        if post:
+            self.hooks, self.with_kwargs = old._forward_hooks, old._forward_hooks_with_kwargs
+        else:
+            self.hooks = old._forward_pre_hooks
+            self.with_kwargs = old._forward_pre_hooks_with_kwargs
+
+    @staticmethod
+    def carry(old: nn.Module, new: nn.Module) -> None:
+        """Register on ``new`` the runners of ``old``'s forward pre-hooks and forward hooks
+        (those it has; none when it has only the agent's)."""
+        if any(not is_agent_hook(h) for h in old._forward_pre_hooks.values()):
+            new.register_forward_pre_hook(_CarriedHooks(old, post=False), with_kwargs=True)
+        if old._forward_hooks:
+            new.register_forward_hook(_CarriedHooks(old, post=True), with_kwargs=True)
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict, *output: object) -> object:
+        """A pre-hook's ``(module, args, kwargs)`` -> ``(args, kwargs)``; a forward hook's
+        ``(module, args, kwargs, output)`` -> the output."""
+        for hook_id, hook in list(self.hooks.items()):
+            if is_agent_hook(hook):
+                continue
+            keywords = hook_id in self.with_kwargs
+            if self.post:
+                given = (args, kwargs) if keywords else (args,)
+                got = hook(module, *given, *output)
+                if got is not None:
+                    output = (got,)
+                continue
+            got = hook(module, args, kwargs) if keywords else hook(module, args)
+            if got is None:
+                continue
+            if keywords:
+                args, kwargs = got  # torch's rule: a (args, kwargs) pair
+            else:
+                args = got if isinstance(got, tuple) else (got,)
+        return output[0] if self.post else (args, kwargs)
 
 
 def convert_optimizer_state(

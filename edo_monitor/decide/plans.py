@@ -48,6 +48,7 @@ TABLE_BLOCKERS = (
     "weight is read outside",
     "table is the watched model",
     "weight has gradient hooks",
+    "table has backward hooks",
 )
 
 #: Why no table action takes a table that is the watched model itself (the live actions' and

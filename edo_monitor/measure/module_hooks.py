@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["PreHookHandle", "add_forward_pre_hook", "uncompiled"]
+__all__ = ["PreHookHandle", "add_forward_pre_hook", "is_agent_hook", "uncompiled"]
 
 #: per module: torch's handle of its one dispatching hook, and the callbacks by key
 _HOOKS: weakref.WeakKeyDictionary[nn.Module, tuple[Any, dict[int, Callable[..., None]]]] = (
@@ -93,6 +93,12 @@ def add_forward_pre_hook(
         key = next(_KEYS)
         entry[1][key] = callback
     return PreHookHandle(module, key)
+
+
+def is_agent_hook(hook: object) -> bool:
+    """Whether ``hook`` (a value of a module's ``_forward_pre_hooks``) is the agent's own
+    dispatching hook, not one of the user's."""
+    return hook is _dispatch
 
 
 def uncompiled(model: nn.Module | None) -> nn.Module | None:
