@@ -362,11 +362,25 @@ class Action:
         differs from ``plan.target`` or the action no longer applies, the result is ``"refused"``.
 
         Returns:
-            An :class:`ActionResult`; never raises for a failure inside the action (the model and
-            optimizer are restored first, and the result has ``status="failed"``).
+            An :class:`ActionResult`; never raises for a failure inside the action or its
+            planning (the model and optimizer are restored first, and the result has
+            ``status="failed"``).
         """
         t0 = time.perf_counter()
-        fresh = self.plan(ctx)
+        try:
+            fresh = self.plan(ctx)
+        except Exception as exc:  # nothing changed yet: the model is as it was
+            logger.warning("action %s could not be planned: %s", self.name, exc)
+            return ActionResult(
+                self.name,
+                plan.target if plan else "",
+                "failed",
+                estimated_saving_bytes=plan.estimated_saving_bytes if plan else 0,
+                duration_s=time.perf_counter() - t0,
+                lossy=self.lossy,
+                reason=f"{type(exc).__name__}: {exc}",
+                exception=exc,
+            )
         if isinstance(fresh, Refusal):
             return ActionResult(
                 self.name,

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from edo_monitor.nn.embedding import check_finite
+
 __all__ = [
     "GOOD_TURING_MAX_COUNT",
     "PLAN_SAMPLE_ROWS",
@@ -256,9 +258,15 @@ def sample_lookups(
 
 
 def _rows(weight: torch.Tensor, sample: LookupSample) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sampled rows in float64 and their weights, both on the table's device."""
+    """The sampled rows in float64 and their weights, both on the table's device.
+
+    Raises:
+        ValueError: a sampled row holds a value that is not finite (no format holds it).
+    """
     w = weight.detach()
-    return w[sample.ids.to(w.device)].double(), sample.weights.to(w.device)
+    rows = w[sample.ids.to(w.device)].double()
+    check_finite(rows, "a compressed table", sample.ids)
+    return rows, sample.weights.to(w.device)
 
 
 def _weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> float:

@@ -16,7 +16,12 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from edo_monitor.nn.embedding import EmbeddingOptions, _RowComputedEmbedding, check_weight
+from edo_monitor.nn.embedding import (
+    EmbeddingOptions,
+    _RowComputedEmbedding,
+    check_finite,
+    check_weight,
+)
 
 __all__ = [
     "Int8RowwiseEmbedding",
@@ -38,16 +43,11 @@ def quantize_int8_rowwise(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
         ``row ≈ q * scale``; an all-zero row gets scale 0 and is reconstructed exactly.
 
     Raises:
-        ValueError: a value that is not finite (inf, NaN: the row read back as NaN), or one
+        ValueError: a value that is not finite (inf, NaN: :func:`check_finite`), or one
             beyond float32's range (a float64 table's): its row's scale cannot be stored.
     """
     w = weight.detach()
-    if w.numel() and not bool(torch.isfinite(w).all()):
-        bad = w[~torch.isfinite(w)][0].item()
-        raise ValueError(
-            f"the table holds a value that is not finite ({bad}); int8 rows with a scale cannot "
-            "hold it (its row read back as NaN)"
-        )
+    check_finite(w, "int8 rows with a scale")
     if w.numel() and w.dtype.itemsize > 4:
         top = float(w.abs().max())
         if top > torch.finfo(torch.float32).max:
@@ -158,14 +158,17 @@ class LowRankEmbedding(_RowComputedEmbedding):
 
         Raises:
             ValueError: ``rank`` not an int in ``[1, min(N, D)]``; ``weight`` not of the
-                options' shape (:func:`check_weight`).
+                options' shape (:func:`check_weight`) or holding a value that is not finite,
+                or beyond float32's range (:func:`check_finite`).
         """
         check_weight(weight, options)
         n, d = weight.shape
         if isinstance(rank, bool) or not hasattr(rank, "__index__") or not 1 <= rank <= min(n, d):
             raise ValueError(f"rank={rank!r}; expected an int in [1, {min(n, d)}]")
         rank = int(rank)
+        check_finite(weight, "a low-rank factorisation")
         w = weight.detach().float()
+        check_finite(w, "a low-rank factorisation in float32")  # a float64 value beyond it
         u, s, vh = torch.linalg.svd(w, full_matrices=False)
         left = (u[:, :rank] * s[:rank]).to(weight.dtype).contiguous()
         right = vh[:rank].to(weight.dtype).contiguous()
@@ -216,7 +219,8 @@ def row_error(
         ref = reference[start : start + chunk_rows].detach().double()
         app = approx[start : start + chunk_rows].detach().to(ref.device).double()
         if ref.numel():
-            max_abs = max(max_abs, float((ref - app).abs().max()))
+            worst = float((ref - app).abs().max())  # NaN where a value is NaN
+            max_abs = worst if worst != worst or worst > max_abs else max_abs
         dot = (ref * app).sum(dim=1)
         nr, na = ref.norm(dim=1), app.norm(dim=1)
         denom = nr * na
@@ -230,7 +234,8 @@ def row_error(
             cos = cos[keep]
         if cos.numel():
             cos_sum += float(cos.sum())
-            cos_min = min(cos_min, float(cos.min()))
+            low = float(cos.min())
+            cos_min = low if low != low or low < cos_min else cos_min
             count += cos.numel()
     if count == 0:
         return {"max_abs_error": max_abs, "mean_row_cosine": 1.0, "min_row_cosine": 1.0}

@@ -277,6 +277,27 @@ def check_ids(input: Any, num_embeddings: int) -> None:
         )
 
 
+def check_finite(weight: torch.Tensor, form: str, ids: torch.Tensor | None = None) -> None:
+    """Refuse a table ``(N, D)`` holding a value that is not finite before it is compressed to
+    ``form`` (named in the message): a quantised group or row spreads a NaN to its other values
+    or reads it back as a number, and an SVD fails on it (``LinAlgError``). ``ids`` ``(N,)``:
+    the table's rows that ``weight``'s are (a sample of them), named instead of the positions.
+
+    Raises:
+        ValueError: the first such value and its row.
+    """
+    if weight.numel() == 0:
+        return
+    bad = ~torch.isfinite(weight.detach())
+    if bool(bad.any()):
+        row, col = (int(i) for i in bad.nonzero()[0])
+        value, at = weight[row, col].item(), row if ids is None else int(ids[row])
+        raise ValueError(
+            f"the table holds a value that is not finite ({value} at row {at}); {form} cannot "
+            "hold it"
+        )
+
+
 def _lookup_from_rows(
     rows_fn: Callable[[torch.Tensor], torch.Tensor],
     options: EmbeddingOptions,

@@ -16,8 +16,8 @@ little-endian into bytes: two int4 or four int2 per byte (:func:`pack_bits`). By
 ``N·ceil(D/g)·g·bits/8`` codes + ``N·ceil(D/g)·4`` scales and zero-points (+ the padding row),
 ``g`` never wider than the row rounded up to 8 columns (a group of 64 on a 32-column table would
 pad every row to 64: int4 at int8's bytes).
-Values beyond float16's range (``|x| > 65504``) cannot be described by float16 scales:
-:func:`quantize_groupwise` raises ``ValueError``.
+Values that are not finite, or beyond float16's range (``|x| > 65504``: float16 scales cannot
+describe them), make :func:`quantize_groupwise` raise ``ValueError``.
 
 **2:8 structured sparsity + int2** (:func:`sparsify_2of8`). In every block of 8 consecutive
 columns the 2 values of largest magnitude are kept (ties: the lower column), the other 6 are zero.
@@ -39,7 +39,12 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from edo_monitor.checks import whole_number
-from edo_monitor.nn.embedding import EmbeddingOptions, _RowComputedEmbedding, check_weight
+from edo_monitor.nn.embedding import (
+    EmbeddingOptions,
+    _RowComputedEmbedding,
+    check_finite,
+    check_weight,
+)
 
 __all__ = [
     "LOW_BITS",
@@ -194,10 +199,12 @@ def quantize_groupwise(weight: torch.Tensor, bits: int, group_size: int = 64) ->
 
     Raises:
         ValueError: ``bits`` not in :data:`LOW_BITS`, ``group_size`` not a positive multiple of 8,
-            or a value beyond float16's range.
+            a value that is not finite (:func:`~edo_monitor.nn.embedding.check_finite`) or one
+            beyond float16's range.
     """
     n, d = weight.shape
     group_size = _check_group(bits, group_size, d)
+    check_finite(weight, f"int{bits} groups")
     parts = []
     for start in range(0, n, _CHUNK_ROWS):  # bounded temporaries (the bit planes are int32)
         groups = _grouped(weight[start : start + _CHUNK_ROWS], group_size)
@@ -263,11 +270,12 @@ def sparsify_2of8(weight: torch.Tensor, group_size: int = 64) -> SparseQuantized
     """Keep the 2 largest-magnitude values of every 8 columns, store them at 2 bits.
 
     Raises:
-        ValueError: ``group_size`` not a positive multiple of 8, or a value beyond float16's
-            range.
+        ValueError: ``group_size`` not a positive multiple of 8, a value that is not finite
+            (:func:`~edo_monitor.nn.embedding.check_finite`) or one beyond float16's range.
     """
     n, d = weight.shape
     group_size = _check_group(2, group_size, d)
+    check_finite(weight, "2:8 groups")
     if n > _CHUNK_ROWS:  # bounded temporaries: one chunk of rows at a time
         chunks = [
             sparsify_2of8(weight[s : s + _CHUNK_ROWS], group_size) for s in range(0, n, _CHUNK_ROWS)
@@ -337,6 +345,7 @@ class _FrozenLowBit(_RowComputedEmbedding):
         self, weight: torch.Tensor, options: EmbeddingOptions, output_dtype: torch.dtype
     ) -> None:
         check_weight(weight, options)
+        check_finite(weight, "a low-bit table")  # the rows' own numbers (per-row: any row)
         super().__init__(options)
         if options.padding_idx is not None:
             self.register_buffer("padding_row", weight.detach()[options.padding_idx].clone())
