@@ -19,6 +19,7 @@ from torch import nn
 from edo_monitor.nn.embedding import (
     EmbeddingOptions,
     _RowComputedEmbedding,
+    _StoredForm,
     check_finite,
     check_weight,
 )
@@ -67,7 +68,7 @@ def dequantize_int8_rowwise(q: torch.Tensor, scale: torch.Tensor) -> torch.Tenso
     return q.float() * scale.unsqueeze(-1)
 
 
-class Int8RowwiseEmbedding(_RowComputedEmbedding):
+class Int8RowwiseEmbedding(_StoredForm, _RowComputedEmbedding):
     """A frozen table as int8 rows with per-row fp32 scales (buffers ``weight`` and ``row_scale``).
 
     Args:

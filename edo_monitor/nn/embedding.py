@@ -444,7 +444,31 @@ class OffloadedEmbedding(_EdoEmbedding):
         return out.to(self.output_device, non_blocking=True)
 
 
-class LowPrecisionEmbedding(_EdoEmbedding):
+class _StoredForm:
+    """Mixed into the tables whose stored dtype is their compression (fp16 / bf16 weights, int8
+    and low-bit codes with their scales) and whose results come out as ``output_dtype``.
+
+    ``model.to(dtype)``, ``.double()``, ``.half()`` change ``output_dtype`` (the next layer gets
+    the model's dtype, as from a plain table) and leave the stored tensors' dtypes as they are;
+    a device move moves them. Converted, the results kept the old dtype (the next layer failed:
+    "mat1 and mat2 must have the same dtype"), a float32 row scale under ``.half()`` underflowed
+    to 0 (small rows read back zero), and a bf16 weight under ``.double()`` lost its saving.
+    """
+
+    output_dtype: torch.dtype
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        stored = [*self._buffers.values(), *self._parameters.values()]  # type: ignore[attr-defined]
+        device = next((t.device for t in stored if t is not None), torch.device("cpu"))
+        probe = fn(torch.empty(0, dtype=self.output_dtype, device=device))
+        if probe.dtype == self.output_dtype:
+            return super()._apply(fn, recurse)  # type: ignore[misc]
+        if probe.is_floating_point():
+            self.output_dtype = probe.dtype
+        return super()._apply(lambda t: t.to(probe.device), recurse)  # type: ignore[misc]
+
+
+class LowPrecisionEmbedding(_StoredForm, _EdoEmbedding):
     """A table stored as fp16 or bf16, returning ``output_dtype``.
 
     Args:

@@ -42,6 +42,7 @@ from edo_monitor.checks import whole_number
 from edo_monitor.nn.embedding import (
     EmbeddingOptions,
     _RowComputedEmbedding,
+    _StoredForm,
     check_finite,
     check_weight,
 )
@@ -338,7 +339,7 @@ def sparse_2of8_bytes(n: int, d: int, group_size: int) -> int:
     )
 
 
-class _FrozenLowBit(_RowComputedEmbedding):
+class _FrozenLowBit(_StoredForm, _RowComputedEmbedding):
     """Shared parts: options check, exact padding row, output dtype, ``nbytes``."""
 
     def __init__(
