@@ -277,6 +277,30 @@ def check_ids(input: Any, num_embeddings: int) -> None:
         )
 
 
+def id_list(
+    ids: object, name: str, n: int, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """``ids`` (a tensor or a sequence of ints) as a 1-D int64 tensor of ids of a table of ``n``
+    rows, on ``device`` (``None``: where it is; a sequence: the CPU).
+
+    Raises:
+        TypeError: ``ids`` are not integers (floats would be truncated, a boolean mask read as
+            ids 0 and 1), naming ``name``.
+        ValueError: an id outside ``[0, n)``.
+    """
+    try:
+        t = torch.as_tensor(ids, device=device)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise TypeError(f"{name} must be integer ids, got {type(ids).__name__}: {exc}") from None
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        hint = " (a boolean mask: pass mask.nonzero())" if t.dtype == torch.bool else ""
+        raise TypeError(f"{name} must be integer ids{hint}, got {t.dtype}")
+    t = t.detach().to(torch.long).reshape(-1)
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= n):
+        raise ValueError(f"{name} must lie in [0, {n}); got [{int(t.min())}, {int(t.max())}]")
+    return t
+
+
 def check_finite(weight: torch.Tensor, form: str, ids: torch.Tensor | None = None) -> None:
     """Refuse a table ``(N, D)`` holding a value that is not finite before it is compressed to
     ``form`` (named in the message): a quantised group or row spreads a NaN to its other values

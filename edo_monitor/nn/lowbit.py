@@ -45,6 +45,7 @@ from edo_monitor.nn.embedding import (
     _StoredForm,
     check_finite,
     check_weight,
+    id_list,
 )
 
 __all__ = [
@@ -450,7 +451,9 @@ class PerRowPrecisionEmbedding(_FrozenLowBit):
 
     Args:
         weight: the float table ``(N, D)`` (not kept).
-        full_ids: ``(K,)`` ids that keep ``weight``'s dtype (any order, duplicates ignored).
+        full_ids: ``(K,)`` ids that keep ``weight``'s dtype (any order, duplicates ignored; a
+            tensor or a sequence of ints: :func:`~edo_monitor.nn.embedding.id_list`, which
+            raises ``TypeError`` for floats or a boolean mask, ``ValueError`` outside ``[0, N)``).
         options, bits, group_size, output_dtype: as :class:`GroupwiseEmbedding`.
 
     Buffers: ``full_ids`` ``(K,)`` int64 sorted, ``full_rows`` ``(K, D)`` in ``weight.dtype``, the
@@ -469,9 +472,7 @@ class PerRowPrecisionEmbedding(_FrozenLowBit):
         super().__init__(weight, options, output_dtype)
         w = weight.detach()
         n = w.shape[0]
-        ids = torch.unique(full_ids.detach().to(w.device, torch.long).reshape(-1))
-        if ids.numel() and (int(ids[0]) < 0 or int(ids[-1]) >= n):
-            raise ValueError(f"full_ids must lie in [0, {n}); got {int(ids[0])}..{int(ids[-1])}")
+        ids = torch.unique(id_list(full_ids, "full_ids", n, w.device))
         low = torch.ones(n, dtype=torch.bool, device=w.device)
         low[ids] = False
         qt = quantize_groupwise(w[low], bits, group_size)

@@ -42,7 +42,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from edo_monitor.checks import whole_number
-from edo_monitor.nn.embedding import EmbeddingOptions, _RowComputedEmbedding
+from edo_monitor.nn.embedding import EmbeddingOptions, _RowComputedEmbedding, id_list
 
 __all__ = [
     "HashedEmbedding",
@@ -313,14 +313,7 @@ class HybridEmbedding(_SharedEmbedding):
         n, d = options.num_embeddings, options.embedding_dim
         num_buckets = whole_number(num_buckets, "num_buckets", 1)
         hash_params(seed)
-        hot = torch.as_tensor(hot_ids)
-        if hot.is_floating_point() or hot.is_complex() or hot.dtype == torch.bool:
-            raise TypeError(f"hot_ids must be integer ids, got {hot.dtype}")
-        hot = hot.long().reshape(-1)
-        if hot.numel() and (int(hot.min()) < 0 or int(hot.max()) >= n):
-            raise ValueError(
-                f"hot_ids must lie in [0, {n}); got [{int(hot.min())}, {int(hot.max())}]"
-            )
+        hot = id_list(hot_ids, "hot_ids", n)
         sorted_hot, order = torch.sort(hot)
         if sorted_hot.numel() > 1 and bool((sorted_hot[1:] == sorted_hot[:-1]).any()):
             raise ValueError("hot_ids has repeated ids")
@@ -422,7 +415,8 @@ class HybridEmbedding(_SharedEmbedding):
     ) -> HybridEmbedding:
         """Convert a trained ``(N, D)`` table: hot rows copied, each bucket the mean of its cold
         members' rows (:meth:`split_rows`), the padding row kept exact. Result on ``weight``'s
-        device, in its dtype, with ``requires_grad`` as ``weight`` has it.
+        device, in its dtype, with ``requires_grad`` as ``weight`` has it. ``hot_ids`` are
+        checked as the constructor checks them (:func:`~edo_monitor.nn.embedding.id_list`).
         """
         n, d = weight.shape
         if (n, d) != (options.num_embeddings, options.embedding_dim):
@@ -431,7 +425,7 @@ class HybridEmbedding(_SharedEmbedding):
                 f"({options.num_embeddings}, {options.embedding_dim})"
             )
         w = weight.detach()
-        hot = torch.as_tensor(hot_ids, device=w.device).long().reshape(-1)
+        hot = id_list(hot_ids, "hot_ids", n, w.device)
         module = cls(
             options,
             hot,
