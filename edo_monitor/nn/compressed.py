@@ -22,6 +22,7 @@ from edo_monitor.nn.embedding import (
     _StoredForm,
     check_finite,
     check_weight,
+    exact_padding_row,
 )
 
 __all__ = [
@@ -96,7 +97,7 @@ class Int8RowwiseEmbedding(_StoredForm, _RowComputedEmbedding):
             self.register_buffer("padding_row", weight.detach()[options.padding_idx].clone())
         else:
             self.padding_row = None
-        self.output_dtype = output_dtype
+        self.output_dtype = _StoredForm.result_dtype(output_dtype)
 
     def dequantized(self) -> torch.Tensor:
         """The reconstructed table ``(N, D)`` in ``output_dtype`` (padding row exact)."""
@@ -116,8 +117,9 @@ class LowRankEmbedding(_RowComputedEmbedding):
 
     Build with :meth:`from_weight`. ``left``/``right`` are parameters with ``requires_grad`` as
     given (trainable tables stay trainable: gradients reach both factors). The padding row is kept
-    exact in the ``padding_row`` buffer and gets no gradient. ``max_norm``, ``sparse`` and, on
-    trainable factors, ``scale_grad_by_freq`` are refused (``ValueError``): they were ignored.
+    exact in the ``padding_row`` buffer (zeros when none is given) and gets no gradient.
+    ``max_norm``, ``sparse`` and, on trainable factors, ``scale_grad_by_freq`` are refused
+    (``ValueError``): they were ignored.
     """
 
     _refused_options = ("sparse",)
@@ -138,10 +140,7 @@ class LowRankEmbedding(_RowComputedEmbedding):
         self.left = left
         self.right = right
         self.rank = int(left.shape[1])
-        if padding_row is not None:
-            self.register_buffer("padding_row", padding_row)
-        else:
-            self.padding_row = None
+        self.register_buffer("padding_row", exact_padding_row(options, padding_row, left))
 
     @classmethod
     def from_weight(

@@ -64,9 +64,10 @@ class EmbeddingOptions:
 
     Raises:
         ValueError: ``num_embeddings`` or ``embedding_dim`` not an int >= 1, ``padding_idx`` not
-            an int in ``[0, num_embeddings)``, ``max_norm`` not a number > 0, ``bag_mode`` not
-            one of :data:`BAG_MODES` or ``None`` (each named with what is allowed). NumPy's
-            ints count as ints.
+            an int in ``[0, num_embeddings)``, ``max_norm`` not a number > 0, ``norm_type`` not
+            a number, ``scale_grad_by_freq`` / ``sparse`` / ``include_last_offset`` not a bool,
+            ``bag_mode`` not one of :data:`BAG_MODES` or ``None``, ``include_last_offset``
+            without a bag mode (each named with what is allowed). NumPy's ints count as ints.
     """
 
     num_embeddings: int
@@ -86,12 +87,22 @@ class EmbeddingOptions:
             pad = self.padding_idx
             if isinstance(pad, bool) or not hasattr(pad, "__index__") or not 0 <= pad < n:
                 raise ValueError(f"padding_idx={pad!r}; expected an int in [0, {n}) or None")
+        number = (int, float)
         if self.max_norm is not None and not (
-            isinstance(self.max_norm, int | float) and self.max_norm > 0
+            isinstance(self.max_norm, number)
+            and not isinstance(self.max_norm, bool)
+            and self.max_norm > 0
         ):
             raise ValueError(f"max_norm={self.max_norm!r}; expected a number > 0 or None")
+        if isinstance(self.norm_type, bool) or not isinstance(self.norm_type, number):
+            raise ValueError(f"norm_type={self.norm_type!r}; expected a number")
+        for name in ("scale_grad_by_freq", "sparse", "include_last_offset"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r}; expected True or False")
         if self.bag_mode is not None and self.bag_mode not in BAG_MODES:
             raise ValueError(f"bag_mode={self.bag_mode!r}; expected one of {BAG_MODES} or None")
+        if self.include_last_offset and self.bag_mode is None:
+            raise ValueError("include_last_offset=True needs a bag_mode (it is an EmbeddingBag's)")
 
     @classmethod
     def from_module(cls, module: nn.Module) -> EmbeddingOptions:
@@ -301,6 +312,26 @@ def id_list(
     return t
 
 
+def exact_padding_row(
+    options: EmbeddingOptions, padding_row: torch.Tensor | None, like: torch.Tensor
+) -> torch.Tensor | None:
+    """The ``(D,)`` row a table that computes its rows keeps exact for ``options.padding_idx``
+    (``None`` without one): a copy of ``padding_row``, or zeros in ``like``'s dtype and device
+    when it is ``None`` (as ``nn.Embedding`` starts its padding row).
+
+    Raises:
+        ValueError: ``padding_row`` not of shape ``(D,)``.
+    """
+    d = options.embedding_dim
+    if options.padding_idx is None:
+        return None
+    if padding_row is None:
+        return like.new_zeros(d)
+    if tuple(padding_row.shape) != (d,):
+        raise ValueError(f"padding_row has shape {tuple(padding_row.shape)}; expected ({d},)")
+    return padding_row.detach().clone()
+
+
 def check_finite(weight: torch.Tensor, form: str, ids: torch.Tensor | None = None) -> None:
     """Refuse a table ``(N, D)`` holding a value that is not finite before it is compressed to
     ``form`` (named in the message): a quantised group or row spreads a NaN to its other values
@@ -481,6 +512,17 @@ class _StoredForm:
 
     output_dtype: torch.dtype
 
+    @staticmethod
+    def result_dtype(dtype: object) -> torch.dtype:
+        """``dtype`` checked as a table's ``output_dtype``.
+
+        Raises:
+            ValueError: not a floating-point ``torch.dtype``.
+        """
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"output_dtype={dtype!r}; expected a floating-point torch.dtype")
+        return dtype
+
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         stored = [*self._buffers.values(), *self._parameters.values()]  # type: ignore[attr-defined]
         device = next((t.device for t in stored if t is not None), torch.device("cpu"))
@@ -508,7 +550,7 @@ class LowPrecisionEmbedding(_StoredForm, _EdoEmbedding):
         check_weight(weight, options)
         super().__init__(options)
         self.weight = weight
-        self.output_dtype = output_dtype
+        self.output_dtype = _StoredForm.result_dtype(output_dtype)
 
     def forward(
         self,

@@ -353,7 +353,7 @@ class _FrozenLowBit(_StoredForm, _RowComputedEmbedding):
             self.register_buffer("padding_row", weight.detach()[options.padding_idx].clone())
         else:
             self.padding_row = None
-        self.output_dtype = output_dtype
+        self.output_dtype = _StoredForm.result_dtype(output_dtype)
 
     @property
     def nbytes(self) -> int:

@@ -42,7 +42,12 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from edo_monitor.checks import whole_number
-from edo_monitor.nn.embedding import EmbeddingOptions, _RowComputedEmbedding, id_list
+from edo_monitor.nn.embedding import (
+    EmbeddingOptions,
+    _RowComputedEmbedding,
+    exact_padding_row,
+    id_list,
+)
 
 __all__ = [
     "HashedEmbedding",
@@ -111,12 +116,10 @@ class _SharedEmbedding(_RowComputedEmbedding):
 
     def __init__(self, options: EmbeddingOptions, padding_row: torch.Tensor | None) -> None:
         super().__init__(options)
-        if options.padding_idx is not None:
-            if padding_row is None:
-                raise ValueError("padding_idx is set: padding_row (D,) is required")
-            self.register_buffer("padding_row", padding_row.detach().clone())
-        else:
-            self.padding_row = None
+        if options.padding_idx is not None and padding_row is None:
+            raise ValueError("padding_idx is set: padding_row (D,) is required")
+        like = torch.empty(0) if padding_row is None else padding_row
+        self.register_buffer("padding_row", exact_padding_row(options, padding_row, like))
 
     def _gather(self, idx: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         return F.embedding(idx, table, sparse=self.options.sparse)
