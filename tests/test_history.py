@@ -17,7 +17,7 @@ from edo_monitor.errors import ConfigError, RunNotFoundError, StoreError
 from edo_monitor.store.engine import open_engine
 from edo_monitor.store.history import History
 from edo_monitor.store.models import Sample
-from edo_monitor.store.prune import prune
+from edo_monitor.store.prune import FOREIGN_RUN_GRACE_S, prune
 from edo_monitor.store.queries import _PEAK_COLUMNS, _tail_stats_sql
 from edo_monitor.store.schema import ROLLUP_LEVEL_WIDTHS_S, SCHEMA_VERSION
 
@@ -519,6 +519,30 @@ def test_prune_keeps_a_run_whose_process_lives_though_its_heartbeat_is_stale(
     with History(path, readonly=False) as h:
         assert [h.run(i).status for i in (4, 5)] == ["crashed", "crashed"]
         report = prune(h, keep_last=0)
+    assert report["run_ids_deleted"] == [1, 2, 3, 5]
+    with History(path) as h:
+        assert [r.id for r in h.runs()] == [4]
+
+
+def test_prune_keeps_another_hosts_running_run_for_a_day_after_its_heartbeat(
+    seeded_sqlite: tuple[Path, dict[str, Any]],
+) -> None:
+    """Regression: a run recording into a shared database from another host reads ``crashed``
+    while a network partition holds its heartbeat back, and ``prune --keep-last 0`` deleted it
+    (its rows after the partition then failed: all it recorded was lost). This host cannot ask
+    whether that process lives, so prune keeps such a run until its heartbeat is a day old."""
+    path, _ = seeded_sqlite
+    now = time.time()
+    with sqlite3.connect(path) as conn:
+        for run_id, beat_s in ((4, now - 60), (5, now - FOREIGN_RUN_GRACE_S - 60)):
+            conn.execute(
+                "UPDATE runs SET status = 'running', host = 'elsewhere', heartbeat_at_s = ? "
+                "WHERE id = ?",
+                (beat_s, run_id),
+            )
+    with History(path, readonly=False) as h:
+        assert [h.run(i).status for i in (4, 5)] == ["crashed", "crashed"]
+        report = prune(h, keep_last=0, now_s=now)
     assert report["run_ids_deleted"] == [1, 2, 3, 5]
     with History(path) as h:
         assert [r.id for r in h.runs()] == [4]

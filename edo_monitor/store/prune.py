@@ -16,7 +16,7 @@ from edo_monitor.store.queries import (
 )
 from edo_monitor.store.rollups import run_mark_key
 from edo_monitor.store.schema import CACHE_FIELDS, RUNS_HIGH_ID_KEY
-from edo_monitor.store.status import process_alive_here
+from edo_monitor.store.status import on_this_host, process_alive_here
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,8 @@ def prune(
     now_s: float | None = None,
 ) -> dict[str, Any]:
     """Delete old runs and/or thin old samples; runs whose effective status is ``running``, or
-    whose process on this host is alive though its heartbeat is stale, are never touched.
+    stored as running with a stale heartbeat while their process may live (alive on this host;
+    on another host, a heartbeat within :data:`FOREIGN_RUN_GRACE_S`), are never touched.
     ``history`` must be writable (``readonly=False``) unless ``dry_run``.
 
     Args:
@@ -111,7 +112,7 @@ def prune(
         doomed |= {r.id for r in runs if r.started_at_s < now - older_than_s}
     if keep_last is not None:
         doomed |= {r.id for r in runs[keep_last:]}
-    doomed -= {r.id for r in runs if _may_be_running(r)}
+    doomed -= {r.id for r in runs if _may_be_running(r, now)}
     report: dict[str, Any] = {
         "runs_deleted": len(doomed),
         "run_ids_deleted": sorted(doomed),
@@ -126,7 +127,7 @@ def prune(
             r.id
             for r in runs
             if r.id not in doomed
-            and not _may_be_running(r)
+            and not _may_be_running(r, now)
             and r.first_sample_s is not None
             and r.first_sample_s < cut
         ]
@@ -230,10 +231,22 @@ def _remember_high_id(conn: Any) -> None:
     conn.execute(text("INSERT INTO meta (key, value) VALUES (:k, :v)"), row)
 
 
-def _may_be_running(run: Any) -> bool:
+#: How long after its last heartbeat a run another host stored as ``running`` is kept by prune:
+#: this host cannot ask whether its process lives (a network partition from a shared PostgreSQL
+#: looks like a crash from here), and one deleted under it loses all it recorded.
+FOREIGN_RUN_GRACE_S = 24 * 3600.0
+
+
+def _may_be_running(run: Any, now_s: float) -> bool:
     """A run prune leaves alone: it reads ``running``, or ``crashed`` only for a stale heartbeat
-    while its process on this host is alive (stopped, swapping, in a debugger, waiting on a
-    lock): it may write again, and a prune had deleted everything it recorded."""
+    while its process may live: on this host, alive (stopped, swapping, in a debugger, waiting
+    on a lock); on another host, a heartbeat within :data:`FOREIGN_RUN_GRACE_S`. It may write
+    again, and a prune had deleted everything it recorded (its later rows then failed too)."""
     if run.status == "running":
         return True
-    return run.stored_status == "running" and process_alive_here(run.host, run.pid)
+    if run.stored_status != "running":
+        return False
+    if on_this_host(run.host):
+        return process_alive_here(run.host, run.pid)
+    beat = run.heartbeat_at_s if run.heartbeat_at_s is not None else run.started_at_s
+    return now_s - beat < FOREIGN_RUN_GRACE_S

@@ -11,7 +11,7 @@ from __future__ import annotations
 import socket
 import time
 
-__all__ = ["effective_status", "process_alive_here", "stale_after_s"]
+__all__ = ["effective_status", "on_this_host", "process_alive_here", "stale_after_s"]
 
 _HOSTNAME = socket.gethostname()
 
@@ -47,6 +47,11 @@ def effective_status(
     if heartbeat_at_s is not None and now - heartbeat_at_s > stale_after_s(interval_s):
         return "crashed"
     return status
+
+
+def on_this_host(host: str) -> bool:
+    """Whether ``host`` (``runs.host``) is this host."""
+    return host == _HOSTNAME
 
 
 def process_alive_here(host: str, pid: int) -> bool:

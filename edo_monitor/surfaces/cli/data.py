@@ -52,7 +52,9 @@ def prune_cmd(
     vacuum: Annotated[bool, typer.Option(help="Give freed space back to the disk.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Delete old runs or thin old samples. Running runs are never touched. Downsampling keeps,
+    """Delete old runs or thin old samples. Running runs are never touched (nor, for a day after
+    its last heartbeat, a run another host recorded as running: a network partition looks like
+    a crash from here). Downsampling keeps,
     per run and bucket, the first and last sample and every sample that holds a bucket's
     peak (in use, allocated, reserved, process, device used, RSS) or its lowest free fraction."""
     from edo_monitor.store.history import History
