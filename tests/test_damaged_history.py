@@ -153,3 +153,44 @@ def test_a_lost_version_row_is_damage_not_an_older_schema(tmp_path: Path) -> Non
     )
     with pytest.raises(StoreError, match="is damaged: its meta table says"):
         History(path).__enter__()
+
+
+def test_a_run_meeting_a_damaged_page_trains_on_and_says_so_in_one_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A history whose damage lies where the run's samples go (the last leaf page of
+    ``samples``) opens for ``watch()``; its writer's samples met the page through the raw
+    cursor of ``write_samples``, which SQLAlchemy's damaged-page hook does not see: an internal
+    DatabaseError with two tracebacks. Now the damaged-file message, one line, no traceback."""
+    import torch
+
+    import edo_monitor
+
+    good = tmp_path / "good.db"
+    seed(good)
+    with sqlite3.connect(good) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        (page,) = conn.execute(
+            "SELECT pageno FROM dbstat WHERE name = 'samples' AND pagetype = 'leaf' "
+            "ORDER BY path DESC LIMIT 1"
+        ).fetchone()
+    conn.close()
+    data = bytearray(good.read_bytes())
+    data[4096 * (page - 1) : 4096 * page] = b"\xab" * 4096
+    path = tmp_path / "damaged.db"
+    path.write_bytes(bytes(data))
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    log = caplog.at_level("ERROR", logger="edo_monitor.store.writer")
+    with log, edo_monitor.watch(model, db=path, interval_s=0.01) as mon:
+        for _ in range(20):
+            model(torch.randn(8, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            mon.step()
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and errors[0].exc_info is None
+    assert errors[0].getMessage() == (
+        f"history writer: {str(path)!r} {DAMAGED}; edo-monitor neither reads nor writes it "
+        "(copy out what you need with sqlite3, or start a new database); dropping the batch"
+    )

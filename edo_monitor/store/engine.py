@@ -308,9 +308,14 @@ def _damaged_page(shown: str, ctx: ExceptionContext) -> None:
     """An SQLite engine's ``handle_error`` hook: a statement that met a damaged page (SQLite's
     "database disk image is malformed") raises :func:`damaged_database_error`, whatever ran it
     (a query, or a write: ``prune`` deleting rows on the page, a run's writer)."""
-    orig = ctx.original_exception
-    if isinstance(orig, sqlite3.DatabaseError) and "malformed" in str(orig):
-        raise damaged_database_error(shown, str(orig))
+    _raise_if_damaged(shown, ctx.original_exception)
+
+
+def _raise_if_damaged(shown: str, exc: BaseException) -> None:
+    """Raise :func:`damaged_database_error` when ``exc`` is SQLite's "database disk image is
+    malformed" (a statement met a damaged page)."""
+    if isinstance(exc, sqlite3.DatabaseError) and "malformed" in str(exc):
+        raise damaged_database_error(shown, str(exc)) from None
 
 
 #: ``samples`` columns in the order of :func:`write_samples` tuples (after ``run_id``).
@@ -454,7 +459,8 @@ def write_samples(conn: Connection, run_id: int, values: Sequence[Sequence[Any]]
         else:
             cur.executemany(_upsert_sql(ROLLUP_FIELDS), rows)
             _set_mark(cur, top + len(values))
-    except sqlite3.Error as exc:
+    except sqlite3.Error as exc:  # the raw cursor's: SQLAlchemy's handle_error hook is not run
+        _raise_if_damaged(str(conn.engine.url.database), exc)
         raise SADBAPIError.instance(sql, None, exc, sqlite3.Error) from exc
     finally:
         cur.close()

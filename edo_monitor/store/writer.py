@@ -50,6 +50,7 @@ from typing import Any, ClassVar
 
 from sqlalchemy import Connection, Engine, bindparam, insert, update
 
+from edo_monitor.errors import StoreError
 from edo_monitor.probes.readings import SAMPLE_FIELDS, Reading
 from edo_monitor.store.engine import write_samples
 from edo_monitor.store.models import (
@@ -473,9 +474,13 @@ class Writer:
             # (counted) instead of looping
             if not is_transient(exc):
                 if not self._error_logged:  # rows are lost: the whole story, once
-                    logger.exception(
-                        "history writer cannot write to %s; dropping the batch", self.engine.url
-                    )
+                    if isinstance(exc, StoreError):  # ours, whole in its message (a damaged file)
+                        logger.error("history writer: %s; dropping the batch", exc)
+                    else:
+                        logger.exception(
+                            "history writer cannot write to %s; dropping the batch",
+                            self.engine.url,
+                        )
                     self._error_logged = True
                 for table, rows in pending.items():
                     self._count(table, len(rows))
