@@ -147,14 +147,22 @@ def test_sql_reads_and_refuses_writes(db: Path) -> None:
         "PRAGMA user_version = 5",
         "CREATE TABLE t (x)",
         "VACUUM",
+        "PRAGMA incremental_vacuum",  # was blamed on the folder's '-shm' file
+        "UPDATE sqlite_master SET name = 'x'",
     ):
         res = run("sql", stmt, db=db)
         assert res.exit_code == 1, stmt
         assert "read-only" in res.stderr and "Traceback" not in res.output, stmt
+        assert "would change the database" in res.stderr or "VACUUM writes" in res.stderr, stmt
     assert db.read_bytes() == before
     with sqlite3.connect(db) as conn:
         assert conn.execute("SELECT count(*) FROM samples").fetchone()[0] == N_SAMPLES + 300
     assert run("sql", "PRAGMA table_info(runs)", db=db).exit_code == 0
+    # table-valued pragmas are reads too (refused as "UPDATE sqlite_master would change ...")
+    res = run("sql", "SELECT name FROM pragma_table_info('runs') WHERE cid = 0", "--json", db=db)
+    assert res.exit_code == 0 and json.loads(res.stdout) == [{"name": "id"}], res.stderr
+    res = run("sql", "SELECT count(*) AS n FROM pragma_index_list('samples')", "--json", db=db)
+    assert res.exit_code == 0 and json.loads(res.stdout)[0]["n"] >= 1, res.stderr
     bad = run("sql", "SELEC 1", db=db)
     assert bad.exit_code == 2 and "syntax error" in bad.stderr
     for empty in ("", "  ", " ; "):  # printed a blank table and "0 row(s)", exit 0

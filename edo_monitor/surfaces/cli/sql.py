@@ -65,6 +65,14 @@ _READ_PRAGMAS = {
 }
 
 
+#: Pragmas that write without a value (``PRAGMA incremental_vacuum``): refused by name, not met
+#: by the read-only file as a failure to open its '-shm' file.
+_WRITE_PRAGMAS = {"incremental_vacuum"}
+
+#: The schema table's names: the authorizer is asked to update it when a table-valued pragma
+#: (``pragma_table_info('runs')``) is prepared.
+_SCHEMA_TABLES = {"sqlite_master", "sqlite_schema", "sqlite_temp_master", "sqlite_temp_schema"}
+
 _WRITE_ACTIONS = {
     getattr(sqlite3, name): name.removeprefix("SQLITE_")
     for name in dir(sqlite3)
@@ -114,13 +122,17 @@ class _Query:
         self.query = query
 
     def _authorizer(self, action: int, arg1: str | None, arg2: str | None, *_: Any) -> int:
+        if action == sqlite3.SQLITE_UPDATE and (arg1 or "").lower() in _SCHEMA_TABLES:
+            # asked when a table-valued pragma (pragma_table_info('runs')) is prepared; a real
+            # UPDATE of the schema SQLite refuses itself ("may not be modified", read-only file)
+            return sqlite3.SQLITE_OK
         if action in _WRITE_ACTIONS:
             self.denied.append(f"{_WRITE_ACTIONS[action]} {arg1 or ''}".strip())
             return sqlite3.SQLITE_DENY
         if action == sqlite3.SQLITE_PRAGMA:
             name = (arg1 or "").lower()
-            if arg2 is not None and name not in _READ_PRAGMAS:
-                self.denied.append(f"PRAGMA {name} = {arg2}")
+            if name in _WRITE_PRAGMAS or (arg2 is not None and name not in _READ_PRAGMAS):
+                self.denied.append(f"PRAGMA {name}" + ("" if arg2 is None else f" = {arg2}"))
                 return sqlite3.SQLITE_DENY
         return sqlite3.SQLITE_OK
 
@@ -179,7 +191,7 @@ class _Query:
                 raise _InterruptedError from None
             if "interrupted" in str(exc) and time.monotonic() > self.deadline:
                 raise self._past_timeout() from None
-            if self.denied or "not authorized" in str(exc):
+            if self.denied or any(w in str(exc) for w in ("not authorized", "may not be modified")):
                 what = self.denied[0] if self.denied else "a write"
                 raise RefusedError(
                     f"refused: the sql command is read-only ({what} would change the database)"
