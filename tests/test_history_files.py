@@ -162,6 +162,20 @@ def test_wal_database_in_a_folder_the_reader_cannot_write(tmp_path: Path) -> Non
 
         assert _as_nobody(read_finished) == ["ok", ["done"]]
         assert _as_nobody(lambda: "immutable=1" in readonly_uri(finished)) == ["ok", True]
+
+        import json
+
+        from typer.testing import CliRunner
+
+        from edo_monitor.surfaces.cli import app
+
+        def doctor_journal_mode(path: Path) -> str:
+            res = CliRunner().invoke(app, ["--db", str(path), "doctor", "--json"])
+            return json.loads(res.stdout)["journal_mode"]
+
+        # SQLite says "delete" of a file opened immutable; doctor showed that as its mode
+        assert doctor_journal_mode(tmp_path / "src.db") == "wal"  # (its imports made here too)
+        assert _as_nobody(lambda: doctor_journal_mode(finished)) == ["ok", "wal"]
         res = _as_nobody(lambda: History(folder / "killed.db").schema_version)
         assert res[:2] == ["error", "StoreError"]
         assert "killed.db-shm" in res[2] and str(folder) in res[2] and "not writable" in res[2]

@@ -159,7 +159,10 @@ def doctor_cmd(
                 if res is not None and res != ["ok"]:
                     more = f"; … ({len(res)} lines in all)" if len(res) > 5 else ""
                     problems.insert(0, f"{check}: {'; '.join(res[:5])}{more}")
-                report["journal_mode"] = conn.exec_driver_sql("PRAGMA journal_mode").scalar()
+                mode = conn.exec_driver_sql("PRAGMA journal_mode").scalar()
+                # a file read in a folder this user cannot write is opened immutable, and
+                # SQLite then says "delete"; the header's read/write versions (2, 2) say WAL
+                report["journal_mode"] = "wal" if _header_says_wal(url.database) else mode
             counts = {}
             for t in ("runs", "samples", "events", "module_stats", "sample_rollups"):
                 if t in tables:
@@ -241,3 +244,18 @@ def doctor_cmd(
                 _c.err.print(f"edo-monitor: problem: {p}")
     if not report["ok"]:
         raise typer.Exit(EXIT_ERROR)
+
+
+def _header_says_wal(path: str | None) -> bool:
+    """Whether an SQLite file's header marks it WAL (bytes 18 and 19: file format write and
+    read versions, 2 for WAL; SQLite's file format, section 1.3)."""
+    if not path:
+        return False
+    try:
+        with open(path, "rb") as f:
+            header = f.read(20)
+    except OSError:
+        return False
+    return (
+        len(header) == 20 and header[:16] == b"SQLite format 3\x00" and header[18:20] == b"\x02\x02"
+    )

@@ -1,7 +1,7 @@
 """``edo-monitor export``: one run written out whole, as CSV (its samples), JSON (run, samples,
-events and modules in one object) or JSON Lines (one typed object a line), to standard output or
-to ``--out``: a temporary file beside the target renamed into place, never over the history
-database or one of its companion files."""
+events and each module's latest row in one object) or JSON Lines (one typed object a line), to
+standard output or to ``--out``: a temporary file beside the target renamed into place, never
+over the history database or one of its companion files."""
 
 from __future__ import annotations
 
@@ -36,8 +36,9 @@ def export_cmd(
         typer.Option("--out", help="Write here instead of standard output ('-': standard output)."),
     ] = None,
 ) -> None:
-    """Export one run: csv = its samples; json = run, samples, events, modules in one object;
-    jsonl = one object per line, each with a "type" (run, sample, event, module)."""
+    """Export one run: csv = its samples; json = run, samples, events, modules (each module's
+    latest figures) in one object; jsonl = one object per line, each with a "type" (run,
+    sample, event, module)."""
     import dataclasses
 
     from edo_monitor.exporters.samples_file import sample_rows, write_samples_csv
