@@ -96,6 +96,9 @@ def test_statements_that_are_not_queries_are_refused(pg_history: str, made: Path
     assert not made.exists()
     bad = run("sql", "SELEC 1", db=pg_history)
     assert bad.exit_code == 2 and "syntax error" in bad.stderr
+    # a statement that compiles and fails as it runs is a run-time error (it was a usage error)
+    res = run("sql", "SELECT 1 / 0", db=pg_history)
+    assert (res.exit_code, res.stderr) == (1, "edo-monitor: error: sql: division by zero\n")
 
 
 def test_a_second_statement_does_not_run(pg_history: str, made: Path) -> None:

@@ -417,9 +417,9 @@ def _prepared_rows(
                 f"sql: the statement ran longer than --timeout {timeout_s:g} s and was "
                 "stopped; give a larger --timeout (0: no limit)"
             ) from None
-        if state.startswith(("42", "22", "0A")):  # syntax, names, data, unsupported
+        if state.startswith(("42", "0A")):  # syntax, names, unsupported: it does not compile
             raise ConfigError(f"sql: {reason}") from None
-        raise StoreError(f"sql: {reason}") from None
+        raise StoreError(f"sql: {reason}") from None  # a run-time error (22: division by zero)
     finally:
         cur.close()
 
