@@ -229,9 +229,9 @@ class Monitor(_Lifecycle):
                 raise ConfigError(str(e)) from None
         self.optimizers = optimizers
         self.interval_s = float(interval_s)
-        self.budget_bytes_requested = None if budget is None else parse_bytes(budget, name="budget")
-        if self.budget_bytes_requested == 0:
-            raise ConfigError("budget=0 leaves no memory; expected a positive size")
+        self.budget_bytes_requested = (
+            None if budget is None else parse_bytes(budget, name="budget", positive=True)
+        )
         if self.budget_bytes_requested is not None and self.budget_bytes_requested > STORABLE_BYTES:
             raise ConfigError(
                 f"budget={budget!r} is {self.budget_bytes_requested} bytes; expected less than "

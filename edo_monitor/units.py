@@ -18,6 +18,7 @@ __all__ = ["STORABLE_BYTES", "format_bytes", "parse_bytes"]
 STORABLE_BYTES = 2**63 - 1
 
 _ALLOWED = "a non-negative int of bytes or a string such as '512MiB', '2GB', '1.5 GiB', '4096'"
+_ALLOWED_POSITIVE = _ALLOWED.replace("non-negative", "positive")
 
 
 #: An IEC unit without its "B" ("512Mi", "2Gi"): humanfriendly reads "Mi" as "M", powers of 1000.
@@ -46,7 +47,7 @@ _UNITS = frozenset(
 )
 
 
-def parse_bytes(value: int | str, *, name: str = "budget") -> int:
+def parse_bytes(value: int | str, *, name: str = "budget", positive: bool = False) -> int:
     """Return ``value`` as a number of bytes.
 
     Args:
@@ -54,6 +55,7 @@ def parse_bytes(value: int | str, *, name: str = "budget") -> int:
             written Ki, Mi, Gi, Ti as Kubernetes does) are powers of 1024, SI units (KB, MB, GB,
             TB) powers of 1000, as ``humanfriendly.parse_size`` reads them.
         name: the argument's name, used in the error message.
+        positive: 0 is refused too (a budget: it leaves no memory).
 
     Returns:
         The size in bytes (an ``int``; a fraction of a larger unit rounded down: ``"1.0005KB"``
@@ -66,29 +68,32 @@ def parse_bytes(value: int | str, *, name: str = "budget") -> int:
             B, K, M, G, T, P, E with or without ``B``/``iB``/``i``, or written out:
             ``"12 gigabytes"``, ``"12 gibibytes"``; a bare ``"12G"`` is 12 * 1000**3).
     """
+    allowed = _ALLOWED_POSITIVE if positive else _ALLOWED
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ConfigError(f"{name}={value!r} is not a size; expected {_ALLOWED}")
+        raise ConfigError(f"{name}={value!r} is not a size; expected {allowed}")
     if isinstance(value, int):
         result = value
     else:
         text = value.strip()
         match = _SIZE.match(text)
         if match is None or match["unit"].lower() not in _UNITS:
-            raise ConfigError(f"{name}={value!r} is not a size; expected {_ALLOWED}")
+            raise ConfigError(f"{name}={value!r} is not a size; expected {allowed}")
         if match["sign"]:
-            raise ConfigError(f"{name}={value!r} is negative; expected {_ALLOWED}")
+            raise ConfigError(f"{name}={value!r} is negative; expected {allowed}")
         if match["unit"].lower() in _BYTE_UNITS and (match["fraction"] or "0").strip("0"):
             raise ConfigError(
-                f"{name}={value!r} is not a whole number of bytes; expected {_ALLOWED}"
+                f"{name}={value!r} is not a whole number of bytes; expected {allowed}"
             )
         if _IEC_SHORT.search(text):  # "8Mi" (Kubernetes' form) is 8 MiB, not 8 MB
             text += "B"
         try:
             result = int(humanfriendly.parse_size(text))
         except (humanfriendly.InvalidSize, ValueError):
-            raise ConfigError(f"{name}={value!r} is not a size; expected {_ALLOWED}") from None
+            raise ConfigError(f"{name}={value!r} is not a size; expected {allowed}") from None
     if result < 0:
-        raise ConfigError(f"{name}={value!r} is negative; expected {_ALLOWED}")
+        raise ConfigError(f"{name}={value!r} is negative; expected {allowed}")
+    if positive and result == 0:
+        raise ConfigError(f"{name}={value!r} leaves no memory; expected {allowed}")
     return result
 
 

@@ -79,3 +79,21 @@ def test_a_fraction_of_a_byte_or_a_negative_string_is_refused_by_name(text: str,
 def test_whole_bytes_and_fractions_of_larger_units_are_read(text: str, expected: int) -> None:
     """A fraction of a larger unit is rounded down to whole bytes, as before."""
     assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "says"), [(-1, "is negative"), ("-1", "is negative"), (0, "leaves no memory")]
+)
+def test_a_budget_is_asked_for_as_a_positive_size_whatever_the_fault(
+    value: object, says: str
+) -> None:
+    """``watch(budget=-1)`` asked for "a non-negative int of bytes" and ``budget=0`` for "a
+    positive size": one of the two said what is allowed wrong."""
+    import edo_monitor
+
+    with pytest.raises(ConfigError) as err:
+        edo_monitor.watch(None, budget=value)
+    assert str(err.value) == (
+        f"budget={value!r} {says}; expected a positive int of bytes or a string such as "
+        "'512MiB', '2GB', '1.5 GiB', '4096'"
+    )
