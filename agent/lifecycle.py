@@ -128,6 +128,14 @@ class _Lifecycle:
         self.accounting = self._account()
         self._safe_point.enforcing = self.enforce and device.kind == "cpu-budget"
         self._check_budget_fits(device.budget_bytes)
+        mode = getattr(self.policy, "mode", "auto")  # a policy of the user's own may have none
+        no_free_reading = device.kind != "cuda" and device.budget_bytes is None
+        if no_free_reading and self.policy is not None and mode != "observe":
+            logger.warning(
+                "edo-monitor: the policy cannot act here: nothing measures free memory (no CUDA "
+                "device holds the model, and no budget= was given); give budget= to run it "
+                "against a CPU budget"
+            )
         from edo_monitor.actions.base import find_wrapped_parallel
 
         config = {

@@ -552,3 +552,19 @@ def test_the_watched_model_copies_and_saves_while_watched(db_path: Path, tmp_pat
             for other in (ema, copied, loaded):
                 assert torch.equal(other(ids), model(ids))
     assert mon.summary().peak_activations_bytes == SMALL_STEP_ACTIVATIONS_BYTES
+
+
+def test_a_policy_with_nothing_to_measure_free_memory_is_warned_about(
+    db_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On a CPU without ``budget=`` no reading has a free fraction, so a policy can never act;
+    the run ended with no event and nothing said why (``explain`` only, afterwards)."""
+    model = nn.Linear(4, 1)
+    for budget, mode, expected in ((None, "auto", 1), ("1GiB", "auto", 0), (None, "observe", 0)):
+        caplog.clear()
+        with edo_monitor.watch(
+            model, db=db_path, budget=budget, policy=edo_monitor.Policy(mode=mode)
+        ):
+            model(torch.randn(8, 4)).sum().backward()
+        warned = [r for r in caplog.records if "the policy cannot act here" in r.getMessage()]
+        assert len(warned) == expected, (budget, mode)
