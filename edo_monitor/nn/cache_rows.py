@@ -290,7 +290,10 @@ class _RowMovement(_VictimChoice):
                         f"{self.cache_rows} rows ({full.available} free or evictable blocks); "
                         f"grow the cache or pass overflow='grow'"
                     ) from None
-                logger.warning(
+                # the first growth a warning, later ones (a cache sized by growing) information
+                grown_before, self._grown = getattr(self, "_grown", False), True
+                logger.log(
+                    logging.INFO if grown_before else logging.WARNING,
                     "cached table %s: %d rows needed, cache has %d; growing it",
                     getattr(self, "edo_name", None)  # the agent's name for a table it cached
                     or f"({self.num_embeddings} x {self.embedding_dim})",

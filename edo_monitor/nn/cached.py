@@ -164,11 +164,11 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _GradientLayout, _RowMovemen
         block_rows: rows moved together (1 = row by row; 512–2048 = chunked loading: a miss loads
             its whole aligned block of ids).
         overflow: more unique blocks in one training batch than the cache holds: ``"grow"`` (the
-            cache grows to fit, logged) or ``"error"`` (``RuntimeError`` naming both numbers). A
-            lookup without gradients (``no_grad``, ``inference_mode``, a frozen table) that does
-            not fit reads the rows outside the cache from the host, caught up in a copy, and
-            leaves the cache as it is (``max_norm`` tables excepted: they grow, as their lookup
-            writes rows back).
+            cache grows to fit: logged as a warning the first time, later at INFO) or
+            ``"error"`` (``RuntimeError`` naming both numbers). A lookup without gradients
+            (``no_grad``, ``inference_mode``, a frozen table) that does not fit reads the rows
+            outside the cache from the host, caught up in a copy, and leaves the cache as it is
+            (``max_norm`` tables excepted: they grow, as their lookup writes rows back).
         id_frequencies: optional ``(N,)`` counts from past data: LFU starts from them and the cache
             is pre-filled with the most frequent rows (warm start).
         requires_grad: whether ``weight`` (the cache) is trainable.
@@ -207,6 +207,7 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _GradientLayout, _RowMovemen
         self.policy = policy
         self.block_rows = block_rows
         self.overflow = overflow
+        self._grown = False  # the first growth is a warning, the later ones information
         self._pin = device.type == "cuda"
         hw = host_weight.detach()
         if not hw.is_cpu:
