@@ -119,6 +119,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "the last rank's batches are 4x the others'",
     )
     args = parser.parse_args(argv)
+    if args.forecast is not None and args.no_tune:
+        parser.error("--forecast acts on a forecast, and --no-tune only watches; give one of them")
     if args.ddp and "RANK" not in os.environ:
         parser.error(
             "--ddp needs the variables torchrun sets (RANK, WORLD_SIZE …); start it with "

@@ -110,6 +110,8 @@ EMBEDDING_BAD_ARGUMENTS = [
     (["--device", "tpu"], ["--device", "'tpu'", "cpu, cuda or cuda:N"]),
     (["--ramp", "steep"], ["--ramp", "'steep'", "doubling", "linear"]),
     (["--ddp"], ["--ddp", "torchrun"]),  # not started by torchrun (no RANK)
+    # the forecast needs the tuner: it ran, recording forecast_steps=5 that nothing acted on
+    (["--forecast", "5", "--no-tune"], ["--forecast", "--no-tune", "give one of them"]),
 ]
 
 
