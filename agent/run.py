@@ -161,8 +161,20 @@ class RunSummary:
             lines.append(
                 f"the database still records this run as {self.recorded_status or 'running'}"
             )
-        lines.append(f"database {self.db_url}")
+        lines.append(f"database {self.database}")
         return "\n".join(lines)
+
+    @property
+    def database(self) -> str:
+        """The history as a user names it: an SQLite file's path (:attr:`db_url` leaves spaces
+        as they are and percent-encodes other characters: ``%C3%BC`` for ``ü``), else
+        :attr:`db_url` (its password hidden)."""
+        from sqlalchemy.engine import make_url
+
+        url = make_url(self.db_url)
+        if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
+            return str(url.database)
+        return self.db_url
 
 
 class RunRecord:

@@ -380,7 +380,7 @@ def print_summary(
             f"action           {action.get('action')} on {action.get('target')}: saved "
             f"{format_bytes(action.get('saved_bytes'))} in {action.get('duration_s', 0):.3f} s"
         )
-    say(f"database         {summary.db_url}")
+    say(f"database         {summary.database}")
 
 
 if __name__ == "__main__":  # bad arguments: exit 2; an unusable database: 1; Ctrl-C: 130

@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     s = mon.summary()
     print(
         f"\nrun {s.run_id}: {s.steps} steps, peak in use {format_bytes(s.peak_in_use_bytes)}, "
-        f"{s.samples} samples -> {s.db_url}"
+        f"{s.samples} samples -> {s.database}"
     )
     for action in s.actions:
         print(

@@ -403,7 +403,17 @@ def test_summary_prints_readably(db_path: Path) -> None:
         text.splitlines()[0]
         == f"run {mon.run_id} (Sequential): finished, cpu-budget, budget 64 MiB"
     )
-    assert "steps 3, samples" in text and f"database sqlite:///{db_path}" in text
+    assert "steps 3, samples" in text and text.endswith(f"\ndatabase {db_path}")
+
+
+def test_the_summary_names_a_history_file_by_its_path(tmp_path: Path) -> None:
+    """The summary's URL of an SQLite file left spaces as they are and percent-encoded other
+    characters (``dir with spaces/%C3%BCn%C3%AF/my history %E2%98%83.db``)."""
+    path = tmp_path / "dir with spaces" / "ünï" / "my history ☃.db"
+    path.parent.mkdir(parents=True)
+    with edo_monitor.watch(nn.Linear(2, 1), db=path) as mon:
+        pass
+    assert str(mon.summary()).endswith(f"\ndatabase {path}")
 
 
 @pytest.mark.parametrize(("interval_s", "stale_s"), [(0.5, 30.0), (2.0, 30.0), (10.0, 100.0)])
