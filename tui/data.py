@@ -254,6 +254,10 @@ class DataSource:
     def open(self) -> History:
         """Open the database read-only (once); see the class docstring for the errors."""
         with self._lock:
+            if self._history is not None and self._history.replaced():  # rm, a new history
+                logger.info("%s was removed or replaced; opening it again", self.label)
+                self._history.close()
+                self._history = None
             if self._history is None:
                 try:
                     self._history = History(self.db, readonly=True)

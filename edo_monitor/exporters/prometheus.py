@@ -312,7 +312,12 @@ class HistoryCollector:
         self._opener = opener
 
     def _history(self) -> Any:
-        """The history, opened on first use when it was not there yet (``None``: still not)."""
+        """The history, opened on first use when it was not there yet, and again when its file
+        was removed or replaced (``None``: not there now)."""
+        if self.history is not None and self._opener is not None and self.history.replaced():
+            logger.info("edo-monitor metrics: the history database was removed or replaced")
+            self.history.close()
+            self.history = None
         if self.history is None and self._opener is not None:
             from edo_monitor.errors import StoreError
 

@@ -105,6 +105,7 @@ class History(_JobQueries, _DeviceQueries, _SampleQueries):
             self._owns_engine = True
         self.readonly = readonly
         self._closed = False
+        self._file = self._file_identity()
         with self._read() as conn:
             self.schema_version: int | None = schema_version(conn)
             inspector = inspect(conn)
@@ -144,6 +145,11 @@ class History(_JobQueries, _DeviceQueries, _SampleQueries):
                 f"this History of {shown_url(self.engine.url)} was "
                 "closed; open a new one to read it"
             )
+        if self.replaced():
+            raise StoreError(
+                f"history database {self.engine.url.database!r} was removed or replaced since "
+                "it was opened (its connections still read the old file); open it again"
+            )
         with self.engine.connect() as conn:
             if self.engine.dialect.name == "sqlite":
                 conn.exec_driver_sql("SELECT 1")  # autobegin (writer engines: BEGIN IMMEDIATE)
@@ -153,6 +159,25 @@ class History(_JobQueries, _DeviceQueries, _SampleQueries):
                 # one snapshot for every statement (rollups, mark and raw tail agree)
                 conn.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
             yield conn
+
+    def _file_identity(self) -> tuple[int, int] | None:
+        """``(device, inode)`` of the SQLite file this object reads (``None``: not a file, or
+        gone)."""
+        url = self.engine.url
+        if url.get_backend_name() != "sqlite" or url.database in (None, "", ":memory:"):
+            return None
+        try:
+            st = os.stat(url.database)
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
+
+    def replaced(self) -> bool:
+        """Whether the SQLite file this object opened was removed or replaced since (a new
+        history recorded at its path, ``rm`` and a new run): its open connections would go on
+        reading the old file, so a long-lived reader (the dashboard, ``edo-monitor metrics``)
+        opens the path again. ``False`` for a database server. One ``stat`` (about 1 us)."""
+        return self._file is not None and self._file_identity() != self._file
 
     def close(self) -> None:
         """Release the database connections (when this object opened them); reading after
