@@ -16,7 +16,7 @@ import edo_monitor
 from edo_monitor.errors import StoreError
 from edo_monitor.exporters.prometheus import HistoryCollector
 from edo_monitor.store.history import History
-from tui.data import DataSource
+from edo_monitor.tui.data import DataSource
 
 
 def _record(path: Path, name: str) -> None:

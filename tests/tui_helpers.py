@@ -180,11 +180,15 @@ def db(tmp_path: Path) -> Path:
     return path
 
 
-def run_app(app: EdoTui, body: Callable[[Pilot[None]], Coroutine[Any, Any, None]]) -> None:
-    """Run ``body(pilot)`` against the app headless."""
+def run_app(
+    app: EdoTui,
+    body: Callable[[Pilot[None]], Coroutine[Any, Any, None]],
+    size: tuple[int, int] = SIZE,
+) -> None:
+    """Run ``body(pilot)`` against the app headless, in a terminal of ``size`` (columns, rows)."""
 
     async def go() -> None:
-        async with app.run_test(size=SIZE) as pilot:
+        async with app.run_test(size=size) as pilot:
             await body(pilot)
 
     asyncio.run(go())

@@ -102,8 +102,6 @@ class RunScreen(Screen[None]):
         self.loads = 0
         #: refresh timer ticks (and other calls of :meth:`tick`)
         self.ticks = 0
-        self._header_lines = 1
-        self._detail_lines = 0
 
     @property
     def tui(self) -> Dashboard:
@@ -459,11 +457,7 @@ class RunScreen(Screen[None]):
         text.append(event.kind, _EVENT_STYLES.get(event.kind, ""))
         text.append("  ")
         text.append(_event_detail(event))
-        # a layout pass (costly: the whole screen) only when the box's height changes
-        width = box.content_region.width or max(20, self.app.size.width - 2)
-        lines = len(text.wrap(self.app.console, width))
-        update_static(box, text, layout=lines != self._detail_lines or not box.display)
-        self._detail_lines = lines
+        update_static(box, text, layout=not box.display)
         if not box.display:
             box.display = True
 
@@ -518,12 +512,7 @@ class RunScreen(Screen[None]):
             header.append("   not following new runs", style="grey62")
         if run.error:
             header.append(f"\n error: {run.error}", style="red")
-        lines = 1 + header.plain.count("\n")
-        # a layout pass only when the header's height changes: it costs more than the rest
-        update_static(
-            self.query_one("#run-header", Static), header, layout=lines != self._header_lines
-        )
-        self._header_lines = lines
+        update_static(self.query_one("#run-header", Static), header)
 
     def _update_gauges(self) -> None:
         run = self.run_info

@@ -7,6 +7,7 @@ import inspect
 import logging
 import math
 import re
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -56,13 +57,24 @@ STATUS_STYLES = {
 _UPDATE_TAKES_LAYOUT = "layout" in inspect.signature(Static.update).parameters
 
 
-def update_static(widget: Static, content: Text, *, layout: bool) -> None:
-    """``widget.update(content)``, asking for a layout pass only when ``layout`` (the widget's
-    height changed) where Textual lets the caller say so; elsewhere always (the old default)."""
+def update_static(widget: Static, content: Text, *, layout: bool = False) -> None:
+    """``widget.update(content)``, asking for a layout pass (costly: the whole screen) only when
+    the rows ``content`` takes, wrapped at the widget's width, differ from the last update's, or
+    when ``layout``, where Textual lets the caller say so; elsewhere always (the old default).
+    Counting newlines alone left a header whose text wrapped one row tall (its status, step
+    and follow note cut off)."""
+    width = widget.content_region.width or max(20, widget.app.size.width - 2)
+    rows = len(content.wrap(widget.app.console, width))
+    changed = rows != _ROWS.get(widget)
+    _ROWS[widget] = rows
     if _UPDATE_TAKES_LAYOUT:
-        widget.update(content, layout=layout)
+        widget.update(content, layout=layout or changed)
     else:
         widget.update(content)
+
+
+#: The rows of each widget's last :func:`update_static`.
+_ROWS: weakref.WeakKeyDictionary[Static, int] = weakref.WeakKeyDictionary()
 
 
 def plain(value: object, style: str = "") -> Text:
