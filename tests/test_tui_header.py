@@ -1,6 +1,7 @@
-"""The run view's header takes the rows its text needs at the terminal's width: counting the
-text's newlines alone kept a header whose text wrapped one row tall, its status, step and follow
-note cut off (at 80 columns, every run)."""
+"""The run view at 80 columns: the header takes the rows its text needs (counting the text's
+newlines alone kept a header whose text wrapped one row tall, its status, step and follow note
+cut off), and a gauge whose label and figures do not fit one line puts them on two (the budget
+and the floor were cut off: ``used/budget: 7.0…``)."""
 
 from __future__ import annotations
 
@@ -23,5 +24,5 @@ def test_a_header_that_wraps_is_shown_whole_at_80_columns(db: Path) -> None:  # 
         assert header.size.height == 2  # its ~120 characters at 78 columns
         shown = " ".join(screen_text(app).split())
         assert "step: 19" in shown and "following new runs" in shown
-
+        assert "used/budget:" in shown and "119 MiB / 512 MiB" in shown  # on its own line
     run_app(app, body, size=(80, 24))

@@ -148,14 +148,23 @@ class Gauge(Widget):
         self.refresh()
 
     def render(self) -> Text:
-        """Two lines: the label and text, then the bar."""
+        """The label and text on one line, or, when they do not fit the gauge's width (80
+        columns: four gauges of about 18), the label on one and the text on the next; then the
+        bar."""
         width = max(4, self.size.width - 2)
-        head = Text(no_wrap=True, overflow="ellipsis")
-        head.append(f"{self.label}: ", style="bold")
-        head.append(self.text, style="bold red" if self.warn else "")
-        head.truncate(width + 2, overflow="ellipsis")
+        text_style = "bold red" if self.warn else ""
         out = Text(no_wrap=True)
-        out.append_text(head)
+        if len(self.label) + 2 + len(self.text) <= width + 2:
+            out.append(f"{self.label}: ", style="bold")
+            out.append(self.text, style=text_style)
+        else:
+            head = Text(f"{self.label}:", style="bold")
+            head.truncate(width + 2, overflow="ellipsis")
+            value = Text(self.text, style=text_style)
+            value.truncate(width + 2, overflow="ellipsis")
+            out.append_text(head)
+            out.append("\n")
+            out.append_text(value)
         out.append("\n")
         filled = 0 if self.fraction is None else round(self.fraction * width)
         mark_at = None if self.mark is None else min(width - 1, int(self.mark * width))
