@@ -100,7 +100,8 @@ GAUGES: dict[str, tuple[str, str]] = {
     "edo_free_ratio": (
         "free_fraction",
         "(budget - in use) / budget: 1 all free, 0 full, below 0 when more is in use than the "
-        f"budget (CPU-budget mode without enforce); {NEEDS_BUDGET}.",
+        "budget (CPU-budget mode: a reading estimates the step's peak, above an enforced budget "
+        f"too); {NEEDS_BUDGET}.",
     ),
     "edo_fragmentation_ratio": (
         "fragmentation",
