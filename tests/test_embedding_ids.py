@@ -166,7 +166,7 @@ def test_bad_options_and_cached_table_arguments_are_refused_by_name() -> None:
                 EmbeddingOptions(N, D),
             ),
             ValueError,
-            r"^the table holds a value that is not finite \(inf\)",
+            r"^the table holds a value that is not finite \(inf at row 3\)",
         ),
     ]
     for make, error, message in refused:
