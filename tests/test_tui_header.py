@@ -25,4 +25,5 @@ def test_a_header_that_wraps_is_shown_whole_at_80_columns(db: Path) -> None:  # 
         shown = " ".join(screen_text(app).split())
         assert "step: 19" in shown and "following new runs" in shown
         assert "used/budget:" in shown and "119 MiB / 512 MiB" in shown  # on its own line
+
     run_app(app, body, size=(80, 24))
