@@ -26,14 +26,19 @@ def _table(kind: str, weight: torch.Tensor) -> nn.Module:
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4", "per-row", "bf16"])
-@pytest.mark.parametrize("cast", ["double", "half", "to_bfloat16"])
+@pytest.mark.parametrize("cast", ["double", "half", "to_bfloat16", "float"])
 def test_a_cast_model_runs_with_its_compressed_table_in_the_new_dtype(kind: str, cast: str) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(_table(kind, torch.randn(N, D) * 1e-6), nn.Linear(D, 2))
     ids = torch.tensor([[1, 3, 5, 7]])
     before = model[0](ids)
     stored = {name: t.dtype for name, t in model[0].state_dict().items()}
-    dtype = {"double": torch.float64, "half": torch.float16, "to_bfloat16": torch.bfloat16}[cast]
+    dtype = {
+        "double": torch.float64,
+        "half": torch.float16,
+        "to_bfloat16": torch.bfloat16,
+        "float": torch.float32,  # the model's own dtype: the bf16 weight was cast to it
+    }[cast]
     if cast == "to_bfloat16":
         model.to(torch.bfloat16)
     else:
@@ -52,3 +57,19 @@ def test_half_keeps_small_rows_of_an_int8_table() -> None:
     model.half()
     assert model[0].row_scale.dtype == torch.float32
     assert bool((model[0](torch.arange(N)) != 0).any(dim=1).all())
+
+
+def test_a_bf16_table_trains_on_under_adam_after_float_of_a_float32_model() -> None:
+    """``.float()`` of a float32 model cast the bf16 weight to float32 (the saving gone) while
+    Adam's state stayed bf16: the next step failed ("expected dtype c10::BFloat16")."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_table("bf16", torch.randn(N, D)), nn.Linear(D, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    for cast in (False, True):
+        if cast:
+            model.float()
+        model(torch.tensor([[1, 3, 5]])).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert model[0].weight.dtype == torch.bfloat16
+    assert opt.state[model[0].weight]["exp_avg"].dtype == torch.bfloat16

@@ -527,11 +527,17 @@ class _StoredForm:
         stored = [*self._buffers.values(), *self._parameters.values()]  # type: ignore[attr-defined]
         device = next((t.device for t in stored if t is not None), torch.device("cpu"))
         probe = fn(torch.empty(0, dtype=self.output_dtype, device=device))
-        if probe.dtype == self.output_dtype:
-            return super()._apply(fn, recurse)  # type: ignore[misc]
         if probe.is_floating_point():
             self.output_dtype = probe.dtype
-        return super()._apply(lambda t: t.to(probe.device), recurse)  # type: ignore[misc]
+
+        def keep_form(t: torch.Tensor) -> torch.Tensor:
+            """``fn(t)`` where it keeps ``t``'s dtype (a device move), else ``t`` moved only:
+            ``.float()`` of a float32 model cast a bf16 weight to float32 (its saving gone, and
+            Adam's bf16 state then failed the step)."""
+            moved = fn(torch.empty(0, dtype=t.dtype, device=t.device))
+            return fn(t) if moved.dtype == t.dtype else t.to(moved.device)
+
+        return super()._apply(keep_form, recurse)  # type: ignore[misc]
 
 
 class LowPrecisionEmbedding(_StoredForm, _EdoEmbedding):
