@@ -81,3 +81,29 @@ def test_a_table_with_backward_hooks_is_left_as_it_is(action: str) -> None:
     assert result.status == "refused", result
     assert TABLE_BLOCKERS[4] in result.reason
     assert model.emb is table
+
+
+def test_the_replaced_module_called_itself_runs_its_hooks_once() -> None:
+    """A reference to the table held outside the model (a teacher network sharing it) calls the
+    old module, whose call runs the new one: its hooks ran twice (the output scaled 4x for 2x)."""
+    model, opt = make()
+    old = model.emb
+    old.register_forward_hook(_doubled, with_kwargs=True)
+    x = _ids()
+    with torch.no_grad():
+        before = old(x)
+    assert ACTIONS["offload_embedding"].apply(ctx_of(model, opt)).status == "applied"
+    with torch.no_grad():
+        assert torch.equal(old(x), before)
+        assert torch.equal(model.emb(x), before)
+
+
+def test_a_hook_put_on_the_replaced_module_later_runs_too() -> None:
+    """One added to the old module after the action ran only when it had one before."""
+    model, opt = make()
+    old = model.emb
+    assert ACTIONS["offload_embedding"].apply(ctx_of(model, opt)).status == "applied"
+    old.register_forward_hook(_doubled, with_kwargs=True)
+    x = _ids()
+    with torch.no_grad():
+        assert torch.equal(model.emb(x), 2.0 * model.emb.forward(x))

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -15,6 +17,7 @@ from edo_monitor.measure.module_hooks import is_agent_hook
 from edo_monitor.measure.module_tree import module_label
 
 __all__ = [
+    "ReplacedForward",
     "TableCandidate",
     "convert_optimizer_state",
     "device_tables",
@@ -167,9 +170,28 @@ def replace_module(model: nn.Module, old: nn.Module, new: nn.Module) -> list[str
                 places.append(f"{parent_name}.{child_name}" if parent_name else child_name)
     if not places:
         raise ValueError("module not found in the model")
-    old.__dict__["forward"] = new.__call__  # not a submodule: the bound call of the new one
+    old.__dict__["forward"] = ReplacedForward(new)  # not a submodule: new's call
     _CarriedHooks.carry(old, new)
     return places
+
+
+class ReplacedForward:
+    """A replaced table module's ``forward``: the call of its :attr:`replacement` (a table a
+    reference outside the model still calls reads the rows the model trains), without the
+    hooks carried there from the replaced module (its own call ran them: they ran twice)."""
+
+    def __init__(self, replacement: nn.Module) -> None:
+        #: the module that replaced this one (it may have been replaced in turn)
+        self.replacement = replacement
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        new = self.replacement
+        outer = getattr(_CarriedHooks.as_old, "module", None)
+        _CarriedHooks.as_old.module = new
+        try:
+            return new(*args, **kwargs)
+        finally:
+            _CarriedHooks.as_old.module = outer
 
 
 class _CarriedHooks:
@@ -177,7 +199,12 @@ class _CarriedHooks:
     ``nn.Module.__call__`` runs a module's own: a pre-hook's result replaces the arguments, a
     forward hook's the output. It holds the old module's hook dictionaries (not the module),
     so a hook removed through its handle is not run any more, and a model holding it pickles
-    as its hooks do. The agent's own dispatching hook is left out (it serves the old module)."""
+    as its hooks do; a hook added to the old module later runs too. The agent's own
+    dispatching hook is left out (it serves the old module). A call of the old module itself
+    (a reference held outside the model) runs its hooks once, in its own call."""
+
+    #: the replacement whose call the old module's call is making (its carried hooks skipped)
+    as_old = threading.local()
 
     def __init__(self, old: nn.Module, post: bool) -> None:
         self.post = post
@@ -189,16 +216,15 @@ class _CarriedHooks:
 
     @staticmethod
     def carry(old: nn.Module, new: nn.Module) -> None:
-        """Register on ``new`` the runners of ``old``'s forward pre-hooks and forward hooks
-        (those it has; none when it has only the agent's)."""
-        if any(not is_agent_hook(h) for h in old._forward_pre_hooks.values()):
-            new.register_forward_pre_hook(_CarriedHooks(old, post=False), with_kwargs=True)
-        if old._forward_hooks:
-            new.register_forward_hook(_CarriedHooks(old, post=True), with_kwargs=True)
+        """Register on ``new`` the runners of ``old``'s forward pre-hooks and forward hooks."""
+        new.register_forward_pre_hook(_CarriedHooks(old, post=False), with_kwargs=True)
+        new.register_forward_hook(_CarriedHooks(old, post=True), with_kwargs=True)
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict, *output: object) -> object:
         """A pre-hook's ``(module, args, kwargs)`` -> ``(args, kwargs)``; a forward hook's
         ``(module, args, kwargs, output)`` -> the output."""
+        if getattr(_CarriedHooks.as_old, "module", None) is module:
+            return None  # the old module's own call: its hooks ran there
         for hook_id, hook in list(self.hooks.items()):
             if is_agent_hook(hook):
                 continue

@@ -59,11 +59,12 @@ def _int_leaves(item: Any, depth: int = 0) -> list[torch.Tensor]:
 
 def _replacement(module: nn.Module) -> nn.Module:
     """The module that now stands for ``module``: a table module a table action replaced calls
-    its replacement (:func:`edo_monitor.actions.tables.replace_module` makes its ``forward`` the
-    new module's call), followed to the last; ``module`` itself otherwise. A ``loader_ids``
-    mapping keyed by the user's ``nn.Embedding`` then serves the row cache made of it."""
+    its replacement (:func:`edo_monitor.actions.tables.replace_module` makes its ``forward`` a
+    ``ReplacedForward`` naming the new module), followed to the last; ``module`` itself
+    otherwise. A ``loader_ids`` mapping keyed by the user's ``nn.Embedding`` then serves the row
+    cache made of it."""
     for _ in range(16):  # a chain of replacements, never a cycle
-        owner = getattr(module.__dict__.get("forward"), "__self__", None)
+        owner = getattr(module.__dict__.get("forward"), "replacement", None)
         if not isinstance(owner, nn.Module) or owner is module:
             break
         module = owner
