@@ -58,6 +58,14 @@ SPECTRUM_MAX_ROWS = 4096
 SPECTRUM_MAX_VALUES = 64
 
 
+class NonFiniteTableError(ValueError):
+    """A table whose sampled rows hold NaN or inf has no spectrum; logged in one line, without
+    a traceback (``one_line``): the table's values, not the agent, are at fault (the SVD's
+    ``LinAlgError`` came with its whole traceback)."""
+
+    one_line = True
+
+
 def table_spectrum(
     weight: torch.Tensor, *, max_rows: int = SPECTRUM_MAX_ROWS, seed: int = 0
 ) -> dict[str, Any]:
@@ -74,7 +82,8 @@ def table_spectrum(
         values of the sample: its squared Frobenius norm)``}``.
 
     Raises:
-        ValueError: ``weight`` is not 2-D or ``max_rows < 1``.
+        ValueError: ``weight`` is not 2-D or ``max_rows < 1``; :class:`NonFiniteTableError`
+            (a ``ValueError``) when a sampled row holds NaN or inf.
     """
     if weight.dim() != 2 or max_rows < 1:
         raise ValueError(
@@ -100,6 +109,11 @@ def _spectrum(
         else:
             idx = torch.arange(n)
         sample = rows(idx).detach().to("cpu", torch.float32)
+        if not bool(torch.isfinite(sample).all()):
+            raise NonFiniteTableError(
+                "the table holds a value that is not finite (or one beyond float32): no "
+                "spectrum (an SVD cannot take it)"
+            )
         values = torch.linalg.svdvals(sample)
     return {
         "rows_sampled": int(sample.shape[0]),

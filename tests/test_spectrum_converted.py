@@ -136,3 +136,20 @@ def test_a_compressed_table_is_skipped_and_a_plain_one_still_recorded() -> None:
     record_table_spectra(state)  # type: ignore[arg-type]
     assert state.errors == []
     assert [(k, d["table"]) for k, d in state.events] == [("table_spectrum", "plain")]
+
+
+def test_a_table_holding_nan_has_no_spectrum_said_in_one_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The SVD's LinAlgError on a NaN table was logged with its whole traceback."""
+    model = nn.Sequential(nn.Embedding(100, 8), nn.Linear(8, 1))
+    with torch.no_grad():
+        model[0].weight[7, 3] = float("nan")
+    with caplog.at_level("ERROR"), edo_monitor.watch(model, db=tmp_path / "h.db"):
+        model(torch.tensor([1, 2])).sum().backward()
+    (record,) = [r for r in caplog.records if "table spectrum" in r.getMessage()]
+    assert record.exc_info is None
+    assert record.getMessage() == (
+        "edo-monitor: table spectrum of 0 failed (training goes on): the table holds a value "
+        "that is not finite (or one beyond float32): no spectrum (an SVD cannot take it)"
+    )
