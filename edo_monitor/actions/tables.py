@@ -176,9 +176,10 @@ def replace_module(model: nn.Module, old: nn.Module, new: nn.Module) -> list[str
 
 
 class ReplacedForward:
-    """A replaced table module's ``forward``: the call of its :attr:`replacement` (a table a
-    reference outside the model still calls reads the rows the model trains), without the
-    hooks carried there from the replaced module (its own call ran them: they ran twice)."""
+    """A replaced table module's ``forward``: the call of its :attr:`replacement`, so that a
+    reference held outside the model reads the rows the model trains. The hooks carried to the
+    replacement from the replaced module are skipped in that call: the replaced module's own
+    call has run them (they ran twice)."""
 
     def __init__(self, replacement: nn.Module) -> None:
         #: the module that replaced this one (it may have been replaced in turn)
