@@ -1,5 +1,5 @@
 """Id lists given to the tables (hot ids, full-precision ids) are checked by one rule
-(``embedding.id_list``): floats and boolean masks are refused, not truncated or read as 0/1."""
+(``table_checks.id_list``): floats and boolean masks are refused, not truncated or read as 0/1."""
 
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from edo_monitor.nn.embedding import check_finite
+from edo_monitor.nn.table_checks import check_finite
 
 __all__ = [
     "GOOD_TURING_MAX_COUNT",

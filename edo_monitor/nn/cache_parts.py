@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from edo_monitor.checks import whole_number
-from edo_monitor.nn.embedding import BAG_MODES, EmbeddingOptions, check_weight
+from edo_monitor.nn.embedding import BAG_MODES, EmbeddingOptions
+from edo_monitor.nn.table_checks import check_weight
 
 logger = logging.getLogger(__name__)
 

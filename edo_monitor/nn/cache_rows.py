@@ -10,7 +10,7 @@ import torch
 
 from edo_monitor.nn.cache_eviction import _VictimChoice
 from edo_monitor.nn.cache_parts import _CacheFullError, put_rows, rows_to_host, to_device
-from edo_monitor.nn.embedding import check_ids
+from edo_monitor.nn.table_checks import check_ids
 
 logger = logging.getLogger(__name__)
 

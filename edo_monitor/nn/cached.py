@@ -136,12 +136,8 @@ from edo_monitor.nn.cache_parts import (
 from edo_monitor.nn.cache_rows import _RowMovement
 from edo_monitor.nn.cache_step import CacheRows
 from edo_monitor.nn.catch_up import _Rule
-from edo_monitor.nn.embedding import (
-    EmbeddingOptions,
-    _EdoEmbedding,
-    check_bag_arguments,
-    ids_in_bags,
-)
+from edo_monitor.nn.embedding import EmbeddingOptions, _EdoEmbedding, ids_in_bags
+from edo_monitor.nn.table_checks import check_bag_arguments
 from edo_monitor.nn.victims import VictimOrder
 
 __all__ = ["CachedTable"]

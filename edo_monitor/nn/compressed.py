@@ -16,14 +16,8 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from edo_monitor.nn.embedding import (
-    EmbeddingOptions,
-    _RowComputedEmbedding,
-    _StoredForm,
-    check_finite,
-    check_weight,
-    exact_padding_row,
-)
+from edo_monitor.nn.embedding import EmbeddingOptions, _RowComputedEmbedding, _StoredForm
+from edo_monitor.nn.table_checks import check_finite, check_weight, exact_padding_row
 
 __all__ = [
     "Int8RowwiseEmbedding",

@@ -39,14 +39,8 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from edo_monitor.checks import whole_number
-from edo_monitor.nn.embedding import (
-    EmbeddingOptions,
-    _RowComputedEmbedding,
-    _StoredForm,
-    check_finite,
-    check_weight,
-    id_list,
-)
+from edo_monitor.nn.embedding import EmbeddingOptions, _RowComputedEmbedding, _StoredForm
+from edo_monitor.nn.table_checks import check_finite, check_weight, id_list
 
 __all__ = [
     "LOW_BITS",
@@ -201,7 +195,7 @@ def quantize_groupwise(weight: torch.Tensor, bits: int, group_size: int = 64) ->
 
     Raises:
         ValueError: ``bits`` not in :data:`LOW_BITS`, ``group_size`` not a positive multiple of 8,
-            a value that is not finite (:func:`~edo_monitor.nn.embedding.check_finite`) or one
+            a value that is not finite (:func:`~edo_monitor.nn.table_checks.check_finite`) or one
             beyond float16's range.
     """
     n, d = weight.shape
@@ -273,7 +267,7 @@ def sparsify_2of8(weight: torch.Tensor, group_size: int = 64) -> SparseQuantized
 
     Raises:
         ValueError: ``group_size`` not a positive multiple of 8, a value that is not finite
-            (:func:`~edo_monitor.nn.embedding.check_finite`) or one beyond float16's range.
+            (:func:`~edo_monitor.nn.table_checks.check_finite`) or one beyond float16's range.
     """
     n, d = weight.shape
     group_size = _check_group(2, group_size, d)
@@ -452,7 +446,7 @@ class PerRowPrecisionEmbedding(_FrozenLowBit):
     Args:
         weight: the float table ``(N, D)`` (not kept).
         full_ids: ``(K,)`` ids that keep ``weight``'s dtype (any order, duplicates ignored; a
-            tensor or a sequence of ints: :func:`~edo_monitor.nn.embedding.id_list`, which
+            tensor or a sequence of ints: :func:`~edo_monitor.nn.table_checks.id_list`, which
             raises ``TypeError`` for floats or a boolean mask, ``ValueError`` outside ``[0, N)``).
         options, bits, group_size, output_dtype: as :class:`GroupwiseEmbedding`.
 

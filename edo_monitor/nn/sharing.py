@@ -42,12 +42,8 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from edo_monitor.checks import whole_number
-from edo_monitor.nn.embedding import (
-    EmbeddingOptions,
-    _RowComputedEmbedding,
-    exact_padding_row,
-    id_list,
-)
+from edo_monitor.nn.embedding import EmbeddingOptions, _RowComputedEmbedding
+from edo_monitor.nn.table_checks import exact_padding_row, id_list
 
 __all__ = [
     "HashedEmbedding",
@@ -419,7 +415,7 @@ class HybridEmbedding(_SharedEmbedding):
         """Convert a trained ``(N, D)`` table: hot rows copied, each bucket the mean of its cold
         members' rows (:meth:`split_rows`), the padding row kept exact. Result on ``weight``'s
         device, in its dtype, with ``requires_grad`` as ``weight`` has it. ``hot_ids`` are
-        checked as the constructor checks them (:func:`~edo_monitor.nn.embedding.id_list`).
+        checked as the constructor checks them (:func:`~edo_monitor.nn.table_checks.id_list`).
         """
         n, d = weight.shape
         if (n, d) != (options.num_embeddings, options.embedding_dim):
