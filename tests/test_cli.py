@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import inspect
 import io
 import json
 import os
@@ -14,18 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_runner import runner
 from history_seed import N_SAMPLES, seed
-from typer.testing import CliRunner
 
 from edo_monitor.store.schema import SCHEMA_VERSION
 from edo_monitor.surfaces.cli import app
-
-# click < 8.2 mixes stderr into stdout unless told not to (.ci/lowest-deps runs click 8.1)
-runner = (
-    CliRunner(mix_stderr=False)
-    if "mix_stderr" in inspect.signature(CliRunner.__init__).parameters
-    else CliRunner()
-)
 
 
 @pytest.fixture(scope="module")

@@ -3,24 +3,16 @@ refused in one line (exit code 1), the file unchanged, and reads run (pragmas in
 
 from __future__ import annotations
 
-import inspect
 import json
 import sqlite3
 from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_runner import runner
 from history_seed import N_SAMPLES, seed
-from typer.testing import CliRunner
 
 from edo_monitor.surfaces.cli import app
-
-# click < 8.2 mixes stderr into stdout unless told not to (.ci/lowest-deps runs click 8.1)
-runner = (
-    CliRunner(mix_stderr=False)
-    if "mix_stderr" in inspect.signature(CliRunner.__init__).parameters
-    else CliRunner()
-)
 
 
 @pytest.fixture(scope="module")
