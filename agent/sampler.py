@@ -112,6 +112,12 @@ class Sampler:
         """One reading: the sampler thread's tick, and the last one after it has stopped."""
         m = self.m
         device = m._device
+        # the step first, then the time: a reading of step k is stamped after k began (a reading
+        # stamped first and held back, by a slow probe or the training thread's GIL, could carry
+        # the next step's number at a time before that step, or before an action done at the
+        # boundary: replay would count the action in force too early). Values read later can
+        # only be newer than the stamp.
+        step = m.steps
         now = time.time()
         values: dict[str, Any] = {}
         values.update(device.probes["host"].read())
@@ -159,7 +165,7 @@ class Sampler:
             free_fraction = (budget - in_use) / budget
         reading = Reading(
             time_s=now,
-            step=m.steps,
+            step=step,
             device_kind=device.kind,
             budget_bytes=budget,
             in_use_bytes=in_use,
