@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 from test_explain_recorded import BUDGET, _train
 from test_ranks import run_ranks
+from torch import nn
 
 import edo_monitor
 from edo_monitor.store.history import History

@@ -162,7 +162,8 @@ class LowRankEmbedding(_RowComputedEmbedding):
         rank = int(rank)
         check_finite(weight, "a low-rank factorisation")
         w = weight.detach().float()
-        check_finite(w, "a low-rank factorisation in float32")  # a float64 value beyond it
+        if weight.element_size() > w.element_size():  # a float64 value beyond float32's range
+            check_finite(w, "a low-rank factorisation in float32")
         u, s, vh = torch.linalg.svd(w, full_matrices=False)
         left = (u[:, :rank] * s[:rank]).to(weight.dtype).contiguous()
         right = vh[:rank].to(weight.dtype).contiguous()

@@ -198,9 +198,14 @@ def quantize_groupwise(weight: torch.Tensor, bits: int, group_size: int = 64) ->
             a value that is not finite (:func:`~edo_monitor.nn.table_checks.check_finite`) or one
             beyond float16's range.
     """
-    n, d = weight.shape
-    group_size = _check_group(bits, group_size, d)
+    group_size = _check_group(bits, group_size, int(weight.shape[1]))
     check_finite(weight, f"int{bits} groups")
+    return _quantize_groupwise(weight, bits, group_size)
+
+
+def _quantize_groupwise(weight: torch.Tensor, bits: int, group_size: int) -> GroupQuantized:
+    """:func:`quantize_groupwise` of a checked table (``group_size`` checked, values finite)."""
+    n, d = weight.shape
     parts = []
     for start in range(0, n, _CHUNK_ROWS):  # bounded temporaries (the bit planes are int32)
         groups = _grouped(weight[start : start + _CHUNK_ROWS], group_size)
@@ -269,12 +274,18 @@ def sparsify_2of8(weight: torch.Tensor, group_size: int = 64) -> SparseQuantized
         ValueError: ``group_size`` not a positive multiple of 8, a value that is not finite
             (:func:`~edo_monitor.nn.table_checks.check_finite`) or one beyond float16's range.
     """
-    n, d = weight.shape
-    group_size = _check_group(2, group_size, d)
+    group_size = _check_group(2, group_size, int(weight.shape[1]))
     check_finite(weight, "2:8 groups")
+    return _sparsify_2of8(weight, group_size)
+
+
+def _sparsify_2of8(weight: torch.Tensor, group_size: int) -> SparseQuantized:
+    """:func:`sparsify_2of8` of a checked table (``group_size`` checked, values finite)."""
+    n, d = weight.shape
     if n > _CHUNK_ROWS:  # bounded temporaries: one chunk of rows at a time
         chunks = [
-            sparsify_2of8(weight[s : s + _CHUNK_ROWS], group_size) for s in range(0, n, _CHUNK_ROWS)
+            _sparsify_chunk(weight[s : s + _CHUNK_ROWS], group_size)
+            for s in range(0, n, _CHUNK_ROWS)
         ]
         return SparseQuantized(
             torch.cat([c.codes for c in chunks]),
@@ -284,6 +295,12 @@ def sparsify_2of8(weight: torch.Tensor, group_size: int = 64) -> SparseQuantized
             group_size,
             d,
         )
+    return _sparsify_chunk(weight, group_size)
+
+
+def _sparsify_chunk(weight: torch.Tensor, group_size: int) -> SparseQuantized:
+    """:func:`_sparsify_2of8` of at most ``_CHUNK_ROWS`` rows."""
+    n, d = weight.shape
     groups = _grouped(weight, group_size)  # (N, G, g)
     g = groups.shape[1]
     blocks = groups.reshape(n, g, group_size // SPARSE_BLOCK, SPARSE_BLOCK)
@@ -341,7 +358,9 @@ class _FrozenLowBit(_StoredForm, _RowComputedEmbedding):
         self, weight: torch.Tensor, options: EmbeddingOptions, output_dtype: torch.dtype
     ) -> None:
         check_weight(weight, options)
-        check_finite(weight, "a low-bit table")  # the rows' own numbers (per-row: any row)
+        # once, over the whole table: its rows' own numbers (the quantisers below are not
+        # asked again; per-row precision quantises a subset of the rows)
+        check_finite(weight, "a low-bit table")
         super().__init__(options)
         if options.padding_idx is not None:
             self.register_buffer("padding_row", weight.detach()[options.padding_idx].clone())
@@ -387,8 +406,8 @@ class GroupwiseEmbedding(_FrozenLowBit):
         group_size: int = 64,
         output_dtype: torch.dtype = torch.float32,
     ) -> None:
-        super().__init__(weight, options, output_dtype)
-        qt = quantize_groupwise(weight, bits, group_size)
+        super().__init__(weight, options, output_dtype)  # values checked there
+        qt = _quantize_groupwise(weight, bits, _check_group(bits, group_size, weight.shape[1]))
         self.bits, self.group_size = bits, qt.group_size
         self.register_buffer("codes", qt.codes)
         self.register_buffer("scale", qt.scale)
@@ -420,8 +439,8 @@ class Sparse2of8Embedding(_FrozenLowBit):
         group_size: int = 64,
         output_dtype: torch.dtype = torch.float32,
     ) -> None:
-        super().__init__(weight, options, output_dtype)
-        st = sparsify_2of8(weight, group_size)
+        super().__init__(weight, options, output_dtype)  # values checked there
+        st = _sparsify_2of8(weight, _check_group(2, group_size, weight.shape[1]))
         self.group_size = st.group_size
         self.register_buffer("codes", st.codes)
         self.register_buffer("positions", st.positions)
@@ -469,7 +488,7 @@ class PerRowPrecisionEmbedding(_FrozenLowBit):
         ids = torch.unique(id_list(full_ids, "full_ids", n, w.device))
         low = torch.ones(n, dtype=torch.bool, device=w.device)
         low[ids] = False
-        qt = quantize_groupwise(w[low], bits, group_size)
+        qt = _quantize_groupwise(w[low], bits, _check_group(bits, group_size, w.shape[1]))
         self.bits, self.group_size = bits, qt.group_size
         self.register_buffer("full_ids", ids)
         self.register_buffer("full_rows", w[ids].clone())

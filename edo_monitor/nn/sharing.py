@@ -112,10 +112,7 @@ class _SharedEmbedding(_RowComputedEmbedding):
 
     def __init__(self, options: EmbeddingOptions, padding_row: torch.Tensor | None) -> None:
         super().__init__(options)
-        if options.padding_idx is not None and padding_row is None:
-            raise ValueError("padding_idx is set: padding_row (D,) is required")
-        like = torch.empty(0) if padding_row is None else padding_row
-        self.register_buffer("padding_row", exact_padding_row(options, padding_row, like))
+        self.register_buffer("padding_row", exact_padding_row(options, padding_row, None))
 
     def _gather(self, idx: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         return F.embedding(idx, table, sparse=self.options.sparse)

@@ -107,19 +107,22 @@ def id_list(
 
 
 def exact_padding_row(
-    options: EmbeddingOptions, padding_row: torch.Tensor | None, like: torch.Tensor
+    options: EmbeddingOptions, padding_row: torch.Tensor | None, like: torch.Tensor | None
 ) -> torch.Tensor | None:
     """The ``(D,)`` row a table that computes its rows keeps exact for ``options.padding_idx``
     (``None`` without one): a copy of ``padding_row``, or zeros in ``like``'s dtype and device
-    when it is ``None`` (as ``nn.Embedding`` starts its padding row).
+    when it is ``None`` (as ``nn.Embedding`` starts its padding row); ``like=None``: the row is
+    required.
 
     Raises:
-        ValueError: ``padding_row`` not of shape ``(D,)``.
+        ValueError: ``padding_row`` not of shape ``(D,)``, or missing where required.
     """
     d = options.embedding_dim
     if options.padding_idx is None:
         return None
     if padding_row is None:
+        if like is None:
+            raise ValueError("padding_idx is set: padding_row (D,) is required")
         return like.new_zeros(d)
     if tuple(padding_row.shape) != (d,):
         raise ValueError(f"padding_row has shape {tuple(padding_row.shape)}; expected ({d},)")
