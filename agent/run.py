@@ -28,6 +28,7 @@ from edo_monitor.errors import AlreadyWatchedError, StoreError
 from edo_monitor.store.dialect import is_postgres
 from edo_monitor.store.engine import close_engine, insert_job, open_engine
 from edo_monitor.store.models import Run
+from edo_monitor.store.paths import shown_database
 from edo_monitor.store.retry import describe, is_transient, retried
 from edo_monitor.store.schema import next_run_id
 from edo_monitor.store.writer import Writer
@@ -171,10 +172,7 @@ class RunSummary:
         :attr:`db_url` (its password hidden)."""
         from sqlalchemy.engine import make_url
 
-        url = make_url(self.db_url)
-        if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
-            return str(url.database)
-        return self.db_url
+        return shown_database(make_url(self.db_url))
 
 
 class RunRecord:

@@ -24,7 +24,7 @@ from edo_monitor.errors import StoreError
 from edo_monitor.probes.readings import SAMPLE_FIELDS
 from edo_monitor.store.engine import open_engine, write_samples
 from edo_monitor.store.history import History
-from edo_monitor.store.paths import resolve_db_url
+from edo_monitor.store.paths import resolve_db_url, shown_database
 from edo_monitor.store.prune import prune
 
 # -- a relative path and os.chdir inside the block --------------------------------------------
@@ -55,6 +55,30 @@ def test_relative_db_survives_chdir_inside_the_block(
     row = run_row(tmp_path / "h.db")
     assert (row["status"], row["steps"], row["samples_dropped"]) == ("finished", 20, 0)
     assert list((tmp_path / "outputs").iterdir()) == []  # nothing made in the new folder
+
+
+@pytest.mark.parametrize(
+    ("given", "shown"),
+    [
+        ("sqlite:////tmp/%C3%BCn%C3%AF/a b.db", "/tmp/ünï/a b.db"),  # the path, not its URL
+        ("sqlite://", "sqlite://"),
+        ("sqlite:///:memory:", ":memory:"),
+        ("postgresql+psycopg://u:secret@h/db", "postgresql+psycopg://u:***@h/db"),
+        ("postgresql+psycopg://u@h/db?password=secret", "postgresql+psycopg://u@h/db?password=***"),
+    ],
+)
+def test_a_history_is_shown_by_its_path_or_its_url_without_a_password(
+    given: str, shown: str
+) -> None:
+    """One rule for the summary, the dashboard and the store's messages (three copies before:
+    the dashboard showed a ``password=`` parameter)."""
+    from sqlalchemy.engine import make_url
+
+    from tui.data import DataSource
+
+    assert shown_database(make_url(given)) == shown
+    if given.startswith("postgresql"):  # the dashboard's label (no file to resolve)
+        assert DataSource(given).label == shown
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,7 @@ from edo_monitor.exporters.samples_file import write_samples_csv
 from edo_monitor.hindsight.jobs import JobReport, job_report
 from edo_monitor.hindsight.run_config import DEFAULT_FLOOR, recorded_floor
 from edo_monitor.store.history import History
-from edo_monitor.store.paths import resolve_db_url
+from edo_monitor.store.paths import resolve_db_url, shown_database
 from edo_monitor.store.records import (
     DeviceEventInfo,
     DeviceInfo,
@@ -247,9 +247,7 @@ class DataSource:
             url = resolve_db_url(self.db)
         except ConfigError:
             return str(self.db)
-        if url.get_backend_name() == "sqlite" and url.database:
-            return url.database
-        return url.render_as_string(hide_password=True)
+        return shown_database(url)
 
     def open(self) -> History:
         """Open the database read-only (once); see the class docstring for the errors."""

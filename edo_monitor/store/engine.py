@@ -56,7 +56,7 @@ from edo_monitor.store.paths import (
     database_file,
     readonly_uri,
     resolve_db_url,
-    shown_url,
+    shown_database,
 )
 from edo_monitor.store.retry import CLOSE_TRIES, RETRY_PAUSE_S, is_transient
 from edo_monitor.store.rollups import (
@@ -225,7 +225,7 @@ def _engine_for(url: URL, *, readonly: bool, shown: str | None = None) -> Engine
     is_sqlite = url.get_backend_name() == "sqlite"
     connect_args: dict[str, object] = {}
     if shown is None:
-        shown = url.database if is_sqlite and url.database else shown_url(url)
+        shown = shown_database(url)
     creator = None
     if is_sqlite:
         connect_args = {"timeout": BUSY_TIMEOUT_S, "check_same_thread": False}

@@ -104,6 +104,15 @@ def shown_url(url: URL) -> str:
     return masked_url(url.render_as_string(hide_password=True))
 
 
+def shown_database(url: URL) -> str:
+    """The history as a user names it: an SQLite file's path (``url.database``, ``:memory:``
+    too: the URL's string percent-encodes characters such as ``ü`` and ``:``), else
+    :func:`shown_url`."""
+    if url.get_backend_name() == "sqlite" and url.database:
+        return url.database
+    return shown_url(url)
+
+
 def absolute_url(url: URL) -> URL:
     """``url`` with an SQLite file's relative path made absolute against the working folder
     now; other URLs (and in-memory SQLite) unchanged.
