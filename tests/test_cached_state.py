@@ -245,6 +245,49 @@ def test_an_optimizer_checkpoint_without_the_tables_state_restarts_it_like_the_t
     assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
 
 
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_before_the_tables_first_step_the_optimizer_holds_the_twins_state(name: str) -> None:
+    """Regression: a training forward of an attached table put the cache's state into the
+    optimizer before the table's first step (a step of other parameters first, or a backward
+    not yet stepped: a frozen warm-up, an accumulation window): Adam's moments without their
+    ``step`` (``copy.deepcopy`` and ``torch.load`` of the optimizer raised ``KeyError: 'step'``),
+    SGD's momentum buffer of zeros (a checkpoint taken there resumed 0.2 off after one step:
+    the buffer took ``(1 - dampening) * grad``, torch's first step takes ``grad``). The
+    optimizer now holds the twin's state there (none; Adagrad's made with it), and a
+    checkpoint taken there resumes like the twin, into a cached or an uncached model."""
+    gen = torch.Generator().manual_seed(4)
+    base = torch.randn(N, D, generator=gen, dtype=torch.float64)
+    twin, cached = _pair(base)
+    o1, o2 = OPTIMIZERS[name]([twin.weight]), OPTIMIZERS[name]([cached.weight])
+    cached.attach(o2)
+    for opt in (o1, o2):
+        opt.step()  # a step before any gradient of the table (its warm-up)
+    ids = _zipf_ids(gen, (64,))
+    for module in (twin, cached):
+        (module(ids) ** 2).sum().backward()
+    keys = {k: sorted(v) for k, v in o1.state_dict()["state"].items()}
+    assert {k: sorted(v) for k, v in o2.state_dict()["state"].items()} == keys
+    assert [sorted(v) for v in o2.state.values()] == [sorted(v) for v in o1.state.values()]
+    saved = copy.deepcopy((cached.state_dict(), o2.state_dict()))
+    copy.deepcopy((cached, o2))  # the live optimizer too
+
+    def resumed(module: nn.Module) -> nn.Module:
+        opt = OPTIMIZERS[name]([module.weight])
+        if isinstance(module, CachedEmbedding):
+            module.attach(opt)
+        module.load_state_dict(copy.deepcopy(saved[0]))
+        opt.load_state_dict(copy.deepcopy(saved[1]))
+        (module(ids) ** 2).sum().backward()
+        opt.step()
+        return module
+
+    o1.step()
+    plain = resumed(nn.Embedding(N, D, dtype=torch.float64))
+    again = resumed(CachedEmbedding(N, D, C, dtype=torch.float64))
+    assert _rel(plain.weight.detach(), twin.weight.detach()) < 1e-12
+    assert _rel(again.full_weight(), twin.weight.detach()) < 1e-12
+
+
 def test_adagrad_state_made_before_the_cache_grew_is_its_initial_state() -> None:
     """Adagrad makes its ``sum`` state with the optimizer, the cache's shape then; a first
     batch with more unique ids than cache rows grows the cache before the first step attaches

@@ -65,9 +65,8 @@ class _GradientLayout:
             order = torch.argsort(s, stable=True)
             new, s = new.index_select(0, order), s.index_select(0, order)
         r = to_device(new, self.device)
-        state = self._cache_state() if self._state_keys() else {}
         p = self.weight.data.index_select(0, r)
-        st = {k: state[k].index_select(0, r) for k in self._state_keys()}
+        st = self._rows_state(new, r)
         if stale:
             assert self._rule is not None
             self._rule.catch_up_rows(

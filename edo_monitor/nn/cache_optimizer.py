@@ -406,6 +406,30 @@ class _OptimizerBinding:
                 )
         return state
 
+    def _rows_state(self, rows: torch.Tensor, at: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The optimizer state ``{key: (R, D)}`` of cache ``rows`` (host int64; ``at``: the same
+        on the device), for a forward to keep beside their values.
+
+        Read from the host for a key the optimizer holds no state of yet (no step of the table
+        since it was attached: its cached rows' state is their host rows'), so that a forward
+        adds no state to the optimizer: until the table's first step it holds what it holds for
+        a resident table (none for SGD, Adam, AdamW; a copy or checkpoint taken between a
+        backward and the first step otherwise held a momentum buffer of zeros, and Adam state
+        without its ``step``, which torch cannot load)."""
+        state = self._opt_state()
+        out = {}
+        ids = None
+        for key in self._state_keys():
+            if key in state:
+                out[key] = state[key].index_select(0, at)
+                continue
+            if ids is None:
+                r = self.block_rows
+                ids = self.slot_to_block.index_select(0, rows // r) * r + rows % r
+            host = self.host_state[key].index_select(0, ids)
+            out[key] = to_device(host, self.device).to(self.weight.dtype)
+        return out
+
     def _catch_up_rows(self, rows: torch.Tensor) -> None:
         """Bring cache ``rows`` ``(R,)`` (host int64) behind step ``t`` up to it, in place."""
         if self._rule is None or rows.numel() == 0:
