@@ -234,6 +234,20 @@ def test_refused_settings_are_named() -> None:
         table = CachedEmbedding(N, D, C)
         with pytest.raises(ValueError, match=message):
             table.attach(make([table.weight]))
+    # regression: betas made (0.9, 1.0) through param_groups (Adam's constructor refuses it),
+    # amsgrad on: the steps after raised OverflowError from inside the catch-up
+    table = CachedEmbedding(N, D, C)
+    opt = torch.optim.Adam([table.weight], lr=0.01, amsgrad=True)
+    table.attach(opt)
+    gen = torch.Generator().manual_seed(0)
+    with pytest.raises(ValueError, match=r"betas=\(0\.9, 1\.0\): each beta must be in \[0, 1\)"):
+        for step in range(20):
+            if step == 10:
+                opt.param_groups[0]["betas"] = (0.9, 1.0)
+            opt.zero_grad()
+            (table(torch.randint(0, N, (4,), generator=gen)) ** 2).sum().backward()
+            opt.step()
+    assert step == 10
     table = CachedEmbedding(N, D, C)
     with pytest.raises(ValueError, match="policy='mru'"):
         CachedEmbedding(N, D, C, policy="mru")

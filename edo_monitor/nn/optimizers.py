@@ -172,6 +172,12 @@ def _make_rule(
     if isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
         decoupled = isinstance(optimizer, torch.optim.AdamW) or group.get("decoupled_weight_decay")
         beta1, beta2 = (float(b) for b in group["betas"])
+        if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):  # set through param_groups
+            raise ValueError(
+                f"{name} with betas=({beta1}, {beta2}): each beta must be in [0, 1), as "
+                f"{name}'s constructor requires (at beta2 = 1 its bias correction 1 - beta2^t "
+                "is 0)"
+            )
         if not group.get("amsgrad") and beta2 > 0 and beta1 >= math.sqrt(beta2):
             raise ValueError(
                 f"{name} with betas=({beta1}, {beta2}) cannot be caught up exactly in bounded "
