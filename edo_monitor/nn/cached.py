@@ -101,7 +101,10 @@ Checkpoints: ``state_dict()`` holds the full caught-up ``weight`` ``(N, D)`` (an
 loads it), and the attached optimizer's ``state_dict()`` holds full-table state; both load into
 an uncached model, or a cached one whose optimizer is attached (:meth:`attach` before
 ``optimizer.load_state_dict``: an optimizer over ``model.parameters()`` not attached yet holds
-the row buffer too, and torch refuses the checkpoint's smaller group).
+the row buffer too, and torch refuses the checkpoint's smaller group). Until the table's first
+step the optimizer holds what it holds for a resident table (no state for SGD, Adam, AdamW;
+Adagrad's, made with it): a forward adds none, so a copy or checkpoint taken between a backward
+and that step resumes as the resident table's would.
 """
 
 from __future__ import annotations
