@@ -74,7 +74,7 @@ def test_a_history_is_shown_by_its_path_or_its_url_without_a_password(
     the dashboard showed a ``password=`` parameter)."""
     from sqlalchemy.engine import make_url
 
-    from tui.data import DataSource
+    from edo_monitor.tui.data import DataSource
 
     assert shown_database(make_url(given)) == shown
     if given.startswith("postgresql"):  # the dashboard's label (no file to resolve)
