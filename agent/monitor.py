@@ -30,6 +30,7 @@ import os
 import threading
 import unicodedata
 import uuid as uuidlib
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -99,7 +100,8 @@ class Monitor(_Lifecycle):
             CPU).
         accounting: the accounting of the latest reading. activation_profile: the last
             per-module activation profile (``None`` before one).
-        optimizers: optimizers found (or given) that step the model's parameters.
+        optimizers: optimizers found (or given) that step the model's parameters, those still
+            alive (held weakly).
         metrics_server: the Prometheus endpoint (``.url``, ``.port``) while the block runs with
             ``metrics_port``; ``None`` otherwise.
 
@@ -227,7 +229,9 @@ class Monitor(_Lifecycle):
                 self.loader = LookAhead(loader, ahead, loader_ids, tables=model, ids_errors="warn")
             except ValueError as e:  # LookAhead's ahead=: watch() names it the same
                 raise ConfigError(str(e)) from None
-        self.optimizers = optimizers
+        # held weakly: an optimizer the training dropped (a second phase's new one in its
+        # place) is freed with its state, and no longer counted
+        self._optimizer_refs = [weakref.ref(o) for o in optimizers]
         self.interval_s = float(interval_s)
         self.budget_bytes_requested = (
             None if budget is None else parse_bytes(budget, name="budget", positive=True)
@@ -461,6 +465,16 @@ class Monitor(_Lifecycle):
         if self.model is None:
             return []
         return [*self.model.parameters(), *self.model.buffers()]
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers found (or given) that step the model, those still alive."""
+        return [o for r in self._optimizer_refs if (o := r()) is not None]
+
+    def add_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Count ``optimizer`` among :attr:`optimizers` (held weakly; once)."""
+        if all(o is not optimizer for o in self.optimizers):
+            self._optimizer_refs.append(weakref.ref(optimizer))
 
     def _account(self, *, include_grads: bool = True) -> Accounting:
         """Bytes by category and module of the model and optimizers (:func:`account`)."""

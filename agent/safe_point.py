@@ -2,8 +2,9 @@
 
 The only place the model or optimizer changes (DESIGN.md §3 rule 1). It runs in the global
 optimizer step post-hook of the primary optimizer (the first one found stepping the watched
-model's parameters, or the one passed), or in ``Monitor.step()`` for loops without one, and in
-that order:
+model's parameters, or the one passed; another of the model's optimizers takes over when the
+primary is collected, or steps twice while it does not: :meth:`SafePoint._takes_over`), or in
+``Monitor.step()`` for loops without one, and in that order:
 
 1. the per-module activation profile of the step just recorded (table actions need one);
 2. the accounting while gradients and optimizer state are all alive (the step's peak of static
@@ -24,6 +25,7 @@ runs step 4 only.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 import weakref
@@ -44,6 +46,8 @@ from edo_monitor.units import format_bytes
 
 if TYPE_CHECKING:
     from edo_monitor.agent.state import MonitorState
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["SafePoint"]
 
@@ -82,8 +86,14 @@ class SafePoint:
         # before the sampler's first tick (a starved thread) kept no accounting with gradients,
         # and its last reading said 0 bytes of gradients
         self.want_accounting = True
-        self.primary: torch.optim.Optimizer | None = (
-            monitor.optimizers[0] if monitor.optimizers else None
+        # held weakly: a dropped optimizer is freed, and the next one stepping the model counts
+        self._primary: weakref.ref[torch.optim.Optimizer] | None = (
+            weakref.ref(monitor.optimizers[0]) if monitor.optimizers else None
+        )
+        self._primary_steps = 0  # the primary's steps
+        # per other optimizer of the model: the primary's steps at its last step
+        self._seen_at: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = (
+            weakref.WeakKeyDictionary()
         )
         self._explicit_optimizers = bool(monitor.optimizers)
         self._classified: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = (
@@ -122,6 +132,22 @@ class SafePoint:
             self._hook_handle.remove()
             self._hook_handle = None
 
+    @property
+    def primary(self) -> torch.optim.Optimizer | None:
+        """The optimizer whose steps are counted (``None`` until found, or once collected)."""
+        return self._primary() if self._primary is not None else None
+
+    def _takes_over(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer``, another optimizer of the model, becomes the primary at this
+        step: the primary is gone (collected), or did not step since ``optimizer``'s last step
+        (a new optimizer of a second phase of training, the old one still referenced; or one
+        that steps more often than it). Counting then goes on with it, from this step."""
+        if self.primary is None:
+            return True
+        seen = self._seen_at.get(optimizer)
+        self._seen_at[optimizer] = self._primary_steps
+        return seen == self._primary_steps
+
     def _inactive(self) -> bool:
         """A forked child, or a block that is closing."""
         return os.getpid() != self.m._pid or self.m._stop.is_set()
@@ -134,7 +160,16 @@ class SafePoint:
             if optimizer is not self.primary and not self._classify(optimizer):
                 return
             self._note_spent(optimizer)
+            if optimizer is not self.primary and self._takes_over(optimizer):
+                logger.info(
+                    "edo-monitor: steps are counted on %s from step %d (the optimizer counted "
+                    "before is gone or stopped stepping)",
+                    type(optimizer).__name__,
+                    self.m.steps + 1,
+                )
+                self._primary = weakref.ref(optimizer)
             if optimizer is self.primary:
+                self._primary_steps += 1
                 self.run(count=True)
             elif self.enforcing:  # its state was made in this step, after the primary's check
                 self._check_step(self.m._account())
@@ -158,10 +193,9 @@ class SafePoint:
             steps_model = any(id(p) in ids for g in optimizer.param_groups for p in g["params"])
         self._classified[optimizer] = steps_model
         if steps_model:
-            if optimizer not in m.optimizers:
-                m.optimizers.append(optimizer)
+            m.add_optimizer(optimizer)
             if self.primary is None:
-                self.primary = optimizer
+                self._primary = weakref.ref(optimizer)
         return steps_model
 
     def step(self) -> None:

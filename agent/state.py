@@ -24,7 +24,6 @@ class MonitorState(Protocol):
     """The monitor's shared state and the calls its parts make (``Monitor`` has every one)."""
 
     model: nn.Module | None
-    optimizers: Sequence[torch.optim.Optimizer]
     policy: Policy | None
     strict: bool
     interval_s: float
@@ -48,6 +47,12 @@ class MonitorState(Protocol):
     _coordinator: Any  # agent.ranks.Coordinator | None
     _tensorboard: Any  # integrations.tensorboard.TensorBoardSink | None
     spill_dir: Any  # the disk tier's folder (Path), see nn/spill.py
+
+    @property
+    def optimizers(self) -> Sequence[torch.optim.Optimizer]:
+        """The optimizers found (or given) that step the model, those still alive."""
+
+    def add_optimizer(self, optimizer: torch.optim.Optimizer) -> None: ...
 
     @property
     def device_kind(self) -> str:
