@@ -163,6 +163,8 @@ class ActivationTracker:
         self._open = window_of is None  # inside the step window (always, without a model)
         self._window_hooks: list[Any] = []
         self._parts_called = False  # a window opened at a parameter: hook the children too
+        self._thread: int | None = None  # the thread whose saved-tensor hooks these are
+        self._closed = False
 
     @staticmethod
     def _keys(params: Iterable[torch.Tensor]) -> frozenset[int]:
@@ -361,7 +363,10 @@ class ActivationTracker:
 
     def _opened(self) -> None:
         """The window opens: the step's peak starts from the saved bytes alive now (an attempt
-        an out-of-memory error ended does not count), then ``on_open``."""
+        an out-of-memory error ended does not count), then ``on_open``. Never after
+        :meth:`__exit__`."""
+        if self._closed:
+            return
         with self._lock:
             self._drain()
             self._peak_step = self._live
@@ -389,6 +394,7 @@ class ActivationTracker:
     def __enter__(self) -> ActivationTracker:
         self._context = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._context.__enter__()
+        self._thread = threading.get_ident()
         if self._window_of is not None:
             # not torch's own hook: a copy of the model (deepcopy, torch.save) would copy the
             # tracker behind a bound method, and fail on its lock
@@ -396,8 +402,12 @@ class ActivationTracker:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """Pop the hooks (on the thread that pushed them: PyTorch's saved-tensor hooks are the
+        thread's own; left on it when exited from another, where they count nothing more)."""
+        self._closed, self._open = True, False
         if self._context is not None:
-            self._context.__exit__(None, None, None)
+            if threading.get_ident() == self._thread:
+                self._context.__exit__(None, None, None)
             self._context = None
         for hook in self._window_hooks:
             hook.remove()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import time
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -102,6 +103,8 @@ class SafePoint:
         self._hook_handle: Any = None
         self._last_static_bytes = 0
         self._recorder: ActivationRecorder | None = None
+        self._recorder_thread: int | None = None
+        self._warned_thread = False
         self._profiled_at_s = -float("inf")
         # applied actions whose saving the next recorded forward measures: waiting for a
         # recording to start, and measured by the one running
@@ -498,12 +501,13 @@ class SafePoint:
         tracker = m._tracker
         chain = (tracker.pack, tracker.unpack) if tracker is not None else None
         self._recorder = ActivationRecorder(m.model, chain=chain).__enter__()
+        self._recorder_thread = threading.get_ident()
         self._measuring, self._to_measure = self._to_measure, []
 
     def collect_activation_profile(self) -> None:
         """End the recording armed at the previous boundary: its profile becomes
         ``Monitor.activation_profile`` and each module's activation bytes go to its row."""
-        if self._recorder is None:
+        if self._recorder is None or not self._on_recorder_thread():
             return
         recorder, self._recorder = self._recorder, None
         recorder.__exit__(None, None, None)
@@ -538,6 +542,24 @@ class SafePoint:
         from edo_monitor.agent.spectrum import record_table_spectra
 
         record_table_spectra(self.m)  # the run is ending: each table's sampled spectrum
-        if self._recorder is not None:
+        if self._recorder is not None and self._on_recorder_thread():
             self._recorder.__exit__(None, None, None)
-            self._recorder = None
+        self._recorder = None
+
+    def _on_recorder_thread(self) -> bool:
+        """Whether this runs on the thread that armed the recording: its saved-tensor hooks and
+        dispatch mode are that thread's own (PyTorch keeps them per thread; popped on another,
+        its assertion fails and they stay on the first, with the tracker's out-of-memory check
+        after the run). A training loop on another thread than the one that entered ``watch()``
+        is warned about once: its activations are not measured."""
+        if threading.get_ident() == self._recorder_thread:
+            return True
+        if not self._warned_thread:
+            self._warned_thread = True
+            logger.warning(
+                "edo-monitor: the model trains on another thread than the one that entered "
+                "watch(): its saved-for-backward bytes (activations) are not measured and no "
+                "activation profile is recorded (PyTorch's saved-tensor hooks belong to one "
+                "thread); enter watch() on the training thread"
+            )
+        return False
