@@ -66,7 +66,7 @@ from typing import Any
 
 import torch
 
-from edo_monitor.measure.accounting import tensor_bytes
+from edo_monitor.measure.accounting import is_parameter, tensor_bytes
 from edo_monitor.measure.module_hooks import add_forward_pre_hook
 from edo_monitor.measure.saved_version import checked, stamp
 
@@ -196,8 +196,8 @@ class ActivationTracker:
                 nbytes = storage.nbytes()
             else:
                 key, nbytes = _storage_key(tensor)
-            if nbytes == 0 or key in self._param_keys:
-                return stamp(tensor)
+            if nbytes == 0 or key in self._param_keys or is_parameter(tensor):
+                return stamp(tensor)  # (a parameter made since the keys were taken: the last)
             if tensor.requires_grad:
                 tensor = tensor.detach()  # no cycle through the output's grad_fn (see above)
             with self._lock:

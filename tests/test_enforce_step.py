@@ -4,7 +4,9 @@ there comes before the optimizer's step, as a GPU's would (agent/grads_alive.py)
 
 from __future__ import annotations
 
+import sqlite3
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ import torch
 from torch import nn
 
 import edo_monitor
+from edo_monitor.actions.activation_profile import ActivationRecorder
 from edo_monitor.hindsight.explain import explain
 from edo_monitor.store.history import History
 
@@ -182,3 +185,35 @@ def test_each_optimizers_step_is_checked(db_path: Path, order: str) -> None:
     assert (step, opt) == (0, table)
     state = 2 * TABLE_BYTES  # Adam's two moments
     assert message.startswith(f"CPU-budget out of memory. Tried to allocate {state / MiB:.2f} MiB.")
+
+
+def test_a_module_added_during_the_run_is_parameters_not_activations(db_path: Path) -> None:
+    """Regression: the parameters a module added during the run (a larger head) were not among
+    the storages the tracker skips, so its weight, which its Linear saves for backward (as a
+    view, ``weight.t()``), was counted as saved activations: 2.44 MiB over the budget (an
+    out-of-memory error the real bytes did not make), and in the activation profile. A
+    parameter, or a view of one, is never an activation now."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    watching = {"interval_s": 0.01, "profile_interval_s": 0.001, "budget": "7MiB", "enforce": True}
+    with edo_monitor.watch(model, db=db_path, **watching) as mon:
+        for i in range(20):
+            if i == 10:
+                model[1] = nn.Linear(32, 20_000)  # 2.44 MiB of weight
+                opt.add_param_group({"params": model[1].parameters()})
+            model(torch.randn(8, 32)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            time.sleep(0.01)
+    assert mon.status == "finished"
+    with sqlite3.connect(db_path) as con:
+        (peak,) = con.execute("SELECT max(activations_bytes) FROM samples").fetchone()
+    # saved: the input (8 x 32), the first Linear's output (8 x 32), the head's (8 x 20,000)
+    assert peak == (8 * 32 + 8 * 32 + 8 * 20_000) * 4
+    assert mon.activation_profile.total_bytes == peak  # the profile of a step after it
+    # a recording begun before the module was added (its parameters unknown when it began)
+    with ActivationRecorder(model) as rec:
+        model[1] = nn.Linear(32, 20_000)
+        model(torch.randn(8, 32)).pow(2).mean().backward()
+    assert rec.profile().total_bytes == peak

@@ -25,7 +25,7 @@ from torch.optim.optimizer import (
 )
 
 from edo_monitor.actions.use_watch import _METADATA_OPS, _element_span, _UseWatcher
-from edo_monitor.measure.accounting import is_table_module, tensor_bytes
+from edo_monitor.measure.accounting import is_parameter, is_table_module, tensor_bytes
 from edo_monitor.measure.module_tree import nested
 from edo_monitor.measure.saved_version import checked, stamp
 
@@ -316,7 +316,7 @@ class ActivationRecorder:
 
     def _record(self, t: torch.Tensor, stack: Iterable[str]) -> None:
         ptr, nbytes = self._key(t)
-        if ptr in self._static or nbytes == 0:
+        if ptr in self._static or nbytes == 0 or is_parameter(t):
             return
         owners = frozenset(stack)
         self._bytes[ptr] = max(nbytes, self._bytes.get(ptr, 0))

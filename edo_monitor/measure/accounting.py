@@ -43,6 +43,13 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
+def is_parameter(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is an ``nn.Parameter`` or a view of one (``weight.t()``, which a
+    ``Linear`` saves for backward): the memory of parameters, never saved activations, whatever
+    model holds it and whenever it was made (a module added during the run)."""
+    return isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter)
+
+
 def tensor_bytes(tensor: torch.Tensor) -> int:
     """Bytes of ``tensor``'s elements: ``numel() * element_size()`` (not its whole storage).
 
