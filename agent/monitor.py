@@ -393,6 +393,12 @@ class Monitor(_Lifecycle):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if os.getpid() != self._pid:
+            # a forked child leaving the block (its exception, its sys.exit): the run, its
+            # threads and its file are the parent's, still training; the child's copy of the
+            # model is free to watch again
+            release_model(self.model)
+            return
         try:
             self._finish(exc)
         finally:

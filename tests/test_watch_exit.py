@@ -4,6 +4,7 @@ child process)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -104,3 +105,55 @@ def test_a_program_that_stops_early_exits_as_before_and_records_its_end(
     assert "Traceback" not in done.stderr
     run = run_row(db_path)
     assert (run["status"], run["error"], run["steps"]) == (status, error, 5)
+
+
+_FORKING = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch
+    from torch import nn
+    import edo_monitor
+    from edo_monitor.nn.spill import run_spill_file
+
+    db, folder = sys.argv[1], sys.argv[2]
+    spill = run_spill_file(folder).path  # this process's spill file (its atexit removes it)
+    model = nn.Sequential(nn.Embedding(100, 8), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = {}
+    with edo_monitor.watch(model, db=db) as mon:
+        for i in range(6):
+            model(torch.randint(0, 100, (4,))).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if i == 2:
+                if os.fork() == 0:
+                    raise RuntimeError("the child fails")  # out of the block, then exit 1
+                os.wait()
+                with edo_monitor.History(db) as h:
+                    seen["after_child"] = h.run(mon.run_id).status
+                seen["spill_kept"] = spill.exists()
+    print(json.dumps({**seen, "status": mon.status, "steps": mon.steps}))
+    """
+)
+
+
+def test_a_forked_child_leaving_the_block_leaves_the_parents_run_alone(tmp_path: Path) -> None:
+    """Regression: a child forked inside the block (a data worker, a checkpoint writer) that
+    left it through an exception ended the parent's running run ``failed`` with the child's
+    error (one that left cleanly, ``finished``, and the parent's later crash then read as
+    finished), and its exit removed the parent's spill file. The run and its files are the
+    parent's."""
+    out = subprocess.run(
+        [sys.executable, "-c", _FORKING, str(tmp_path / "h.db"), str(tmp_path / "spill")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert json.loads(out.stdout.splitlines()[-1]) == {
+        "after_child": "running",
+        "spill_kept": True,
+        "status": "finished",
+        "steps": 6,
+    }
+    assert "RuntimeError: the child fails" in out.stderr  # the child's own exit, as it was

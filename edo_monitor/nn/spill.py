@@ -110,6 +110,7 @@ class SpillFile:
 
 
 _RUN_FILES: dict[Path, SpillFile] = {}
+_RUN_PID = os.getpid()  # the process whose files _RUN_FILES holds (a forked child has a copy)
 _RUN_LOCK = threading.Lock()
 _ATEXIT_REGISTERED = False
 
@@ -121,9 +122,12 @@ def run_spill_file(folder: str | os.PathLike[str]) -> SpillFile:
     Raises:
         ValueError: ``folder`` is not a folder or cannot be made.
     """
-    global _ATEXIT_REGISTERED
+    global _ATEXIT_REGISTERED, _RUN_PID
     key = Path(folder).resolve()
     with _RUN_LOCK:
+        if os.getpid() != _RUN_PID:  # a forked child: its own files from here on
+            _RUN_FILES.clear()
+            _RUN_PID = os.getpid()
         sf = _RUN_FILES.get(key)
         if sf is None:
             sf = _RUN_FILES[key] = SpillFile(key)
@@ -136,8 +140,11 @@ def run_spill_file(folder: str | os.PathLike[str]) -> SpillFile:
 
 def remove_run_spill_files(folder: str | os.PathLike[str] | None = None) -> list[Path]:
     """Remove this process's spill files (those in ``folder``; all when ``None``): the run ended.
-    Tensors already mapped stay readable; a later spill makes a new file. Returns the paths."""
+    Tensors already mapped stay readable; a later spill makes a new file. Returns the paths.
+    A forked child removes none: they are its parent's (its exit ran this at ``atexit``)."""
     with _RUN_LOCK:
+        if os.getpid() != _RUN_PID:
+            return []
         keys = [k for k in _RUN_FILES if folder is None or k == Path(folder).resolve()]
         files = [_RUN_FILES.pop(k) for k in keys]
     for sf in files:
