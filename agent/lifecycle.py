@@ -42,7 +42,8 @@ def ended_by(exc: BaseException | None) -> tuple[str, str | None]:
     """The status and error a run ended by ``exc`` records (``None``: the block ended).
 
     * ``None``, or a ``SystemExit`` whose exit status is 0 (``sys.exit()``, ``sys.exit(0)``:
-      a clean early stop): ``finished``, no error;
+      a clean early stop), or ``GeneratorExit`` (a training generator holding the block, which
+      its consumer stopped: ``break``, ``close()``): ``finished``, no error;
     * ``KeyboardInterrupt``: ``interrupted``, error ``KeyboardInterrupt``;
     * SIGTERM (:class:`~edo_monitor.signals.Terminated`, a ``SystemExit(143)``):
       ``interrupted``, error ``SIGTERM``;
@@ -60,7 +61,7 @@ def ended_by(exc: BaseException | None) -> tuple[str, str | None]:
             return "finished", None
         shown = "" if isinstance(exc.code, int) else f": {exc.code}"
         return "failed", f"SystemExit: exit code {code}{shown}"[:2000]
-    if exc is not None:
+    if exc is not None and not isinstance(exc, GeneratorExit):
         return "failed", f"{type(exc).__name__}: {exc}"[:2000]
     return "finished", None
 

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,29 @@ def test_sys_exit_in_the_block_ends_the_run_by_its_exit_status(
     assert mon.status == status
     run = run_row(db_path)
     assert (run["status"], run["error"], run["steps"]) == (status, error, 3)
+
+
+def test_a_training_generator_its_consumer_stopped_ends_the_run_finished(db_path: Path) -> None:
+    """Regression: a generator holding the block (yielding each step's loss), stopped by its
+    consumer's ``break``, recorded the run ``failed``, error ``GeneratorExit:`` (Python closes
+    the generator with it): a clean early stop, as ``sys.exit(0)``."""
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters())
+
+    def losses() -> Iterator[float]:
+        with edo_monitor.watch(model, db=db_path):
+            while True:
+                loss = model(torch.randint(0, 5_000, (32,))).logsumexp(-1).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                yield loss.item()
+
+    for step, _ in enumerate(losses(), 1):
+        if step == 4:
+            break
+    run = run_row(db_path)
+    assert (run["status"], run["error"], run["steps"]) == ("finished", None, 4)
 
 
 def test_sigterm_is_still_interrupted_though_a_system_exit(db_path: Path) -> None:
