@@ -17,14 +17,79 @@ is the same::
 
 from __future__ import annotations
 
+# ruff: noqa: E402 (the arguments are checked before PyTorch is imported, which takes seconds)
 import argparse
+import re
+from pathlib import Path
+
+from edo_monitor.surfaces import scripting  # light: no PyTorch
+
+
+def ratings_folder(text: str) -> Path:
+    """``--data``: a folder holding a readable ``ratings.csv`` (argparse ``type=``)."""
+    folder = Path(text).expanduser()
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a folder; expected the MovieLens folder with ratings.csv"
+        )
+    scripting.readable_file(str(folder / "ratings.csv"))
+    return folder
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (light: no PyTorch); a bad argument exits 2 with one line."""
+    parser = scripting.ArgumentParser(description=__doc__.split("\n\n")[0])
+    # "--budget -5MiB" gets byte_size's one line ("expected a positive size"), as "--budget 0":
+    # argparse before Python 3.14 reads only "-5" and "-.5" as negative numbers and took
+    # "-5MiB" for an unknown option ("argument --budget: expected one argument"); this is
+    # 3.14's own test, "-" then a digit (no option of this parser looks like that)
+    parser._negative_number_matcher = re.compile(r"-\.?\d")
+    parser.add_argument(
+        "--data", type=ratings_folder, required=True, help="folder with ratings.csv"
+    )
+    parser.add_argument(
+        "--db",
+        type=scripting.history_db,
+        default=None,
+        help="history database (default: ./edo-history.db)",
+    )
+    parser.add_argument(
+        "--budget",
+        type=scripting.byte_size,
+        default=None,
+        help="memory budget, e.g. 8MiB: turns the auto-tuner on",
+    )
+    parser.add_argument(
+        "--no-compare", action="store_true", help="with --budget: skip the uncached twin run"
+    )
+    parser.add_argument(
+        "--forecast",
+        type=scripting.positive_int,
+        default=None,
+        metavar="N",
+        help="with --budget: also act when free memory is forecast below the floor within N "
+        "steps (Policy forecast_steps)",
+    )
+    parser.add_argument("--epochs", type=scripting.positive_int, default=5)
+    parser.add_argument("--dim", type=scripting.positive_int, default=64)
+    parser.add_argument("--batch-size", type=scripting.positive_int, default=1024)
+    args = parser.parse_args(argv)
+    if args.forecast is not None and args.budget is None:
+        parser.error(
+            "--forecast needs --budget: the auto-tuner that acts on forecasts runs only "
+            "under a budget"
+        )
+    return args
+
+
+if __name__ == "__main__":  # bad arguments: one line and exit 2, before the slow imports
+    parse_args()
+
 import contextlib
 import csv
 import logging
 import math
-import re
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,7 +97,6 @@ from torch import nn
 
 import edo_monitor
 from edo_monitor.nn import CachedTable
-from edo_monitor.surfaces import scripting
 from edo_monitor.units import format_bytes
 
 #: the columns of ``ratings.csv`` that are read (MovieLens also has ``timestamp``)
@@ -86,17 +150,6 @@ def load_ratings(data_dir: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
         len(user_ids),
         len(item_ids),
     )
-
-
-def ratings_folder(text: str) -> Path:
-    """``--data``: a folder holding a readable ``ratings.csv`` (argparse ``type=``)."""
-    folder = Path(text).expanduser()
-    if not folder.is_dir():
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a folder; expected the MovieLens folder with ratings.csv"
-        )
-    scripting.readable_file(str(folder / "ratings.csv"))
-    return folder
 
 
 class MatrixFactorization(nn.Module):
@@ -178,47 +231,7 @@ def percent(fraction: float | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = scripting.ArgumentParser(description=__doc__.split("\n\n")[0])
-    # "--budget -5MiB" gets byte_size's one line ("expected a positive size"), as "--budget 0":
-    # argparse before Python 3.14 reads only "-5" and "-.5" as negative numbers and took
-    # "-5MiB" for an unknown option ("argument --budget: expected one argument"); this is
-    # 3.14's own test, "-" then a digit (no option of this parser looks like that)
-    parser._negative_number_matcher = re.compile(r"-\.?\d")
-    parser.add_argument(
-        "--data", type=ratings_folder, required=True, help="folder with ratings.csv"
-    )
-    parser.add_argument(
-        "--db",
-        type=scripting.history_db,
-        default=None,
-        help="history database (default: ./edo-history.db)",
-    )
-    parser.add_argument(
-        "--budget",
-        type=scripting.byte_size,
-        default=None,
-        help="memory budget, e.g. 8MiB: turns the auto-tuner on",
-    )
-    parser.add_argument(
-        "--no-compare", action="store_true", help="with --budget: skip the uncached twin run"
-    )
-    parser.add_argument(
-        "--forecast",
-        type=scripting.positive_int,
-        default=None,
-        metavar="N",
-        help="with --budget: also act when free memory is forecast below the floor within N "
-        "steps (Policy forecast_steps)",
-    )
-    parser.add_argument("--epochs", type=scripting.positive_int, default=5)
-    parser.add_argument("--dim", type=scripting.positive_int, default=64)
-    parser.add_argument("--batch-size", type=scripting.positive_int, default=1024)
-    args = parser.parse_args(argv)
-    if args.forecast is not None and args.budget is None:
-        parser.error(
-            "--forecast needs --budget: the auto-tuner that acts on forecasts runs only "
-            "under a budget"
-        )
+    args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     scripting.check_history_db(args.db)  # unusable: one line, exit 1, before the slow work
 
