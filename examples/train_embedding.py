@@ -57,27 +57,13 @@ from edo_monitor.surfaces import scripting  # light: no PyTorch
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line (checked before PyTorch is imported: a bad argument is one line)."""
     parser = scripting.ArgumentParser(description=__doc__.split("\n\n")[0])
-    # "--budget -5MiB" gets byte_size's one line ("expected a positive size"), as "--budget 0":
-    # argparse before Python 3.14 reads only "-5" and "-.5" as negative numbers and took
-    # "-5MiB" for an unknown option ("argument --budget: expected one argument"); this is
-    # 3.14's own test, "-" then a digit (no option of this parser looks like that)
-    parser._negative_number_matcher = re.compile(r"-\.?\d")
     parser.add_argument(
         "--text",
         type=scripting.readable_file,
         help="text file to train on (default: Python stdlib)",
     )
-    parser.add_argument(
-        "--db",
-        type=scripting.history_db,
-        default=None,
-        help="history database (default: ./edo-history.db)",
-    )
-    parser.add_argument(
-        "--budget",
-        type=scripting.byte_size,
-        default=None,
-        help="memory budget (default: 158MiB on a CPU, 396MiB on CUDA; 236MiB with --ddp)",
+    parser.add_history_and_budget(
+        "memory budget (default: 158MiB on a CPU, 396MiB on CUDA; 236MiB with --ddp)"
     )
     parser.add_argument(
         "--steps",

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 # ruff: noqa: E402 (the arguments are checked before PyTorch is imported, which takes seconds)
 import argparse
-import re
 from pathlib import Path
 
 from edo_monitor.surfaces import scripting  # light: no PyTorch
@@ -39,26 +38,10 @@ def ratings_folder(text: str) -> Path:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line (light: no PyTorch); a bad argument exits 2 with one line."""
     parser = scripting.ArgumentParser(description=__doc__.split("\n\n")[0])
-    # "--budget -5MiB" gets byte_size's one line ("expected a positive size"), as "--budget 0":
-    # argparse before Python 3.14 reads only "-5" and "-.5" as negative numbers and took
-    # "-5MiB" for an unknown option ("argument --budget: expected one argument"); this is
-    # 3.14's own test, "-" then a digit (no option of this parser looks like that)
-    parser._negative_number_matcher = re.compile(r"-\.?\d")
     parser.add_argument(
         "--data", type=ratings_folder, required=True, help="folder with ratings.csv"
     )
-    parser.add_argument(
-        "--db",
-        type=scripting.history_db,
-        default=None,
-        help="history database (default: ./edo-history.db)",
-    )
-    parser.add_argument(
-        "--budget",
-        type=scripting.byte_size,
-        default=None,
-        help="memory budget, e.g. 8MiB: turns the auto-tuner on",
-    )
+    parser.add_history_and_budget("memory budget, e.g. 8MiB: turns the auto-tuner on")
     parser.add_argument(
         "--no-compare", action="store_true", help="with --budget: skip the uncached twin run"
     )

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -57,9 +58,27 @@ class ArgumentParser(argparse.ArgumentParser):
     one line that matters. ``--help`` still prints the usage.
     """
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # "--budget -5MiB" gets byte_size's one line ("expected a positive size"), as "--budget
+        # 0": argparse before Python 3.14 reads only "-5" and "-.5" as negative numbers and took
+        # "-5MiB" for an unknown option ("argument --budget: expected one argument"); this is
+        # 3.14's own test, "-" then a digit (no option of the examples looks like that)
+        self._negative_number_matcher = re.compile(r"-\.?\d")
+
     def error(self, message: str) -> NoReturn:
         """Print ``prog: error: message`` and exit with code 2 (called by argparse)."""
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (--help lists the options)\n")
+
+    def add_history_and_budget(self, budget_help: str) -> None:
+        """The examples' ``--db`` (:func:`history_db`) and ``--budget`` (:func:`byte_size`)."""
+        self.add_argument(
+            "--db",
+            type=history_db,
+            default=None,
+            help="history database (default: ./edo-history.db)",
+        )
+        self.add_argument("--budget", type=byte_size, default=None, help=budget_help)
 
 
 def byte_size(text: str) -> int:
