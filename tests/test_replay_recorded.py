@@ -199,3 +199,39 @@ def test_replay_lists_every_action_of_a_rank_at_the_step_it_was_applied(tmp_path
         rank0 = h.events(results[0]["run_id"])
     assert not [e for e in rank0 if e.kind == "decision" and e.data["action"] == "cache_embedding"]
     assert [e for e in rank0 if e.kind == "action" and e.data["action"] == "cache_embedding"]
+
+
+@pytest.mark.timeout(120)
+def test_hindsight_sizes_a_row_cache_by_the_peak_ids_the_run_recorded(tmp_path: Path) -> None:
+    """Regression: replay and explain sized a row cache at least 1,024 rows (the action's floor
+    when the peak ids per batch are unknown) while the run knew its peak (32 ids a batch): on a
+    1,000-row table the live default policy cached it (keeping 863 rows), its replay found a
+    cache of 1,024 would hold the whole table and offloaded it instead, and explain left the
+    one remedy that worked out. Both read the peak the run recorded now (its action's details,
+    its ``lookup_frequency`` events)."""
+    db = tmp_path / "small.db"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(1000, 16), nn.Linear(16, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    with edo_monitor.watch(
+        model, db=str(db), interval_s=0.05, budget=300_000, policy=edo_monitor.Policy()
+    ) as mon:
+        for _ in range(30):
+            model(torch.randint(0, 1000, (32,))).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            time.sleep(0.02)
+    with History(db) as h:
+        (action, *_) = h.events(mon.run_id, kind="action")
+        (counted,) = h.events(mon.run_id, kind="lookup_frequency")
+    assert action.data["action"] == "cache_embedding"
+    result = edo_monitor.replay(str(db), mon.run_id)
+    first = result.decisions[0]
+    assert (first.action, first.saving_bytes) == ("cache_embedding", action.data["saved_bytes"])
+    (incident, *_) = edo_monitor.explain(str(db), mon.run_id).incidents
+    cache = next(r for r in incident.remedies if r.action == "cache_embedding")
+    # the run's peak (its action saw the peak so far: at most that)
+    peak = counted.data["peak_unique_ids"]
+    assert 0 < action.data["details"]["peak_batch_ids"] <= peak <= 32
+    row = 16 * 4 * 4  # float32 weight, its gradient and Adam's two moments: resident
+    assert cache.saving_bytes == (1000 - peak) * row

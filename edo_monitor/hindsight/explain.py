@@ -15,9 +15,10 @@ with its estimated saving from the recorded attribution and whether it is enough
 * tables (latest ``module_stats`` row of each embedding table at the incident, on the device
   tier, each category raised to what the incident's own CPU-budget snapshot says was alive:
   :func:`edo_monitor.hindsight.recorded.tables_at_incident`): ``offload_embedding`` (params +
-  grads + optimizer state), ``cache_embedding`` (all rows but a cache of ``CACHE_FLOOR_ROWS``: the
-  action's floor when the peak ids per batch are not known; a table already a row cache: its
-  cache shrunk to that floor), ``compress`` to bf16, int8
+  grads + optimizer state), ``cache_embedding`` (all rows but a cache of the most distinct ids
+  of one batch the run recorded, its largest: for an incident before the run's largest batch, at
+  least what it needed; ``CACHE_FLOOR_ROWS`` when it recorded none, as the action sizes it; a
+  table already a row cache: its cache shrunk to that floor), ``compress`` to bf16, int8
   (frozen), low-rank ``dim / 4`` and hashing to ``rows / 10`` buckets (saving = recorded bytes
   minus :func:`edo_monitor.decide.estimate.estimate` of the new table with the run's optimizer);
 * ``checkpoint_activations`` of the ``MAX_CHECKPOINT_BLOCKS`` modules with the most recorded
@@ -65,7 +66,6 @@ from typing import Any
 from edo_monitor.decide.plans import NOT_YET_KNOWN, TABLE_BLOCKERS
 from edo_monitor.errors import ConfigError, EventNotFoundError
 from edo_monitor.hindsight.recorded import (
-    CACHE_FLOOR_ROWS,
     MAX_CHECKPOINT_BLOCKS,
     _activations_at,
     _est,
@@ -73,6 +73,7 @@ from edo_monitor.hindsight.recorded import (
     _open,
     _sample_at,
     _Table,
+    peak_batch_ids,
     raise_through_episode,
     tables_at_incident,
 )
@@ -295,7 +296,7 @@ def _remedies(
         )
         if t.placement == "cached":  # already a row cache: the action can only shrink it
             rows = t.params_bytes // max(1, t.embedding_dim * t.element_bytes)
-            keep = min(rows, CACHE_FLOOR_ROWS)
+            keep = min(rows, t.cache_floor_rows)
             add(
                 "cache_embedding",
                 t.module,
@@ -305,7 +306,7 @@ def _remedies(
                 f"({format_bytes(t.cached_row_bytes)} a row)",
             )
         else:
-            keep = min(t.num_embeddings, CACHE_FLOOR_ROWS)
+            keep = min(t.num_embeddings, t.cache_floor_rows)
             add(
                 "cache_embedding",
                 t.module,
@@ -446,6 +447,7 @@ def explain(db: Any, run: Any, *, event: int | None = None) -> Explanation:
         cpu = info.device_kind != "cuda"
         incidents = []
         crossings = [e for e in events if e.kind == "threshold_crossed"]
+        peaks = peak_batch_ids(events)
         for e in events:
             if event is not None and e.id != event:
                 continue
@@ -480,7 +482,13 @@ def explain(db: Any, run: Any, *, event: int | None = None) -> Explanation:
                                 shortfall,
                                 sample,
                                 tables_at_incident(
-                                    history, info.id, e.id, module_rows, e.time_s, counts_step=cpu
+                                    history,
+                                    info.id,
+                                    e.id,
+                                    module_rows,
+                                    e.time_s,
+                                    counts_step=cpu,
+                                    peaks=peaks,
                                 ),
                                 _activations_at(module_rows, e.time_s),
                                 None if alive else in_use,
@@ -508,7 +516,7 @@ def explain(db: Any, run: Any, *, event: int | None = None) -> Explanation:
                 shortfall = max(0, math.ceil(peak - (1 - floor_e) * int(budget or 0)))
                 sample = _sample_at(history, info.id, e.time_s)
                 tables = tables_at_incident(
-                    history, info.id, e.id, module_rows, e.time_s, counts_step=cpu
+                    history, info.id, e.id, module_rows, e.time_s, counts_step=cpu, peaks=peaks
                 )
                 raise_through_episode(tables, module_rows, e.time_s, end)  # as at the peak
                 incidents.append(

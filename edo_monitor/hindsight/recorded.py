@@ -38,6 +38,16 @@ class _Table:
     counts_step: bool = False  # CPU-budget accounting counts the optimizer's step counters
     #: whether it trains: a gradient recorded for it at any time (a frozen table records 0 bytes)
     trainable: bool = False
+    #: most distinct ids of one batch, as the run recorded them (:func:`peak_batch_ids`)
+    peak_batch_ids: int | None = None
+
+    @property
+    def cache_floor_rows(self) -> int:
+        """Rows a row cache of this table keeps at least, as the live action sizes it: the peak
+        distinct ids of one batch, else ``min(rows, CACHE_FLOOR_ROWS)`` (unknown)."""
+        if self.peak_batch_ids is not None:
+            return max(1, self.peak_batch_ids)
+        return max(1, min(self.num_embeddings, CACHE_FLOOR_ROWS))
 
     @property
     def total_bytes(self) -> int:
@@ -76,16 +86,34 @@ class _Table:
         return {0: "sgd", 1: "adagrad"}.get(self.state_tensors, "adam")
 
 
+def peak_batch_ids(events: Sequence[Any]) -> dict[str, int]:
+    """Per table, the most distinct ids of one batch the run recorded: in its
+    ``cache_embedding`` actions' details and its ``lookup_frequency`` events (the largest)."""
+    peaks: dict[str, int] = {}
+    for e in events:
+        data = e.data or {}
+        if e.kind == "lookup_frequency":
+            table, peak = data.get("table"), data.get("peak_unique_ids")
+        elif e.kind == "action" and data.get("action") == "cache_embedding":
+            table, peak = data.get("target"), (data.get("details") or {}).get("peak_batch_ids")
+        else:
+            continue
+        if isinstance(table, str) and isinstance(peak, int) and peak > 0:
+            peaks[table] = max(peak, peaks.get(table, 0))
+    return peaks
+
+
 def _tables_at(
     rows: Sequence[Mapping[str, Any]],
     time_s: float | None,
     *,
     before: bool = False,
     counts_step: bool = False,
+    peaks: Mapping[str, int] | None = None,
 ) -> dict[str, _Table]:
     """Latest state of each embedding table at ``time_s`` (strictly before it with ``before``;
     all rows when ``None``); categories take their largest value so far (gradients and optimizer
-    state appear after the first step)."""
+    state appear after the first step). ``peaks``: :func:`peak_batch_ids`."""
     tables: dict[str, _Table] = {}
     for r in rows:
         if time_s is not None and (r["time_s"] >= time_s if before else r["time_s"] > time_s):
@@ -106,6 +134,7 @@ def _tables_at(
                 dtype,
                 placement=r["placement"],
                 counts_step=counts_step,
+                peak_batch_ids=(peaks or {}).get(r["module"]),
                 **values,
             )
         else:
@@ -279,12 +308,13 @@ def tables_at_incident(
     time_s: float,
     *,
     counts_step: bool = False,
+    peaks: Mapping[str, int] | None = None,
 ) -> dict[str, _Table]:
     """The tables at an incident (:func:`_tables_at` at its time), each category raised to what
     the incident's own snapshot says was alive (:func:`alive_at`) where that is more: a table's
     ``module_stats`` row is the last step boundary's, so at an out-of-memory error in the first
     step it has no gradient and no optimizer state yet while the error's snapshot has both."""
-    tables = _tables_at(rows, time_s, counts_step=counts_step)
+    tables = _tables_at(rows, time_s, counts_step=counts_step, peaks=peaks)
     for module, alive in alive_at(history, run_id, event_id).items():
         t = tables.get(module)
         if t is None:

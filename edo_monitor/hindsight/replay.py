@@ -16,6 +16,7 @@ from edo_monitor.hindsight.recorded import (
     _load,
     _open,
     _tables_at,
+    peak_batch_ids,
 )
 from edo_monitor.hindsight.replay_model import MIN_RESIZE_BYTES as MIN_RESIZE_BYTES  # re-export
 from edo_monitor.hindsight.replay_model import _Model
@@ -263,7 +264,9 @@ def replay(db: Any, run: Any, policy: Any = None) -> ReplayResult:
         changed = [e.time_s for e in events if e.kind in ("decision", "action")]
         first_live = min(changed) if changed else None
         model = _Model(
-            _tables_at(module_rows, first_live, before=True, counts_step=cpu),
+            _tables_at(
+                module_rows, first_live, before=True, counts_step=cpu, peaks=peak_batch_ids(events)
+            ),
             _activations_at(module_rows, first_live),
             policy.rearm_free_fraction,
             policy.grow_margin_fraction,

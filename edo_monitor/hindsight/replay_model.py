@@ -22,7 +22,7 @@ from edo_monitor.decide.plans import (
     cache_rows_for,
     rounding_expected_error,
 )
-from edo_monitor.hindsight.recorded import CACHE_FLOOR_ROWS, MAX_CHECKPOINT_BLOCKS, _est, _Table
+from edo_monitor.hindsight.recorded import MAX_CHECKPOINT_BLOCKS, _est, _Table
 from edo_monitor.measure.module_tree import MODEL_MODULE
 from edo_monitor.units import format_bytes
 
@@ -153,7 +153,7 @@ class _Model:
         for t in self.tables.values():
             if t.cache_rows is None or not t.on_device:
                 continue
-            floor = min(t.num_embeddings, CACHE_FLOOR_ROWS) + 1
+            floor = t.cache_floor_rows + 1  # the peak ids of a batch and a block, as live
             spare = t.cache_rows - floor
             if spare < 1:
                 continue
@@ -171,7 +171,7 @@ class _Model:
             return self._no_table("cache_embedding")
         for t in tables:
             n = t.num_embeddings
-            floor = max(1, min(n, CACHE_FLOOR_ROWS))
+            floor = t.cache_floor_rows
             rows = cache_rows_for(n, floor, need, t.row_bytes)
             if rows >= n:
                 continue

@@ -367,7 +367,12 @@ def plan_for_incident(
     oom_sample`; else the sample at the incident), its tables and
     activations, the run's world size and its ``table_spectrum`` events."""
     from edo_monitor.hindsight.explain import oom_sample
-    from edo_monitor.hindsight.recorded import _activations_at, _sample_at, tables_at_incident
+    from edo_monitor.hindsight.recorded import (
+        _activations_at,
+        _sample_at,
+        peak_batch_ids,
+        tables_at_incident,
+    )
 
     e = next((e for e in events if e.id == incident.event_id), None)
     sample, alive = None, None
@@ -380,7 +385,13 @@ def plan_for_incident(
         incident.shortfall_bytes,
         sample,
         tables_at_incident(
-            history, info.id, incident.event_id, module_rows, incident.time_s, counts_step=cpu
+            history,
+            info.id,
+            incident.event_id,
+            module_rows,
+            incident.time_s,
+            counts_step=cpu,
+            peaks=peak_batch_ids(events),
         ),
         _activations_at(module_rows, incident.time_s),
         # what was alive is known by category: the request is not taken for activations

@@ -53,6 +53,8 @@ class TableFrequency:
         top_ids: the ``k`` most looked-up ids, most frequent first (ties by lower id).
         top_counts: their counts.
         top_share_fraction: share of the counted lookups that ``top_ids`` cover (0 with none).
+        peak_unique_ids: most distinct ids one counted forward looked up (what a row cache of
+            the table holds at least; hindsight reads it from the run's event).
     """
 
     table: str
@@ -61,6 +63,7 @@ class TableFrequency:
     top_ids: list[int]
     top_counts: list[int]
     top_share_fraction: float
+    peak_unique_ids: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready dict of every field."""
@@ -71,6 +74,7 @@ class TableFrequency:
             "top_ids": self.top_ids,
             "top_counts": self.top_counts,
             "top_share_fraction": self.top_share_fraction,
+            "peak_unique_ids": self.peak_unique_ids,
         }
 
 
@@ -284,7 +288,8 @@ class LookupCounter:
         Raises:
             KeyError: for a table that was never watched.
         """
-        counts = self._drain_all(name).counts
+        table = self._drain_all(name)
+        counts = table.counts
         total = int(counts.sum())
         ids, top = self._ranked(name, k)
         return TableFrequency(
@@ -294,6 +299,7 @@ class LookupCounter:
             top_ids=ids.tolist(),
             top_counts=top.tolist(),
             top_share_fraction=int(top.sum()) / total if total else 0.0,
+            peak_unique_ids=table.peak_unique,
         )
 
     def hot_ids(self, name: str, k: int) -> torch.Tensor:
