@@ -136,7 +136,7 @@ def test_run_references(seeded: tuple[Path, dict[str, Any]]) -> None:
         with pytest.raises(RunNotFoundError, match="several runs"):
             h.run("a3")
         with pytest.raises(RunNotFoundError, match=r"no run with id 90455722$"):
-            h.run("90455722")
+            h.run("90455722-7c")
         assert h.run("90455722-7c1e-4c").id == 1
         # ids beyond SQL's int64 name no run (they raised OverflowError from the driver)
         for huge in ("99999999999999999999999", 2**63, -1):
@@ -160,6 +160,14 @@ def test_uuid_references_always_open_their_run(seeded: tuple[Path, dict[str, Any
         }
         for run_id, ref in refs.items():
             assert h.run(ref).id == run_id
+        # regression: the runs a prefix matches were shown by 12 characters, "90455722-7c"
+        # for both: no more characters to give could be read from them
+        with pytest.raises(RunNotFoundError) as err:
+            h.run("90455722-7c")
+        assert str(err.value) == (
+            "uuid prefix '90455722-7c' matches several runs: 1 (90455722-7c1e-4c), "
+            "2 (90455722-7c1e-40); give more characters"
+        )
 
 
 @pytest.mark.parametrize("max_points", [1000, 100, 37, 5])

@@ -346,7 +346,8 @@ class History(_JobQueries, _DeviceQueries, _SampleQueries):
         if not found:
             raise RunNotFoundError(f"no run with id or uuid prefix {ref_s!r}")
         if len(found) > 1:
-            shown = ", ".join(f"{r.id} ({r.uuid[:12]})" for r in found[:5])
+            refs = self.uuid_references()  # long enough to tell each from the others
+            shown = ", ".join(f"{r.id} ({refs.get(r.id, r.uuid)})" for r in found[:5])
             raise RunNotFoundError(
                 f"uuid prefix {ref_s!r} matches several runs: {shown}; give more characters"
             )
