@@ -271,7 +271,8 @@ def _engine_for(url: URL, *, readonly: bool, shown: str | None = None) -> Engine
         raise
     except (OperationalError, SADatabaseError) as exc:
         engine.dispose()
-        reason = str(exc.orig)
+        # one line: psycopg's "connection refused" has a hint on a second
+        reason = " ".join(part.strip() for part in str(exc.orig).splitlines() if part.strip())
         if readonly and is_sqlite and isinstance(exc.orig, sqlite3.Error):
             err = _readonly_error(shown, exc.orig)
             if isinstance(err, StoreError):
