@@ -205,7 +205,9 @@ def estimate_cmd(
     dtype: Annotated[str, typer.Option(help="Parameter dtype (float32, float16, bfloat16 …).")] = (
         "float32"
     ),
-    optimizer: Annotated[str, typer.Option(help="sgd, momentum, adam, adamw, adagrad …")] = "adam",
+    optimizer: Annotated[
+        str, typer.Option(help="sgd, sgd-momentum, adam, adamw, adagrad, rmsprop")
+    ] = "adam",
     compression: Annotated[
         str | None,
         typer.Option(
