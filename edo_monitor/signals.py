@@ -57,8 +57,9 @@ class Terminated(SystemExit):
 def terminate_on_sigterm() -> Callable[[], None]:
     """While a watched run lasts, turn SIGTERM into :class:`Terminated` raised in the main thread
     — only when the process has no SIGTERM handler of its own (the default action, which kills
-    the process without running any Python: the run would read ``crashed``) and this is the main
-    thread. A handler the user or a framework installed (Lightning's, say) is left alone.
+    the process without running any Python: the run would read ``crashed``; or the handler of a
+    run that ended, which acts as it) and this is the main thread. A handler the user or a
+    framework installed (Lightning's, say) is left alone.
 
     Returns:
         What puts the default action back (only if the handler is still this one). From then on
@@ -68,7 +69,11 @@ def terminate_on_sigterm() -> Callable[[], None]:
     """
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
-    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+    current = signal.getsignal(signal.SIGTERM)
+    before = getattr(current, "edo_run_ended", None)
+    # an ended run's handler, put back by a framework after a run that raised (Lightning's
+    # teardown, with no callback hook after it): the default action, so this run takes it
+    if current is not signal.SIG_DFL and not (before is not None and before.is_set()):
         return lambda: None
     ended = threading.Event()
 
@@ -78,6 +83,7 @@ def terminate_on_sigterm() -> Callable[[], None]:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
 
+    handler.edo_run_ended = ended  # type: ignore[attr-defined]
     signal.signal(signal.SIGTERM, handler)
 
     def restore() -> None:

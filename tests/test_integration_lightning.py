@@ -348,6 +348,11 @@ class LoggedBagOfWords(BagOfWords):
         self.log("val_loss", nn.functional.cross_entropy(self.head(self.emb(ids).mean(1)), labels))
 
 
+class _FailingValidation(LoggedBagOfWords):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        raise RuntimeError("validation broke")
+
+
 def tb_trainer(callback: Any, tmp_path: Path, version: str, steps: int) -> tuple[Any, Any]:
     """A trainer of ``steps`` steps with ``callback`` and a ``TensorBoardLogger`` (its run
     ``version`` under ``tmp_path/tb``) written at every step, and that logger."""
@@ -429,6 +434,11 @@ def test_a_checkpoint_loaded_to_validate_does_not_resume_the_next_fit(
     first.save_checkpoint(tmp_path / "first.ckpt")
     checker, _ = make("v", 5)
     checker.validate(LoggedBagOfWords(), loader(2), ckpt_path=tmp_path / "first.ckpt")
+    # regression: a validate that raised is torn down by no callback hook: the checkpoint it
+    # loaded stayed, and the next fit was recorded as resumed from it
+    failing, _ = make("w", 5)
+    with pytest.raises(RuntimeError, match="validation broke"):
+        failing.validate(_FailingValidation(), loader(2), ckpt_path=tmp_path / "first.ckpt")
     fresh, tb_logger = make("b", 3)
     fresh.fit(LoggedBagOfWords(), loader(3))
     got = tensorboard_steps(tb_logger.log_dir)

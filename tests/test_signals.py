@@ -46,3 +46,23 @@ def test_after_the_run_a_handler_put_back_acts_as_the_default_action() -> None:
     res = _run("")
     assert res.returncode == -signal.SIGTERM, (res.returncode, res.stderr)
     assert res.stdout == "" and "Terminated" not in res.stderr
+
+
+def test_a_later_run_takes_the_place_of_an_ended_runs_handler() -> None:
+    """Regression: after a Lightning fit that raised (no teardown hook after Lightning put the
+    ended run's handler back), a later run found a handler in place and installed none of its
+    own: a SIGTERM then killed the process as the default action, and the later run read
+    ``crashed``. An ended run's handler acts as the default action: the next run replaces it."""
+    later = "restore_later = terminate_on_sigterm()\n"
+    later += "try:\n    os.kill(os.getpid(), signal.SIGTERM); time.sleep(5)\n"
+    later += "except Terminated as exc:\n    print('later run terminated', exc.code)\n"
+    later += "restore_later()\nprint(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)"
+    code = SCRIPT.replace("os.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(5)", later, 1)
+    res = subprocess.run(
+        [sys.executable, "-c", code.format(during="")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert res.stdout.splitlines()[:2] == ["later run terminated 143", "True"], res.stderr

@@ -114,7 +114,7 @@ class LightningCallbackMixin:
         self._resumed_from = None
         resumed_step, self._resumed_global_step = self._resumed_global_step, None
         if resumed is not None:
-            resumed = {**resumed, "checkpoint": str(getattr(trainer, "ckpt_path", None))}
+            resumed = {**resumed, "checkpoint": _checkpoint_path(trainer)}
             kwargs["config"]["resumed_from"] = resumed
         optimizers = torch_optimizers(getattr(trainer, "optimizers", None) or [])
         # tables an earlier fit cached: the optimizers configure_optimizers() just made hold
@@ -148,7 +148,7 @@ class LightningCallbackMixin:
             align_tensorboard(self.monitor, getattr(trainer, "global_step", None))
             resumed, self._resumed_from = self._resumed_from, None
             if resumed is not None:  # a strategy that restores after setup: loaded since
-                checkpoint = str(getattr(trainer, "ckpt_path", None))
+                checkpoint = _checkpoint_path(trainer)
                 record_resume(self.monitor, {**resumed, "checkpoint": checkpoint})
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
@@ -171,9 +171,15 @@ class LightningCallbackMixin:
         self._resumed_global_step = None
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        """The fit raised: the run is ``failed`` with ``exception`` (``interrupted`` for Ctrl-C,
-        which Lightning turns into a graceful shutdown)."""
+        """The fit (or validate, test, predict) raised: the run is ``failed`` with ``exception``
+        (``interrupted`` for Ctrl-C, which Lightning turns into a graceful shutdown). Lightning
+        calls no ``teardown`` after it: a checkpoint loaded for it is forgotten here (the next
+        fit was recorded as resumed from it), and SIGTERM's handler, which Lightning puts back
+        after this hook, is an ended run's: the next run takes its place
+        (:func:`~edo_monitor.signals.terminate_on_sigterm`)."""
         self._stop(exception)
+        self._resumed_from = None
+        self._resumed_global_step = None
 
     # ------------------------------------------------------------------ helpers
     def _stop(self, exc: BaseException | None) -> None:
@@ -211,3 +217,10 @@ class LightningCallbackMixin:
             "EdoMonitorCallback(tensorboard=True) needs a TensorBoardLogger on the Trainer; "
             "pass a log folder or a SummaryWriter instead"
         )
+
+
+def _checkpoint_path(trainer: Any) -> str | None:
+    """The checkpoint the trainer loaded (``ckpt_path``), ``None`` when it names none (it read
+    ``'None'``)."""
+    path = getattr(trainer, "ckpt_path", None)
+    return None if path is None else str(path)
