@@ -3,6 +3,7 @@ the batch: its counts and its distinct-id peak equal ``torch.unique``'s on the s
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -66,3 +67,31 @@ def test_ids_given_by_keyword_are_counted() -> None:
             (2, 2 * times),
             (1, times),
         ]
+
+
+def test_a_batch_with_an_id_outside_the_table_is_skipped_and_counting_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Regression: a batch holding an id outside the table (the user's own lookup then raised
+    IndexError, and the user skipped the batch) stopped the counting for the rest of the run:
+    the later batches' ids were not counted, and the ``lookup_frequency`` event and the cache's
+    sizing read the counts up to it. Such a batch is left out, one warning, and counting goes
+    on."""
+    emb = nn.Embedding(10, 2)
+    counter = LookupCounter()
+    counter.watch("emb", emb)
+    emb(torch.tensor([1, 2, 2]))
+    for bad in (torch.tensor([3, 10]), torch.tensor([-1, 4])):
+        with pytest.raises(IndexError):
+            emb(bad)
+    emb(torch.tensor([5, 5, 5, 6]))
+    want = torch.zeros(10, dtype=torch.long)
+    want[[1, 2, 5, 6]] = torch.tensor([1, 2, 3, 1])
+    assert torch.equal(counter.counts("emb"), want)
+    assert counter.peak_unique_ids("emb") == 2
+    warned = [r.getMessage() for r in caplog.records if "lookup counting" in r.getMessage()]
+    assert warned == [
+        "lookup counting: a batch of emb holds id 10, outside its 10 rows; batches like it are "
+        "not counted"
+    ]
+    counter.close()

@@ -81,8 +81,9 @@ class TableFrequency:
 class _Table:
     """One watched table's counts and the hook's scratch (see :class:`LookupCounter`)."""
 
-    def __init__(self, num: int) -> None:
+    def __init__(self, num: int, name: str) -> None:
         self.num = num
+        self.name = name  # in the warning about ids outside the table
         self.pad: int | None = None
         self.counts = torch.zeros(num, dtype=torch.long)
         self.peak_unique = 0
@@ -97,6 +98,7 @@ class _Table:
         self.positions = torch.empty(0, dtype=torch.int32)
         #: ids copied from a GPU without waiting for it: (pinned host copy, the copy's event)
         self.pending: deque[tuple[torch.Tensor, Any]] = deque()
+        self.warned_range = False
 
 
 class LookupCounter:
@@ -135,7 +137,7 @@ class LookupCounter:
         """
         if name in self._handles:
             self._handles.pop(name).remove()
-        table = self._tables.setdefault(name, _Table(int(module.num_embeddings)))
+        table = self._tables.setdefault(name, _Table(int(module.num_embeddings), name))
         table.pad = getattr(module, "padding_idx", None)
         add_listener = getattr(module, "add_lookup_listener", None)
         if callable(add_listener):
@@ -228,6 +230,18 @@ class LookupCounter:
             flat = flat[flat != table.pad]
         n = flat.numel()
         if n == 0:
+            return
+        low, high = (int(v) for v in torch.aminmax(flat))
+        if low < 0 or high >= table.num:  # the table's own lookup fails on it: not counted
+            if not table.warned_range:
+                table.warned_range = True
+                logger.warning(
+                    "lookup counting: a batch of %s holds id %d, outside its %d rows; batches "
+                    "like it are not counted",
+                    table.name,
+                    low if low < 0 else high,
+                    table.num,
+                )
             return
         if table.stamp.numel() != table.num:
             table.stamp = torch.zeros(table.num, dtype=torch.int32)
