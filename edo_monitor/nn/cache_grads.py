@@ -207,11 +207,7 @@ class _GradientLayout:
         g = self.batch_rows.grad
         if g is None:
             return None
-        rows = self._layout_rows
-        r = self.block_rows
-        blocks = self.slot_to_block[rows // r]
-        ids = blocks * r + rows % r
-        return ids, g
+        return self._row_ids(self._layout_rows), g
 
     def _direct_grad(self) -> torch.Tensor | None:
         """A gradient that reached ``weight`` ``(C, D)`` itself, not through a lookup (a loss

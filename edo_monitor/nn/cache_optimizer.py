@@ -424,8 +424,7 @@ class _OptimizerBinding:
                 out[key] = state[key].index_select(0, at)
                 continue
             if ids is None:
-                r = self.block_rows
-                ids = self.slot_to_block.index_select(0, rows // r) * r + rows % r
+                ids = self._row_ids(rows)
             host = self.host_state[key].index_select(0, ids)
             out[key] = to_device(host, self.device).to(self.weight.dtype)
         return out

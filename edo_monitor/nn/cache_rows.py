@@ -84,6 +84,11 @@ class _RowMovement(_VictimChoice):
             return slots
         return (slots[:, None] * r + torch.arange(r)[None, :]).reshape(-1)
 
+    def _row_ids(self, rows: torch.Tensor) -> torch.Tensor:
+        """The table ids ``(R,)`` held by cache ``rows`` ``(R,)`` (host int64, rows in use)."""
+        r = self.block_rows
+        return self.slot_to_block.index_select(0, rows // r) * r + rows % r
+
     def _gather_rows(self, host: torch.Tensor) -> torch.Tensor:
         """Rows of a full host tensor ``(N, D)`` for every cache slot ``(C, D)`` (free: zero)."""
         out = torch.zeros(self.cache_rows, self.embedding_dim, dtype=host.dtype)
