@@ -4,6 +4,7 @@ they cannot keep, stale plans) and the CPU-budget enforcement's out-of-memory er
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from edo_monitor.actions import (
 )
 from edo_monitor.errors import BudgetOutOfMemoryError
 from edo_monitor.measure.accounting import account
+from edo_monitor.measure.frequency import LookupCounter
 from edo_monitor.measure.oom import parse_oom_message
 
 # ---------------------------------------------------------------- refusals
@@ -125,6 +127,76 @@ def test_refuses_tied_weights(name: str) -> None:
     opt = torch.optim.Adam(model.parameters())
     r = ACTIONS[name].plan(ctx_of(model, opt))
     assert isinstance(r, Refusal) and "tied to lm_head (Linear)" in r.reason
+
+
+OPTIMIZER_ACTIONS = [*TABLE_ACTIONS, "compress_embedding_bf16", "share_embedding"]
+
+
+@pytest.mark.parametrize("name", OPTIMIZER_ACTIONS)
+def test_refuses_a_trainable_table_that_no_optimizer_of_the_run_steps(name: str) -> None:
+    """Regression: with the table's own optimizer not given to the run (``watch(model,
+    dense_opt)``), bf16 left that optimizer's Adam state float32 (a RuntimeError at its next
+    step), low rank and sharing put new parameters no optimizer steps while the old weight
+    stayed alive in it. Refused now, as the row cache refuses it; a frozen table is taken."""
+    model, _ = make()
+    table_opt = torch.optim.Adam([model.emb.weight], lr=1e-2)
+    dense = [p for n, p in model.named_parameters() if not n.startswith("emb.")]
+    dense_opt = torch.optim.Adam(dense, lr=1e-2)
+    train(model, _TwoOptimizers(dense_opt, table_opt), batches(2))
+    ctx = ctx_of(model, dense_opt, lookup_counter=_counted(model))
+    r = ACTIONS[name].plan(ctx)
+    assert isinstance(r, Refusal) and "emb: no optimizer the run knows steps it" in r.reason, r
+    assert ACTIONS[name].apply(ctx).status == "refused"
+    assert isinstance(model.emb, nn.Embedding) and model.emb.weight.dtype == torch.float32
+    model.emb.weight.requires_grad_(False)  # frozen: nothing to follow
+    assert not isinstance(ACTIONS["offload_embedding"].plan(ctx), Refusal)
+
+
+@pytest.mark.parametrize("name", ["compress_embedding_bf16", "share_embedding"])
+def test_refuses_optimizer_state_that_is_not_per_element(name: str) -> None:
+    """Regression: Adafactor's factored state (``row_var`` ``(N, 1)``, ``col_var`` ``(1, D)``)
+    was left float32 by bf16 and copied whole onto each of sharing's new parameters: both
+    raised at the next ``opt.step()``. Refused now, naming the state; before Adafactor's first
+    step (no state yet) the table is taken and trains on."""
+    model, _ = make()
+    opt = torch.optim.Adafactor(model.parameters(), lr=1e-2)
+    ctx = ctx_of(model, opt, lookup_counter=_counted(model))
+    assert not isinstance(ACTIONS[name].plan(ctx), Refusal)
+    train(model, opt, batches(2))
+    r = ACTIONS[name].plan(ctx)
+    assert isinstance(r, Refusal), r
+    assert f"emb: Adafactor keeps state 'row_var' of shape ({VOCAB}, 1)" in r.reason, r
+    fresh, fresh_opt = make()
+    fresh_opt = torch.optim.Adafactor(fresh.parameters(), lr=1e-2)
+    ctx = ctx_of(fresh, fresh_opt, lookup_counter=_counted(fresh))
+    assert ACTIONS[name].apply(ctx).status == "applied"
+    losses = train(fresh, fresh_opt, batches(3))
+    assert all(math.isfinite(x) for x in losses)
+
+
+class _TwoOptimizers:
+    """Steps two optimizers as one (``train`` takes one)."""
+
+    def __init__(self, *opts: torch.optim.Optimizer) -> None:
+        self.opts = opts
+
+    def step(self) -> None:
+        for o in self.opts:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.opts:
+            o.zero_grad(set_to_none=set_to_none)
+
+
+def _counted(model: Net) -> LookupCounter:
+    """Lookup counts of ``model``'s table over a few batches (sharing's hot rows need them)."""
+    counter = LookupCounter()
+    counter.watch("emb", model.emb)
+    with torch.no_grad():
+        for x, _ in batches(3):
+            model(x)
+    return counter
 
 
 @pytest.mark.parametrize(

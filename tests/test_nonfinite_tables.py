@@ -68,6 +68,45 @@ def test_a_compression_plan_refuses_a_table_holding_nan_by_its_row(action: str) 
     assert model.emb is table
 
 
+@pytest.mark.parametrize(
+    ("action", "dtype", "value", "reason"),
+    [
+        ("compress_embedding_fp16", torch.float32, float("nan"), "not finite (nan at row 7)"),
+        ("compress_embedding_bf16", torch.float32, float("inf"), "not finite (inf at row 7)"),
+        (
+            "compress_embedding_fp16",
+            torch.float32,
+            -1e5,
+            "beyond fp16's range (-100000 at row 7; its largest is 65504)",
+        ),
+        (
+            "compress_embedding_bf16",
+            torch.float64,
+            1e39,
+            "beyond bf16's range (1e+39 at row 7; its largest is 3.38953e+38)",
+        ),
+    ],
+)
+def test_a_16_bit_plan_refuses_a_value_the_dtype_cannot_hold(
+    action: str, dtype: torch.dtype, value: float, reason: str
+) -> None:
+    """Regression: fp16 and bf16 converted a table holding NaN, inf or a finite value past their
+    range (fp16: 1e5 became inf, the model's output with it) and reported an error of inf. One
+    value in range just below fp16's largest is taken."""
+    model, opt = make(frozen=True)
+    model.to(dtype)
+    with torch.no_grad():
+        model.emb.weight[7, 3] = value
+    table = model.emb
+    result = ACTIONS[action].apply(ctx_of(model, opt))
+    assert result.status == "refused" and reason in result.reason, result
+    assert model.emb is table and model.emb.weight.dtype == dtype
+    with torch.no_grad():
+        model.emb.weight[7, 3] = 65504.0
+    assert ACTIONS[action].apply(ctx_of(model, opt)).status == "applied"
+    assert torch.isfinite(model.emb.weight).all()
+
+
 def test_the_error_of_a_nan_row_is_nan_not_zero() -> None:
     reference = torch.zeros(4, 3)
     approx = reference.clone()

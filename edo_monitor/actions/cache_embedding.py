@@ -41,6 +41,7 @@ from edo_monitor.actions.base import Action, ActionContext, find_wrapped_paralle
 from edo_monitor.actions.host_headroom import host_headroom
 from edo_monitor.actions.tables import (
     device_tables,
+    optimizer_holders,
     outside_use_blocker,
     replace_module,
     tied_blocker,
@@ -102,16 +103,10 @@ def _need_bytes(ctx: ActionContext) -> int | None:
     return max(0, math.ceil(ctx.in_use_bytes - (1 - ctx.rearm_free_fraction) * ctx.budget_bytes))
 
 
-def _holders(
-    optimizers: Sequence[torch.optim.Optimizer], param: nn.Parameter
-) -> list[torch.optim.Optimizer]:
-    return [o for o in optimizers if any(p is param for g in o.param_groups for p in g["params"])]
-
-
 def _optimizer_refusal(
     optimizers: Sequence[torch.optim.Optimizer], param: nn.Parameter, steps_done: int | None
 ) -> str:
-    holders = _holders(optimizers, param)
+    holders = optimizer_holders(optimizers, param)
     if len(holders) > 1:
         return "stepped by more than one optimizer"
     if not holders and param.requires_grad:
@@ -278,7 +273,7 @@ class CacheEmbedding(Action):
         weight.grad = None
         rebind_data(weight, cache.data)
         ctx.stage("weight_moved")
-        holders = _holders(ctx.optimizers, weight)
+        holders = optimizer_holders(ctx.optimizers, weight)
         try:
             for opt in holders:
                 table.attach(opt)

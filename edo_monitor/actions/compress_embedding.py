@@ -33,14 +33,16 @@ Variants (each registered as its own action name):
 
 The ``padding_idx`` row stays exact (int8/low-rank keep it in a buffer; fp16/bf16 refuse a padding
 row that the dtype cannot hold exactly). Refused: DDP/FSDP models, tied weights, a weight read
-outside its module's forward (``actions.tables.outside_use_blocker``; needs a recorded step),
-``sparse=True`` and ``max_norm`` (both not preserved), ``scale_grad_by_freq`` on a trainable
-low-rank table, tables already at 16 bits or less, and every variant whose estimated saving is
-zero or less (int8 or int4 of a 1-column table: its per-row scale or per-group scale and
-zero-point outweigh the float; ``perrow`` when every row keeps full precision; a rank that is not
-smaller), the reason naming the bytes after and now. The rules that need only what a run
-records (the variant ``compress_embedding`` picks, 16 bits or less, frozen only, the rank, not
-smaller) are :mod:`edo_monitor.decide.compress_rules`, which ``replay`` calls too.
+outside its module's forward (``actions.tables.outside_use_blocker``; needs a recorded step), a
+trainable weight no optimizer of the run steps or whose optimizer state is not per-element
+(``actions.tables.optimizer_blocker``), ``sparse=True`` and ``max_norm`` (both not preserved),
+``scale_grad_by_freq`` on a trainable low-rank table, tables already at 16 bits or less, and every
+variant whose estimated saving is zero or less (int8 or int4 of a 1-column table: its per-row scale
+or per-group scale and zero-point outweigh the float; ``perrow`` when every row keeps full
+precision; a rank that is not smaller), the reason naming the bytes after and now. The rules that
+need only what a run records (the variant ``compress_embedding`` picks, 16 bits or less, frozen
+only, the rank, not smaller) are :mod:`edo_monitor.decide.compress_rules`, which ``replay`` calls
+too.
 
 **Bytes saved.** The plan's ``estimated_saving_bytes`` and the recorded ``saved_bytes`` are the
 saving *after the next optimizer step*: the table's bytes now (weight, the dense gradient it has
@@ -90,6 +92,7 @@ from edo_monitor.actions.tables import (
     TableCandidate,
     convert_optimizer_state,
     device_tables,
+    optimizer_blocker,
     outside_use_blocker,
     replace_module,
     replace_param_in_optimizers,
@@ -117,6 +120,7 @@ from edo_monitor.nn.lowbit import (
     PerRowPrecisionEmbedding,
     Sparse2of8Embedding,
 )
+from edo_monitor.nn.table_checks import check_representable
 from edo_monitor.units import format_bytes
 
 __all__ = ["VARIANTS", "CompressEmbedding", "bytes_after_next_step", "state_layout"]
@@ -265,6 +269,9 @@ class CompressEmbedding(Action):
         outside = outside_use_blocker(ctx.activation_profile, t.name)
         if outside:
             return outside
+        held = optimizer_blocker(ctx.optimizers, w)
+        if held:
+            return held
         if opts.sparse:
             return "sparse=True is not preserved by compression"
         if opts.max_norm is not None:
@@ -279,6 +286,10 @@ class CompressEmbedding(Action):
         if rule:
             return rule
         if variant in _DTYPES:
+            try:
+                check_representable(w, _DTYPES[variant], variant)
+            except ValueError as exc:
+                return str(exc)
             tiny = torch.finfo(_DTYPES[variant]).tiny
             for eps in _group_values(ctx, w, "eps"):
                 if w.requires_grad and isinstance(eps, float) and eps < tiny:

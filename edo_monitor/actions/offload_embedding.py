@@ -17,9 +17,11 @@ available bytes (``ActionContext.host_available_bytes``: the host probe's readin
 the machine's and the cgroup's); the action refuses when they do not fit.
 
 Refused for: DDP/FSDP-wrapped models; a weight tied to another module (the other module would then
-compute with a host tensor, or the tie would break); a weight read outside its module's forward
-(an output layer tied by use); a weight whose optimizer group is ``fused`` or ``capturable`` (those
-need device tensors); no device-tier table left; not enough host memory.
+compute with a host tensor, or the tie would break); a weight read outside its module's forward (an
+output layer tied by use); a trainable weight no optimizer of the run steps, or whose optimizer
+state is not per-element (``actions.tables.optimizer_blocker``); a weight whose optimizer group is
+``fused`` or ``capturable`` (those need device tensors); no device-tier table left; not enough host
+memory.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from edo_monitor.actions.tables import (
     TableCandidate,
     convert_optimizer_state,
     device_tables,
+    optimizer_blocker,
     optimizer_group_flags,
     outside_use_blocker,
     replace_module,
@@ -78,6 +81,10 @@ class OffloadEmbedding(Action):
             outside = outside_use_blocker(ctx.activation_profile, t.name)
             if outside:
                 reasons.append(f"{t.name}: {outside}")
+                continue
+            held = optimizer_blocker(ctx.optimizers, t.weight)
+            if held:
+                reasons.append(f"{t.name}: {held}")
                 continue
             flag = optimizer_group_flags(ctx.optimizers, t.weight)
             if flag:

@@ -19,18 +19,19 @@ Conversion keeps the model working and the optimizer consistent:
   a sparse gradient is dropped (``None``: it is stale at a step boundary and its dense form could
   be as large as the table).
 
-Refused: DDP/FSDP models, tied weights, ``max_norm``, ``scale_grad_by_freq``, non-float tables,
-and tables the sizes would not make smaller. The recorded error compares the rows the model now
-computes with the rows before: :func:`edo_monitor.nn.row_error` over every row, and
-``lookup_relative_error`` = Σ p_i ‖w_i − w'_i‖² / Σ p_i ‖w_i‖² over every id, ``p`` the lookups'
-distribution (:func:`~edo_monitor.actions.expected_error.table_distribution`: Good–Turing from
-the counts, ids not counted yet sharing their estimated share; uniform without counts), which is
-what the next batches will feel. (Over the counted lookups alone it read 0 whenever every
-counted id was hot, where the next batches saw 0.57.) The plan's
-:attr:`~edo_monitor.decide.plans.Plan.expected_error` estimates that same quantity before
-converting, from bounded samples of rows
-(:func:`~edo_monitor.actions.expected_error.share_expected_error`: the cold lookups' share times
-the error of replacing a row by its bucket's mean).
+Refused: DDP/FSDP models, tied weights, a trainable weight no optimizer of the run steps or whose
+optimizer state is not per-element (``actions.tables.optimizer_blocker``), ``max_norm``,
+``scale_grad_by_freq``, non-float tables, and tables the sizes would not make smaller. The recorded
+error compares the rows the model now computes with the rows before:
+:func:`edo_monitor.nn.row_error` over every row, and ``lookup_relative_error`` = Σ p_i ‖w_i − w'_i‖²
+/ Σ p_i ‖w_i‖² over every id, ``p`` the lookups' distribution
+(:func:`~edo_monitor.actions.expected_error.table_distribution`: Good–Turing from the counts, ids
+not counted yet sharing their estimated share; uniform without counts), which is what the next
+batches will feel. (Over the counted lookups alone it read 0 whenever every counted id was hot,
+where the next batches saw 0.57.) The plan's :attr:`~edo_monitor.decide.plans.Plan.expected_error`
+estimates that same quantity before converting, from bounded samples of rows
+(:func:`~edo_monitor.actions.expected_error.share_expected_error`: the cold lookups' share times the
+error of replacing a row by its bucket's mean).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from edo_monitor.actions.expected_error import (
 from edo_monitor.actions.tables import (
     TableCandidate,
     device_tables,
+    optimizer_blocker,
     outside_use_blocker,
     replace_module,
     replace_param_in_optimizers,
@@ -103,6 +105,9 @@ class ShareEmbedding(Action):
         outside = outside_use_blocker(ctx.activation_profile, t.name)
         if outside:
             return outside
+        held = optimizer_blocker(ctx.optimizers, t.weight)
+        if held:
+            return held
         if opts.max_norm is not None:
             return "max_norm is not preserved by sharing (it rewrites shared rows in place)"
         if opts.scale_grad_by_freq:

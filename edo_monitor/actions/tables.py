@@ -21,6 +21,8 @@ __all__ = [
     "TableCandidate",
     "convert_optimizer_state",
     "device_tables",
+    "optimizer_blocker",
+    "optimizer_holders",
     "outside_use_blocker",
     "replace_module",
     "replace_param_in_optimizers",
@@ -141,6 +143,51 @@ def outside_use_blocker(profile: object, table: str) -> str | None:
     if where:
         shown = ", ".join(where[:3]) + (f" and {len(where) - 3} more" if len(where) > 3 else "")
         return f"{TABLE_BLOCKERS[1]} {table}'s forward ({shown}); changing it would break that"
+    return None
+
+
+def optimizer_holders(
+    optimizers: Sequence[torch.optim.Optimizer], param: nn.Parameter
+) -> list[torch.optim.Optimizer]:
+    """The optimizers among ``optimizers`` with ``param`` in a param group."""
+    return [o for o in optimizers if any(p is param for g in o.param_groups for p in g["params"])]
+
+
+def optimizer_blocker(
+    optimizers: Sequence[torch.optim.Optimizer], param: nn.Parameter
+) -> str | None:
+    """Why a table action may not take the table whose weight is ``param`` for the run's
+    ``optimizers``, or ``None``.
+
+    A table action converts the weight (dtype, device) and its optimizer state, or puts new
+    parameters in the weight's place in the optimizers that hold it. Two cases it cannot follow:
+
+    - a trainable weight that none of ``optimizers`` holds, while the run knows optimizers (one
+      given to ``watch()`` or found at its step): another optimizer steps it (the table's own,
+      not given to ``watch()``), which keeps the old weight and its state. A converted weight
+      then met float32 state (bf16: a ``RuntimeError`` at its next step), new parameters were
+      never trained and the old weight stayed alive (low rank, sharing: the saving not real).
+      With no optimizer known at all nothing is refused here (before the first step, or a loop
+      that updates the parameters itself);
+    - a state tensor of a holder that is neither per-element (``param``'s shape) nor a scalar:
+      Adafactor's factored ``row_var`` ``(N, 1)`` / ``col_var`` ``(1, D)``, which no conversion
+      or split of rows carries (bf16 and sharing raised at the next step).
+    """
+    holders = optimizer_holders(optimizers, param)
+    if not holders and optimizers and param.requires_grad:
+        return (
+            "no optimizer the run knows steps it (one not given to watch() would keep the old "
+            "weight and its state); pass that optimizer to watch(), or freeze the table "
+            "(requires_grad_(False))"
+        )
+    for opt in holders:
+        for key, value in opt.state.get(param, {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() and value.shape != param.shape:
+                return (
+                    f"{type(opt).__name__} keeps state {key!r} of shape {tuple(value.shape)}, "
+                    f"neither per-element {tuple(param.shape)} nor a scalar: a table action "
+                    "cannot carry it"
+                )
     return None
 
 

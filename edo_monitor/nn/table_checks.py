@@ -16,6 +16,7 @@ __all__ = [
     "check_bag_arguments",
     "check_finite",
     "check_ids",
+    "check_representable",
     "check_weight",
     "exact_padding_row",
     "id_list",
@@ -148,3 +149,29 @@ def check_finite(weight: torch.Tensor, form: str, ids: torch.Tensor | None = Non
             f"the table holds a value that is not finite ({value} at row {at}); {form} cannot "
             "hold it"
         )
+
+
+def check_representable(weight: torch.Tensor, dtype: torch.dtype, form: str) -> None:
+    """Refuse a table ``(N, D)`` that ``dtype`` cannot hold before it is converted to it
+    (``form`` names the conversion): a value that is not finite (:func:`check_finite`), or one
+    beyond ``dtype``'s range, which the cast turns into inf (``1e5`` in float16, whose largest
+    is 65504). One ``aminmax`` over the table (no temporary of its size); the row is looked
+    for only when one is found.
+
+    Raises:
+        ValueError: the first such value and its row.
+    """
+    if weight.numel() == 0:
+        return
+    w = weight.detach()
+    extremes = torch.stack(torch.aminmax(w)).double()
+    if not bool(torch.isfinite(extremes).all()):
+        check_finite(w, form)
+    if not bool(torch.isinf(extremes.to(dtype)).any()):
+        return
+    beyond = torch.isinf(w.to(dtype))
+    row, col = (int(i) for i in beyond.nonzero()[0])
+    raise ValueError(
+        f"the table holds a value beyond {form}'s range ({w[row, col].item():g} at row {row}; "
+        f"its largest is {torch.finfo(dtype).max:g})"
+    )
