@@ -194,3 +194,52 @@ def test_checkpointing_excludes_blocks_a_recomputation_would_not_replay(kind: st
     NumPy's random state, which also moved the user's random stream. Excluded now; the plan
     takes the plain MLP, and training stays bit-identical to the untouched twin."""
     _excluded_and_twin_identical(Unreplayable(kind), steps=6)
+
+
+class Switchable(nn.Module):
+    """An MLP block with keywords named as ``torch.utils.checkpoint.checkpoint``'s own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(
+        self, x: torch.Tensor, debug: bool = False, context_fn: float = 1.0
+    ) -> torch.Tensor:
+        h = torch.relu(self.fc1(x))
+        return x + self.fc2(h * 0 if debug else h) * context_fn
+
+
+class SwitchNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Switchable(), Switchable()])
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor, **kw: object) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, **kw)
+        return self.head(x)
+
+
+def test_a_checkpointed_block_gets_its_own_keywords() -> None:
+    """Regression: the block's keywords were passed on as ``checkpoint``'s, which takes its own
+    (``debug``, ``context_fn`` ...) out of them: a block called with ``debug=True`` ran with
+    ``debug=False`` (0.39 off the untouched twin), one with ``context_fn=`` failed inside torch.
+    Outputs and gradients now equal the twin's, bit for bit."""
+    torch.manual_seed(0)
+    model = SwitchNet()
+    twin = copy.deepcopy(model)
+    x = torch.randn(8, 16)
+    recorded = copy.deepcopy(model)
+    with ActivationRecorder(recorded) as rec:
+        recorded(x)
+    ctx = ActionContext(model, [], activation_profile=rec.profile())
+    assert ACTIONS["checkpoint_activations"].apply(ctx).status == "applied"
+    for kw in ({}, {"debug": True}, {"context_fn": 0.5}, {"debug": True, "context_fn": 2.0}):
+        got, want = model(x, **kw), twin(x, **kw)
+        assert torch.equal(got, want), kw
+        got.sum().backward()
+        want.sum().backward()
+        for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), kw

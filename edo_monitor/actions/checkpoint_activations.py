@@ -31,6 +31,7 @@ saving there, when the rest of that forward saved what it saved before (the same
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable
 from dataclasses import replace
@@ -93,9 +94,10 @@ class _CheckpointedForward:
         rec = _current_recorder()
         if rec is not None:
             rec.note_held(args, kwargs, self.name)
-        return checkpoint(
-            self._forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs
-        )
+        # the block's keywords go in through the function: checkpoint() takes its own (debug,
+        # context_fn, determinism_check ...) out of **kwargs, so a block's debug=True was eaten
+        forward = functools.partial(self._forward, **kwargs) if kwargs else self._forward
+        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True)
 
 
 def _wrap(module: nn.Module, name: str) -> None:
