@@ -73,3 +73,29 @@ def test_a_bf16_table_trains_on_under_adam_after_float_of_a_float32_model() -> N
         opt.zero_grad()
     assert model[0].weight.dtype == torch.bfloat16
     assert opt.state[model[0].weight]["exp_avg"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "per-row"])
+@pytest.mark.parametrize("strict", [True, False])
+def test_the_uncompressed_state_dict_does_not_load_into_codes(kind: str, strict: bool) -> None:
+    """Regression: int8's codes are its ``weight`` buffer, the key of the table before it was
+    compressed: ``load_state_dict`` of that checkpoint cast the float rows into the codes
+    (truncated: the table garbage) and only then raised about the missing ``row_scale`` (with
+    ``strict=False``, silently). The load now raises naming the dtypes, strict or not, and the
+    table reads as before; the compressed table's own state dict still loads. Every form with
+    integer codes is held to it (the low-bit ``codes`` under a float tensor of that name)."""
+    torch.manual_seed(0)
+    table = _table(kind, torch.randn(N, D))
+    model = nn.Sequential(table)
+    ids = torch.arange(N)
+    before = table(ids)
+    own = {k: v.clone() for k, v in model.state_dict().items()}
+    codes = next(k for k, v in own.items() if not v.is_floating_point() and v.dim() == 2)
+    plain = {**own, codes: torch.randn(own[codes].shape)}
+    if kind == "int8":
+        plain = nn.Sequential(nn.Embedding(N, D)).state_dict()  # the table before compression
+    with pytest.raises(RuntimeError, match=rf"0\.{codes[2:]}: .* stores torch\.\w+ codes there"):
+        model.load_state_dict(plain, strict=strict)
+    assert torch.equal(table(ids), before)
+    model.load_state_dict(own)
+    assert torch.equal(table(ids), before)

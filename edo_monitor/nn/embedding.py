@@ -414,6 +414,37 @@ class _StoredForm:
 
         return super()._apply(keep_form, recurse)  # type: ignore[misc]
 
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        """Refuse, loading nothing of this table, a state dict whose tensor for one of its integer
+        codes (int8's ``weight``, the low-bit ``codes``) is of another dtype: torch's load casts
+        it, so the uncompressed table's float ``weight`` became truncated int8 codes, the table
+        garbage even though the load then raised about the missing ``row_scale`` (and silently
+        with ``strict=False``). ``load_state_dict`` raises with the message, strict or not."""
+        own = {**self._buffers, **self._parameters}  # type: ignore[attr-defined]
+        for name, stored in own.items():
+            given = state_dict.get(prefix + name)
+            if stored is None or stored.is_floating_point() or not isinstance(given, torch.Tensor):
+                continue
+            if given.dtype != stored.dtype:
+                error_msgs.append(
+                    f"{prefix}{name}: {type(self).__name__} stores {stored.dtype} codes there, "
+                    f"the state dict holds {given.dtype} (a state dict of the table before it "
+                    "was compressed does not load into the compressed one)"
+                )
+                return
+        super()._load_from_state_dict(  # type: ignore[misc]
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+
 
 class LowPrecisionEmbedding(_StoredForm, _EdoEmbedding):
     """A table stored as fp16 or bf16, returning ``output_dtype``.
