@@ -204,51 +204,13 @@ def account(
     """
     if model is None:
         return Accounting()
-    seen: set[object] = set()
-
-    class _Row:
-        """One module's bytes: device tier by category, and the host tier."""
-
-        def __init__(self) -> None:
-            self.params = self.grads = self.optim = self.host = 0
-
-        def add(self, cat: str, tensor: torch.Tensor, owner: torch.Tensor) -> None:
-            n = tensor_bytes(tensor)
-            key = _memory_key(tensor, n)
-            if key in seen:  # a tied or shared tensor belongs to the first module that has it
-                return
-            seen.add(key)
-            if not _on_device_tier(tensor, owner, cuda_mode):
-                self.host += n
-            else:
-                setattr(self, cat, getattr(self, cat) + n)
-
-        def add_param(self, p: torch.Tensor) -> None:
-            self.add("params", p, p)
-            grad = p.grad if include_grads else None
-            if grad is not None:
-                self.add("grads", grad, p)
-            for opt in optimizers:
-                state = opt.state.get(p)
-                if state:
-                    for v in list(state.values()):
-                        if isinstance(v, torch.Tensor):
-                            self.add("optim", v, p)
-
-        def stats(self, **fields: object) -> TableStats:
-            return TableStats(
-                params_bytes=self.params,
-                grads_bytes=self.grads,
-                optimizer_state_bytes=self.optim,
-                host_bytes=self.host,
-                **fields,  # type: ignore[arg-type]
-            )
+    walk = _Walk(optimizers, cuda_mode, include_grads)
 
     tables: list[TableStats] = []
     for name, module in model.named_modules():
         if not is_table_module(module):
             continue
-        row = _Row()
+        row = _Row(walk)
         for t in module.parameters(recurse=True):
             row.add_param(t)
         for b in module.buffers(recurse=True):
@@ -278,7 +240,7 @@ def account(
         buffers = [b for b in module._buffers.values() if b is not None]
         if not (own or buffers) or any(_within(name, t) for t in table_names):
             continue
-        row = _Row()
+        row = _Row(walk)
         for p in own:
             row.add_param(p)
         for b in buffers:
@@ -306,6 +268,61 @@ def account(
         tables=tuple(tables),
         modules=tuple(others),
     )
+
+
+class _Walk:
+    """What one :func:`account` walk shares: the tensors counted so far and how to count.
+
+    Module level, not a class made inside :func:`account`: such a class is a reference cycle
+    (a class refers to itself), and its methods' closures held the optimizers in it until the
+    garbage collector ran, so an optimizer the user dropped lived on after ``del`` (a watched
+    run's step count then missed the next optimizer's first step)."""
+
+    def __init__(
+        self, optimizers: Sequence[torch.optim.Optimizer], cuda_mode: bool, include_grads: bool
+    ) -> None:
+        self.seen: set[object] = set()
+        self.optimizers, self.cuda_mode, self.include_grads = optimizers, cuda_mode, include_grads
+
+
+class _Row:
+    """One module's bytes: device tier by category, and the host tier."""
+
+    def __init__(self, walk: _Walk) -> None:
+        self.walk = walk
+        self.params = self.grads = self.optim = self.host = 0
+
+    def add(self, cat: str, tensor: torch.Tensor, owner: torch.Tensor) -> None:
+        n = tensor_bytes(tensor)
+        key = _memory_key(tensor, n)
+        if key in self.walk.seen:  # a tied or shared tensor belongs to the first module having it
+            return
+        self.walk.seen.add(key)
+        if not _on_device_tier(tensor, owner, self.walk.cuda_mode):
+            self.host += n
+        else:
+            setattr(self, cat, getattr(self, cat) + n)
+
+    def add_param(self, p: torch.Tensor) -> None:
+        self.add("params", p, p)
+        grad = p.grad if self.walk.include_grads else None
+        if grad is not None:
+            self.add("grads", grad, p)
+        for opt in self.walk.optimizers:
+            state = opt.state.get(p)
+            if state:
+                for v in list(state.values()):
+                    if isinstance(v, torch.Tensor):
+                        self.add("optim", v, p)
+
+    def stats(self, **fields: object) -> TableStats:
+        return TableStats(
+            params_bytes=self.params,
+            grads_bytes=self.grads,
+            optimizer_state_bytes=self.optim,
+            host_bytes=self.host,
+            **fields,  # type: ignore[arg-type]
+        )
 
 
 def _memory_key(tensor: torch.Tensor, nbytes: int) -> object:
