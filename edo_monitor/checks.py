@@ -8,7 +8,7 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["mapping_or_none", "seconds", "whole_number", "whole_number_or_none"]
+__all__ = ["int_choice", "mapping_or_none", "seconds", "whole_number", "whole_number_or_none"]
 
 
 def whole_number(
@@ -42,6 +42,22 @@ def whole_number_or_none(
 ) -> int | None:
     """:func:`whole_number`, or ``None`` as given (the refusal says ``or None`` is allowed)."""
     return None if value is None else _checked(value, name, low, high, error, " or None")
+
+
+def int_choice(
+    value: Any, name: str, allowed: tuple[int, ...], *, error: type[Exception] = ValueError
+) -> int:
+    """``value`` as a Python ``int``, one of ``allowed`` (a bit width: 4 or 2). Refused as
+    :func:`whole_number` refuses, a whole float too: ``4.0 in (2, 4)`` is true, and a float
+    width failed deep inside the packing.
+
+    Raises:
+        error: naming ``name``, the value and ``allowed``.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value not in allowed:
+        shown = " or ".join(str(a) for a in allowed)
+        raise error(f"{name}={value!r}; expected {shown} (an int)")
+    return int(value)
 
 
 def mapping_or_none(

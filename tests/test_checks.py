@@ -4,6 +4,7 @@ it: NumPy's ints are ints (a size computed with NumPy was refused: ``cache_rows=
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -11,11 +12,13 @@ import numpy as np
 import pytest
 import torch
 
+from edo_monitor.actions.compress_embedding import CompressEmbedding
 from edo_monitor.checks import whole_number, whole_number_or_none
 from edo_monitor.decide.estimate import estimate
 from edo_monitor.decide.policy import Policy
 from edo_monitor.errors import ConfigError
-from edo_monitor.nn import CachedEmbedding, LookAhead, hash_ids
+from edo_monitor.nn import CachedEmbedding, EmbeddingOptions, LookAhead, hash_ids
+from edo_monitor.nn.lowbit import GroupwiseEmbedding
 
 
 @pytest.mark.parametrize("value", [5, np.int64(5), np.int32(5), np.uint8(5)])
@@ -85,3 +88,33 @@ def test_a_compression_tuple_takes_numpy_ints_and_refuses_bools() -> None:
         estimate(1000, 64, compression=("int4", True))
     with pytest.raises(ConfigError, match=r"the group size G must be a positive multiple of 8"):
         estimate(1000, 64, compression=("int4", np.int64(-8)))
+
+
+@pytest.mark.parametrize(
+    ("given", "shown"),
+    [
+        ("perrow:3:2:12", "'perrow:3:2:12'"),
+        ("perrow:11", "'perrow:11'"),
+        (("int4", 12), "('int4', 12)"),
+        ("lowrank:99", "'lowrank:99'"),
+        ("hybrid:5:0", "'hybrid:5:0'"),
+    ],
+)
+def test_a_refused_compression_is_quoted_as_the_user_wrote_it(given: object, shown: str) -> None:
+    """Regression: the refusal quoted a form the user never wrote (``'perrow:3:2:12'`` as
+    ``'perrow:12'``, ``'perrow:11'`` (20 rows) as ``'perrow:11:4'``)."""
+    with pytest.raises(ConfigError, match=rf"^compression={re.escape(shown)} is not allowed; "):
+        estimate(10, 16, compression=given)
+
+
+@pytest.mark.parametrize("bits", [4.0, 2.0, True, "4", 3])
+def test_a_bit_width_is_an_int_of_those_allowed(bits: object) -> None:
+    """Regression: ``4.0 in (2, 4)`` is true, so a float width passed the check and failed
+    deep inside the packing (``TypeError: unsupported operand type(s) for <<``), or, through
+    ``compress_embedding_perrow``, only when the action was applied."""
+    w = torch.randn(20, 16)
+    with pytest.raises(ValueError, match=rf"^bits={re.escape(repr(bits))}; expected 2 or 4 "):
+        GroupwiseEmbedding(w, EmbeddingOptions(20, 16), bits)
+    with pytest.raises(ValueError, match=r"^per_row_bits=.*; expected 4 or 2 \(an int\)"):
+        CompressEmbedding("perrow", per_row_bits=bits)
+    assert CompressEmbedding("perrow", per_row_bits=np.int64(2)).per_row_bits == 2

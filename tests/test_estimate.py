@@ -236,7 +236,7 @@ def test_as_dict() -> None:
         ({"compression": "int3"}, "compression='int3'"),
         ({"compression": "lowrank:x"}, "compression='lowrank:x'"),
         ({"compression": "lowrank:0"}, "lowrank:0"),
-        ({"compression": ("lowrank", 65)}, "lowrank:65"),
+        ({"compression": ("lowrank", 65)}, "compression=('lowrank', 65)"),
         ({"compression": "hash:0"}, "hash:0"),
         ({"compression": "hash:1001"}, "hash:1001"),
         ({"compression": ("hash", "3")}, "compression=('hash', '3')"),

@@ -38,3 +38,13 @@ def test_a_list_of_ids_is_taken_and_out_of_range_ids_named(kind: str) -> None:
     assert _make(kind, [7, 2]).tolist() == [2, 7]
     with pytest.raises(ValueError, match=rf"must lie in \[0, {N}\); got \[2, {N}\]"):
         _make(kind, [2, N])
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "per-row"])
+@pytest.mark.parametrize("empty", [[], ()])
+def test_an_empty_list_is_no_ids(kind: str, empty: object) -> None:
+    """Regression: ``[]`` reads as a float32 tensor and was refused as "not integer ids"; it is
+    no ids (an empty tensor of ints), as ``torch.zeros(0, dtype=torch.long)`` is."""
+    got = _make(kind, empty)
+    assert got.dtype == torch.long and got.numel() == 0
+    assert torch.equal(got, _make(kind, torch.zeros(0, dtype=torch.long)))

@@ -98,7 +98,7 @@ from edo_monitor.actions.tables import (
     replace_param_in_optimizers,
     tied_blocker,
 )
-from edo_monitor.checks import whole_number
+from edo_monitor.checks import int_choice, whole_number
 from edo_monitor.decide.compress_rules import (
     chosen_variant,
     lowrank_rank,
@@ -247,8 +247,7 @@ class CompressEmbedding(Action):
             raise ValueError(f"group_size={group_size}; expected a positive multiple of 8")
         if per_row not in PER_ROW_MODES:
             raise ValueError(f"per_row={per_row!r}; expected one of {PER_ROW_MODES}")
-        if per_row_bits not in (2, 4):
-            raise ValueError(f"per_row_bits={per_row_bits!r}; expected 4 or 2")
+        per_row_bits = int_choice(per_row_bits, "per_row_bits", (4, 2))
         cold_below = whole_number(cold_below, "cold_below", 1)
         self.variant = variant
         self.group_size = group_size

@@ -451,7 +451,7 @@ def table_bytes(
         params = rows * cols + rows * 4  # int8 weights + one float32 scale per row
     elif kind in ("int4", "int2", "2of8"):
         (group,) = args
-        _check_lowbit_group(kind, group)
+        _check_lowbit_group(compression, group)
         if kind == "2of8":
             params = rows * _sparse_row_bytes(cols, group)
         else:
@@ -460,17 +460,17 @@ def table_bytes(
         k, bits, group = args
         if not 0 <= k <= rows or bits not in (2, 4):
             raise ConfigError(
-                f"compression='perrow:{k}:{bits}' is not allowed; the full-precision rows K must "
+                f"compression={compression!r} is not allowed; the full-precision rows K must "
                 f"be between 0 and num_embeddings = {rows}, BITS 4 or 2"
             )
-        _check_lowbit_group("perrow", group)
+        _check_lowbit_group(compression, group)
         low = (rows - k) * _lowbit_row_bytes(cols, bits, group)
         params = k * cols * element_bytes + k * 8 + low
     elif kind == "lowrank":
         (k,) = args
         if not 1 <= k <= min(rows, cols):
             raise ConfigError(
-                f"compression='lowrank:{k}' is not allowed; the rank K must be between 1 and "
+                f"compression={compression!r} is not allowed; the rank K must be between 1 and "
                 f"min(num_embeddings, embedding_dim) = {min(rows, cols)}"
             )
         tensors = [rows * k, k * cols]
@@ -478,7 +478,7 @@ def table_bytes(
         (b,) = args
         if not 1 <= b <= rows:
             raise ConfigError(
-                f"compression='{kind}:{b}' is not allowed; the number of buckets B must be "
+                f"compression={compression!r} is not allowed; the number of buckets B must be "
                 f"between 1 and num_embeddings = {rows}"
             )
         tensors = [b * cols] if kind == "hash" else [b * cols, rows * 2]
@@ -486,7 +486,7 @@ def table_bytes(
         (r,) = args
         if not 1 <= r <= rows:
             raise ConfigError(
-                f"compression='qr:{r}' is not allowed; the number of remainders R must be "
+                f"compression={compression!r} is not allowed; the number of remainders R must be "
                 f"between 1 and num_embeddings = {rows}"
             )
         tensors = [-(-rows // r) * cols, r * cols]
@@ -494,7 +494,7 @@ def table_bytes(
         k, b = args
         if not 0 <= k < rows or not 1 <= b <= rows - k:
             raise ConfigError(
-                f"compression='hybrid:{k}:{b}' is not allowed; the hot ids K must be between 0 "
+                f"compression={compression!r} is not allowed; the hot ids K must be between 0 "
                 f"and num_embeddings - 1 = {rows - 1}, the buckets B between 1 and "
                 f"num_embeddings - K"
             )
@@ -526,10 +526,11 @@ def table_bytes(
     )
 
 
-def _check_lowbit_group(kind: str, group: int) -> None:
+def _check_lowbit_group(compression: object, group: int) -> None:
+    """Refuse a low-bit group size ``group`` of ``compression`` (as the user wrote it)."""
     if group < 8 or group % 8:
         raise ConfigError(
-            f"compression='{kind}:{group}' is not allowed; the group size G must be a "
+            f"compression={compression!r} is not allowed; the group size G must be a "
             "positive multiple of 8"
         )
 

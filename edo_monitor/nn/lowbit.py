@@ -38,7 +38,7 @@ import logging
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from edo_monitor.checks import whole_number
+from edo_monitor.checks import int_choice, whole_number
 from edo_monitor.nn.embedding import EmbeddingOptions, _RowComputedEmbedding, _StoredForm
 from edo_monitor.nn.table_checks import check_finite, check_weight, id_list
 
@@ -78,8 +78,7 @@ def _check_group(bits: int, group_size: int, d: int) -> int:
     """The group size a ``d``-column table is stored with: ``group_size``, but never wider
     than the row rounded up to 8 columns (a wider group padded every row to it: int4 on 32
     columns took the bytes of int8). Raises ``ValueError`` naming a bad ``bits`` or size."""
-    if bits not in LOW_BITS:
-        raise ValueError(f"bits={bits!r}; expected one of {LOW_BITS}")
+    int_choice(bits, "bits", LOW_BITS)
     group_size = whole_number(group_size, "group_size", 8)
     if group_size % 8:
         raise ValueError(f"group_size={group_size}; expected a multiple of 8")

@@ -98,6 +98,8 @@ def id_list(
         t = torch.as_tensor(ids, device=device)
     except (TypeError, ValueError, RuntimeError) as exc:
         raise TypeError(f"{name} must be integer ids, got {type(ids).__name__}: {exc}") from None
+    if t.numel() == 0 and not isinstance(ids, torch.Tensor):  # [] reads as float32: no ids
+        t = t.to(torch.long)
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
         hint = " (a boolean mask: pass mask.nonzero())" if t.dtype == torch.bool else ""
         raise TypeError(f"{name} must be integer ids{hint}, got {t.dtype}")
