@@ -174,6 +174,26 @@ def test_refuses_optimizer_state_that_is_not_per_element(name: str) -> None:
     assert all(math.isfinite(x) for x in losses)
 
 
+def test_refuses_a_table_of_an_optimizer_with_its_own_parameter_list() -> None:
+    """Regression: LBFGS keeps the parameters in ``_params`` beside its param groups: after int8
+    it held the old weight, and its ``state_dict()`` raised ``KeyError``. Refused."""
+    model, _ = make(frozen=True)
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.01)
+    r = ACTIONS["compress_embedding_int8"].plan(ctx_of(model, opt))
+    assert isinstance(r, Refusal) and "LBFGS keeps its own list of the parameters" in r.reason
+
+
+def test_sharing_refuses_a_sparse_optimizer_state() -> None:
+    """Regression: SGD's momentum of a ``sparse=True`` table is a sparse tensor, which sharing's
+    split of rows failed on at apply (rolled back, with torch's dispatcher table in the log).
+    Refused at the plan."""
+    model, _ = make(sparse=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    train(model, opt, batches(2))
+    r = ACTIONS["share_embedding"].plan(ctx_of(model, opt, lookup_counter=_counted(model)))
+    assert isinstance(r, Refusal) and "SGD's state 'momentum_buffer' is a sparse tensor" in r.reason
+
+
 class _TwoOptimizers:
     """Steps two optimizers as one (``train`` takes one)."""
 

@@ -79,6 +79,10 @@ class _Rows:
         return self.module.rows(torch.arange(start, stop, device=self.module.hot_ids.device))
 
 
+def _is_sparse(value: object) -> bool:
+    return isinstance(value, torch.Tensor) and value.layout != torch.strided
+
+
 class ShareEmbedding(Action):
     """Convert the largest eligible table into a hot/cold hybrid (see the module docstring)."""
 
@@ -108,6 +112,10 @@ class ShareEmbedding(Action):
         held = optimizer_blocker(ctx.optimizers, t.weight)
         if held:
             return held
+        for opt in ctx.optimizers:
+            sparse = [k for k, v in opt.state.get(t.weight, {}).items() if _is_sparse(v)]
+            if sparse:  # SGD's momentum of a sparse=True table: no rows to split
+                return f"{type(opt).__name__}'s state {sparse[0]!r} is a sparse tensor"
         if opts.max_norm is not None:
             return "max_norm is not preserved by sharing (it rewrites shared rows in place)"
         if opts.scale_grad_by_freq:

@@ -171,7 +171,10 @@ def optimizer_blocker(
       that updates the parameters itself);
     - a state tensor of a holder that is neither per-element (``param``'s shape) nor a scalar:
       Adafactor's factored ``row_var`` ``(N, 1)`` / ``col_var`` ``(1, D)``, which no conversion
-      or split of rows carries (bf16 and sharing raised at the next step).
+      or split of rows carries (bf16 and sharing raised at the next step);
+    - a holder that keeps the parameters in a list of its own beside ``param_groups`` (LBFGS's
+      ``_params``): it kept stepping the old weight, and its ``state_dict()`` raised
+      ``KeyError``.
     """
     holders = optimizer_holders(optimizers, param)
     if not holders and optimizers and param.requires_grad:
@@ -181,6 +184,11 @@ def optimizer_blocker(
             "(requires_grad_(False))"
         )
     for opt in holders:
+        if hasattr(opt, "_params"):  # LBFGS: a list of its own, beside param_groups
+            return (
+                f"{type(opt).__name__} keeps its own list of the parameters, which a table "
+                "action cannot edit"
+            )
         for key, value in opt.state.get(param, {}).items():
             if isinstance(value, torch.Tensor) and value.dim() and value.shape != param.shape:
                 return (
