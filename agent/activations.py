@@ -412,3 +412,4 @@ class ActivationTracker:
         for hook in self._window_hooks:
             hook.remove()
         self._window_hooks = []
+        self._window_of = None  # the model is the user's again (freed when they drop it)

@@ -384,6 +384,7 @@ class Monitor(_Lifecycle):
         except BaseException as exc:
             self._abort_start(exc)  # a run row already written records the failure
             release_model(self.model)
+            self._let_go()
             raise
         return self
 
@@ -403,8 +404,16 @@ class Monitor(_Lifecycle):
             self._finish(exc)
         finally:
             release_model(self.model)
+            self._let_go()
         if exc is None and self.strict and self._log.pending_error is not None:
             raise self._log.pending_error
+
+    def _let_go(self) -> None:
+        """Forget the user's model once the run has ended: a monitor kept for its summary (a
+        notebook's ``mon``) held the model, and with it its device memory, after ``del model``.
+        What the run measured stays (``summary()``, ``breakdown()``, ``accounting``)."""
+        self.model = None
+        self._module_rows.model = None
 
     def start(self) -> Monitor:
         """Start the run without a ``with`` block (what entering it does); end it with

@@ -4,7 +4,6 @@ training loops, real SQLite files."""
 
 from __future__ import annotations
 
-import gc
 import weakref
 from pathlib import Path
 
@@ -52,28 +51,6 @@ def test_a_dropped_optimizer_is_freed_and_the_next_one_counts_every_step(db_path
         train(model, opt, 7, sleep_s=0.02)
     assert mon.steps == 12
     assert mon.accounting.optimizer_state_bytes == 0  # SGD without momentum: no state
-
-
-def test_a_dropped_optimizer_is_freed_without_the_garbage_collector(db_path: Path) -> None:
-    """Regression: each accounting of a step boundary made a class inside ``account()``, whose
-    methods' closures held the run's optimizers: a reference cycle, so an optimizer the user
-    dropped lived (with its state) until the garbage collector ran, and the new phase's
-    optimizer was counted from its second step (19 steps of 20). Freed by the drop now, with
-    the collector off; its successor counts every step."""
-    model = make_model()
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    gc.collect()
-    gc.disable()
-    try:
-        with edo_monitor.watch(model, db=db_path, interval_s=0.01) as mon:
-            train(model, opt, 10)
-            old = weakref.ref(opt)
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            assert old() is None
-            train(model, opt, 10, sleep_s=0.01)
-    finally:
-        gc.enable()
-    assert mon.steps == int(run_row(db_path)["steps"]) == 20
 
 
 def test_two_optimizers_stepping_together_count_each_iteration_once(db_path: Path) -> None:

@@ -366,6 +366,7 @@ class ActivationRecorder:
 
     def __exit__(self, *exc: Any) -> None:
         self._hooks.__exit__(*exc)
+        self._hooks = None  # it holds our bound methods: a cycle that kept the model alive
         if self._use_mode is not None:
             try:
                 self._use_mode.__exit__(None, None, None)
