@@ -544,7 +544,8 @@ class Monitor(_Lifecycle):
 
         ``step_fn(micro_batch)`` runs the forward and returns the loss: a scalar tensor, the mean
         over the micro-batch's rows (``reduction="sum"``: their sum). ``run_step`` sets the
-        model's gradients to ``None``, calls ``backward`` on each micro-batch's loss scaled by its
+        gradients of what it trains (the model's parameters, ``optimizer``'s and the run's
+        optimizers') to ``None``, calls ``backward`` on each micro-batch's loss scaled by its
         share of the rows (the update equals the whole batch's, but for batch-norm layers in
         training mode: see :mod:`edo_monitor.agent.recovery`), then, with ``optimizer``, runs
         ``optimizer.step()`` and ``optimizer.zero_grad()``. On ``torch.OutOfMemoryError`` in

@@ -60,6 +60,7 @@ step's all-reduce: only an error in the forward or an unsynced ``backward`` is s
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import logging
 import math
@@ -120,14 +121,33 @@ def _split(batch: Any, rows: int, n: int) -> list[Any]:
         return list(torch.split(batch, rows, dim=0))
     if isinstance(batch, Mapping):
         parts = {k: _split(v, rows, n) for k, v in batch.items()}
-        return [type(batch)({k: p[i] for k, p in parts.items()}) for i in range(n)]  # type: ignore[call-arg]
+        return [_like(batch, {k: p[i] for k, p in parts.items()}) for i in range(n)]
     if isinstance(batch, (tuple, list)):
         columns = [_split(v, rows, n) for v in batch]
         out = [[c[i] for c in columns] for i in range(n)]
         if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple
             return [type(batch)(*o) for o in out]
-        return [type(batch)(o) for o in out]
+        return [_like(batch, o) for o in out]
     return [batch] * n  # not a tensor: every micro-batch gets it whole
+
+
+def _like(batch: Any, items: Any) -> Any:
+    """A container of ``batch``'s type holding ``items`` (a dict or a list): its type called
+    with them, or, when that type takes other arguments (``defaultdict(factory, ...)``), a copy
+    of ``batch`` refilled (its factory kept), else the plain ``dict`` / ``list`` / ``tuple``."""
+    try:
+        return type(batch)(items)
+    except TypeError:
+        pass
+    if isinstance(batch, (dict, list)):
+        new = copy.copy(batch)
+        new.clear()
+        if isinstance(new, dict):
+            new.update(items)
+        else:
+            new.extend(items)
+        return new
+    return tuple(items) if isinstance(batch, tuple) else type(items)(items)
 
 
 def split_batch(batch: Any, micro_batch_rows: int) -> list[Any]:
@@ -267,7 +287,7 @@ class StepRecovery:
         while True:
             attempts.append(micro)
             t0 = time.perf_counter()
-            self._zero_grads()
+            self._zero_grads(optimizer)
             if micro < rows:
                 self._warn_batch_statistics(stats)
             try:
@@ -282,7 +302,7 @@ class StepRecovery:
                 if first is None:
                     first = exc
                 del exc
-            self._zero_grads()
+            self._zero_grads(optimizer)
             _reset_reducer(self.monitor.model)
             gc.collect()
             if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -337,10 +357,18 @@ class StepRecovery:
                 "the running ones once, so the update differs from the whole batch's"
             )
 
-    def _zero_grads(self) -> None:
+    def _zero_grads(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Set to ``None`` the gradients of every parameter the step trains: the model's, and
+        those of ``optimizer`` and of the run's optimizers (a loss temperature, a head outside
+        the watched model: a failed attempt's partial gradient of one was added to by the
+        retry, which doubled it)."""
         model = self.monitor.model
-        if model is not None:
-            for p in model.parameters():
+        groups = [model.parameters()] if model is not None else []
+        for opt in (optimizer, *self.monitor.optimizers):
+            if opt is not None:
+                groups.extend(g["params"] for g in opt.param_groups)
+        for params in groups:
+            for p in params:
                 p.grad = None
 
     def _after_success(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from collections import namedtuple
+from collections import defaultdict, namedtuple
 from pathlib import Path
 from typing import Any
 
@@ -346,3 +346,53 @@ def test_a_failed_attempt_leaves_the_batch_norm_statistics_as_they_were(
     assert torch.equal(bn.running_mean, bn_twin.running_mean)
     assert torch.equal(bn.running_var, bn_twin.running_var)
     assert "batch-norm layers in training mode" in caplog.text
+
+
+@pytest.mark.parametrize("given", ["watch", "run_step"])
+def test_a_retry_starts_every_trained_gradient_from_zero(db_path: Path, given: str) -> None:
+    """Regression: a failed attempt's partial gradients were cleared for the model's parameters
+    only: a parameter the optimizer steps outside the watched model (a loss temperature) kept
+    the failed backward's gradient, and the retry added the whole batch's to it (2.30 for
+    1.15). The optimizer given to ``watch()`` or to ``run_step`` names them."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    temp = nn.Parameter(torch.ones(()))
+    opt = torch.optim.SGD([*model.parameters(), temp], lr=1.0)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    want = torch.autograd.grad((model(x) * temp - y).pow(2).mean(), temp)[0]
+    failing = [True]
+
+    def fail_once(grad: torch.Tensor) -> torch.Tensor:  # inside the backward, after temp's
+        if failing:
+            failing.clear()
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+        return grad
+
+    model.weight.register_hook(fail_once)
+    watched = (opt,) if given == "watch" else ()
+    with edo_monitor.watch(model, *watched, db=db_path) as mon:
+        loss_fn = lambda mb: (model(mb[0]) * temp - mb[1]).pow(2).mean()  # noqa: E731
+        mon.run_step(loss_fn, (x, y), optimizer=None if given == "watch" else opt)
+        if given == "watch":  # the caller steps
+            opt.step()
+    assert torch.allclose(temp.detach(), 1 - want, rtol=1e-6), (temp, 1 - want)
+    assert mon.summary().events == {"oom": 1, "oom_recovered": 1}
+
+
+def test_a_batch_of_a_mapping_type_with_other_arguments_is_split() -> None:
+    """Regression: a micro-batch was rebuilt as ``type(batch)(dict)``, which ``defaultdict``
+    (its factory first) refuses: the recovery itself raised ``TypeError`` at the first
+    out-of-memory error. Rebuilt as a copy, its factory kept; a list subclass likewise."""
+
+    class Rows(list):
+        def __init__(self, name: str, items: list) -> None:
+            super().__init__(items)
+            self.name = name
+
+    x, y = torch.arange(10).reshape(5, 2), torch.arange(5)
+    batch = defaultdict(list, x=x, y=Rows("labels", [y]))
+    parts = split_batch(batch, 2)
+    assert [batch_rows(p) for p in parts] == [2, 2, 1]
+    assert all(type(p) is defaultdict and p.default_factory is list for p in parts)
+    assert torch.equal(parts[1]["x"], x[2:4]) and torch.equal(parts[2]["y"][0], y[4:])
+    assert type(parts[0]["y"]) is Rows and parts[0]["y"].name == "labels"
