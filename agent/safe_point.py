@@ -221,7 +221,11 @@ class SafePoint:
         try:
             self.m._tuner.deliver_pressure_hooks()
             if self.m._coordinator is None:  # ranks apply only together, at a sync step
-                self.m._tuner.apply_pending_decision()
+                self.m._tuner.at_recovery_point = True
+                try:
+                    self.m._tuner.apply_pending_decision()
+                finally:
+                    self.m._tuner.at_recovery_point = False
         except Exception as exc:
             self.m._agent_error("recovery point", exc)
 

@@ -58,6 +58,8 @@ class Tuner:
         #: ``evaluate`` (sampler thread), and the training thread applied it before its event
         #: was written, so the action came before its decision in the history
         self._announced: Decision | None = None
+        #: applying between a failed attempt of ``run_step`` and its retry (no gradients alive)
+        self.at_recovery_point = False
 
     @property
     def _policy(self) -> Policy:
@@ -375,6 +377,10 @@ class Tuner:
             m._log.snapshots.before_action()  # the "before" snapshot of the action's event
         started_s = time.time()
         result = refused if refused is not None else self._apply(ctx, decision)
+        if result.status == "applied" and self.at_recovery_point:
+            # no gradient is alive between a failed attempt and its retry: the measured saving
+            # lacks the gradient the estimate counts (a table's), so it cannot judge it
+            result.details["measured_without_gradients"] = True
         # resolved once: a failed decision is never retried on the same target
         ineffective = policy.resolve(decision, "failed" if refused is not None else result)
         self._record(decision, result, ineffective, extra, started_s)
@@ -438,6 +444,8 @@ class Tuner:
                 f"{result.action} on {result.target}: saved {format_bytes(result.saved_bytes)} "
                 f"in {result.duration_s:.3f} s"
             )
+            if result.details.get("measured_without_gradients"):
+                message += " (measured between a failed attempt and its retry: no gradients)"
             # the accounting after the action, taken here on the training thread at the step
             # boundary, gradients alive: the next readings see the model as it is now (without
             # it they fell back to an accounting without gradients until the next boundary, and

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from watch_helpers import wait_for
 
 import edo_monitor
 from edo_monitor.agent.recovery import batch_rows, split_batch
@@ -396,3 +397,40 @@ def test_a_batch_of_a_mapping_type_with_other_arguments_is_split() -> None:
     assert all(type(p) is defaultdict and p.default_factory is list for p in parts)
     assert torch.equal(parts[1]["x"], x[2:4]) and torch.equal(parts[2]["y"][0], y[4:])
     assert type(parts[0]["y"]) is Rows and parts[0]["y"].name == "labels"
+
+
+def test_an_action_applied_before_a_retry_is_not_judged_without_gradients(db_path: Path) -> None:
+    """Regression: between a failed attempt and its retry no gradient is alive, so the row cache
+    applied there measured its saving without the table's gradient (exactly that much under the
+    estimate, below half of it): it was recorded ``action_ineffective``, which also dropped the
+    cooldown, and the same step decided ``grow_cache`` and grew the new cache back. Such a
+    measurement is recorded as what it is and not judged: no ``action_ineffective``, no
+    ``grow_cache``."""
+    torch.manual_seed(0)
+    rows, dim = 20_000, 32
+    model = nn.Sequential(
+        nn.Embedding(rows, dim), nn.Linear(dim, 256), nn.ReLU(), nn.Linear(256, 1)
+    )
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+
+    def loss_fn(mb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return (model(mb[0]) - mb[1]).pow(2).mean()
+
+    def batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randint(0, rows, (n,)), torch.randn(n, 1)
+
+    policy = edo_monitor.Policy()
+    with edo_monitor.watch(
+        model, opt, db=db_path, budget="12MiB", enforce=True, interval_s=0.02, policy=policy
+    ) as mon:
+        mon.run_step(loss_fn, batch(16), optimizer=opt)  # Adam's state: free below 20 %
+        wait_for(lambda: policy.pending is not None, "a pending decision")
+        mon.run_step(loss_fn, batch(2048), optimizer=opt)  # out of memory: applied, retried
+    with History(db_path) as history:
+        kinds = [e.kind for e in history.events("latest")]
+        (action,) = history.events("latest", kind="action")
+    assert action.data["action"] == "cache_embedding"
+    assert action.data["details"]["measured_without_gradients"] is True
+    grad_bytes = rows * dim * F32  # the table's gradient, in the estimate and not measured
+    assert action.data["estimated_saving_bytes"] - action.data["saved_bytes"] == grad_bytes
+    assert "action_ineffective" not in kinds and "oom_recovered" in kinds

@@ -38,9 +38,16 @@ def ineffective_reason(result: ActionResult) -> str | None:
 
     Ineffective: a positive estimate and a measured saving (``bytes_before - bytes_after``) below
     :data:`INEFFECTIVE_BELOW_FRACTION` of it. A result whose ``bytes_after`` is itself an
-    estimate (``details["after_is_estimate"]``) is never judged.
+    estimate (``details["after_is_estimate"]``) is never judged, nor one measured where no
+    gradient was alive (``details["measured_without_gradients"]``: between a failed attempt of
+    ``run_step`` and its retry) against an estimate that counts the table's gradient.
     """
-    if result.status != "applied" or result.details.get("after_is_estimate"):
+    details = result.details
+    if (
+        result.status != "applied"
+        or details.get("after_is_estimate")
+        or details.get("measured_without_gradients")
+    ):
         return None
     return ineffective_saving(result.estimated_saving_bytes, result.saved_bytes)
 
