@@ -13,6 +13,7 @@ Hardware is faked only at the probe boundary: recorded ``memory_stats`` / ``memo
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -405,6 +406,30 @@ def test_offload_in_cpu_budget_mode_allocates_no_host_memory() -> None:
     assert isinstance(plan, Plan) and plan.details["host_bytes_needed"] == 0
     result = ACTIONS["offload_embedding"].apply(ctx, plan)
     assert result.status == "applied" and result.details["pinned_bytes"] is None
+
+
+@pytest.mark.parametrize("made", ["deepcopy", "assign"])
+def test_a_copy_of_an_offloaded_table_is_accounted_on_the_host(made: str) -> None:
+    """Regression: the host tier was a mark on the weight ``Parameter``, which ``deepcopy`` and
+    ``load_state_dict(assign=True)`` do not carry: a copy of an offloaded model was accounted
+    with its table on the device (64,068 bytes against 68), in CPU-budget mode what
+    ``enforce`` counts. The offloaded module's tensors are the host's now."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(1000, 16), nn.Linear(16, 4))
+    opt = torch.optim.Adam(model.parameters())
+    with ActivationRecorder(model) as rec:
+        model(torch.randint(0, 1000, (8,))).sum().backward()
+        opt.step()
+    ctx = ActionContext(model, [opt], activation_profile=rec.profile())
+    assert ACTIONS["offload_embedding"].apply(ctx).status == "applied"
+    if made == "deepcopy":
+        copy_ = copy.deepcopy(model)
+    else:
+        copy_ = copy.deepcopy(model)
+        copy_.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    want, got = account(model), account(copy_)
+    assert got.params_bytes == want.params_bytes == 4 * (16 * 4 + 4)  # the Linear only
+    assert got.host_bytes == 1000 * 16 * 4
 
 
 def test_context_device_is_not_the_cpu_of_an_offloaded_first_table() -> None:

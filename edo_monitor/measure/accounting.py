@@ -210,7 +210,11 @@ def account(
     for name, module in model.named_modules():
         if not is_table_module(module):
             continue
-        row = _Row(walk)
+        placement = getattr(module, "edo_placement", None)
+        # an offloaded table's tensors are the host's whatever they are marked: a deepcopy or
+        # load_state_dict(assign=True) makes its weight a new Parameter without the mark, and
+        # a copy of the model was counted on the device
+        row = _Row(walk, on_host=placement == "host" and not cuda_mode)
         for t in module.parameters(recurse=True):
             row.add_param(t)
         for b in module.buffers(recurse=True):
@@ -218,7 +222,6 @@ def account(
         if callable(getattr(module, "host_bytes", None)):  # a row cache's host table and state
             row.host += int(module.host_bytes())
         weight = _table_weight(module)
-        placement = getattr(module, "edo_placement", None)
         if placement is None:
             on_device = weight is not None and (weight.is_cuda or not cuda_mode)
             placement = "device" if on_device else "host"
@@ -288,8 +291,8 @@ class _Walk:
 class _Row:
     """One module's bytes: device tier by category, and the host tier."""
 
-    def __init__(self, walk: _Walk) -> None:
-        self.walk = walk
+    def __init__(self, walk: _Walk, *, on_host: bool = False) -> None:
+        self.walk, self.on_host = walk, on_host
         self.params = self.grads = self.optim = self.host = 0
 
     def add(self, cat: str, tensor: torch.Tensor, owner: torch.Tensor) -> None:
@@ -298,7 +301,7 @@ class _Row:
         if key in self.walk.seen:  # a tied or shared tensor belongs to the first module having it
             return
         self.walk.seen.add(key)
-        if not _on_device_tier(tensor, owner, self.walk.cuda_mode):
+        if self.on_host or not _on_device_tier(tensor, owner, self.walk.cuda_mode):
             self.host += n
         else:
             setattr(self, cat, getattr(self, cat) + n)
