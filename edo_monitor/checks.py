@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -80,8 +81,10 @@ def seconds(
     """``value`` as a Python ``float`` number of seconds, checked before it is used.
 
     Allowed: an ``int`` or a ``float`` (anything registered as ``numbers.Real``: NumPy numbers
-    too), finite and above 0; with ``zero`` (what 0 means, e.g. ``"never"``) 0 as well. Refused:
-    a bool, a string (``"5"``), ``None``, a tensor, NaN, infinity, a negative number.
+    too), finite and above 0, at most ``threading.TIMEOUT_MAX`` (about 292 years: the longest
+    wait a thread takes; ``interval_s=1e12`` killed the sampler with ``OverflowError``); with
+    ``zero`` (what 0 means, e.g. ``"never"``) 0 as well. Refused: a bool, a string (``"5"``),
+    ``None``, a tensor, NaN, infinity, a negative number.
 
     Raises:
         error: (``ValueError`` unless the caller names its own, e.g. ``ConfigError``) naming
@@ -98,6 +101,11 @@ def seconds(
         if zero is not None:
             allowed = f"a finite number of seconds >= 0 (0: {zero})"
         raise error(f"{name}={value!r}; expected {allowed}")
+    if value > threading.TIMEOUT_MAX:
+        raise error(
+            f"{name}={value!r}; expected at most {threading.TIMEOUT_MAX:.4g} seconds (the "
+            "longest wait a thread takes)"
+        )
     return float(value)
 
 

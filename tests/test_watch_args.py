@@ -5,6 +5,7 @@ a value that breaks a reader later)."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,9 @@ def test_flags_names_and_ahead_are_checked_with_or_without_what_they_go_with(
 
 
 _SECONDS = "expected a finite number of seconds > 0"
+_TOO_LONG = (
+    f"expected at most {threading.TIMEOUT_MAX:.4g} seconds (the longest wait a thread takes)"
+)
 
 
 @pytest.mark.parametrize(
@@ -97,6 +101,9 @@ _SECONDS = "expected a finite number of seconds > 0"
         ({"profile_interval_s": 0}, f"profile_interval_s=0; {_SECONDS}"),
         ({"interval_s": True}, f"interval_s=True; {_SECONDS}"),
         ({"interval_s": float("nan")}, f"interval_s=nan; {_SECONDS}"),
+        # accepted, it killed the sampler thread (OverflowError in Event.wait), no error counted
+        ({"interval_s": 1e12}, f"interval_s=1000000000000.0; {_TOO_LONG}"),
+        ({"snapshot_interval_s": 1e300}, f"snapshot_interval_s=1e+300; {_TOO_LONG}"),
     ],
 )
 def test_durations_are_finite_seconds_named_when_refused(
