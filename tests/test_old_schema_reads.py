@@ -119,3 +119,25 @@ def test_history_names_a_column_the_file_lacks(old_db: Path) -> None:
         series = h.samples(1, columns=["in_use_bytes"], max_points=None)
         assert series.max["in_use_bytes"] == _in_use(old_db)
         assert len(h.samples_since(1, columns=h.sample_columns, limit=None)) == N_SAMPLES
+
+
+def test_a_dry_run_prune_counts_what_the_prune_deletes(old_db: Path, tmp_path: Path) -> None:
+    """Regression: a dry run reads an older file as it is (it is not upgraded) and its count
+    of the downsampled samples read ``cache_rows``, which schema 3 lacks: exit 3, "internal
+    error". It counts now, leaves the file as it was, and says what the prune (which upgrades
+    the file first) then deletes."""
+    digest = hashlib.sha256(old_db.read_bytes()).hexdigest()
+    args = ("prune", "--downsample-older-than", "0s", "--bucket", "1s")
+    dry = _cli("--db", str(old_db), *args, "--dry-run")
+    assert dry.exit_code == 0, dry.stderr
+    assert hashlib.sha256(old_db.read_bytes()).hexdigest() == digest
+    copy = tmp_path / "copy.db"
+    copy.write_bytes(old_db.read_bytes())
+    done = _cli("--db", str(copy), *args)
+    assert done.exit_code == 0, done.stderr
+    counted = [line for line in dry.stdout.splitlines() if "sample" in line]
+    deleted = [line for line in done.stdout.splitlines() if "sample" in line]
+    assert counted and deleted, (dry.stdout, done.stdout)
+    assert [int(w) for w in counted[0].split() if w.isdigit()] == [
+        int(w) for w in deleted[0].split() if w.isdigit()
+    ], (dry.stdout, done.stdout)

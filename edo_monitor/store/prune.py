@@ -132,12 +132,12 @@ def prune(
             and r.first_sample_s < cut
         ]
     ids = ", ".join(str(i) for i in sorted(doomed)) or "NULL"
+    keeps = _keeps(history)  # reads the file's columns: not inside the transaction below
     with history._read() as conn:
         report["samples_deleted"] = int(
             conn.execute(text(f"SELECT count(*) FROM samples WHERE run_id IN ({ids})")).scalar()
             or 0
         )
-        keeps = _keeps(history)
         if dry_run:  # what would go: the same conditions, counted
             for run_id in thin:
                 params = {"r": run_id, "cut": cut, "w": bucket_s}
@@ -196,7 +196,9 @@ _THINNED = "FROM samples WHERE run_id = :r AND time_s < :cut AND id NOT IN ({kee
 def _keeps(history: History) -> str:
     """The ids downsampling keeps of run ``:r`` before ``:cut`` (SQL): per ``:w``-second bucket
     the first and last sample and those holding a peak column's maximum or minimum, and the
-    run's first sample with a row cache."""
+    run's first sample with a row cache. Only the columns the file has: a dry run reads a file
+    of an older schema as it is (its ``cache_rows`` missing, the count failed, exit 3)."""
+    have = set(history.sample_columns)
     bucket = history._sql.trunc("time_s / :w")
     per_bucket = [
         f"SELECT id FROM (SELECT id, row_number() OVER (PARTITION BY {bucket} "
@@ -205,10 +207,12 @@ def _keeps(history: History) -> str:
         for order in (
             "time_s, id",
             "time_s DESC, id DESC",
-            *(f"{c} DESC NULLS LAST, id" for c in _KEEP_MAX),
-            *(f"{c} ASC NULLS LAST, id" for c in _KEEP_MIN),
+            *(f"{c} DESC NULLS LAST, id" for c in _KEEP_MAX if c in have),
+            *(f"{c} ASC NULLS LAST, id" for c in _KEEP_MIN if c in have),
         )
     ]
+    if "cache_rows" not in have:
+        return " UNION ".join(per_bucket)
     # and the first sample with a row cache: where show's row-cache steps begin (thinned, its
     # counts moved on, and "steps 2-300" read "steps 144-300", twice the bytes per step)
     first_cache = (  # no row without a cache (a NULL in "NOT IN" would keep every sample)
