@@ -163,6 +163,34 @@ def test_disk_filling_mid_run_writes_what_fits_and_counts_the_rest(
     engine.dispose()
 
 
+def test_close_out_of_time_counts_the_batch_and_never_commits_it_later(tmp_path: Path) -> None:
+    """Another connection holds the write lock past ``close(timeout_s)``: the rows the thread
+    was writing and those still queued are counted as not written when close() returns, and
+    the thread, let through afterwards, does not commit them (they were lost uncounted)."""
+    path = tmp_path / "w.db"
+    engine = open_engine(path)
+    run_id = _run_row(engine)
+    writer = Writer(engine, run_id, batch_size=10, flush_interval_s=0.01)
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # the write lock, held past close()'s wait
+    try:
+        writer.start()
+        for i in range(25):
+            writer.put_sample(_reading(i))
+        writer.close(timeout_s=0.5)
+        assert writer.not_written["samples"] == 25 and writer.written["samples"] == 0
+        assert writer.dropped == 25
+        assert "did not take the run's last rows within 0.5 s" in (writer.problem or "")
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    writer._thread.join(30)
+    assert not writer._thread.is_alive()
+    assert count(path, "SELECT count(*) FROM samples") == 0
+    assert writer.written["samples"] == 0 and writer.not_written["samples"] == 25
+    engine.dispose()
+
+
 # -- watch() ---------------------------------------------------------------------------------
 
 
