@@ -4,6 +4,7 @@ mid-run, in-memory URLs, a read-only file, integers SQLite cannot store, oversiz
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -17,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from sqlalchemy import Engine, event
+from sqlalchemy import Engine, event, text
 from sqlalchemy.orm import Session
 from torch import nn
 from watch_helpers import count
@@ -327,3 +328,33 @@ def test_largest_storable_budget_runs(tmp_path: Path) -> None:
         _steps(model, torch.optim.SGD(model.parameters(), lr=0.1), 2)
     assert mon.summary().budget_bytes == 2**63 - 1
     assert count(tmp_path / "h.db", "SELECT budget_bytes FROM runs") == 2**63 - 1
+
+
+def test_text_longer_than_its_column_or_holding_nul_is_fitted_not_the_batch(
+    history_db: str,
+) -> None:
+    """PostgreSQL refuses a string longer than its ``VARCHAR`` or holding a NUL character, and
+    the refusal took the whole flush (samples too) with it; every backend now stores such a
+    string fitted: NUL as U+FFFD, clipped to the column's length ending in an ellipsis (JSON
+    keeps its NUL: both backends store it escaped)."""
+    engine = open_engine(history_db)
+    run_id = _run_row(engine)
+    writer = Writer(engine, run_id, batch_size=100, flush_interval_s=0.01)
+    writer.put_sample(_reading(0))
+    name = "blocks." + "x" * 600
+    row = {"time_s": T0, "step": 0, "module": name, "kind": "Bag\x00", "dtype": "d" * 40}
+    writer.put_module_stat(row)
+    writer.put_event("decision", "a\x00b", step=0, data={"why": "c\x00d"})
+    writer.start()
+    writer.close()
+    assert writer.not_written == {"samples": 0, "events": 0, "module_stats": 0, "snapshots": 0}
+    assert writer.written == {"samples": 1, "events": 1, "module_stats": 1, "snapshots": 0}
+    assert writer.values_fitted == 4
+    with engine.connect() as conn:
+        stored = conn.execute(text("SELECT module, kind, dtype FROM module_stats")).one()
+        event = conn.execute(text("SELECT message, data FROM events")).one()
+    assert tuple(stored) == (name[:499] + "…", "Bag\ufffd", "d" * 31 + "…")
+    message, data = event
+    assert message == "a\ufffdb"
+    assert (json.loads(data) if isinstance(data, str) else data) == {"why": "c\x00d"}  # kept
+    engine.dispose()

@@ -32,13 +32,13 @@ seconds without the database, the first error). A traceback is logged only where
 
 An integer that SQLite cannot store (2**63 or more, a driver's "not available" marker that got
 through) makes the flush fail with ``OverflowError``: such values are replaced by ``NULL`` (each
-counted in :attr:`Writer.values_nulled`, logged once) and the flush is tried again, so one bad
-value never stops the history.
+counted in :attr:`Writer.values_nulled`, logged once) and the flush is tried again; a string
+with a NUL character or longer than its column is stored fitted (:mod:`edo_monitor.store.fitting`,
+counted in :attr:`Writer.values_fitted`). One bad value never stops the history.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
@@ -53,6 +53,7 @@ from sqlalchemy import Connection, Engine, bindparam, insert, update
 from edo_monitor.errors import StoreError
 from edo_monitor.probes.readings import SAMPLE_FIELDS, Reading
 from edo_monitor.store.engine import write_samples
+from edo_monitor.store.fitting import fit_text, null_out_of_range
 from edo_monitor.store.models import (
     Event,
     ModuleStat,
@@ -70,8 +71,6 @@ logger = logging.getLogger(__name__)
 _TABLES = (("events", Event), ("module_stats", ModuleStat), ("snapshots", Snapshot))
 #: a Reading's values in ``SAMPLE_FIELDS`` order, as one tuple (C speed, no dict per sample)
 _SAMPLE_VALUES = attrgetter(*SAMPLE_FIELDS)
-#: SQLite's INTEGER is a signed 64-bit integer
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 class Writer:
@@ -149,6 +148,8 @@ class Writer:
         self.not_written: dict[str, int] = dict.fromkeys(self._names, 0)
         #: values replaced by NULL because SQLite cannot store them (integers beyond 64 bits)
         self.values_nulled = 0
+        #: strings stored fitted to their column (NUL → U+FFFD, clipped to the column's length)
+        self.values_fitted = 0
         #: why rows are not being written (``None`` while all is well)
         self.problem: str | None = None
         #: the database file was deleted or replaced during the run
@@ -418,7 +419,7 @@ class Writer:
             return self._write(pending)
         except OverflowError as exc:  # an integer SQLite cannot store: NULL it, try again
             self._release()
-            nulled = _null_out_of_range(pending, [name for name, _ in self.ROW_TABLES])
+            nulled = null_out_of_range(pending, [name for name, _ in self.ROW_TABLES])
             self.values_nulled += nulled
             logger.warning(
                 "history writer: %d value(s) beyond SQLite's 64-bit integers written as NULL (%s)",
@@ -433,6 +434,16 @@ class Writer:
             except OverflowError:
                 self._count_batch(pending)
                 return True
+
+    def _fit(self, table: str, rows: list[dict[str, Any]]) -> None:
+        fitted = fit_text(table, rows)
+        if fitted and not self.values_fitted:
+            logger.warning(
+                "history writer: a string with a NUL character or longer than its %s column "
+                "stored fitted (NUL as U+FFFD, clipped with an ellipsis)",
+                table,
+            )
+        self.values_fitted += fitted
 
     # -- what differs between the run's writer and the daemon's (overridden by DeviceWriter) --
     def _drop_row(self, now: float, new_drops: int, total: int) -> tuple[str, dict[str, Any]]:
@@ -494,6 +505,7 @@ class Writer:
                     tuples = list(map(_SAMPLE_VALUES, pending["samples"]))
                     write_samples(conn, self.run_id, tuples)  # type: ignore[arg-type]
                 for table, model in self.ROW_TABLES:
+                    self._fit(table, pending[table])
                     for rows in _same_keys(pending[table]):
                         self._prepare(conn, table, rows)
                         conn.execute(insert(model), rows)
@@ -567,29 +579,6 @@ def _heartbeat(columns: tuple[str, ...]) -> Any:
 
 
 _HEARTBEATS: dict[tuple[str, ...], Any] = {}
-
-
-def _fits(value: Any) -> bool:
-    return not isinstance(value, int) or _INT64_MIN <= value <= _INT64_MAX
-
-
-def _null_out_of_range(pending: dict[str, list[Any]], tables: list[str]) -> int:
-    """Replace integers SQLite cannot store by ``None`` in the pending rows (samples and the
-    dict rows of ``tables``); how many."""
-    nulled = 0
-    samples = pending["samples"]
-    for i, reading in enumerate(samples):
-        bad = {f: None for f in SAMPLE_FIELDS if not _fits(getattr(reading, f))}
-        if bad:
-            samples[i] = dataclasses.replace(reading, **bad)
-            nulled += len(bad)
-    for table in tables:
-        for row in pending[table]:
-            for key, value in row.items():
-                if not _fits(value):
-                    row[key] = None
-                    nulled += 1
-    return nulled
 
 
 def _same_keys(rows: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
