@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from history_seed import INTERVAL, N_SAMPLES, T0, sample_row, seed
 from sqlalchemy import insert, text
 
@@ -512,6 +513,20 @@ def test_a_run_info_is_a_run_reference_and_other_objects_are_named(
         assert str(caught.value) == (
             "a float is not a run reference; expected a run id, a uuid prefix or 'latest'"
         )
+
+
+def test_an_integer_of_another_type_is_a_run_id(seeded: tuple[Path, dict[str, Any]]) -> None:
+    """Regression: an id taken from ``to_pandas()`` (``numpy.int64``) or a 0-d tensor was
+    refused as "not a run reference"; any integer type is the run id it holds."""
+    np = pytest.importorskip("numpy")
+    path, _ = seeded
+    with History(path) as h:
+        assert h.run(np.int64(2)).id == h.run(torch.tensor(2)).id == 2
+        assert len(h.events(np.int32(1))) == len(h.events(1)) > 0
+        with pytest.raises(RunNotFoundError, match="no run with id 99"):
+            h.run(np.int64(99))
+        with pytest.raises(RunNotFoundError, match="is not a run reference"):
+            h.run(np.bool_(True))  # type: ignore[arg-type]
 
 
 def test_prune_keeps_a_run_whose_process_lives_though_its_heartbeat_is_stale(

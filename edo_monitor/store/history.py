@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import logging
+import operator
 import os
 import re
 import time
@@ -251,7 +252,8 @@ class History(_JobQueries, _DeviceQueries, _SampleQueries):
         return self._with_stats(infos)
 
     def run(self, ref: RunRef, *, stats: bool = True) -> RunInfo:
-        """One run by id (int or digits), uuid prefix, or ``"latest"`` (most recently started).
+        """One run by id (an integer of any type, e.g. out of ``to_pandas()``, or digits), uuid
+        prefix, or ``"latest"`` (most recently started).
 
         Args:
             ref: the run reference (every method taking a run also takes the :class:`RunInfo`
@@ -308,6 +310,8 @@ class History(_JobQueries, _DeviceQueries, _SampleQueries):
         cols = self._run_cols
         if isinstance(ref, RunInfo):  # what run() returned: its id
             ref = ref.id
+        elif not isinstance(ref, bool | str) and hasattr(ref, "__index__"):
+            ref = operator.index(ref)  # an id out of to_pandas() is a numpy.int64
         if isinstance(ref, bool) or not isinstance(ref, int | str):
             raise RunNotFoundError(
                 f"a {type(ref).__name__} is not a run reference; expected a run id, a uuid prefix "
