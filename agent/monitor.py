@@ -31,6 +31,7 @@ import threading
 import unicodedata
 import uuid as uuidlib
 import weakref
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -606,7 +607,7 @@ class Monitor(_Lifecycle):
             peak_reserved_bytes=peaks["reserved_bytes"],
             peak_activations_bytes=peaks["activations_bytes"],
             min_free_fraction=self._sampler.min_free_fraction,
-            events=dict(self._log.counts),
+            events=dict(Counter(self._log.counts) + Counter(writer.own_events if writer else {})),
             actions=tuple(self._log.actions),
             agent_errors=dict(self._log.agent_errors),
             job_id=self.job_id,

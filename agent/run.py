@@ -93,7 +93,8 @@ class RunSummary:
             the allocated peak is also the allocator's own peak stat once the run raised it, so
             it holds a peak between two readings.
         min_free_fraction: lowest ``free_fraction`` seen.
-        events: count of events by kind. actions: the ``action`` events' data, in order.
+        events: count of events by kind (the writer's own too: ``samples_dropped``,
+            ``store_reconnected``). actions: the ``action`` events' data, in order.
         agent_errors: failures inside the agent by ``"where:ExceptionType"`` (the hooks, the
             sampler ...), every occurrence counted; each kind is one ``agent_error`` event.
         job_id, rank, world_size: the run's place in a multi-rank job (``None`` outside an

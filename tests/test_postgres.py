@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -376,6 +377,9 @@ def test_a_terminated_writer_connection_is_one_warning_and_an_event(
         (event,) = h.events(summary.run_id, kind="store_reconnected")
         assert event.data["tries"] >= 1 and "AdminShutdown" in event.data["error"]
         assert h.run(summary.run_id).sample_count == summary.samples
+        stored = Counter(e.kind for e in h.events(summary.run_id))
+    # the summary counts the writer's own event too (it was missing there)
+    assert summary.events == dict(stored) and summary.events["store_reconnected"] == 1
     # the writer's own event has no step: "-", not -1
     assert event.step == -1 and event.step_shown == "-"
     (line,) = [

@@ -132,6 +132,9 @@ class Writer:
         self._outage = Outage("history writer", engine.url)
         #: outages the writer recovered from without losing rows (a ``store_reconnected`` each)
         self.reconnects = 0
+        #: the writer's own events written so far, by kind (``samples_dropped``,
+        #: ``store_reconnected``; the daemon's are device events)
+        self.own_events: dict[str, int] = {}
         self._closed = False
         #: the batch the thread is writing (its ``pending``), and the lock under which a flush
         #: commits it or :meth:`close`, out of time, counts it: one or the other, never both
@@ -488,12 +491,13 @@ class Writer:
         new_drops = dropped - self._dropped_recorded
         now = time.time()
         tried_at = time.monotonic()  # a locked database fails only after the busy timeout
-        drop_table = None
+        drop_table = back_table = None
+        own: list[dict[str, Any]] = []  # the writer's own rows in this flush
         if new_drops:
             drop_table, drop_row = self._drop_row(now, new_drops, dropped)
             pending[drop_table].append(drop_row)
+            own.append(drop_row)
         outage = self._outage.active
-        back_table = None
         try:
             conn = self._connection()
             with conn.begin() as transaction:
@@ -501,6 +505,7 @@ class Writer:
                     back = self._outage.data()  # the lock is held from here on: it is over
                     back_table, back_row = self._reconnect_row(now, back)
                     pending[back_table].append(back_row)
+                    own.append(back_row)
                 if pending["samples"]:
                     tuples = list(map(_SAMPLE_VALUES, pending["samples"]))
                     write_samples(conn, self.run_id, tuples)  # type: ignore[arg-type]
@@ -547,6 +552,8 @@ class Writer:
             return False
         for table, rows in pending.items():
             self.written[table] += len(rows)
+        for row in own:
+            self.own_events[row["kind"]] = self.own_events.get(row["kind"], 0) + 1
         self._dropped_recorded = dropped
         self.flushes += 1
         if outage:
