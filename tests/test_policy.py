@@ -79,6 +79,8 @@ def kinds(events):
         ({"ladder": "offload_embedding"}, r"ladder='offload_embedding'"),
         ({"ladder": ["release_cache", "release_cache"]}, r"twice"),
         ({"ladder": ["compress_embedding"]}, r"lossy; pass allow_lossy=True"),
+        # a rung that uses memory was taken: a policy that never saved any
+        ({"ladder": ["grow_cache"]}, r"'grow_cache' gives memory back .*: release_cache, cache_"),
         # an empty ladder was taken: a policy that never acts, silently
         ({"ladder": []}, r"ladder=\[\] holds no action; .*mode='observe'"),
         ({"ladder": ()}, r"ladder=\(\) holds no action"),

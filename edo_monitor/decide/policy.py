@@ -254,9 +254,14 @@ class Policy(_Forecasting, _Outcomes):
                 "record crossings without acting: mode='observe')"
             )
         names, lossy = _known_actions()
-        known = ", ".join(names)
+        known = ", ".join(n for n in names if n != "grow_cache")
         seen: set[str] = set()
         for name in ladder:
+            if name == "grow_cache":  # a ladder of it alone was a policy that never saves
+                raise ConfigError(
+                    "ladder action 'grow_cache' gives memory back to a row cache when memory is "
+                    f"calm (the policy decides it itself); expected actions that save: {known}"
+                )
             if name not in names:
                 raise ConfigError(f"ladder action {name!r} is not known; expected one of {known}")
             if name in seen:
