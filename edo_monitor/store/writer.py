@@ -442,8 +442,8 @@ class Writer:
         fitted = fit_text(table, rows)
         if fitted and not self.values_fitted:
             logger.warning(
-                "history writer: a string with a NUL character or longer than its %s column "
-                "stored fitted (NUL as U+FFFD, clipped with an ellipsis)",
+                "history writer: a %s string holding a NUL character or longer than its "
+                "column was stored fitted (NUL as U+FFFD, clipped with an ellipsis)",
                 table,
             )
         self.values_fitted += fitted
