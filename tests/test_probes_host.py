@@ -3,6 +3,7 @@ process tree's memory by PSS with real forked children holding known allocations
 
 from __future__ import annotations
 
+import mmap
 import multiprocessing as mp
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -171,10 +172,14 @@ def test_tree_is_read_on_its_own_schedule() -> None:
     probe = HostProbe(slow_interval_s=10.0)
     first = probe.read(now_s=100.0)["process_tree_bytes"]
     assert first is not None and first > 0
-    held = b"\x01" * (64 * MiB)
+    # 64 MiB of new pages, touched: a bytes object of that size can reuse heap memory the
+    # process freed earlier and still holds (its PSS unchanged after a long test session)
+    held = mmap.mmap(-1, 64 * MiB)
+    for offset in range(0, 64 * MiB, mmap.PAGESIZE):
+        held[offset] = 1
     assert probe.read(now_s=105.0)["process_tree_bytes"] == first  # repeated, not re-read
     assert probe.read(now_s=110.0)["process_tree_bytes"] >= first + 64 * MiB - 8 * MiB
-    del held
+    held.close()
 
 
 def test_started_probe_reads_the_tree_on_its_own_thread() -> None:
