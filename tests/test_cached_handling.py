@@ -304,3 +304,38 @@ def test_a_growing_cache_names_its_table_in_the_log(caplog: pytest.LogCaptureFix
         ("INFO", "cached table items: 10 rows needed, cache has 5; growing it"),
         ("INFO", "cached table items: 20 rows needed, cache has 10; growing it"),
     ]
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_steps_without_zero_grad_between_sum_the_old_gradient_in(name: str) -> None:
+    """A resident table's gradient stays after a step until it is zeroed: a backward adds to
+    it, a step without one steps with it again. The cache dropped it at the step (helper: the
+    row moved by -0.1 where the resident one moved by -0.2). Steps here zero with ``None``,
+    zero in place, zero between the forward and the backward, or not at all; some have no
+    backward; every step with one clips (the norm is the resident table's, the old gradient in
+    it); a small cache evicts in between."""
+    torch.manual_seed(5)
+    twin, cached = _pair(torch.randn(N, D, dtype=torch.float64), cache_rows=8)
+    o1, o2 = OPTIMIZERS[name]([twin.weight]), OPTIMIZERS[name]([cached.weight])
+    gen = torch.Generator().manual_seed(5)
+    kinds = ("none", "in place", "not", "after forward", "not", "not, no backward")
+    for step in range(72):
+        ids = torch.randint(0, N, (4, 3), generator=gen)
+        target = torch.randn(4, 3, D, generator=gen, dtype=torch.float64)
+        how = kinds[step % len(kinds)]
+        norms = []
+        for module, opt in ((twin, o1), (cached, o2)):
+            if how == "none":
+                opt.zero_grad()
+            elif how == "in place":
+                opt.zero_grad(set_to_none=False)
+            if how != "not, no backward":
+                loss = ((module(ids) - target) ** 2).sum()
+                if how == "after forward":
+                    opt.zero_grad()
+                loss.backward()
+            if how != "not, no backward":  # with no backward the kept gradient is added at
+                norms.append(float(torch.nn.utils.clip_grad_norm_(module.parameters(), 40.0)))
+            opt.step()  # the step: clipping before it does not see it (documented)
+        assert norms[1:] == pytest.approx(norms[:1], rel=1e-12), (step, how)
+    assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12

@@ -34,6 +34,15 @@ class _GradientLayout:
     """The rows touched since the last step and their gradient (a mixin of
     :class:`~edo_monitor.nn.cached.CachedTable`)."""
 
+    # (class defaults: a copy or an older pickle has none) the last step's gradient (ids,
+    # grad), kept until the next backward or step finds whether a zero_grad() came since
+    # (:meth:`_resolve_carry`); the row buffer's gradient as the cache last left it, with its
+    # version; optimizers that stepped the table before the attached one (a zero_grad() of
+    # theirs does not reach the row buffer: nothing is carried while one lives)
+    _carry: tuple[torch.Tensor, torch.Tensor] | None = None
+    _carry_mark: tuple[torch.Tensor, int] | None = None
+    _former: weakref.WeakSet[torch.optim.Optimizer] | None = None
+
     def _keeps_rows(self) -> bool:
         """Whether a training forward keeps its rows in the row buffer (:meth:`_take_rows`): with
         an optimizer attached, without ``max_norm`` (a lookup renormalises rows: the cache must
@@ -94,6 +103,7 @@ class _GradientLayout:
     ) -> None:
         """The gradient layout becomes ``rows`` (host int64 cache rows) with ``grad`` and the row
         buffer's values ``data`` (both ``(len(rows), D)``)."""
+        carried = self._carry is not None and self._carry_stands()
         old = self._layout_rows
         if old.numel():
             put_rows(self._row_pos, old, -1)
@@ -102,6 +112,10 @@ class _GradientLayout:
         self.batch_rows.grad = None
         self.batch_rows.data = data
         self.batch_rows.grad = grad
+        if carried:
+            self._mark_carry()
+        else:
+            self._carry = self._carry_mark = None
 
     def _layout_slots(self) -> torch.Tensor:
         """Slots of the rows holding a gradient (never evicted: it would lose it)."""
@@ -193,6 +207,8 @@ class _GradientLayout:
                 "that forward are no longer laid out)"
             )
         self._backward_seen = True
+        if self._carry is not None:
+            self._resolve_carry()
         with torch.no_grad():
             g = self.batch_rows.grad
             if g is None:
@@ -286,12 +302,51 @@ class _GradientLayout:
             if self.batch_rows.grad is None:
                 self.batch_rows.grad = torch.zeros_like(self.batch_rows)
             return
+        self._take_id_grads(ids, grad.index_select(0, to_device(ids, grad.device)))
+
+    # A resident table's gradient stays after a step until it is zeroed: the next backward adds
+    # to it, a step with no backward steps with it again. The cache's step takes the gradient
+    # out of the row buffer (the rows it touched are laid out afresh), so it keeps it aside
+    # (``_carry``) and watches the row buffer's gradient: a zero_grad() replaces it (None) or
+    # zeroes it in place (its version moves); the cache's own changes move the mark along.
+    def _mark_carry(self) -> None:
+        """Note the row buffer's gradient as the cache leaves it (while a gradient is kept)."""
+        g = self.batch_rows.grad
+        self._carry_mark = None if g is None else (g, g._version)
+        if g is None:
+            self._carry = None  # zeroed (set to None): nothing to add
+
+    def _carry_stands(self) -> bool:
+        """Whether no zero_grad() reached the row buffer since the kept gradient's step."""
+        mark, g = self._carry_mark, self.batch_rows.grad
+        return mark is not None and g is mark[0] and g._version == mark[1]
+
+    @torch.no_grad()
+    def _resolve_carry(self) -> None:
+        """At the first backward (or a step with none) after a step: add that step's gradient
+        back when no ``zero_grad()`` came since, as the resident table's stays; let it go
+        otherwise. Not while an optimizer that stepped the table before lives (its zero_grad()
+        would not reach the row buffer)."""
+        carry, self._carry = self._carry, None
+        stands, self._carry_mark = self._carry_stands(), None
+        others = [o for o in self._former or () if o is not self._optimizer]
+        if carry is None or not stands or others:
+            return
+        ids, grad = carry
+        nonzero = grad.ne(0).any(dim=1)
+        self._take_id_grads(ids[nonzero.cpu()], grad[nonzero])
+
+    def _take_id_grads(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        """Make table rows ``ids`` ``(n,)`` (host int64, distinct) resident, pinned until the
+        step, and add ``grads`` ``(n, D)`` into the batch's gradient at them."""
+        if ids.numel() == 0:
+            return
         r = self.block_rows
         blocks = torch.unique(ids // r) if r > 1 else ids
         slots = self._ensure(blocks, count=False)
         self._pin_slots(slots)
         rows = self.block_to_slot.index_select(0, ids // r) * r + ids % r if r > 1 else slots
-        self._add_row_grads(rows, grad.index_select(0, to_device(ids, grad.device)))
+        self._add_row_grads(rows, grads)
 
     def _add_row_grads(self, rows: torch.Tensor, grads: torch.Tensor) -> None:
         """Add ``grads`` ``(n, D)`` into the batch's gradient at cache ``rows`` ``(n,)`` (host

@@ -228,6 +228,10 @@ class _OptimizerBinding:
             h.remove()
         self._hooks = []
         if self._optimizer is not None:  # the row buffer leaves the optimizer with the hooks
+            if self._former is None:
+                self._former = weakref.WeakSet()
+            self._former.add(self._optimizer)
+            self._carry = self._carry_mark = None
             for g in self._optimizer.param_groups:
                 if any(p is self.batch_rows for p in g["params"]):
                     if "param_names" in g:
@@ -335,6 +339,8 @@ class _OptimizerBinding:
             self._state_appears(old.keys, group)
         if direct is not None:
             self._add_direct_grad(direct)
+        if self._carry is not None:  # a step with no backward since the last one
+            self._resolve_carry()
         grad = self.batch_rows.grad
         if grad is None:
             return  # as a resident table with no gradient: the optimizer skips it
@@ -367,8 +373,9 @@ class _OptimizerBinding:
         if optimizer is not self._optimizer or self._rule is None:
             return
         self._clear_pins()
-        if self._stash is not None:  # the step consumed the gradient: a new layout begins
-            self._stash = None
+        if self._stash is not None:  # the step took the gradient: a new layout begins
+            grad, self._stash = self._stash, None
+            ids = self._row_ids(self._layout_rows)
             self._generation += 1
             # an empty gradient, not None: a resident table keeps a gradient tensor after its
             # step, and zero_grad(set_to_none=False) keeps it (zeroed), so a later step without
@@ -376,6 +383,10 @@ class _OptimizerBinding:
             # None, and such a step skips the table, as for the resident one
             empty = self.batch_rows.new_zeros(0, self.embedding_dim)
             self._set_layout(torch.zeros(0, dtype=torch.int64), empty, empty.clone())
+            # the step's gradient stays the resident table's until a zero_grad(): kept to be
+            # added at the next backward or step if none came (:meth:`_resolve_carry`)
+            self._carry = (ids, grad)
+            self._mark_carry()
         self.reset_step_stats()
 
     # ------------------------------------------------------------------ lazy rows, fused step

@@ -60,12 +60,17 @@ caught up when loaded again), flushed or checkpointed. Gradients, exactly:
   clipping scales it in place and the step uses the scaled values.
 * Micro-batches before one step accumulate into the same buffer (it grows by the new rows, which
   stay pinned until the step).
-* The step consumes the gradient: after it ``batch_rows.grad`` is an empty ``(0, D)`` tensor, a
-  zero gradient (two optimizers stepping the table after one backward: the second takes it over
-  and finds no gradient, where a resident table is stepped with it twice; it logs a warning). A
-  resident table that is not zeroed between steps would sum the old gradient into the next step;
-  the cache does not (every training loop zeroes). A backward of a graph built before the last
-  step raises ``RuntimeError`` naming it. An optimizer step with no backward since the last one is
+* The step takes the gradient out of the row buffer: after it ``batch_rows.grad`` is an empty
+  ``(0, D)`` tensor, and the rows touched next are laid out afresh. The step's gradient is kept
+  aside, as a resident table's stays until zeroed: when no ``zero_grad()`` (of the attached
+  optimizer, or any that holds ``batch_rows``) came before the next backward, that backward adds
+  to it (clipping after it sees the sum), and a step with no backward steps with it again
+  (clipping before such a step sees none of it). Not while an optimizer that stepped the table
+  before the attached one lives: its ``zero_grad()`` would not reach the row buffer, so the kept
+  gradient is let go, as it was always (two optimizers stepping the table after one backward:
+  the second takes it over and finds no gradient, where a resident table is stepped with it
+  twice; it logs a warning). A backward of a graph built before the last step raises
+  ``RuntimeError`` naming it. An optimizer step with no backward since the last one is
   skipped for the table when its gradient is ``None`` (after ``zero_grad()``, whose default sets
   it to ``None``), as torch skips a parameter without a gradient; after
   ``zero_grad(set_to_none=False)`` it steps every row with a zero gradient (weight decay,
