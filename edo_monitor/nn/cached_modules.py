@@ -55,6 +55,9 @@ class CachedEmbedding(CachedTable):
     id_frequencies=None)``. The table is initialised as ``nn.Embedding`` does (``N(0, 1)``,
     padding row zero) unless ``_weight`` is given. ``forward(input)`` with ``input`` ``(*)`` int64
     returns ``(*, embedding_dim)``. ``sparse=True`` raises ``ValueError`` (refused by name).
+    The table's gradient is ``batch_rows.grad`` ``(U, D)`` (the rows touched since the step);
+    ``weight.grad`` stays ``None``, so clip or read gradients over ``parameters()``, never
+    ``weight`` alone (``clip_grad_norm_(table.weight, 1.0)`` sees none and clips nothing).
     """
 
     def __init__(
@@ -120,6 +123,8 @@ class CachedEmbeddingBag(CachedTable):
     scale_grad_by_freq=False, mode="mean", sparse=False, _weight=None, include_last_offset=False,
     padding_idx=None, device=None, dtype=None, *, policy, block_rows, overflow, id_frequencies)``.
     ``forward(input, offsets=None, per_sample_weights=None)`` returns ``(B, embedding_dim)``.
+    Gradients as for :class:`CachedEmbedding` (``batch_rows.grad``; ``weight.grad`` stays
+    ``None``).
     """
 
     def __init__(
