@@ -140,6 +140,11 @@ class Tuner:
                     data["forecast"] = event.forecast.index
                 if event.planning_in_use_bytes is not None:
                     data["planning_in_use_bytes"] = event.planning_in_use_bytes
+                if event.passed_over:
+                    data["passed_over"] = [
+                        {"action": r.action, "target": r.target, "reason": r.reason}
+                        for r in event.passed_over
+                    ]
                 self.m._emit(
                     "decision",
                     f"{'advise' if event.advisory else 'decide'}: {event.action} on "
@@ -156,11 +161,18 @@ class Tuner:
                 self.emit_forecast_outcome(event)
             else:
                 why = "; ".join(f"{r.action} ({r.reason})" for r in event.refusals)
-                self.m._emit(
-                    "no_action",
+                message = (
                     ("a crossing is forecast" if event.forecast else "under pressure")
                     + ", but no action on the ladder applies"
-                    + (f": {why}" if why else ""),  # the reasons in every view, not only --json
+                    + (f": {why}" if why else "")  # the reasons in every view, not only --json
+                )
+                if not event.forecast:  # the user sees why the tuner does nothing, not silence
+                    logger.warning(
+                        "step %d: free %.1f%% %s", reading.step, 100 * event.free_fraction, message
+                    )
+                self.m._emit(
+                    "no_action",
+                    message,
                     {
                         "free_fraction": event.free_fraction,
                         "refusals": [

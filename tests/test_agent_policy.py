@@ -168,17 +168,23 @@ def test_observe_mode_records_crossings_only(db_path: Path) -> None:
     assert set(mon.summary().events) == {"threshold_crossed", "lookup_frequency", "table_spectrum"}
 
 
-def test_nothing_to_do_is_recorded_once(db_path: Path) -> None:
+def test_nothing_to_do_is_recorded_once(db_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     model = nn.Sequential(nn.Linear(400, 400), nn.Linear(400, 4))  # no table, nothing to save
     opt = torch.optim.Adam(model.parameters())
-    with edo_monitor.watch(
-        model, db=db_path, budget=2_600_000, policy=edo_monitor.Policy(), interval_s=0.01
-    ) as mon:
+    with (
+        caplog.at_level("WARNING"),
+        edo_monitor.watch(
+            model, db=db_path, budget=2_600_000, policy=edo_monitor.Policy(), interval_s=0.01
+        ) as mon,
+    ):
         for _ in range(15):
             model(torch.randn(8, 400)).sum().backward()
             opt.step()
             opt.zero_grad()
     assert mon.summary().events.get("no_action") == 1
+    # said where the user looks, once (a new user saw a policy that did nothing, silently)
+    (said,) = [r.getMessage() for r in caplog.records if "no action on the ladder" in r.message]
+    assert "under pressure, but no action on the ladder applies: release_cache (" in said
     with History(db_path) as history:
         (event,) = history.events("latest", kind="no_action")
     reasons = {r["action"]: r["reason"] for r in event.data["refusals"]}

@@ -239,14 +239,14 @@ def test_refusals_are_split_only_where_a_table_is_named() -> None:
     itself was cut there (and its tail taken for another table's reason)."""
     from types import SimpleNamespace
 
-    from edo_monitor.hindsight.explain import _refused_live
+    from edo_monitor.hindsight.recorded import refused_live
 
     reason = "users: a loop (x; y) steps it; items: no recorded step yet: cannot tell"
     events = [
         SimpleNamespace(kind="no_action", data={"refusals": [{"action": "a", "reason": reason}]}),
         SimpleNamespace(kind="action_refused", data={"action": "b", "reason": "items: x; z"}),
     ]
-    assert _refused_live(events, {"users", "items"}) == {
+    assert refused_live(events, {"users", "items"}) == {
         ("a", "users"): "a loop (x; y) steps it",  # items' "not yet" reason rules nothing out
         ("b", "items"): "x; z",
     }

@@ -235,3 +235,35 @@ def test_hindsight_sizes_a_row_cache_by_the_peak_ids_the_run_recorded(tmp_path: 
     assert 0 < action.data["details"]["peak_batch_ids"] <= peak <= 32
     row = 16 * 4 * 4  # float32 weight, its gradient and Adam's two moments: resident
     assert cache.saving_bytes == (1000 - peak) * row
+
+
+def test_hindsight_refuses_what_the_live_agent_refused_before_its_decision(tmp_path: Path) -> None:
+    """Regression (a new user's run): the live default policy could not cache a table stepped by
+    RMSprop (the row cache refuses it) and offloaded it; replay, which cannot see the optimizer
+    in the trace, modelled ``cache_embedding`` as its decision, and explain listed the cache as
+    a lossless remedy. The decision records the rungs it passed over now, and both refuse
+    what the live agent refused on that table."""
+    db = tmp_path / "rmsprop.db"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(1000, 16), nn.Linear(16, 4))
+    opt = torch.optim.RMSprop(model.parameters(), lr=0.01)
+    with edo_monitor.watch(
+        model, db=str(db), interval_s=0.05, budget=215_000, policy=edo_monitor.Policy()
+    ) as mon:
+        for _ in range(30):
+            model(torch.randint(0, 1000, (32,))).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            time.sleep(0.02)
+    with History(db) as h:
+        (decision, *_) = h.events(mon.run_id, kind="decision")
+        (action, *_) = h.events(mon.run_id, kind="action")
+    assert (action.data["action"], action.data["status"]) == ("offload_embedding", "applied")
+    passed = {(r["action"], r["target"]): r["reason"] for r in decision.data["passed_over"]}
+    assert "RMSprop is not supported by the row cache" in passed["cache_embedding", "0"]
+    result = edo_monitor.replay(str(db), mon.run_id)
+    assert [d.action for d in result.decisions[:1]] == ["offload_embedding"]
+    (incident, *_) = edo_monitor.explain(str(db), mon.run_id).incidents
+    assert "cache_embedding" not in {r.action for r in incident.remedies}
+    (refused,) = [r for r in incident.refused_live if r.action == "cache_embedding"]
+    assert refused.detail.startswith("refused live: optimizer RMSprop is not supported")

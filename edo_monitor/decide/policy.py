@@ -471,7 +471,7 @@ class Policy(_Forecasting, _Outcomes):
                 continue
             plan = self._plan(name, reading, planner, refusals)
             if plan is not None:
-                return self._decision(reading, plan, plan.reason), refusals
+                return self._decision(reading, plan, plan.reason, refusals), refusals
         lossy: list[Plan] = []
         for name in self.ladder:
             if name in lossy_names:
@@ -481,7 +481,7 @@ class Policy(_Forecasting, _Outcomes):
         if not lossy:
             return None, refusals
         ranked = rank_lossy_plans(lossy)
-        return self._decision(reading, ranked[0], _ranked_reason(ranked)), refusals
+        return self._decision(reading, ranked[0], _ranked_reason(ranked), refusals), refusals
 
     def _plan(
         self, name: str, reading: Reading, planner: Planner, refusals: list[Refusal]
@@ -509,7 +509,9 @@ class Policy(_Forecasting, _Outcomes):
             return None
         return plan
 
-    def _decision(self, reading: Reading, plan: Plan, why: str) -> Decision:
+    def _decision(
+        self, reading: Reading, plan: Plan, why: str, passed_over: Sequence[Refusal] = ()
+    ) -> Decision:
         mode: Literal["auto", "advise"] = "advise" if self.mode == "advise" else "auto"
         return Decision(
             action=plan.action,
@@ -523,6 +525,7 @@ class Policy(_Forecasting, _Outcomes):
             free_fraction=float(reading.free_fraction or 0.0),
             mode=mode,
             plan=plan,
+            passed_over=tuple(passed_over),
         )
 
     def _release_cache_skip(self, reading: Reading) -> str | None:

@@ -85,6 +85,9 @@ class Decision:
     plan: Plan = field(compare=False, repr=False)
     forecast: Forecast | None = field(default=None, compare=False, repr=False)
     planning_in_use_bytes: int | None = field(default=None, compare=False)
+    #: the rungs tried before this one, refused (the reason each gives; recorded with the
+    #: decision, so hindsight knows what the live agent could not do)
+    passed_over: tuple[Refusal, ...] = field(default=(), compare=False, repr=False)
 
     @property
     def advisory(self) -> bool:

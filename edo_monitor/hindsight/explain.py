@@ -58,12 +58,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import re
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from edo_monitor.decide.plans import NOT_YET_KNOWN, TABLE_BLOCKERS
+from edo_monitor.decide.plans import TABLE_BLOCKERS
 from edo_monitor.errors import ConfigError, EventNotFoundError
 from edo_monitor.hindsight.recorded import (
     MAX_CHECKPOINT_BLOCKS,
@@ -75,6 +74,7 @@ from edo_monitor.hindsight.recorded import (
     _Table,
     peak_batch_ids,
     raise_through_episode,
+    refused_live,
     tables_at_incident,
 )
 from edo_monitor.hindsight.run_config import DEFAULT_FLOOR, as_fraction, recorded_floor
@@ -203,41 +203,6 @@ def _peak_in_episode(history: Any, run_id: int, start_s: float, end_s: float | N
             ),
             {"r": run_id, "a": start_s, "b": end_s},
         ).scalar()
-
-
-def _refused_live(events: list[Any], tables: Collection[str]) -> dict[tuple[str, str], str]:
-    """``(action, table) -> reason`` for each table action the live agent refused on a table
-    in the run (its ``no_action`` and ``action_refused`` events) and never applied to it, for a
-    reason other than one it could not know yet (:data:`NOT_YET_KNOWN`): refusals at the first
-    step (no recorded step, no optimizer stepped yet) ruled out the remedy the agent applied a
-    step later. A refusal names each table it
-    refused, ``"<table>: <why>"``, joined by ``"; "``; split only where a table of ``tables``
-    is named, as a reason may hold ``"; "`` itself."""
-    applied = {
-        (str(e.data.get("action") or ""), str(e.data.get("target") or ""))
-        for e in events
-        if e.kind == "action" and e.data.get("status") == "applied"
-    }
-    names = sorted((t for t in tables if t), key=len, reverse=True)
-    starts = re.compile("(?:^|; )(" + "|".join(map(re.escape, names)) + "): ") if names else None
-    out: dict[tuple[str, str], str] = {}
-    for e in events:
-        if e.kind == "no_action":
-            items = e.data.get("refusals") or []
-        elif e.kind == "action_refused":
-            items = [e.data]
-        else:
-            continue
-        for r in items:
-            action = str(r.get("action") or "")
-            reason = str(r.get("reason") or "")
-            found = list(starts.finditer(reason)) if starts is not None else []
-            for i, m in enumerate(found):
-                end = found[i + 1].start() if i + 1 < len(found) else len(reason)
-                why = reason[m.end() : end]
-                if (action, m.group(1)) not in applied and not why.startswith(NOT_YET_KNOWN):
-                    out[(action, m.group(1))] = why  # the latest reason stands
-    return out
 
 
 def _alive_total(alive: Mapping[str, Any]) -> int:
@@ -547,7 +512,7 @@ def explain(db: Any, run: Any, *, event: int | None = None) -> Explanation:
         from edo_monitor.hindsight.staged import plan_for_incident
 
         table_names = {str(r["module"]) for r in module_rows if r.get("num_embeddings") is not None}
-        refused = _refused_live(events, table_names)
+        refused = refused_live(events, table_names)
         incidents = [  # schema 8: what the incident's memory snapshot shows
             dataclasses.replace(
                 i,

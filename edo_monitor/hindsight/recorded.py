@@ -1,11 +1,14 @@
 """The recorded attribution read back for hindsight: a run's tables and activations at a moment,
-and the saving of a remedy estimated from them."""
+the saving of a remedy estimated from them, and the actions the live agent refused on them."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from edo_monitor.decide.plans import NOT_YET_KNOWN
 
 #: Rows a row cache keeps at least when the peak ids per batch are unknown (the action's own
 #: fallback, ``min(rows, 1024)``).
@@ -326,3 +329,40 @@ def tables_at_incident(
         )
         t.trainable |= t.grads_bytes > 0
     return tables
+
+
+def refused_live(events: list[Any], tables: Collection[str]) -> dict[tuple[str, str], str]:
+    """``(action, table) -> reason`` for each table action the live agent refused on a table
+    in the run (its ``no_action`` and ``action_refused`` events) and never applied to it, for a
+    reason other than one it could not know yet (:data:`NOT_YET_KNOWN`): refusals at the first
+    step (no recorded step, no optimizer stepped yet) ruled out the remedy the agent applied a
+    step later. A refusal names each table it
+    refused, ``"<table>: <why>"``, joined by ``"; "``; split only where a table of ``tables``
+    is named, as a reason may hold ``"; "`` itself."""
+    applied = {
+        (str(e.data.get("action") or ""), str(e.data.get("target") or ""))
+        for e in events
+        if e.kind == "action" and e.data.get("status") == "applied"
+    }
+    names = sorted((t for t in tables if t), key=len, reverse=True)
+    starts = re.compile("(?:^|; )(" + "|".join(map(re.escape, names)) + "): ") if names else None
+    out: dict[tuple[str, str], str] = {}
+    for e in events:
+        if e.kind == "no_action":
+            items = e.data.get("refusals") or []
+        elif e.kind == "decision":
+            items = e.data.get("passed_over") or []
+        elif e.kind == "action_refused":
+            items = [e.data]
+        else:
+            continue
+        for r in items:
+            action = str(r.get("action") or "")
+            reason = str(r.get("reason") or "")
+            found = list(starts.finditer(reason)) if starts is not None else []
+            for i, m in enumerate(found):
+                end = found[i + 1].start() if i + 1 < len(found) else len(reason)
+                why = reason[m.end() : end]
+                if (action, m.group(1)) not in applied and not why.startswith(NOT_YET_KNOWN):
+                    out[(action, m.group(1))] = why  # the latest reason stands
+    return out

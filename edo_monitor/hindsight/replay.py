@@ -17,6 +17,7 @@ from edo_monitor.hindsight.recorded import (
     _open,
     _tables_at,
     peak_batch_ids,
+    refused_live,
 )
 from edo_monitor.hindsight.replay_model import MIN_RESIZE_BYTES as MIN_RESIZE_BYTES  # re-export
 from edo_monitor.hindsight.replay_model import _Model
@@ -271,6 +272,7 @@ def replay(db: Any, run: Any, policy: Any = None) -> ReplayResult:
             policy.rearm_free_fraction,
             policy.grow_margin_fraction,
         )
+        model.refused = refused_live(events, model.tables)
         for t in model.tables.values():
             t.on_device = t.placement != "host"
         live_back = [(*_in_force_from(e), int(e.data.get("saved_bytes") or 0)) for e in live]

@@ -55,6 +55,9 @@ class _Model:
     in_use_bytes: int = 0
     budget_bytes: int = 0
     checkpointed: set[str] = field(default_factory=set)
+    #: ``(action, table) -> reason`` the live agent refused and never applied
+    #: (:func:`~edo_monitor.hindsight.recorded.refused_live`): such a plan is refused here too
+    refused: dict[tuple[str, str], str] = field(default_factory=dict)
 
     def need(self) -> int:
         return max(0, math.ceil(self.in_use_bytes - (1 - self.rearm_fraction) * self.budget_bytes))
@@ -78,6 +81,14 @@ class _Model:
         return Refusal(name, "", "no embedding table left on the device tier")
 
     def __call__(self, name: str) -> Plan | Refusal:
+        plan = self._planned(name)
+        live = "compress_embedding" if name.startswith("compress_embedding") else name
+        why = self.refused.get((live, plan.target)) if isinstance(plan, Plan) else None
+        if why is not None:  # the optimizer, a hook, a tie: what the trace does not show
+            return Refusal(name, plan.target, f"refused live: {why}")
+        return plan
+
+    def _planned(self, name: str) -> Plan | Refusal:
         if name == "release_cache":
             return Refusal(
                 name,
