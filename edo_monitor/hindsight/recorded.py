@@ -333,7 +333,8 @@ def tables_at_incident(
 
 def refused_live(events: list[Any], tables: Collection[str]) -> dict[tuple[str, str], str]:
     """``(action, table) -> reason`` for each table action the live agent refused on a table
-    in the run (its ``no_action`` and ``action_refused`` events) and never applied to it, for a
+    in the run (its ``no_action`` and ``action_refused`` events, and the rungs a ``decision``
+    passed over) and never applied to it, for a
     reason other than one it could not know yet (:data:`NOT_YET_KNOWN`): refusals at the first
     step (no recorded step, no optimizer stepped yet) ruled out the remedy the agent applied a
     step later. A refusal names each table it
