@@ -202,6 +202,23 @@ def test_replay_lists_every_action_of_a_rank_at_the_step_it_was_applied(tmp_path
 
 
 @pytest.mark.timeout(120)
+def _small_table_run(db: Path, optimizer: type, budget: int) -> int:
+    """A 1,000-row table (16 columns) and a head stepped by ``optimizer``, 30 batches of 32 ids
+    under a CPU ``budget`` with the default policy; the run's id."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(1000, 16), nn.Linear(16, 4))
+    opt = optimizer(model.parameters(), lr=0.01)
+    with edo_monitor.watch(
+        model, db=str(db), interval_s=0.05, budget=budget, policy=edo_monitor.Policy()
+    ) as mon:
+        for _ in range(30):
+            model(torch.randint(0, 1000, (32,))).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            time.sleep(0.02)
+    return mon.run_id
+
+
 def test_hindsight_sizes_a_row_cache_by_the_peak_ids_the_run_recorded(tmp_path: Path) -> None:
     """Regression: replay and explain sized a row cache at least 1,024 rows (the action's floor
     when the peak ids per batch are unknown) while the run knew its peak (32 ids a batch): on a
@@ -210,25 +227,15 @@ def test_hindsight_sizes_a_row_cache_by_the_peak_ids_the_run_recorded(tmp_path: 
     one remedy that worked out. Both read the peak the run recorded now (its action's details,
     its ``lookup_frequency`` events)."""
     db = tmp_path / "small.db"
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Embedding(1000, 16), nn.Linear(16, 4))
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    with edo_monitor.watch(
-        model, db=str(db), interval_s=0.05, budget=300_000, policy=edo_monitor.Policy()
-    ) as mon:
-        for _ in range(30):
-            model(torch.randint(0, 1000, (32,))).pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
-            time.sleep(0.02)
+    run = _small_table_run(db, torch.optim.Adam, 300_000)
     with History(db) as h:
-        (action, *_) = h.events(mon.run_id, kind="action")
-        (counted,) = h.events(mon.run_id, kind="lookup_frequency")
+        (action, *_) = h.events(run, kind="action")
+        (counted,) = h.events(run, kind="lookup_frequency")
     assert action.data["action"] == "cache_embedding"
-    result = edo_monitor.replay(str(db), mon.run_id)
+    result = edo_monitor.replay(str(db), run)
     first = result.decisions[0]
     assert (first.action, first.saving_bytes) == ("cache_embedding", action.data["saved_bytes"])
-    (incident, *_) = edo_monitor.explain(str(db), mon.run_id).incidents
+    (incident, *_) = edo_monitor.explain(str(db), run).incidents
     cache = next(r for r in incident.remedies if r.action == "cache_embedding")
     # the run's peak (its action saw the peak so far: at most that)
     peak = counted.data["peak_unique_ids"]
@@ -244,26 +251,16 @@ def test_hindsight_refuses_what_the_live_agent_refused_before_its_decision(tmp_p
     a lossless remedy. The decision records the rungs it passed over now, and both refuse
     what the live agent refused on that table."""
     db = tmp_path / "rmsprop.db"
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Embedding(1000, 16), nn.Linear(16, 4))
-    opt = torch.optim.RMSprop(model.parameters(), lr=0.01)
-    with edo_monitor.watch(
-        model, db=str(db), interval_s=0.05, budget=215_000, policy=edo_monitor.Policy()
-    ) as mon:
-        for _ in range(30):
-            model(torch.randint(0, 1000, (32,))).pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
-            time.sleep(0.02)
+    run = _small_table_run(db, torch.optim.RMSprop, 215_000)
     with History(db) as h:
-        (decision, *_) = h.events(mon.run_id, kind="decision")
-        (action, *_) = h.events(mon.run_id, kind="action")
+        (decision, *_) = h.events(run, kind="decision")
+        (action, *_) = h.events(run, kind="action")
     assert (action.data["action"], action.data["status"]) == ("offload_embedding", "applied")
     passed = {(r["action"], r["target"]): r["reason"] for r in decision.data["passed_over"]}
     assert "RMSprop is not supported by the row cache" in passed["cache_embedding", "0"]
-    result = edo_monitor.replay(str(db), mon.run_id)
+    result = edo_monitor.replay(str(db), run)
     assert [d.action for d in result.decisions[:1]] == ["offload_embedding"]
-    (incident, *_) = edo_monitor.explain(str(db), mon.run_id).incidents
+    (incident, *_) = edo_monitor.explain(str(db), run).incidents
     assert "cache_embedding" not in {r.action for r in incident.remedies}
     (refused,) = [r for r in incident.refused_live if r.action == "cache_embedding"]
     assert refused.detail.startswith("refused live: optimizer RMSprop is not supported")
