@@ -108,6 +108,25 @@ def test_enter_and_click_open_a_run(db: Path) -> None:  # noqa: F811
     run_app(app, body)
 
 
+def test_filter_key_before_the_runs_view_was_ever_shown(db: Path) -> None:  # noqa: F811
+    """Regression: ``/`` from the first screen switched to the runs view and looked its filter
+    box up before the view was composed: ``NoMatches``, and the app exited (code 3)."""
+    app = EdoTui(db, refresh_s=REFRESH_S)
+
+    async def body(pilot: Pilot[None]) -> None:
+        await wait_for(pilot, lambda: loaded(app))
+        assert not isinstance(app.screen, RunsScreen)
+        await pilot.press("slash")
+        await pilot.press(*"baseline")
+        runs = app.runs_screen
+        await wait_for(pilot, lambda: runs.loads > 0 and runs.filter_text == "baseline")
+        assert runs.query_one("#filter", Input).has_focus
+        assert table_column(runs.query_one("#runs", DataTable), 1) == ["old-finished"]
+
+    run_app(app, body)
+    assert app.return_code in (None, 0)
+
+
 def test_runs_table_summary_sort_and_filter(db: Path) -> None:  # noqa: F811
     app = EdoTui(db, refresh_s=REFRESH_S)
 

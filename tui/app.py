@@ -226,9 +226,12 @@ class EdoTui(App[None]):
             self.job_screen.chosen = run.job_id
         self._show("jobs")
 
-    def action_filter(self) -> None:
-        """``/``: filter the runs table."""
-        self._show("runs")
+    async def action_filter(self) -> None:
+        """``/``: filter the runs table (once the runs view is composed: pressed before the
+        view had ever been shown, it looked the box up too early and the app exited)."""
+        self._close_modal()
+        if self.screen is not self.runs_screen:
+            await self.switch_screen("runs")
         self.runs_screen.show_filter()
 
     def action_help(self) -> None:
