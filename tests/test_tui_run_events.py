@@ -150,3 +150,36 @@ def test_event_times_and_durations_are_rounded_as_show_rounds_them(late_half: Pa
     duration = _rounded(run.ended_at_s - run.started_at_s)
     assert seen["duration"] == [duration]
     assert f"elapsed: {duration}" in seen["header"]
+
+
+def test_a_run_of_many_events_keeps_its_early_actions_on_the_chart(
+    recorded: Path, tmp_path: Path
+) -> None:
+    """Regression: the view read the newest 1,000 events and drew the chart's marks from them,
+    so an action (or OOM) older than that was on neither, with nothing saying rows were left
+    out. Every action and OOM is charted now, and the events box says what it holds."""
+    db = tmp_path / "many.db"
+    with sqlite3.connect(recorded) as src, sqlite3.connect(db) as dst:
+        src.backup(dst)
+    with History(db) as h:
+        actions = [e.id for e in h.events(1) if e.kind in ("action", "oom")]
+        last = h.events(1)[-1]
+    assert actions
+    with sqlite3.connect(db) as con:  # 1,100 later events (forecasts) push them out
+        con.executemany(
+            "INSERT INTO events (run_id, time_s, step, kind, message, data) "
+            "VALUES (1, ?, ?, 'forecast', 'later', '{}')",
+            [(last.time_s + 0.001 * i, last.step) for i in range(1100)],
+        )
+        total = con.execute("SELECT count(*) FROM events WHERE run_id = 1").fetchone()[0]
+    app = EdoTui(db, run="1", refresh_s=REFRESH_S)
+
+    async def body(pilot: Pilot[None]) -> None:
+        screen = app.run_screen
+        await wait_for(pilot, lambda: screen.loaded)
+        assert [e.id for e in screen.chart_events] == actions
+        assert screen.query_one("#events", DataTable).row_count == 1000
+        title = text_of(screen.query_one("#events-title", Static))
+        assert title == f"events (the newest 1,000 of {total:,}: edo-monitor events 1 lists all)"
+
+    run_app(app, body)

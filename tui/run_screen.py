@@ -119,7 +119,7 @@ class RunScreen(Screen[None]):
             yield Gauge("frag", id="gauge-frag")
         yield MemoryChart(id="chart")
         with Vertical(id="events-box"):
-            yield Static("events", classes="box-title")
+            yield Static("events", classes="box-title", id="events-title")
             yield DataTable(id="events", cursor_type="row", zebra_stripes=True)
             yield Static("", id="event-detail")
         with Vertical(id="modules-box"):
@@ -209,15 +209,28 @@ class RunScreen(Screen[None]):
 
     def _read_run(
         self, run: RunInfo, max_points: int, size: tuple[int, int]
-    ) -> tuple[Series, Latest | None, list[EventInfo], list[ModuleInfo], ChartData, list[Strip]]:
-        """Everything the view shows of ``run`` (worker thread)."""
+    ) -> tuple[
+        Series,
+        Latest | None,
+        list[EventInfo],
+        list[ModuleInfo],
+        ChartData,
+        list[Strip],
+        tuple[EventInfo, ...],
+        int,
+    ]:
+        """Everything the view shows of ``run`` (worker thread): the newest
+        :data:`_MAX_EVENT_ROWS` events in the table, every OOM and action on the chart (an
+        early one was lost with the rows left out), and how many events the run has."""
         source = self.tui.source
         series = source.series(run, max_points)
         latest = source.latest(run)
-        events = source.events(run.id)[-_MAX_EVENT_ROWS:]
+        every = source.events(run.id)
+        charted = tuple(e for e in every if e.kind in _CHARTED)
         modules = source.modules(run.id)
-        data = _chart_data(run, series, latest, tuple(e for e in events if e.kind in _CHARTED))
-        return series, latest, events, modules, data, build_chart(data, *size)
+        data = _chart_data(run, series, latest, charted)
+        lines = build_chart(data, *size)
+        return series, latest, every[-_MAX_EVENT_ROWS:], modules, data, lines, charted, len(every)
 
     @work(thread=True, group="run-read")
     def _load(
@@ -347,6 +360,8 @@ class RunScreen(Screen[None]):
         modules: list[ModuleInfo],
         data: ChartData,
         lines: list[Strip],
+        charted: tuple[EventInfo, ...],
+        total_events: int,
         size: tuple[int, int],
         followed_from: RunInfo | None,
     ) -> None:
@@ -364,7 +379,14 @@ class RunScreen(Screen[None]):
         self.run_info = run
         self.series = series
         self.latest = latest
-        self.chart_events = tuple(e for e in events if e.kind in _CHARTED)
+        self.chart_events = charted
+        left_out = total_events - len(events)
+        self.query_one("#events-title", Static).update(
+            f"events (the newest {len(events):,} of {total_events:,}: edo-monitor events "
+            f"{run.id} lists all)"
+            if left_out > 0
+            else "events"
+        )
         self.module_ids = ()
         self.last_event_id = 0
         self.event_rows = []
