@@ -13,6 +13,8 @@ import re
 import sqlite3
 import subprocess
 import sys
+import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -33,8 +35,10 @@ from tui_helpers import (
     text_of,
     wait_for,
 )
+from typer.testing import CliRunner
 
 from edo_monitor.store.engine import open_engine
+from edo_monitor.surfaces.cli import app as cli
 from edo_monitor.tui.app import EdoTui
 from edo_monitor.tui.data import DataSource
 from edo_monitor.tui.modals import HelpScreen
@@ -125,6 +129,41 @@ def test_filter_key_before_the_runs_view_was_ever_shown(db: Path) -> None:  # no
 
     run_app(app, body)
     assert app.return_code in (None, 0)
+
+
+def test_start_times_are_utc_as_the_cli_shows_them(
+    db: Path,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regression: the runs view showed local time unlabelled, ``edo-monitor runs`` UTC: off
+    UTC the same run's start read 9 hours apart (TZ=Asia/Tokyo)."""
+    monkeypatch.setenv("TZ", "Asia/Tokyo")
+    time.tzset()
+    try:
+        with sqlite3.connect(db) as con:
+            (started,) = con.execute("SELECT started_at_s FROM runs WHERE id = 1").fetchone()
+        utc = datetime.fromtimestamp(started, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+        cli_line = next(
+            line
+            for line in CliRunner().invoke(cli, ["runs", "--db", str(db)]).output.splitlines()
+            if "old-finished" in line
+        )
+        assert utc in cli_line
+        app = EdoTui(db, refresh_s=REFRESH_S)
+
+        async def body(pilot: Pilot[None]) -> None:
+            await wait_for(pilot, lambda: loaded(app))
+            await pilot.press("r")
+            runs = app.runs_screen
+            await wait_for(pilot, lambda: runs.loads > 0)
+            table = runs.query_one("#runs", DataTable)
+            assert str(table.ordered_columns[3].label).startswith("started (UTC)")  # ▼: sorted
+            assert str(getattr(c := table.get_row("1")[3], "plain", c)) == utc
+
+        run_app(app, body)
+    finally:
+        monkeypatch.undo()
+        time.tzset()
 
 
 def test_runs_table_summary_sort_and_filter(db: Path) -> None:  # noqa: F811

@@ -85,7 +85,7 @@ def devices_renderable(data: Devices) -> Any:
             parts.append(Padding(table, (0, 0, 0, 2)))
         parts.append(Text(""))
     if data.events:
-        parts.append(Text("daemon events", style="bold"))
+        parts.append(Text("daemon events (UTC)", style="bold"))
         for ev in data.events:
             row = Text(f"  {format_time(ev.time_s)}  ")
             row.append(f"{ev.kind:<20}", style=_DEVICE_EVENT_STYLES.get(ev.kind, ""))
@@ -161,7 +161,7 @@ class DevicesScreen(_PolledScreen):
         hosts = sorted({d.host for d in data.devices})
         text = Text(
             f"{len(data.devices)} GPU(s) on {', '.join(hosts)}: daemon sample of "
-            f"{format_time(newest)} ({age:.0f} s ago)",
+            f"{format_time(newest)} UTC ({age:.0f} s ago)",
             style="bold",
         )
         if age > STALE_AFTER_S:

@@ -82,7 +82,7 @@ JOB_COLUMNS: tuple[tuple[str, str], ...] = (
     ("status", "status"),
     ("ranks", "ranks"),
     ("hosts", "hosts"),
-    ("started", "started"),
+    ("started", "started (UTC)"),
     ("steps", "steps"),
 )
 

@@ -27,7 +27,7 @@ RUN_COLUMNS: tuple[tuple[str, str], ...] = (
     ("id", "id"),
     ("name", "name"),
     ("status", "status"),
-    ("started", "started"),
+    ("started", "started (UTC)"),
     ("duration", "duration"),
     ("device", "device"),
     ("peak", "peak"),

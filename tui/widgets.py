@@ -106,10 +106,11 @@ def format_fraction(value: float | None) -> str:
 
 
 def format_time(time_s: float | None) -> str:
-    """Unix seconds → local ``YYYY-MM-DD HH:MM:SS``; ``None`` → ``"N/A"``."""
+    """Unix seconds → ``YYYY-MM-DD HH:MM:SS`` in UTC, as the CLI shows times (local time put
+    the same run's start hours apart from ``edo-monitor runs``); ``None`` → ``"N/A"``."""
     if time_s is None:
         return "N/A"
-    return dt.datetime.fromtimestamp(time_s).strftime("%Y-%m-%d %H:%M:%S")
+    return dt.datetime.fromtimestamp(time_s, tz=dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
 
 
 class Gauge(Widget):
