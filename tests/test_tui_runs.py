@@ -131,6 +131,14 @@ def test_filter_key_before_the_runs_view_was_ever_shown(db: Path) -> None:  # no
     assert app.return_code in (None, 0)
 
 
+async def _runs_table(pilot: Pilot[None], app: EdoTui) -> DataTable:
+    """The runs view's table, once the app loaded and ``r`` showed the view."""
+    await wait_for(pilot, lambda: loaded(app))
+    await pilot.press("r")
+    await wait_for(pilot, lambda: app.runs_screen.loads > 0)
+    return app.runs_screen.query_one("#runs", DataTable)
+
+
 def test_start_times_are_utc_as_the_cli_shows_them(
     db: Path,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
@@ -152,11 +160,7 @@ def test_start_times_are_utc_as_the_cli_shows_them(
         app = EdoTui(db, refresh_s=REFRESH_S)
 
         async def body(pilot: Pilot[None]) -> None:
-            await wait_for(pilot, lambda: loaded(app))
-            await pilot.press("r")
-            runs = app.runs_screen
-            await wait_for(pilot, lambda: runs.loads > 0)
-            table = runs.query_one("#runs", DataTable)
+            table = await _runs_table(pilot, app)
             assert str(table.ordered_columns[3].label).startswith("started (UTC)")  # ▼: sorted
             assert str(getattr(c := table.get_row("1")[3], "plain", c)) == utc
 
@@ -170,11 +174,8 @@ def test_runs_table_summary_sort_and_filter(db: Path) -> None:  # noqa: F811
     app = EdoTui(db, refresh_s=REFRESH_S)
 
     async def body(pilot: Pilot[None]) -> None:
-        await wait_for(pilot, lambda: loaded(app))
-        await pilot.press("r")
+        table = await _runs_table(pilot, app)
         runs = app.runs_screen
-        await wait_for(pilot, lambda: runs.loads > 0)
-        table = runs.query_one("#runs", DataTable)
         row = [str(getattr(c, "plain", c)) for c in table.get_row(str(1))]
         assert row[1:3] == ["old-finished", "finished"]
         assert row[4] == "0:01:00"
