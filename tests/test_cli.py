@@ -177,6 +177,17 @@ def test_estimate() -> None:
     assert json.loads(res.stdout)["params_bytes"] == 50000 * 64 * 4
     bad = run("estimate", "--num-embeddings", "10", "--embedding-dim", "4", "--dtype", "foo")
     assert bad.exit_code == 2 and "foo" in bad.stderr
+    # fp16 with master weights beside the float32 table it compresses: the table's figures, as
+    # --json and the API give them (the float32 baseline was sized with master weights too and
+    # refused: exit 2, "compression=None")
+    args = ("estimate", "--num-embeddings", "100", "--embedding-dim", "64")
+    for compression in ("fp16", "bf16"):
+        text = run(*args, "--compression", compression, "--master-weights")
+        assert text.exit_code == 0, text.output
+        as_json = json.loads(
+            run(*args, "--compression", compression, "--master-weights", "--json").stdout
+        )
+        assert f"total            {as_json['total_bytes']:,} bytes" in text.stdout
 
 
 def test_console_script_subprocess(db: Path) -> None:

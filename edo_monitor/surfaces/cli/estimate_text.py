@@ -91,8 +91,11 @@ def estimate_command(
         return json.dumps(result.as_dict(), indent=2)
     uncompressed = None
     if compression is not None:
+        # master weights belong to a 16-bit table: a float32 one beside fp16 has none (the
+        # baseline's refusal failed the command, "compression=None")
+        sixteen = result.dtype in ("float16", "bfloat16")
         uncompressed = estimate(
             num_embeddings, embedding_dim, dtype=dtype, optimizer=optimizer,
-            master_weights=master_weights,
+            master_weights=master_weights and sixteen,
         )  # fmt: skip
     return format_estimate(result, uncompressed)
