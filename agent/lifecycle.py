@@ -184,7 +184,9 @@ class _Lifecycle:
         if rank_error is not None:
             self._agent_error("rank detection", rank_error)
         if self._tensorboard is not None:
-            self._tensorboard.open()  # a log dir that cannot be written: one agent_error
+            # a log dir that cannot be written: one agent_error; a rank of a job writes into
+            # rank<N> of it (one folder for all was one TensorBoard run mixing the ranks)
+            self._tensorboard.open(rank=self.rank if (self.world_size or 1) > 1 else None)
         report_leftovers(self.spill_dir, self._emit)  # a crashed run's spill file
         self._start_hooks()
 

@@ -57,7 +57,12 @@ def scenario_jobs(db: str, rank: int, opts: dict[str, str]) -> dict[str, Any]:
         time.sleep(float(opts.get("late_s", "0")))
     t0 = time.monotonic()
     with edo_monitor.watch(
-        model, db=db, interval_s=0.01, run_name="ranks-test", strict=strict
+        model,
+        db=db,
+        interval_s=0.01,
+        run_name="ranks-test",
+        strict=strict,
+        tensorboard=opts.get("tensorboard"),
     ) as m:
         enter_s = time.monotonic() - t0
         for _ in range(steps):

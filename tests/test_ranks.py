@@ -282,7 +282,12 @@ def _check_two_rank_job(db: str, results: list[dict[str, Any]]) -> None:
 @pytest.mark.slow
 def test_two_ranks_are_one_job_in_one_sqlite_file(tmp_path: Path) -> None:
     db = str(tmp_path / "history.db")
-    _check_two_rank_job(db, run_ranks("jobs", db, 2, tmp_path))
+    tb = tmp_path / "tb"
+    _check_two_rank_job(db, run_ranks("jobs", db, 2, tmp_path, f"tensorboard={tb}"))
+    # each rank's scalars in a folder of its own: one folder for all was one TensorBoard run
+    # whose series zig-zagged between the ranks
+    assert sorted(p.name for p in tb.iterdir()) == ["rank0", "rank1"]
+    assert all(any(p.glob("events.out.tfevents.*")) for p in tb.iterdir())
 
 
 @pytest.mark.slow

@@ -161,10 +161,15 @@ class TensorBoardSink:
             return str(self.writer.get_logdir())
         return self._log_dir
 
-    def open(self) -> None:
-        """Make the writer for a log folder (the run starts); errors go to ``on_error``."""
+    def open(self, rank: int | None = None) -> None:
+        """Make the writer for a log folder (the run starts); errors go to ``on_error``. A rank
+        of a multi-rank job (``rank`` not ``None``) writes into the folder's ``rank<N>``, so
+        TensorBoard shows each rank as a run of its own; a ``SummaryWriter`` passed in is used
+        as it is."""
         if self.writer is not None or self._log_dir is None:
             return
+        if rank is not None:
+            self._log_dir = os.path.join(self._log_dir, f"rank{rank}")
         try:
             self.writer = self._writer_cls(log_dir=self._log_dir)
         except Exception as exc:
