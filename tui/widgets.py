@@ -110,7 +110,7 @@ def format_time(time_s: float | None) -> str:
     the same run's start hours apart from ``edo-monitor runs``); ``None`` → ``"N/A"``."""
     if time_s is None:
         return "N/A"
-    return dt.datetime.fromtimestamp(time_s, tz=dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+    return dt.datetime.fromtimestamp(time_s, tz=dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
 
 
 class Gauge(Widget):
