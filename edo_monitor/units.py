@@ -1,4 +1,5 @@
-"""Byte sizes: parsing user input (``"512MiB"``, ``"2GB"``, ``1 << 30``) and formatting for humans.
+"""Byte sizes: parsing user input (``"512MiB"``, ``"2GB"``, ``1 << 30``) and formatting for humans;
+and times as every view shows them (UTC).
 
 Parsing is done by ``humanfriendly`` (a kept library); this module only adds validation and the
 error message edo-monitor promises (the bad value and what is allowed).
@@ -7,6 +8,7 @@ error message edo-monitor promises (the bad value and what is allowed).
 from __future__ import annotations
 
 import re
+from datetime import datetime, timezone
 
 import humanfriendly
 
@@ -105,3 +107,11 @@ def format_bytes(value: int | float | None) -> str:
     if value < 0:  # humanfriendly.format_size prints a negative count as raw bytes
         return "-" + humanfriendly.format_size(-value, binary=True)
     return humanfriendly.format_size(value, binary=True)
+
+
+def format_utc(time_s: float | None, missing: str = "-") -> str:
+    """Unix seconds as ``YYYY-MM-DD HH:MM:SS`` in UTC, the one form the CLI and the dashboard
+    show times in; ``None`` becomes ``missing``."""
+    if time_s is None:
+        return missing
+    return datetime.fromtimestamp(time_s, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime as dt
 import inspect
 import logging
 import math
@@ -24,6 +23,7 @@ from textual_plotext import Plot
 
 from edo_monitor.store.records import EventInfo
 from edo_monitor.tui.data import Series
+from edo_monitor.units import format_utc
 
 __all__ = [
     "FLOOR_RGB",
@@ -108,9 +108,7 @@ def format_fraction(value: float | None) -> str:
 def format_time(time_s: float | None) -> str:
     """Unix seconds → ``YYYY-MM-DD HH:MM:SS`` in UTC, as the CLI shows times (local time put
     the same run's start hours apart from ``edo-monitor runs``); ``None`` → ``"N/A"``."""
-    if time_s is None:
-        return "N/A"
-    return dt.datetime.fromtimestamp(time_s, tz=dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+    return format_utc(time_s, missing="N/A")
 
 
 class Gauge(Widget):

@@ -128,20 +128,13 @@ def _pct(fraction: float | None) -> str:
 def job_renderables(report: JobReport) -> list[RenderableType]:
     """What ``edo-monitor job`` prints: a heading, one row per rank (the tightest marked) and
     the actions of every rank by step. Strings from the history go in as plain text."""
-    from datetime import datetime, timezone
-
     from rich.text import Text
 
     from edo_monitor.list_table import Col, ListTable
+    from edo_monitor.units import format_utc
 
     job = report.job
-    started = (
-        "-"
-        if job.started_at_s is None
-        else datetime.fromtimestamp(job.started_at_s, tz=timezone.utc).strftime(
-            "%Y-%m-%d %H:%M:%S UTC"
-        )
-    )
+    started = "-" if job.started_at_s is None else f"{format_utc(job.started_at_s)} UTC"
     head = Text(f"job {job.id} ({job.name}): {job.status or 'no runs'}", style="bold")
     lines: list[RenderableType] = [
         head,

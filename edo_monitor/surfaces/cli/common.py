@@ -12,7 +12,6 @@ import re
 import sqlite3
 import sys
 from collections.abc import Callable, Mapping
-from datetime import datetime, timezone
 from typing import Annotated, Any, TypeVar
 
 import typer
@@ -251,9 +250,9 @@ def _bytes(value: Any) -> str:
 
 
 def _when(ts: float | None) -> str:
-    if ts is None:
-        return "-"
-    return datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+    from edo_monitor.units import format_utc
+
+    return format_utc(ts)
 
 
 def _dur(seconds: float | None) -> str:
