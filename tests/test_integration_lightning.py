@@ -273,8 +273,13 @@ def test_a_fit_resumed_after_a_conversion_trains_as_its_twin_and_names_its_run(
         return module
 
     def watched() -> EdoMonitorCallback:
+        # a cooldown longer than the run: the only decision is the conversion (the cache frees
+        # more than the re-arm level needs, so grow_cache may follow 5 steps later: a race)
         return EdoMonitorCallback(
-            db=db_path, budget=12_000_000, policy=edo_monitor.Policy(), interval_s=0.01
+            db=db_path,
+            budget=12_000_000,
+            policy=edo_monitor.Policy(cooldown_steps=100),
+            interval_s=0.01,
         )
 
     first = watched()
