@@ -176,7 +176,7 @@ class _RowMovement(_VictimChoice):
         """
         self._check_cache_once()  # before these slots are written: a prefetch hid the write
         blocks, w, st = staged["blocks"], staged["w"], staged["st"]
-        _, rows = self._real_rows(blocks, slots)
+        ids, rows = self._real_rows(blocks, slots)
         state = self._opt_state()
         moved = w.numel() * w.element_size()
         dev_rows = to_device(rows, self.device)
@@ -190,10 +190,13 @@ class _RowMovement(_VictimChoice):
         put_rows(self.weight.data, dev_rows, w.to(self.device, self.weight.dtype))
         for key in self._state_keys():
             value = state.get(key)
-            if value is not None:
-                at = dev_rows if value.device == dev_rows.device else to_device(rows, value.device)
-                put_rows(value.data, at, st[key].to(value.device, value.dtype))
-                moved += st[key].numel() * st[key].element_size()
+            if value is None:  # no state of the cache yet: its rows' state is their host rows'
+                host = self.host_state[key]  # (a catch-up moved it: SGD's first momentum step)
+                put_rows(host, ids, st[key].to(host.device, host.dtype))
+                continue
+            at = dev_rows if value.device == dev_rows.device else to_device(rows, value.device)
+            put_rows(value.data, at, st[key].to(value.device, value.dtype))
+            moved += st[key].numel() * st[key].element_size()
         put_rows(self.slot_to_block, slots, blocks)
         freq = self.block_freq.index_select(0, blocks)
         put_rows(self.slot_freq, slots, freq)
