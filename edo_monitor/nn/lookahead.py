@@ -40,8 +40,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -171,7 +172,9 @@ class LookAhead(_IdsOfBatches):
     raised; an error of ``ids(batch)`` likewise surfaces at that batch's turn. A pass that stops
     early (``break``) over a one-shot loader (an iterator or generator: ``iter(loader) is
     loader``) keeps the batches it read ahead: the next pass hands them out first, as the
-    iterator itself would have given them (they were dropped: 8 batches a ``break``). A loader
+    iterator itself would have given them (they were dropped: 8 batches a ``break``); while a
+    pass over one is still going (an iterator kept for a warm-up ``next()``), ``iter()`` gives
+    that pass, as ``iter()`` of the iterator gives the iterator. A loader
     whose batches depend on the training state (hard negatives mined from the current model)
     is read ``ahead + 1`` batches early, from an older model: its batches differ from the plain
     loop's.
@@ -268,6 +271,8 @@ class LookAhead(_IdsOfBatches):
         #: (and its exception, if it had raised): the next pass hands them out first
         self._carried: list[Any] = []
         self._carried_error: Exception | None = None
+        #: the pass over a one-shot loader handed out last (``iter()`` gives it while it goes on)
+        self._going: weakref.ReferenceType[Generator[Any, None, None]] | None = None
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
@@ -314,10 +319,23 @@ class LookAhead(_IdsOfBatches):
 
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[Any]:
+        """A pass over the loader; over a one-shot loader, the pass still going if there is
+        one, as ``iter()`` of an iterator gives the iterator itself (a new pass took the batches
+        after those the going one had read ahead: a warm-up ``next(iter(loader))`` and then a
+        ``for`` loop skipped ``ahead + 1`` batches)."""
+        going = self._going() if self._going is not None else None
+        if going is not None and going.gi_frame is not None:  # not finished
+            return going
         self._say_if_serving_none()
         self.passes += 1
         source = iter(self.loader)
         one_shot = source is self.loader  # a DataLoader's iter() restarts; an iterator's not
+        run = self._pass(source, one_shot)
+        self._going = weakref.ref(run) if one_shot else None  # a dropped pass still ends
+        return run
+
+    def _pass(self, source: Iterator[Any], one_shot: bool) -> Iterator[Any]:
+        """One pass over ``source`` (``one_shot``: the loader itself, not restarted)."""
         carried, self._carried = self._carried, []
         carried_error, self._carried_error = self._carried_error, None
         it: Iterator[Any] = source
