@@ -317,6 +317,39 @@ def test_rows_loaded_before_the_caches_state_exists_keep_their_caught_up_state(
     assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
 
 
+def test_adagrad_state_saved_before_the_optimizer_was_attached_loads_as_the_initial_state() -> None:
+    """Regression: Adagrad makes its ``sum`` with the optimizer, the cache's shape ``(C, D)``; a
+    checkpoint taken before the table's first step (between the micro-batches of the first
+    accumulation window), with the optimizer not attached yet, did not load back ("has shape
+    (20, 4)"). No step changed it: it is every row's initial state, and resumes like the twin."""
+    gen = torch.Generator().manual_seed(6)
+    base = torch.randn(N, D, generator=gen, dtype=torch.float64)
+    twin, cached = _pair(base)
+    o1, o2 = OPTIMIZERS["adagrad"]([twin.weight]), OPTIMIZERS["adagrad"]([cached.weight])
+    batches = [_zipf_ids(gen, (16,)) for _ in range(6)]
+    saved = []
+    for module, opt in ((twin, o1), (cached, o2)):
+        (module(batches[0]) ** 2).sum().backward()  # the first micro-batch
+        saved.append(copy.deepcopy((module.state_dict(), opt.state_dict())))
+        for ids in batches[1:]:
+            (module(ids) ** 2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    for (module, opt), (weights, state) in zip(((twin, o1), (cached, o2)), saved, strict=True):
+        module.load_state_dict(weights)
+        opt.load_state_dict(state)
+        for ids in batches[1:]:
+            (module(ids) ** 2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
+    half = {k: v[: C // 2] for k, v in saved[1][1]["state"][0].items() if k == "sum"}
+    touched = copy.deepcopy(saved[1][1])
+    touched["state"][0]["sum"] = torch.cat([half["sum"], half["sum"] + 1.0])  # not initial
+    with pytest.raises(ValueError, match=r"'sum' has shape \(20, 4\).*table.attach\(optimizer\)"):
+        o2.load_state_dict(touched)
+
+
 def test_adagrad_state_made_before_the_cache_grew_is_its_initial_state() -> None:
     """Adagrad makes its ``sum`` state with the optimizer, the cache's shape then; a first
     batch with more unique ids than cache rows grows the cache before the first step attaches

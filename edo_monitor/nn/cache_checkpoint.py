@@ -347,11 +347,18 @@ class _Checkpointing:
         # the keys in use and those a setting switched off (kept for when it comes back)
         keys = [key for key in ROW_STATE_KEYS if entry.get(key) is not None]
         for key in keys:
-            if tuple(entry[key].shape) != (n, d):
-                raise ValueError(
-                    f"optimizer state {key!r} has shape {tuple(entry[key].shape)}; a cached table "
-                    f"loads full-table state {(n, d)}"
-                )
+            value = entry[key]
+            if tuple(value.shape) == (n, d):
+                continue
+            if t == 0 and _uniform(value, d):  # the initial state (Adagrad's), every row alike
+                entry[key] = value.reshape(-1)[:1].expand(n, d)
+                continue
+            raise ValueError(
+                f"optimizer state {key!r} has shape {tuple(value.shape)}; a cached table "
+                f"loads full-table state {(n, d)} (an optimizer not attached to the table when "
+                "its state dict was taken holds the cache's rows: call table.attach(optimizer) "
+                "before saving)"
+            )
         # every row's weight up to the current step under the state it has, as a resident
         # table's are, before that state is replaced
         self.flush()
@@ -379,6 +386,14 @@ class _Checkpointing:
         if self._optimizer is not None:
             group = _group_of(self._optimizer, self.weight)
             self._rule = _make_rule(self._optimizer, group, t, buffers, self.weight.dtype)
+
+
+def _uniform(value: torch.Tensor, dim: int) -> bool:
+    """Whether ``value`` is rows ``(R, dim)``, ``R >= 1``, all of one value (a state no step
+    has changed: Adagrad's ``sum`` made with the optimizer, of the cache's shape then)."""
+    if value.dim() != 2 or value.shape[1] != dim or value.numel() == 0:
+        return False
+    return bool((value == value.reshape(-1)[0]).all())
 
 
 def _module_state_dict_hook(
