@@ -62,6 +62,7 @@ from edo_monitor.decide.policy import Policy
 from edo_monitor.errors import ConfigError
 from edo_monitor.exporters.prometheus import (
     DEFAULT_METRICS_HOST,
+    METRICS_PORT_ENV,
     MetricsServer,
     check_metrics_host,
     require_prometheus,
@@ -199,7 +200,14 @@ class Monitor(_Lifecycle):
         #: base port of the Prometheus endpoint (+ LOCAL_RANK), ``None`` = no endpoint
         self.metrics_port = resolve_metrics_port(metrics_port)
         if self.metrics_port is not None:
-            require_prometheus()  # ConfigError naming the [prometheus] extra
+            try:
+                require_prometheus()  # ConfigError naming the [prometheus] extra
+            except ConfigError as exc:
+                if metrics_port is not None:
+                    raise
+                # $EDO_METRICS_PORT is ambient (set for every job?): no endpoint, the run goes on
+                logger.warning("%s set, but no metrics endpoint: %s", METRICS_PORT_ENV, exc)
+                self.metrics_port = None
         self.metrics_host = check_metrics_host(metrics_host)  # before the run row is written
         self.metrics_server: MetricsServer | None = None
         self.model = model

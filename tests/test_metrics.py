@@ -4,6 +4,7 @@ loopback (parsed with prometheus_client's own parser) and by a real Prometheus s
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -102,7 +103,7 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
 # -- configuration ----------------------------------------------------------------------------
 
 
-def test_port_from_argument_or_environment() -> None:
+def test_port_from_argument_or_environment(caplog: pytest.LogCaptureFixture) -> None:
     assert resolve_metrics_port(9400, {}) == 9400
     assert resolve_metrics_port(None, {}) is None
     assert resolve_metrics_port(None, {"EDO_METRICS_PORT": "9500"}) == 9500
@@ -110,8 +111,10 @@ def test_port_from_argument_or_environment() -> None:
     for bad in (-1, 65536, "9400", True, 1.5):
         with pytest.raises(ConfigError, match="metrics_port="):
             resolve_metrics_port(bad, {})  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="EDO_METRICS_PORT='nine'"):
-        resolve_metrics_port(None, {"EDO_METRICS_PORT": "nine"})
+    for ambient in ("nine", "70000"):  # the environment's: a warning, no endpoint
+        with caplog.at_level(logging.WARNING):
+            assert resolve_metrics_port(None, {"EDO_METRICS_PORT": ambient}) is None
+        assert f"EDO_METRICS_PORT={ambient!r} is not a TCP port" in caplog.text
     with pytest.raises(ConfigError, match="metrics_port="):
         edo_monitor.watch(nn.Linear(2, 2), metrics_port=70000)
 
@@ -137,6 +140,30 @@ def test_missing_prometheus_client_names_the_extra() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     ).stdout
     assert "pip install 'edo-monitor[prometheus]'" in out
+
+
+def test_the_environments_port_without_the_extra_is_a_warning_and_the_run_goes_on(
+    tmp_path: Path,
+) -> None:
+    """Regression: ``EDO_METRICS_PORT`` set (a cluster's, for every job) where the extra is not
+    installed refused the run before its first step. It is a warning; the run trains."""
+    code = (
+        "import sys; sys.modules['prometheus_client'] = None\n"
+        "import torch, edo_monitor\n"
+        "model = torch.nn.Linear(2, 2); opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        f"with edo_monitor.watch(model, opt, db={str(tmp_path / 'h.db')!r}) as mon:\n"
+        "    for _ in range(3):\n"
+        "        model(torch.ones(1, 2)).sum().backward(); opt.step(); opt.zero_grad()\n"
+        "print(mon.steps, mon.metrics_server)\n"
+    )
+    env = {**os.environ, "EDO_METRICS_PORT": "9400"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["3", "None"]
+    assert "EDO_METRICS_PORT set, but no metrics endpoint" in done.stderr
+    assert "pip install 'edo-monitor[prometheus]'" in done.stderr
 
 
 # -- watch(metrics_port=) ---------------------------------------------------------------------

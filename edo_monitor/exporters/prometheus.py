@@ -159,8 +159,11 @@ def resolve_metrics_port(
 ) -> int | None:
     """The base port to serve on: ``metrics_port``, else ``$EDO_METRICS_PORT``, else ``None``.
 
+    The environment is ambient (a cluster may set it for every job): a value that is no port is
+    a warning and no endpoint, never a refused run.
+
     Raises:
-        ConfigError: not an int in 0..65535 (0 = any free port).
+        ConfigError: ``metrics_port`` not an int in 0..65535 (0 = any free port).
     """
     if metrics_port is not None:
         return _check_port(metrics_port, "metrics_port")
@@ -169,12 +172,14 @@ def resolve_metrics_port(
     if not raw:
         return None
     try:
-        port = int(raw)
-    except ValueError:
-        raise ConfigError(
-            f"{METRICS_PORT_ENV}={raw!r} is not a TCP port; expected an int in 0..65535"
-        ) from None
-    return _check_port(port, METRICS_PORT_ENV)
+        return _check_port(int(raw), METRICS_PORT_ENV)
+    except (ValueError, ConfigError):
+        logger.warning(
+            "%s=%r is not a TCP port (an int in 0..65535): no metrics endpoint",
+            METRICS_PORT_ENV,
+            raw,
+        )
+        return None
 
 
 def check_metrics_host(host: Any) -> str:
