@@ -77,6 +77,19 @@ from edo_monitor.store.schema import RUN_NAME_MAX_CHARS
 from edo_monitor.store.spill_files import resolve_spill_dir
 from edo_monitor.units import STORABLE_BYTES, parse_bytes
 
+
+def _paths_as_text(value: Any) -> Any:
+    """``value`` with every path (``os.PathLike``: ``vars(args)`` of an argparse ``type=Path``)
+    inside mappings, lists and tuples as its text (``os.fspath``); anything else as it is."""
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, Mapping):
+        return {k: _paths_as_text(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_paths_as_text(v) for v in value]
+    return value
+
+
 if TYPE_CHECKING:
     from edo_monitor.exporters.tensorboard import TensorBoardSink
 
@@ -283,13 +296,13 @@ class Monitor(_Lifecycle):
         self.snapshot_interval_s = snapshot_interval_s
         self.queue_size = queue_size
         self.profile_interval_s = profile_interval_s
-        self.user_config = mapping_or_none(config, "config", error=ConfigError)
+        self.user_config = _paths_as_text(mapping_or_none(config, "config", error=ConfigError))
         try:  # strict JSON: NaN and infinities are not JSON (show --json would print them)
             json.dumps(self.user_config, allow_nan=False)
         except (TypeError, ValueError) as exc:
             raise ConfigError(
                 f"config={config!r} cannot be stored: {exc}; expected JSON-serialisable values "
-                "(finite numbers: strict JSON has no NaN or Infinity)"
+                "(finite numbers: strict JSON has no NaN or Infinity; paths are stored as text)"
             ) from None
 
         self.run_uuid: str = str(uuidlib.uuid4())

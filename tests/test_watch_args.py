@@ -162,6 +162,19 @@ def test_config_without_a_strict_json_form_is_refused(
     assert not db_path.exists()
 
 
+def test_paths_in_the_config_are_stored_as_their_text(db_path: Path) -> None:
+    """Regression: ``config=vars(args)`` of an argparse ``type=Path`` option refused the run
+    ("Object of type PosixPath is not JSON serializable"). A path is stored as its text."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = {"data": Path("data") / "train", "extra": {"files": (Path("a.csv"), 3)}}
+    with edo_monitor.watch(model, opt, db=db_path, config=config) as mon:
+        train(model, opt, 2)
+    with History(db_path) as h:
+        stored = h.run(mon.run_id).config
+    assert (stored["data"], stored["extra"]) == ("data/train", {"files": ["a.csv", 3]})
+
+
 def test_a_finite_config_is_strict_json_in_show(db_path: Path) -> None:
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
