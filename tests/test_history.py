@@ -220,6 +220,9 @@ def test_window_and_raw_and_columns(seeded: tuple[Path, dict[str, Any]]) -> None
         assert h.samples(3).time_s == []  # a run without samples
         with pytest.raises(ConfigError, match="not sample columns"):
             h.samples(1, columns=["bogus"])
+        for bogus in ("bogus", ["in_use_bytes"]):  # peak takes one column: named as such
+            with pytest.raises(ConfigError, match=r"^column=.*: not a sample column; expected"):
+                h.peak(1, bogus)  # type: ignore[arg-type]
         # an empty list was raw SQL (near "FROM": syntax error)
         for empty in ([], ()):
             for max_points in (10, None):

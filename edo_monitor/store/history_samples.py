@@ -277,6 +277,11 @@ class _SampleQueries:
             RunNotFoundError: no such run. ConfigError: unknown column. StoreError: a column
                 this file's schema does not have.
         """
+        if not isinstance(column, str) or column not in NUMERIC_SAMPLE_COLUMNS:
+            raise ConfigError(
+                f"column={column!r}: not a sample column; expected one of "
+                f"{', '.join(NUMERIC_SAMPLE_COLUMNS)}"
+            )
         (col,) = self._columns([column])
         run_id = self._find(run)["id"]
         with self._read() as conn:
