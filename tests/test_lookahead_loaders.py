@@ -6,6 +6,7 @@ loops and real ``watch()`` runs on a CPU budget."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -92,6 +93,32 @@ def test_a_one_shot_loader_read_by_two_loops_at_once_is_read_as_the_loader_alone
     assert _orders(LookAhead(listed, ahead=3, tables=table)) == _orders(listed)
 
 
+def test_a_loop_that_reads_the_next_batch_before_its_step_is_told_what_defeats_the_look_ahead(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A "prefetch the next batch" helper over the look-ahead runs each step one batch behind
+    the one handed out last: its lookups match none of that batch's tensors. The warning named
+    the one table ``?`` and blamed the model alone."""
+    table = CachedEmbedding(50, 4, 8)
+
+    def one_ahead(batches: LookAhead) -> Iterator[torch.Tensor]:
+        it = iter(batches)
+        cur = next(it, None)
+        while cur is not None:
+            nxt = next(it, None)
+            yield cur
+            cur = nxt
+
+    with caplog.at_level(logging.WARNING, logger="edo_monitor.nn.lookahead_ids"):
+        for ids in one_ahead(
+            LookAhead([torch.tensor([k, k + 10]) for k in range(8)], 2, tables=table)
+        ):
+            table(ids)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("LookAhead: table CachedEmbedding looks up ids that are none")
+    assert "a loop that reads the next batch before its step defeats the look-ahead" in line
+
+
 def test_ids_found_at_any_depth_and_an_ids_error_under_warn_is_one_warning(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -100,6 +127,13 @@ def test_ids_found_at_any_depth_and_an_ids_error_under_warn_is_one_warning(
     under ``ids_errors="warn"`` (the agent's) is served without look-ahead, one warning."""
     u = torch.tensor([3, 4])
     assert first_int_tensor(({"user": u, "x": torch.ones(2)}, torch.zeros(2))) is u
+
+    @dataclasses.dataclass
+    class Fields:  # a dataclass batch: its fields in order (it raised "holds no integer tensor")
+        x: torch.Tensor
+        ids: dict[str, torch.Tensor]
+
+    assert first_int_tensor(Fields(torch.ones(2), {"user": u})) is u
 
     class Batch:  # a custom batch object: no integer tensor the default can find
         def __init__(self, ids: torch.Tensor) -> None:

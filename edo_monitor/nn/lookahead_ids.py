@@ -5,6 +5,7 @@ from its own lookups."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections import deque
@@ -30,8 +31,9 @@ IdsFn = Callable[[Any], "torch.Tensor | Mapping[Any, torch.Tensor]"]
 
 def first_int_tensor(batch: Any) -> torch.Tensor:
     """The default ``ids``: the batch itself when it is an integer tensor, else the first integer
-    tensor in it, depth first (tuple/list items in order, dict values in insertion order, at any
-    depth: ``({"user": u, "item": i}, labels)`` gives ``u``).
+    tensor in it, depth first (tuple/list items in order, dict values in insertion order,
+    dataclass fields in their order, at any depth: ``({"user": u, "item": i}, labels)`` gives
+    ``u``).
 
     Raises:
         ValueError: the batch holds no integer tensor (naming its type).
@@ -52,6 +54,8 @@ def _int_leaves(item: Any, depth: int = 0) -> list[torch.Tensor]:
         return []
     if isinstance(item, Mapping):
         item = item.values()
+    elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+        item = [getattr(item, f.name) for f in dataclasses.fields(item)]
     elif not isinstance(item, (tuple, list)):
         return []
     return [t for value in item for t in _int_leaves(value, depth + 1)]
@@ -152,7 +156,7 @@ class _IdsOfBatches:
         serves those from now on (the batches waiting are indexed again); one whose lookups
         matched none in 3 batches (the model transforms its ids) is served the first, said
         once."""
-        names = {id(t): name for name, t in tables}
+        names = {id(t): name or type(t).__name__ for name, t in tables}  # one table: no name
         learned = False
         for key, places in list(self._heard.items()):
             if places:
@@ -164,8 +168,10 @@ class _IdsOfBatches:
                 self._learned[key] = ()
                 logger.warning(
                     "LookAhead: table %s looks up ids that are none of the batch's integer "
-                    "tensors (its model transforms them?): it is served the batch's first; "
-                    "give ids= (loader_ids= in watch()) mapping its name to its ids",
+                    "tensors (its model transforms them? or the loop's step runs another batch "
+                    "than the one handed out last: a loop that reads the next batch before "
+                    "its step defeats the look-ahead): it is served the batch's first; give "
+                    "ids= (loader_ids= in watch()) mapping its name to its ids",
                     names.get(key) or "?",
                 )
             handle = self._listening.pop(key, None)
