@@ -204,6 +204,11 @@ def test_parse_args() -> None:
     assert parse_args([]).db is None
     with pytest.raises(SystemExit):
         parse_args(["--refresh-s", "0"])
+    # --db as every edo-monitor command takes it (it was "unrecognized arguments: --db")
+    assert parse_args(["--db", "runs.db"]).db == "runs.db"
+    assert parse_args(["runs.db", "--db", "runs.db"]).db == "runs.db"
+    with pytest.raises(SystemExit):
+        parse_args(["a.db", "--db", "b.db"])
 
 
 # -- exit codes (issue 10, item 10) ------------------------------------------------------------

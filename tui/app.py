@@ -333,11 +333,32 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
         help="database file or SQLAlchemy URL (default: $EDO_DB, else ./edo-history.db)",
     )
     parser.add_argument(
+        "--db",
+        dest="db_option",
+        default=None,
+        metavar="DB",
+        help="the same, as edo-monitor's commands take it",
+    )
+    parser.add_argument(
         "--run",
         type=run_reference,
         default=None,
         help=f"{RUN_HELP[:1].lower()}{RUN_HELP[1:-1]} (default: running, else latest)",
     )
+
+
+def parse_source_args(
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None
+) -> argparse.Namespace:
+    """``parser.parse_args(argv)`` with ``--db`` folded into ``db`` (one database: both given
+    and different is a usage error)."""
+    args = parser.parse_args(argv)
+    if args.db_option is not None:
+        if args.db is not None and args.db != args.db_option:
+            parser.error(f"database {args.db!r} and --db {args.db_option!r}: give one")
+        args.db = args.db_option
+    del args.db_option
+    return args
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -358,7 +379,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=DEFAULT_REFRESH_S,
         help=f"seconds between refreshes of a live run (default {DEFAULT_REFRESH_S})",
     )
-    return parser.parse_args(argv)
+    return parse_source_args(parser, argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -40,7 +40,7 @@ from pathlib import Path
 from edo_monitor.errors import ConfigError, EdoMonitorError
 from edo_monitor.surfaces import scripting
 from edo_monitor.surfaces.cli.output import output_target, write_output
-from edo_monitor.tui.app import EdoTui, add_source_arguments
+from edo_monitor.tui.app import EdoTui, add_source_arguments, parse_source_args
 from edo_monitor.tui.base import EXIT_OK, EXIT_REFUSED
 from edo_monitor.tui.widgets import MemoryChart
 
@@ -225,7 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"terminal size, COLUMNSxROWS (default 140x45; {low[0]}x{low[1]} to "
         f"{high[0]}x{high[1]})",
     )
-    args = parser.parse_args(argv)
+    args = parse_source_args(parser, argv)
     try:
         shot = asyncio.run(take(args.db, args.out, run=args.run, view=args.view, size=args.size))
     except ConfigError as exc:  # a refused --out: before anything is opened
