@@ -46,10 +46,11 @@ from sqlalchemy.exc import OperationalError
 from edo_monitor.errors import StoreError, missing_extra
 from edo_monitor.probes.readings import SAMPLE_FIELDS
 from edo_monitor.store.dialect import is_postgres
-from edo_monitor.store.migrate import _check_schema
+from edo_monitor.store.migrate import _check_schema, _refuse_unusable
 from edo_monitor.store.paths import (
     BUSY_TIMEOUT_S,
     _connect_readonly,
+    _is_wal,
     _readonly_error,
     absolute_url,
     check_file_writable,
@@ -219,13 +220,25 @@ def _create_history_file(path: Path) -> None:
             leftover.unlink(missing_ok=True)
 
 
-def _engine_for(url: URL, *, readonly: bool, shown: str | None = None) -> Engine:
+def _engine_for(
+    url: URL, *, readonly: bool, shown: str | None = None, checks_only: bool = False
+) -> Engine:
     """The engine of :func:`open_engine` for a resolved ``url``, its schema checked (upgraded);
-    ``shown`` names the database in messages (default: the file, or the URL)."""
+    ``shown`` names the database in messages (default: the file, or the URL).
+
+    A writer's connections switch an SQLite file to WAL mode as they connect (bytes 18 and 19
+    of its header), before its schema can be checked. Every history file is in WAL mode
+    already; one that exists and is not (another program's SQLite file, a damaged history) is
+    first checked through a read-only engine (``checks_only``: the refusals alone, the engine
+    returned disposed), so that ``prune``, ``watch(db=...)`` or the daemon refusing it leave it
+    as it was, byte for byte, as every reader does."""
     is_sqlite = url.get_backend_name() == "sqlite"
     connect_args: dict[str, object] = {}
     if shown is None:
         shown = shown_database(url)
+    if not readonly and _not_wal_yet(url):
+        file_url = URL.create("sqlite", database=str(database_file(url)))
+        _engine_for(file_url, readonly=True, shown=shown, checks_only=True)
     creator = None
     if is_sqlite:
         connect_args = {"timeout": BUSY_TIMEOUT_S, "check_same_thread": False}
@@ -265,7 +278,11 @@ def _engine_for(url: URL, *, readonly: bool, shown: str | None = None) -> Engine
         # a page damaged in the middle of the file shows only when a statement reads it
         event.listen(engine, "handle_error", functools.partial(_damaged_page, shown))
     try:
-        _check_schema(engine, readonly=readonly, shown=shown)
+        if checks_only:
+            _refuse_unusable(engine, shown)
+            engine.dispose()
+        else:
+            _check_schema(engine, readonly=readonly, shown=shown)
     except StoreError:
         engine.dispose()
         raise
@@ -290,6 +307,16 @@ def _engine_for(url: URL, *, readonly: bool, shown: str | None = None) -> Engine
             ) from None
         raise StoreError(f"cannot open history database {shown!r}: {reason}") from None
     return engine
+
+
+def _not_wal_yet(url: URL) -> bool:
+    """Whether ``url`` is an SQLite file that exists, is not empty and is not in WAL mode (a
+    writer's first connection would change it before its schema is checked)."""
+    path = database_file(url)
+    try:
+        return path is not None and path.stat().st_size > 0 and not _is_wal(path)
+    except OSError:  # missing (a new file), or SQLite says what is wrong with it
+        return False
 
 
 class _ServerUnavailableError(StoreError):

@@ -42,26 +42,68 @@ def alembic_config(url: URL | str | None = None, connection: Connection | None =
     return cfg
 
 
-def schema_version(conn: Connection, tables: set[str] | None = None) -> int | None:
+def schema_version(
+    conn: Connection, tables: set[str] | None = None, shown: str | None = None
+) -> int | None:
     """The database's schema version (``meta.schema_version``); ``None`` for an empty database.
+
+    The one place that reads the version: every command (and ``History``, ``watch()``) opens a
+    history through it, so a value it cannot use is refused here, before anything else reads
+    or writes the file.
 
     Args:
         tables: the database's table names when the caller has listed them already.
+        shown: the database as messages name it (default: its file or URL).
 
     Raises:
-        StoreError: tables exist but this is not an edo-monitor history database.
+        StoreError: tables exist but this is not an edo-monitor history database; or it is a
+            damaged one: its version row holds no schema version (``'abc'``, ``''``, ``1.5``,
+            ``0``, ``-1``: every edo-monitor writes a whole number from 1), or there is no
+            version row and no Alembic revision either (nothing says which schema its tables
+            have; read as version 1, a writer's upgrade failed on "table meta already exists").
+            A missing row beside an Alembic revision is read as 1, which the revision then
+            contradicts (:func:`_refuse_disagreeing` names both).
     """
     if tables is None:
         tables = set(inspect(conn).get_table_names())
     if not tables:
         return None
+    if shown is None:
+        shown = str(conn.engine.url.database or conn.engine.url)
     if "runs" not in tables or "meta" not in tables:
         raise StoreError(
-            f"{conn.engine.url.database or conn.engine.url!r} is a database but not an "
-            f"edo-monitor history database (tables: {', '.join(sorted(tables)[:8])})"
+            f"{shown!r} is a database but not an edo-monitor history database (tables: "
+            f"{', '.join(sorted(tables)[:8])})"
         )
     row = conn.execute(text("SELECT value FROM meta WHERE key = 'schema_version'")).scalar()
-    return int(row) if row is not None else 1
+    if row is None:
+        if _alembic_revision(conn, tables) is None:
+            raise StoreError(
+                f"history database {shown!r} is damaged: its meta table has no schema_version "
+                f"row and it has no Alembic revision, so nothing says which schema its tables "
+                f"have; {_NEITHER}"
+            )
+        return 1
+    value = str(row).strip()
+    if not (value.isascii() and value.isdigit()) or int(value) < 1:
+        raise StoreError(
+            f"history database {shown!r} is damaged: its meta table's schema_version is "
+            f"{_short_value(row)!r}, not a schema version (a whole number from 1); {_NEITHER}"
+        )
+    return int(value)
+
+
+#: The end of every damaged-history message.
+_NEITHER = (
+    "edo-monitor neither reads nor writes it (copy out what you need with sqlite3, or start a "
+    "new database)"
+)
+
+
+def _short_value(value: object, keep: int = 40) -> str:
+    """``value`` as text for a message, a long one cut."""
+    text_value = str(value)
+    return text_value if len(text_value) <= keep else text_value[:keep] + "…"
 
 
 def _alembic_revision(conn: Connection, tables: set[str]) -> str | None:
@@ -106,10 +148,19 @@ def _refuse_disagreeing(version: int | None, revision: str | None, shown: str) -
 _CORE_TABLES = frozenset({"meta", "runs", "samples", "events", "module_stats"})
 
 
-def _check_schema(engine: Engine, *, readonly: bool, shown: str) -> None:
+def _refuse_unusable(engine: Engine, shown: str) -> tuple[int | None, set[str]]:
+    """The schema version of ``engine``'s database and its tables, when edo-monitor can use it:
+    the refusals every open makes, reading only (a writer checks a file that is not in WAL mode
+    yet this way before its first connection changes it).
+
+    Raises:
+        StoreError: not an edo-monitor history, damaged (:func:`schema_version`, two version
+            records that disagree, a table of its version missing), or from a newer
+            edo-monitor.
+    """
     with engine.connect() as conn:
         tables = set(inspect(conn).get_table_names())  # listed once for the three checks
-        version = schema_version(conn, tables)
+        version = schema_version(conn, tables, shown)
         revision = _alembic_revision(conn, tables) if version is not None else None
     _refuse_newer(version, revision, shown)
     _refuse_disagreeing(version, revision, shown)
@@ -124,6 +175,11 @@ def _check_schema(engine: Engine, *, readonly: bool, shown: str) -> None:
                 "edo-monitor neither reads nor writes it (copy out what you need with sqlite3, "
                 "or start a new database)"
             )
+    return version, tables
+
+
+def _check_schema(engine: Engine, *, readonly: bool, shown: str) -> None:
+    version, tables = _refuse_unusable(engine, shown)
     if version == SCHEMA_VERSION:
         return
     if readonly:
@@ -152,7 +208,7 @@ def _upgrade(engine: Engine, shown: str) -> None:
             conn.exec_driver_sql("SELECT pg_advisory_xact_lock(%(k)s, 0)", {"k": _LOCK_CLASS + 1})
         # again, under the lock: another writer may have done it
         tables = set(inspect(conn).get_table_names())
-        version = schema_version(conn, tables)
+        version = schema_version(conn, tables, shown)
         revision = _alembic_revision(conn, tables) if version is not None else None
         _refuse_newer(version, revision, shown)
         if version == SCHEMA_VERSION:
