@@ -223,6 +223,19 @@ def _short(shown: str, keep: int = 60) -> str:
     return shown if len(shown) <= keep else f"{shown[: keep // 2]}…{shown[-keep // 2 :]}"
 
 
+def path_too_long(path: Path) -> str:
+    """Why the system answered "File name too long" for ``path``, in words: a name in it longer
+    than the file system's limit, or the whole path longer than the system's."""
+    path_max, name_max = _path_limits(path)
+    longest = max((len(part) for part in path.parts), default=0)
+    if longest > name_max:
+        return (
+            f"a name in it has {longest} characters, more than the {name_max} this file system "
+            "allows"
+        )
+    return f"it has {len(os.fspath(path))} characters, more than the {path_max} this system allows"
+
+
 def _path_limits(path: Path) -> tuple[int, int]:
     """(PATH_MAX, NAME_MAX) of the nearest existing folder above ``path``."""
     for folder in (*path.parents, Path(".")):
@@ -284,16 +297,9 @@ def _check_file_path(path: Path, shown: str, readonly: bool = False) -> None:
     except OSError as exc:
         if exc.errno != errno.ENAMETOOLONG:
             raise
-        path_max, name_max = _path_limits(path)
-        longest = max((len(part) for part in path.parts), default=0)
-        what = (
-            f"a name in it has {longest} characters, more than the {name_max} this file "
-            "system allows"
-            if longest > name_max
-            else f"it has {len(os.fspath(path))} characters, more than the {path_max} this "
-            "system allows"
-        )
-        raise ConfigError(f"db={_short(shown)!r}: the path is too long ({what})") from None
+        raise ConfigError(
+            f"db={_short(shown)!r}: the path is too long ({path_too_long(path)})"
+        ) from None
     check_not_companion(path, shown)
     if mode is not None and stat.S_ISDIR(mode):
         raise ConfigError(f"db={shown!r} is a directory; expected a database file path")

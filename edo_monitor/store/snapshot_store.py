@@ -126,7 +126,10 @@ def find_snapshot(history: History, run: Any, event: int | None = None) -> Snaps
                 "watch(snapshots=False) takes none)"
             )
         return rows[-1]
-    rows = snapshot_infos(history, info.id, event_ids=[event])
+    # an id beyond SQL's int64 is no event's (the driver raised OverflowError, "bigint out of
+    # range" on PostgreSQL)
+    in_range = -(2**63) <= event < 2**63
+    rows = snapshot_infos(history, info.id, event_ids=[event]) if in_range else []
     if not rows:
         kinds = {e.id: e.kind for e in history.events(info.id)}
         what = f"a {kinds[event]} event" if event in kinds else "not an event of this run"

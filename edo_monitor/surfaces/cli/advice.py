@@ -4,7 +4,6 @@ recorded samples), estimate (what a table would take)."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -26,7 +25,7 @@ from edo_monitor.surfaces.cli.common import (
     _require_database,
     app,
 )
-from edo_monitor.surfaces.cli.options import INT64_MAX, Number
+from edo_monitor.surfaces.cli.options import Number, int64
 
 
 @app.command("explain")
@@ -39,7 +38,7 @@ def explain_cmd(
         typer.Option(
             "--event",
             help="Only the incident of this event id.",
-            parser=Number(int, 1, INT64_MAX),
+            parser=int64(),
         ),
     ] = None,
     top: Annotated[
@@ -68,17 +67,21 @@ def snapshot_cmd(
     run: RunArg,
     db: DbOpt = None,
     event: Annotated[
-        int | None, typer.Option("--event", help="The event id (default: the latest snapshot).")
+        int | None,
+        typer.Option(
+            "--event", help="The event id (default: the latest snapshot).", parser=int64()
+        ),
     ] = None,
-    out: Annotated[
-        Path | None, typer.Option("--out", help="Write the pickle PyTorch's memory viewer opens.")
+    out: Annotated[  # the text as typed: a Path would make '' the folder '.'
+        str | None, typer.Option("--out", help="Write the pickle PyTorch's memory viewer opens.")
     ] = None,
     html: Annotated[
-        Path | None, typer.Option("--html", help="Write torch.cuda._memory_viz's page.")
+        str | None, typer.Option("--html", help="Write torch.cuda._memory_viz's page.")
     ] = None,
     html_kind: Annotated[str, typer.Option(help="trace (trace_plot) or segments.")] = "trace",
     top: Annotated[
-        int | None, typer.Option(help="Print the K largest live blocks by frame (module).")
+        int | None,
+        typer.Option(help="Print the K largest live blocks by frame (module).", parser=int64()),
     ] = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -196,11 +199,11 @@ def replay_cmd(
 @_handle_errors
 def estimate_cmd(
     num_embeddings: Annotated[
-        int, typer.Option(help="Rows of the embedding table.", parser=Number(int, 1, INT64_MAX))
+        int, typer.Option(help="Rows of the embedding table.", parser=int64())
     ],
     embedding_dim: Annotated[
         int,
-        typer.Option(help="Columns of the embedding table.", parser=Number(int, 1, INT64_MAX)),
+        typer.Option(help="Columns of the embedding table.", parser=int64()),
     ],
     dtype: Annotated[str, typer.Option(help="Parameter dtype (float32, float16, bfloat16 …).")] = (
         "float32"

@@ -25,7 +25,7 @@ from edo_monitor.surfaces.cli.common import (
     _require_database,
     app,
 )
-from edo_monitor.surfaces.cli.options import INT64_MAX, Number
+from edo_monitor.surfaces.cli.options import int64
 
 
 @app.command("prune")
@@ -37,9 +37,7 @@ def prune_cmd(
     ] = None,
     keep_last: Annotated[
         int | None,
-        typer.Option(
-            help="Keep only the N most recently started runs.", parser=Number(int, 0, INT64_MAX)
-        ),
+        typer.Option(help="Keep only the N most recently started runs.", parser=int64(0)),
     ] = None,
     downsample_older_than: Annotated[
         str | None,

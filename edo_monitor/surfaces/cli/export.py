@@ -6,7 +6,6 @@ over the history database or one of its companion files."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -31,8 +30,8 @@ def export_cmd(
     run: RunArg,
     db: DbOpt = None,
     fmt: Annotated[str, typer.Option("--format", help="csv, json or jsonl.")] = "csv",
-    out_file: Annotated[
-        Path | None,
+    out_file: Annotated[  # the text as typed: a Path would make '' the folder '.'
+        str | None,
         typer.Option("--out", help="Write here instead of standard output ('-': standard output)."),
     ] = None,
 ) -> None:
@@ -45,7 +44,7 @@ def export_cmd(
 
     if fmt not in ("csv", "json", "jsonl"):
         raise ConfigError(f"--format {fmt!r} is not supported; expected csv, json or jsonl")
-    if out_file is not None and str(out_file) == "-":  # the usual name of standard output
+    if out_file == "-":  # the usual name of standard output
         out_file = None
     target = None if out_file is None else output_target(out_file, db, "--out")
     with _history(db) as h:

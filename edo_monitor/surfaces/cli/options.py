@@ -29,6 +29,7 @@ __all__ = [
     "CliGroup",
     "Number",
     "check_run_reference",
+    "int64",
     "out_of_range",
 ]
 
@@ -67,7 +68,7 @@ class Number:
         unit = f" {self.unit}" if self.unit else ""
         if self.low is not None and self.high is not None:
             return (
-                f"{self.low:g}{unit} to {self.high:g}{unit}"
+                f"{_plain(self.low)}{unit} to {_plain(self.high)}{unit}"
                 if self.kind is float
                 else (f"{self.low} to {self.high}{unit}")
             )
@@ -98,6 +99,25 @@ class Number:
         ):
             raise ValueError(f"{value} is out of range; allowed: {self.allowed()}")
         return number
+
+
+def _plain(number: float) -> str:
+    """``number`` as a person writes it: ``0.01``, ``3600``, ``2147483`` (``:g`` alone wrote a
+    whole number of a million or more as ``2.14748e+06``)."""
+    if float(number).is_integer() and abs(number) >= 1e6:
+        return str(int(number))
+    return f"{number:g}"
+
+
+def int64(low: int = 1) -> Number:
+    """The one range check of every option that takes an id or a count the history compares
+    with its 64-bit ``INTEGER`` columns (``--event``, ``--limit``, ``--max-events``,
+    ``--keep-last``, ``--top``, a table's rows): a whole number from ``low`` to
+    :data:`INT64_MAX`. A larger one reached the database driver: SQLite's "Python int too large
+    to convert to SQLite INTEGER" and PostgreSQL's "bigint out of range" were internal errors;
+    a lower one (``--event 0``, ``-1``) was looked up and not found, where ``explain --event``
+    refused it (exit 2) naming what is allowed."""
+    return Number(int, low, INT64_MAX)
 
 
 #: A negative number as typed (``-1``, ``-2.5``, ``-1e3``): Click takes it for an option.

@@ -30,7 +30,7 @@ from edo_monitor.surfaces.cli.common import (
     app,
     checked_run,
 )
-from edo_monitor.surfaces.cli.options import INT64_MAX, Number
+from edo_monitor.surfaces.cli.options import int64
 
 
 @app.command("runs")
@@ -50,7 +50,7 @@ def runs_cmd(
     tag: Annotated[str | None, typer.Option(help="Only runs with this tag.")] = None,
     limit: Annotated[
         int | None,
-        typer.Option(help="At most this many runs.", parser=Number(int, 1, INT64_MAX)),
+        typer.Option(help="At most this many runs.", parser=int64()),
     ] = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -238,7 +238,7 @@ def show_cmd(
     ] = False,
     max_events: Annotated[
         int,
-        typer.Option(help="Show at most this many events.", parser=Number(int, 0, INT64_MAX)),
+        typer.Option(help="Show at most this many events.", parser=int64(0)),
     ] = 50,
     as_json: JsonOpt = False,
 ) -> None:
@@ -371,7 +371,7 @@ def jobs_cmd(
     ] = None,
     limit: Annotated[
         int | None,
-        typer.Option(help="At most this many jobs.", parser=Number(int, 1, INT64_MAX)),
+        typer.Option(help="At most this many jobs.", parser=int64()),
     ] = None,
     as_json: JsonOpt = False,
 ) -> None:

@@ -44,6 +44,7 @@ from edo_monitor.surfaces.cli.common import (
     app,
     json_text,
 )
+from edo_monitor.surfaces.cli.options import Number
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,11 @@ SQL_TABLE_MAX_CHARS = 200
 
 #: ``sql --timeout`` default (seconds).
 SQL_TIMEOUT_S = 60.0
+
+#: ``sql --timeout``'s largest value (seconds, about 24.8 days): PostgreSQL's
+#: ``statement_timeout`` is a 32-bit count of milliseconds (a larger one was an internal error,
+#: "Value exceeds integer range"); SQLite is held to the same for one rule.
+SQL_TIMEOUT_MAX_S = 2_147_483.0
 
 
 _PROGRESS_STEPS = 10_000  # SQLite VM steps between checks for Ctrl-C and the time limit
@@ -562,6 +568,7 @@ def sql_cmd(
             help=f"Stop the statement after this many seconds (0: no limit) [default: "
             f"{SQL_TIMEOUT_S:g}]",
             show_default=False,
+            parser=Number(float, 0.0, SQL_TIMEOUT_MAX_S, "s"),
         ),
     ] = SQL_TIMEOUT_S,
 ) -> None:
