@@ -59,11 +59,21 @@ def ended_by(exc: BaseException | None) -> tuple[str, str | None]:
         code = exit_code(exc)
         if code == 0:
             return "finished", None
-        shown = "" if isinstance(exc.code, int) else f": {exc.code}"
+        shown = "" if isinstance(exc.code, int) else f": {_text(exc.code)}"
         return "failed", f"SystemExit: exit code {code}{shown}"[:2000]
     if exc is not None and not isinstance(exc, GeneratorExit):
-        return "failed", f"{type(exc).__name__}: {exc}"[:2000]
+        return "failed", f"{type(exc).__name__}: {_text(exc)}"[:2000]
     return "finished", None
+
+
+def _text(value: object) -> str:
+    """``str(value)`` (an exception, an exit code), or what stands for it when the user's
+    ``__str__`` raised (the agent's error took the place of the user's exception, and the run
+    stayed ``running`` with its threads alive)."""
+    try:
+        return str(value)
+    except Exception as err:
+        return f"<str() of the {type(value).__name__} raised {type(err).__name__}>"
 
 
 #: The keys of a run's ``config`` that the agent writes itself, some of them read back by the

@@ -27,6 +27,7 @@ from torch import nn
 from edo_monitor.errors import AlreadyWatchedError, StoreError
 from edo_monitor.store.dialect import is_postgres
 from edo_monitor.store.engine import close_engine, insert_job, open_engine
+from edo_monitor.store.fitting import fit_text
 from edo_monitor.store.models import Run
 from edo_monitor.store.paths import shown_database
 from edo_monitor.store.retry import describe, is_transient, retried
@@ -295,6 +296,7 @@ class RunRecord:
                 "steps": steps,
                 "samples_dropped": writer.dropped if writer else 0,
             }
+            fit_text("runs", [end])  # the user's exception text: a surrogate, a NUL, any length
 
             def update_run(conn: Connection) -> int:
                 stmt = update(Run).where(Run.id == self.run_id)

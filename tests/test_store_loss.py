@@ -345,15 +345,18 @@ def test_text_longer_than_its_column_or_holding_nul_is_fitted_not_the_batch(
     row = {"time_s": T0, "step": 0, "module": name, "kind": "Bag\x00", "dtype": "d" * 40}
     writer.put_module_stat(row)
     writer.put_event("decision", "a\x00b", step=0, data={"why": "c\x00d"})
+    # a lone surrogate (an os.fsdecode'd file name in an error): no UTF-8 holds it
+    writer.put_event("oom", "file \udce9.bin", step=0, data={"file": "\udce9"})
     writer.start()
     writer.close()
     assert writer.not_written == {"samples": 0, "events": 0, "module_stats": 0, "snapshots": 0}
-    assert writer.written == {"samples": 1, "events": 1, "module_stats": 1, "snapshots": 0}
-    assert writer.values_fitted == 4
+    assert writer.written == {"samples": 1, "events": 2, "module_stats": 1, "snapshots": 0}
+    assert writer.values_fitted == 5
     with engine.connect() as conn:
         stored = conn.execute(text("SELECT module, kind, dtype FROM module_stats")).one()
-        event = conn.execute(text("SELECT message, data FROM events")).one()
+        event, escaped = conn.execute(text("SELECT message, data FROM events ORDER BY id")).all()
     assert tuple(stored) == (name[:499] + "…", "Bag\ufffd", "d" * 31 + "…")
+    assert escaped[0] == "file \\udce9.bin"  # its escape, six characters
     message, data = event
     assert message == "a\ufffdb"
     assert (json.loads(data) if isinstance(data, str) else data) == {"why": "c\x00d"}  # kept

@@ -4,7 +4,8 @@
   through) becomes ``NULL``: :func:`null_out_of_range`, after the flush failed with
   ``OverflowError``.
 * A string in a row table is fitted before every insert (:func:`fit_text`): a NUL character
-  (PostgreSQL's text cannot hold one) becomes U+FFFD, and a string longer than its ``VARCHAR``
+  (PostgreSQL's text cannot hold one) becomes U+FFFD, a lone surrogate (no UTF-8 holds one) its
+  escape, and a string longer than its ``VARCHAR``
   (PostgreSQL refuses it; SQLite would keep it) is clipped to the column's length, its last
   character an ellipsis. Both backends store the same value. JSON columns are left alone:
   PostgreSQL's ``json`` keeps an escaped NUL and has no length.
@@ -57,10 +58,21 @@ def _lengths(table: str) -> dict[str, int | None]:
     return {c.name: c.type.length for c in columns if isinstance(c.type, String)}
 
 
+def _without_surrogates(text: str) -> str:
+    """``text`` with each lone surrogate (``os.fsdecode`` of a file name that is not UTF-8:
+    ``'\\udce9'``; no UTF-8 encodes it, so the row was refused) written as its escape, the six
+    characters ``\\udce9``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
 def fit_text(table: str, rows: list[dict[str, Any]]) -> int:
     """Fit the strings of ``rows`` (dicts about to be inserted into ``table``) to their columns,
-    in place: NUL → U+FFFD, longer than the column → clipped to its length ending in "…".
-    Returns how many values were changed."""
+    in place: NUL → U+FFFD, a lone surrogate → its escape (``\\udce9``), longer than the column
+    → clipped to its length ending in "…". Returns how many values were changed."""
     lengths = _lengths(table)
     fitted = 0
     for row in rows:
@@ -68,6 +80,8 @@ def fit_text(table: str, rows: list[dict[str, Any]]) -> int:
             if not isinstance(value, str) or key not in lengths:
                 continue
             fit = value.replace("\x00", "\ufffd")
+            if not fit.isascii():
+                fit = _without_surrogates(fit)
             limit = lengths[key]
             if limit is not None and len(fit) > limit:
                 fit = fit[: limit - 1] + "…"
