@@ -456,6 +456,16 @@ class Tuner:
                 f"{result.action} on {result.target}: saved {format_bytes(result.saved_bytes)} "
                 f"in {result.duration_s:.3f} s"
             )
+            if result.lossy:  # the event's line says it, not only its data
+                message += (
+                    " (lossy"
+                    + (
+                        ""
+                        if decision.expected_error is None
+                        else f": expected error {decision.expected_error:.2g}"
+                    )
+                    + ")"
+                )
             if result.details.get("measured_without_gradients"):
                 message += " (measured between a failed attempt and its retry: no gradients)"
             # the accounting after the action, taken here on the training thread at the step

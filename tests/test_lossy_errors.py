@@ -354,6 +354,8 @@ def test_watch_records_the_expected_error_in_decision_and_action_events(tmp_path
     assert "expected error 2.4e-06" in decision.message
     assert "runner-up share_embedding" in decision.data["reason"]
     assert action.data["expected_error"] == decision.data["expected_error"]
+    # the action's line says it is lossy (only its data did: "saved 146.48 MiB in 0.118 s")
+    assert action.message.endswith(" (lossy: expected error 2.4e-06)"), action.message
     recorded = replay(db, "latest").recorded[0]
     assert recorded.status == "applied"
     assert recorded.expected_error == decision.data["expected_error"]
