@@ -24,7 +24,6 @@ A failure inside the agent never fails the training: it is logged once, recorded
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -57,16 +56,14 @@ from edo_monitor.agent.safe_point import SafePoint
 from edo_monitor.agent.sampler import Sampler
 from edo_monitor.agent.snapshots import DEFAULT_CAP_BYTES, SnapshotRecorder
 from edo_monitor.agent.tuner import Tuner
-from edo_monitor.checks import mapping_or_none, seconds, whole_number
+from edo_monitor.checks import seconds, storable_config, whole_number
 from edo_monitor.decide.policy import Policy
 from edo_monitor.errors import ConfigError
 from edo_monitor.exporters.prometheus import (
     DEFAULT_METRICS_HOST,
-    METRICS_PORT_ENV,
     MetricsServer,
     check_metrics_host,
-    require_prometheus,
-    resolve_metrics_port,
+    usable_metrics_port,
 )
 from edo_monitor.measure.accounting import Accounting, account
 from edo_monitor.measure.frequency import LookupCounter
@@ -76,19 +73,6 @@ from edo_monitor.store.paths import check_writable, resolve_db_url
 from edo_monitor.store.schema import RUN_NAME_MAX_CHARS
 from edo_monitor.store.spill_files import resolve_spill_dir
 from edo_monitor.units import STORABLE_BYTES, parse_bytes
-
-
-def _paths_as_text(value: Any) -> Any:
-    """``value`` with every path (``os.PathLike``: ``vars(args)`` of an argparse ``type=Path``)
-    inside mappings, lists and tuples as its text (``os.fspath``); anything else as it is."""
-    if isinstance(value, os.PathLike):
-        return os.fspath(value)
-    if isinstance(value, Mapping):
-        return {k: _paths_as_text(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_paths_as_text(v) for v in value]
-    return value
-
 
 if TYPE_CHECKING:
     from edo_monitor.exporters.tensorboard import TensorBoardSink
@@ -211,16 +195,7 @@ class Monitor(_Lifecycle):
         #: steps between the ranks' agreements on a decision (multi-rank jobs)
         self.sync_every_steps = sync_every_steps
         #: base port of the Prometheus endpoint (+ LOCAL_RANK), ``None`` = no endpoint
-        self.metrics_port = resolve_metrics_port(metrics_port)
-        if self.metrics_port is not None:
-            try:
-                require_prometheus()  # ConfigError naming the [prometheus] extra
-            except ConfigError as exc:
-                if metrics_port is not None:
-                    raise
-                # $EDO_METRICS_PORT is ambient (set for every job?): no endpoint, the run goes on
-                logger.warning("%s set, but no metrics endpoint: %s", METRICS_PORT_ENV, exc)
-                self.metrics_port = None
+        self.metrics_port = usable_metrics_port(metrics_port)
         self.metrics_host = check_metrics_host(metrics_host)  # before the run row is written
         self.metrics_server: MetricsServer | None = None
         self.model = model
@@ -296,14 +271,7 @@ class Monitor(_Lifecycle):
         self.snapshot_interval_s = snapshot_interval_s
         self.queue_size = queue_size
         self.profile_interval_s = profile_interval_s
-        self.user_config = _paths_as_text(mapping_or_none(config, "config", error=ConfigError))
-        try:  # strict JSON: NaN and infinities are not JSON (show --json would print them)
-            json.dumps(self.user_config, allow_nan=False)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(
-                f"config={config!r} cannot be stored: {exc}; expected JSON-serialisable values "
-                "(finite numbers: strict JSON has no NaN or Infinity; paths are stored as text)"
-            ) from None
+        self.user_config = storable_config(config, "config", error=ConfigError)
 
         self.run_uuid: str = str(uuidlib.uuid4())
         self.latest: Reading | None = None

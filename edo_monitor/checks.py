@@ -3,8 +3,10 @@ given by the user."""
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
+import os
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -73,6 +75,39 @@ def mapping_or_none(
     if value is not None and not isinstance(value, Mapping):
         raise error(f"{name}={value!r}: expected a mapping of names to values, or None")
     return dict(value or {})
+
+
+def storable_config(
+    value: Any, name: str, *, error: type[Exception] = ValueError
+) -> dict[str, Any]:
+    """``value`` (:func:`mapping_or_none`) as a run's row stores it: strict JSON, every path
+    (``os.PathLike``: ``vars(args)`` of an argparse ``type=Path``) inside mappings, lists and
+    tuples as its text.
+
+    Raises:
+        error: not a mapping, or a value with no strict JSON form (NaN and infinities, which
+            ``show --json`` would print as ``NaN``; objects ``json`` does not know), naming
+            ``name`` and the value.
+    """
+    config = _paths_as_text(mapping_or_none(value, name, error=error))
+    try:
+        json.dumps(config, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise error(
+            f"{name}={value!r} cannot be stored: {exc}; expected JSON-serialisable values "
+            "(finite numbers: strict JSON has no NaN or Infinity; paths are stored as text)"
+        ) from None
+    return config
+
+
+def _paths_as_text(value: Any) -> Any:
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, Mapping):
+        return {k: _paths_as_text(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_paths_as_text(v) for v in value]
+    return value
 
 
 def seconds(

@@ -182,6 +182,27 @@ def resolve_metrics_port(
         return None
 
 
+def usable_metrics_port(metrics_port: int | None) -> int | None:
+    """``watch()``'s port (:func:`resolve_metrics_port`), ``None`` when no endpoint can be served.
+
+    Raises:
+        ConfigError: ``metrics_port`` given and not a port, or given where the ``prometheus``
+            extra is not installed (the message names it). ``$EDO_METRICS_PORT`` is ambient (a
+            cluster may set it for every job): without the extra it is a warning, no endpoint.
+    """
+    port = resolve_metrics_port(metrics_port)
+    if port is None:
+        return None
+    try:
+        require_prometheus()
+    except ConfigError as exc:
+        if metrics_port is not None:
+            raise
+        logger.warning("%s set, but no metrics endpoint: %s", METRICS_PORT_ENV, exc)
+        return None
+    return port
+
+
 def check_metrics_host(host: Any) -> str:
     """``host`` if it can name an address to bind (a string without control characters; ``""``
     binds every interface), checked before a run starts.
