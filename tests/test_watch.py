@@ -78,44 +78,6 @@ def test_exception_marks_failed_and_propagates(db_path: Path) -> None:
     assert run["error"].startswith("ZeroDivisionError")
 
 
-class _UnprintableError(Exception):
-    def __str__(self) -> str:
-        raise RuntimeError("str() fails")
-
-
-@pytest.mark.parametrize(
-    ("raised", "error"),
-    [
-        # __str__ raised: the agent's RuntimeError took the user's place, the run stayed
-        # "running" and the agent's threads alive
-        (
-            _UnprintableError("x"),
-            "_UnprintableError: <str() of the _UnprintableError raised RuntimeError>",
-        ),
-        # a file name os.fsdecode gave (not UTF-8): the end row was refused, "running"
-        (
-            ValueError("bad file " + os.fsdecode(b"shard-\xe9.bin")),
-            r"ValueError: bad file shard-\udce9.bin",
-        ),
-        (
-            SystemExit(_UnprintableError()),
-            "SystemExit: exit code 1: <str() of the _UnprintableError raised",
-        ),
-    ],
-)
-def test_any_exception_of_the_user_propagates_and_is_recorded_failed(
-    db_path: Path, raised: BaseException, error: str
-) -> None:
-    model = make_model()
-    with pytest.raises(type(raised)) as got, edo_monitor.watch(model, db=db_path):
-        raise raised
-    assert got.value is raised
-    assert agent_threads() == []
-    run = run_row(db_path)
-    assert run["status"] == "failed"
-    assert run["error"].startswith(error), run["error"]
-
-
 def test_keyboard_interrupt_marks_interrupted(db_path: Path) -> None:
     with pytest.raises(KeyboardInterrupt), edo_monitor.watch(make_model(), db=db_path):
         raise KeyboardInterrupt

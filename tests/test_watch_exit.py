@@ -1,10 +1,12 @@
 """How a run that ``sys.exit`` leaves ends: a clean exit is ``finished``, another exit status
-``failed`` naming it, SIGTERM still ``interrupted`` (real training loops, real SQLite files, a real
-child process)."""
+``failed`` naming it, SIGTERM still ``interrupted``; any exception of the user's, one that cannot
+be printed too, propagates as it is and ends the run ``failed`` (real training loops, real SQLite
+files, a real child process)."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -181,3 +183,41 @@ def test_a_forked_child_leaving_the_block_leaves_the_parents_run_alone(tmp_path:
         "steps": 6,
     }
     assert "RuntimeError: the child fails" in out.stderr  # the child's own exit, as it was
+
+
+class _UnprintableError(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("str() fails")
+
+
+@pytest.mark.parametrize(
+    ("raised", "error"),
+    [
+        # __str__ raised: the agent's RuntimeError took the user's place, the run stayed
+        # "running" and the agent's threads alive
+        (
+            _UnprintableError("x"),
+            "_UnprintableError: <str() of the _UnprintableError raised RuntimeError>",
+        ),
+        # a file name os.fsdecode gave (not UTF-8): the end row was refused, "running"
+        (
+            ValueError("bad file " + os.fsdecode(b"shard-\xe9.bin")),
+            r"ValueError: bad file shard-\udce9.bin",
+        ),
+        (
+            SystemExit(_UnprintableError()),
+            "SystemExit: exit code 1: <str() of the _UnprintableError raised",
+        ),
+    ],
+)
+def test_any_exception_of_the_user_propagates_and_is_recorded_failed(
+    db_path: Path, raised: BaseException, error: str
+) -> None:
+    model = make_model()
+    with pytest.raises(type(raised)) as got, edo_monitor.watch(model, db=db_path):
+        raise raised
+    assert got.value is raised
+    assert agent_threads() == []
+    run = run_row(db_path)
+    assert run["status"] == "failed"
+    assert run["error"].startswith(error), run["error"]
