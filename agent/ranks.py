@@ -312,6 +312,27 @@ def _target_hash(target: str) -> int:
     return int.from_bytes(hashlib.sha1(target.encode()).digest()[:8], "big", signed=True)
 
 
+def uncoordinated_blocker(action: str) -> str | None:
+    """Why ``action`` must not run on this rank alone (``None``: it may): a rank applies a
+    decision without the ranks' agreement (no :class:`Coordinator`) only where no process group
+    of two ranks or more is running, or the action changes no parameter
+    (:data:`DDP_SAFE_ACTIONS`). The group was initialised after ``watch()`` began, or finding the
+    job failed: each rank acted on its own (a table cached on one rank, DDP's next backward
+    failed on it and the other rank's connection closed)."""
+    dist = _dist()
+    if dist is None or action in DDP_SAFE_ACTIONS:
+        return None
+    world_size = int(dist.get_world_size())
+    if world_size < 2:
+        return None
+    return (
+        f"a process group of {world_size} ranks runs but the ranks' agreement does not (the "
+        f"group was initialised after watch() began, or finding the job failed): {action} on "
+        "this rank alone would make the ranks' models differ; initialise the group before "
+        "watch()"
+    )
+
+
 def ddp_blocker(model: Any, action: str) -> str | None:
     """Why ``action`` must not run on ``model`` under DDP (``None``: it may).
 

@@ -23,6 +23,7 @@ import torch
 from edo_monitor.actions.activation_profile import ActivationProfile
 from edo_monitor.actions.base import ActionContext, ActionResult
 from edo_monitor.actions.registry import ACTIONS
+from edo_monitor.agent.ranks import uncoordinated_blocker
 from edo_monitor.decide.policy import Policy
 from edo_monitor.decide.policy_events import Decision, Forecast, ForecastOutcome, ThresholdCrossing
 from edo_monitor.decide.ranking import make_planner
@@ -348,7 +349,20 @@ class Tuner:
         decision = policy.pending
         if decision is None or decision.advisory or decision is not self._announced:
             return  # not recorded yet: applied at the next boundary
-        self.apply_decision(decision)
+        alone = uncoordinated_blocker(decision.action)
+        if alone is None:
+            self.apply_decision(decision)
+            return
+        self.apply_decision(
+            decision,
+            refused=ActionResult(
+                decision.action,
+                decision.target,
+                "refused",
+                estimated_saving_bytes=decision.estimated_saving_bytes,
+                reason=alone,
+            ),
+        )
 
     def decision_context(self, decision: Decision) -> ActionContext:
         """The context ``decision`` is planned and applied in: the latest reading's, sized for
@@ -383,6 +397,12 @@ class Tuner:
             Exception: with ``strict=True``, the exception of an action that failed.
         """
         m = self.m
+        if refused is not None and m.policy is None:
+            # a rank of a job that watches without a policy refuses what the others agreed on:
+            # recorded, nothing to plan or resolve (it raised AssertionError, which switched the
+            # rank's agreement off and stalled the others at the next one)
+            self._record(decision, refused, None, extra, time.time())
+            return refused
         policy = self._policy
         ctx = self.decision_context(decision)
         if refused is None and m._log.snapshots is not None:

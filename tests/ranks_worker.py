@@ -20,7 +20,10 @@ Scenarios:
   is tied to an unused output layer: table actions refuse there), ``sync`` (sync_every_steps),
   ``steps``, ``budget``, ``heavy_batch``, ``light_batch``, ``heavy_from`` (the step from which
   the heavy rank's batches are heavy), ``heavy_width`` (ids per heavy example: a 2-D batch),
-  ``model=plain`` (a table and one Linear, no blocks).
+  ``model=plain`` (a table and one Linear, no blocks), ``watch=inner`` (with ``ddp=1``: watch
+  the module DDP wraps, train through DDP), ``nopolicy_rank`` (that rank watches without a
+  policy), ``init=late`` (the group is initialised inside the ``watch()`` block, before the first
+  step).
 """
 
 from __future__ import annotations
@@ -128,11 +131,18 @@ def scenario_pressure(db: str, rank: int, opts: dict[str, str]) -> dict[str, Any
     model: nn.Module = Net(tie=rank == int(opts.get("tie_rank", "-1")))
     if opts.get("model") == "plain":
         model = nn.Sequential(nn.Embedding(ROWS, DIM), nn.Linear(DIM, 1))
+    watched = model
     if opts.get("ddp") == "1":
         model = nn.parallel.DistributedDataParallel(model)
+        if opts.get("watch") != "inner":
+            watched = model
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     ladder = opts.get("ladder")
-    policy = edo_monitor.Policy(ladder=ladder.split(",")) if ladder else edo_monitor.Policy()
+    policy: edo_monitor.Policy | None = (
+        edo_monitor.Policy(ladder=ladder.split(",")) if ladder else edo_monitor.Policy()
+    )
+    if rank == int(opts.get("nopolicy_rank", "-1")):
+        policy = None
     heavy = rank == int(opts.get("heavy_rank", "1"))
     light = (int(opts.get("light_batch", "64")),)
     heavy_shape = (int(opts.get("heavy_batch", "8192")), int(opts.get("heavy_width", "1")))
@@ -140,7 +150,7 @@ def scenario_pressure(db: str, rank: int, opts: dict[str, str]) -> dict[str, Any
     gen = torch.Generator().manual_seed(100 + rank)
     steps = int(opts.get("steps", "40"))
     with edo_monitor.watch(
-        model,
+        watched,
         db=db,
         budget=int(opts.get("budget", "14000000")),
         policy=policy,
@@ -148,6 +158,8 @@ def scenario_pressure(db: str, rank: int, opts: dict[str, str]) -> dict[str, Any
         sync_every_steps=int(opts.get("sync", "4")),
         run_name="pressure",
     ) as m:
+        if opts.get("init") == "late":
+            _join(rank, int(opts["world"]), opts["store"])
         for step in range(steps):
             shape = heavy_shape if heavy and step >= heavy_from else light
             if shape[-1] == 1:
@@ -176,19 +188,25 @@ def scenario_pressure(db: str, rank: int, opts: dict[str, str]) -> dict[str, Any
 SCENARIOS = {"jobs": scenario_jobs, "pressure": scenario_pressure}
 
 
-def main() -> None:
-    scenario, db, rank, world, store = sys.argv[1:6]
-    opts = _options(sys.argv[6:])
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=int(rank), world_size=int(world)
-    )
+def _join(rank: int, world: int, store: str) -> None:
+    """Join the gloo group of ``world`` ranks through the FileStore ``store``."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     # every rank has returned from joining before any goes on: gloo can return on one rank while
     # a peer still connects, and a rank that ends right after joining (``die_rank``) then cut
     # that peer's join ("Gloo connectFullMesh failed ... Connection closed by peer"). A store of
     # its own, not a collective of the group.
-    joined = dist.FileStore(f"{store}.joined", int(world))
-    joined.set(rank, "1")
-    joined.wait([str(r) for r in range(int(world))])
+    joined = dist.FileStore(f"{store}.joined", world)
+    joined.set(str(rank), "1")
+    joined.wait([str(r) for r in range(world)])
+
+
+def main() -> None:
+    scenario, db, rank, world, store = sys.argv[1:6]
+    opts = _options(sys.argv[6:])
+    if opts.get("init") == "late":  # the scenario joins, inside its watch() block
+        opts.update(world=world, store=store)
+    else:
+        _join(int(rank), int(world), store)
     try:
         out = SCENARIOS[scenario](db, int(rank), opts)
         if "die_rank" not in opts:

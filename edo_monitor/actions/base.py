@@ -16,10 +16,12 @@ An :class:`Action` is used in two halves:
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
@@ -296,23 +298,63 @@ class Transaction:
 
 
 def find_wrapped_parallel(model: nn.Module) -> str | None:
-    """Name of the DDP/FSDP wrapper class in ``model``'s tree, or ``None``.
+    """Name of the DDP/FSDP wrapper class in ``model``'s tree, or of one that holds ``model``
+    (``watch(net)`` while the loop trains ``DistributedDataParallel(net)``), or ``None``.
 
     Checks ``torch.nn.parallel.DistributedDataParallel``, ``FullyShardedDataParallel`` and
     FSDP2's ``FSDPModule`` with ``isinstance`` only (no process group is touched). FSDP's classes
     are looked up only when ``torch.distributed.fsdp`` is imported already (a model wrapped in
-    them needs it): this never imports it (~1.3 s on its own), and every ``watch()`` asks.
+    them needs it): this never imports it (~1.3 s on its own), and every ``watch()`` asks. A
+    wrapper outside ``model`` is looked for only while a default process group is initialised
+    (no wrapper works without one): one pass over the objects the garbage collector tracks,
+    remembered for ``model`` once found and repeated at most every
+    :data:`OUTSIDE_RESCAN_S` seconds while none is (a table action under such a wrapper was
+    applied, and its next backward failed in DDP's reducer).
     """
+    classes = _parallel_classes()
+    for module in model.modules():
+        if isinstance(module, classes):
+            return type(module).__name__
+    return _wrapper_outside(model, classes)
+
+
+#: Seconds between two looks for a DDP/FSDP wrapper that holds a model and had none.
+OUTSIDE_RESCAN_S = 2.0
+
+#: model -> (the wrapper's class name or ``None``, when last looked for)
+_OUTSIDE: weakref.WeakKeyDictionary[nn.Module, tuple[str | None, float]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _parallel_classes() -> tuple[type, ...]:
     classes: list[type] = [nn.parallel.DistributedDataParallel]
     fsdp = sys.modules.get("torch.distributed.fsdp")
     for name in ("FullyShardedDataParallel", "FSDPModule"):
         cls = getattr(fsdp, name, None) if fsdp is not None else None
         if isinstance(cls, type):
             classes.append(cls)
-    for module in model.modules():
-        if isinstance(module, tuple(classes)):
-            return type(module).__name__
-    return None
+    return tuple(classes)
+
+
+def _wrapper_outside(model: nn.Module, classes: tuple[type, ...]) -> str | None:
+    """The class name of a wrapper (``classes``) whose tree holds ``model``, or ``None``."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    now = time.monotonic()
+    known = _OUTSIDE.get(model)
+    if known is not None and (known[0] is not None or now - known[1] < OUTSIDE_RESCAN_S):
+        return known[0]
+    found = None
+    for obj in gc.get_objects():
+        # type(), not isinstance: isinstance reads __class__, which some module-level objects
+        # answer with a warning (torch.distributed.reduce_op's FutureWarning)
+        if issubclass(type(obj), classes) and any(m is model for m in obj.modules()):
+            found = type(obj).__name__
+            break
+    _OUTSIDE[model] = (found, now)
+    return found
 
 
 class Action:
