@@ -219,6 +219,20 @@ def _small_table_run(db: Path, optimizer: type, budget: int) -> int:
     return mon.run_id
 
 
+def test_replay_with_the_live_policy_grows_the_cache_when_the_run_did(tmp_path: Path) -> None:
+    """Regression: replay told the policy a decision was applied when it was made, where the live
+    agent tells it at the safe point that applies it; the readings between them (without the
+    saving yet) filled the policy's recent in-use again, and every ``grow_cache`` after a
+    conversion came 20 steps late (the look-back): live 1 and 6, replayed 1 and 21."""
+    db = tmp_path / "grow.db"
+    batches = [64 * (1 + i // 5) for i in range(12)] + [64] * 18
+    run = _train(db, edo_monitor.Policy(), batches, 0.005)
+    result = edo_monitor.replay(str(db), run)
+    live = [(d.step, d.action) for d in result.recorded]
+    assert [a for _, a in live][:2] == ["cache_embedding", "grow_cache"], live
+    assert [(d.step, d.action) for d in result.decisions] == live
+
+
 def test_hindsight_sizes_a_row_cache_by_the_peak_ids_the_run_recorded(tmp_path: Path) -> None:
     """Regression: replay and explain sized a row cache at least 1,024 rows (the action's floor
     when the peak ids per batch are unknown) while the run knew its peak (32 ids a batch): on a

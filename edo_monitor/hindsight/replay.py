@@ -292,8 +292,11 @@ def replay(db: Any, run: Any, policy: Any = None) -> ReplayResult:
         last_step, last_time = 0, 0.0
         refusals: list[tuple[int, tuple[tuple[str, str], ...]]] = []
         crossings: list[tuple[int, str, float]] = []
-        # (step, time, saving): in force from a later step's readings, or from that time on
-        pending: list[tuple[int, float | None, int]] = []
+        # (step, time, saving, decision): in force from a later step's readings, or from that
+        # time on; the policy is told it was applied then, as the live agent tells it at the
+        # safe point (told at the decision, the readings between them, still without its
+        # saving, filled the policy's recent in-use again: every grow_cache came 20 steps late)
+        pending: list[tuple[int, float | None, int, Decision]] = []
         applied = 0
         back = 0
         li = 0
@@ -314,6 +317,7 @@ def replay(db: Any, run: Any, policy: Any = None) -> ReplayResult:
                         for p in [p for p in pending if _in_force(p, step, time_s)]:
                             applied += p[2]
                             pending.remove(p)
+                            policy.resolve(p[3], "applied")
                     while oi < len(oom_need) and oom_need[oi][0] <= time_s:
                         saved_at_oom.append(applied)
                         oi += 1
@@ -377,8 +381,7 @@ def replay(db: Any, run: Any, policy: Any = None) -> ReplayResult:
                                 # applied at the safe point closing its step (the next
                                 # one, when the live run's had already acted by then)
                                 at = ev.step + int(ev.time_s >= done.get(ev.step, math.inf))
-                                pending.append((at, done.get(at), ev.estimated_saving_bytes))
-                                policy.resolve(ev, "applied")
+                                pending.append((at, done.get(at), ev.estimated_saving_bytes, ev))
         while oi < len(oom_need):
             saved_at_oom.append(applied)
             oi += 1
@@ -417,7 +420,7 @@ def _in_force_from(event: Any) -> tuple[int, float | None]:
     return event.step, (event.time_s + float(duration) if duration is not None else None)
 
 
-def _in_force(effect: tuple[int, float | None, int], step: int, time_s: float) -> bool:
+def _in_force(effect: tuple[Any, ...], step: int, time_s: float) -> bool:
     """Whether an action's ``(step, time, saving)`` is in force at a reading: a later step, or
     at or after its time."""
     return step > effect[0] or (effect[1] is not None and time_s >= effect[1])
