@@ -349,20 +349,17 @@ class Tuner:
         decision = policy.pending
         if decision is None or decision.advisory or decision is not self._announced:
             return  # not recorded yet: applied at the next boundary
-        alone = uncoordinated_blocker(decision.action)
-        if alone is None:
-            self.apply_decision(decision)
-            return
-        self.apply_decision(
-            decision,
-            refused=ActionResult(
+        alone = uncoordinated_blocker(decision.action)  # no agreement in a group of ranks
+        refused = None
+        if alone is not None:
+            refused = ActionResult(
                 decision.action,
                 decision.target,
                 "refused",
                 estimated_saving_bytes=decision.estimated_saving_bytes,
                 reason=alone,
-            ),
-        )
+            )
+        self.apply_decision(decision, refused=refused)
 
     def decision_context(self, decision: Decision) -> ActionContext:
         """The context ``decision`` is planned and applied in: the latest reading's, sized for
