@@ -154,7 +154,7 @@ def test_replay_ranks_lossy_plans_by_expected_error_where_the_trace_allows(
     assert first.action == "compress_embedding_lowrank" and first.expected_error is None
 
 
-def test_replay_refuses_the_frozen_only_compress_modes_on_a_trainable_table(
+def test_replay_refuses_the_frozen_only_compress_modes_and_says_what_it_cannot_model(
     runs: tuple[Path, int, int],
 ) -> None:
     """int8 and the low-bit modes store a frozen table: live refuses them on this trainable one,
@@ -167,6 +167,14 @@ def test_replay_refuses_the_frozen_only_compress_modes_on_a_trainable_table(
         assert result.decisions == ()
         reasons = {reason for _, refused in result.refusals for _, reason in refused}
         assert reasons == {f"features: {mode} is for frozen tables (requires_grad=False)"}
+    # a rung replay cannot model says why (it repeated the name: "not modelled offline:
+    # spill_embedding")
+    result = replay(db, observed, {"ladder": ("spill_embedding",)})
+    reasons = {reason for _, refused in result.refusals for _, reason in refused}
+    assert reasons == {
+        "not modelled offline: it applies only when host memory is too short for a row cache's "
+        "host table, and the trace does not record the host's free memory"
+    }
 
 
 def test_explain_the_crossing(runs: tuple[Path, int, int]) -> None:

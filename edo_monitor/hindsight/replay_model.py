@@ -116,8 +116,15 @@ class _Model:
                 {"model": "offload"},
             )
         variant = _COMPRESS_VARIANTS.get(name)
+        if name == "spill_embedding":
+            return Refusal(
+                name,
+                "",
+                "not modelled offline: it applies only when host memory is too short for a row "
+                "cache's host table, and the trace does not record the host's free memory",
+            )
         if variant is None:
-            return Refusal(name, "", f"not modelled offline: {name}")
+            return Refusal(name, "", f"not modelled offline: no model of {name} from the trace")
         return self._compress(name, variant, tables)
 
     def _compress(self, name: str, variant: str, tables: list[_Table]) -> Plan | Refusal:
