@@ -12,6 +12,7 @@ from sqlalchemy.engine import URL
 
 from edo_monitor.errors import StoreError
 from edo_monitor.store.dialect import _LOCK_CLASS, is_postgres
+from edo_monitor.store.paths import _short
 from edo_monitor.store.schema import (
     SCHEMA_VERSION,
     metadata,
@@ -88,7 +89,7 @@ def schema_version(
     if not (value.isascii() and value.isdigit()) or int(value) < 1:
         raise StoreError(
             f"history database {shown!r} is damaged: its meta table's schema_version is "
-            f"{_short_value(row)!r}, not a schema version (a whole number from 1); {_NEITHER}"
+            f"{_short(str(row), 40)!r}, not a schema version (a whole number from 1); {_NEITHER}"
         )
     return int(value)
 
@@ -98,12 +99,6 @@ _NEITHER = (
     "edo-monitor neither reads nor writes it (copy out what you need with sqlite3, or start a "
     "new database)"
 )
-
-
-def _short_value(value: object, keep: int = 40) -> str:
-    """``value`` as text for a message, a long one cut."""
-    text_value = str(value)
-    return text_value if len(text_value) <= keep else text_value[:keep] + "…"
 
 
 def _alembic_revision(conn: Connection, tables: set[str]) -> str | None:
@@ -139,8 +134,7 @@ def _refuse_disagreeing(version: int | None, revision: str | None, shown: str) -
         return
     raise StoreError(
         f"history database {shown!r} is damaged: its meta table says schema version {version} "
-        f"and its Alembic revision {revision!r}; edo-monitor neither reads nor writes it (copy "
-        "out what you need with sqlite3, or start a new database)"
+        f"and its Alembic revision {revision!r}; {_NEITHER}"
     )
 
 
@@ -171,9 +165,7 @@ def _refuse_unusable(engine: Engine, shown: str) -> tuple[int | None, set[str]]:
         if missing:
             raise StoreError(
                 f"history database {shown!r} is damaged: it has schema version {version} but "
-                f"not the table{'s' if len(missing) > 1 else ''} {', '.join(missing)}; "
-                "edo-monitor neither reads nor writes it (copy out what you need with sqlite3, "
-                "or start a new database)"
+                f"not the table{'s' if len(missing) > 1 else ''} {', '.join(missing)}; {_NEITHER}"
             )
     return version, tables
 
