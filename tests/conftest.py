@@ -11,6 +11,13 @@ from pathlib import Path
 
 import pytest
 
+# The CLI's tables take their width from COLUMNS (else the terminal's, else 200 when piped), and
+# the tests read them as a pipe would: a width from the environment (a developer's shell, or
+# pytest-xdist's workers, which set COLUMNS=80) wrapped their lines. Tests that want a width pass
+# COLUMNS themselves.
+for _name in ("COLUMNS", "LINES"):
+    os.environ.pop(_name, None)
+
 
 def _find_data_dir() -> Path | None:
     env = os.environ.get("EDO_DATA_DIR")
