@@ -280,3 +280,45 @@ def test_hindsight_refuses_what_the_live_agent_refused_before_its_decision(tmp_p
     assert "cache_embedding" not in {r.action for r in incident.remedies}
     (refused,) = [r for r in incident.refused_live if r.action == "cache_embedding"]
     assert refused.detail.startswith("refused live: optimizer RMSprop is not supported")
+
+
+def test_replay_shrinks_a_row_cache_by_cached_rows_as_the_live_shrink(tmp_path: Path) -> None:
+    """Regression: replay sized a shrink of a row cache in resident rows (weight, gradient and
+    Adam's moments: 512 bytes a row of 32) where the live shrink frees cached rows (no dense
+    gradient: 384 bytes), and without the live shrink's minimum: here it freed 1,540,096 bytes
+    for the live 1,572,864 and shrank again by 32 KiB five steps later (in a 300-step run every
+    grow after a shrink was 1,024 rows short, and a crossing the live run met was not
+    replayed)."""
+    torch.manual_seed(0)
+    rows = 40_000
+    model = nn.Sequential(
+        nn.EmbeddingBag(rows, 32), nn.Linear(32, 512), nn.ReLU(), nn.Linear(512, 2)
+    )
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(1)
+    db = tmp_path / "shrink.db"
+    with edo_monitor.watch(
+        model, db=str(db), budget=24 * 2**20, policy=edo_monitor.Policy(), interval_s=0.005
+    ) as mon:
+        for step in range(50):  # 40 light steps (64 bags), 10 heavy ones (2,048)
+            bags = 2048 if step >= 40 else 64
+            ids = torch.randint(0, rows, (bags, 8), generator=gen)
+            target = torch.randint(0, 2, (bags,), generator=gen)
+            nn.functional.cross_entropy(model(ids), target).backward()
+            opt.step()
+            opt.zero_grad()
+            time.sleep(0.01)
+    result = edo_monitor.replay(str(db), mon.run_id)
+    # the live decisions as planned on their readings (the agent plans a decision again at the
+    # safe point that applies it, on the latest in-use; replay keeps the decision's plan)
+    with History(db) as h:
+        decided = [
+            (e.step, e.data["action"], e.data["estimated_saving_bytes"], e.data["reason"])
+            for e in h.events(mon.run_id, kind="decision")
+        ]
+    assert [a for _, a, _, _ in decided] == ["cache_embedding", "grow_cache", "cache_embedding"]
+    assert "shrink the row cache" in decided[2][3]
+    assert [(d.step, d.action, d.saving_bytes) for d in result.decisions] == [
+        d[:3] for d in decided
+    ]
+    assert result.decisions[2].reason == decided[2][3]  # shrunk to the same rows

@@ -171,15 +171,22 @@ class _Model:
         for t in self.tables.values():
             if t.cache_rows is None or not t.on_device:
                 continue
-            floor = t.cache_floor_rows + 1  # the peak ids of a batch and a block, as live
+            # as the live shrink: the peak ids of a batch and a block (one row) stay, a cached
+            # row frees its own bytes (no dense gradient: a resident row's bytes gave 3 rows
+            # for 4 under Adam), and a shrink under a tenth of the need or the minimum re-layout
+            # is not worth it
+            floor = t.cache_floor_rows + 1
             spare = t.cache_rows - floor
-            if spare < 1:
+            row = t.cached_row_bytes
+            if spare < 1 or spare * row * 10 < need:
                 continue
-            give = min(spare, -(-need // t.row_bytes)) or spare
+            give = max(1, min(spare, -(-need // row)))
+            if give * row < MIN_RESIZE_BYTES:
+                continue
             return Plan(
                 "cache_embedding",
                 t.module,
-                give * t.row_bytes,
+                give * row,
                 f"shrink the row cache of {t.module} from {t.cache_rows} to "
                 f"{t.cache_rows - give} rows",
                 {"model": "cache", "to_rows": t.cache_rows - give},
