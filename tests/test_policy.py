@@ -526,3 +526,40 @@ def test_a_cache_grows_back_only_when_the_recent_steps_peak_leaves_room() -> Non
     # once the large steps are GROW_LOOKBACK_STEPS behind, the small ones are calm: it grows
     steps = [e.step for s in range(40, 80) for e in policy.evaluate(at(s, 40), plans)]
     assert steps == [34 + GROW_LOOKBACK_STEPS + 2]  # the last large step is 34; 3 calm readings
+
+
+def test_a_grow_undone_by_pressure_doubles_the_look_back() -> None:
+    """Regression: a load whose phases outlast the 20-step look-back (30 light steps, 30 heavy)
+    made the policy convert in each heavy phase and grow back in each light one (14 actions in
+    300 steps of a real run). A crossing soon after an applied grow doubles the look-back, so
+    the light phase's calm no longer hides the heavy phase: one round trip, then the cache
+    stays (heavy phases at 28 % free, above the floor)."""
+    cached = False
+
+    def plans(name: str) -> Plan | Refusal:
+        if name == "cache_embedding" and not cached:
+            return Plan(name, "items", 20, "cache the table of items")
+        if name == "grow_cache" and cached:
+            return Plan(name, "items", -20, "grow the row cache of items back to the table")
+        return Refusal(name, "items", "not this one")
+
+    policy = Policy(cooldown_steps=0)
+    decided = []
+    for step in range(300):
+        heavy = (step // 30) % 2 == 1
+        in_use = (62 if heavy else 30) + (10 if cached else 30)  # heavy and resident: 8 % free
+        reading = Reading(
+            time_s=float(step),
+            step=step,
+            device_kind="cpu-budget",
+            in_use_bytes=in_use,
+            budget_bytes=100,
+            free_fraction=(100 - in_use) / 100,
+        )
+        for event in policy.evaluate(reading, plans):
+            if isinstance(event, Decision):
+                decided.append((event.step, event.action))
+                policy.resolve(event, "applied")  # at the step's safe point
+                cached = event.action == "cache_embedding"
+    assert decided == [(30, "cache_embedding"), (81, "grow_cache"), (90, "cache_embedding")]
+    assert policy.grow_lookback_steps == 2 * GROW_LOOKBACK_STEPS

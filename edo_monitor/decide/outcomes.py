@@ -53,6 +53,8 @@ class _Outcomes:
             if state == "applied":
                 self._released_last = decision.action == "release_cache"
                 self._recent_in_use.clear()  # the memory is another from here on
+                if decision.action == "grow_cache":  # undone if pressure comes back soon
+                    self._grown_step = decision.step
             if state == "failed":
                 self._failed.add((decision.action, decision.target))
             if why is not None:

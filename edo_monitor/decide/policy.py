@@ -27,10 +27,14 @@ pending at a time.
 Growing back: in ``"auto"`` mode, when not under pressure and ``free_fraction`` has stayed at or
 above ``rearm_free_fraction + grow_margin_fraction`` for ``grow_after_readings`` readings in a row,
 the policy decides ``grow_cache`` (a row cache takes rows back, up to the whole table) if it plans.
-Calm is judged, and the growth sized, at the highest in-use of the last
-:data:`GROW_LOOKBACK_STEPS` steps since the last applied decision, not at the reading alone: a
-workload whose batches alternate (small, large) grew the cache back in each small phase, into
-the next large one's crossing (7 shrink-and-grow round trips in 80 steps of a recommender).
+Calm is judged, and the growth sized, at the highest in-use of the last look-back steps since
+the last applied decision, not at the reading alone: a workload whose batches alternate (small,
+large) grew the cache back in each small phase, into the next large one's crossing (7
+shrink-and-grow round trips in 80 steps of a recommender). The look-back starts at
+:data:`GROW_LOOKBACK_STEPS` and doubles (up to :data:`MAX_GROW_LOOKBACK_STEPS`) each time a grow
+is undone: pressure within :data:`GROW_UNDONE_WITHIN_LOOKBACKS` look-backs of an applied
+``grow_cache``. A load whose phases outlast the look-back (30 light steps, 30 heavy) otherwise
+converted, grew back and converted again every period (14 actions in 300 steps).
 
 Forecasting (``forecast_steps=N``; off by default): each reading's in-use bytes, and each step's
 peak where the agent measures it at the step boundary (:meth:`Policy.observe_step`), with the
@@ -79,6 +83,8 @@ from edo_monitor.decide.policy_events import (
     FORECAST_CATEGORIES,
     FORECAST_MIN_STEPS,
     GROW_LOOKBACK_STEPS,
+    GROW_UNDONE_WITHIN_LOOKBACKS,
+    MAX_GROW_LOOKBACK_STEPS,
     MODES,
     Decision,
     Forecast,
@@ -237,10 +243,14 @@ class Policy(_Forecasting, _Outcomes):
         self._advised: set[tuple[str, str]] = set()
         #: release_cache was the last action applied in this pressure episode
         self._released_last = False
-        #: the key of the no-action last reported in this episode (``None``: none yet)
         #: step -> highest in-use of its readings, for the steps since the last applied
-        #: decision within the last GROW_LOOKBACK_STEPS
+        #: decision within the last grow_lookback_steps
         self._recent_in_use: dict[int, int] = {}
+        #: the steps whose highest in-use must leave room for a grow (doubled when one is undone)
+        self.grow_lookback_steps = GROW_LOOKBACK_STEPS
+        #: the step of the last applied grow_cache not yet undone (``None``: none)
+        self._grown_step: int | None = None
+        #: the key of the no-action last reported in this episode (``None``: none yet)
         self._reported_none: tuple[tuple[str, str, str], ...] | None = None
 
     def _check_ladder(self, ladder: Sequence[str] | None) -> tuple[str, ...]:
@@ -290,12 +300,12 @@ class Policy(_Forecasting, _Outcomes):
 
     def _note_in_use(self, reading: Reading) -> int:
         """Keep each recent step's highest in-use (lock held); returns the highest of the last
-        :data:`GROW_LOOKBACK_STEPS` steps since the last applied decision (0: none known)."""
+        ``grow_lookback_steps`` steps since the last applied decision (0: none known)."""
         if reading.in_use_bytes is None:
             return 0
         recent = self._recent_in_use
         recent[reading.step] = max(recent.get(reading.step, 0), int(reading.in_use_bytes))
-        for step in [s for s in recent if s <= reading.step - GROW_LOOKBACK_STEPS]:
+        for step in [s for s in recent if s <= reading.step - self.grow_lookback_steps]:
             del recent[step]
         return max(recent.values())
 
@@ -327,6 +337,7 @@ class Policy(_Forecasting, _Outcomes):
                 self._advised.clear()
                 self._released_last = False
                 self._reported_none = None
+                self._learn_from_undone_grow(reading.step)
                 events.append(
                     ThresholdCrossing(
                         "below_floor", reading.step, reading.time_s, free, self.min_free_fraction
@@ -383,6 +394,26 @@ class Policy(_Forecasting, _Outcomes):
         return events
 
     # ------------------------------------------------------------------ growing back
+    def _learn_from_undone_grow(self, step: int) -> None:
+        """At a crossing below the floor (lock held): when it comes within
+        :data:`GROW_UNDONE_WITHIN_LOOKBACKS` look-backs of an applied ``grow_cache``, the grow
+        was undone by the load it could not see: the look-back doubles (at most
+        :data:`MAX_GROW_LOOKBACK_STEPS`), so the next grow waits for a calm that long."""
+        grown, self._grown_step = self._grown_step, None
+        lookback = self.grow_lookback_steps
+        if grown is None or step - grown > GROW_UNDONE_WITHIN_LOOKBACKS * lookback:
+            return
+        self.grow_lookback_steps = min(2 * lookback, MAX_GROW_LOOKBACK_STEPS)
+        if self.grow_lookback_steps != lookback:
+            logger.info(
+                "the row cache grown at step %d met pressure again at step %d: a grow now "
+                "waits for %d calm steps (was %d)",
+                grown,
+                step,
+                self.grow_lookback_steps,
+                lookback,
+            )
+
     def _maybe_grow(
         self,
         reading: Reading,
@@ -440,7 +471,7 @@ class Policy(_Forecasting, _Outcomes):
                     if planning is None
                     else f" in {self.forecast_steps} steps (trend)"
                     if prediction is not None and planning == prediction.horizon_in_use_bytes
-                    else f" at the highest in-use of the last {GROW_LOOKBACK_STEPS} steps"
+                    else f" at the highest in-use of the last {self.grow_lookback_steps} steps"
                 )
                 + f" above re-arm {self.rearm_free_fraction:.0%} + margin "
                 f"{self.grow_margin_fraction:.0%}: {plan.reason}"

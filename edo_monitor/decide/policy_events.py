@@ -38,8 +38,16 @@ FORECAST_GRACE_STEPS = 2
 
 
 #: A row cache grows back only when the highest in-use of this many recent steps (since the last
-#: applied decision) leaves room for it (:meth:`Policy._maybe_grow`).
+#: applied decision) leaves room for it (:meth:`Policy._maybe_grow`): the look-back a policy
+#: starts with.
 GROW_LOOKBACK_STEPS = 20
+
+#: A grow undone: pressure (a crossing below the floor) within this many look-backs of an applied
+#: ``grow_cache`` doubles the policy's look-back, up to :data:`MAX_GROW_LOOKBACK_STEPS`.
+GROW_UNDONE_WITHIN_LOOKBACKS = 4
+
+#: The longest look-back a policy learns (16 doublings' worth of a 20-step one: 320 steps).
+MAX_GROW_LOOKBACK_STEPS = 16 * GROW_LOOKBACK_STEPS
 
 
 #: Reading fields whose per-step trends a forecast reports (bytes per step), besides the total.
