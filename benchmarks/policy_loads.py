@@ -5,9 +5,11 @@
 
 A real training loop under ``watch()`` in CPU-budget mode (a 40,000 x 32 ``EmbeddingBag`` trained
 with Adam, a 32 -> 512 -> 2 head; budget 24 MiB): batches of 64 bags in the light phases and 2,048
-in the heavy ones (square wave, light first, each phase ``P`` steps). Resident, the table leaves
-about 55 % free in a light phase and under 20 % in a heavy one; a row cache keeps a heavy phase
-above the floor. Each run is one of two policies, side by side for each ``P``:
+in the heavy ones (square wave, light first, each phase ``P`` steps). The table with Adam's
+moments and its dense gradient does not fit beside the first step: the policy caches it at step
+1 and grows the cache back to 39,999 rows in the light phase (resident again would not fit with
+the dense gradient); a heavy phase at that size is under the 20 % floor, and a shrink by 4,096
+rows keeps it at 25 %. Each run is one of two policies, side by side for each ``P``:
 
 - ``fixed``: the default policy with its 20-step grow look-back held (as before the look-back
   learned: a ``Policy`` whose ``_learn_from_undone_grow`` forgets the grow);
