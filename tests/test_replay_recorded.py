@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -282,13 +283,18 @@ def test_hindsight_refuses_what_the_live_agent_refused_before_its_decision(tmp_p
     assert refused.detail.startswith("refused live: optimizer RMSprop is not supported")
 
 
-def test_replay_shrinks_a_row_cache_by_cached_rows_as_the_live_shrink(tmp_path: Path) -> None:
-    """Regression: replay sized a shrink of a row cache in resident rows (weight, gradient and
-    Adam's moments: 512 bytes a row of 32) where the live shrink frees cached rows (no dense
-    gradient: 384 bytes), and without the live shrink's minimum: here it freed 1,540,096 bytes
-    for the live 1,572,864 and shrank again by 32 KiB five steps later (in a 300-step run every
-    grow after a shrink was 1,024 rows short, and a crossing the live run met was not
-    replayed)."""
+class _FixedLookBack(edo_monitor.Policy):
+    """The default policy keeping its 20-step grow look-back (a grow undone teaches it nothing)."""
+
+    def _learn_from_undone_grow(self, step: int) -> None:
+        self._grown_step = None
+
+
+def _phased_run(
+    db: Path, policy: edo_monitor.Policy, heavy: Callable[[int], bool], steps: int
+) -> int:
+    """A 40,000 x 32 ``EmbeddingBag`` (Adam) and a 32 -> 512 -> 2 head under a 24 MiB CPU budget,
+    64 bags a step, 2,048 where ``heavy(step)``; the run's id."""
     torch.manual_seed(0)
     rows = 40_000
     model = nn.Sequential(
@@ -296,29 +302,66 @@ def test_replay_shrinks_a_row_cache_by_cached_rows_as_the_live_shrink(tmp_path: 
     )
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(1)
-    db = tmp_path / "shrink.db"
     with edo_monitor.watch(
-        model, db=str(db), budget=24 * 2**20, policy=edo_monitor.Policy(), interval_s=0.005
+        model, db=str(db), budget=24 * 2**20, policy=policy, interval_s=0.005
     ) as mon:
-        for step in range(50):  # 40 light steps (64 bags), 10 heavy ones (2,048)
-            bags = 2048 if step >= 40 else 64
+        for step in range(steps):
+            bags = 2048 if heavy(step) else 64
             ids = torch.randint(0, rows, (bags, 8), generator=gen)
             target = torch.randint(0, 2, (bags,), generator=gen)
             nn.functional.cross_entropy(model(ids), target).backward()
             opt.step()
             opt.zero_grad()
             time.sleep(0.01)
-    result = edo_monitor.replay(str(db), mon.run_id)
-    # the live decisions as planned on their readings (the agent plans a decision again at the
-    # safe point that applies it, on the latest in-use; replay keeps the decision's plan)
+    return mon.run_id
+
+
+def _live_decisions(db: Path, run: int) -> list[tuple[int, str, int, str]]:
+    """The run's decisions as planned on their readings: step, action, estimate, reason."""
     with History(db) as h:
-        decided = [
+        return [
             (e.step, e.data["action"], e.data["estimated_saving_bytes"], e.data["reason"])
-            for e in h.events(mon.run_id, kind="decision")
+            for e in h.events(run, kind="decision")
         ]
+
+
+def test_replay_shrinks_a_row_cache_by_cached_rows_as_the_live_shrink(tmp_path: Path) -> None:
+    """Regression: replay sized a shrink of a row cache in resident rows (weight, gradient and
+    Adam's moments: 512 bytes a row of 32) where the live shrink frees cached rows (no dense
+    gradient: 384 bytes), and without the live shrink's minimum: here it freed 1,540,096 bytes
+    for the live 1,572,864 and shrank again by 32 KiB five steps later (in a 300-step run every
+    grow after a shrink was 1,024 rows short, and a crossing the live run met was not
+    replayed)."""
+    db = tmp_path / "shrink.db"
+    run = _phased_run(db, edo_monitor.Policy(), lambda step: step >= 40, 50)
+    result = edo_monitor.replay(str(db), run)
+    decided = _live_decisions(db, run)
     assert [a for _, a, _, _ in decided] == ["cache_embedding", "grow_cache", "cache_embedding"]
     assert "shrink the row cache" in decided[2][3]
     assert [(d.step, d.action, d.saving_bytes) for d in result.decisions] == [
         d[:3] for d in decided
     ]
     assert result.decisions[2].reason == decided[2][3]  # shrunk to the same rows
+
+
+def test_replay_plans_a_decision_again_at_its_safe_point_as_the_live_agent(
+    tmp_path: Path,
+) -> None:
+    """Regression: replay applied a decision as planned on its reading; the live agent plans it
+    again at the safe point that applies it, on its accounting there (the step's gradients
+    alive). A grow decided on the first reading of a heavy step (20-step phases, a policy
+    keeping a 20-step look-back) was refused live ("spare 0 bytes") and modelled as applied in
+    the replay, which then ran on a cache the run never had; a shrink decided early in a step
+    freed the live 4,096 rows only once planned again."""
+    db = tmp_path / "phases.db"
+    run = _phased_run(db, _FixedLookBack(), lambda step: (step // 20) % 2 == 1, 65)
+    result = edo_monitor.replay(str(db), run, policy=_FixedLookBack())
+    decided = _live_decisions(db, run)
+    assert [(d.step, d.action, d.saving_bytes) for d in result.decisions] == [
+        d[:3] for d in decided
+    ]
+    # a replayed decision is "modelled" where the live one was applied (or expired at the end)
+    as_replayed = {"applied": "modelled", "refused": "refused", "expired": "modelled"}
+    live = [as_replayed[d.status] for d in result.recorded]
+    assert [d.status for d in result.decisions] == live
+    assert "refused" in live  # the grow at the heavy phase's first step

@@ -88,10 +88,13 @@ class ReplayDecision:
             step and time of the action's outcome (applied, refused, failed, expired), else of
             the decision (pending, advised).
         action, target: what.
-        saving_bytes: modelled saving (replay) or measured ``saved_bytes`` (live; ``None`` when
-            the live decision was not applied).
+        saving_bytes: the decision's estimated saving (replay: its plan on its reading; the
+            modelled state changes by the plan made again at the safe point) or measured
+            ``saved_bytes`` (live; ``None`` when the live decision was not applied).
         free_fraction: free fraction of the reading (modelled in a replay).
-        status: ``"modelled"``, ``"advised"`` (replay in advise mode); live: ``"applied"``,
+        status: ``"modelled"``, ``"refused"`` (planned again at the safe point that applies
+            it, as the live agent does, the plan was refused there), ``"advised"`` (replay in
+            advise mode); live: ``"applied"``,
             ``"refused"``, ``"failed"``, ``"expired"`` (the run ended first), ``"advised"`` or
             ``"pending"`` (no outcome recorded).
         reason: the decision's reason.
@@ -297,6 +300,10 @@ def replay(db: Any, run: Any, policy: Any = None) -> ReplayResult:
         # safe point (told at the decision, the readings between them, still without its
         # saving, filled the policy's recent in-use again: every grow_cache came 20 steps late)
         pending: list[tuple[int, float | None, int, Decision]] = []
+        decision_index: dict[int, int] = {}  # id(decision) -> its row in decisions
+        # the highest modelled in-use since the pending decision's reading: the live safe point
+        # plans it again on its own accounting, the step's gradients alive (a step's peak)
+        peak_since = 0
         applied = 0
         back = 0
         li = 0
@@ -315,9 +322,15 @@ def replay(db: Any, run: Any, policy: Any = None) -> ReplayResult:
                         li += 1
                     if pending:
                         for p in [p for p in pending if _in_force(p, step, time_s)]:
-                            applied += p[2]
                             pending.remove(p)
-                            policy.resolve(p[3], "applied")
+                            saving = _apply_at_safe_point(model, p[3], peak_since)
+                            if saving is None:  # as the live agent's refusal at the safe point
+                                i = decision_index[id(p[3])]
+                                decisions[i] = dataclasses.replace(decisions[i], status="refused")
+                                policy.resolve(p[3], "refused")
+                            else:
+                                applied += saving
+                                policy.resolve(p[3], "applied")
                     while oi < len(oom_need) and oom_need[oi][0] <= time_s:
                         saved_at_oom.append(applied)
                         oi += 1
@@ -326,6 +339,7 @@ def replay(db: Any, run: Any, policy: Any = None) -> ReplayResult:
                     if in_use is None or not budget:
                         continue
                     now = in_use + back - applied
+                    peak_since = max(peak_since, now)  # while a decision waits (reset at one)
                     free = (budget - now) / budget
                     if min_free is None or free < min_free:
                         min_free = free
@@ -377,11 +391,12 @@ def replay(db: Any, run: Any, policy: Any = None) -> ReplayResult:
                                 )
                             )
                             if not ev.advisory:
-                                model.commit(ev.plan)
                                 # applied at the safe point closing its step (the next
                                 # one, when the live run's had already acted by then)
                                 at = ev.step + int(ev.time_s >= done.get(ev.step, math.inf))
                                 pending.append((at, done.get(at), ev.estimated_saving_bytes, ev))
+                                decision_index[id(ev)] = len(decisions) - 1
+                                peak_since = now
         while oi < len(oom_need):
             saved_at_oom.append(applied)
             oi += 1
@@ -418,6 +433,24 @@ def _in_force_from(event: Any) -> tuple[int, float | None]:
     has no duration). A reading of its step taken while it ran still sees the model before it."""
     duration = event.data.get("duration_s")
     return event.step, (event.time_s + float(duration) if duration is not None else None)
+
+
+def _apply_at_safe_point(model: _Model, decision: Any, in_use_bytes: int) -> int | None:
+    """Apply ``decision`` to the modelled state as the live agent does at the safe point: planned
+    again on ``in_use_bytes`` (the highest modelled in-use since the decision's reading: the
+    live agent's context there is its accounting at the step boundary, the step's gradients
+    alive) or the in-use it was planned for (``planning_in_use_bytes``), the higher. Returns
+    the modelled saving in bytes, or ``None`` when the plan is refused now (or is on another
+    target): nothing changes, as a live refusal. ``decision``: a
+    :class:`~edo_monitor.decide.policy_events.Decision`."""
+    from edo_monitor.decide.plans import Plan
+
+    model.in_use_bytes = max(in_use_bytes, decision.planning_in_use_bytes or 0)
+    plan = model(decision.action)
+    if not isinstance(plan, Plan) or plan.target != decision.target:
+        return None
+    model.commit(plan)
+    return plan.estimated_saving_bytes
 
 
 def _in_force(effect: tuple[Any, ...], step: int, time_s: float) -> bool:
