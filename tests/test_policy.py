@@ -530,10 +530,10 @@ def test_a_cache_grows_back_only_when_the_recent_steps_peak_leaves_room() -> Non
 
 def test_a_grow_undone_by_pressure_doubles_the_look_back() -> None:
     """Regression: a load whose phases outlast the 20-step look-back (30 light steps, 30 heavy)
-    made the policy convert in each heavy phase and grow back in each light one (14 actions in
-    300 steps of a real run). A crossing soon after an applied grow doubles the look-back, so
-    the light phase's calm no longer hides the heavy phase: one round trip, then the cache
-    stays (heavy phases at 28 % free, above the floor)."""
+    made the policy shrink in each heavy phase and grow back in each light one (11 actions in
+    300 steps of a real run, benchmarks/policy_loads.py). A crossing soon after an applied grow
+    doubles the look-back, so the light phase's calm no longer hides the heavy phase: one round
+    trip, then the cache stays (heavy phases at 28 % free, above the floor)."""
     cached = False
 
     def plans(name: str) -> Plan | Refusal:

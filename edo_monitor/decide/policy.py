@@ -34,7 +34,8 @@ shrink-and-grow round trips in 80 steps of a recommender). The look-back starts 
 :data:`GROW_LOOKBACK_STEPS` and doubles (up to :data:`MAX_GROW_LOOKBACK_STEPS`) each time a grow
 is undone: pressure within :data:`GROW_UNDONE_WITHIN_LOOKBACKS` look-backs of an applied
 ``grow_cache``. A load whose phases outlast the look-back (30 light steps, 30 heavy) otherwise
-converted, grew back and converted again every period (14 actions in 300 steps).
+shrank, grew back and shrank again every period (11 actions in 300 steps where 3 do now:
+``benchmarks/policy_loads.py``).
 
 Forecasting (``forecast_steps=N``; off by default): each reading's in-use bytes, and each step's
 peak where the agent measures it at the step boundary (:meth:`Policy.observe_step`), with the
