@@ -95,7 +95,9 @@ def test_a_replay_that_applies_what_the_run_applied_reproduces_its_readings(
         (r["step"], (BUDGET - r["in_use_bytes"] - _back(actions, r)) / BUDGET) for r in rows
     ]
     assert [(step, kind) for step, kind, _ in observed.crossings] == _crossings(restored)
-    assert observed.crossings[0][:2] == (1, "below_floor")
+    # below the floor by step 1 (at step 0 where a reading of the first step landed after its
+    # backward: its gradients count, as on a loaded machine under `pytest -n 2`)
+    assert observed.crossings[0][1] == "below_floor" and observed.crossings[0][0] <= 1
     assert observed.min_free_fraction == pytest.approx(
         min((BUDGET - r["in_use_bytes"] - _back(actions, r)) / BUDGET for r in rows)
     )
