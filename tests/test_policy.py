@@ -563,3 +563,32 @@ def test_a_grow_undone_by_pressure_doubles_the_look_back() -> None:
                 cached = event.action == "cache_embedding"
     assert decided == [(30, "cache_embedding"), (81, "grow_cache"), (90, "cache_embedding")]
     assert policy.grow_lookback_steps == 2 * GROW_LOOKBACK_STEPS
+
+
+def test_a_grow_refused_at_its_safe_point_doubles_the_look_back() -> None:
+    """Regression: a grow decided on the last calm reading before a heavy step was refused at the
+    safe point (planned again there: no room), charged no cooldown and taught nothing, so the
+    same grow was decided and refused in every period (6 refusals in 300 steps of 20-step
+    phases, benchmarks/policy_loads.py with the look-back held). A refused grow now counts as
+    one undone."""
+    policy = Policy(cooldown_steps=0, grow_after_readings=1)
+    plans = {"grow_cache": Plan("grow_cache", "items", -10, "grow the row cache of items")}
+    decided = []
+    for step in range(200):
+        in_use = 72 if (step // 20) % 2 == 0 else 40  # heavy first: 28 % free, then 60 %
+        reading = Reading(
+            time_s=float(step),
+            step=step,
+            device_kind="cpu-budget",
+            in_use_bytes=in_use,
+            budget_bytes=100,
+            free_fraction=(100 - in_use) / 100,
+        )
+        for event in policy.evaluate(reading, plans):
+            if isinstance(event, Decision):
+                decided.append(event.step)
+                policy.resolve(event, "refused")  # no room at the safe point
+    # the last light step sees 20 calm steps: refused, the look-back doubles and the next light
+    # phases never fill it (the held look-back decided at 39, 79, 119, 159 and 199)
+    assert decided == [39]
+    assert policy.grow_lookback_steps == 2 * GROW_LOOKBACK_STEPS

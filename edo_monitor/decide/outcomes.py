@@ -55,6 +55,11 @@ class _Outcomes:
                 self._recent_in_use.clear()  # the memory is another from here on
                 if decision.action == "grow_cache":  # undone if pressure comes back soon
                     self._grown_step = decision.step
+            if state == "refused" and decision.action == "grow_cache":
+                # planned again at the safe point, the grow found no room: a calm that misled,
+                # learned from as a grow that pressure undid
+                self._grown_step = decision.step
+                self._learn_from_undone_grow(decision.step)
             if state == "failed":
                 self._failed.add((decision.action, decision.target))
             if why is not None:

@@ -33,9 +33,10 @@ large) grew the cache back in each small phase, into the next large one's crossi
 shrink-and-grow round trips in 80 steps of a recommender). The look-back starts at
 :data:`GROW_LOOKBACK_STEPS` and doubles (up to :data:`MAX_GROW_LOOKBACK_STEPS`) each time a grow
 is undone: pressure within :data:`GROW_UNDONE_WITHIN_LOOKBACKS` look-backs of an applied
-``grow_cache``. A load whose phases outlast the look-back (30 light steps, 30 heavy) otherwise
-shrank, grew back and shrank again every period (11 actions in 300 steps where 3 do now:
-``benchmarks/policy_loads.py``).
+``grow_cache``, or the grow refused at the safe point that was to apply it (planned again there,
+it found no room: decided on the last calm reading before a heavy step). A load whose phases
+outlast the look-back (30 light steps, 30 heavy) otherwise shrank, grew back and shrank again
+every period (11 actions in 300 steps where 3 do now: ``benchmarks/policy_loads.py``).
 
 Forecasting (``forecast_steps=N``; off by default): each reading's in-use bytes, and each step's
 peak where the agent measures it at the step boundary (:meth:`Policy.observe_step`), with the
@@ -396,10 +397,11 @@ class Policy(_Forecasting, _Outcomes):
 
     # ------------------------------------------------------------------ growing back
     def _learn_from_undone_grow(self, step: int) -> None:
-        """At a crossing below the floor (lock held): when it comes within
-        :data:`GROW_UNDONE_WITHIN_LOOKBACKS` look-backs of an applied ``grow_cache``, the grow
-        was undone by the load it could not see: the look-back doubles (at most
-        :data:`MAX_GROW_LOOKBACK_STEPS`), so the next grow waits for a calm that long."""
+        """At a crossing below the floor, or a ``grow_cache`` refused at its safe point (lock
+        held): when it comes within :data:`GROW_UNDONE_WITHIN_LOOKBACKS` look-backs of the grow
+        (applied, or refused now), the grow was undone by the load the look-back could not see:
+        the look-back doubles (at most :data:`MAX_GROW_LOOKBACK_STEPS`), so the next grow waits
+        for a calm that long."""
         grown, self._grown_step = self._grown_step, None
         lookback = self.grow_lookback_steps
         if grown is None or step - grown > GROW_UNDONE_WITHIN_LOOKBACKS * lookback:
@@ -407,8 +409,8 @@ class Policy(_Forecasting, _Outcomes):
         self.grow_lookback_steps = min(2 * lookback, MAX_GROW_LOOKBACK_STEPS)
         if self.grow_lookback_steps != lookback:
             logger.info(
-                "the row cache grown at step %d met pressure again at step %d: a grow now "
-                "waits for %d calm steps (was %d)",
+                "the row cache grow decided at step %d was undone at step %d (pressure, or no "
+                "room at its safe point): a grow now waits for %d calm steps (was %d)",
                 grown,
                 step,
                 self.grow_lookback_steps,
