@@ -4,6 +4,7 @@ watch() runs on a CPU budget into real SQLite files (one of them a real two-rank
 
 from __future__ import annotations
 
+import math
 import sqlite3
 import time
 from collections.abc import Callable
@@ -318,13 +319,10 @@ def _phased_run(
     return mon.run_id
 
 
-def _live_decisions(db: Path, run: int) -> list[tuple[int, str, int, str]]:
-    """The run's decisions as planned on their readings: step, action, estimate, reason."""
+def _live_actions(db: Path, run: int) -> list[str]:
+    """The reasons of the run's applied actions (the plan each was applied by)."""
     with History(db) as h:
-        return [
-            (e.step, e.data["action"], e.data["estimated_saving_bytes"], e.data["reason"])
-            for e in h.events(run, kind="decision")
-        ]
+        return [e.data["reason"] for e in h.events(run, kind="action")]
 
 
 def test_replay_shrinks_a_row_cache_by_cached_rows_as_the_live_shrink(tmp_path: Path) -> None:
@@ -337,13 +335,38 @@ def test_replay_shrinks_a_row_cache_by_cached_rows_as_the_live_shrink(tmp_path: 
     db = tmp_path / "shrink.db"
     run = _phased_run(db, edo_monitor.Policy(), lambda step: step >= 40, 50)
     result = edo_monitor.replay(str(db), run)
-    decided = _live_decisions(db, run)
-    assert [a for _, a, _, _ in decided] == ["cache_embedding", "grow_cache", "cache_embedding"]
-    assert "shrink the row cache" in decided[2][3]
-    assert [(d.step, d.action, d.saving_bytes) for d in result.decisions] == [
-        d[:3] for d in decided
-    ]
-    assert result.decisions[2].reason == decided[2][3]  # shrunk to the same rows
+    live = [(d.decided_step, d.action, d.saving_bytes) for d in result.recorded]
+    assert [a for _, a, _ in live] == ["cache_embedding", "grow_cache", "cache_embedding"]
+    assert [(d.step, d.action, d.saving_bytes) for d in result.decisions] == live
+    shrink = _live_actions(db, run)[2]
+    assert shrink.startswith("shrink the row cache")
+    assert result.decisions[2].reason.endswith(shrink)  # to the same rows
+
+    # a later reading of the shrink's step, 100,000 bytes higher: the replay plans the shrink
+    # again on it at the safe point, as the live agent plans on its accounting there, and lists
+    # the saving of that plan (it listed the decision's estimate)
+    with History(db) as h:
+        decided = h.events(run, kind="decision")[2]
+        acted = h.events(run, kind="action")[2]
+    with sqlite3.connect(db) as con:
+        con.row_factory = sqlite3.Row
+        (reading,) = con.execute(  # the reading decided on: the latest by the decision
+            "SELECT * FROM samples WHERE run_id = ? AND time_s <= ? ORDER BY time_s DESC LIMIT 1",
+            (run, decided.time_s),
+        ).fetchall()
+        row = {k: reading[k] for k in reading.keys() if k != "id"}  # noqa: SIM118 (a Row)
+        row["in_use_bytes"] += 100_000
+        row["time_s"] = (decided.time_s + acted.time_s) / 2
+        con.execute(
+            f"INSERT INTO samples ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
+            tuple(row.values()),
+        )
+    need = row["in_use_bytes"] - 0.75 * row["budget_bytes"]  # down to the re-arm level, 25 %
+    cached_row_bytes = 32 * 4 * 3  # a cached row: its weight and Adam's two moments
+    replayed = edo_monitor.replay(str(db), run).decisions[2]
+    assert replayed.saving_bytes == math.ceil(need / cached_row_bytes) * cached_row_bytes
+    assert replayed.saving_bytes > decided.data["estimated_saving_bytes"]
+    assert "; applied as: shrink the row cache" in replayed.reason
 
 
 def test_replay_plans_a_decision_again_at_its_safe_point_as_the_live_agent(
@@ -353,17 +376,17 @@ def test_replay_plans_a_decision_again_at_its_safe_point_as_the_live_agent(
     again at the safe point that applies it, on its accounting there (the step's gradients
     alive). A grow decided on the first reading of a heavy step (20-step phases, a policy
     keeping a 20-step look-back) was refused live ("spare 0 bytes") and modelled as applied in
-    the replay, which then ran on a cache the run never had; a shrink decided early in a step
-    freed the live 4,096 rows only once planned again."""
+    the replay, which then ran on a cache the run never had; a decision planned on a reading
+    early in its step (a shrink, a grow) was modelled and listed at its own size, the live
+    action at another (a grow of 18,558 rows live 8,647)."""
     db = tmp_path / "phases.db"
     run = _phased_run(db, _FixedLookBack(), lambda step: (step // 20) % 2 == 1, 65)
     result = edo_monitor.replay(str(db), run, policy=_FixedLookBack())
-    decided = _live_decisions(db, run)
-    assert [(d.step, d.action, d.saving_bytes) for d in result.decisions] == [
-        d[:3] for d in decided
-    ]
     # a replayed decision is "modelled" where the live one was applied (or expired at the end)
     as_replayed = {"applied": "modelled", "refused": "refused", "expired": "modelled"}
-    live = [as_replayed[d.status] for d in result.recorded]
-    assert [d.status for d in result.decisions] == live
-    assert "refused" in live  # the grow at the heavy phase's first step
+    live = [(d.decided_step, d.action, as_replayed[d.status]) for d in result.recorded]
+    assert [(d.step, d.action, d.status) for d in result.decisions] == live
+    assert any(status == "refused" for *_, status in live)  # a grow at a heavy phase's start
+    for replayed, recorded in zip(result.decisions, result.recorded, strict=True):
+        if recorded.status == "applied":  # the saving of the plan applied at the safe point
+            assert replayed.saving_bytes == recorded.saving_bytes, (replayed, recorded)

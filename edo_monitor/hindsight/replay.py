@@ -88,9 +88,10 @@ class ReplayDecision:
             step and time of the action's outcome (applied, refused, failed, expired), else of
             the decision (pending, advised).
         action, target: what.
-        saving_bytes: the decision's estimated saving (replay: its plan on its reading; the
-            modelled state changes by the plan made again at the safe point) or measured
-            ``saved_bytes`` (live; ``None`` when the live decision was not applied).
+        saving_bytes: the modelled saving (replay: of the plan made again at the safe point
+            that applies the decision; the decision's estimate when it was refused there or its
+            safe point never came) or measured ``saved_bytes`` (live; ``None`` when the live
+            decision was not applied).
         free_fraction: free fraction of the reading (modelled in a replay).
         status: ``"modelled"``, ``"refused"`` (planned again at the safe point that applies
             it, as the live agent does, the plan was refused there), ``"advised"`` (replay in
@@ -323,13 +324,13 @@ def replay(db: Any, run: Any, policy: Any = None) -> ReplayResult:
                     if pending:
                         for p in [p for p in pending if _in_force(p, step, time_s)]:
                             pending.remove(p)
-                            saving = _apply_at_safe_point(model, p[3], peak_since)
-                            if saving is None:  # as the live agent's refusal at the safe point
-                                i = decision_index[id(p[3])]
-                                decisions[i] = dataclasses.replace(decisions[i], status="refused")
+                            plan = _apply_at_safe_point(model, p[3], peak_since)
+                            i = decision_index[id(p[3])]
+                            decisions[i] = _as_applied(decisions[i], p[3], plan)
+                            if plan is None:  # as the live agent's refusal at the safe point
                                 policy.resolve(p[3], "refused")
                             else:
-                                applied += saving
+                                applied += plan.estimated_saving_bytes
                                 policy.resolve(p[3], "applied")
                     while oi < len(oom_need) and oom_need[oi][0] <= time_s:
                         saved_at_oom.append(applied)
@@ -435,13 +436,13 @@ def _in_force_from(event: Any) -> tuple[int, float | None]:
     return event.step, (event.time_s + float(duration) if duration is not None else None)
 
 
-def _apply_at_safe_point(model: _Model, decision: Any, in_use_bytes: int) -> int | None:
+def _apply_at_safe_point(model: _Model, decision: Any, in_use_bytes: int) -> Any:
     """Apply ``decision`` to the modelled state as the live agent does at the safe point: planned
     again on ``in_use_bytes`` (the highest modelled in-use since the decision's reading: the
     live agent's context there is its accounting at the step boundary, the step's gradients
     alive) or the in-use it was planned for (``planning_in_use_bytes``), the higher. Returns
-    the modelled saving in bytes, or ``None`` when the plan is refused now (or is on another
-    target): nothing changes, as a live refusal. ``decision``: a
+    the :class:`~edo_monitor.decide.plans.Plan` applied, or ``None`` when the plan is refused
+    now (or is on another target): nothing changes, as a live refusal. ``decision``: a
     :class:`~edo_monitor.decide.policy_events.Decision`."""
     from edo_monitor.decide.plans import Plan
 
@@ -450,7 +451,19 @@ def _apply_at_safe_point(model: _Model, decision: Any, in_use_bytes: int) -> int
     if not isinstance(plan, Plan) or plan.target != decision.target:
         return None
     model.commit(plan)
-    return plan.estimated_saving_bytes
+    return plan
+
+
+def _as_applied(row: ReplayDecision, decision: Any, plan: Any) -> ReplayDecision:
+    """A replayed decision's row once its safe point came: ``refused`` without a ``plan``; else
+    the applied plan's saving, and its reason after the decision's where it was planned
+    otherwise there (the live run's action event says the same of its action)."""
+    if plan is None:
+        return dataclasses.replace(row, status="refused")
+    reason = row.reason
+    if decision.plan is not None and plan.reason != decision.plan.reason:
+        reason += f"; applied as: {plan.reason}"
+    return dataclasses.replace(row, saving_bytes=plan.estimated_saving_bytes, reason=reason)
 
 
 def _in_force(effect: tuple[Any, ...], step: int, time_s: float) -> bool:
