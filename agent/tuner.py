@@ -30,7 +30,7 @@ from edo_monitor.decide.ranking import make_planner
 from edo_monitor.nn import CachedTable
 from edo_monitor.nn.cache_grads import report_direct_grads
 from edo_monitor.probes.readings import Reading
-from edo_monitor.units import format_bytes
+from edo_monitor.units import format_bytes, format_percent_beside
 
 if TYPE_CHECKING:
     from edo_monitor.agent.state import MonitorState
@@ -108,7 +108,7 @@ class Tuner:
                 below = event.kind == "below_floor"
                 self.m._emit(
                     "threshold_crossed",
-                    f"free {event.free_fraction:.1%} "
+                    f"free {format_percent_beside(event.free_fraction, event.threshold_fraction)} "
                     + ("below the floor" if below else "back above the re-arm level")
                     + f" {event.threshold_fraction:.0%}",
                     {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from edo_monitor.errors import ConfigError
-from edo_monitor.units import format_bytes, parse_bytes
+from edo_monitor.units import format_bytes, format_percent_beside, parse_bytes
 
 
 def test_a_negative_byte_count_is_formatted_as_a_positive_one_is() -> None:
@@ -97,3 +97,13 @@ def test_a_budget_is_asked_for_as_a_positive_size_whatever_the_fault(
         f"budget={value!r} {says}; expected a positive int of bytes or a string such as "
         "'512MiB', '2GB', '1.5 GiB', '4096'"
     )
+
+
+def test_a_percent_beside_its_threshold_never_reads_as_the_threshold() -> None:
+    """Regression: a crossing said "free 20.0% below the floor 20%" (0.19965) and "free 25.0% back
+    above the re-arm level 25%" (0.25001): one decimal read as the threshold it differs from."""
+    assert format_percent_beside(0.19965, 0.20) == "19.96%"
+    assert format_percent_beside(0.2500127, 0.25) == "25.001%"
+    assert format_percent_beside(0.169, 0.20) == "16.9%"
+    assert format_percent_beside(0.20, 0.20) == "20.0%"
+    assert format_percent_beside(0.30000001, 0.30) == "30.0000%"  # at most four decimals

@@ -108,7 +108,7 @@ from edo_monitor.decide.ranking import (
 from edo_monitor.decide.trend import StepSeries, Trend
 from edo_monitor.errors import ConfigError
 from edo_monitor.probes.readings import Reading
-from edo_monitor.units import format_bytes, parse_bytes
+from edo_monitor.units import format_bytes, format_percent_beside, parse_bytes
 
 if (
     TYPE_CHECKING
@@ -468,7 +468,8 @@ class Policy(_Forecasting, _Outcomes):
             target=plan.target,
             estimated_saving_bytes=plan.estimated_saving_bytes,
             reason=(
-                f"free {free:.1%}"
+                "free "
+                + format_percent_beside(free, self.rearm_free_fraction + self.grow_margin_fraction)
                 + (
                     ""
                     if planning is None
@@ -552,7 +553,8 @@ class Policy(_Forecasting, _Outcomes):
             target=plan.target,
             estimated_saving_bytes=plan.estimated_saving_bytes,
             reason=(
-                f"free {reading.free_fraction:.1%} below floor {self.min_free_fraction:.0%}: {why}"
+                f"free {format_percent_beside(reading.free_fraction, self.min_free_fraction)} "
+                f"below floor {self.min_free_fraction:.0%}: {why}"
             ),
             step=reading.step,
             time_s=reading.time_s,
