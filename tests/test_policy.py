@@ -501,6 +501,18 @@ def test_reading_of_equals_the_constructor() -> None:
         Reading.of(1.5, 7, "cuda", in_use=10)
 
 
+def _at(step: int, in_use: int) -> Reading:
+    """A CPU-budget reading at ``step`` of ``in_use`` bytes of a 100-byte budget."""
+    return Reading(
+        time_s=float(step),
+        step=step,
+        device_kind="cpu-budget",
+        in_use_bytes=in_use,
+        budget_bytes=100,
+        free_fraction=(100 - in_use) / 100,
+    )
+
+
 def test_a_cache_grows_back_only_when_the_recent_steps_peak_leaves_room() -> None:
     """Regression: with batches alternating (5 small steps, 5 large), the cache grew back in
     each small phase into the next large one's crossing (7 round trips in 80 steps). Calm is now
@@ -508,23 +520,13 @@ def test_a_cache_grows_back_only_when_the_recent_steps_peak_leaves_room() -> Non
     grow = Plan("grow_cache", "items", -10, "grow the row cache of items")
     policy = Policy(grow_after_readings=3, cooldown_steps=0)
 
-    def at(step: int, in_use: int) -> Reading:
-        return Reading(
-            time_s=float(step),
-            step=step,
-            device_kind="cpu-budget",
-            in_use_bytes=in_use,
-            budget_bytes=100,
-            free_fraction=(100 - in_use) / 100,
-        )
-
     plans = {"grow_cache": grow}
     # large steps leave 28 % free: above re-arm (25 %), below re-arm + margin (30 %)
     phases = [72] * 5 + [40] * 5
-    decided = [e for s in range(40) for e in policy.evaluate(at(s, phases[s % 10]), plans)]
+    decided = [e for s in range(40) for e in policy.evaluate(_at(s, phases[s % 10]), plans)]
     assert decided == []  # before: a grow in each small phase
     # once the large steps are GROW_LOOKBACK_STEPS behind, the small ones are calm: it grows
-    steps = [e.step for s in range(40, 80) for e in policy.evaluate(at(s, 40), plans)]
+    steps = [e.step for s in range(40, 80) for e in policy.evaluate(_at(s, 40), plans)]
     assert steps == [34 + GROW_LOOKBACK_STEPS + 2]  # the last large step is 34; 3 calm readings
 
 
@@ -548,15 +550,7 @@ def test_a_grow_undone_by_pressure_doubles_the_look_back() -> None:
     for step in range(300):
         heavy = (step // 30) % 2 == 1
         in_use = (62 if heavy else 30) + (10 if cached else 30)  # heavy and resident: 8 % free
-        reading = Reading(
-            time_s=float(step),
-            step=step,
-            device_kind="cpu-budget",
-            in_use_bytes=in_use,
-            budget_bytes=100,
-            free_fraction=(100 - in_use) / 100,
-        )
-        for event in policy.evaluate(reading, plans):
+        for event in policy.evaluate(_at(step, in_use), plans):
             if isinstance(event, Decision):
                 decided.append((event.step, event.action))
                 policy.resolve(event, "applied")  # at the step's safe point
@@ -576,15 +570,7 @@ def test_a_grow_refused_at_its_safe_point_doubles_the_look_back() -> None:
     decided = []
     for step in range(200):
         in_use = 72 if (step // 20) % 2 == 0 else 40  # heavy first: 28 % free, then 60 %
-        reading = Reading(
-            time_s=float(step),
-            step=step,
-            device_kind="cpu-budget",
-            in_use_bytes=in_use,
-            budget_bytes=100,
-            free_fraction=(100 - in_use) / 100,
-        )
-        for event in policy.evaluate(reading, plans):
+        for event in policy.evaluate(_at(step, in_use), plans):
             if isinstance(event, Decision):
                 decided.append(event.step)
                 policy.resolve(event, "refused")  # no room at the safe point
