@@ -270,8 +270,15 @@ def test_parse_policy() -> None:
     # regression: the last of a key given twice won, silently
     with pytest.raises(ConfigError, match=r"cooldown_steps is given twice \('cooldown_steps=9'\)"):
         parse_policy("cooldown_steps=2,cooldown_steps=9")
-    with pytest.raises(ConfigError, match="KEY=VALUE"):
+    # regression: a known setting without its value was "not allowed", naming every setting
+    with pytest.raises(
+        ConfigError,
+        match=r"^policy setting 'min_free_fraction' has no value; "
+        r"expected min_free_fraction=VALUE$",
+    ):
         parse_policy("min_free_fraction")
+    with pytest.raises(ConfigError, match="not allowed; expected KEY=VALUE with KEY one of"):
+        parse_policy("nope")
 
 
 def test_explain_and_replay_import_no_torch(runs: tuple[Path, int, int]) -> None:

@@ -52,6 +52,8 @@ def parse_policy(text: str) -> dict[str, Any]:
         if not part:
             continue
         key, sep, value = (s.strip() for s in part.partition("="))
+        if not sep and key in _POLICY_KEYS:  # the setting is allowed: its value is missing
+            raise ConfigError(f"policy setting {key!r} has no value; expected {key}=VALUE")
         if not sep or key not in _POLICY_KEYS:
             raise ConfigError(
                 f"policy setting {part!r} is not allowed; expected KEY=VALUE with KEY one of "
