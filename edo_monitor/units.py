@@ -119,8 +119,8 @@ def format_utc(time_s: float | None, missing: str = "-") -> str:
 
 def format_percent_beside(fraction: float, threshold: float) -> str:
     """``fraction`` as a percentage beside ``threshold`` (both fractions of 1): one decimal, more
-    (up to four) while it would read as the threshold it differs from, so "free 19.97 % below
-    the floor 20 %" never reads "free 20.0 % below the floor 20 %"."""
+    (up to four) while it would read as the threshold it differs from: 0.19965 beside 0.20 is
+    "19.96%", so a crossing never reads "free 20.0% below the floor 20%"."""
     for decimals in range(1, 5):
         text = f"{fraction:.{decimals}%}"
         if fraction == threshold or text != f"{threshold:.{decimals}%}":
