@@ -12,7 +12,7 @@ the dense gradient); a heavy phase at that size is under the 20 % floor, and a s
 rows keeps it at 25 %. Each run is one of two policies, side by side for each ``P``:
 
 - ``fixed``: the default policy with its 20-step grow look-back held (as before the look-back
-  learned: a ``Policy`` whose ``_learn_from_undone_grow`` forgets the grow);
+  learned: a ``Policy`` whose ``_learn_from_undone_grow`` learns nothing);
 - ``learning``: the default ``Policy()`` (a crossing within 4 look-backs of an applied grow
   doubles the look-back, up to 320 steps).
 
@@ -45,8 +45,8 @@ BUDGET = 24 * 2**20
 class FixedLookBack(edo_monitor.Policy):
     """The default policy with the look-back it starts with kept for the whole run."""
 
-    def _learn_from_undone_grow(self, step: int) -> None:
-        self._grown_step = None
+    def _learn_from_undone_grow(self, grown: int | None, step: int) -> None:
+        pass
 
 
 def train(db: Path, policy: edo_monitor.Policy, phase_steps: int, steps: int) -> int:

@@ -289,8 +289,8 @@ def test_hindsight_refuses_what_the_live_agent_refused_before_its_decision(tmp_p
 class _FixedLookBack(edo_monitor.Policy):
     """The default policy keeping its 20-step grow look-back (a grow undone teaches it nothing)."""
 
-    def _learn_from_undone_grow(self, step: int) -> None:
-        self._grown_step = None
+    def _learn_from_undone_grow(self, grown: int | None, step: int) -> None:
+        pass
 
 
 def _phased_run(

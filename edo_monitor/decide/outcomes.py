@@ -58,8 +58,7 @@ class _Outcomes:
             if state == "refused" and decision.action == "grow_cache":
                 # planned again at the safe point, the grow found no room: a calm that misled,
                 # learned from as a grow that pressure undid
-                self._grown_step = decision.step
-                self._learn_from_undone_grow(decision.step)
+                self._learn_from_undone_grow(decision.step, decision.step)
             if state == "failed":
                 self._failed.add((decision.action, decision.target))
             if why is not None:

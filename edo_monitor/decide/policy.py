@@ -339,7 +339,8 @@ class Policy(_Forecasting, _Outcomes):
                 self._advised.clear()
                 self._released_last = False
                 self._reported_none = None
-                self._learn_from_undone_grow(reading.step)
+                self._learn_from_undone_grow(self._grown_step, reading.step)
+                self._grown_step = None
                 events.append(
                     ThresholdCrossing(
                         "below_floor", reading.step, reading.time_s, free, self.min_free_fraction
@@ -396,13 +397,12 @@ class Policy(_Forecasting, _Outcomes):
         return events
 
     # ------------------------------------------------------------------ growing back
-    def _learn_from_undone_grow(self, step: int) -> None:
-        """At a crossing below the floor, or a ``grow_cache`` refused at its safe point (lock
-        held): when it comes within :data:`GROW_UNDONE_WITHIN_LOOKBACKS` look-backs of the grow
-        (applied, or refused now), the grow was undone by the load the look-back could not see:
-        the look-back doubles (at most :data:`MAX_GROW_LOOKBACK_STEPS`), so the next grow waits
-        for a calm that long."""
-        grown, self._grown_step = self._grown_step, None
+    def _learn_from_undone_grow(self, grown: int | None, step: int) -> None:
+        """At a crossing below the floor at ``step``, or a ``grow_cache`` refused at its safe
+        point (lock held): when it comes within :data:`GROW_UNDONE_WITHIN_LOOKBACKS` look-backs
+        of the grow decided at step ``grown`` (applied; ``None``: none), the grow was undone by
+        the load the look-back could not see: the look-back doubles (at most
+        :data:`MAX_GROW_LOOKBACK_STEPS`), so the next grow waits for a calm that long."""
         lookback = self.grow_lookback_steps
         if grown is None or step - grown > GROW_UNDONE_WITHIN_LOOKBACKS * lookback:
             return

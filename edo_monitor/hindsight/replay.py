@@ -10,6 +10,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from edo_monitor.decide.plans import Plan
 from edo_monitor.errors import ConfigError
 from edo_monitor.hindsight.recorded import (
     _activations_at,
@@ -298,12 +299,11 @@ def replay(db: Any, run: Any, policy: Any = None) -> ReplayResult:
         last_step, last_time = 0, 0.0
         refusals: list[tuple[int, tuple[tuple[str, str], ...]]] = []
         crossings: list[tuple[int, str, float]] = []
-        # (step, time, saving, decision): in force from a later step's readings, or from that
-        # time on; the policy is told it was applied then, as the live agent tells it at the
-        # safe point (told at the decision, the readings between them, still without its
+        # (step, time, its row in decisions, decision): in force from a later step's readings,
+        # or from that time on; the policy is told it was applied then, as the live agent tells
+        # it at the safe point (told at the decision, the readings between them, still without its
         # saving, filled the policy's recent in-use again: every grow_cache came 20 steps late)
         pending: list[tuple[int, float | None, int, Decision]] = []
-        decision_index: dict[int, int] = {}  # id(decision) -> its row in decisions
         # the highest modelled in-use since the pending decision's reading: the live safe point
         # plans it again on its own accounting, the step's gradients alive (a step's peak)
         peak_since = 0
@@ -327,8 +327,7 @@ def replay(db: Any, run: Any, policy: Any = None) -> ReplayResult:
                         for p in [p for p in pending if _in_force(p, step, time_s)]:
                             pending.remove(p)
                             plan = _apply_at_safe_point(model, p[3], peak_since)
-                            i = decision_index[id(p[3])]
-                            decisions[i] = _as_applied(decisions[i], p[3], plan)
+                            decisions[p[2]] = _as_applied(decisions[p[2]], p[3], plan)
                             if plan is None:  # as the live agent's refusal at the safe point
                                 policy.resolve(p[3], "refused")
                             else:
@@ -397,8 +396,7 @@ def replay(db: Any, run: Any, policy: Any = None) -> ReplayResult:
                                 # applied at the safe point closing its step (the next
                                 # one, when the live run's had already acted by then)
                                 at = ev.step + int(ev.time_s >= done.get(ev.step, math.inf))
-                                pending.append((at, done.get(at), ev.estimated_saving_bytes, ev))
-                                decision_index[id(ev)] = len(decisions) - 1
+                                pending.append((at, done.get(at), len(decisions) - 1, ev))
                                 peak_since = now
         while oi < len(oom_need):
             saved_at_oom.append(applied)
@@ -446,8 +444,6 @@ def _apply_at_safe_point(model: _Model, decision: Any, in_use_bytes: int) -> Any
     the :class:`~edo_monitor.decide.plans.Plan` applied, or ``None`` when the plan is refused
     now (or is on another target): nothing changes, as a live refusal. ``decision``: a
     :class:`~edo_monitor.decide.policy_events.Decision`."""
-    from edo_monitor.decide.plans import Plan
-
     model.in_use_bytes = max(in_use_bytes, decision.planning_in_use_bytes or 0)
     plan = model(decision.action)
     if not isinstance(plan, Plan) or plan.target != decision.target:
@@ -463,14 +459,14 @@ def _as_applied(row: ReplayDecision, decision: Any, plan: Any) -> ReplayDecision
     if plan is None:
         return dataclasses.replace(row, status="refused")
     reason = row.reason
-    if decision.plan is not None and plan.reason != decision.plan.reason:
+    if plan.reason != decision.plan.reason:
         reason += f"; applied as: {plan.reason}"
     return dataclasses.replace(row, saving_bytes=plan.estimated_saving_bytes, reason=reason)
 
 
 def _in_force(effect: tuple[Any, ...], step: int, time_s: float) -> bool:
-    """Whether an action's ``(step, time, saving)`` is in force at a reading: a later step, or
-    at or after its time."""
+    """Whether an action's ``(step, time, ...)`` is in force at a reading: a later step, or at
+    or after its time."""
     return step > effect[0] or (effect[1] is not None and time_s >= effect[1])
 
 
