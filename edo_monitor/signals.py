@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -18,17 +19,32 @@ def stop_on_signals(stop: threading.Event, received: list[int]) -> Callable[[], 
     only; elsewhere nothing changes). The two signals are unblocked, and an inherited "ignore"
     replaced, so a service manager's SIGTERM and a Ctrl-C both reach the command.
 
+    The handler itself takes no lock: it appends the number and writes a byte to a pipe, and a
+    thread of this function's sets ``stop``. Setting the event in the handler deadlocked: Python
+    runs a handler in the main thread between two bytecodes, and when those were inside
+    ``stop.wait()`` (which holds the event's lock there) ``stop.set()`` waited forever for the
+    lock its own thread held (the daemon at 0.02 s, stopped by a SIGINT, hung in CI).
+
     Returns:
-        What puts the previous handlers and signal mask back.
+        What puts the previous handlers and signal mask back (and ends the thread).
     """
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     wanted = (signal.SIGINT, signal.SIGTERM)
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
 
     def handler(signum: int, _frame: Any) -> None:
         received.append(signum)
-        stop.set()
+        with contextlib.suppress(BlockingIOError):  # full of earlier signals: stop is being set
+            os.write(write_fd, b"s")
 
+    def setter() -> None:
+        while os.read(read_fd, 512):  # b"": the write end closed by restore()
+            stop.set()
+
+    thread = threading.Thread(target=setter, name="edo-monitor-signals", daemon=True)
+    thread.start()
     previous = {s: signal.signal(s, handler) for s in wanted}
     mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, wanted)
 
@@ -36,6 +52,9 @@ def stop_on_signals(stop: threading.Event, received: list[int]) -> Callable[[], 
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         for s, h in previous.items():
             signal.signal(s, h)
+        os.close(write_fd)
+        thread.join()
+        os.close(read_fd)
 
     return restore
 

@@ -13,6 +13,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -401,6 +402,7 @@ def _spec(gpus: list[dict[str, Any]], **kw: Any) -> str:
 
 
 def _start(db: Path, spec: str, *args: str) -> subprocess.Popen[str]:
+    """The real command in a subprocess (the fake NVML of ``spec`` in place)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("EDO_DB", None)
     return subprocess.Popen(
@@ -410,6 +412,23 @@ def _start(db: Path, spec: str, *args: str) -> subprocess.Popen[str]:
         text=True,
         env=env,
     )
+
+
+@pytest.fixture
+def start() -> Iterator[Callable[..., subprocess.Popen[str]]]:
+    """:func:`_start`, and what a failed test left running killed at its end (a leftover child
+    is counted in later tests' process trees)."""
+    procs: list[subprocess.Popen[str]] = []
+
+    def started(db: Path, spec: str, *args: str) -> subprocess.Popen[str]:
+        procs.append(_start(db, spec, *args))
+        return procs[-1]
+
+    yield started
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
 
 
 def _wait_rows(db: Path, n: int, proc: subprocess.Popen[str]) -> None:
@@ -432,14 +451,14 @@ def _wait_rows(db: Path, n: int, proc: subprocess.Popen[str]) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
 def test_command_stops_on_a_signal_with_every_sample_written(
-    db_path: Path, signum: int, code: int
+    db_path: Path, start: Callable[..., subprocess.Popen[str]], signum: int, code: int
 ) -> None:
     gpus = [
         {"uuid": U0, "processes": [[ME, 700], [GHOST, 200]]},
         {"uuid": U1, "processes": [[GHOST, 900]], "graphics_processes": [[GHOST + 1, 3]]},
         {"uuid": U2},
     ]
-    proc = _start(db_path, _spec(gpus), "--interval", "0.02")
+    proc = start(db_path, _spec(gpus), "--interval", "0.02")
     _wait_rows(db_path, 30, proc)
     proc.send_signal(signum)
     _, err = proc.communicate(timeout=60)
@@ -462,8 +481,10 @@ def test_command_stops_on_a_signal_with_every_sample_written(
         assert "interrupted" in err
 
 
-def test_command_without_nvml_prints_one_line_and_exits_1(db_path: Path) -> None:
-    proc = _start(db_path, _spec([], library_missing=True))
+def test_command_without_nvml_prints_one_line_and_exits_1(
+    db_path: Path, start: Callable[..., subprocess.Popen[str]]
+) -> None:
+    proc = start(db_path, _spec([], library_missing=True))
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 1
     assert err.splitlines() == [

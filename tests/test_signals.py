@@ -1,5 +1,6 @@
 """``terminate_on_sigterm``: SIGTERM ends a watched run cleanly while the run lasts, and acts as
-the default action after it, whoever put the handler back (real processes, real signals)."""
+the default action after it, whoever put the handler back; ``stop_on_signals``: a signal stops a
+foreground command wherever its main thread is (real processes, real signals)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 SCRIPT = textwrap.dedent(
     """
@@ -66,3 +69,37 @@ def test_a_later_run_takes_the_place_of_an_ended_runs_handler() -> None:
         check=False,
     )
     assert res.stdout.splitlines()[:2] == ["later run terminated 143", "True"], res.stderr
+
+
+STOP_SCRIPT = textwrap.dedent(
+    """
+    import os, signal, threading
+    from edo_monitor.signals import stop_on_signals
+
+    stop, received = threading.Event(), []
+    restore = stop_on_signals(stop, received)
+    with stop._cond:  # where the main thread is inside stop.wait(): the event's lock held
+        os.kill(os.getpid(), signal.{name})
+        busy = sum(range(1000))  # bytecodes: Python runs the handler here
+    print(stop.wait(30), received == [signal.{name}])
+    restore()
+    print(signal.getsignal(signal.{name}) is signal.{default})
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("name", "default"), [("SIGINT", "default_int_handler"), ("SIGTERM", "SIG_DFL")]
+)
+def test_a_signal_stops_a_command_while_its_main_thread_holds_the_events_lock(
+    name: str, default: str
+) -> None:
+    """Regression: the handler set the event itself; a signal that came while the main thread
+    was inside ``stop.wait()`` (the event's lock held) waited forever for that lock: the daemon
+    at 0.02 s, sent SIGINT, hung in CI."""
+    code = STOP_SCRIPT.format(name=name, default=default)
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["True", "True", "True"]
