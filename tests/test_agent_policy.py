@@ -339,12 +339,18 @@ def test_an_action_event_is_stamped_when_the_action_began(db_path: Path) -> None
 
 
 class _SlowPlanningPolicy(edo_monitor.Policy):
-    """Plans as slowly as a large model's estimates can: the training thread takes steps while
-    the sampler plans a reading's decision."""
+    """Plans as slowly as a large model's estimates can: each estimate waits (30 s at most)
+    until the training thread has taken two more steps (it counts them in ``steps_taken``) or
+    has ``finished``."""
+
+    steps_taken = 0
+    finished = False
 
     def evaluate(self, reading, planner=None):  # type: ignore[no-untyped-def]
         def slow(name):  # type: ignore[no-untyped-def]
-            time.sleep(0.1)
+            until, deadline = self.steps_taken + 2, time.monotonic() + 30
+            while self.steps_taken < until and not self.finished and time.monotonic() < deadline:
+                time.sleep(0.005)
             return planner(name)
 
         return super().evaluate(reading, slow if planner is not None else None)
@@ -358,7 +364,9 @@ def test_the_events_of_a_reading_record_the_readings_step(db_path: Path) -> None
     with edo_monitor.watch(model, db=db_path, budget=BUDGET, policy=policy, interval_s=0.01):
         for _ in range(60):
             train(model, opt, 1)
+            policy.steps_taken += 1
             time.sleep(0.01)
+        policy.finished = True
     with History(db_path) as history:
         events = history.events("latest")
     decision = next(e for e in events if e.kind == "decision")

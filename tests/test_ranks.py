@@ -430,11 +430,16 @@ def test_a_shrink_of_the_row_cache_proposed_by_one_rank_is_applied_by_every_rank
         [e for e in events if e.data.get("details", {}).get("resize") == "shrink"]
         for events in per_rank
     ]
-    assert [len(s) for s in shrinks] == [1, 1], per_rank
-    (s0,), (s1,) = shrinks
-    assert s0.kind == s1.kind == "action" and s0.step == s1.step
-    assert s0.data["proposed_by_rank"] == s1.data["proposed_by_rank"] == 1
-    assert s0.data["target"] == s1.data["target"] == "0"
+    # every shrink on both ranks at one step (a loaded machine's readings can catch a light
+    # step's gradients and Adam state at their peak and shrink before the heavy phase too) ...
+    assert len(shrinks[0]) == len(shrinks[1]) >= 1, per_rank
+    for s0, s1 in zip(*shrinks, strict=True):
+        assert s0.kind == s1.kind == "action" and s0.step == s1.step
+        assert s0.data["proposed_by_rank"] == s1.data["proposed_by_rank"]
+        assert s0.data["target"] == s1.data["target"] == "0"
+    # ... and the heavy phase's, proposed by rank 1 alone under pressure
+    heavy = [s.data["proposed_by_rank"] for s in shrinks[1] if s.step >= 10]
+    assert heavy and set(heavy) == {1}, per_rank
     for res in results:
         assert res["status"] == "finished" and res["errors"] == {} and res["steps"] == 40
 
