@@ -244,6 +244,8 @@ def test_cli_explain_and_replay(runs: tuple[Path, int, int]) -> None:
     assert bad.exit_code == 2 and "floor=0.3" in bad.stderr
     bad = runner.invoke(app, ["replay", "1", "--db", str(db), "--policy", "min_free_fraction=2"])
     assert bad.exit_code == 2 and "min_free_fraction=2.0" in bad.stderr
+    bad = runner.invoke(app, ["replay", "1", "--db", str(db), "--policy", ""])
+    assert bad.exit_code == 2 and "policy settings '' give no setting" in bad.stderr
     # an event the run does not have is missing data (1), as a missing run, not a usage error
     missing = runner.invoke(app, ["explain", str(observed), "--db", str(db), "--event", "999999"])
     assert missing.exit_code == 1 and "event 999999 is not an OOM" in missing.stderr
@@ -255,7 +257,10 @@ def test_parse_policy() -> None:
         "allow_lossy": True,
         "ladder": ("a", "b"),
     }
-    assert parse_policy("") == {}
+    # regression: an empty value (a shell variable not set) replayed the default policy silently
+    for empty in ("", " ", " , "):
+        with pytest.raises(ConfigError, match=r"^policy settings .* give no setting; expected"):
+            parse_policy(empty)
     with pytest.raises(ConfigError, match="cooldown_steps='x'"):
         parse_policy("cooldown_steps=x")
     # the type in words ('expected a int' before)

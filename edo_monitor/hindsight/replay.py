@@ -45,11 +45,17 @@ def parse_policy(text: str) -> dict[str, Any]:
     ``allow_lossy`` takes ``true``/``false``. Values are checked by :class:`Policy` itself.
 
     Raises:
-        ConfigError: an unknown key, a missing ``=``, a key given twice, or a value of the
-            wrong kind.
+        ConfigError: no setting at all (``""``: an empty shell variable; the default policy
+            is no string), an unknown key, a missing ``=``, a key given twice, or a value of
+            the wrong kind.
     """
+    if not text.replace(",", "").strip():
+        raise ConfigError(
+            f"policy settings {text!r} give no setting; expected KEY=VALUE,... (without "
+            "settings: the default policy)"
+        )
     out: dict[str, Any] = {}
-    for part in (p.strip() for p in (text or "").split(",")):
+    for part in (p.strip() for p in text.split(",")):
         if not part:
             continue
         key, sep, value = (s.strip() for s in part.partition("="))

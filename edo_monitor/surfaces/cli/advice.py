@@ -114,21 +114,21 @@ def replay_cmd(
     run: RunArg,
     db: DbOpt = None,
     policy: Annotated[
-        str,
+        str | None,
         typer.Option(
             help="Policy settings KEY=VALUE,... (min_free_fraction, rearm_free_fraction, "
             "cooldown_steps, mode, allow_lossy, ladder=a+b, release_cache_min_bytes, "
             "grow_margin_fraction, grow_after_readings, forecast_steps, "
             "forecast_window_steps); default: the default policy."
         ),
-    ] = "",
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Re-run a recorded run through a policy offline: when it would have acted, what, and the
     resulting minimum free fraction, beside what happened."""
     from edo_monitor.hindsight.replay import parse_policy, replay
 
-    settings = parse_policy(policy)  # usage errors before anything is opened
+    settings = {} if policy is None else parse_policy(policy)  # before anything is opened
     from edo_monitor.decide.policy import Policy
 
     pol = Policy(**settings)
