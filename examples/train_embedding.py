@@ -236,12 +236,9 @@ def main(argv: list[str] | None = None) -> int:
             shapes = HashedWordModel(blocks=2 if args.ddp else 0)
         too_small = scripting.budget_below_params(args.budget, shapes)
         if too_small:  # one line before the text is read (watch() says it later)
-            print(
-                f"train_embedding: {too_small}; give a larger budget (the default, 158 MiB, is "
-                "the pressure demo)",
-                file=sys.stderr,
+            raise edo_monitor.ConfigError(
+                f"{too_small}; give a larger budget (the default, 158 MiB, is the pressure demo)"
             )
-            return scripting.EXIT_USAGE
     scripting.check_history_db(args.db)  # unusable: one line, exit 1, before the slow work
     cuda = args.device.startswith("cuda")
     budget = args.budget or ("236MiB" if args.ddp else "396MiB" if cuda else "158MiB")
@@ -311,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     say(f"step {step:4d}  batch {len(idx):5d}  loss {loss.item():.3f}  free {free}")
     except edo_monitor.ConfigError as exc:  # e.g. a budget the model cannot fit in
-        say(f"train_embedding: {exc}", file=sys.stderr)
+        say(f"train_embedding.py: error: {exc}", file=sys.stderr)
         return 2
     except torch.OutOfMemoryError as exc:
         say(f"\nout of memory at step {len(losses)}: {exc}", file=sys.stderr)

@@ -224,12 +224,9 @@ def main(argv: list[str] | None = None) -> int:
         shapes = MatrixFactorization(num_users, num_items, args.dim)
     too_small = scripting.budget_below_params(args.budget, shapes)
     if too_small:  # its size is known once the ids are counted: before training
-        print(
-            f"train_recommender: {too_small}; give a larger budget (8MiB runs the auto-tuner on "
-            "MovieLens small)",
-            file=sys.stderr,
+        raise edo_monitor.ConfigError(
+            f"{too_small}; give a larger budget (8MiB runs the auto-tuner on MovieLens small)"
         )
-        return scripting.EXIT_USAGE
     perm = torch.randperm(len(ratings))
     split = int(0.9 * len(ratings))
     train_idx, test_idx = perm[:split], perm[split:]

@@ -132,8 +132,8 @@ def test_a_budget_below_the_model_is_one_line_before_the_text_is_read(tmp_path: 
     assert "Traceback" not in done.stderr and done.returncode == EXIT_USAGE, done.stderr
     [line] = done.stderr.strip().splitlines()
     assert line == (
-        "train_embedding: --budget 1 MiB is smaller than the model's parameters (24.92 MiB); "
-        "give a larger budget (the default, 158 MiB, is the pressure demo)"
+        "train_embedding.py: error: --budget 1 MiB is smaller than the model's parameters "
+        "(24.92 MiB); give a larger budget (the default, 158 MiB, is the pressure demo)"
     )
     assert "reading the text" not in done.stdout and "enforce" not in done.stderr
     assert not (tmp_path / "edo-history.db").exists()
@@ -193,8 +193,8 @@ def test_a_budget_below_the_recommenders_model_is_one_line_exit_2(
     done = run("train_recommender.py", "--data", str(movielens), "--budget", "1KiB", cwd=tmp_path)
     line = assert_one_line(done, EXIT_USAGE)
     assert line == (
-        "train_recommender: --budget 1 KiB is smaller than the model's parameters (1.78 KiB); "
-        "give a larger budget (8MiB runs the auto-tuner on MovieLens small)"
+        "train_recommender.py: error: --budget 1 KiB is smaller than the model's parameters "
+        "(1.78 KiB); give a larger budget (8MiB runs the auto-tuner on MovieLens small)"
     )
     assert "training" not in done.stdout and "WARNING" not in done.stderr
 
