@@ -339,3 +339,75 @@ def test_steps_without_zero_grad_between_sum_the_old_gradient_in(name: str) -> N
             opt.step()  # the step: clipping before it does not see it (documented)
         assert norms[1:] == pytest.approx(norms[:1], rel=1e-12), (step, how)
     assert _rel(cached.full_weight(), twin.weight.detach()) < 1e-12
+
+
+def _zeros(t: CachedEmbedding) -> None:
+    torch.nn.init.zeros_(t.weight)
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        "zeros_",
+        "constant_0",
+        "fill_0_no_grad",
+        "copy_zeros_no_grad",
+        "preloaded_then_zeros_",
+        "deepcopy_then_zeros_",
+        "saved_loaded_then_zeros_",
+        "load_state_dict_then_zeros_",
+    ],
+)
+def test_a_cache_written_with_zeros_before_the_first_load_is_refused(how: str) -> None:
+    """Regression: the check of a cache written before any row was loaded (``weight`` is the
+    cache, not the table) looked for values in the free slots, and zeros are what a free slot
+    holds: ``nn.init.zeros_(table.weight)`` (a common way to start a table) was dropped silently
+    and training ran from the table's own rows; on a preloaded cache it zeroed the preloaded rows
+    of the table and kept the rest. The check reads the weight's version now (any in-place
+    write); a copy's weight has its own, marked when the copy is made."""
+    torch.manual_seed(0)
+    base = torch.randn(N, D, dtype=torch.float64)
+    freq = torch.arange(N) if how.startswith("preloaded") else None
+    t = CachedEmbedding(N, D, C, _weight=base.clone(), id_frequencies=freq)
+    if how.startswith("deepcopy"):
+        t = copy.deepcopy(t)
+    elif how.startswith("saved_loaded"):
+        buf = io.BytesIO()
+        torch.save(t, buf)
+        buf.seek(0)
+        t = torch.load(buf, weights_only=False)
+    elif how.startswith("load_state_dict"):
+        t.load_state_dict({"weight": base * 2})
+    if how == "constant_0":
+        torch.nn.init.constant_(t.weight, 0.0)
+    elif how == "fill_0_no_grad":
+        with torch.no_grad():
+            t.weight.fill_(0.0)
+    elif how == "copy_zeros_no_grad":
+        with torch.no_grad():
+            t.weight.copy_(torch.zeros_like(t.weight))
+    else:
+        _zeros(t)
+    with pytest.raises(ValueError, match="written before any row was loaded"):
+        t(torch.tensor([1, 2]))
+
+
+@pytest.mark.parametrize("then", ["nothing", "load_state_dict", "deepcopy", "double"])
+def test_a_cache_not_written_before_the_first_load_is_not_refused(then: str) -> None:
+    """The version check's other side: what the cache does to its own weight before the first
+    load (a state dict loaded, a copy made, a dtype conversion) is not a write by the user; a
+    ``zeros_`` before a ``load_state_dict`` is overwritten by the load (the loaded rows count)."""
+    torch.manual_seed(0)
+    base = torch.randn(N, D, dtype=torch.float64)
+    t = CachedEmbedding(N, D, C, _weight=base.clone())
+    want = base
+    if then == "load_state_dict":
+        _zeros(t)
+        want = base * 2
+        t.load_state_dict({"weight": want})
+    elif then == "deepcopy":
+        t = copy.deepcopy(t)
+    elif then == "double":
+        t = t.float().double()
+    ids = torch.tensor([1, 2, 3])
+    torch.testing.assert_close(t(ids), want[ids].to(t.weight.dtype), rtol=0, atol=1e-6)

@@ -96,7 +96,8 @@ class _Checkpointing:
         table is the cache's rows, attaches to it with nothing lost; a new optimizer starts
         fresh). Left out: the optimizer binding, the touched rows' layout (a gradient does not
         pickle either) and the backwards in flight (``weight``'s gradient accumulator watched),
-        a ``LookAhead`` serving the table (its loader), the agent's lookup listeners, a spill
+        a ``LookAhead`` serving the table (its loader), the agent's lookup listeners, the mark of
+        an unchecked cache (a copy's weight has a version of its own), a spill
         file's allocator and a CUDA side stream. The copy attaches to the
         optimizer that steps it first."""
         self.flush()  # with no optimizer: the cache's rows written back
@@ -110,6 +111,7 @@ class _Checkpointing:
             _stash=None,
             _carry=None,
             _carry_mark=None,
+            _unchecked_mark=None,
             _former=None,
             _pending=None,
             _forwards=[],
@@ -138,6 +140,8 @@ class _Checkpointing:
         rows.grad = None
         rows.data = rows.data.new_zeros(0, self.embedding_dim)
         rows._edo_row_buffer = True  # type: ignore[attr-defined]
+        if not self._cache_checked:  # the copy's weight has a version of its own
+            self._mark_unchecked()
 
     # ------------------------------------------------------------------ flush, resize, resident
     @changes_cache
@@ -443,3 +447,10 @@ def _module_load_pre_hook(
         module._rewrites += 1
         rows = module._gather_rows(module.host_weight)
     state_dict[key] = rows.to(module.weight.dtype)
+
+
+def _module_load_post_hook(module: Any, incompatible_keys: Any) -> None:
+    """After ``load_state_dict``: a cache not checked yet is as the load left it (the load wrote
+    every slot, so a write to ``weight`` before it is gone): the check starts from here."""
+    if not getattr(module, "_cache_checked", True):
+        module._mark_unchecked()

@@ -4,6 +4,7 @@ stream on CUDA), rows written back and evicted, the rows in use pinned."""
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -323,6 +324,13 @@ class _RowMovement(_VictimChoice):
         return slots
 
     # ------------------------------------------------------------------ forward
+    def _mark_unchecked(self) -> None:
+        """The cache is as made (or preloaded): the next :meth:`_check_cache_once` checks that no
+        one wrote it since, by the weight's version (an in-place write moves it: ``nn.init`` on
+        ``.weight``, a copy under ``no_grad``) and by the free slots' values."""
+        self._cache_checked = False
+        self._unchecked_mark = (weakref.ref(self.weight), self.weight._version)
+
     def _check_cache_once(self) -> None:
         """:meth:`_check_free_slots` unless done since the cache was made (or preloaded): called
         by whatever first writes or frees a slot (a lookup, a load, an eviction, a resize), so
@@ -333,19 +341,29 @@ class _RowMovement(_VictimChoice):
             self._check_free_slots()
 
     def _check_free_slots(self) -> None:
-        """At the first load or lookup: the cache's free slots are as made (zero). ``weight`` is the
-        cache ``(C, D)``, not the table: ``nn.init.normal_(table.weight)`` wrote only slots that
-        no row used, the table kept its own values, and training went on from them, silently.
+        """At the first load or lookup: the cache is as made, its free slots zero. ``weight`` is
+        the cache ``(C, D)``, not the table: ``nn.init.normal_(table.weight)`` (or ``zeros_``)
+        wrote only slots that no row used, the table kept its own values, and training went on
+        from them, silently.
+
+        Written is: the weight's version moved since the cache was made (any in-place write to
+        it, zeros too; not through ``.data``, which autograd does not count), or a free slot
+        holds a value. A copy of the module (``deepcopy``, a pickle) or a weight replaced by
+        ``load_state_dict(assign=True)`` has a version of its own: only the values are checked.
 
         Raises:
-            ValueError: a free slot holds a value, with the ways that initialise the table.
+            ValueError: the cache was written, with the ways that initialise the table.
         """
         self._cache_checked = True
-        free = (self.slot_to_block < 0).nonzero().reshape(-1)
-        if free.numel() == 0:
-            return
-        rows = to_device(self._slot_rows(free), self.device)
-        if bool(self.weight.data.index_select(0, rows).any()):  # one wait for the device, once
+        ref, version = getattr(self, "_unchecked_mark", None) or (None, None)
+        written = ref is not None and ref() is self.weight and self.weight._version != version
+        if not written:
+            free = (self.slot_to_block < 0).nonzero().reshape(-1)
+            if free.numel() == 0:
+                return
+            rows = to_device(self._slot_rows(free), self.device)
+            written = bool(self.weight.data.index_select(0, rows).any())  # one wait, once
+        if written:
             raise ValueError(
                 "CachedEmbedding.weight is the device cache (cache_rows, D), not the table, and "
                 "was written before any row was loaded (nn.init on .weight, or an average of "

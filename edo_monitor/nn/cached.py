@@ -128,6 +128,7 @@ from torch.utils.hooks import RemovableHandle
 from edo_monitor.checks import whole_number
 from edo_monitor.nn.cache_checkpoint import (
     _Checkpointing,
+    _module_load_post_hook,
     _module_load_pre_hook,
     _module_state_dict_hook,
 )
@@ -264,7 +265,7 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _GradientLayout, _RowMovemen
         self._tick = 0
         self._optimizer: torch.optim.Optimizer | None = None
         self._state_seen: dict[str, Any] | None = None  # the optimizer's state of the cache
-        self._cache_checked = False  # the first lookup checks that no one wrote the free slots
+        self._mark_unchecked()  # the first lookup checks that no one wrote the cache
         self._rule: _Rule | None = None
         self._hooks: list[Any] = []
         self._side_stream: Any = None
@@ -293,13 +294,14 @@ class CachedTable(_EdoEmbedding, _OptimizerBinding, _GradientLayout, _RowMovemen
         )
         self.register_state_dict_post_hook(_module_state_dict_hook)
         self.register_load_state_dict_pre_hook(_module_load_pre_hook)
+        self.register_load_state_dict_post_hook(_module_load_post_hook)
         if requires_grad:
             self._auto_attach()
         if id_frequencies is not None:
             top = torch.argsort(self.block_freq, descending=True, stable=True)[:slots]
             with torch.no_grad():
                 self._load_blocks(top[self.block_freq[top] > 0])
-            self._cache_checked = False  # the preload checked a cache none could write yet
+            self._mark_unchecked()  # the preload checked a cache none could write yet
 
     def _host_empty(self, shape: Sequence[int]) -> torch.Tensor:
         """A host tensor for full-table state: the disk tier's allocator when given, else pinned
