@@ -527,6 +527,10 @@ class SafePoint:
             for table, where in previous.outside_uses.items():
                 uses[table] = tuple(sorted({*uses.get(table, ()), *where}))
             profile = dataclasses.replace(profile, outside_uses=uses)
+        if previous is not None and previous.grad_edits:  # as sticky: every 10th step's clipping
+            profile = dataclasses.replace(
+                profile, grad_edits=profile.grad_edits | previous.grad_edits
+            )
         self.m.activation_profile = profile
         self.m._module_rows.write_activations(profile.exclusive_bytes, time.time())
         measuring, self._measuring = self._measuring, []

@@ -41,8 +41,10 @@ _ACTIVE = threading.local()
 _OPTIMIZER_STEP = threading.local()
 
 
-def _optimizer_step_pre(*args: Any) -> None:
+def _optimizer_step_pre(optimizer: torch.optim.Optimizer, *args: Any) -> None:
     _OPTIMIZER_STEP.depth = getattr(_OPTIMIZER_STEP, "depth", 0) + 1
+    for recorder in getattr(_ACTIVE, "recorders", ()):
+        recorder.note_grads_at_step(optimizer)
 
 
 def _optimizer_step_post(*args: Any) -> None:
@@ -80,6 +82,14 @@ class ActivationProfile:
             layer tied by use: ``F.linear(h, self.emb.weight)``, or ``h @ self.emb.weight.T``
             (``"<model>: matmul (a view of the weight)"``). Actions that change such a
             weight's dtype, shape, storage or device refuse. See :class:`ActivationRecorder`.
+        grad_edits: names of the embedding tables whose weight's gradient the training loop
+            changed between the backward and the optimizer's step while the gradient of some
+            other parameter stayed as the backward left it: the table's gradient alone
+            (``clip_grad_norm_(model.emb.weight, 1.0)``, ``emb.weight.grad.mul_(0.5)``), not an
+            operation over every parameter (``clip_grad_norm_(model.parameters())``, a
+            ``GradScaler``'s unscaling). Actions after which the table's ``weight`` has no
+            gradient (the row cache's is ``batch_rows.grad``) refuse such a table: the loop's
+            code would find ``weight.grad`` None and fail, or clip nothing.
     """
 
     total_bytes: int
@@ -89,6 +99,7 @@ class ActivationProfile:
     outside_uses: dict[str, tuple[str, ...]] = field(default_factory=dict)
     held_input_bytes: dict[str, int] = field(default_factory=dict)
     input_bytes: dict[str, int] = field(default_factory=dict)
+    grad_edits: frozenset[str] = frozenset()
 
     def net_saving_bytes(self, name: str) -> int:
         """What checkpointing module ``name`` frees: its exclusive bytes less its inputs that
@@ -160,6 +171,11 @@ class ActivationRecorder:
         self._watched_spans: list[tuple[int, tuple[str, frozenset[str]]]] = []
         self._outside: dict[str, set[str]] = {}
         self._use_mode: _UseWatcher | None = None
+        # each parameter's gradient as the backward left it (the gradient, its version), and,
+        # at its optimizer's step, which parameters' were changed since (see grad_edits)
+        self._grad_marks: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        self._grads_kept: set[int] = set()
+        self._grads_changed: set[int] = set()
 
     @staticmethod
     def _key(t: torch.Tensor) -> tuple[int, int]:
@@ -287,6 +303,29 @@ class ActivationRecorder:
                 )
                 self._outside.setdefault(table, set()).add(what)
 
+    def _grad_made(self, p: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: note ``p``'s gradient as the backward leaves it."""
+        if p.grad is not None:
+            self._grad_marks[id(p)] = (weakref.ref(p.grad), p.grad._version)
+
+    def note_grads_at_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """At ``optimizer``'s step (before it runs): which of its parameters' gradients were
+        changed in place or replaced since the backward made them (called by a global optimizer
+        pre-step hook)."""
+        try:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    mark = self._grad_marks.pop(id(p), None)
+                    if mark is None:
+                        continue
+                    grad, version = mark[0](), mark[1]
+                    if grad is None or p.grad is not grad or grad._version != version:
+                        self._grads_changed.add(id(p))
+                    else:
+                        self._grads_kept.add(id(p))
+        except Exception as exc:  # never fail the user's step
+            self.errors.append(exc)
+
     @torch.compiler.disable  # Python state: run as Python under torch.compile
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         name = self._names.get(id(module), "")
@@ -353,6 +392,9 @@ class ActivationRecorder:
             self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
             self._handles.append(m.register_forward_hook(self._post, with_kwargs=True))
         self._watch_table_params()
+        for p in self.model.parameters():
+            if p.requires_grad and p.is_leaf and not is_lazy(p):
+                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_made))
         if self._watched:
             _OPTIMIZER_STEP.depth = 0  # a step that raised never ran its post-hook
             self._use_mode = _UseWatcher(self)
@@ -376,6 +418,7 @@ class ActivationRecorder:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._grad_marks.clear()
         _ACTIVE.recorders.remove(self)
         self._stack.clear()
 
@@ -405,6 +448,17 @@ class ActivationRecorder:
             {k: tuple(sorted(v)) for k, v in self._outside.items()},
             held,
             {name: sum(inputs.values()) for name, inputs in self._inputs.items()},
+            self._grad_edits(),
+        )
+
+    def _grad_edits(self) -> frozenset[str]:
+        """The tables whose gradient alone the loop changed (:attr:`ActivationProfile.
+        grad_edits`): none when every parameter's gradient was changed (an operation over all
+        of them) or none was kept to compare with."""
+        if not self._grads_kept:
+            return frozenset()
+        return frozenset(
+            hit[0] for pid in self._grads_changed if (hit := self._watched.get(pid)) is not None
         )
 
 

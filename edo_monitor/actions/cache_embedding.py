@@ -41,6 +41,7 @@ from edo_monitor.actions.base import Action, ActionContext, find_wrapped_paralle
 from edo_monitor.actions.host_headroom import host_headroom
 from edo_monitor.actions.tables import (
     device_tables,
+    grad_edit_blocker,
     optimizer_holders,
     outside_use_blocker,
     replace_module,
@@ -194,7 +195,9 @@ class CacheEmbedding(Action):
             if refusal:
                 reasons.append(f"{t.name}: {refusal}")
                 continue
-            outside = outside_use_blocker(ctx.activation_profile, t.name)
+            outside = outside_use_blocker(ctx.activation_profile, t.name) or grad_edit_blocker(
+                ctx.activation_profile, t.name
+            )
             if outside:  # the cache changes the weight's shape: a read elsewhere would break
                 reasons.append(f"{t.name}: {outside}")
                 continue

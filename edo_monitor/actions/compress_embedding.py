@@ -92,6 +92,7 @@ from edo_monitor.actions.tables import (
     TableCandidate,
     convert_optimizer_state,
     device_tables,
+    grad_edit_blocker,
     optimizer_blocker,
     outside_use_blocker,
     replace_module,
@@ -306,8 +307,10 @@ class CompressEmbedding(Action):
                 return "per-row precision needs lookup counts (a LookupCounter on the table)"
             if int(counter.counts(t.name).sum()) == 0:
                 return "per-row precision needs lookup counts (none counted yet)"
-        elif variant == "lowrank" and w.requires_grad and opts.scale_grad_by_freq:
-            return "scale_grad_by_freq is not preserved by a trainable low-rank table"
+        elif variant == "lowrank" and w.requires_grad:
+            if opts.scale_grad_by_freq:
+                return "scale_grad_by_freq is not preserved by a trainable low-rank table"
+            return grad_edit_blocker(ctx.activation_profile, t.name)  # the factors' gradients
         return None
 
     @staticmethod

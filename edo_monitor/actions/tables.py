@@ -21,6 +21,7 @@ __all__ = [
     "TableCandidate",
     "convert_optimizer_state",
     "device_tables",
+    "grad_edit_blocker",
     "optimizer_blocker",
     "optimizer_holders",
     "outside_use_blocker",
@@ -143,6 +144,33 @@ def outside_use_blocker(profile: object, table: str) -> str | None:
     if where:
         shown = ", ".join(where[:3]) + (f" and {len(where) - 3} more" if len(where) > 3 else "")
         return f"{TABLE_BLOCKERS[1]} {table}'s forward ({shown}); changing it would break that"
+    return None
+
+
+def grad_edit_blocker(profile: object, table: str) -> str | None:
+    """Why an action after which ``table``'s ``weight`` gets no gradient (the row cache: its
+    gradient is ``batch_rows.grad``; a low-rank factorisation: the factors') may not take it, or
+    ``None``: the training loop changes that gradient alone between the backward and the step
+    (``ActivationProfile.grad_edits``: ``clip_grad_norm_(model.emb.weight, 1.0)``,
+    ``model.emb.weight.grad.mul_(0.5)``); after the action such code would fail on a ``None``
+    gradient or clip nothing. Without a recorded step nothing is known: a refusal too.
+
+    Args:
+        profile: ``ActionContext.activation_profile`` (an ``ActivationProfile`` or ``None``).
+        table: the table module's qualified name.
+    """
+    edits = getattr(profile, "grad_edits", None)
+    if edits is None:
+        return (
+            f"{NOT_YET_KNOWN[0]}: cannot tell whether the training loop changes its weight's "
+            "gradient (one profiled step is needed)"
+        )
+    if table in edits:
+        return (
+            f"the training loop changes {table}.weight.grad itself between backward and the "
+            "optimizer's step (clip_grad_norm_ or a scaling of that weight alone?); after this "
+            "action the weight has no gradient, so that code would fail or clip nothing"
+        )
     return None
 
 
