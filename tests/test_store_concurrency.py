@@ -383,6 +383,41 @@ def test_writers_opening_a_new_file_at_the_same_moment_all_start(tmp_path: Path)
         assert not list(tmp_path.glob(f".{path.name}.*")), "a writer left its creating file"
 
 
+def _open_at(path: Path, gate: threading.Barrier, errors: list[BaseException]) -> None:
+    """A thread's part: wait for the others, then open (create) the history at ``path``."""
+    gate.wait()
+    try:
+        open_engine(path).dispose()
+    except BaseException as exc:  # reported by the test
+        errors.append(exc)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_threads_of_one_process_creating_histories_at_once_all_start(
+    tmp_path: Path, shared: bool
+) -> None:
+    """Regression: two threads of one process creating a history at once (each its own file, or
+    one file) both failed: Alembic's module-level proxies are set and unset by each migration,
+    and one thread's migration met the other's ("table meta already exists", a raw
+    ``KeyError: 'config'``). Four threads released together, three rounds on new files: every
+    one opens its history, and each file holds the current schema."""
+    threads = 4
+    for round_ in range(3):
+        paths = [tmp_path / f"r{round_}-{0 if shared else k}.db" for k in range(threads)]
+        gate = threading.Barrier(threads)
+        errors: list[BaseException] = []
+
+        workers = [threading.Thread(target=_open_at, args=(p, gate, errors)) for p in paths]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(120)
+        assert not errors, [f"{type(e).__name__}: {e}" for e in errors]
+        for path in set(paths):
+            with History(path) as history:
+                assert history.runs() == []
+
+
 def test_a_reader_never_sees_a_history_file_a_writer_is_still_creating(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

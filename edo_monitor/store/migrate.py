@@ -4,6 +4,7 @@ refused."""
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,11 @@ from edo_monitor.store.schema import (
 )
 
 logger = logging.getLogger(__name__)
+
+#: Alembic runs a migration through module-level proxies (``alembic.context``, ``alembic.op``)
+#: that one command sets and unsets: two threads migrating at once, even two different files,
+#: met each other's (``KeyError: 'config'``, "table meta already exists"). One at a time.
+_ALEMBIC_LOCK = threading.Lock()
 
 
 _MIGRATIONS = Path(__file__).resolve().parent / "migrations"
@@ -195,7 +201,7 @@ def _check_schema(engine: Engine, *, readonly: bool, shown: str) -> None:
 def _upgrade(engine: Engine, shown: str) -> None:
     from alembic import command
 
-    with engine.begin() as conn:  # BEGIN IMMEDIATE on SQLite: one upgrader at a time
+    with _ALEMBIC_LOCK, engine.begin() as conn:  # BEGIN IMMEDIATE on SQLite: one upgrader at a time
         if is_postgres(conn):  # PostgreSQL: a transaction-scoped advisory lock does the same
             conn.exec_driver_sql("SELECT pg_advisory_xact_lock(%(k)s, 0)", {"k": _LOCK_CLASS + 1})
         # again, under the lock: another writer may have done it
