@@ -66,6 +66,7 @@ from typing import Any
 
 import torch
 
+from edo_monitor.agent.func_transforms import register_hooks, unregister_hooks
 from edo_monitor.measure.accounting import is_parameter, tensor_bytes
 from edo_monitor.measure.module_hooks import add_forward_pre_hook
 from edo_monitor.measure.saved_version import checked, stamp
@@ -394,6 +395,7 @@ class ActivationTracker:
     def __enter__(self) -> ActivationTracker:
         self._context = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._context.__enter__()
+        register_hooks(self.pack)  # torch.func's transforms take them off while they run
         self._thread = threading.get_ident()
         if self._window_of is not None:
             # not torch's own hook: a copy of the model (deepcopy, torch.save) would copy the
@@ -409,6 +411,7 @@ class ActivationTracker:
             if threading.get_ident() == self._thread:
                 self._context.__exit__(None, None, None)
             self._context = None
+            unregister_hooks(self.pack)
         for hook in self._window_hooks:
             hook.remove()
         self._window_hooks = []

@@ -338,6 +338,8 @@ class ActivationRecorder:
         try:
             keys = self._inputs.setdefault(name, {})
             for t in _tensors(args, kwargs):
+                if not _has_storage(t):  # a wrapper (torch.func's inside a transform): no memory
+                    continue
                 ptr, nbytes = self._key(t)
                 keys[ptr] = nbytes
         except Exception as exc:  # a hook must never fail the user's forward
@@ -483,6 +485,17 @@ def _host_random_state() -> tuple[Any, ...]:
         random.getstate(),
         None if np_state is None else (np_state[1].tobytes(), *np_state[2:]),
     )
+
+
+def _has_storage(t: torch.Tensor) -> bool:
+    """Whether ``t`` has memory of its own to key (a functorch ``TensorWrapper`` inside a
+    ``torch.func`` transform, a ``FakeTensor``, a ``DTensor`` have none readable)."""
+    try:
+        if t.layout == torch.strided:
+            t.untyped_storage()
+        return True
+    except (NotImplementedError, RuntimeError):
+        return False
 
 
 def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
