@@ -11,7 +11,10 @@ the first of its parameters saved: a step that calls the model's parts, not the 
 LightningModule's ``training_step`` calls its children), read 0 bytes of activations with the
 model's hook alone. From the step after one that opened so on, the model's children get the
 hook too (a hook costs ~7 us a call: models called whole never get them); a step through a
-grandchild still opens at its first parameter saved, missing what was saved before it.
+grandchild still opens at its first parameter saved, missing what was saved before it. With two
+watched models trained together on one thread (each in its own ``watch()``), a saved tensor is
+the tracker's whose model's forward began last (:data:`_CURRENT`), whichever block's hooks
+autograd calls.
 
 Instead of the tensor the pack hook hands autograd a small holder (:class:`_Saved`) that keeps
 the tensor and a key of its storage; autograd keeps the holder exactly as long as it keeps the
@@ -74,6 +77,13 @@ from edo_monitor.measure.saved_version import checked, stamp
 __all__ = ["ActivationTracker"]
 
 _STRIDED = torch.strided
+
+#: per thread: the tracker of the watched model whose forward began last (``tracker``). Each
+#: ``watch()`` sets its own saved-tensor hooks and only the top pair of the thread's stack is
+#: called, so with two watched models trained together (a GAN's two ``watch()`` blocks, one
+#: inside the other) the inner block's tracker got every saved tensor, the other model's too;
+#: a tracker hands a tensor to the one whose model's forward began last instead.
+_CURRENT = threading.local()
 
 
 class _Saved:
@@ -185,6 +195,9 @@ class ActivationTracker:
     def pack(self, tensor: torch.Tensor) -> Any:
         """The pack hook: count ``tensor``'s storage while autograd keeps it; never raises for
         the tracker's own failures (only ``on_exceed``'s out-of-memory error propagates)."""
+        owner = getattr(_CURRENT, "tracker", None)
+        if owner is not None and owner is not self and not owner._closed:
+            return owner.pack(tensor)  # saved in the forward of another watch()'s model
         if not self._open:  # outside the watched model's step window: not its memory
             self._open_at_own_parameter(tensor)
             return stamp(tensor)
@@ -353,6 +366,7 @@ class ActivationTracker:
         return peak
 
     def _open_window(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        _CURRENT.tracker = self  # what is saved from here on is this model's (see _CURRENT)
         if not self._open:
             self._opened()
 
@@ -387,6 +401,7 @@ class ActivationTracker:
                 self._param_keys
             ):
                 self._parts_called = True
+                _CURRENT.tracker = self
                 self._opened()
         except Exception as exc:
             self._failed(exc)
@@ -415,4 +430,6 @@ class ActivationTracker:
         for hook in self._window_hooks:
             hook.remove()
         self._window_hooks = []
+        if getattr(_CURRENT, "tracker", None) is self:
+            _CURRENT.tracker = None
         self._window_of = None  # the model is the user's again (freed when they drop it)
