@@ -176,6 +176,7 @@ class ActivationTracker:
         self._parts_called = False  # a window opened at a parameter: hook the children too
         self._thread: int | None = None  # the thread whose saved-tensor hooks these are
         self._closed = False
+        self._attempt_ended = False  # an out-of-memory error ended the step (end_attempt)
 
     @staticmethod
     def _keys(params: Iterable[torch.Tensor]) -> frozenset[int]:
@@ -375,6 +376,7 @@ class ActivationTracker:
         unwinds): the next forward opens the window afresh (:meth:`_opened`)."""
         if self._window_of is not None:
             self._open = False
+        self._attempt_ended = True
 
     def _opened(self) -> None:
         """The window opens: the step's peak starts from the saved bytes alive now (an attempt
@@ -385,6 +387,9 @@ class ActivationTracker:
         with self._lock:
             self._drain()
             self._peak_step = self._live
+            if self._attempt_ended:  # its peak was recorded with the error (Sampler.record_oom)
+                self._peak_sample = self._live
+                self._attempt_ended = False
         self._open = True
         if self.on_open is not None:
             try:

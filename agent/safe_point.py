@@ -455,9 +455,13 @@ class SafePoint:
                 requested_bytes=requested,
             )
         except BudgetOutOfMemoryError as exc:
-            exc._edo_in_use = self._alive_with(requested, category)  # type: ignore[attr-defined]
+            alive = exc._edo_in_use = self._alive_with(requested, category)  # type: ignore[attr-defined]
             try:
                 self.m._record_oom(exc)
+                if alive is not None:
+                    self.m._sampler.record_oom(alive)
+            except Exception as err:  # the user's error is the out-of-memory one
+                self.m._agent_error("out-of-memory reading", err)
             finally:
                 self.oom_accounting = None
             exc._edo_recorded = True  # type: ignore[attr-defined]

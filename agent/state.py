@@ -44,6 +44,7 @@ class MonitorState(Protocol):
     _module_rows: Any  # agent.module_rows.ModuleRows
     _safe_point: Any  # agent.safe_point.SafePoint
     _tuner: Any  # agent.tuner.Tuner
+    _sampler: Any  # agent.sampler.Sampler
     _coordinator: Any  # agent.ranks.Coordinator | None
     _tensorboard: Any  # integrations.tensorboard.TensorBoardSink | None
     spill_dir: Any  # the disk tier's folder (Path), see nn/spill.py

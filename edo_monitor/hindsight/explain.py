@@ -428,7 +428,9 @@ def explain(db: Any, run: Any, *, event: int | None = None) -> Explanation:
                 in_use = (int(budget) - int(free or 0) + int(requested or 0)) if budget else None
                 sample, alive = oom_sample(history, info.id, e)
                 if alive and budget:  # the message's free bytes stop at 0: count from the parts
-                    budget = last.get("budget_bytes") or budget  # exact (the message rounds)
+                    # exact (the message rounds): the last reading's, else the run's (an error
+                    # before the sampler's first reading has no last reading)
+                    budget = last.get("budget_bytes") or info.budget_bytes or budget
                     in_use = _alive_total(alive)
                     shortfall = max(0, in_use - int(budget))
                 incidents.append(
