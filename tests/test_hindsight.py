@@ -199,8 +199,14 @@ def test_explain_the_crossing(runs: tuple[Path, int, int]) -> None:
     bf16 = by_action[("compress_embedding_bf16", "features")]
     assert bf16.saving_bytes == ROWS * DIM * 4 * 2  # four tensors, 2 bytes an element less
     assert inc.remedies[0].enough and not inc.remedies[0].lossy  # enough and lossless first
+    with pytest.raises(EventNotFoundError, match=f"run {observed} has no event {10**9}; see"):
+        explain(db, observed, event=10**9)  # it said "is not an OOM or a crossing"
+    with History(db) as history:
+        other = next(
+            e for e in history.events(observed) if e.kind not in ("oom", "threshold_crossed")
+        )
     with pytest.raises(EventNotFoundError, match="not an OOM or a crossing below the floor"):
-        explain(db, observed, event=10**9)
+        explain(db, observed, event=other.id)
 
 
 def test_cli_explain_and_replay(runs: tuple[Path, int, int]) -> None:
@@ -248,7 +254,7 @@ def test_cli_explain_and_replay(runs: tuple[Path, int, int]) -> None:
     assert bad.exit_code == 2 and "policy settings '' give no setting" in bad.stderr
     # an event the run does not have is missing data (1), as a missing run, not a usage error
     missing = runner.invoke(app, ["explain", str(observed), "--db", str(db), "--event", "999999"])
-    assert missing.exit_code == 1 and "event 999999 is not an OOM" in missing.stderr
+    assert missing.exit_code == 1 and "has no event 999999" in missing.stderr
 
 
 def test_parse_policy() -> None:

@@ -504,6 +504,10 @@ def explain(db: Any, run: Any, *, event: int | None = None) -> Explanation:
                         ),
                     )
                 )
+        if event is not None and not any(e.id == event for e in events):
+            raise EventNotFoundError(
+                f"run {info.id} has no event {event}; see edo-monitor events {info.id}"
+            )
         if event is not None and not incidents:
             raise EventNotFoundError(
                 f"event {event} is not an OOM or a crossing below the floor of run {info.id}; "
