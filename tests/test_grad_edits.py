@@ -93,15 +93,21 @@ def _batch(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, n, (64, 4), generator=gen), torch.randn(64, generator=gen)
 
 
+def _step(
+    model: Model, opt: torch.optim.Optimizer, edit: Callable, gen: torch.Generator, micro: int = 1
+) -> None:
+    """One step over ``micro`` batches (gradient accumulation), ``edit`` before the update."""
+    for _ in range(micro):
+        ids, y = _batch(model.emb.num_embeddings, gen)
+        F.mse_loss(model(ids), y).backward()
+    edit(model, opt)
+    opt.step()
+    opt.zero_grad()
+
+
 def _recorded_profile(model: Model, opt: torch.optim.Optimizer, edit: Callable, accumulate: int):
-    gen = torch.Generator().manual_seed(0)
     with ActivationRecorder(model) as rec:
-        for _ in range(accumulate):
-            ids, y = _batch(model.emb.num_embeddings, gen)
-            F.mse_loss(model(ids), y).backward()
-        edit(model, opt)
-        opt.step()
-        opt.zero_grad()
+        _step(model, opt, edit, torch.Generator().manual_seed(0), accumulate)
     assert not rec.errors
     return rec.profile()
 
@@ -139,11 +145,7 @@ def test_the_row_cache_refuses_a_table_whose_gradient_the_loop_changes_alone(how
 def _train(model: Model, opt: torch.optim.Optimizer, edit: Callable, steps: int) -> None:
     gen = torch.Generator().manual_seed(1)
     for _ in range(steps):
-        ids, y = _batch(model.emb.num_embeddings, gen)
-        F.mse_loss(model(ids), y).backward()
-        edit(model, opt)
-        opt.step()
-        opt.zero_grad()
+        _step(model, opt, edit, gen)
 
 
 @pytest.mark.parametrize("how", ["clip_table", "scale_table"])
