@@ -348,8 +348,9 @@ class _RowMovement(_VictimChoice):
 
         Written is: the weight's version moved since the cache was made (any in-place write to
         it, zeros too; not through ``.data``, which autograd does not count), or a free slot
-        holds a value. A copy of the module (``deepcopy``, a pickle) or a weight replaced by
-        ``load_state_dict(assign=True)`` has a version of its own: only the values are checked.
+        holds a value. A copy of the module (``deepcopy``, a pickle) and a ``load_state_dict``
+        (``assign=True`` too) mark the weight anew; a weight the user replaced by hand
+        (``table.weight = nn.Parameter(...)``) is checked by its values only.
 
         Raises:
             ValueError: the cache was written, with the ways that initialise the table.
