@@ -69,8 +69,8 @@ from typing import Any
 
 import torch
 
-from edo_monitor.agent.func_transforms import register_hooks, unregister_hooks
 from edo_monitor.measure.accounting import is_parameter, tensor_bytes
+from edo_monitor.measure.func_transforms import register_hooks, unregister_hooks
 from edo_monitor.measure.module_hooks import add_forward_pre_hook
 from edo_monitor.measure.saved_version import checked, stamp
 

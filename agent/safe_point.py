@@ -39,7 +39,6 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from edo_monitor.actions.activation_profile import ActivationRecorder
 from edo_monitor.actions.enforce import enforce_budget
-from edo_monitor.agent.func_transforms import register_hooks, unregister_hooks
 from edo_monitor.agent.grads_alive import GradientsAlive
 from edo_monitor.decide.leaks import GrowthDetector
 from edo_monitor.errors import BudgetOutOfMemoryError
@@ -510,7 +509,6 @@ class SafePoint:
         tracker = m._tracker
         chain = (tracker.pack, tracker.unpack) if tracker is not None else None
         self._recorder = ActivationRecorder(m.model, chain=chain).__enter__()
-        register_hooks(self._recorder._pack)  # torch.func's transforms take it off meanwhile
         self._recorder_thread = threading.get_ident()
         self._measuring, self._to_measure = self._to_measure, []
 
@@ -521,7 +519,6 @@ class SafePoint:
             return
         recorder, self._recorder = self._recorder, None
         recorder.__exit__(None, None, None)
-        unregister_hooks(recorder._pack)
         self._profiled_at_s = time.monotonic()
         for err in recorder.errors:  # its hooks caught them; the forward went on
             self.m._agent_error("activation profile hook", err)
@@ -557,10 +554,8 @@ class SafePoint:
         from edo_monitor.agent.spectrum import record_table_spectra
 
         record_table_spectra(self.m)  # the run is ending: each table's sampled spectrum
-        if self._recorder is not None:
-            if self._on_recorder_thread():
-                self._recorder.__exit__(None, None, None)
-            unregister_hooks(self._recorder._pack)
+        if self._recorder is not None and self._on_recorder_thread():
+            self._recorder.__exit__(None, None, None)
         self._recorder = None
 
     def _on_recorder_thread(self) -> bool:

@@ -26,6 +26,7 @@ from torch.optim.optimizer import (
 
 from edo_monitor.actions.use_watch import _METADATA_OPS, _element_span, _UseWatcher
 from edo_monitor.measure.accounting import is_parameter, is_table_module, tensor_bytes
+from edo_monitor.measure.func_transforms import register_hooks, unregister_hooks
 from edo_monitor.measure.module_tree import nested
 from edo_monitor.measure.saved_version import checked, stamp
 
@@ -403,6 +404,7 @@ class ActivationRecorder:
             self._use_mode.__enter__()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
+        register_hooks(self._pack)  # torch.func's transforms take them off while they run
         stack = getattr(_ACTIVE, "recorders", [])
         stack.append(self)
         _ACTIVE.recorders = stack
@@ -410,6 +412,7 @@ class ActivationRecorder:
 
     def __exit__(self, *exc: Any) -> None:
         self._hooks.__exit__(*exc)
+        unregister_hooks(self._pack)
         self._hooks = None  # it holds our bound methods: a cycle that kept the model alive
         if self._use_mode is not None:
             try:

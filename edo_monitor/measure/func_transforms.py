@@ -4,7 +4,9 @@
 hessian} don't yet support saved tensor hooks"): each transform enters
 ``torch.autograd.graph.disable_saved_tensors_hooks``, which raises when the thread's stack of hooks
 is not empty. The agent keeps its hooks set for the whole ``watch()`` block (the activation
-tracker's, and a recorded step's), so a training step with per-sample gradients (DP-SGD through
+tracker's, :mod:`edo_monitor.agent.activations`, and a recorded step's,
+:class:`~edo_monitor.actions.activation_profile.ActivationRecorder`: each registers its own
+pair here), so a training step with per-sample gradients (DP-SGD through
 ``vmap(grad(...))``) ran outside ``watch()`` and failed inside it.
 
 While some of the agent's hooks are registered here, ``disable_saved_tensors_hooks`` is wrapped:
@@ -18,7 +20,6 @@ last hook is unregistered.
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -27,8 +28,6 @@ import torch
 import torch.autograd.graph as autograd_graph
 
 __all__ = ["register_hooks", "unregister_hooks"]
-
-logger = logging.getLogger(__name__)
 
 _LOCK = threading.Lock()
 #: the pack hooks of the agent's hook pairs now registered (bound methods compare equal by their
